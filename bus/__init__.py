@@ -1,0 +1,1 @@
+"""Everything that touches NATS: server, connection, topology, publish, consume, trace."""

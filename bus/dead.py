@@ -1,0 +1,30 @@
+"""Dead letters: the original bytes and the reason, on `rl.<run>.dead.<stage>`."""
+
+from __future__ import annotations
+
+from nats.aio.msg import Msg
+
+from bus.publisher import Publisher
+from bus.topology import Topology
+
+REASON = "Jetrl-Dead-Reason"
+STAGE = "Jetrl-Dead-Stage"
+SUBJECT = "Jetrl-Original-Subject"
+SEQUENCE = "Jetrl-Original-Sequence"
+DELIVERIES = "Jetrl-Deliveries"
+
+
+async def dead_letter(publisher: Publisher, topology: Topology, stage: str, msg: Msg, reason: str) -> None:
+    """Store `msg` as a dead letter of `stage`; idempotent per original stream sequence."""
+    meta = msg.metadata
+    # Headers are one line each: keep the reason short and printable.
+    reason = " ".join(reason.split())[:900]
+    headers = {
+        REASON: reason,
+        STAGE: stage,
+        SUBJECT: msg.subject,
+        SEQUENCE: str(meta.sequence.stream),
+        DELIVERIES: str(meta.num_delivered),
+    }
+    msg_id = f"dead/{stage}/{meta.stream}/{meta.sequence.stream}"
+    await (await publisher.send_bytes(topology.subject("dead", stage), msg.data, msg_id, headers=headers))

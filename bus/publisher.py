@@ -1,0 +1,103 @@
+"""Pipelined, idempotent JetStream publishing with bounded in-flight bytes.
+
+- `Nats-Msg-Id` = event id, so a re-publish after a crash or a retry is stored once.
+- In-flight bytes stay under `max_inflight_bytes`: the stream's intake queue is ~128 MB
+  and thousands of large async publishes got "429 too many requests" (MEASURED.md).
+- Every ack has a timeout: nats-py 2.16 can leave a `publish_async` future pending
+  forever when the server answers with an error. A timed-out or failed publish is retried
+  as a plain request publish, which dedup makes safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+
+from nats.js import JetStreamContext
+from nats.js.api import PubAck
+
+from bus import tracing
+from bus.embedded import MAX_PAYLOAD
+from schemas.codec import encode
+from schemas.events import Event
+
+log = logging.getLogger("jetrl.publisher")
+
+MSG_ID = "Nats-Msg-Id"
+
+
+class EventTooLarge(ValueError):
+    """An encoded event over the server's max payload; split it or fail the sample."""
+
+
+class Publisher:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        max_inflight_bytes: int = 32 << 20,
+        ack_timeout: float = 10.0,
+        retries: int = 5,
+        max_payload: int = MAX_PAYLOAD,
+    ) -> None:
+        self.js = js
+        self.max_inflight_bytes = max_inflight_bytes
+        self.ack_timeout = ack_timeout
+        self.retries = retries
+        self.max_payload = max_payload
+        self._inflight_bytes = 0
+        self._freed = asyncio.Event()
+
+    async def send(
+        self, subject: str, event: Event, attributes: dict[str, str | int | float] | None = None
+    ) -> Awaitable[PubAck]:
+        """Start publishing `event`; return once it is in flight. Await the result for the ack."""
+        return await self.send_bytes(subject, encode(event), event.id, attributes=attributes)
+
+    async def publish(
+        self, subject: str, event: Event, attributes: dict[str, str | int | float] | None = None
+    ) -> PubAck:
+        """Publish `event` and wait until the stream has stored it."""
+        return await (await self.send(subject, event, attributes))
+
+    async def send_bytes(
+        self,
+        subject: str,
+        data: bytes,
+        msg_id: str,
+        headers: dict[str, str] | None = None,
+        attributes: dict[str, str | int | float] | None = None,
+    ) -> Awaitable[PubAck]:
+        if len(data) > self.max_payload:
+            raise EventTooLarge(f"{msg_id}: {len(data)} bytes is over the {self.max_payload}-byte max payload")
+        with tracing.send_span(subject, msg_id, attributes):
+            headers = tracing.inject({**(headers or {}), MSG_ID: msg_id})
+        # One message larger than the whole budget still goes, alone.
+        while self._inflight_bytes and self._inflight_bytes + len(data) > self.max_inflight_bytes:
+            self._freed.clear()
+            await self._freed.wait()
+        self._inflight_bytes += len(data)
+        try:
+            future = await self.js.publish_async(subject, data, headers=headers)
+        except Exception:
+            self._release(len(data))
+            raise
+        future.add_done_callback(lambda _: self._release(len(data)))
+        return self._settle(future, subject, data, headers)
+
+    async def _settle(self, future: asyncio.Future[PubAck], subject: str, data: bytes, headers: dict[str, str]) -> PubAck:
+        try:
+            return await asyncio.wait_for(future, self.ack_timeout)
+        except Exception as exc:  # timeout, 429, stream busy: retry as a request, dedup makes it safe
+            log.warning("publish to %s failed (%s: %s); retrying", subject, type(exc).__name__, exc)
+        for attempt in range(1, self.retries):
+            try:
+                return await self.js.publish(subject, data, timeout=self.ack_timeout, headers=headers)
+            except Exception as exc:
+                log.warning("publish retry %d to %s failed: %s", attempt, subject, exc)
+                await asyncio.sleep(min(0.1 * 2**attempt, 5.0))
+        return await self.js.publish(subject, data, timeout=self.ack_timeout, headers=headers)
+
+    def _release(self, nbytes: int) -> None:
+        self._inflight_bytes -= nbytes
+        self._freed.set()

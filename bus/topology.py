@@ -1,0 +1,170 @@
+"""The streams, durable consumers, KV bucket and object store of one run, declared once.
+
+Applying is idempotent: a missing stream is created, an existing one is updated to this
+declaration, so every process may call `apply` at start-up.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DiscardPolicy,
+    KeyValueConfig,
+    ObjectStoreConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import BucketNotFoundError, NotFoundError
+
+from bus.embedded import MAX_PAYLOAD
+
+RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+GiB = 1 << 30
+DAY = 24 * 3600.0
+# Long enough that a redelivery after a restart is still deduplicated by the server
+# (the default is 2 minutes); consumers also drop ids they have already seen.
+DEDUP_WINDOW = 3600.0
+
+STAGES = ("prompts", "trajectories", "rewards", "batches", "weights", "dead")
+
+
+def check_run_id(run: str) -> str:
+    if not RUN_ID.match(run):
+        raise ValueError(f"run id {run!r} must be 1-64 characters of letters, digits, '_' or '-'")
+    return run
+
+
+@dataclass(frozen=True)
+class WorkQueue:
+    """A durable pull consumer shared by the competing workers of one stage."""
+
+    stage: str
+    """Stream it reads (one of STAGES)."""
+    durable: str
+    """Consumer name, the role of its workers."""
+    ack_wait: float
+    """Seconds before an unacked message is redelivered (workers heartbeat with in_progress)."""
+    max_ack_pending: int
+    """Most messages handed out and not yet acked, over all workers."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Names and settings of one run's JetStream objects."""
+
+    run: str
+    replicas: int = 1
+    max_bytes: dict[str, int] = field(
+        default_factory=lambda: {
+            "prompts": 1 * GiB,
+            "trajectories": 4 * GiB,
+            "rewards": 4 * GiB,
+            "batches": 8 * GiB,
+            "weights": 64 << 20,
+            "dead": 1 * GiB,
+        }
+    )
+    max_age: float = 7 * DAY
+
+    def __post_init__(self) -> None:
+        check_run_id(self.run)
+        if self.replicas not in (1, 3, 5):
+            raise ValueError(f"replicas must be 1, 3 or 5, got {self.replicas}")
+
+    # Subjects ---------------------------------------------------------------
+    def subject(self, stage: str, *tokens: str | int) -> str:
+        return ".".join(["rl", self.run, stage, *map(str, tokens)])
+
+    def stream(self, stage: str) -> str:
+        return f"RL_{self.run}_{stage.upper()}"
+
+    @property
+    def kv_bucket(self) -> str:
+        return f"rl_{self.run}"
+
+    @property
+    def object_bucket(self) -> str:
+        return f"rl_{self.run}_weights"
+
+    # Work sharing -----------------------------------------------------------
+    @property
+    def queues(self) -> dict[str, WorkQueue]:
+        return {
+            "rollout": WorkQueue("prompts", "rollout", ack_wait=60.0, max_ack_pending=1024),
+            "reward": WorkQueue("trajectories", "reward", ack_wait=60.0, max_ack_pending=4096),
+            # The buffer holds scored samples unacked until they are inside a stored batch,
+            # so its pending window must hold several steps of samples.
+            "buffer": WorkQueue("rewards", "buffer", ack_wait=120.0, max_ack_pending=65536),
+        }
+
+    def stream_config(self, stage: str) -> StreamConfig:
+        subjects = [self.subject(stage, ">")] if stage in ("batches", "dead") else [self.subject(stage)]
+        return StreamConfig(
+            name=self.stream(stage),
+            subjects=subjects,
+            retention=RetentionPolicy.LIMITS,
+            discard=DiscardPolicy.OLD,
+            max_bytes=self.max_bytes[stage],
+            max_age=self.max_age,
+            max_msg_size=MAX_PAYLOAD,
+            storage=StorageType.FILE,
+            num_replicas=self.replicas,
+            duplicate_window=DEDUP_WINDOW,
+            allow_direct=True,
+        )
+
+    def consumer_config(self, queue: WorkQueue) -> ConsumerConfig:
+        return ConsumerConfig(
+            durable_name=queue.durable,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=queue.ack_wait,
+            # The worker loop counts deliveries itself and dead-letters past its limit
+            # *before* running the handler, so a message that crashes its worker still
+            # ends in `dead` instead of being silently dropped by the server.
+            max_deliver=-1,
+            max_ack_pending=queue.max_ack_pending,
+            max_waiting=512,
+            filter_subject=self.subject(queue.stage),
+            num_replicas=self.replicas,
+        )
+
+    async def apply(self, js: JetStreamContext) -> None:
+        """Create or update every stream, consumer, the KV bucket and the object store."""
+        for stage in STAGES:
+            config = self.stream_config(stage)
+            try:
+                await js.stream_info(config.name)  # type: ignore[arg-type]
+            except NotFoundError:
+                await js.add_stream(config)
+            else:
+                await js.update_stream(config)
+        for queue in self.queues.values():
+            await js.add_consumer(self.stream(queue.stage), self.consumer_config(queue))
+        try:
+            await js.key_value(self.kv_bucket)
+        except BucketNotFoundError:
+            await js.create_key_value(KeyValueConfig(bucket=self.kv_bucket, history=1, replicas=self.replicas))
+        try:
+            await js.object_store(self.object_bucket)
+        except (BucketNotFoundError, NotFoundError):
+            await js.create_object_store(
+                self.object_bucket, ObjectStoreConfig(bucket=self.object_bucket, replicas=self.replicas)
+            )
+
+    async def delete(self, js: JetStreamContext) -> None:
+        for stage in STAGES:
+            try:
+                await js.delete_stream(self.stream(stage))
+            except NotFoundError:
+                pass
+        for delete, bucket in ((js.delete_key_value, self.kv_bucket), (js.delete_object_store, self.object_bucket)):
+            try:
+                await delete(bucket)
+            except (NotFoundError, BucketNotFoundError):
+                pass

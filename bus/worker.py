@@ -1,0 +1,166 @@
+"""The pull-worker loop every consuming stage runs.
+
+One durable pull consumer per stage, shared by competing workers. For each message:
+count deliveries -> decode -> run the handler under a process span while heartbeating
+`in_progress` -> ack. Bad input (undecodable, unknown type/version, invalid fields, a
+handler's `Reject`) goes to `dead` with its reason and is terminated; other errors are
+nak'ed with a growing delay until `max_deliver`, then dead-lettered. A worker never
+exits because of one message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+import nats.errors
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from bus import tracing
+from bus.dead import dead_letter
+from bus.publisher import Publisher
+from bus.topology import Topology, WorkQueue
+from schemas.codec import DecodeError, decode
+from schemas.events import Event
+
+log = logging.getLogger("jetrl.worker")
+
+E = TypeVar("E", bound=Event)
+
+# Keep fetch batch x message size well under the 64 MiB the server allows a slow client.
+FETCH_BYTES_BUDGET = 32 << 20
+
+
+class Reject(Exception):
+    """Raised by a handler for input that can never succeed: dead-letter it, don't retry."""
+
+
+class Hold:
+    """Returned by a handler that keeps the message unacked and will ack it itself later."""
+
+
+HOLD = Hold()
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    concurrency: int = 4
+    """Messages handled at once by this worker."""
+    max_deliver: int = 5
+    """Deliveries before a failing message goes to dead."""
+    max_event_bytes: int = 1 << 20
+    """Expected upper size of one message; bounds the fetch batch."""
+    nak_delay: float = 0.5
+    """First redelivery delay after a failure; doubles each time, capped at 30 s."""
+    fetch_timeout: float = 1.0
+    """Seconds one fetch waits for messages (also how fast a stop is noticed)."""
+
+
+Handler = Callable[[E, Msg], Awaitable[Hold | None]]
+
+
+@dataclass
+class Worker(Generic[E]):
+    """Runs `handler` over the durable queue `queue` until `stop` is set."""
+
+    js: JetStreamContext
+    topology: Topology
+    queue: WorkQueue
+    event_type: type[E]
+    handler: Handler[E]
+    publisher: Publisher
+    options: WorkerOptions = WorkerOptions()
+    _inflight: dict[int, Msg] = field(default_factory=dict)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        sub = await self.js.pull_subscribe_bind(self.queue.durable, stream=self.topology.stream(self.queue.stage))
+        tasks: set[asyncio.Task[None]] = set()
+        room = asyncio.Condition()
+        fetch_cap = max(1, FETCH_BYTES_BUDGET // self.options.max_event_bytes)
+        heartbeat = asyncio.create_task(self._heartbeat())
+
+        def done(task: asyncio.Task[None]) -> None:
+            tasks.discard(task)
+            asyncio.create_task(notify())
+
+        async def notify() -> None:
+            async with room:
+                room.notify()
+
+        while not stop.is_set():
+            # Refill when half the slots are free: fetching one message per free slot
+            # would make every message pay a request round trip.
+            async with room:
+                await room.wait_for(lambda: len(tasks) <= self.options.concurrency // 2)
+            want = min(self.options.concurrency - len(tasks), fetch_cap)
+            try:
+                msgs = await sub.fetch(want, timeout=self.options.fetch_timeout)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                continue
+            except nats.errors.Error as exc:  # connection trouble: the client reconnects
+                log.warning("%s fetch failed: %s", self.queue.durable, exc)
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                task = asyncio.create_task(self._handle(msg))
+                tasks.add(task)
+                task.add_done_callback(done)
+        # Drain: finish what was fetched; unfetched messages stay in the stream.
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        heartbeat.cancel()
+        await sub.unsubscribe()
+
+    async def _handle(self, msg: Msg) -> None:
+        deliveries = msg.metadata.num_delivered
+        if deliveries > self.options.max_deliver:
+            await self._dead(msg, f"gave up after {deliveries - 1} deliveries")
+            return
+        try:
+            event = decode(msg.data, self.event_type)
+        except DecodeError as exc:
+            await self._dead(msg, str(exc))
+            return
+        self._inflight[id(msg)] = msg
+        try:
+            with tracing.process_span(msg.subject, event.id, msg.headers, {"jetrl.run": event.run}):
+                outcome = await self.handler(event, msg)
+        except Reject as exc:
+            await self._dead(msg, f"rejected: {exc}")
+            return
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            if deliveries >= self.options.max_deliver:
+                await self._dead(msg, f"failed {deliveries} times, last: {reason}")
+            else:
+                log.warning("%s: %s failed (delivery %d): %s", self.queue.durable, event.id, deliveries, reason)
+                await msg.nak(delay=min(self.options.nak_delay * 2 ** (deliveries - 1), 30.0))
+            return
+        finally:
+            self._inflight.pop(id(msg), None)
+        if outcome is not HOLD:
+            await msg.ack()
+
+    async def _heartbeat(self) -> None:
+        """Tell the server every running handler's message is still being worked on."""
+        while True:
+            await asyncio.sleep(self.queue.ack_wait / 3)
+            for msg in list(self._inflight.values()):
+                await msg.in_progress()
+
+    async def _dead(self, msg: Msg, reason: str) -> None:
+        log.warning("%s: dead letter (seq %d): %s", self.queue.durable, msg.metadata.sequence.stream, reason)
+        await dead_letter(self.publisher, self.topology, self.queue.durable, msg, reason)
+        await msg.term()
+
+
+def stop_on_signals(stop: asyncio.Event) -> None:
+    """SIGTERM/SIGINT set `stop`: the loop stops fetching, drains in-flight work, returns."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)

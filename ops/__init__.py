@@ -1,0 +1,1 @@
+"""Operator tools: stream admin, status, traces, launchers, benchmarks."""

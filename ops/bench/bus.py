@@ -1,0 +1,147 @@
+"""`python -m ops.bench.bus [--quick]`: our publisher -> worker loop -> ack vs raw nats-py.
+
+For TrajectoryEvents of 1k, 4k and 16k response tokens, on one embedded server in one run:
+- ours: `Publisher.send` (encode, Nats-Msg-Id, traceparent, bounded in-flight bytes) then a
+  `Worker` (fetch, decode + validate, process span, ack) with a no-op handler;
+- baseline: raw `js.publish_async` of the same pre-encoded bytes then `fetch` + `ack`.
+Throughput is events per second end to end (publish all, then consume all); ratio = ours /
+baseline. The codec figure compares our encode + decode with bare msgpack pack + unpack of
+the same wire map.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import msgpack
+import nats.errors
+from nats.js import JetStreamContext
+
+from bus.connection import connect
+from bus.embedded import EmbeddedNats
+from bus.publisher import Publisher
+from bus.topology import Topology
+from bus.worker import Worker, WorkerOptions
+from schemas import TrajectoryEvent, decode, encode
+from tests.helpers import trajectory
+
+
+def events(run: str, count: int, tokens: int) -> list[TrajectoryEvent]:
+    return [trajectory(run, prompt=i, tokens=tokens) for i in range(count)]
+
+
+async def ours(js: JetStreamContext, run: str, evs: list[TrajectoryEvent], size: int) -> float:
+    topo = Topology(run=run)
+    await topo.apply(js)
+    start = time.perf_counter()
+    publisher = Publisher(js)
+    acks = [await publisher.send(topo.subject("trajectories"), e) for e in evs]
+    await asyncio.gather(*acks)
+    done, stop, count = asyncio.Event(), asyncio.Event(), 0
+
+    async def handler(event: TrajectoryEvent, _msg: object) -> None:
+        nonlocal count
+        count += 1
+        if count == len(evs):
+            done.set()
+
+    options = WorkerOptions(concurrency=128, max_event_bytes=max(size, 4096))
+    worker = Worker(js, topo, topo.queues["reward"], TrajectoryEvent, handler, publisher, options)
+    task = asyncio.create_task(worker.run(stop))
+    await done.wait()
+    elapsed = time.perf_counter() - start
+    stop.set()
+    await task
+    await topo.delete(js)
+    return len(evs) / elapsed
+
+
+async def baseline(js: JetStreamContext, run: str, payloads: list[bytes]) -> float:
+    topo = Topology(run=run)
+    await topo.apply(js)
+    subject = topo.subject("trajectories")
+    start = time.perf_counter()
+    inflight: list[asyncio.Future] = []
+    budget, used = 32 << 20, 0
+    for data in payloads:
+        if used + len(data) > budget:
+            await asyncio.gather(*inflight)
+            inflight, used = [], 0
+        inflight.append(await js.publish_async(subject, data))
+        used += len(data)
+    await asyncio.gather(*inflight)
+    sub = await js.pull_subscribe_bind("reward", stream=topo.stream("trajectories"))
+    batch = max(1, min(128, (32 << 20) // len(payloads[0])))
+    got = 0
+    while got < len(payloads):
+        try:
+            msgs = await sub.fetch(batch, timeout=1.0)
+        except nats.errors.TimeoutError:
+            continue
+        for msg in msgs:
+            await msg.ack()
+        got += len(msgs)
+    elapsed = time.perf_counter() - start
+    await sub.unsubscribe()
+    await topo.delete(js)
+    return len(payloads) / elapsed
+
+
+def codec_us(event: TrajectoryEvent, repeat: int) -> tuple[float, float]:
+    wire = event.model_dump()
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        decode(encode(event), TrajectoryEvent)
+    t1 = time.perf_counter()
+    for _ in range(repeat):
+        msgpack.unpackb(msgpack.packb(wire))
+    t2 = time.perf_counter()
+    return (t1 - t0) / repeat * 1e6, (t2 - t1) / repeat * 1e6
+
+
+async def main(quick: bool) -> dict:
+    counts = {1024: 2000, 4096: 1000, 16384: 400} if quick else {1024: 10000, 4096: 5000, 16384: 2000}
+    rounds = 1 if quick else 3
+    figures: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedNats(Path(tmp)) as server:
+        nc = await connect(server.url, "bench-bus")
+        js = nc.jetstream()
+        for tokens, count in counts.items():
+            evs = events("bench", count, tokens)
+            payloads = [encode(e) for e in evs]
+            ours_rates, base_rates = [], []
+            for r in range(rounds):  # alternate so drift hits both equally
+                base_rates.append(await baseline(js, f"base{tokens}r{r}", payloads))
+                ours_rates.append(await ours(js, f"ours{tokens}r{r}", evs, len(payloads[0])))
+            ours_codec, bare_codec = codec_us(evs[0], 2000 if quick else 10000)
+            figures[f"{tokens}"] = {
+                "event_bytes": len(payloads[0]),
+                "ours_per_s": round(statistics.median(ours_rates)),
+                "baseline_per_s": round(statistics.median(base_rates)),
+                "ratio": round(statistics.median(ours_rates) / statistics.median(base_rates), 3),
+                "codec_us": round(ours_codec, 1),
+                "bare_msgpack_us": round(bare_codec, 1),
+                "codec_ratio": round(ours_codec / bare_codec, 2),
+            }
+            print(f"{tokens:>6} tokens: {figures[str(tokens)]}", flush=True)
+        await nc.close()
+    return {
+        "bench": "bus",
+        "quick": quick,
+        "sizes": figures,
+        "ratio": min(f["ratio"] for f in figures.values()),
+        "codec_ratio": max(f["codec_ratio"] for f in figures.values()),
+    }
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m ops.bench.bus", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer events, one round (about 30 s)")
+    args = parser.parse_args()
+    print(json.dumps(asyncio.run(main(args.quick))))

@@ -1,0 +1,29 @@
+"""Typed events of a jetrl run, their tensor payload and the msgpack codec."""
+
+from schemas.codec import DecodeError, decode, encode
+from schemas.events import (
+    BatchEvent,
+    Event,
+    PromptEvent,
+    RewardEvent,
+    SamplingParams,
+    TensorSpec,
+    TrajectoryEvent,
+    WeightVersionEvent,
+)
+from schemas.tensor import Tensor
+
+__all__ = [
+    "BatchEvent",
+    "DecodeError",
+    "Event",
+    "PromptEvent",
+    "RewardEvent",
+    "SamplingParams",
+    "Tensor",
+    "TensorSpec",
+    "TrajectoryEvent",
+    "WeightVersionEvent",
+    "decode",
+    "encode",
+]

@@ -1,0 +1,73 @@
+"""One msgpack codec for every event, with a registry of types, versions and upgrades.
+
+An event is a msgpack map of its fields; nested models are maps, tensors carry their data
+as msgpack `bin`. Decoding checks the type and version before pydantic validates the
+fields, and runs the registered upgrades on an event written by an older schema.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import msgpack
+from pydantic import ValidationError
+
+from schemas.events import EVENT_TYPES, Event
+
+E = TypeVar("E", bound=Event)
+Upgrade = Callable[[dict[str, Any]], dict[str, Any]]
+
+REGISTRY: dict[str, type[Event]] = {cls.TYPE: cls for cls in EVENT_TYPES}
+# (type, version) -> function turning a map of that version into one of version + 1.
+UPGRADES: dict[tuple[str, int], Upgrade] = {}
+
+
+class DecodeError(ValueError):
+    """Bytes that are not a valid event; retrying cannot help (the message goes to dead)."""
+
+
+def register_upgrade(type_name: str, from_version: int) -> Callable[[Upgrade], Upgrade]:
+    """Register `fn(fields) -> fields` lifting `type_name` from `from_version` to the next."""
+
+    def wrap(fn: Upgrade) -> Upgrade:
+        UPGRADES[(type_name, from_version)] = fn
+        return fn
+
+    return wrap
+
+
+def encode(event: Event) -> bytes:
+    return msgpack.packb(event.model_dump(), use_bin_type=True)
+
+
+def decode(data: bytes, expected: type[E] = Event) -> E:  # type: ignore[assignment]
+    """Bytes -> event. Raises DecodeError with a one-line reason for anything invalid."""
+    try:
+        fields = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types for bad bytes
+        raise DecodeError(f"not msgpack: {type(exc).__name__}: {exc}") from None
+    if not isinstance(fields, dict):
+        raise DecodeError(f"event must be a msgpack map, got {type(fields).__name__}")
+    type_name, version = fields.get("type"), fields.get("schema_version")
+    cls = REGISTRY.get(type_name) if isinstance(type_name, str) else None
+    if cls is None:
+        raise DecodeError(f"unknown event type {type_name!r}")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise DecodeError(f"{type_name}: schema_version must be an integer, got {version!r}")
+    if version > cls.VERSION:
+        raise DecodeError(f"{type_name} schema_version {version} is newer than this worker's {cls.VERSION}")
+    while version < cls.VERSION:
+        upgrade = UPGRADES.get((type_name, version))
+        if upgrade is None:
+            raise DecodeError(f"{type_name} schema_version {version} has no upgrade to {version + 1}")
+        fields = {**upgrade(fields), "schema_version": version + 1}
+        version += 1
+    if not issubclass(cls, expected):
+        raise DecodeError(f"expected {expected.TYPE} here, got {type_name}")
+    try:
+        return cls.model_validate(fields)  # type: ignore[return-value]
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "event"
+        raise DecodeError(f"{type_name}: {where}: {first['msg']} ({exc.error_count()} error(s))") from None

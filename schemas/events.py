@@ -1,0 +1,273 @@
+"""The five events of a run, each a frozen pydantic model with the common envelope.
+
+Ids are deterministic so that `Nats-Msg-Id` dedup and the consumers' own seen-sets make
+every publish idempotent (DESIGN "Idempotence everywhere"):
+    prompt      <run>/<epoch>/<index>
+    trajectory  <prompt id>/<sample index>     (its RewardEvent reuses the same id)
+    batch       <run>/step/<step>/<dp rank>/<micro index>
+    weights     <run>/weights/<version>
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from schemas.tensor import DType, Tensor
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+def _check_tensors(*tensors: Tensor | None) -> None:
+    for tensor in tensors:
+        if tensor is not None:
+            tensor.check()
+
+
+class Event(BaseModel):
+    """The envelope every event carries."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    TYPE: ClassVar[str]
+    VERSION: ClassVar[int]
+
+    id: str = Field(min_length=1, max_length=512)
+    """Deterministic event id, sent as Nats-Msg-Id."""
+    run: str = Field(min_length=1, max_length=64)
+    """Run id; every subject of the run carries it."""
+    time: float = Field(default_factory=time.time)
+    """Creation time, unix seconds."""
+    source: str = ""
+    """Worker id of the producer of this event (host:pid:role)."""
+    type: str
+    """Event type name, e.g. jetrl.trajectory (each event class fixes it)."""
+    schema_version: int
+    """Version of this event's schema (each event class fixes it)."""
+
+
+class SamplingParams(BaseModel):
+    """How to sample one prompt's responses."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    temperature: float = Field(1.0, gt=0.0, le=10.0)
+    """Softmax temperature; behaviour log-probs are taken at this temperature."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+    max_tokens: int = Field(16, ge=1, le=1 << 20)
+    """Most response tokens to generate."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a response (the tokenizer's eos always does)."""
+
+
+class PromptEvent(Event):
+    """One prompt to sample `n` responses for."""
+
+    TYPE: ClassVar[str] = "jetrl.prompt"
+    VERSION: ClassVar[int] = 1
+    type: Literal["jetrl.prompt"] = "jetrl.prompt"
+    schema_version: Literal[1] = 1
+
+    epoch: int = Field(ge=0)
+    """Pass over the dataset this prompt belongs to."""
+    index: int = Field(ge=0)
+    """Position of the prompt in the epoch's (shuffled) order."""
+    prompt: str | None = None
+    """Plain text prompt, tokenized by the rollout worker."""
+    messages: tuple[dict[str, str], ...] | None = None
+    """Chat messages, rendered with the tokenizer's chat template by the rollout worker."""
+    token_ids: Tensor | None = None
+    """Prompt token ids (int32 [L]); when set, used as-is."""
+    task: dict[str, Any] = {}
+    """Task fields the reward function needs (answer, kind, ...)."""
+    n: int = Field(1, ge=1, le=1024)
+    """Samples to draw for this prompt (the GRPO group size)."""
+    sampling: SamplingParams = SamplingParams()
+    """Sampling parameters."""
+    admitted_version: int = Field(0, ge=0)
+    """Latest weight version when the gate admitted this prompt."""
+
+    @model_validator(mode="after")
+    def _has_input(self) -> PromptEvent:
+        if self.prompt is None and self.messages is None and self.token_ids is None:
+            raise ValueError("a prompt needs one of prompt, messages or token_ids")
+        _check_tensors(self.token_ids)
+        return self
+
+
+class TrajectoryEvent(Event):
+    """One sampled response to a prompt, with what training needs from generation."""
+
+    TYPE: ClassVar[str] = "jetrl.trajectory"
+    VERSION: ClassVar[int] = 1
+    type: Literal["jetrl.trajectory"] = "jetrl.trajectory"
+    schema_version: Literal[1] = 1
+
+    prompt_id: str
+    """Id of the PromptEvent; also the group id."""
+    sample_index: int = Field(ge=0)
+    """Index of this sample in its group."""
+    group_size: int = Field(ge=1)
+    """Samples in the group (the prompt's n)."""
+    prompt_ids: Tensor
+    """Prompt token ids, int32 [P]."""
+    response_ids: Tensor
+    """Response token ids, int32 [R]."""
+    logprobs: Tensor
+    """Behaviour log-prob of each response token, float32 [R]."""
+    versions: Tensor
+    """Weight version that generated each response token, int32 [R]."""
+    response_text: str = ""
+    """Decoded response, so reward workers need no tokenizer."""
+    finish_reason: FinishReason = "stop"
+    """Why generation ended."""
+    task: dict[str, Any] = {}
+    """The prompt's task fields, carried for the reward function."""
+    engine: str = ""
+    """Rollout engine that produced it (hf, vllm, sglang)."""
+    timings: dict[str, float] = {}
+    """Seconds spent per phase (queue, generate, ...)."""
+
+    @model_validator(mode="after")
+    def _aligned(self) -> TrajectoryEvent:
+        r = self.response_ids.shape
+        if len(r) != 1 or self.logprobs.shape != r or self.versions.shape != r:
+            raise ValueError(
+                f"response_ids {r}, logprobs {self.logprobs.shape} and versions {self.versions.shape} must be equal 1-D"
+            )
+        if len(self.prompt_ids.shape) != 1:
+            raise ValueError(f"prompt_ids must be 1-D, got shape {self.prompt_ids.shape}")
+        if self.sample_index >= self.group_size:
+            raise ValueError(f"sample_index {self.sample_index} outside group of {self.group_size}")
+        _check_tensors(self.prompt_ids, self.response_ids, self.logprobs, self.versions)
+        return self
+
+
+class RewardEvent(Event):
+    """A scored trajectory. A failed score still travels, so the group can be accounted for."""
+
+    TYPE: ClassVar[str] = "jetrl.reward"
+    VERSION: ClassVar[int] = 1
+    type: Literal["jetrl.reward"] = "jetrl.reward"
+    schema_version: Literal[1] = 1
+
+    trajectory: TrajectoryEvent
+    """The trajectory that was scored."""
+    reward: float
+    """Scalar reward (0.0 when failed)."""
+    components: dict[str, float] = {}
+    """Named parts of the reward, for logging."""
+    failed: bool = False
+    """True when scoring raised, hung or the sample was invalid."""
+    reason: str = ""
+    """Why it failed."""
+
+
+class BatchEvent(Event):
+    """One gradient-ready micro-batch for one data-parallel rank at one step.
+
+    Rows are right-padded to the longest sequence of the micro-batch; position t of the
+    per-token arrays refers to token t of `input_ids` (its log-prob given tokens < t).
+    """
+
+    TYPE: ClassVar[str] = "jetrl.batch"
+    VERSION: ClassVar[int] = 1
+    type: Literal["jetrl.batch"] = "jetrl.batch"
+    schema_version: Literal[1] = 1
+
+    step: int = Field(ge=0)
+    """Optimizer step this micro-batch belongs to (the weight version it will produce is step + 1)."""
+    dp_rank: int = Field(ge=0)
+    """Data-parallel rank that trains it."""
+    dp_size: int = Field(ge=1)
+    """Data-parallel world size the batch was packed for."""
+    micro_index: int = Field(ge=0)
+    """Index of this micro-batch in the rank's step."""
+    micro_count: int = Field(ge=1)
+    """Micro-batches for this rank at this step."""
+    input_ids: Tensor
+    """Prompt + response token ids, int32 [B, T]."""
+    attention_mask: Tensor
+    """1 on real tokens, uint8 [B, T]."""
+    loss_mask: Tensor
+    """1 on response tokens that carry loss, uint8 [B, T]."""
+    advantages: Tensor
+    """Per-sequence advantage, float32 [B]."""
+    behaviour_logprobs: Tensor
+    """Log-prob of token t under the generating policy, float32 [B, T] (0 off the loss mask)."""
+    versions: Tensor
+    """Weight version that generated token t, int32 [B, T] (-1 off the loss mask)."""
+    rewards: Tensor
+    """Per-sequence reward, float32 [B], for logging."""
+    sample_ids: tuple[str, ...]
+    """Trajectory ids of the B rows."""
+    traceparents: tuple[str, ...] = ()
+    """W3C traceparent of each row's prompt trace, so the train step can link them."""
+
+    @model_validator(mode="after")
+    def _shapes(self) -> BatchEvent:
+        bt = self.input_ids.shape
+        if len(bt) != 2:
+            raise ValueError(f"input_ids must be [B, T], got {bt}")
+        for name in ("attention_mask", "loss_mask", "behaviour_logprobs", "versions"):
+            if getattr(self, name).shape != bt:
+                raise ValueError(f"{name} has shape {getattr(self, name).shape}, expected {bt}")
+        for name in ("advantages", "rewards"):
+            if getattr(self, name).shape != bt[:1]:
+                raise ValueError(f"{name} has shape {getattr(self, name).shape}, expected {bt[:1]}")
+        if len(self.sample_ids) != bt[0]:
+            raise ValueError(f"{len(self.sample_ids)} sample_ids for {bt[0]} rows")
+        if self.micro_index >= self.micro_count or self.dp_rank >= self.dp_size:
+            raise ValueError("micro_index/dp_rank out of range")
+        _check_tensors(
+            self.input_ids, self.attention_mask, self.loss_mask, self.advantages,
+            self.behaviour_logprobs, self.versions, self.rewards,
+        )
+        return self
+
+
+class TensorSpec(BaseModel):
+    """One tensor of a weight version."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    """Parameter name as in the model's state dict."""
+    dtype: DType
+    """Wire dtype name."""
+    shape: tuple[int, ...]
+    """Tensor shape."""
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    """Hex sha256 of the tensor's raw bytes."""
+
+
+class WeightVersionEvent(Event):
+    """Announces that the weights of `version` can be loaded from `location`."""
+
+    TYPE: ClassVar[str] = "jetrl.weights"
+    VERSION: ClassVar[int] = 1
+    type: Literal["jetrl.weights"] = "jetrl.weights"
+    schema_version: Literal[1] = 1
+
+    version: int = Field(ge=0)
+    """Weight version = optimizer steps taken."""
+    step: int = Field(ge=0)
+    """Trainer step the weights were taken at (equal to version)."""
+    base_version: int | None = None
+    """For a delta: the version the listed tensors apply on top of; None for full weights."""
+    transport: Literal["object_store", "filesystem", "nccl"] = "object_store"
+    """Where the bytes are."""
+    location: str
+    """Object name in the run's object store, or a path on a shared filesystem."""
+    format: Literal["safetensors"] = "safetensors"
+    """Serialization of the bytes."""
+    manifest: tuple[TensorSpec, ...]
+    """Every tensor in the payload with its checksum."""
+    total_bytes: int = Field(ge=0)
+    """Size of the payload."""
+
+
+EVENT_TYPES: tuple[type[Event], ...] = (PromptEvent, TrajectoryEvent, RewardEvent, BatchEvent, WeightVersionEvent)

@@ -1,0 +1,79 @@
+"""One fixed instance of every event version, and the writer of the golden msgpack files.
+
+`python -m tests.golden_events` rewrites tests/golden/*.msgpack; do that only when adding
+a new event version — old files must keep decoding after any schema change.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from schemas import (
+    BatchEvent,
+    Event,
+    PromptEvent,
+    RewardEvent,
+    SamplingParams,
+    Tensor,
+    TensorSpec,
+    TrajectoryEvent,
+    WeightVersionEvent,
+    encode,
+)
+
+GOLDEN = Path(__file__).parent / "golden"
+T0 = 1_790_000_000.25
+
+
+def _i32(*values: int) -> Tensor:
+    return Tensor.from_numpy(np.array(values, dtype=np.int32))
+
+
+def golden() -> dict[str, Event]:
+    traj = TrajectoryEvent(
+        id="g/0/3/1", run="g", time=T0, source="host:1:rollout", prompt_id="g/0/3", sample_index=1,
+        group_size=2, prompt_ids=_i32(1, 5, 7), response_ids=_i32(9, 4, 2),
+        logprobs=Tensor.from_numpy(np.array([-0.5, -1.25, -0.125], dtype=np.float32)), versions=_i32(3, 3, 4),
+        response_text="9 4", finish_reason="stop", task={"answer": "9 4"}, engine="hf", timings={"generate": 0.5},
+    )
+    b, t = 2, 4
+    return {
+        "prompt.v1": PromptEvent(
+            id="g/0/3", run="g", time=T0, source="host:1:producer", epoch=0, index=3, prompt="sort 4 9",
+            token_ids=_i32(1, 5, 7), task={"answer": "4 9"}, n=2,
+            sampling=SamplingParams(temperature=0.7, top_p=0.9, max_tokens=8, stop_token_ids=(2,)),
+            admitted_version=3,
+        ),
+        "trajectory.v1": traj,
+        "reward.v1": RewardEvent(
+            id=traj.id, run="g", time=T0, source="host:1:reward", trajectory=traj, reward=0.5,
+            components={"exact": 0.0, "partial": 0.5},
+        ),
+        "batch.v1": BatchEvent(
+            id="g/step/4/0/0", run="g", time=T0, source="host:1:buffer", step=4, dp_rank=0, dp_size=1,
+            micro_index=0, micro_count=1,
+            input_ids=Tensor.from_numpy(np.arange(b * t, dtype=np.int32).reshape(b, t)),
+            attention_mask=Tensor.from_numpy(np.ones((b, t), dtype=np.uint8)),
+            loss_mask=Tensor.from_numpy(np.array([[0, 0, 1, 1], [0, 1, 1, 0]], dtype=np.uint8)),
+            advantages=Tensor.from_numpy(np.array([1.0, -1.0], dtype=np.float32)),
+            behaviour_logprobs=Tensor.from_numpy(np.full((b, t), -0.5, dtype=np.float32)),
+            versions=Tensor.from_numpy(np.full((b, t), 3, dtype=np.int32)),
+            rewards=Tensor.from_numpy(np.array([1.0, 0.0], dtype=np.float32)),
+            sample_ids=("g/0/3/0", "g/0/3/1"),
+            traceparents=("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", ""),
+        ),
+        "weights.v1": WeightVersionEvent(
+            id="g/weights/4", run="g", time=T0, source="host:1:trainer", version=4, step=4,
+            location="v4.safetensors", total_bytes=64,
+            manifest=(TensorSpec(name="lm_head.weight", dtype="bfloat16", shape=(4, 8), sha256="ab" * 32),),
+        ),
+    }
+
+
+if __name__ == "__main__":
+    GOLDEN.mkdir(exist_ok=True)
+    for name, event in golden().items():
+        (GOLDEN / f"{name}.msgpack").write_bytes(encode(event))
+        print(GOLDEN / f"{name}.msgpack")

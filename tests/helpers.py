@@ -1,0 +1,32 @@
+"""Small builders shared by tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from schemas import PromptEvent, RewardEvent, Tensor, TrajectoryEvent
+
+
+def trajectory(run: str, prompt: int = 0, sample: int = 0, tokens: int = 8, group: int = 4) -> TrajectoryEvent:
+    return TrajectoryEvent(
+        id=f"{run}/0/{prompt}/{sample}",
+        run=run,
+        prompt_id=f"{run}/0/{prompt}",
+        sample_index=sample,
+        group_size=group,
+        prompt_ids=Tensor.from_numpy(np.arange(5, dtype=np.int32)),
+        response_ids=Tensor.from_numpy(np.arange(tokens, dtype=np.int32)),
+        logprobs=Tensor.from_numpy(np.full(tokens, -1.5, dtype=np.float32)),
+        versions=Tensor.from_numpy(np.zeros(tokens, dtype=np.int32)),
+        response_text="1 2 3",
+        task={"answer": "1 2 3"},
+    )
+
+
+def prompt(run: str, index: int, epoch: int = 0) -> PromptEvent:
+    return PromptEvent(id=f"{run}/{epoch}/{index}", run=run, epoch=epoch, index=index, prompt=f"p{index}", n=2)
+
+
+def reward(run: str, prompt_index: int = 0, sample: int = 0, value: float = 1.0) -> RewardEvent:
+    t = trajectory(run, prompt_index, sample)
+    return RewardEvent(id=t.id, run=run, trajectory=t, reward=value)

@@ -1,0 +1,259 @@
+"""The bus against a real nats-server: dedup, retries, dead letters, crash and drain."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import msgpack
+import pytest
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from bus.connection import connect
+from bus.dead import REASON
+from bus.embedded import EmbeddedNats
+from bus.publisher import EventTooLarge, Publisher
+from bus.topology import Topology
+from bus.worker import Worker, WorkerOptions
+from schemas import TrajectoryEvent, encode
+from tests.helpers import trajectory
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_bus(
+    server: EmbeddedNats, topology: Topology, body: Callable[[JetStreamContext], Awaitable[None]], apply: bool = True
+) -> None:
+    async def main() -> None:
+        nc = await connect(server.url, "test")
+        try:
+            js = nc.jetstream()
+            if apply:
+                await topology.apply(js)
+            await body(js)
+        finally:
+            await nc.close()
+
+    asyncio.run(main())
+
+
+async def messages(js: JetStreamContext, topology: Topology, stage: str) -> int:
+    return (await js.stream_info(topology.stream(stage))).state.messages
+
+
+async def dead_letters(js: JetStreamContext, topology: Topology) -> list[tuple[bytes, str]]:
+    sub = await js.subscribe(topology.subject("dead", ">"), ordered_consumer=True)
+    out = []
+    for _ in range(await messages(js, topology, "dead")):
+        msg = await sub.next_msg(timeout=5)
+        out.append((msg.data, (msg.headers or {})[REASON]))
+    await sub.unsubscribe()
+    return out
+
+
+async def run_until(worker: Worker, done: Callable[[], bool], timeout: float = 30.0) -> None:
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "worker did not finish in time"
+        assert not task.done(), task.exception() if task.done() else ""
+        await asyncio.sleep(0.05)
+    stop.set()
+    await task
+
+
+def test_apply_is_idempotent_and_declares_everything(nats_server: EmbeddedNats, topology: Topology) -> None:
+    async def body(js: JetStreamContext) -> None:
+        await topology.apply(js)  # second time: updates, no error
+        for stage in ("prompts", "trajectories", "rewards", "batches", "weights", "dead"):
+            info = await js.stream_info(topology.stream(stage))
+            assert info.config.duplicate_window == 3600.0
+        for role in ("rollout", "reward", "buffer"):
+            queue = topology.queues[role]
+            info = await js.consumer_info(topology.stream(queue.stage), queue.durable)
+            assert info.config.ack_wait == queue.ack_wait
+        await js.key_value(topology.kv_bucket)
+        await js.object_store(topology.object_bucket)
+
+    run_bus(nats_server, topology, body)
+
+
+def test_same_event_published_twice_is_stored_once(nats_server: EmbeddedNats, topology: Topology) -> None:
+    async def body(js: JetStreamContext) -> None:
+        publisher = Publisher(js)
+        event = trajectory(topology.run)
+        first = await publisher.publish(topology.subject("trajectories"), event)
+        second = await publisher.publish(topology.subject("trajectories"), event)
+        assert second.duplicate and not first.duplicate
+        assert await messages(js, topology, "trajectories") == 1
+
+    run_bus(nats_server, topology, body)
+
+
+def test_event_over_max_payload_is_refused_before_sending(nats_server: EmbeddedNats, topology: Topology) -> None:
+    async def body(js: JetStreamContext) -> None:
+        with pytest.raises(EventTooLarge, match="over the 8388608-byte max payload"):
+            await Publisher(js).publish(topology.subject("trajectories"), trajectory(topology.run, tokens=1 << 20))
+        assert await messages(js, topology, "trajectories") == 0
+
+    run_bus(nats_server, topology, body)
+
+
+def test_failing_handler_is_retried_with_delay_then_dead_lettered(nats_server: EmbeddedNats, topology: Topology) -> None:
+    attempts: list[float] = []
+
+    async def handler(event: TrajectoryEvent, msg: Msg) -> None:
+        attempts.append(time.monotonic())
+        raise RuntimeError("reward model unavailable")
+
+    event = trajectory(topology.run)
+
+    async def body(js: JetStreamContext) -> None:
+        publisher = Publisher(js)
+        await publisher.publish(topology.subject("trajectories"), event)
+        options = WorkerOptions(max_deliver=3, nak_delay=0.3, fetch_timeout=0.2)
+        worker = Worker(js, topology, topology.queues["reward"], TrajectoryEvent, handler, publisher, options)
+        await run_until(worker, lambda: len(attempts) == 3 and publisher._inflight_bytes == 0)
+        await asyncio.sleep(0.3)
+        dead = await dead_letters(js, topology)
+        assert dead == [(encode(event), "failed 3 times, last: RuntimeError: reward model unavailable")]
+
+    run_bus(nats_server, topology, body)
+    gaps = [b - a for a, b in zip(attempts, attempts[1:])]
+    assert gaps[0] >= 0.25 and gaps[1] >= 0.55, gaps  # 0.3 s then 0.6 s
+
+
+def test_garbage_and_unknown_version_go_dead_and_worker_goes_on(nats_server: EmbeddedNats, topology: Topology) -> None:
+    handled: list[str] = []
+
+    async def handler(event: TrajectoryEvent, msg: Msg) -> None:
+        handled.append(event.id)
+
+    good = trajectory(topology.run)
+    future = msgpack.packb({**msgpack.unpackb(encode(good)), "schema_version": 7})
+
+    async def body(js: JetStreamContext) -> None:
+        publisher = Publisher(js)
+        subject = topology.subject("trajectories")
+        await js.publish(subject, b"\x00\xffnot an event")
+        await js.publish(subject, future)
+        await publisher.publish(subject, good)
+        worker = Worker(js, topology, topology.queues["reward"], TrajectoryEvent, handler, publisher,
+                        WorkerOptions(fetch_timeout=0.2))
+        await run_until(worker, lambda: bool(handled))
+        await asyncio.sleep(0.3)
+        reasons = sorted(reason for _, reason in await dead_letters(js, topology))
+        assert reasons[0].startswith("jetrl.trajectory schema_version 7 is newer")
+        assert reasons[1].startswith("not msgpack")
+        assert handled == [good.id]
+
+    run_bus(nats_server, topology, body)
+
+
+def _spawn(url: str, run: str, mode: str, markers: Path) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.worker_proc", url, run, mode, str(markers)],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def _wait_for(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_killed_worker_message_is_redelivered_and_effect_happens_once(
+    nats_server: EmbeddedNats, topology: Topology, tmp_path: Path
+) -> None:
+    event = trajectory(topology.run)
+    key = "effect." + event.id.replace("/", "_")
+
+    async def setup(js: JetStreamContext) -> None:
+        queue = topology.queues["reward"]
+        # A short ack wait so the redelivery comes quickly after the kill.
+        config = topology.consumer_config(queue)
+        config.ack_wait = 1.5
+        await js.add_consumer(topology.stream(queue.stage), config)
+        await Publisher(js).publish(topology.subject("trajectories"), event)
+
+    run_bus(nats_server, topology, setup)
+    first = _spawn(nats_server.url, topology.run, "hang", tmp_path)
+    _wait_for(lambda: (tmp_path / key).exists())
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    second = _spawn(nats_server.url, topology.run, "fast", tmp_path)
+
+    async def check(js: JetStreamContext) -> None:
+        queue = topology.queues["reward"]
+        deadline = time.monotonic() + 20
+        while True:
+            info = await js.consumer_info(topology.stream(queue.stage), queue.durable)
+            if info.num_ack_pending == 0 and info.num_pending == 0:
+                break
+            assert time.monotonic() < deadline, info
+            await asyncio.sleep(0.1)
+        assert info.num_redelivered >= 1 or info.delivered.consumer_seq >= 2
+        entry = await (await js.key_value(topology.kv_bucket)).get(key)
+        assert entry.value == b"done" and entry.revision is not None
+        history = await (await js.key_value(topology.kv_bucket)).history(key)
+        assert len(history) == 1  # written once, by the first worker
+
+    try:
+        run_bus(nats_server, topology, check, apply=False)
+    finally:
+        second.terminate()
+        second.wait(10)
+
+
+def test_sigterm_drains_in_flight_work_and_exits_zero(nats_server: EmbeddedNats, topology: Topology, tmp_path: Path) -> None:
+    async def setup(js: JetStreamContext) -> None:
+        publisher = Publisher(js)
+        for i in range(3):
+            await publisher.publish(topology.subject("trajectories"), trajectory(topology.run, prompt=i))
+
+    run_bus(nats_server, topology, setup)
+    proc = _spawn(nats_server.url, topology.run, "slow", tmp_path)
+    _wait_for(lambda: any(tmp_path.iterdir()))
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=15) == 0
+    started = {p.name for p in tmp_path.iterdir()}
+
+    async def check(js: JetStreamContext) -> None:
+        queue = topology.queues["reward"]
+        info = await js.consumer_info(topology.stream(queue.stage), queue.durable)
+        assert info.num_ack_pending == 0  # everything it took was finished and acked
+        kv = await js.key_value(topology.kv_bucket)
+        done = {k for k in await kv.keys()}
+        assert done == started
+        assert info.num_pending + len(done) == 3
+
+    run_bus(nats_server, topology, check)
+    assert os.path.exists(tmp_path)
+
+
+def test_streams_cli_applies_shows_and_deletes(nats_server: EmbeddedNats, topology: Topology) -> None:
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "ops.streams", *args, "--run", topology.run, "--nats", nats_server.url],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )
+
+    assert "applied run" in cli("apply").stdout
+    shown = cli("show").stdout
+    assert f"RL_{topology.run}_PROMPTS" in shown and "rollout: pending 0, in flight 0" in shown
+    assert "deleted run" in cli("delete").stdout
+    assert "(missing)" in cli("show").stdout
+    bad = subprocess.run([sys.executable, "-m", "ops.streams", "show", "--run", "a.b"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and "run id 'a.b' must be 1-64 characters" in bad.stderr
