@@ -6,6 +6,7 @@ declaration, so every process may call `apply` at start-up.
 
 from __future__ import annotations
 
+import argparse
 import re
 from dataclasses import dataclass, field
 
@@ -38,6 +39,14 @@ def check_run_id(run: str) -> str:
     if not RUN_ID.match(run):
         raise ValueError(f"run id {run!r} must be 1-64 characters of letters, digits, '_' or '-'")
     return run
+
+
+def run_id_arg(value: str) -> str:
+    """argparse type for --run: the same check, reported as a usage error."""
+    try:
+        return check_run_id(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ exits because of one message.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -19,6 +20,7 @@ from typing import Generic, TypeVar
 
 import nats.errors
 from nats.aio.msg import Msg
+from nats.errors import MsgAlreadyAckdError
 from nats.js import JetStreamContext
 
 from bus import tracing
@@ -139,7 +141,9 @@ class Worker(Generic[E]):
                 await self._dead(msg, f"failed {deliveries} times, last: {reason}")
             else:
                 log.warning("%s: %s failed (delivery %d): %s", self.queue.durable, event.id, deliveries, reason)
-                await msg.nak(delay=min(self.options.nak_delay * 2 ** (deliveries - 1), 30.0))
+                # A handler that acked before raising leaves nothing to nak.
+                with contextlib.suppress(MsgAlreadyAckdError):
+                    await msg.nak(delay=min(self.options.nak_delay * 2 ** (deliveries - 1), 30.0))
             return
         finally:
             self._inflight.pop(id(msg), None)

@@ -11,7 +11,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from bus.connection import DEFAULT_URL, connect
-from bus.topology import STAGES, Topology, check_run_id
+from bus.topology import STAGES, Topology, run_id_arg
 
 
 async def show(js: JetStreamContext, topology: Topology) -> None:
@@ -48,17 +48,10 @@ async def main(args: argparse.Namespace) -> None:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m ops.streams", description=__doc__)
     parser.add_argument("action", choices=["apply", "show", "delete"])
-    parser.add_argument("--run", required=True, type=_run_id, help="run id (letters, digits, _ and -)")
+    parser.add_argument("--run", required=True, type=run_id_arg, help="run id (letters, digits, _ and -)")
     parser.add_argument("--nats", default=os.environ.get("JETRL_NATS_URL", DEFAULT_URL), help="NATS URL(s), comma separated")
     parser.add_argument("--replicas", type=int, choices=[1, 3, 5], default=1, help="stream replicas (3 on a cluster)")
     return parser.parse_args(argv)
-
-
-def _run_id(value: str) -> str:
-    try:
-        return check_run_id(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 if __name__ == "__main__":

@@ -204,6 +204,9 @@ class BatchEvent(Event):
     """Per-sequence reward, float32 [B], for logging."""
     sample_ids: tuple[str, ...]
     """Trajectory ids of the B rows."""
+    step_prompt_ids: tuple[str, ...] = ()
+    """Every group (prompt id) of the whole step, in packing order, so a restarted buffer
+    can re-form a step it had only partly stored."""
     traceparents: tuple[str, ...] = ()
     """W3C traceparent of each row's prompt trace, so the train step can link them."""
 

@@ -62,6 +62,7 @@ def golden() -> dict[str, Event]:
             versions=Tensor.from_numpy(np.full((b, t), 3, dtype=np.int32)),
             rewards=Tensor.from_numpy(np.array([1.0, 0.0], dtype=np.float32)),
             sample_ids=("g/0/3/0", "g/0/3/1"),
+            step_prompt_ids=("g/0/3",),
             traceparents=("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", ""),
         ),
         "weights.v1": WeightVersionEvent(

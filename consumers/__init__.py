@@ -1,0 +1,1 @@
+"""The workers of a run: rollout, reward, buffer, trainer — each one explicit async loop."""

@@ -1,0 +1,211 @@
+"""`python -m consumers.buffer --run R`: scored samples in, gradient-ready batches out.
+
+The loop holds every RewardEvent *unacked* until the batch containing it is stored (the
+stream is the state: a buffer that dies loses nothing, its inputs are redelivered).
+
+    reward -> group by prompt id -> complete group?
+        failed sample / all-equal rewards -> drop (KV `drop.<prompt id>` = reason), ack
+        else -> ready
+    ready groups >= prompts_per_step -> drop the too-stale ones, advantages, pack
+        -> publish BatchEvents for step s -> ack the step's samples -> s + 1
+
+A restarted buffer first reads the batch stream: sample ids already batched are acked and
+skipped when redelivered, and a step it had only partly stored is re-formed from the
+same groups (the batch events list them) and re-published (dedup absorbs the repeats).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from nats.aio.msg import Msg
+from nats.js.errors import KeyWrongLastSequenceError
+
+from bus import tracing
+from bus.worker import HOLD, Hold, Worker, WorkerOptions, stop_on_signals
+from consumers.packing import Row, pack_step
+from consumers.runtime import Runtime, attach, worker_args
+from engines.algorithms import advantages
+from schemas import BatchEvent, RewardEvent, Tensor, decode
+
+log = logging.getLogger("jetrl.buffer")
+
+ESTIMATORS = {"grpo": advantages.grpo, "dr_grpo": advantages.dr_grpo, "rloo": advantages.rloo}
+
+
+@dataclass
+class Group:
+    prompt_id: str
+    size: int
+    samples: dict[int, tuple[RewardEvent, Msg]] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.samples) == self.size
+
+    @property
+    def min_version(self) -> int:
+        return min(int(r.trajectory.versions.numpy().min(initial=1 << 30)) for r, _ in self.samples.values())
+
+    def drop_reason(self) -> str | None:
+        rewards = [r for r, _ in self.samples.values()]
+        failed = [r for r in rewards if r.failed]
+        if failed:
+            return f"failed sample {failed[0].id}: {failed[0].reason}"
+        if len({r.reward for r in rewards}) == 1:
+            return f"all {len(rewards)} rewards equal ({rewards[0].reward:g})"
+        return None
+
+
+@dataclass
+class BatchedSoFar:
+    """What the batch stream says: sample ids batched, the next step, a half-stored step."""
+
+    sample_ids: set[str] = field(default_factory=set)
+    next_step: int = 0
+    partial: tuple[int, tuple[str, ...]] | None = None
+
+
+async def read_batches(rt: Runtime) -> BatchedSoFar:
+    """Replay the batch stream once at start-up (an ordered consumer from the first message)."""
+    seen = BatchedSoFar()
+    info = await rt.js.stream_info(rt.topology.stream("batches"))
+    if info.state.messages == 0:
+        return seen
+    counts: dict[tuple[int, int], tuple[int, int]] = {}  # (step, rank) -> (stored, micro_count)
+    groups: dict[int, tuple[str, ...]] = {}
+    sub = await rt.js.subscribe(rt.topology.subject("batches", ">"), ordered_consumer=True)
+    for _ in range(info.state.messages):
+        batch = decode((await sub.next_msg(timeout=10)).data, BatchEvent)
+        seen.sample_ids.update(batch.sample_ids)
+        stored, _ = counts.get((batch.step, batch.dp_rank), (0, batch.micro_count))
+        counts[(batch.step, batch.dp_rank)] = (stored + 1, batch.micro_count)
+        groups[batch.step] = batch.step_prompt_ids
+    await sub.unsubscribe()
+    last = max(step for step, _ in counts)
+    seen.next_step = last + 1
+    dp_size = rt.config.trainer.dp_size
+    if any(counts.get((last, r), (0, 1))[0] < counts.get((last, r), (0, 1))[1] for r in range(dp_size)):
+        seen.partial, seen.next_step = (last, groups[last]), last
+    return seen
+
+
+class Buffer:
+    def __init__(self, rt: Runtime, batched: BatchedSoFar) -> None:
+        self.rt = rt
+        self.cfg = rt.config
+        self.batched = batched
+        self.groups: OrderedDict[str, Group] = OrderedDict()
+        self.lock = asyncio.Lock()
+
+    async def handle(self, reward: RewardEvent, msg: Msg) -> Hold | None:
+        if reward.id in self.batched.sample_ids:
+            return None  # a redelivery of a sample already inside a stored batch
+        t = reward.trajectory
+        async with self.lock:  # group state changes only under the lock
+            group = self.groups.setdefault(t.prompt_id, Group(t.prompt_id, t.group_size))
+            group.samples[t.sample_index] = (reward, msg)  # a redelivery replaces the stale Msg
+            if group.complete and (reason := group.drop_reason()):
+                await self.drop(group, reason)
+            await self.maybe_form_step()
+        return HOLD
+
+    async def drop(self, group: Group, reason: str) -> None:
+        """Record the drop in KV (the producer replaces the group), then ack its samples."""
+        try:
+            await self.rt.kv.create(f"drop.{group.prompt_id}", reason.encode())
+        except KeyWrongLastSequenceError:
+            pass  # dropped before a restart: recorded once
+        del self.groups[group.prompt_id]
+        for _, msg in group.samples.values():
+            await msg.ack()
+
+    async def maybe_form_step(self) -> None:
+        per_step = self.cfg.algorithm.prompts_per_step
+        while True:
+            step = self.batched.next_step
+            if self.batched.partial is not None:
+                ids = self.batched.partial[1]
+                if not all(pid in self.groups and self.groups[pid].complete for pid in ids):
+                    return
+                chosen = [self.groups[pid] for pid in ids]
+            else:
+                oldest_allowed = step - self.cfg.algorithm.max_staleness
+                for group in [g for g in self.groups.values() if g.complete and g.min_version < oldest_allowed]:
+                    await self.drop(group, f"stale: version {group.min_version} < {oldest_allowed} at step {step}")
+                ready = [g for g in self.groups.values() if g.complete]
+                if len(ready) < per_step:
+                    return
+                chosen = ready[:per_step]
+            await self.publish_step(step, chosen)
+            for group in chosen:
+                del self.groups[group.prompt_id]
+                for reward, msg in group.samples.values():
+                    self.batched.sample_ids.add(reward.id)
+                    await msg.ack()
+            self.batched.partial, self.batched.next_step = None, step + 1
+
+    async def publish_step(self, step: int, groups: list[Group]) -> None:
+        estimator = ESTIMATORS[self.cfg.algorithm.advantage]
+        rows: list[Row] = []
+        for group in groups:
+            ordered = [group.samples[i] for i in range(group.size)]
+            # [G] rewards -> [G] advantages, one per sequence of the group.
+            adv = estimator(torch.tensor([r.reward for r, _ in ordered], dtype=torch.float32)).tolist()
+            rows += [Row.of(r, a, (m.headers or {}).get("traceparent", "")) for (r, m), a in zip(ordered, adv)]
+        tcfg = self.cfg.trainer
+        packed = pack_step(rows, tcfg.dp_size, tcfg.micro_batch_tokens)
+        step_groups = tuple(g.prompt_id for g in groups)
+        with tracing.tracer.start_as_current_span(
+            "assemble batch", links=tracing.link_to([r.traceparent for r in rows]), attributes={"jetrl.step": step}
+        ):
+            acks = []
+            for rank, micro_batches in enumerate(packed):
+                for index, mb in enumerate(micro_batches):
+                    event = BatchEvent(
+                        id=f"{self.rt.topology.run}/step/{step}/{rank}/{index}", run=self.rt.topology.run,
+                        source=self.rt.source, step=step, dp_rank=rank, dp_size=tcfg.dp_size,
+                        micro_index=index, micro_count=len(micro_batches),
+                        input_ids=Tensor.from_numpy(mb.input_ids), attention_mask=Tensor.from_numpy(mb.attention_mask),
+                        loss_mask=Tensor.from_numpy(mb.loss_mask), advantages=Tensor.from_numpy(mb.advantages),
+                        behaviour_logprobs=Tensor.from_numpy(mb.behaviour_logprobs),
+                        versions=Tensor.from_numpy(mb.versions), rewards=Tensor.from_numpy(mb.rewards),
+                        sample_ids=tuple(r.sample_id for r in mb.rows),
+                        traceparents=tuple(r.traceparent for r in mb.rows), step_prompt_ids=step_groups,
+                    )
+                    acks.append(await self.rt.publisher.send(self.rt.topology.subject("batches", rank), event))
+            await asyncio.gather(*acks)  # every micro-batch stored before any input is acked
+        rewards = np.array([r.reward for r in rows])
+        log.info("step %d: %d groups, %d samples, mean reward %.3f", step, len(groups), len(rows), rewards.mean())
+
+    async def heartbeat(self) -> None:
+        """Held samples stay ours: tell the server before their ack_wait runs out."""
+        while True:
+            await asyncio.sleep(self.rt.topology.queues["buffer"].ack_wait / 3)
+            for group in list(self.groups.values()):
+                for _, msg in list(group.samples.values()):
+                    await msg.in_progress()
+
+
+async def main() -> None:
+    args = worker_args("buffer", __doc__.splitlines()[0])
+    rt = await attach("buffer", args.run, args.nats, args.replicas)
+    buffer = Buffer(rt, await read_batches(rt))
+    stop = asyncio.Event()
+    stop_on_signals(stop)
+    heartbeat = asyncio.create_task(buffer.heartbeat())
+    # Samples of several steps wait here unacked, so let many handlers be "in flight".
+    options = WorkerOptions(concurrency=256, max_deliver=20, max_event_bytes=256 << 10)
+    worker = Worker(rt.js, rt.topology, rt.topology.queues["buffer"], RewardEvent, buffer.handle, rt.publisher, options)
+    await worker.run(stop)
+    heartbeat.cancel()
+    await rt.close()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

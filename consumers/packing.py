@@ -1,0 +1,107 @@
+"""Turning complete groups into gradient-ready micro-batches, balanced by tokens across ranks.
+
+Pure functions over numpy (no bus): the buffer calls `pack_step`; tests check the balance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from schemas.events import RewardEvent
+
+
+@dataclass(frozen=True)
+class Row:
+    """One training sequence: prompt + response, with its per-sequence advantage."""
+
+    sample_id: str
+    prompt: np.ndarray  # int32 [P]
+    response: np.ndarray  # int32 [R]
+    logprobs: np.ndarray  # float32 [R]
+    versions: np.ndarray  # int32 [R]
+    advantage: float
+    reward: float
+    traceparent: str
+
+    @property
+    def tokens(self) -> int:
+        return len(self.prompt) + len(self.response)
+
+    @classmethod
+    def of(cls, reward: RewardEvent, advantage: float, traceparent: str) -> Row:
+        t = reward.trajectory
+        return cls(
+            t.id, t.prompt_ids.numpy(), t.response_ids.numpy(), t.logprobs.numpy(), t.versions.numpy(),
+            advantage, reward.reward, traceparent,
+        )
+
+
+@dataclass(frozen=True)
+class MicroBatchArrays:
+    """Right-padded arrays of one micro-batch, shapes as in `BatchEvent`."""
+
+    input_ids: np.ndarray  # int32 [B, T]
+    attention_mask: np.ndarray  # uint8 [B, T]
+    loss_mask: np.ndarray  # uint8 [B, T]
+    behaviour_logprobs: np.ndarray  # float32 [B, T]
+    versions: np.ndarray  # int32 [B, T], -1 off the loss mask
+    advantages: np.ndarray  # float32 [B]
+    rewards: np.ndarray  # float32 [B]
+    rows: tuple[Row, ...]
+
+
+def balance(rows: list[Row], ranks: int) -> list[list[Row]]:
+    """Greedy longest-first assignment of rows to the rank with the fewest tokens so far.
+
+    Deterministic for the same input order (ties go to the lowest rank), so a restarted
+    buffer re-forms the same step.
+    """
+    buckets: list[list[Row]] = [[] for _ in range(ranks)]
+    loads = [0] * ranks
+    for row in sorted(rows, key=lambda r: -r.tokens):
+        rank = loads.index(min(loads))
+        buckets[rank].append(row)
+        loads[rank] += row.tokens
+    return buckets
+
+
+def split(rows: list[Row], max_tokens: int) -> list[list[Row]]:
+    """Consecutive micro-batches whose padded size (rows x longest) stays <= max_tokens.
+
+    Rows arrive longest first, so each micro-batch's padding is small. A single row longer
+    than max_tokens still gets a micro-batch of its own.
+    """
+    batches: list[list[Row]] = []
+    for row in rows:
+        if batches and (len(batches[-1]) + 1) * max(r.tokens for r in batches[-1]) <= max_tokens:
+            batches[-1].append(row)
+        else:
+            batches.append([row])
+    return batches
+
+
+def arrays(rows: list[Row]) -> MicroBatchArrays:
+    b, t = len(rows), max(r.tokens for r in rows)
+    input_ids = np.zeros((b, t), np.int32)
+    attention = np.zeros((b, t), np.uint8)
+    loss = np.zeros((b, t), np.uint8)
+    logprobs = np.zeros((b, t), np.float32)
+    versions = np.full((b, t), -1, np.int32)
+    for i, row in enumerate(rows):
+        p, n = len(row.prompt), row.tokens
+        input_ids[i, :p], input_ids[i, p:n] = row.prompt, row.response
+        attention[i, :n] = 1
+        loss[i, p:n] = 1
+        logprobs[i, p:n] = row.logprobs
+        versions[i, p:n] = row.versions
+    return MicroBatchArrays(
+        input_ids, attention, loss, logprobs, versions,
+        np.array([r.advantage for r in rows], np.float32), np.array([r.reward for r in rows], np.float32), tuple(rows),
+    )
+
+
+def pack_step(rows: list[Row], ranks: int, max_tokens: int) -> list[list[MicroBatchArrays]]:
+    """[rank][micro] micro-batches of one step. A rank may get none when rows < ranks."""
+    return [[arrays(mb) for mb in split(bucket, max_tokens)] for bucket in balance(rows, ranks)]

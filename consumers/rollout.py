@@ -1,0 +1,146 @@
+"""`python -m consumers.rollout --run R`: prompts in, one trajectory per sample out.
+
+    handler(prompt): queue it -> the batcher generates it with others -> publish its n
+        trajectories -> return (the loop acks the prompt only once all are stored)
+    batcher: wait for the gate -> up to max_batch_prompts of equal sampling -> generate
+        in a thread (the event loop keeps heartbeating) -> resolve each prompt's future
+    weights watcher: new WeightVersionEvent -> fetch + verify bytes (no lock held) ->
+        close the gate, wait for the running generation to finish, load, reopen
+
+Every token of a generation comes from one version, since weights never change mid-call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from nats.aio.msg import Msg
+from nats.js.api import DeliverPolicy
+from transformers import AutoTokenizer
+
+from bus.worker import Worker, WorkerOptions, stop_on_signals
+from consumers.runtime import Runtime, attach, worker_args
+from engines import protocols
+from engines.hf_rollout import HFRolloutEngine
+from engines.weights import ChecksumMismatch, get_version
+from schemas import PromptEvent, Tensor, TrajectoryEvent, WeightVersionEvent, decode
+
+log = logging.getLogger("jetrl.rollout")
+
+
+@dataclass
+class Pending:
+    prompt: PromptEvent
+    token_ids: list[int]
+    queued_at: float
+    done: asyncio.Future[tuple[list[protocols.Sample], int, float]]
+
+
+class Rollout:
+    def __init__(self, rt: Runtime, engine: HFRolloutEngine, tokenizer: object) -> None:
+        self.rt, self.engine, self.tokenizer = rt, engine, tokenizer
+        self.queue: list[Pending] = []
+        self.wake = asyncio.Event()
+        self.gate = asyncio.Event()  # open (set) unless weights are loading
+        self.gate.set()
+        self.generating = asyncio.Lock()
+
+    def token_ids(self, prompt: PromptEvent) -> list[int]:
+        if prompt.token_ids is not None:
+            return prompt.token_ids.numpy().astype(int).tolist()
+        if prompt.messages is not None:
+            return list(self.tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True))
+        return list(self.tokenizer.encode(prompt.prompt, add_special_tokens=False))
+
+    async def handle(self, prompt: PromptEvent, msg: Msg) -> None:
+        ids = self.token_ids(prompt)
+        pending = Pending(prompt, ids, time.perf_counter(), asyncio.get_running_loop().create_future())
+        self.queue.append(pending)
+        self.wake.set()
+        samples, version, seconds = await pending.done
+        acks = []
+        for index, sample in enumerate(samples):
+            response = sample.token_ids.numpy().astype(np.int32)
+            trajectory = TrajectoryEvent(
+                id=f"{prompt.id}/{index}", run=prompt.run, source=self.rt.source, prompt_id=prompt.id,
+                sample_index=index, group_size=prompt.n, prompt_ids=Tensor.from_numpy(np.asarray(ids, np.int32)),
+                response_ids=Tensor.from_numpy(response), logprobs=Tensor.from_torch(sample.logprobs.float()),
+                versions=Tensor.from_numpy(np.full(len(response), version, np.int32)),
+                response_text=self.tokenizer.decode(response.tolist(), skip_special_tokens=True),
+                finish_reason=sample.finish_reason, task=prompt.task, engine="hf",
+                timings={"generate": seconds},
+            )
+            acks.append(await self.rt.publisher.send(self.rt.topology.subject("trajectories"), trajectory))
+        await asyncio.gather(*acks)
+
+    async def batcher(self) -> None:
+        limit = self.rt.config.rollout.max_batch_prompts
+        while True:
+            await self.wake.wait()
+            await asyncio.sleep(0.02)  # let a fetch's worth of prompts arrive together
+            await self.gate.wait()
+            first = self.queue[0]
+            batch = [p for p in self.queue if (p.prompt.n, p.prompt.sampling) == (first.prompt.n, first.prompt.sampling)]
+            batch = batch[:limit]
+            self.queue = [p for p in self.queue if p not in batch]
+            if not self.queue:
+                self.wake.clear()
+            s = first.prompt.sampling
+            params = protocols.SamplingParams(s.temperature, s.top_p, s.max_tokens, s.stop_token_ids)
+            async with self.generating:
+                version, started = self.engine.version, time.perf_counter()
+                try:
+                    groups = await asyncio.to_thread(self.engine.generate, [p.token_ids for p in batch], first.prompt.n, params)
+                except Exception as exc:  # the prompts' handlers fail and are retried
+                    for p in batch:
+                        p.done.set_exception(exc)
+                    continue
+            seconds = time.perf_counter() - started
+            for p, samples in zip(batch, groups):
+                p.done.set_result((samples, version, seconds))
+
+    async def watch_weights(self) -> None:
+        sub = await self.rt.js.subscribe(
+            self.rt.topology.subject("weights"), ordered_consumer=True, deliver_policy=DeliverPolicy.LAST
+        )
+        async for msg in sub.messages:
+            event = decode(msg.data, WeightVersionEvent)
+            if event.version <= self.engine.version:
+                continue
+            try:
+                tensors = await get_version(self.rt.js, self.rt.topology.object_bucket, event)
+            except ChecksumMismatch as exc:
+                log.error("weights v%d refused, still serving v%d: %s", event.version, self.engine.version, exc)
+                continue
+            self.gate.clear()  # no new generation starts ...
+            async with self.generating:  # ... and the running one finishes first
+                self.engine.load_state_dict(tensors, version=event.version)
+            self.gate.set()
+            log.info("now serving weights v%d", event.version)
+
+
+async def main() -> None:
+    args = worker_args("rollout", __doc__.splitlines()[0])
+    rt = await attach("rollout", args.run, args.nats, args.replicas)
+    torch.set_num_threads(1)
+    model = Path(rt.config.model.path or "")
+    rollout = Rollout(rt, HFRolloutEngine(model, seed=rt.config.data.seed), AutoTokenizer.from_pretrained(model))
+    stop = asyncio.Event()
+    stop_on_signals(stop)
+    helpers = [asyncio.create_task(rollout.batcher()), asyncio.create_task(rollout.watch_weights())]
+    options = WorkerOptions(concurrency=2 * rt.config.rollout.max_batch_prompts, max_event_bytes=64 << 10)
+    worker = Worker(rt.js, rt.topology, rt.topology.queues["rollout"], PromptEvent, rollout.handle, rt.publisher, options)
+    await worker.run(stop)
+    for task in helpers:
+        task.cancel()
+    await rt.close()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

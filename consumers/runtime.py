@@ -1,0 +1,85 @@
+"""What every worker process does first: connect, declare the run, read its config.
+
+Workers are started with `--run R --nats URL` only; the run's config comes from the KV
+bucket, where the producer put it (key `config`, the YAML of `RunConfig`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+
+import yaml
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError
+from nats.js.kv import KeyValue
+
+from bus import tracing
+from bus.connection import DEFAULT_URL, connect, worker_id
+from bus.publisher import Publisher
+from bus.topology import Topology, run_id_arg
+from schemas.config import RunConfig, parse_config
+
+CONFIG_KEY = "config"
+
+
+@dataclass
+class Runtime:
+    """A worker's connection to its run."""
+
+    role: str
+    nc: Client
+    js: JetStreamContext
+    topology: Topology
+    kv: KeyValue
+    publisher: Publisher
+    config: RunConfig
+
+    @property
+    def source(self) -> str:
+        return worker_id(self.role)
+
+    async def close(self) -> None:
+        await self.nc.drain()
+
+
+async def attach(role: str, run: str, url: str, replicas: int = 1, wait: float = 120.0) -> Runtime:
+    """Connect, apply the run's topology, and wait (up to `wait` s) for its config in KV."""
+    tracing.setup(f"jetrl-{role}")
+    nc = await connect(url, worker_id(role))
+    js = nc.jetstream()
+    topology = Topology(run=run, replicas=replicas)
+    await topology.apply(js)
+    kv = await js.key_value(topology.kv_bucket)
+    deadline = asyncio.get_running_loop().time() + wait
+    while True:
+        try:
+            entry = await kv.get(CONFIG_KEY)
+            break
+        except KeyNotFoundError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"run {run}: no config in KV after {wait:.0f}s; is the producer running?") from None
+            await asyncio.sleep(0.5)
+    config = parse_config(yaml.safe_load(entry.value or b""), f"run {run} config in KV")
+    return Runtime(role, nc, js, topology, kv, Publisher(js), config)
+
+
+async def publish_config(kv: KeyValue, config: RunConfig) -> None:
+    await kv.put(CONFIG_KEY, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False).encode())
+
+
+def worker_args(role: str, description: str, with_rank: bool = False) -> argparse.Namespace:
+    """The command line every worker takes: --run R [--nats URL] [--replicas N] (+ --rank K)."""
+    parser = argparse.ArgumentParser(prog=f"python -m consumers.{role}", description=description)
+    parser.add_argument("--run", required=True, type=run_id_arg, help="run id")
+    parser.add_argument("--nats", default=os.environ.get("JETRL_NATS_URL", DEFAULT_URL), help="NATS URL(s), comma separated")
+    parser.add_argument("--replicas", type=int, choices=[1, 3, 5], default=1, help="stream replicas (3 on a cluster)")
+    if with_rank:
+        parser.add_argument("--rank", type=int, default=0, help="data-parallel rank this trainer trains")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
+    return args

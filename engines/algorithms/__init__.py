@@ -1,0 +1,1 @@
+"""RL algorithms as pure tensor functions: advantages, policy losses, KL estimators."""

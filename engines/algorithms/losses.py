@@ -1,0 +1,146 @@
+"""Policy-gradient losses, importance weights and loss aggregation, as pure tensor functions.
+
+Shapes: B sequences, T positions, V vocabulary. Per-token tensors are aligned as in
+`engines.protocols` (position t holds log p(x[t] | x[<t])). ``mask`` is the loss mask
+(1 on response tokens). Losses are returned *per token* ([B, T], to be minimised) so that
+any of them can be combined with any aggregation mode and with per-token weights.
+"""
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+AggregationMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """loss: [B, T] per-token loss; ratio: [B, T] importance ratio (detached);
+    clipped: [B, T] bool, True where clipping zeroed the token's gradient."""
+
+    loss: torch.Tensor
+    ratio: torch.Tensor
+    clipped: torch.Tensor
+
+
+def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[token]. logits [..., V], tokens [...] int64 -> [...] float32.
+
+    logsumexp + gather instead of a full log_softmax: the [..., V] result is never
+    materialised, which matters at a real vocabulary size.
+    """
+    logits = logits.float()
+    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits). [..., V] -> [...]; H = logsumexp(z) - sum p z."""
+    logits = logits.float()
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def _clipped_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float
+) -> PolicyLoss:
+    """-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A). ratio [B, T], advantages [B]."""
+    adv = advantages.unsqueeze(-1)  # [B, 1], one advantage per sequence
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
+    return PolicyLoss(
+        loss=-torch.minimum(unclipped, clipped),
+        ratio=ratio.detach(),
+        # The min picks the (constant) clipped branch exactly when it is strictly smaller.
+        clipped=(clipped < unclipped).detach(),
+    )
+
+
+def ppo_clip_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+) -> PolicyLoss:
+    """PPO clipped surrogate with asymmetric clip-higher (DAPO).
+
+    logprobs [B, T] (with grad), old_logprobs [B, T], advantages [B]. A larger
+    ``eps_high`` lets low-probability tokens with positive advantage grow further before
+    clipping, which keeps entropy from collapsing.
+    """
+    ratio = torch.exp(logprobs - old_logprobs.detach())
+    return _clipped_surrogate(ratio, advantages, eps_low, eps_high)
+
+
+def gspo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+) -> PolicyLoss:
+    """GSPO (Zheng et al. 2025): one length-normalised ratio per sequence, clipped.
+
+    s_i = exp(mean_t (log pi - log pi_old)) over the response tokens, [B]. Written in the
+    paper's "GSPO-token" form, s_{i,t} = sg[s_i] * pi_t / sg[pi_t], whose value is s_i on
+    every token and whose gradient is s_i * grad log pi_t; aggregated with
+    ``seq-mean-token-mean`` it is exactly the sequence-level GSPO objective. Its clip range
+    is tiny (a mean of log ratios moves little), hence the 3e-4 / 4e-4 defaults.
+    """
+    log_ratio = (logprobs - old_logprobs.detach()) * mask
+    seq_log_ratio = log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)  # [B]
+    token_log_ratio = seq_log_ratio.detach().unsqueeze(-1) + logprobs - logprobs.detach()
+    return _clipped_surrogate(torch.exp(token_log_ratio), advantages, eps_low, eps_high)
+
+
+def truncated_is_weight(
+    proximal_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """min(pi_prox / pi_behaviour, cap), detached. [B, T] -> [B, T].
+
+    Corrects for samples drawn by an older (or numerically different) rollout policy
+    without letting one rare token's huge ratio dominate the batch (truncated IS, as in
+    verl's TIS and AReaL's decoupled PPO).
+    """
+    return torch.exp(proximal_logprobs - behaviour_logprobs).clamp(max=cap).detach()
+
+
+def aggregation_count(mask: torch.Tensor, mode: AggregationMode) -> int:
+    """The denominator `aggregate` uses for `mask` [B, T]: loss tokens, or sequences with any."""
+    if mode == "token-mean":
+        return int(mask.sum().item())
+    return int((mask.sum(-1) > 0).sum().item())
+
+
+def aggregate(
+    loss: torch.Tensor,
+    mask: torch.Tensor,
+    mode: AggregationMode,
+    denominator: float | None = None,
+) -> torch.Tensor:
+    """Reduces a per-token loss [B, T] over the masked tokens to a scalar.
+
+    - token-mean: sum over all tokens / number of tokens (long answers weigh more).
+    - seq-mean-token-sum: per-sequence sum, averaged over sequences (Dr. GRPO; no length bias).
+    - seq-mean-token-mean: per-sequence mean, averaged over sequences (original GRPO, GSPO).
+
+    ``denominator`` overrides the count of tokens/sequences: pass the count over *all*
+    micro-batches of a step (`aggregation_count`) so that accumulating micro-batch losses
+    gives the same gradient as one big batch.
+    """
+    masked = loss * mask
+    if mode == "token-mean":
+        numerator = masked.sum()
+    elif mode == "seq-mean-token-sum":
+        numerator = masked.sum(-1).sum()
+    elif mode == "seq-mean-token-mean":
+        numerator = (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum()
+    else:
+        raise ValueError(f"unknown aggregation mode {mode!r}")
+    count = aggregation_count(mask, mode) if denominator is None else denominator
+    return numerator / max(count, 1)

@@ -1,0 +1,100 @@
+"""What the workers call on an engine: the rollout and train Protocols and their data types.
+
+Alignment convention shared by both sides (and by `BatchEvent`): for a row of token ids
+``x[0..T)``, position ``t`` of every per-token tensor (log-probs, masks) refers to token
+``x[t]`` and holds ``log p(x[t] | x[<t])``; position 0 has no prediction and holds 0.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import torch
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. ``temperature == 0`` means greedy. ``<eos>`` always stops."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One generated response.
+
+    token_ids: [L] int64, the response only (no prompt), ending with the stop token when
+        ``finish_reason == "stop"`` (the trainer must see it to learn when to stop).
+    logprobs: [L] float32, behaviour log-prob of each token, ``log_softmax(logits / T)``
+        (see `engines.hf_rollout`).
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    finish_reason: FinishReason
+
+
+@dataclass
+class MicroBatch:
+    """A gradient-ready micro-batch of B right-padded rows of length T.
+
+    input_ids: [B, T] int64, prompt + response (+ padding).
+    attention_mask: [B, T] 0/1, 1 on real tokens.
+    loss_mask: [B, T] 0/1, 1 on response tokens (those the policy chose).
+    advantages: [B] float32, one per sequence (broadcast over its tokens).
+    behaviour_logprobs: [B, T] float32, log p_behaviour(x[t] | x[<t]), 0 where loss_mask is 0.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    advantages: torch.Tensor
+    behaviour_logprobs: torch.Tensor
+
+
+class RolloutEngine(Protocol):
+    """Generates samples and takes new weights between generations."""
+
+    version: int
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
+    ) -> list[list[Sample]]:
+        """`n` samples for each prompt (token ids), grouped per prompt, in prompt order."""
+        ...
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Swaps in weights named as `TrainEngine.export_weights` names them."""
+        ...
+
+
+class TrainEngine(Protocol):
+    """Holds the policy and its optimizer; one `train_step` is one optimizer step."""
+
+    step: int
+
+    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """[B, T] float32 log-probs of `input_ids` under the current policy, aligned as above."""
+        ...
+
+    def train_step(self, micro_batches: Sequence[MicroBatch]) -> dict[str, float]:
+        """Accumulates gradients over `micro_batches`, takes one optimizer step, returns metrics."""
+        ...
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """CPU, contiguous tensors keyed by the model's parameter names."""
+        ...
+
+    def save_checkpoint(self, path: Path, extra: dict[str, Any] | None = None) -> None:
+        """Writes model, optimizer, RNG states and `extra` atomically to `path`."""
+        ...
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        """Restores what `save_checkpoint` wrote and returns its `extra`."""
+        ...

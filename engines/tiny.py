@@ -1,0 +1,74 @@
+"""A tiny random-init Qwen2 and a character-level tokenizer over the built-in tasks' symbols.
+
+Both are written with `save_pretrained`, so every engine loads them through the real
+``AutoTokenizer`` / ``AutoModelForCausalLM.from_pretrained(dir)`` path, exactly as it would
+load a hub checkpoint.
+
+Why not a WordLevel tokenizer: transformers 5 loads *every* ``qwen2`` checkpoint with
+``Qwen2Tokenizer``, which rebuilds a byte-level BPE from the saved vocabulary and ignores
+the saved model type, so a word-level vocabulary would silently lose its multi-character
+words. A byte-level BPE with no merges over one-character symbols is what that class
+rebuilds exactly, so we build the tokenizer with that class itself: the tokenizer the
+workers get from ``AutoTokenizer`` is, token for token, the one we saved (a test checks it).
+"""
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
+
+from producers.tasks import VOCAB
+
+
+def build_tokenizer(vocab: Sequence[str] = VOCAB) -> Qwen2Tokenizer:
+    """One token per symbol (ids are positions in `vocab`), no ``<bos>``.
+
+    `vocab` holds ``<eos>`` (also the pad token, as in Qwen) and one-character printable
+    ASCII symbols (byte-level BPE maps those to themselves). Characters outside it, spaces
+    included, are dropped when encoding; decoding joins tokens with no separator.
+    """
+    return Qwen2Tokenizer(
+        vocab={tok: i for i, tok in enumerate(vocab)},
+        merges=[],
+        eos_token="<eos>",
+        pad_token="<eos>",
+        unk_token="<eos>",
+    )
+
+
+def build_tiny_model(
+    out_dir: Path,
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    max_positions: int = 64,
+    seed: int = 0,
+) -> Path:
+    """Writes a random-init Qwen2 causal LM (seeded) and its tokenizer to `out_dir`; returns it.
+
+    Embeddings are tied (as in small Qwen2 checkpoints), so the model has few parameters
+    and `export_weights` must cope with one tensor under two names.
+    """
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir

@@ -1,0 +1,245 @@
+"""Reference train engine: one HF causal LM, AdamW, plain torch (CPU or one GPU).
+
+One `train_step` = gradient accumulation over the step's micro-batches + one optimizer
+step, so the policy version equals `step`. The loss is normalised by the token (or
+sequence) count of the *whole step*, so splitting a batch into micro-batches does not
+change the gradient.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+import os
+from pathlib import Path
+import random
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM
+
+from engines.algorithms.losses import (
+    AggregationMode,
+    PolicyLoss,
+    aggregate,
+    aggregation_count,
+    entropy_from_logits,
+    gather_logprobs,
+    gspo_loss,
+    ppo_clip_loss,
+    truncated_is_weight,
+)
+from engines.protocols import MicroBatch
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """How the policy loss is formed.
+
+    policy_loss: "ppo" (token ratio, clip-higher) or "gspo" (sequence ratio).
+    eps_low / eps_high: clip range (GSPO wants ~3e-4 / 4e-4).
+    aggregation: see `engines.algorithms.losses.aggregate`.
+    tis_cap: None -> the ratio is taken against the behaviour log-probs (PPO whose "old"
+        policy is whatever generated the sample). A float -> decoupled PPO: the ratio is
+        taken against the proximal policy (this engine's weights before the step, so it is
+        1 in value and the clip never binds in a single-step update), and every token is
+        weighted by min(pi_prox / pi_behaviour, tis_cap) to correct for staleness.
+    temperature: must equal the rollout's sampling temperature, since behaviour log-probs
+        are log_softmax(logits / temperature).
+    """
+
+    policy_loss: Literal["ppo", "gspo"] = "ppo"
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    aggregation: AggregationMode = "token-mean"
+    tis_cap: float | None = None
+    temperature: float = 1.0
+
+
+class TorchTrainEngine:
+    """Holds the policy, AdamW and the step counter; checkpoints them atomically."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        lr: float,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 1.0,
+        seed: int = 0,
+        loss: LossConfig = LossConfig(),
+        device: str = "cpu",
+    ) -> None:
+        _seed_everything(seed)
+        self.device = torch.device(device)
+        # Train in float32: the master weights and AdamW moments need the precision.
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.max_grad_norm = max_grad_norm
+        self.loss_config = loss
+        self.step = 0
+
+    def _token_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Logits that predict each token, aligned to it: [B, T] -> [B, T - 1, V] for tokens 1..T-1."""
+        # Positions count real tokens, so a row's padding (left or right) does not shift RoPE.
+        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
+        return logits[:, :-1].float() / self.loss_config.temperature
+
+    def _aligned_logprobs(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """[B, T] log p(x[t] | x[<t]) with 0 at t = 0 (nothing predicts the first token)."""
+        return torch.nn.functional.pad(gather_logprobs(logits, input_ids[:, 1:]), (1, 0))
+
+    @torch.no_grad()
+    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """[B, T] float32 log-probs under the current weights at the configured temperature."""
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        return self._aligned_logprobs(input_ids, self._token_logits(input_ids, attention_mask)).cpu()
+
+    def _policy_loss(self, logprobs: torch.Tensor, batch: MicroBatch, mask: torch.Tensor) -> tuple[PolicyLoss, torch.Tensor]:
+        """Per-token policy loss [B, T] and the per-token IS weight [B, T] it was scaled by."""
+        cfg = self.loss_config
+        behaviour = batch.behaviour_logprobs.to(self.device)
+        advantages = batch.advantages.to(self.device).float()
+        if cfg.tis_cap is None:
+            old, weight = behaviour, torch.ones_like(logprobs)
+        else:
+            old = logprobs.detach()
+            weight = truncated_is_weight(old, behaviour, cfg.tis_cap)
+        if cfg.policy_loss == "ppo":
+            terms = ppo_clip_loss(logprobs, old, advantages, eps_low=cfg.eps_low, eps_high=cfg.eps_high)
+        else:
+            terms = gspo_loss(logprobs, old, advantages, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high)
+        return PolicyLoss(terms.loss * weight, terms.ratio, terms.clipped), weight
+
+    def train_step(self, micro_batches: Sequence[MicroBatch]) -> dict[str, float]:
+        """Accumulates over `micro_batches`, clips the grad norm, takes one AdamW step.
+
+        Returns loss, clip_frac, ratio_mean, is_weight_mean, entropy (all over response
+        tokens), grad_norm (before clipping), tokens (response tokens), step (after).
+        """
+        mode = self.loss_config.aggregation
+        denominator = sum(aggregation_count(mb.loss_mask, mode) for mb in micro_batches)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals = dict.fromkeys(("loss", "clipped", "ratio", "is_weight", "entropy", "tokens"), 0.0)
+        for batch in micro_batches:
+            input_ids = batch.input_ids.to(self.device)
+            mask = batch.loss_mask.to(self.device).float()
+            logits = self._token_logits(input_ids, batch.attention_mask.to(self.device))
+            logprobs = self._aligned_logprobs(input_ids, logits)
+            terms, weight = self._policy_loss(logprobs, batch, mask)
+            loss = aggregate(terms.loss, mask, mode, denominator=denominator)
+            loss.backward()
+            with torch.no_grad():
+                entropy = torch.nn.functional.pad(entropy_from_logits(logits), (1, 0))
+                totals["loss"] += loss.item()
+                totals["clipped"] += (terms.clipped * mask).sum().item()
+                totals["ratio"] += (terms.ratio * mask).sum().item()
+                totals["is_weight"] += (weight * mask).sum().item()
+                totals["entropy"] += (entropy * mask).sum().item()
+                totals["tokens"] += mask.sum().item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        self.step += 1
+        tokens = max(totals["tokens"], 1.0)
+        return {
+            "loss": totals["loss"],
+            "clip_frac": totals["clipped"] / tokens,
+            "ratio_mean": totals["ratio"] / tokens,
+            "is_weight_mean": totals["is_weight"] / tokens,
+            "entropy": totals["entropy"] / tokens,
+            "grad_norm": float(grad_norm),
+            "tokens": totals["tokens"],
+            "step": float(self.step),
+        }
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """Parameter name -> CPU contiguous copy (tied weights once, under their first name).
+
+        Copies, not views: an optimizer step must not change a version being published.
+        """
+        return {
+            name: param.detach().to("cpu", copy=True).contiguous()
+            for name, param in self.model.named_parameters()
+        }
+
+    def save_checkpoint(self, path: Path, extra: dict[str, Any] | None = None) -> None:
+        """Writes model, optimizer, step, RNG states and `extra` to `path` atomically.
+
+        `extra` must hold plain data (numbers, strings, lists, dicts, tensors): checkpoints
+        are read back with ``weights_only=True``, which refuses arbitrary pickles.
+        """
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "rng": _rng_state(),
+            "extra": extra or {},
+        }
+        _atomic_save(state, path)
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        """Restores everything `save_checkpoint` wrote; returns its `extra`."""
+        state = torch.load(path, map_location=self.device, weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = state["step"]
+        _set_rng_state(state["rng"])
+        return state["extra"]
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _rng_state() -> dict[str, Any]:
+    """Torch, numpy and Python RNG states as plain data (loadable with weights_only=True)."""
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
+        "python": random.getstate(),
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np_state = state["numpy"]
+    np.random.set_state(
+        (
+            np_state["kind"],
+            np_state["keys"].numpy().astype(np.uint32),
+            np_state["pos"],
+            np_state["has_gauss"],
+            np_state["cached_gaussian"],
+        )
+    )
+    random.setstate(state["python"])
+
+
+def _atomic_save(state: dict[str, Any], path: Path) -> None:
+    """torch.save to a temporary sibling, fsync, then rename over `path`.
+
+    A crash mid-write leaves the previous checkpoint intact: readers see the old file or
+    the new one, never half of one.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)

@@ -1,0 +1,80 @@
+"""`python -m ops.audit --run R [--nats URL]`: account for every prompt of a run, from the streams.
+
+Reads the prompt stream, the batch streams and the KV drop records, and reports:
+issued prompts; prompts whose group was trained, dropped (with reasons), or neither (in
+flight at shutdown); sample ids trained more than once; tokens trained at a staleness
+beyond the bound. Last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+from collections import Counter
+from typing import Any
+
+import numpy as np
+from nats.js import JetStreamContext
+from nats.js.errors import NoKeysError
+
+from bus.connection import DEFAULT_URL, connect
+from bus.topology import Topology, run_id_arg
+from schemas import BatchEvent, PromptEvent, decode
+
+
+async def _replay(js: JetStreamContext, topology: Topology, stage: str, subject: str) -> list[bytes]:
+    count = (await js.stream_info(topology.stream(stage))).state.messages
+    sub = await js.subscribe(subject, ordered_consumer=True)
+    data = [(await sub.next_msg(timeout=10)).data for _ in range(count)]
+    await sub.unsubscribe()
+    return data
+
+
+async def audit(js: JetStreamContext, topology: Topology, max_staleness: int) -> dict[str, Any]:
+    prompts = [decode(d, PromptEvent).id for d in await _replay(js, topology, "prompts", topology.subject("prompts"))]
+    batches = [decode(d, BatchEvent) for d in await _replay(js, topology, "batches", topology.subject("batches", ">"))]
+    kv = await js.key_value(topology.kv_bucket)
+    try:
+        drop_keys = [k for k in await kv.keys() if k.startswith("drop.")]
+    except NoKeysError:
+        drop_keys = []
+    dropped = {k.removeprefix("drop."): (await kv.get(k)).value.decode() for k in drop_keys}  # type: ignore[union-attr]
+    trained = Counter(sid for b in batches for sid in b.sample_ids)
+    trained_prompts = {sid.rsplit("/", 1)[0] for sid in trained}
+    violations = 0
+    for b in batches:
+        versions = b.versions.numpy()[b.loss_mask.numpy() == 1]
+        violations += int((versions < b.step - max_staleness).sum())
+    issued = set(prompts)
+    return {
+        "issued": len(issued),
+        "trained": len(trained_prompts & issued),
+        "dropped": len(set(dropped) & issued),
+        "in_flight": len(issued - trained_prompts - set(dropped)),
+        "unknown_trained": len(trained_prompts - issued),
+        "samples_trained": sum(trained.values()),
+        "duplicates": sum(c - 1 for c in trained.values() if c > 1),
+        "trained_and_dropped": len(trained_prompts & set(dropped)),
+        "staleness_violations": violations,
+        "steps": len({b.step for b in batches}),
+        "drop_reasons": dict(Counter(r.split(":")[0].split(" (")[0] for r in dropped.values())),
+        "max_staleness_seen": max((int(b.step - b.versions.numpy()[b.loss_mask.numpy() == 1].min()) for b in batches), default=0),
+        "reward_by_step": [float(np.mean(b.rewards.numpy())) for b in sorted(batches, key=lambda b: b.step)],
+    }
+
+
+async def main(args: argparse.Namespace) -> None:
+    nc = await connect(args.nats, "ops-audit")
+    result = await audit(nc.jetstream(), Topology(run=args.run), args.max_staleness)
+    await nc.close()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m ops.audit", description=__doc__.splitlines()[0])
+    parser.add_argument("--run", required=True, type=run_id_arg)
+    parser.add_argument("--nats", default=os.environ.get("JETRL_NATS_URL", DEFAULT_URL))
+    parser.add_argument("--max-staleness", type=int, default=1)
+    asyncio.run(main(parser.parse_args()))

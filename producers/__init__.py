@@ -1,0 +1,1 @@
+"""The prompt producer: datasets in, PromptEvents out, behind the admission gate."""

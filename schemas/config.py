@@ -1,0 +1,133 @@
+"""The run config: one YAML per run, validated by pydantic; every field documented.
+
+The producer stores it in the run's KV bucket (key `config`) so that every worker of the
+run, on any node, reads the same settings from `--run R --nats URL` alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from bus.topology import check_run_id
+from schemas.events import SamplingParams
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelConfig(Section):
+    path: str | None = None
+    """Local HF causal-LM directory; None builds the tiny built-in model into the run directory."""
+    hidden: int = Field(64, ge=8)
+    """Hidden size of the built-in tiny model."""
+    layers: int = Field(2, ge=1)
+    """Layers of the built-in tiny model."""
+    seed: int = 0
+    """Seed of the built-in tiny model's random init."""
+
+
+class DataConfig(Section):
+    task: str | None = "reverse"
+    """Built-in generated task (see producers.tasks); ignored when `dataset` is set."""
+    dataset: str | None = None
+    """A .jsonl or .parquet file with a `prompt` or `messages` field plus task fields."""
+    reward: str = "producers.tasks:score_reverse"
+    """Reward function as `module:function(response_text, task) -> float`."""
+    epochs: int = Field(1000, ge=1)
+    """Passes over the dataset (a built-in task is generated: its epoch is 10,000 prompts)."""
+    seed: int = 0
+    """Shuffle seed."""
+    n: int = Field(8, ge=1, le=1024)
+    """Samples per prompt (the GRPO group)."""
+    sampling: SamplingParams = SamplingParams()
+    """Sampling parameters for every prompt."""
+
+
+class AlgorithmConfig(Section):
+    prompts_per_step: int = Field(8, ge=1)
+    """Groups (prompts) in one optimizer step."""
+    max_staleness: int = Field(1, ge=0)
+    """A sample trained at version v was generated with weights >= v - max_staleness."""
+    advantage: str = "grpo"
+    """Advantage estimator: grpo, dr_grpo, rloo."""
+    drop_equal_reward_groups: bool = True
+    """Dynamic sampling: drop groups whose rewards are all equal (zero advantage)."""
+    lr: float = Field(3e-3, gt=0)
+    """AdamW learning rate."""
+    clip_low: float = Field(0.2, ge=0)
+    """PPO clip epsilon below 1."""
+    clip_high: float = Field(0.28, ge=0)
+    """PPO clip epsilon above 1 (clip-higher)."""
+    tis_cap: float | None = Field(None, ge=1)
+    """None: PPO ratio against the behaviour log-probs. A number: decoupled PPO against the
+    trainer's own pre-step policy, each token weighted by min(pi_prox / pi_behaviour, cap)."""
+
+
+class TrainerConfig(Section):
+    steps: int = Field(60, ge=1)
+    """Optimizer steps in the run."""
+    sync_every: int = Field(1, ge=1)
+    """Publish weights every this many steps."""
+    checkpoint_every: int = Field(10, ge=1)
+    """Checkpoint model, optimizer, RNG and last batch every this many steps."""
+    dp_size: int = Field(1, ge=1)
+    """Data-parallel trainer ranks; the buffer balances tokens across them."""
+    micro_batch_tokens: int = Field(4096, ge=64)
+    """Most tokens (rows x padded length) in one micro-batch."""
+    seed: int = 0
+    """Trainer seed (torch, numpy, python)."""
+    checkpoint_dir: str = ""
+    """Where rank checkpoints go; empty means runs/<run>/checkpoints under the producer's directory."""
+
+
+class RolloutConfig(Section):
+    max_batch_prompts: int = Field(16, ge=1)
+    """Most prompts generated together in one batch."""
+
+
+class RewardConfig(Section):
+    timeout: float = Field(5.0, gt=0)
+    """Seconds one reward call may take before the sample is failed."""
+    processes: int = Field(2, ge=1)
+    """Reward worker pool size."""
+
+
+class RunConfig(Section):
+    run: str = "demo"
+    """Run id: names every stream, subject and bucket of the run."""
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+
+    @field_validator("run")
+    @classmethod
+    def _run(cls, value: str) -> str:
+        return check_run_id(value)
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message is one line naming the key."""
+
+
+def parse_config(data: object, origin: str = "config") -> RunConfig:
+    try:
+        return RunConfig.model_validate(data if data is not None else {})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        key = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        raise ConfigError(f"{origin}: {key}: {first['msg']}") from None
+
+
+def load_config(path: Path) -> RunConfig:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: cannot read YAML: {' '.join(str(exc).split())}") from None
+    return parse_config(data, str(path))

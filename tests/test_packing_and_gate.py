@@ -1,0 +1,95 @@
+"""Pure arithmetic of the loop: the admission gate, group assembly, token-balanced packing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from consumers.buffer import Group
+from consumers.packing import Row, balance, pack_step, split
+from producers.prompts import admitted_limit
+from schemas.config import ConfigError, RunConfig, load_config
+from tests.helpers import reward
+
+
+def row(tokens: int, name: str = "") -> Row:
+    prompt = np.arange(2, dtype=np.int32)
+    response = np.arange(tokens - 2, dtype=np.int32)
+    return Row(name or f"s{tokens}", prompt, response, np.zeros(tokens - 2, np.float32),
+               np.zeros(tokens - 2, np.int32), 1.0, 0.5, "")
+
+
+def config(**algorithm: object) -> RunConfig:
+    return RunConfig.model_validate({"algorithm": {"prompts_per_step": 4, "max_staleness": 1, **algorithm},
+                                     "trainer": {"steps": 10}})
+
+
+@pytest.mark.parametrize(
+    ("version", "dropped", "limit"),
+    [
+        (0, 0, 8),  # (0 + 1 + 1) * 4: steps 0 and 1 may use version-0 samples
+        (3, 0, 20),  # (3 + 1 + 1) * 4
+        (3, 2, 22),  # each dropped group is replaced once
+        (9, 0, 40),  # never more than steps * prompts_per_step (+ drops)
+        (12, 1, 41),
+    ],
+)
+def test_gate_admits_up_to_the_staleness_bound(version: int, dropped: int, limit: int) -> None:
+    assert admitted_limit(version, dropped, config()) == limit
+
+
+def test_gate_with_zero_staleness_is_on_policy() -> None:
+    assert admitted_limit(2, 0, config(max_staleness=0)) == 12
+
+
+def test_group_completes_and_names_its_drop_reason() -> None:
+    group = Group("r/0/0", 2)
+    group.samples[0] = (reward("r", 0, 0, 1.0), None)  # type: ignore[assignment]
+    assert not group.complete
+    group.samples[1] = (reward("r", 0, 1, 1.0), None)  # type: ignore[assignment]
+    assert group.complete and group.drop_reason() == "all 2 rewards equal (1)"
+    group.samples[1] = (reward("r", 0, 1, 0.0), None)  # type: ignore[assignment]
+    assert group.drop_reason() is None and group.min_version == 0
+    failed = reward("r", 0, 1, 0.0).model_copy(update={"failed": True, "reason": "timeout after 5s"})
+    group.samples[1] = (failed, None)  # type: ignore[assignment]
+    assert group.drop_reason() == "failed sample r/0/0/1: timeout after 5s"
+
+
+def test_balance_spreads_tokens_evenly_across_ranks() -> None:
+    rows = [row(t) for t in (50, 40, 30, 30, 20, 10, 10, 10)]
+    buckets = balance(rows, 2)
+    loads = [sum(r.tokens for r in b) for b in buckets]
+    assert loads == [100, 100]
+    assert sorted(r.sample_id for b in buckets for r in b) == sorted(r.sample_id for r in rows)
+
+
+def test_split_keeps_padded_micro_batches_under_the_token_budget() -> None:
+    rows = sorted((row(t, f"s{i}") for i, t in enumerate((64, 60, 33, 32, 31, 8))), key=lambda r: -r.tokens)
+    batches = split(rows, max_tokens=128)
+    assert [[r.tokens for r in b] for b in batches] == [[64, 60], [33, 32, 31], [8]]
+    assert all(len(b) * max(r.tokens for r in b) <= 128 for b in batches)
+    assert split([row(300)], 128)[0][0].tokens == 300  # an over-long row still travels, alone
+
+
+def test_pack_step_pads_right_and_masks_responses_only() -> None:
+    (micro,), = pack_step([row(5, "a"), row(3, "b")], ranks=1, max_tokens=64)
+    assert micro.input_ids.shape == (2, 5)
+    assert micro.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    assert micro.loss_mask.tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 0, 0]]
+    assert micro.versions.tolist()[1] == [-1, -1, 0, -1, -1]
+
+
+def test_config_errors_name_the_key(tmp_path: Path) -> None:
+    bad = tmp_path / "run.yaml"
+    bad.write_text("algorithm:\n  max_staleness: -1\n")
+    with pytest.raises(ConfigError, match=r"run.yaml: algorithm.max_staleness: Input should be greater than or equal to 0"):
+        load_config(bad)
+    bad.write_text("trainer:\n  stepz: 3\n")
+    with pytest.raises(ConfigError, match=r"trainer.stepz: Extra inputs are not permitted"):
+        load_config(bad)
+    bad.write_text("run: [unclosed\n")
+    with pytest.raises(ConfigError, match="cannot read YAML"):
+        load_config(bad)
+    assert load_config(Path(__file__).parent.parent / "examples" / "reverse.yaml").data.task == "reverse"
