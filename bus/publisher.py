@@ -6,6 +6,10 @@
 - Every ack has a timeout: nats-py 2.16 can leave a `publish_async` future pending
   forever when the server answers with an error. A timed-out or failed publish is retried
   as a plain request publish, which dedup makes safe.
+- Retries go on for `retry_for` seconds, not a number of tries: when a clustered stream
+  loses its leader, publishes are refused at once ("no response from stream") until a new
+  leader is elected, which takes 4-9 s (raft election timeout; measured 4.3-8.3 s, see
+  docs/reliability.md). A short pause between tries keeps the stall close to the election.
 """
 
 from __future__ import annotations
@@ -37,13 +41,13 @@ class Publisher:
         js: JetStreamContext,
         max_inflight_bytes: int = 32 << 20,
         ack_timeout: float = 10.0,
-        retries: int = 5,
+        retry_for: float = 30.0,
         max_payload: int = MAX_PAYLOAD,
     ) -> None:
         self.js = js
         self.max_inflight_bytes = max_inflight_bytes
         self.ack_timeout = ack_timeout
-        self.retries = retries
+        self.retry_for = retry_for
         self.max_payload = max_payload
         self._inflight_bytes = 0
         self._freed = asyncio.Event()
@@ -90,13 +94,21 @@ class Publisher:
             return await asyncio.wait_for(future, self.ack_timeout)
         except Exception as exc:  # timeout, 429, stream busy: retry as a request, dedup makes it safe
             log.warning("publish to %s failed (%s: %s); retrying", subject, type(exc).__name__, exc)
-        for attempt in range(1, self.retries):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.retry_for
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 return await self.js.publish(subject, data, timeout=self.ack_timeout, headers=headers)
             except Exception as exc:
-                log.warning("publish retry %d to %s failed: %s", attempt, subject, exc)
-                await asyncio.sleep(min(0.1 * 2**attempt, 5.0))
-        return await self.js.publish(subject, data, timeout=self.ack_timeout, headers=headers)
+                pause = min(0.1 * attempt, 0.5)
+                if loop.time() + pause > deadline:
+                    raise
+                # One warning per publish: during an election every in-flight publish retries
+                # twice a second for seconds.
+                (log.warning if attempt == 1 else log.debug)("publish retry %d to %s failed: %s", attempt, subject, exc)
+                await asyncio.sleep(pause)
 
     def _release(self, nbytes: int) -> None:
         self._inflight_bytes -= nbytes

@@ -1,7 +1,7 @@
-"""The streams, durable consumers, KV bucket and object store of one run, declared once.
+"""The streams, durable consumers, KV buckets and object store of one run, declared once.
 
-Applying is idempotent: a missing stream is created, an existing one is updated to this
-declaration, so every process may call `apply` at start-up.
+Applying is idempotent: what is missing is created, so every process may call `apply` at
+start-up; only an explicit update changes what exists.
 """
 
 from __future__ import annotations
@@ -80,6 +80,8 @@ class Topology:
         }
     )
     max_age: float = 7 * DAY
+    member_ttl: float = 15.0
+    """Seconds a worker's membership entry lives without a heartbeat (set when the bucket is created)."""
 
     def __post_init__(self) -> None:
         check_run_id(self.run)
@@ -96,6 +98,11 @@ class Topology:
     @property
     def kv_bucket(self) -> str:
         return f"rl_{self.run}"
+
+    @property
+    def members_bucket(self) -> str:
+        """One key per live worker process, expiring `member_ttl` after its last heartbeat."""
+        return f"rl_{self.run}_members"
 
     @property
     def object_bucket(self) -> str:
@@ -143,8 +150,13 @@ class Topology:
             num_replicas=self.replicas,
         )
 
-    async def apply(self, js: JetStreamContext) -> None:
-        """Create or update every stream, consumer, the KV bucket and the object store."""
+    async def apply(self, js: JetStreamContext, update: bool = False) -> None:
+        """Create what is missing: streams, consumers, KV buckets, object store.
+
+        Existing streams and consumers are left as they are unless `update` (the operator's
+        `ops.streams apply`): every worker applies at start-up, and one started with other
+        settings (say `--replicas 1` on a 3-replica run) must not reconfigure the run.
+        """
         for stage in STAGES:
             config = self.stream_config(stage)
             try:
@@ -152,13 +164,21 @@ class Topology:
             except NotFoundError:
                 await js.add_stream(config)
             else:
-                await js.update_stream(config)
+                if update:
+                    await js.update_stream(config)
         for queue in self.queues.values():
-            await js.add_consumer(self.stream(queue.stage), self.consumer_config(queue))
-        try:
-            await js.key_value(self.kv_bucket)
-        except BucketNotFoundError:
-            await js.create_key_value(KeyValueConfig(bucket=self.kv_bucket, history=1, replicas=self.replicas))
+            try:
+                await js.consumer_info(self.stream(queue.stage), queue.durable)
+            except NotFoundError:
+                await js.add_consumer(self.stream(queue.stage), self.consumer_config(queue))
+            else:
+                if update:
+                    await js.add_consumer(self.stream(queue.stage), self.consumer_config(queue))
+        for bucket, ttl in ((self.kv_bucket, None), (self.members_bucket, self.member_ttl)):
+            try:
+                await js.key_value(bucket)
+            except BucketNotFoundError:
+                await js.create_key_value(KeyValueConfig(bucket=bucket, history=1, ttl=ttl, replicas=self.replicas))
         try:
             await js.object_store(self.object_bucket)
         except (BucketNotFoundError, NotFoundError):
@@ -172,7 +192,11 @@ class Topology:
                 await js.delete_stream(self.stream(stage))
             except NotFoundError:
                 pass
-        for delete, bucket in ((js.delete_key_value, self.kv_bucket), (js.delete_object_store, self.object_bucket)):
+        for delete, bucket in (
+            (js.delete_key_value, self.kv_bucket),
+            (js.delete_key_value, self.members_bucket),
+            (js.delete_object_store, self.object_bucket),
+        ):
             try:
                 await delete(bucket)
             except (NotFoundError, BucketNotFoundError):

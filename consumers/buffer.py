@@ -31,7 +31,7 @@ from bus.worker import HOLD, Hold, Worker, WorkerOptions, stop_on_signals
 from consumers.packing import Row, pack_step
 from consumers.runtime import Runtime, attach, worker_args
 from engines.algorithms import advantages
-from schemas import BatchEvent, RewardEvent, Tensor, decode
+from schemas import BatchEvent, DecodeError, RewardEvent, Tensor, decode
 
 log = logging.getLogger("jetrl.buffer")
 
@@ -81,12 +81,17 @@ async def read_batches(rt: Runtime) -> BatchedSoFar:
     groups: dict[int, tuple[str, ...]] = {}
     sub = await rt.js.subscribe(rt.topology.subject("batches", ">"), ordered_consumer=True)
     for _ in range(info.state.messages):
-        batch = decode((await sub.next_msg(timeout=10)).data, BatchEvent)
+        try:
+            batch = decode((await sub.next_msg(timeout=10)).data, BatchEvent)
+        except DecodeError:
+            continue  # the trainer dead-letters unreadable batches; nothing of ours is in them
         seen.sample_ids.update(batch.sample_ids)
         stored, _ = counts.get((batch.step, batch.dp_rank), (0, batch.micro_count))
         counts[(batch.step, batch.dp_rank)] = (stored + 1, batch.micro_count)
         groups[batch.step] = batch.step_prompt_ids
     await sub.unsubscribe()
+    if not counts:
+        return seen
     last = max(step for step, _ in counts)
     seen.next_step = last + 1
     dp_size = rt.config.trainer.dp_size

@@ -64,15 +64,16 @@ class Rollout:
         self.queue.append(pending)
         self.wake.set()
         samples, version, seconds = await pending.done
+        texts = self.tokenizer.batch_decode([s.token_ids.tolist() for s in samples], skip_special_tokens=True)
         acks = []
-        for index, sample in enumerate(samples):
+        for index, (sample, text) in enumerate(zip(samples, texts)):
             response = sample.token_ids.numpy().astype(np.int32)
             trajectory = TrajectoryEvent(
                 id=f"{prompt.id}/{index}", run=prompt.run, source=self.rt.source, prompt_id=prompt.id,
                 sample_index=index, group_size=prompt.n, prompt_ids=Tensor.from_numpy(np.asarray(ids, np.int32)),
                 response_ids=Tensor.from_numpy(response), logprobs=Tensor.from_torch(sample.logprobs.float()),
                 versions=Tensor.from_numpy(np.full(len(response), version, np.int32)),
-                response_text=self.tokenizer.decode(response.tolist(), skip_special_tokens=True),
+                response_text=text,
                 finish_reason=sample.finish_reason, task=prompt.task, engine="hf",
                 timings={"generate": seconds},
             )
@@ -122,6 +123,7 @@ class Rollout:
             async with self.generating:  # ... and the running one finishes first
                 self.engine.load_state_dict(tensors, version=event.version)
             self.gate.set()
+            self.rt.member.report(weight_version=event.version)
             log.info("now serving weights v%d", event.version)
 
 
@@ -131,6 +133,7 @@ async def main() -> None:
     torch.set_num_threads(1)
     model = Path(rt.config.model.path or "")
     rollout = Rollout(rt, HFRolloutEngine(model, seed=rt.config.data.seed), AutoTokenizer.from_pretrained(model))
+    rt.member.report(engine="hf", weight_version=rollout.engine.version)
     stop = asyncio.Event()
     stop_on_signals(stop)
     helpers = [asyncio.create_task(rollout.batcher()), asyncio.create_task(rollout.watch_weights())]

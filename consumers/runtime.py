@@ -1,7 +1,8 @@
-"""What every worker process does first: connect, declare the run, read its config.
+"""What every worker process does first: connect, declare the run, read its config, join.
 
 Workers are started with `--run R --nats URL` only; the run's config comes from the KV
-bucket, where the producer put it (key `config`, the YAML of `RunConfig`).
+bucket, where the producer put it (key `config`, the YAML of `RunConfig`). Once attached, a
+worker heartbeats its membership entry (`consumers.membership`) until it closes.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from bus import tracing
 from bus.connection import DEFAULT_URL, connect, worker_id
 from bus.publisher import Publisher
 from bus.topology import Topology, run_id_arg
+from consumers.membership import Membership
 from schemas.config import RunConfig, parse_config
 
 CONFIG_KEY = "config"
@@ -38,17 +40,20 @@ class Runtime:
     kv: KeyValue
     publisher: Publisher
     config: RunConfig
+    member: Membership
+    """This process's heartbeat entry; `member.report(...)` what it serves."""
 
     @property
     def source(self) -> str:
         return worker_id(self.role)
 
     async def close(self) -> None:
+        await self.member.leave()
         await self.nc.drain()
 
 
 async def attach(role: str, run: str, url: str, replicas: int = 1, wait: float = 120.0) -> Runtime:
-    """Connect, apply the run's topology, and wait (up to `wait` s) for its config in KV."""
+    """Connect, apply the run's topology, wait (up to `wait` s) for its config in KV, join the members."""
     tracing.setup(f"jetrl-{role}")
     nc = await connect(url, worker_id(role))
     js = nc.jetstream()
@@ -65,7 +70,7 @@ async def attach(role: str, run: str, url: str, replicas: int = 1, wait: float =
                 raise TimeoutError(f"run {run}: no config in KV after {wait:.0f}s; is the producer running?") from None
             await asyncio.sleep(0.5)
     config = parse_config(yaml.safe_load(entry.value or b""), f"run {run} config in KV")
-    return Runtime(role, nc, js, topology, kv, Publisher(js), config)
+    return Runtime(role, nc, js, topology, kv, Publisher(js), config, await Membership.join(js, topology, role))
 
 
 async def publish_config(kv: KeyValue, config: RunConfig) -> None:

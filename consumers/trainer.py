@@ -18,9 +18,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from bus import tracing
+from bus.dead import dead_letter
 from bus.worker import stop_on_signals
 from consumers.runtime import Runtime, attach, worker_args
 from engines.protocols import MicroBatch
@@ -70,6 +72,8 @@ async def main() -> None:
     args = worker_args("trainer", __doc__.splitlines()[0], with_rank=True)
     rank: int = args.rank
     rt = await attach("trainer", args.run, args.nats, args.replicas)
+    # One thread: rollout and the other workers share the node's cores with us.
+    torch.set_num_threads(1)
     cfg = rt.config
     algo = cfg.algorithm
     engine = TorchTrainEngine(
@@ -82,6 +86,7 @@ async def main() -> None:
     if engine.step == 0 and rank == 0:
         await publish_weights(rt, engine)  # version 0: what every rollout worker starts from
     log.info("rank %d starts at step %d, batch sequence %d", rank, engine.step, state["last_seq"] + 1)
+    rt.member.report(engine="torch", weight_version=engine.step)
     stop = asyncio.Event()
     stop_on_signals(stop)
     sub = await rt.js.subscribe(
@@ -96,8 +101,8 @@ async def main() -> None:
             continue
         try:
             batch = decode(msg.data, BatchEvent)
-        except DecodeError as exc:
-            log.error("batch at sequence %d is unreadable, skipped: %s", msg.metadata.sequence.stream, exc)
+        except DecodeError as exc:  # reading by position: record it, skip it, go on
+            await dead_letter(rt.publisher, rt.topology, "trainer", msg, str(exc))
             continue
         if batch.step != engine.step:
             log.warning("batch %s is for step %d, expected %d: skipped", batch.id, batch.step, engine.step)
@@ -114,6 +119,7 @@ async def main() -> None:
             metrics = step_metrics(engine.step - 1, pending, trained, time.perf_counter() - started)
         state = {"last_seq": msg.metadata.sequence.stream, "trained": state["trained"] + metrics["sample_ids"]}
         pending = []
+        rt.member.report(weight_version=engine.step)
         if rank == 0 and engine.step % cfg.trainer.sync_every == 0:
             await publish_weights(rt, engine)
         if engine.step % cfg.trainer.checkpoint_every == 0 or engine.step == cfg.trainer.steps:

@@ -1,4 +1,8 @@
-"""`python -m ops.streams apply|show|delete --run R [--nats URL]`: a run's JetStream objects."""
+"""`python -m ops.streams apply|show|delete|users --run R [--nats URL]`: a run's JetStream objects.
+
+`users` needs no server: it writes the run's per-role NATS users (ops.security) to --out
+(readable by its owner only) or prints them.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +10,14 @@ import argparse
 import asyncio
 import os
 import sys
+from pathlib import Path
 
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from bus.connection import DEFAULT_URL, connect
 from bus.topology import STAGES, Topology, run_id_arg
+from ops.security import new_passwords, roles, users_config
 
 
 async def show(js: JetStreamContext, topology: Topology) -> None:
@@ -30,12 +36,30 @@ async def show(js: JetStreamContext, topology: Topology) -> None:
         print(f"{topology.stream(stage):<34} {info.state.messages:>9} {info.state.bytes:>12}  {'; '.join(consumers)}")
 
 
+def write_users(topology: Topology, out: str | None) -> None:
+    """Print the run's NATS users block, or write it to `out` readable by its owner only."""
+    text = users_config(topology, new_passwords(topology))
+    if out is None:
+        print(text, end="")
+        return
+    path = Path(out)
+    try:
+        # Owner-only before the passwords are written: they are in plain text.
+        path.touch(mode=0o600, exist_ok=True)
+        path.chmod(0o600)
+        path.write_text(text)
+    except OSError as exc:
+        sys.exit(f"ops.streams: cannot write {path}: {exc.strerror}")
+    names = ", ".join(role.name for role in roles(topology))
+    print(f"wrote {path}: users {names} for run {topology.run}; include it in each node's config", file=sys.stderr)
+
+
 async def main(args: argparse.Namespace) -> None:
     nc = await connect(args.nats, "ops-streams")
     js = nc.jetstream()
     topology = Topology(run=args.run, replicas=args.replicas)
     if args.action == "apply":
-        await topology.apply(js)
+        await topology.apply(js, update=True)
         print(f"applied run {args.run}: {len(STAGES)} streams, {len(topology.queues)} consumers, KV and object store")
     elif args.action == "delete":
         await topology.delete(js)
@@ -47,15 +71,20 @@ async def main(args: argparse.Namespace) -> None:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m ops.streams", description=__doc__)
-    parser.add_argument("action", choices=["apply", "show", "delete"])
+    parser.add_argument("action", choices=["apply", "show", "delete", "users"])
     parser.add_argument("--run", required=True, type=run_id_arg, help="run id (letters, digits, _ and -)")
     parser.add_argument("--nats", default=os.environ.get("JETRL_NATS_URL", DEFAULT_URL), help="NATS URL(s), comma separated")
     parser.add_argument("--replicas", type=int, choices=[1, 3, 5], default=1, help="stream replicas (3 on a cluster)")
+    parser.add_argument("--out", help="users: file to write the authorization block to (default: print it)")
     return parser.parse_args(argv)
 
 
 if __name__ == "__main__":
+    arguments = parse()
+    if arguments.action == "users":
+        write_users(Topology(run=arguments.run), arguments.out)
+        sys.exit()
     try:
-        asyncio.run(main(parse()))
+        asyncio.run(main(arguments))
     except (OSError, asyncio.TimeoutError) as exc:
         sys.exit(f"ops.streams: cannot reach NATS: {exc}")

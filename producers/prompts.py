@@ -30,8 +30,9 @@ from bus import tracing
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.topology import Topology
+from consumers.fleet import Supervisor, local_fleet
 from consumers.runtime import Runtime, attach, publish_config
-from producers import fleet_local, report
+from producers import report
 from producers.datasets import epoch_size, records
 from schemas import PromptEvent, WeightVersionEvent, decode
 from schemas.config import ConfigError, RunConfig, load_config
@@ -135,7 +136,7 @@ class Producer:
             )
 
 
-async def produce(cfg: RunConfig, url: str, out: Path, fleet: dict | None) -> dict:
+async def produce(cfg: RunConfig, url: str, out: Path, fleet: Supervisor | None) -> dict:
     """Feed and watch a run until its last step; return the summary."""
     started = time.time()
     rt = await attach_bootstrap(cfg, url)
@@ -145,7 +146,7 @@ async def produce(cfg: RunConfig, url: str, out: Path, fleet: dict | None) -> di
     try:
         while not progress.done():
             if fleet is not None:
-                fleet_local.check(fleet, out / "logs")
+                fleet.check()
             for task in tasks:
                 if task.done() and task.exception():
                     raise task.exception()  # type: ignore[misc]
@@ -231,8 +232,9 @@ def main(argv: list[str] | None = None) -> None:
     else:
         with contextlib.ExitStack() as stack:
             server = stack.enter_context(EmbeddedNats(out / "nats"))
-            fleet = fleet_local.start(cfg.run, server.url, out / "logs")
-            stack.callback(fleet_local.stop, fleet)
+            fleet = Supervisor(local_fleet(out / "logs"), cfg.run, server.url)
+            fleet.start()
+            stack.callback(fleet.stop)
             summary = asyncio.run(produce(cfg, server.url, out, fleet))
     print(json.dumps(summary))
 

@@ -7,6 +7,7 @@ run, on any node, reads the same settings from `--run R --nats URL` alone.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -16,7 +17,12 @@ from schemas.events import SamplingParams
 
 
 class Section(BaseModel):
+    """A config section: immutable, and an unknown key is an error, not a silent default."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+S = TypeVar("S", bound=Section)
 
 
 class ModelConfig(Section):
@@ -116,18 +122,26 @@ class ConfigError(ValueError):
     """A config that cannot be used; the message is one line naming the key."""
 
 
-def parse_config(data: object, origin: str = "config") -> RunConfig:
+def validate(model: type[S], data: object, origin: str) -> S:
+    """`model` from parsed YAML, or a ConfigError naming the first bad key."""
     try:
-        return RunConfig.model_validate(data if data is not None else {})
+        return model.model_validate(data if data is not None else {})
     except ValidationError as exc:
         first = exc.errors()[0]
         key = ".".join(str(p) for p in first["loc"]) or "(top level)"
         raise ConfigError(f"{origin}: {key}: {first['msg']}") from None
 
 
-def load_config(path: Path) -> RunConfig:
+def read_yaml(path: Path) -> object:
     try:
-        data = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"{path}: cannot read YAML: {' '.join(str(exc).split())}") from None
-    return parse_config(data, str(path))
+
+
+def parse_config(data: object, origin: str = "config") -> RunConfig:
+    return validate(RunConfig, data, origin)
+
+
+def load_config(path: Path) -> RunConfig:
+    return parse_config(read_yaml(path), str(path))

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import numpy as np
+from nats.js import JetStreamContext
+
+from bus.dead import REASON
+from bus.topology import Topology
 
 from schemas import PromptEvent, RewardEvent, Tensor, TrajectoryEvent
 
@@ -30,3 +37,25 @@ def prompt(run: str, index: int, epoch: int = 0) -> PromptEvent:
 def reward(run: str, prompt_index: int = 0, sample: int = 0, value: float = 1.0) -> RewardEvent:
     t = trajectory(run, prompt_index, sample)
     return RewardEvent(id=t.id, run=run, trajectory=t, reward=value)
+
+
+async def messages(js: JetStreamContext, topology: Topology, stage: str) -> int:
+    return (await js.stream_info(topology.stream(stage))).state.messages
+
+
+async def dead_letters(js: JetStreamContext, topology: Topology) -> list[tuple[bytes, str]]:
+    sub = await js.subscribe(topology.subject("dead", ">"), ordered_consumer=True)
+    out = []
+    for _ in range(await messages(js, topology, "dead")):
+        msg = await sub.next_msg(timeout=5)
+        out.append((msg.data, (msg.headers or {})[REASON]))
+    await sub.unsubscribe()
+    return out
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Poll `predicate` until it holds; fail the test after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.05)

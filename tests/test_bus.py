@@ -17,13 +17,12 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from bus.connection import connect
-from bus.dead import REASON
 from bus.embedded import EmbeddedNats
 from bus.publisher import EventTooLarge, Publisher
 from bus.topology import Topology
 from bus.worker import Worker, WorkerOptions
 from schemas import TrajectoryEvent, encode
-from tests.helpers import trajectory
+from tests.helpers import dead_letters, messages, trajectory
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,20 +43,6 @@ def run_bus(
     asyncio.run(main())
 
 
-async def messages(js: JetStreamContext, topology: Topology, stage: str) -> int:
-    return (await js.stream_info(topology.stream(stage))).state.messages
-
-
-async def dead_letters(js: JetStreamContext, topology: Topology) -> list[tuple[bytes, str]]:
-    sub = await js.subscribe(topology.subject("dead", ">"), ordered_consumer=True)
-    out = []
-    for _ in range(await messages(js, topology, "dead")):
-        msg = await sub.next_msg(timeout=5)
-        out.append((msg.data, (msg.headers or {})[REASON]))
-    await sub.unsubscribe()
-    return out
-
-
 async def run_until(worker: Worker, done: Callable[[], bool], timeout: float = 30.0) -> None:
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
@@ -72,7 +57,8 @@ async def run_until(worker: Worker, done: Callable[[], bool], timeout: float = 3
 
 def test_apply_is_idempotent_and_declares_everything(nats_server: EmbeddedNats, topology: Topology) -> None:
     async def body(js: JetStreamContext) -> None:
-        await topology.apply(js)  # second time: updates, no error
+        await topology.apply(js)  # second time: nothing to do, no error
+        await topology.apply(js, update=True)
         for stage in ("prompts", "trajectories", "rewards", "batches", "weights", "dead"):
             info = await js.stream_info(topology.stream(stage))
             assert info.config.duplicate_window == 3600.0

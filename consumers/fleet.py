@@ -1,0 +1,324 @@
+"""`python -m consumers.fleet --config fleet.yaml [--nats URL] [--run R]`: run and supervise one node's workers.
+
+The fleet starts `replicas` processes of each configured role, each
+`python -m consumers.<role> --run R --nats URL [args]` with its own log file and GPU(s),
+and supervises them, one pass every 0.2 s:
+
+    worker exits 0              done (the trainer after its last step), not restarted
+    worker crashes or killed    restarted after `backoff`, doubled for every restart
+                                already inside `window` (at most `max_backoff`)
+    ... `max_restarts` already  given up on: logged as GAVE UP, with its log's tail
+        inside the window
+    nothing left running        exit 1 if any worker was given up on, else 0
+    SIGTERM / SIGINT            SIGTERM every worker (they drain), SIGKILL those still
+                                running after `stop_timeout`, exit 0
+
+Workers get SIGTERM from Linux when the fleet dies without stopping them (kill -9), so a
+restarted fleet never runs beside orphans of the last one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import importlib.util
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from bus.connection import DEFAULT_URL
+from bus.topology import check_run_id, run_id_arg
+from schemas.config import ConfigError, Section, read_yaml, validate
+
+log = logging.getLogger("jetrl.fleet")
+
+ROLES = ("trainer", "buffer", "reward", "rollout")
+"""The workers of a run, in the order the local job starts them."""
+POLL_SECONDS = 0.2
+LOG_TAIL_LINES = 15
+LOG_TAIL_BYTES = 8192
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+# Loaded before any fork: a child between fork and exec must not take the loader's lock.
+_LIBC = ctypes.CDLL(None) if sys.platform == "linux" else None
+
+State = Literal["running", "waiting", "done", "gave up", "stopped"]
+
+
+class RestartPolicy(Section):
+    """When a crashed worker is started again, and when the fleet stops trying."""
+
+    max_restarts: int = Field(default=5, ge=0)
+    """Restarts allowed inside `window`; a worker that needs one more is given up on."""
+    window: float = Field(default=300.0, gt=0)
+    """Seconds over which restarts are counted."""
+    backoff: float = Field(default=1.0, gt=0)
+    """Seconds before a restart, doubled for every other restart inside the window."""
+    max_backoff: float = Field(default=60.0, gt=0)
+    """Longest wait before a restart."""
+
+
+class RoleConfig(Section):
+    """The processes of one role on this node."""
+
+    replicas: int = Field(default=1, ge=1)
+    """Processes of this role. A trainer runs one rank each: give each rank its own role
+    entry (`module: consumers.trainer`, `args: ["--rank", "K"]`)."""
+    module: str | None = None
+    """Module run with `python -m`; default `consumers.<role name>`."""
+    devices: list[int | str] = []
+    """GPUs handed out round-robin as CUDA_VISIBLE_DEVICES: replica i gets devices[i % len].
+    An entry may name several ("0,1"). Empty: the variable is inherited unchanged."""
+    args: list[str] = []
+    """Extra command-line arguments of every replica."""
+    env: dict[str, str] = {}
+    """Extra environment variables of every replica."""
+
+
+class FleetConfig(Section):
+    """One node's fleet (the YAML given to `--config`)."""
+
+    run: str | None = None
+    """Run id the workers join; --run overrides it, and one of the two is required."""
+    nats: str | None = None
+    """NATS URL(s), comma separated; --nats overrides it; default $JETRL_NATS_URL, then nats://127.0.0.1:4222."""
+    roles: dict[str, RoleConfig] = Field(min_length=1)
+    """Workers by role name: rollout, reward, buffer, trainer, or any name that sets `module`."""
+    logs: Path = Path("logs")
+    """Directory of the worker logs, `<role>-<replica>.log`, appended to across restarts."""
+    restart: RestartPolicy = RestartPolicy()
+    """Restart backoff and give-up limit."""
+    stop_timeout: float = Field(default=30.0, gt=0)
+    """Seconds the workers get to drain after SIGTERM before they are SIGKILLed."""
+
+    @field_validator("run")
+    @classmethod
+    def _run(cls, value: str | None) -> str | None:
+        return None if value is None else check_run_id(value)
+
+    @field_validator("roles")
+    @classmethod
+    def _roles(cls, roles: dict[str, RoleConfig]) -> dict[str, RoleConfig]:
+        for name, role in roles.items():
+            if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+                raise ValueError(f"role name {name!r} must be letters, digits, '_' or '-' (it names log files)")
+            module = role.module or f"consumers.{name}"
+            if not _importable(module):
+                raise ValueError(f"role {name!r}: no module {module} (roles are {', '.join(ROLES)}, or set `module`)")
+        return roles
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
+def load_fleet(path: Path) -> FleetConfig:
+    """The fleet YAML at `path`, or a one-line ConfigError naming the bad key."""
+    return validate(FleetConfig, read_yaml(path), str(path))
+
+
+def local_fleet(logs: Path) -> FleetConfig:
+    """The one-machine job's fleet: one worker of each role."""
+    return FleetConfig(roles={role: RoleConfig() for role in ROLES}, logs=logs)
+
+
+def _term_with_parent(parent: int) -> None:
+    """In the child before exec: ask Linux for SIGTERM when the fleet dies."""
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the fleet died before the request above took effect
+        os._exit(0)
+
+
+def _tail(path: Path) -> str:
+    """The last lines of a log, read from its end: a long run's log can be large."""
+    with open(path, "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
+        return "\n".join(f.read().decode(errors="replace").splitlines()[-LOG_TAIL_LINES:])
+
+
+def _how(code: int) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
+
+
+@dataclass
+class Child:
+    """One worker slot: how to start it, its current process, and its restart history."""
+
+    name: str
+    """`<role>-<replica>`; also the log file's name."""
+    command: list[str]
+    env: dict[str, str]
+    """Added to the fleet's own environment."""
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+    state: State = "waiting"
+    restart_at: float = 0.0
+    """Monotonic time a waiting worker is (re)started at."""
+    restarts: list[float] = field(default_factory=list)
+    """Monotonic times of its restarts, for the window count."""
+    reason: str = ""
+    """Why it was given up on, with its log's tail."""
+
+
+class Supervisor:
+    """Starts a fleet's workers and keeps them running. `start`, then `poll` in a loop, then `stop`.
+
+    Use it from one thread: Linux sends the death signal when the *thread* that started a
+    worker exits, not the process.
+    """
+
+    def __init__(self, config: FleetConfig, run: str, url: str) -> None:
+        self.config = config
+        self.children: dict[str, Child] = {}
+        for role, spec in config.roles.items():
+            module = spec.module or f"consumers.{role}"
+            command = [sys.executable, "-m", module, "--run", run, "--nats", url, *spec.args]
+            for replica in range(spec.replicas):
+                env = dict(spec.env)
+                if spec.devices:
+                    env["CUDA_VISIBLE_DEVICES"] = str(spec.devices[replica % len(spec.devices)])
+                name = f"{role}-{replica}"
+                self.children[name] = Child(name, command, env, config.logs / f"{name}.log")
+
+    def start(self) -> None:
+        self.config.logs.mkdir(parents=True, exist_ok=True)
+        for child in self.children.values():
+            self._spawn(child)
+
+    def poll(self) -> None:
+        """One pass: note exited workers, (re)start those whose backoff is over."""
+        now = time.monotonic()
+        for child in self.children.values():
+            if child.state == "running" and child.proc is not None and (code := child.proc.poll()) is not None:
+                self._exited(child, code, now)
+            elif child.state == "waiting" and now >= child.restart_at:
+                self._spawn(child)
+
+    def check(self) -> None:
+        """`poll`, then raise if a worker was given up on (for a job that needs every worker)."""
+        self.poll()
+        for child in self.children.values():
+            if child.state == "gave up":
+                raise RuntimeError(child.reason)
+
+    def kill(self, name: str, sig: signal.Signals = signal.SIGKILL) -> None:
+        """Send `sig` to one worker (chaos tests); the next `poll` sees it exit and acts."""
+        proc = self.children[name].proc
+        if proc is not None:
+            proc.send_signal(sig)
+
+    def pid(self, name: str) -> int | None:
+        proc = self.children[name].proc
+        return proc.pid if proc is not None and self.children[name].state == "running" else None
+
+    @property
+    def finished(self) -> bool:
+        """Nothing is running or waiting to be restarted."""
+        return all(child.state in ("done", "gave up", "stopped") for child in self.children.values())
+
+    @property
+    def gave_up(self) -> list[str]:
+        return [name for name, child in self.children.items() if child.state == "gave up"]
+
+    def stop(self) -> None:
+        """SIGTERM every running worker (they drain), SIGKILL those still running after stop_timeout."""
+        running = {c.name: c.proc for c in self.children.values() if c.state == "running" and c.proc is not None}
+        for proc in running.values():
+            proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.config.stop_timeout
+        for name, proc in running.items():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s still running %.0fs after SIGTERM: SIGKILL", name, self.config.stop_timeout)
+                proc.kill()
+                proc.wait()
+        for child in self.children.values():
+            if child.state in ("running", "waiting"):
+                child.state = "stopped"
+
+    def serve(self, stop: threading.Event) -> int:
+        """The fleet's loop: start, supervise until `stop` is set or nothing is left, stop; the exit code."""
+        self.start()
+        while not stop.is_set() and not self.finished:
+            self.poll()
+            stop.wait(POLL_SECONDS)
+        self.stop()
+        if stop.is_set() or not self.gave_up:
+            return 0
+        log.error("every worker has exited; gave up on %s", ", ".join(self.gave_up))
+        return 1
+
+    def _spawn(self, child: Child) -> None:
+        with open(child.log, "ab") as out:
+            out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} fleet starts {' '.join(child.command)}\n".encode())
+            out.flush()
+            child.proc = subprocess.Popen(
+                child.command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **child.env},
+                preexec_fn=functools.partial(_term_with_parent, os.getpid()),
+            )
+        child.state = "running"
+        log.info("%s started (pid %d)", child.name, child.proc.pid)
+
+    def _exited(self, child: Child, code: int, now: float) -> None:
+        if code == 0:
+            child.state = "done"
+            log.info("%s exited 0: done", child.name)
+            return
+        policy = self.config.restart
+        child.restarts = [t for t in child.restarts if now - t < policy.window]
+        if len(child.restarts) >= policy.max_restarts:
+            child.state = "gave up"
+            child.reason = (
+                f"GAVE UP on {child.name}: {_how(code)} after {len(child.restarts)} restarts in "
+                f"{policy.window:.0f}s; last lines of {child.log}:\n{_tail(child.log)}"
+            )
+            log.error("%s", child.reason)
+            return
+        delay = min(policy.backoff * 2 ** len(child.restarts), policy.max_backoff)
+        child.restarts.append(now + delay)
+        child.state, child.restart_at = "waiting", now + delay
+        log.warning("%s %s: restart %d in %.1fs", child.name, _how(code), len(child.restarts), delay)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m consumers.fleet", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, required=True, help="fleet YAML (see examples/fleet.yaml)")
+    parser.add_argument("--nats", help="NATS URL(s), comma separated (default: the YAML's, $JETRL_NATS_URL, localhost)")
+    parser.add_argument("--run", type=run_id_arg, help="run id (default: the YAML's run)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s fleet %(levelname)s %(message)s")
+    try:
+        config = load_fleet(args.config)
+    except ConfigError as exc:
+        sys.exit(f"consumers.fleet: {exc}")
+    run = args.run or config.run
+    if run is None:
+        sys.exit(f"consumers.fleet: no run id: set `run:` in {args.config} or pass --run")
+    url = args.nats or config.nats or os.environ.get("JETRL_NATS_URL", DEFAULT_URL)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return Supervisor(config, run, url).serve(stop)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Who is working on a run: one heartbeat entry per worker process in the run's members bucket.
+
+The bucket (`Topology.members_bucket`) has a TTL, so the keys in it are the live processes:
+an entry not refreshed within the TTL expires (a killed process disappears by itself), and
+a process that exits cleanly deletes its own. Each entry is the JSON of a `Member`.
+
+    join: first entry written (visible as soon as `attach` returns)
+    loop: every TTL/5 s, or at once after `report(...)` -> put the entry again
+
+The heartbeat period is read from the bucket's TTL, so a bucket declared with a short TTL
+(tests) gets quick heartbeats with no flag on any worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import socket
+import time
+
+import nats.errors
+from nats.js import JetStreamContext
+from nats.js.errors import KeyDeletedError, KeyNotFoundError, NoKeysError
+from nats.js.kv import KeyValue
+from pydantic import BaseModel, ConfigDict
+
+from bus.connection import worker_id
+from bus.topology import Topology
+
+log = logging.getLogger("jetrl.membership")
+
+BEATS_PER_TTL = 5
+"""Heartbeats per TTL: an entry survives a few lost heartbeats (a reconnect) before it expires."""
+
+
+class Member(BaseModel):
+    """One live worker process, as its heartbeat entry says."""
+
+    model_config = ConfigDict(frozen=True)
+
+    role: str
+    """What it runs: rollout, reward, buffer, trainer, producer."""
+    node: str
+    """Hostname it runs on."""
+    pid: int
+    """Its process id on that node."""
+    engine: str = ""
+    """Engine it drives (hf, torch, vllm, ...); empty for roles without one."""
+    weight_version: int | None = None
+    """Rollout: the weight version it serves. Trainer: its optimizer step. None for other roles."""
+    started_at: float
+    """Unix time it joined the run."""
+    updated_at: float
+    """Unix time of its latest heartbeat."""
+
+
+def member_key(worker: str) -> str:
+    """A valid KV key for a worker id (host:pid:role): ':' and any other character KV refuses become '_'."""
+    return re.sub(r"[^-_=A-Za-z0-9]", "_", worker)
+
+
+class Membership:
+    """This process's entry in the members bucket, refreshed until `leave`."""
+
+    def __init__(self, kv: KeyValue, role: str, interval: float) -> None:
+        now = time.time()
+        self.kv = kv
+        self.interval = interval
+        self.key = member_key(worker_id(role))
+        self.member = Member(role=role, node=socket.gethostname(), pid=os.getpid(), started_at=now, updated_at=now)
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def join(cls, js: JetStreamContext, topology: Topology, role: str) -> Membership:
+        """Write the first entry and start heartbeating."""
+        kv = await js.key_value(topology.members_bucket)
+        ttl = (await kv.status()).ttl or topology.member_ttl
+        membership = cls(kv, role, interval=ttl / BEATS_PER_TTL)
+        await membership._put()
+        membership._task = asyncio.create_task(membership._beat())
+        return membership
+
+    def report(self, *, engine: str | None = None, weight_version: int | None = None) -> None:
+        """Record what this worker runs or serves; the entry is rewritten now, not at the next beat."""
+        if engine is not None:
+            self.member = self.member.model_copy(update={"engine": engine})
+        if weight_version is not None:
+            self.member = self.member.model_copy(update={"weight_version": weight_version})
+        self._changed.set()
+
+    async def _beat(self) -> None:
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), self.interval)
+            self._changed.clear()
+            try:
+                await self._put()
+            except nats.errors.Error as exc:  # reconnecting: the work goes on, the next beat retries
+                log.warning("membership heartbeat failed: %s", exc)
+
+    async def _put(self) -> None:
+        self.member = self.member.model_copy(update={"updated_at": time.time()})
+        await self.kv.put(self.key, self.member.model_dump_json().encode())
+
+    async def leave(self) -> None:
+        """Stop heartbeating and delete the entry (should that fail, it expires after the TTL)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        try:
+            await self.kv.delete(self.key)
+        except nats.errors.Error as exc:
+            log.warning("membership entry not deleted (it expires by itself): %s", exc)
+
+
+async def live_members(js: JetStreamContext, topology: Topology) -> list[Member]:
+    """Every worker of the run whose heartbeat has not expired, by role, node and pid."""
+    kv = await js.key_value(topology.members_bucket)
+    try:
+        keys = await kv.keys()
+    except NoKeysError:
+        return []
+    members = []
+    for key in keys:
+        try:
+            entry = await kv.get(key)
+        except (KeyNotFoundError, KeyDeletedError):
+            continue  # expired or left since the listing
+        members.append(Member.model_validate_json(entry.value or b""))
+    return sorted(members, key=lambda m: (m.role, m.node, m.pid))

@@ -1,0 +1,83 @@
+"""The reward worker: trajectories in, scored RewardEvents out.
+
+    python -m consumers.reward --run R [--nats URL]
+
+Each trajectory's `response_text` and `task` go to the run's reward function
+(`config.data.reward`) in a process pool with a deadline (`consumers.reward_pool`).
+Whatever that function does — hang, crash, return garbage — the trajectory gets a
+RewardEvent, failed with a reason if need be, so its group can still be accounted for.
+The RewardEvent is stored before the trajectory is acked, so the trajectories of a killed
+worker are redelivered and scored again, and the shared id makes the re-publish a
+duplicate the stream drops. SIGTERM stops fetching, finishes what was fetched, and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from nats.aio.msg import Msg
+
+from bus.publisher import EventTooLarge
+from bus.worker import Handler, Reject, Worker, WorkerOptions, stop_on_signals
+from consumers.reward_pool import RewardPool, RewardSpecError
+from consumers.runtime import Runtime, attach, worker_args
+from schemas import RewardEvent, TrajectoryEvent
+
+log = logging.getLogger("jetrl.reward")
+
+
+def reward_handler(rt: Runtime, pool: RewardPool) -> Handler[TrajectoryEvent]:
+    """Score one trajectory with the run's reward function and store its RewardEvent."""
+    fn = rt.config.data.reward
+    subject = rt.topology.subject("rewards")
+
+    async def handle(event: TrajectoryEvent, _msg: Msg) -> None:
+        score = await pool.score(fn, event.response_text, event.task)
+        reward = RewardEvent(
+            id=event.id,
+            run=rt.topology.run,
+            source=rt.source,
+            trajectory=event,
+            reward=score.reward,
+            components=score.components,
+            failed=score.failed,
+            reason=score.reason,
+        )
+        try:
+            await rt.publisher.publish(subject, reward)
+        except EventTooLarge as exc:  # retrying cannot shrink it: straight to dead, with the reason
+            raise Reject(str(exc)) from None
+
+    return handle
+
+
+def reward_worker(rt: Runtime, pool: RewardPool, options: WorkerOptions | None = None) -> Worker[TrajectoryEvent]:
+    """The worker loop over the run's `reward` queue; by default twice as many messages in
+    hand as pool processes, so a process never waits for the next fetch."""
+    options = options or WorkerOptions(concurrency=2 * pool.processes)
+    queue = rt.topology.queues["reward"]
+    return Worker(rt.js, rt.topology, queue, TrajectoryEvent, reward_handler(rt, pool), rt.publisher, options)
+
+
+async def main(run: str, url: str, replicas: int) -> None:
+    rt = await attach("reward", run, url, replicas)
+    stop = asyncio.Event()
+    stop_on_signals(stop)
+    try:
+        async with RewardPool(rt.config.reward.processes, rt.config.reward.timeout) as pool:
+            # A function that cannot be imported would fail every sample: refuse to start instead.
+            await pool.resolve(rt.config.data.reward)
+            log.info("scoring run %s with %s in %d processes", run, rt.config.data.reward, pool.processes)
+            await reward_worker(rt, pool).run(stop)
+    finally:
+        await rt.close()
+
+
+if __name__ == "__main__":
+    args = worker_args("reward", "Score trajectories with the run's reward function.")
+    try:
+        asyncio.run(main(args.run, args.nats, args.replicas))
+    except RewardSpecError as exc:
+        sys.exit(f"reward: {exc}")

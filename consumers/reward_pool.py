@@ -1,0 +1,431 @@
+"""Run untrusted reward functions in separate processes, each call with a deadline.
+
+A reward function is named `module:function` and called as `function(response_text, task)`;
+it returns a number, or a dict with "reward" plus named float components. Whatever it does
+instead — hang, raise, `sys.exit`, segfault, allocate without bound, write a huge file,
+return NaN or a string — the call ends in a failed `Score` with a one-line reason, and the
+pool replaces a process it lost and keeps serving (DESIGN invariant 4).
+
+Each pool process is a fresh interpreter (`python -m consumers.reward_pool`) started with:
+- an environment without the worker's NATS_/JETRL_/OTEL_ variables: they are left out when
+  the process is exec'ed, so they are not in `/proc/self/environ` either; and none of the
+  worker's open descriptors (its NATS socket);
+- limits on address space (MemoryError), file size (the write fails with EFBIG) and core
+  size, and a CPU-time limit renewed before each request (SIGXCPU past it);
+- its own session, and (Linux) SIGKILL when the worker dies, so a hung call never outlives
+  the worker and a kill of the whole group takes anything the function started along.
+
+Requests and replies are length-prefixed msgpack over the child's stdin/stdout (never
+pickle: the parent must not run code on the child's say-so). The child moves the protocol
+to private descriptors first, so a function that prints cannot corrupt it.
+
+Why not `pebble` or `multiprocessing`: their spawned processes inherit the parent's
+environment with no per-pool override, so the credentials could only be deleted after
+start, where `/proc/self/environ` still shows them; and their replies are pickles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import importlib
+import math
+import numbers
+import os
+import resource
+import signal
+import struct
+import sys
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+import msgpack
+
+SCRUBBED_PREFIXES = ("NATS_", "JETRL_", "OTEL_")
+"""Environment variables a reward process must not see (connection URLs, credentials)."""
+CHILD_MODULE = "consumers.reward_pool"
+MAX_REPLY_BYTES = 64 << 10
+"""A reply is a float and a few components; a bigger one would not fit a RewardEvent anyway."""
+MAX_REASON_CHARS = 500
+HEADER = struct.Struct(">I")
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+RewardFn = Callable[[str, dict[str, Any]], object]
+
+
+class RewardSpecError(ValueError):
+    """A `module:function` that cannot be used; the message is one line."""
+
+
+@dataclass(frozen=True)
+class Score:
+    """What one reward call produced; a failed call scores 0.0 and says why."""
+
+    reward: float
+    components: dict[str, float] = field(default_factory=dict)
+    failed: bool = False
+    reason: str = ""
+
+    @classmethod
+    def failure(cls, reason: str) -> Score:
+        return cls(0.0, {}, True, one_line(reason))
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Resource limits of every pool process."""
+
+    memory_bytes: int = 2 << 30
+    """Address space (RLIMIT_AS); past it allocations raise MemoryError."""
+    file_bytes: int = 16 << 20
+    """Largest file the process may write (RLIMIT_FSIZE)."""
+    cpu_factor: float = 3.0
+    """CPU seconds one request may use, as a multiple of its deadline (RLIMIT_CPU)."""
+
+
+def one_line(text: str) -> str:
+    """`text` on one line, cut to MAX_REASON_CHARS (reasons travel in events and headers)."""
+    return " ".join(text.split())[:MAX_REASON_CHARS]
+
+
+def parse_spec(spec: str) -> tuple[str, str]:
+    """`"module:function"` -> (module, function)."""
+    module, colon, name = spec.partition(":")
+    if not (module and colon and name):
+        raise RewardSpecError(f"reward function {spec!r} must be 'module:function'")
+    return module, name
+
+
+def child_env() -> dict[str, str]:
+    """The worker's environment without the variables a reward process must not see."""
+    return {key: value for key, value in os.environ.items() if not key.startswith(SCRUBBED_PREFIXES)}
+
+
+class RewardPool:
+    """`processes` reward processes; `score` runs one call on a free one within `timeout` s.
+
+    A process's first use of a function imports it under `import_timeout` instead, so a
+    slow import does not eat into the first call's deadline. Use as
+    `async with RewardPool(...) as pool:` inside the event loop that calls it.
+    """
+
+    def __init__(
+        self, processes: int = 2, timeout: float = 5.0, *, import_timeout: float = 60.0, limits: Limits = Limits()
+    ) -> None:
+        if processes < 1 or timeout <= 0 or import_timeout <= 0:
+            raise ValueError("a reward pool needs processes >= 1 and positive timeouts")
+        self.processes = processes
+        self.timeout = timeout
+        self.import_timeout = import_timeout
+        self.limits = limits
+        # A slot is None after its process was lost; the next call to take it starts a new one,
+        # so the call that lost it returns at once.
+        self._idle: asyncio.Queue[_Child | None] = asyncio.Queue()
+        self._live: set[_Child] = set()
+        self._bad_specs: dict[str, str] = {}
+
+    async def __aenter__(self) -> RewardPool:
+        for child in await asyncio.gather(*(self._spawn() for _ in range(self.processes))):
+            self._idle.put_nowait(child)
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Kill every pool process (they hold no state)."""
+        await asyncio.gather(*(child.kill() for child in list(self._live)))
+        self._live.clear()
+
+    async def resolve(self, fn: str) -> None:
+        """Import `fn` in a pool process now; raise RewardSpecError if it cannot be used."""
+        async with self._lease() as child:
+            try:
+                await self._resolve_in(child, fn)
+            except _ChildLost as exc:
+                raise RewardSpecError(str(exc)) from None
+
+    async def score(self, fn: str, response_text: str, task: dict[str, Any]) -> Score:
+        """Score one response; never raises for what the function does (RewardSpecError for a bad `fn`)."""
+        async with self._lease() as child:
+            try:
+                await self._resolve_in(child, fn)
+                request = {"op": "score", "fn": fn, "text": response_text, "task": task}
+                reply = await child.request(request, self.timeout)
+            except _ChildLost as exc:
+                return Score.failure(str(exc))
+        return _score_from(reply)
+
+    async def _resolve_in(self, child: _Child, fn: str) -> None:
+        """Make `child` import `fn` once; a spec that cannot work is remembered and refused."""
+        if fn in self._bad_specs:
+            raise RewardSpecError(self._bad_specs[fn])
+        if fn in child.resolved:
+            return
+        try:
+            reply = await child.request({"op": "resolve", "fn": fn}, self.import_timeout)
+        except _ChildLost as exc:
+            raise _ChildLost(f"importing {fn}: {exc}") from None
+        if "error" in reply:
+            self._bad_specs[fn] = one_line(str(reply["error"]))
+            raise RewardSpecError(self._bad_specs[fn])
+        child.resolved.add(fn)
+
+    @asynccontextmanager
+    async def _lease(self) -> AsyncIterator[_Child]:
+        """Take a free process (starting one where the slot's was lost) and give it back after."""
+        child = await self._idle.get()
+        try:
+            if child is None:
+                child = await self._spawn()
+            yield child
+        finally:
+            self._idle.put_nowait(child if child is not None and child.alive else None)
+            if child is not None and not child.alive:
+                self._live.discard(child)
+
+    async def _spawn(self) -> _Child:
+        child = await _Child.spawn(self.limits)
+        self._live.add(child)
+        return child
+
+
+class _ChildLost(Exception):
+    """A request that ended with its process killed or dead; the message is the reason."""
+
+
+class _BadReply(Exception):
+    """A reply that breaks the protocol; the process can no longer be trusted to frame one."""
+
+
+class _Child:
+    """One reward process (parent side) and the functions it has imported."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, limits: Limits) -> None:
+        self.proc = proc
+        self.limits = limits
+        self.resolved: set[str] = set()
+
+    @classmethod
+    async def spawn(cls, limits: Limits) -> _Child:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", CHILD_MODULE,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            env=child_env(), start_new_session=True,
+        )
+        assert proc.stdin is not None
+        # The child sees the worker's import path, so any function the worker can name, it can import.
+        init = {
+            "sys_path": [entry for entry in sys.path if isinstance(entry, str)],
+            "parent": os.getpid(),
+            "memory": limits.memory_bytes,
+            "file": limits.file_bytes,
+        }
+        proc.stdin.write(_frame(init))
+        return cls(proc, limits)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.returncode is None
+
+    async def request(self, message: dict[str, Any], deadline: float) -> dict[str, Any]:
+        """Send one request, return its reply; on any failure kill the process and raise _ChildLost."""
+        cpu_seconds = math.ceil(deadline * self.limits.cpu_factor)
+        try:
+            async with asyncio.timeout(deadline):
+                return await self._roundtrip({**message, "cpu_seconds": cpu_seconds})
+        except TimeoutError:
+            reason = f"timed out after {deadline:g}s"
+        except (asyncio.IncompleteReadError, ConnectionError):
+            reason = ""  # the process died: its exit status, known once reaped, says how
+        except _BadReply as exc:
+            reason = f"bad reply from the reward process: {exc}"
+        except BaseException:  # cancelled (or broken) mid-call: the process is in an unknown state
+            await self.kill()
+            raise
+        await self.kill()
+        raise _ChildLost(reason or _death(self.proc.returncode))
+
+    async def _roundtrip(self, message: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(_frame(message))
+        await self.proc.stdin.drain()
+        (size,) = HEADER.unpack(await self.proc.stdout.readexactly(HEADER.size))
+        if size > MAX_REPLY_BYTES:
+            raise _BadReply(f"{size} bytes is over the {MAX_REPLY_BYTES}-byte limit")
+        body = await self.proc.stdout.readexactly(size)
+        try:
+            reply = msgpack.unpackb(body, raw=False)
+        except Exception as exc:  # msgpack raises several unrelated types for bad bytes
+            raise _BadReply(f"not msgpack: {type(exc).__name__}") from None
+        if not isinstance(reply, dict):
+            raise _BadReply(f"a {type(reply).__name__}, not a map")
+        return reply
+
+    async def kill(self) -> None:
+        """SIGKILL the process and whatever it started (its session), then reap it."""
+        if self.proc.returncode is None:
+            with suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        await self.proc.wait()
+
+
+def _death(returncode: int | None) -> str:
+    if returncode is not None and returncode < 0:
+        try:
+            return f"reward process killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"reward process killed by signal {-returncode}"
+    return f"reward process exited with code {returncode}"
+
+
+def _score_from(reply: dict[str, Any]) -> Score:
+    """Check a child's reply (it may have been forged by the function) and make it a Score."""
+    if "error" in reply:
+        return Score.failure(str(reply["error"]))
+    reward, components = reply.get("reward"), reply.get("components")
+    if not (isinstance(reward, float) and isinstance(components, dict)) or not all(
+        isinstance(name, str) and isinstance(value, float) for name, value in components.items()
+    ):
+        return Score.failure("malformed reply from the reward process")
+    for name, value in {"reward": reward, **components}.items():
+        if not math.isfinite(value):
+            return Score.failure(f"returned a non-finite {name}: {value}")
+    return Score(reward, components)
+
+
+def _frame(message: object) -> bytes:
+    body = msgpack.packb(message, use_bin_type=True)
+    return HEADER.pack(len(body)) + body
+
+
+# --- the child process ------------------------------------------------------------------
+
+
+class _BadReturn(Exception):
+    """A reward function's return value that is not a reward."""
+
+
+def _child_main() -> None:
+    """Serve requests until the worker closes the pipe (or kills this process)."""
+    requests, replies = _claim_protocol_fds()
+    init = _receive(requests)
+    if init is None:
+        return
+    sys.path[:] = init["sys_path"]
+    _die_with_parent(init["parent"])
+    _set_limit(resource.RLIMIT_AS, init["memory"])
+    _set_limit(resource.RLIMIT_FSIZE, init["file"])
+    _set_limit(resource.RLIMIT_CORE, 0)  # a crashing function must not fill the disk with cores
+    functions: dict[str, RewardFn] = {}
+    while (request := _receive(requests)) is not None:
+        _renew_cpu_limit(request["cpu_seconds"])
+        replies.write(_frame(_serve(request, functions)))
+        replies.flush()
+
+
+def _claim_protocol_fds() -> tuple[BinaryIO, BinaryIO]:
+    """Keep stdin/stdout for the protocol on private descriptors; fd 0 becomes /dev/null, fd 1 stderr."""
+    requests = os.fdopen(os.dup(0), "rb")
+    replies = os.fdopen(os.dup(1), "wb")
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.dup2(2, 1)
+    return requests, replies
+
+
+def _receive(stream: BinaryIO) -> Any:
+    """The next framed message, or None when the worker has closed the pipe."""
+    header = stream.read(HEADER.size)
+    if len(header) < HEADER.size:
+        return None
+    (size,) = HEADER.unpack(header)
+    return msgpack.unpackb(stream.read(size), raw=False)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Ask Linux for SIGKILL when the worker dies: a hung call must not outlive it."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the worker died before the request above took effect
+        os._exit(0)
+
+
+def _set_limit(kind: int, soft: int, keep_hard: bool = False) -> None:
+    """Set a soft limit, never above the inherited hard one, and lower the hard one to it
+    unless `keep_hard` (so the function cannot raise the limit again)."""
+    _, hard = resource.getrlimit(kind)
+    if hard != resource.RLIM_INFINITY:
+        soft = min(soft, hard)
+    resource.setrlimit(kind, (soft, hard if keep_hard else soft))
+
+
+def _renew_cpu_limit(seconds: int) -> None:
+    """Allow `seconds` more CPU time: RLIMIT_CPU counts the process's whole life, not one call."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    # The hard limit stays where it was: a lowered one could not be raised for the next call.
+    _set_limit(resource.RLIMIT_CPU, math.ceil(usage.ru_utime + usage.ru_stime) + seconds, keep_hard=True)
+
+
+def _serve(request: dict[str, Any], functions: dict[str, RewardFn]) -> dict[str, Any]:
+    """Run one request ("resolve": import a function; "score": call it) and make its reply."""
+    fn = request["fn"]
+    if request["op"] == "resolve":
+        try:
+            functions[fn] = _load(fn)
+        except RewardSpecError as exc:
+            return {"error": str(exc)}
+        return {}
+    try:
+        value = functions[fn](request["text"], request["task"])
+    except SystemExit as exc:
+        return {"error": f"called sys.exit({exc.code!r})"}
+    except BaseException as exc:  # the function's failure is the call's result, whatever it is
+        return {"error": f"raised {_describe(exc)}"}
+    try:
+        reward, components = _interpret(value)
+    except _BadReturn as exc:
+        return {"error": str(exc)}
+    return {"reward": reward, "components": components}
+
+
+def _load(spec: str) -> RewardFn:
+    module_name, name = parse_spec(spec)
+    try:
+        module = importlib.import_module(module_name)
+    except BaseException as exc:  # an import runs arbitrary code: any failure means the spec is unusable
+        raise RewardSpecError(f"reward function {spec!r}: cannot import {module_name!r}: {_describe(exc)}") from None
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise RewardSpecError(f"reward function {spec!r}: module {module_name!r} has no attribute {name!r}")
+    if not callable(fn):
+        raise RewardSpecError(f"reward function {spec!r}: {name!r} is not callable (it is {type(fn).__name__})")
+    return fn
+
+
+def _interpret(value: object) -> tuple[float, dict[str, float]]:
+    """A number, or a dict with "reward" and named numbers -> (reward, components)."""
+    if isinstance(value, Mapping):
+        if "reward" not in value:
+            raise _BadReturn(f"returned a dict without 'reward' (keys: {sorted(map(str, value))[:10]})")
+        components = {str(key): _as_float(part, f"component {key!r}") for key, part in value.items() if key != "reward"}
+        return _as_float(value["reward"], "reward"), components
+    return _as_float(value, "reward"), {}
+
+
+def _as_float(value: object, what: str) -> float:
+    # numbers.Real covers int, float, bool and numpy scalars; str, None, lists are not rewards.
+    if not isinstance(value, numbers.Real):
+        raise _BadReturn(f"returned a {type(value).__name__} as {what}, expected a number")
+    return float(value)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+if __name__ == "__main__":
+    _child_main()

@@ -1,0 +1,222 @@
+"""`python -m ops.status --run R [--nats URL] [--watch]`: where a run stands, from its streams, consumers and KV.
+
+    stages   messages stored per stream, and arriving per second
+    queues   per work queue: pending, in flight (ack pending), redelivered, done per second
+             (taken and no longer in flight: acked or terminated)
+    dead     dead letters by the worker that wrote them
+    trainer  the step of the live trainer(s), the latest weight version
+    staleness  step - version over the loss tokens of the last batches in the stream
+    workers  the live members: role, node, pid, engine, weights, uptime, last heartbeat
+
+Rates are the difference between two samples 1 s apart, or, with --watch, between two
+redraws (every 2 s). Nothing is written anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+
+from bus.connection import DEFAULT_URL, connect
+from bus.topology import STAGES, Topology, run_id_arg
+from consumers.membership import Member, live_members
+from schemas import BatchEvent, DecodeError, WeightVersionEvent, decode
+
+CLEAR = "\033[H\033[J"
+WATCH_SECONDS = 2.0
+CONNECT_SECONDS = 10.0
+
+
+@dataclass(frozen=True)
+class StageState:
+    """One stage's stream."""
+
+    messages: int
+    """Messages stored now."""
+    bytes: int
+    """Bytes stored now."""
+    last_seq: int
+    """Messages ever stored: its difference between samples is the arrival rate."""
+
+
+@dataclass(frozen=True)
+class QueueState:
+    """One work queue (durable consumer)."""
+
+    pending: int
+    """Not yet delivered to any worker."""
+    in_flight: int
+    """Delivered, neither acked nor terminated."""
+    redelivered: int
+    """In flight and delivered more than once."""
+    done: int
+    """Taken and settled so far (last delivered stream sequence - in flight): its difference is the work rate."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The counters of a run at one moment; two of them give the rates."""
+
+    time: float
+    stages: dict[str, StageState]
+    queues: dict[str, QueueState]
+    dead: dict[str, int]
+    """Dead letters by the worker (stage) that wrote them."""
+
+
+@dataclass(frozen=True)
+class Details:
+    """What is shown as it is now, no rate: membership, weights, recent batches."""
+
+    members: list[Member]
+    weights: int | None
+    """Latest published weight version, None before the first."""
+    batches: list[BatchEvent]
+    """The last few readable batch events, oldest first."""
+
+
+async def sample(js: JetStreamContext, topology: Topology) -> Sample:
+    stages = {}
+    for stage in STAGES:
+        state = (await js.stream_info(topology.stream(stage))).state
+        stages[stage] = StageState(state.messages, state.bytes, state.last_seq)
+    queues = {}
+    for role, queue in topology.queues.items():
+        info = await js.consumer_info(topology.stream(queue.stage), queue.durable)
+        delivered = info.delivered.stream_seq if info.delivered and info.delivered.stream_seq else 0
+        in_flight = info.num_ack_pending or 0
+        queues[role] = QueueState(info.num_pending or 0, in_flight, info.num_redelivered or 0, delivered - in_flight)
+    dead_info = await js.stream_info(topology.stream("dead"), subjects_filter=topology.subject("dead", ">"))
+    dead = {subject.rsplit(".", 1)[1]: count for subject, count in (dead_info.state.subjects or {}).items()}
+    return Sample(time.monotonic(), stages, queues, dead)
+
+
+async def details(js: JetStreamContext, topology: Topology, batches: int) -> Details:
+    try:
+        last = await js.get_last_msg(topology.stream("weights"), topology.subject("weights"))
+        weights: int | None = decode(last.data or b"", WeightVersionEvent).version
+    except (NotFoundError, DecodeError):
+        weights = None
+    state = (await js.stream_info(topology.stream("batches"))).state
+    recent = []
+    for seq in range(max(state.first_seq, state.last_seq - batches + 1, 1), state.last_seq + 1):  # seqs start at 1
+        try:
+            recent.append(decode((await js.get_msg(topology.stream("batches"), seq)).data or b"", BatchEvent))
+        except (NotFoundError, DecodeError):
+            continue  # deleted by retention, or garbage the trainer dead-letters
+    return Details(await live_members(js, topology), weights, recent)
+
+
+def _size(n: int) -> str:
+    size, unit = float(n), "B"
+    for bigger in ("KiB", "MiB", "GiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, bigger
+    return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{seconds:.1f}s"
+
+
+def staleness_line(batches: list[BatchEvent]) -> str:
+    """The distribution of step - version over the loss tokens of `batches`."""
+    counts: Counter[int] = Counter()
+    for b in batches:
+        versions = b.versions.numpy()[b.loss_mask.numpy() == 1]
+        counts.update((b.step - versions).tolist())
+    total = sum(counts.values())
+    if not total:
+        return "staleness: no batches yet"
+    shares = "  ".join(f"{s}: {100 * n / total:.1f}%" for s, n in sorted(counts.items()))
+    first, last = min(b.step for b in batches), max(b.step for b in batches)
+    steps = f"step {first}" if first == last else f"steps {first}-{last}"
+    return f"staleness (step - version) over {steps}, {total} loss tokens: {shares}"
+
+
+def render(topology: Topology, before: Sample, now: Sample, info: Details) -> str:
+    """The status page: `now` as it is, rates from `before` to `now`."""
+    seconds = max(now.time - before.time, 1e-9)
+    lines = [f"run {topology.run}  {time.strftime('%Y-%m-%d %H:%M:%S')}", ""]
+    lines.append(f"{'stage':<13} {'messages':>9} {'bytes':>10} {'in/s':>8}")
+    for stage, s in now.stages.items():
+        rate = (s.last_seq - before.stages[stage].last_seq) / seconds
+        lines.append(f"{stage:<13} {s.messages:>9} {_size(s.bytes):>10} {rate:>8.1f}")
+    lines += ["", f"{'queue':<9} {'reads':<13} {'pending':>8} {'in flight':>10} {'redelivered':>12} {'done/s':>8}"]
+    for role, q in now.queues.items():
+        rate = (q.done - before.queues[role].done) / seconds
+        stage = topology.queues[role].stage
+        lines.append(f"{role:<9} {stage:<13} {q.pending:>8} {q.in_flight:>10} {q.redelivered:>12} {rate:>8.1f}")
+    dead = ", ".join(f"{stage} {n}" for stage, n in sorted(now.dead.items())) or "none"
+    lines += ["", f"dead letters: {dead}"]
+    trainer_steps = [m.weight_version for m in info.members if m.role == "trainer" and m.weight_version is not None]
+    trainer = f"trainer at step {max(trainer_steps)}" if trainer_steps else "no live trainer"
+    weights = f"v{info.weights}" if info.weights is not None else "none yet"
+    lines += [f"{trainer}; latest weights {weights}", staleness_line(info.batches), ""]
+    lines.append(f"workers: {len(info.members)} live")
+    lines.append(f"{'role':<9} {'node':<20} {'pid':>8} {'engine':<7} {'weights':<9} {'up':>7} {'last beat':>10}")
+    wall = time.time()
+    for m in info.members:
+        version = m.weight_version
+        held = "-" if version is None else f"step {version}" if m.role == "trainer" else f"v{version}"
+        lines.append(
+            f"{m.role:<9} {m.node[:20]:<20} {m.pid:>8} {m.engine or '-':<7} {held:<9} "
+            f"{_duration(wall - m.started_at):>7} {_duration(wall - m.updated_at) + ' ago':>10}"
+        )
+    return "\n".join(lines)
+
+
+async def show(url: str, topology: Topology, watch: bool, batches: int) -> None:
+    """Print the page once (rates over 1 s), or redraw it every WATCH_SECONDS until interrupted."""
+    # The bus connection retries forever, right for a worker; a person asking for status wants an answer.
+    nc = await asyncio.wait_for(connect(url, "ops-status"), CONNECT_SECONDS)
+    js = nc.jetstream()
+    try:
+        before = await sample(js, topology)
+        while True:
+            await asyncio.sleep(WATCH_SECONDS if watch else 1.0)
+            now = await sample(js, topology)
+            page = render(topology, before, now, await details(js, topology, batches))
+            print(CLEAR + page if watch else page, flush=True)
+            if not watch:
+                return
+            before = now
+    finally:
+        await nc.close()
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m ops.status", description=__doc__.splitlines()[0])
+    parser.add_argument("--run", required=True, type=run_id_arg, help="run id")
+    parser.add_argument("--nats", default=os.environ.get("JETRL_NATS_URL", DEFAULT_URL), help="NATS URL(s)")
+    parser.add_argument("--watch", action="store_true", help=f"redraw every {WATCH_SECONDS:.0f} s until Ctrl-C")
+    parser.add_argument("--batches", type=int, default=16, help="recent batch events the staleness is measured over")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    try:
+        asyncio.run(show(args.nats, Topology(run=args.run), args.watch, args.batches))
+    except KeyboardInterrupt:
+        pass  # the way out of --watch
+    except NotFoundError:
+        sys.exit(f"ops.status: run {args.run} has no streams on {args.nats}; is the run id right?")
+    except (OSError, TimeoutError) as exc:
+        reason = str(exc) or f"no answer in {CONNECT_SECONDS:.0f}s"
+        sys.exit(f"ops.status: cannot reach NATS at {args.nats}: {reason}")
+
+
+if __name__ == "__main__":
+    main()

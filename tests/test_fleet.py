@@ -1,0 +1,157 @@
+"""The fleet supervisor and worker membership, with real processes on a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bus.connection import connect
+from bus.embedded import EmbeddedNats
+from bus.topology import Topology
+from consumers.fleet import FleetConfig, RestartPolicy, RoleConfig, Supervisor, load_fleet
+from consumers.membership import Member, live_members
+from consumers.runtime import publish_config
+from schemas.config import ConfigError, RunConfig
+from tests.helpers import wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+STAND_IN = "tests.fleet_proc"
+
+
+def fleet_cli(config: dict, tmp_path: Path) -> subprocess.Popen[str]:
+    """`python -m consumers.fleet` on `config`; no worker here talks to NATS, so the URL is unused."""
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump({"run": "fleet-test", "logs": str(tmp_path / "logs"), **config}))
+    return subprocess.Popen(
+        [sys.executable, "-m", "consumers.fleet", "--config", str(path), "--nats", "nats://127.0.0.1:1"],
+        cwd=ROOT, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def members(url: str, topology: Topology) -> list[Member]:
+    async def read() -> list[Member]:
+        nc = await connect(url, "test-members")
+        try:
+            return await live_members(nc.jetstream(), topology)
+        finally:
+            await nc.close()
+
+    return asyncio.run(read())
+
+
+def test_killed_worker_is_restarted_and_membership_follows_it(nats_server: EmbeddedNats, tmp_path: Path) -> None:
+    # A short TTL: the killed worker's entry must expire within the test.
+    topology = Topology(run=f"t{uuid.uuid4().hex[:10]}", member_ttl=2.0)
+
+    async def set_up() -> None:
+        nc = await connect(nats_server.url, "test")
+        await topology.apply(nc.jetstream())
+        await publish_config(await nc.jetstream().key_value(topology.kv_bucket), RunConfig(run=topology.run))
+        await nc.close()
+
+    asyncio.run(set_up())
+    config = FleetConfig(roles={"buffer": RoleConfig()}, logs=tmp_path, restart=RestartPolicy(backoff=0.1))
+    fleet = Supervisor(config, topology.run, nats_server.url)
+    fleet.start()
+    try:
+        first = fleet.pid("buffer-0")
+        wait_for(lambda: [(m.role, m.pid) for m in members(nats_server.url, topology)] == [("buffer", first)], 30)
+        fleet.kill("buffer-0")
+
+        def restarted() -> bool:
+            fleet.poll()
+            return fleet.pid("buffer-0") not in (None, first)
+
+        wait_for(restarted)
+        second = fleet.pid("buffer-0")
+        # The new process joins; the killed one's entry expires with the TTL (nobody deleted it).
+        wait_for(lambda: [m.pid for m in members(nats_server.url, topology)] == [second], 30)
+    finally:
+        fleet.stop()
+    proc = fleet.children["buffer-0"].proc
+    assert proc is not None and proc.returncode == 0  # SIGTERM: drained and exited cleanly
+    assert members(nats_server.url, topology) == []  # a clean exit deletes its entry at once
+
+
+def test_a_crashing_worker_is_given_up_on_and_a_finished_one_is_not_restarted(tmp_path: Path) -> None:
+    fleet = fleet_cli(
+        {
+            "roles": {
+                "crasher": {"module": STAND_IN, "args": ["--mode", "crash"]},
+                "finisher": {"module": STAND_IN, "args": ["--mode", "done"]},
+            },
+            "restart": {"max_restarts": 2, "backoff": 0.05},
+        },
+        tmp_path,
+    )
+    _, log = fleet.communicate(timeout=30)
+    assert fleet.returncode == 1, log
+    assert "GAVE UP on crasher-0: exited with 3 after 2 restarts in 300s" in log
+    assert "every worker has exited; gave up on crasher-0" in log
+    assert log.count("crasher-0 started") == 3 and log.count("finisher-0 started") == 1
+    assert "finisher-0 exited 0: done" in log
+
+
+def test_sigterm_drains_every_worker_kills_stragglers_and_exits_zero(tmp_path: Path) -> None:
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    stand_in = {"module": STAND_IN, "args": ["--marker", str(markers), "--mode"]}
+    fleet = fleet_cli(
+        {
+            "roles": {
+                "drainer": {**stand_in, "replicas": 2, "devices": [0, 1], "args": [*stand_in["args"], "drain"]},
+                "stubborn": {**stand_in, "args": [*stand_in["args"], "stubborn"]},
+            },
+            "stop_timeout": 1,
+        },
+        tmp_path,
+    )
+    wait_for(lambda: len(list(markers.glob("*.ready"))) == 3, 20)
+    ready = {int(p.stem): p.read_text() for p in markers.glob("*.ready")}
+    fleet.send_signal(signal.SIGTERM)
+    _, log = fleet.communicate(timeout=20)
+    assert fleet.returncode == 0, log
+    drained = {int(p.stem) for p in markers.glob("*.drained")}
+    assert sorted(ready[pid] for pid in drained) == ["0", "1"]  # both drainers, one GPU each
+    (stubborn,) = set(ready) - drained
+    assert "stubborn-0 still running 1s after SIGTERM: SIGKILL" in log
+    with pytest.raises(ProcessLookupError):
+        os.kill(stubborn, 0)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("run: r\nroles: {rollout: {}}\nreplica: 2\n", "replica: Extra inputs are not permitted"),
+        ("run: r\nroles: {rollout: {gpus: [0]}}\n", "roles.rollout.gpus: Extra inputs are not permitted"),
+        ("run: r\nroles: {rollout: {replicas: 0}}\n", "roles.rollout.replicas: Input should be greater"),
+        ("run: r\nroles: {rollot: {}}\n", "roles: Value error, role 'rollot': no module consumers.rollot"),
+        ("run: r\nroles: {x: {module: no.such}}\n", "roles: Value error, role 'x': no module no.such"),
+        ("run: a.b\nroles: {}\n", "run: Value error, run id 'a.b' must be 1-64 characters"),
+        ("run: r\n", "roles: Field required"),
+        ("run: r\nroles: {}\n", "roles: Dictionary should have at least 1 item"),
+    ],
+)
+def test_config_errors_are_one_line_naming_the_key(text: str, message: str, tmp_path: Path) -> None:
+    path = tmp_path / "fleet.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as error:
+        load_fleet(path)
+    assert str(error.value).startswith(f"{path}: {message}") and "\n" not in str(error.value)
+
+
+def test_cli_reports_a_config_error_in_one_line(tmp_path: Path) -> None:
+    fleet = fleet_cli({"roles": {"rollout": {"replicas": 1, "device": [0]}}}, tmp_path)
+    _, err = fleet.communicate(timeout=30)
+    assert fleet.returncode == 1
+    assert err.strip().splitlines() == [
+        f"consumers.fleet: {tmp_path / 'fleet.yaml'}: roles.rollout.device: Extra inputs are not permitted"
+    ]

@@ -1,0 +1,234 @@
+"""Per-role NATS users (ops.security) on a real server, and TLS through `bus.connection.connect`.
+
+The users block is written by the CLI (`python -m ops.streams users`) and included by the
+server's config, as the cluster example configs tell users to do. Each role then does what
+its code does on the bus, through the same calls (`consumers.runtime.attach` itself for the
+start-up), and must meet no permissions violation; then the forbidden writes are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import shutil
+import ssl
+import subprocess
+import sys
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import nats.errors
+import pytest
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import ConsumerConfig, DeliverPolicy
+
+from bus.connection import connect
+from bus.embedded import EmbeddedNats
+from bus.publisher import Publisher
+from bus.topology import Topology
+from bus.worker import Worker, WorkerOptions
+from consumers.runtime import Runtime, attach, publish_config
+from schemas import Event, PromptEvent, RewardEvent, TrajectoryEvent
+from schemas.config import RunConfig
+from tests.helpers import messages, prompt, reward, trajectory
+
+ROOT = Path(__file__).resolve().parent.parent
+E = TypeVar("E", bound=Event)
+# nats-py lower-cases the server's error line.
+VIOLATION = "permissions violation"
+
+
+@dataclass(frozen=True)
+class Secured:
+    server: EmbeddedNats
+    topology: Topology
+    passwords: dict[str, str]
+
+    def url(self, role: str) -> str:
+        return self.server.url.replace("nats://", f"nats://{role}:{self.passwords[role]}@")
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
+    """A server whose config includes the users block the CLI wrote for a fresh run."""
+    topology = Topology(run=f"s{uuid.uuid4().hex[:10]}")
+    store = tmp_path_factory.mktemp("secured")
+    users = store / "users.conf"
+    subprocess.run(
+        [sys.executable, "-m", "ops.streams", "users", "--run", topology.run, "--out", str(users)],
+        cwd=ROOT, check=True, capture_output=True, timeout=60,
+    )
+    assert users.stat().st_mode & 0o777 == 0o600
+    passwords = dict(re.findall(r'user: "(\w+)"\s+password: "([^"]+)"', users.read_text()))
+    # `include` paths are relative to the including file: the server's config sits in `store`.
+    with EmbeddedNats(store, extra_config='include "users.conf"\n') as server:
+        yield Secured(server, topology, passwords)
+
+
+def violations(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if VIOLATION in r.getMessage()]
+
+
+async def work_one(rt: Runtime, role: str, event_type: type[E], handle: Callable[[E], Awaitable[None]]) -> None:
+    """Run the role's worker loop until its handler has run once."""
+    done = asyncio.Event()
+
+    async def handler(event: E, msg: Msg) -> None:
+        await handle(event)
+        done.set()
+
+    stop = asyncio.Event()
+    worker = Worker(rt.js, rt.topology, rt.topology.queues[role], event_type, handler, rt.publisher,
+                    WorkerOptions(fetch_timeout=0.5))
+    task = asyncio.create_task(worker.run(stop))
+    await asyncio.wait_for(done.wait(), 10)
+    stop.set()
+    await task
+
+
+async def read_one(js: JetStreamContext, subject: str, **options: object) -> bytes:
+    sub = await js.subscribe(subject, ordered_consumer=True, **options)  # type: ignore[arg-type]
+    data = (await sub.next_msg(timeout=5)).data
+    await sub.unsubscribe()
+    return data
+
+
+def test_every_role_does_its_job_with_its_own_credential(secured: Secured, caplog: pytest.LogCaptureFixture) -> None:
+    t, run = secured.topology, secured.topology.run
+    caplog.set_level(logging.WARNING)
+
+    async def scenario() -> None:
+        # Producer: creates the run, writes the config and a prompt, resumes, watches.
+        nc = await connect(secured.url("producer"), "producer-bootstrap")
+        await t.apply(nc.jetstream())
+        await publish_config(await nc.jetstream().key_value(t.kv_bucket), RunConfig(run=run))
+        await nc.close()
+        producer = await attach("producer", run, secured.url("producer"))
+        await producer.publisher.publish(t.subject("prompts"), prompt(run, 0))
+        assert (await producer.js.get_last_msg(t.stream("prompts"), t.subject("prompts"))).data
+        for queue in t.queues.values():
+            await producer.js.consumer_info(t.stream(queue.stage), queue.durable)
+
+        # Trainer: weight bytes to the object store, the version announced.
+        trainer = await attach("trainer", run, secured.url("trainer"))
+        store = await trainer.js.object_store(t.object_bucket)
+        await store.put("v0.safetensors", b"w" * 300_000)  # several chunks
+        await store.put("v0.safetensors", b"v" * 300_000)  # a replacement purges the old chunks
+        await trainer.js.publish(t.subject("weights"), b"version 0")
+
+        # Rollout: a prompt from its queue -> a trajectory; follows weights and reads their bytes.
+        rollout = await attach("rollout", run, secured.url("rollout"))
+
+        async def generate(event: PromptEvent) -> None:
+            await rollout.publisher.publish(t.subject("trajectories"), trajectory(run, event.index))
+
+        await work_one(rollout, "rollout", PromptEvent, generate)
+        assert await read_one(rollout.js, t.subject("weights"), deliver_policy=DeliverPolicy.LAST) == b"version 0"
+        assert (await (await rollout.js.object_store(t.object_bucket)).get("v0.safetensors")).data == b"v" * 300_000
+
+        # Reward: a trajectory from its queue -> a reward.
+        scorer = await attach("reward", run, secured.url("reward"))
+
+        async def score(event: TrajectoryEvent) -> None:
+            await scorer.publisher.publish(t.subject("rewards"), reward(run, 0))
+
+        await work_one(scorer, "reward", TrajectoryEvent, score)
+
+        # Buffer: a reward from its queue -> a batch and a drop record; replays the batches.
+        buffer = await attach("buffer", run, secured.url("buffer"))
+
+        async def batch(event: RewardEvent) -> None:
+            await buffer.kv.create(f"drop.{run}/0/1", b"all rewards equal")
+            await buffer.js.publish(t.subject("batches", 0), b"batch 0")
+
+        await work_one(buffer, "buffer", RewardEvent, batch)
+        assert await read_one(buffer.js, t.subject("batches", ">")) == b"batch 0"
+
+        # Trainer: its rank's batches by position, then metrics.
+        config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=1)
+        assert await read_one(trainer.js, t.subject("batches", 0), config=config) == b"batch 0"
+        await trainer.kv.put("metrics.0.0", b"{}")
+
+        # Producer: the admission gate follows weights and the KV.
+        assert await read_one(producer.js, t.subject("weights"), deliver_policy=DeliverPolicy.LAST) == b"version 0"
+        watcher = await producer.kv.watch(">")
+        assert (await watcher.updates(timeout=5)) is not None
+        await watcher.stop()
+
+        for rt in (producer, trainer, rollout, scorer, buffer):
+            await rt.close()
+
+    asyncio.run(scenario())
+    assert violations(caplog) == []
+    # The operator inspects the run with its own credential.
+    shown = subprocess.run(
+        [sys.executable, "-m", "ops.streams", "show", "--run", run, "--nats", secured.url("admin")],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert "rollout: pending 0, in flight 0" in shown.stdout, shown.stderr
+
+
+def test_roles_cannot_write_what_is_not_theirs(secured: Secured, caplog: pytest.LogCaptureFixture) -> None:
+    t, run = secured.topology, secured.topology.run
+    caplog.set_level(logging.WARNING)
+
+    async def refused(js: JetStreamContext, subject: str) -> None:
+        """The server drops the message: no stream stores it, so no ack ever comes."""
+        with pytest.raises(nats.errors.TimeoutError):
+            await js.publish(subject, b"forged", timeout=1.0)
+
+    async def scenario() -> dict[str, int]:
+        admin = await connect(secured.url("admin"), "admin")
+        admin_js = admin.jetstream()
+        await t.apply(admin_js)
+        before = {stage: await messages(admin_js, t, stage) for stage in ("prompts", "trajectories", "weights", "batches")}
+
+        rollout = await connect(secured.url("rollout"), "rollout")
+        rollout_js = rollout.jetstream()
+        assert (await Publisher(rollout_js).publish(t.subject("trajectories"), trajectory(run, 99))).seq
+        await refused(rollout_js, t.subject("weights"))
+        await refused(rollout_js, t.subject("batches", 0))
+        reward_nc = await connect(secured.url("reward"), "reward")
+        await refused(reward_nc.jetstream(), t.subject("prompts"))
+
+        after = {stage: await messages(admin_js, t, stage) for stage in before}
+        for nc in (rollout, reward_nc, admin):
+            await nc.close()
+        return {stage: after[stage] - before[stage] for stage in before}
+
+    stored = asyncio.run(scenario())
+    assert stored == {"prompts": 0, "trajectories": 1, "weights": 0, "batches": 0}
+    assert sorted(violations(caplog)) == sorted(
+        f'nats {role}: Error: nats: {VIOLATION} for publish to "{subject.lower()}"'
+        for role, subject in (("rollout", t.subject("weights")), ("rollout", t.subject("batches", 0)),
+                              ("reward", t.subject("prompts")))
+    )
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a test certificate")
+def test_tls_options_pass_through_connect(tmp_path: Path, topology: Topology) -> None:
+    """A TLS-only server, a self-signed certificate for a name that is not the address dialled."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=jetrl-test",
+         "-addext", "subjectAltName=DNS:jetrl-test"],
+        check=True, capture_output=True, timeout=60,
+    )
+    tls = f'tls {{ cert_file: "{cert}", key_file: "{key}", timeout: 2 }}\n'
+
+    async def scenario(server: EmbeddedNats) -> None:
+        context = ssl.create_default_context(cafile=str(cert))
+        nc = await connect(server.url, "tls-test", tls=context, tls_hostname="jetrl-test")
+        js = nc.jetstream()
+        await topology.apply(js)
+        assert (await Publisher(js).publish(topology.subject("trajectories"), trajectory(topology.run))).seq == 1
+        await nc.close()
+
+    with EmbeddedNats(tmp_path / "nats", extra_config=tls) as server:
+        asyncio.run(scenario(server))
