@@ -24,7 +24,11 @@ from engines.protocols import SamplingParams, Sample
 
 
 class HFRolloutEngine:
-    """Generates with a local HF model; `load_state_dict` swaps weights between calls."""
+    """Generates with a local HF model; `load_state_dict` swaps weights between calls.
+
+    Not thread-safe: a caller that runs `generate` in a worker thread must not call
+    `load_state_dict` until it returns (the weights would change mid-sequence).
+    """
 
     def __init__(
         self,
@@ -54,8 +58,8 @@ class HFRolloutEngine:
         """
         params = dict(self.model.named_parameters())
         if set(tensors) != set(params):
-            missing, unexpected = set(params) - set(tensors), set(tensors) - set(params)
-            raise KeyError(f"weight names differ: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+            missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
+            raise KeyError(f"weight names differ: missing {missing}, extra {extra}")
         for name, param in params.items():
             param.copy_(tensors[name])  # copy_ casts dtype/device; a shape mismatch raises
         self.version = self.version + 1 if version is None else version
@@ -82,7 +86,7 @@ class HFRolloutEngine:
         ).logits[:, -1]  # [B, V]
 
         batch = len(rows)
-        stop_ids = torch.tensor(self.eos_token_ids + tuple(params.stop_token_ids), device=self.device)
+        stop_ids = torch.tensor((*self.eos_token_ids, *params.stop_token_ids), device=self.device)
         tokens = torch.full((batch, params.max_tokens), self.pad_token_id, device=self.device)
         logprobs = torch.zeros(batch, params.max_tokens, device=self.device)
         lengths = torch.full((batch,), params.max_tokens, device=self.device)
@@ -127,7 +131,9 @@ class HFRolloutEngine:
             mask[i, width - len(row) :] = 1
         return ids.to(self.device), mask.to(self.device)
 
-    def _sample(self, logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(
+        self, logits: torch.Tensor, params: SamplingParams
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draws one token per row. logits [B, V] -> (tokens [B] int64, logprobs [B] float32)."""
         if params.temperature == 0:
             token = logits.argmax(-1)

@@ -8,7 +8,7 @@ Alignment convention shared by both sides (and by `BatchEvent`): for a row of to
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -42,7 +42,10 @@ class Sample:
 
 @dataclass
 class MicroBatch:
-    """A gradient-ready micro-batch of B right-padded rows of length T.
+    """A gradient-ready micro-batch of B padded rows of length T, one sequence per row.
+
+    Padding may sit on either side (positions are counted from `attention_mask`), with any
+    token id under ``attention_mask == 0``.
 
     input_ids: [B, T] int64, prompt + response (+ padding).
     attention_mask: [B, T] 0/1, 1 on real tokens.
@@ -58,6 +61,7 @@ class MicroBatch:
     behaviour_logprobs: torch.Tensor
 
 
+@runtime_checkable
 class RolloutEngine(Protocol):
     """Generates samples and takes new weights between generations."""
 
@@ -69,11 +73,12 @@ class RolloutEngine(Protocol):
         """`n` samples for each prompt (token ids), grouped per prompt, in prompt order."""
         ...
 
-    def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Swaps in weights named as `TrainEngine.export_weights` names them."""
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
+        """Swaps in weights named as `TrainEngine.export_weights` names them; sets `version`."""
         ...
 
 
+@runtime_checkable
 class TrainEngine(Protocol):
     """Holds the policy and its optimizer; one `train_step` is one optimizer step."""
 

@@ -33,6 +33,8 @@ def build_tokenizer(vocab: Sequence[str] = VOCAB) -> Qwen2Tokenizer:
         merges=[],
         eos_token="<eos>",
         pad_token="<eos>",
+        # Not a real fallback (the BPE drops unknown characters): naming an existing token
+        # stops Qwen2Tokenizer from adding its default "<|endoftext|>" as a 16th token.
         unk_token="<eos>",
     )
 
@@ -49,8 +51,10 @@ def build_tiny_model(
 ) -> Path:
     """Writes a random-init Qwen2 causal LM (seeded) and its tokenizer to `out_dir`; returns it.
 
-    Embeddings are tied (as in small Qwen2 checkpoints), so the model has few parameters
-    and `export_weights` must cope with one tensor under two names.
+    Embeddings are tied (as in small Qwen2 checkpoints): one tensor serves as both
+    ``model.embed_tokens.weight`` and ``lm_head.weight``, and weight exports carry it once,
+    under the first name. The defaults (~120k parameters) are what the built-in task was
+    tuned with (see `producers.tasks`).
     """
     tokenizer = build_tokenizer()
     config = Qwen2Config(
@@ -66,8 +70,9 @@ def build_tiny_model(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
+    with torch.random.fork_rng(devices=[]):  # seed the init without touching the caller's RNG
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

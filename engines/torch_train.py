@@ -72,18 +72,19 @@ class TorchTrainEngine:
         _seed_everything(seed)
         self.device = torch.device(device)
         # Train in float32: the master weights and AdamW moments need the precision.
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model = model.to(self.device)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
         self.max_grad_norm = max_grad_norm
         self.loss_config = loss
         self.step = 0
 
     def _token_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Logits that predict each token, aligned to it: [B, T] -> [B, T - 1, V] for tokens 1..T-1."""
+        """[B, T] ids -> [B, T - 1, V] temperature-scaled logits predicting tokens 1..T-1."""
         # Positions count real tokens, so a row's padding (left or right) does not shift RoPE.
         positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
-        return logits[:, :-1].float() / self.loss_config.temperature
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions)
+        return out.logits[:, :-1].float() / self.loss_config.temperature
 
     def _aligned_logprobs(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """[B, T] log p(x[t] | x[<t]) with 0 at t = 0 (nothing predicts the first token)."""
@@ -93,9 +94,12 @@ class TorchTrainEngine:
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[B, T] float32 log-probs under the current weights at the configured temperature."""
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
-        return self._aligned_logprobs(input_ids, self._token_logits(input_ids, attention_mask)).cpu()
+        logits = self._token_logits(input_ids, attention_mask)
+        return self._aligned_logprobs(input_ids, logits).cpu()
 
-    def _policy_loss(self, logprobs: torch.Tensor, batch: MicroBatch, mask: torch.Tensor) -> tuple[PolicyLoss, torch.Tensor]:
+    def _policy_loss(
+        self, logprobs: torch.Tensor, batch: MicroBatch, mask: torch.Tensor
+    ) -> tuple[PolicyLoss, torch.Tensor]:
         """Per-token policy loss [B, T] and the per-token IS weight [B, T] it was scaled by."""
         cfg = self.loss_config
         behaviour = batch.behaviour_logprobs.to(self.device)
@@ -106,9 +110,13 @@ class TorchTrainEngine:
             old = logprobs.detach()
             weight = truncated_is_weight(old, behaviour, cfg.tis_cap)
         if cfg.policy_loss == "ppo":
-            terms = ppo_clip_loss(logprobs, old, advantages, eps_low=cfg.eps_low, eps_high=cfg.eps_high)
+            terms = ppo_clip_loss(
+                logprobs, old, advantages, eps_low=cfg.eps_low, eps_high=cfg.eps_high
+            )
         else:
-            terms = gspo_loss(logprobs, old, advantages, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high)
+            terms = gspo_loss(
+                logprobs, old, advantages, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high
+            )
         return PolicyLoss(terms.loss * weight, terms.ratio, terms.clipped), weight
 
     def train_step(self, micro_batches: Sequence[MicroBatch]) -> dict[str, float]:

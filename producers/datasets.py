@@ -55,8 +55,8 @@ def epoch_size(cfg: DataConfig) -> int:
 def records(cfg: DataConfig, start: int) -> Iterator[tuple[int, int, dict[str, Any]]]:
     """(epoch, index, record) from global cursor `start` on, for `cfg.epochs` epochs."""
     if cfg.dataset is None:
-        if cfg.task not in tasks.RULES:
-            raise ValueError(f"data.task: unknown built-in task {cfg.task!r}; choose from {sorted(tasks.RULES)}")
+        if cfg.task not in tasks.TASKS:
+            raise ValueError(f"data.task: unknown built-in task {cfg.task!r}; choose from {sorted(tasks.TASKS)}")
         size, task = GENERATED_EPOCH, cfg.task
 
         def row_at(epoch: int, index: int) -> dict[str, Any]:

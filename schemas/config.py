@@ -37,11 +37,11 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    task: str | None = "reverse"
+    task: str | None = "digits"
     """Built-in generated task (see producers.tasks); ignored when `dataset` is set."""
     dataset: str | None = None
     """A .jsonl or .parquet file with a `prompt` or `messages` field plus task fields."""
-    reward: str = "producers.tasks:score_reverse"
+    reward: str = "producers.tasks:score_digits"
     """Reward function as `module:function(response_text, task) -> float`."""
     epochs: int = Field(1000, ge=1)
     """Passes over the dataset (a built-in task is generated: its epoch is 10,000 prompts)."""
@@ -62,7 +62,7 @@ class AlgorithmConfig(Section):
     """Advantage estimator: grpo, dr_grpo, rloo."""
     drop_equal_reward_groups: bool = True
     """Dynamic sampling: drop groups whose rewards are all equal (zero advantage)."""
-    lr: float = Field(3e-3, gt=0)
+    lr: float = Field(3e-4, gt=0)
     """AdamW learning rate."""
     clip_low: float = Field(0.2, ge=0)
     """PPO clip epsilon below 1."""
@@ -88,6 +88,10 @@ class TrainerConfig(Section):
     """Trainer seed (torch, numpy, python)."""
     checkpoint_dir: str = ""
     """Where rank checkpoints go; empty means runs/<run>/checkpoints under the producer's directory."""
+    wandb_project: str | None = None
+    """Rank 0 logs each step's metrics to this Weights & Biases project (needs `pip install wandb`)."""
+    tensorboard_dir: str | None = None
+    """Rank 0 writes each step's metrics as TensorBoard scalars here (needs `pip install tensorboard`)."""
 
 
 class RolloutConfig(Section):

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -27,11 +28,12 @@ from ops.audit import audit
 
 ROOT = Path(__file__).resolve().parent.parent
 ROLES = ("trainer", "buffer", "reward", "rollout")
-STEPS = 60
+# The built-in task's reward is flat for ~200 steps, then climbs (producers/tasks.py).
+STEPS = 260
 
 
 def e2e_config(tmp_path: Path) -> Path:
-    config = yaml.safe_load((ROOT / "examples" / "reverse.yaml").read_text())
+    config = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
     config["run"] = "e2e"
     config["trainer"]["steps"] = STEPS
     path = tmp_path / "e2e.yaml"
@@ -59,7 +61,7 @@ async def audit_run(url: str, topology: Topology) -> tuple[dict, list[str]]:
     return result, stages
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 def test_the_loop_learns_and_keeps_its_invariants(own_nats_server: EmbeddedNats, tmp_path: Path) -> None:
     url, topology = own_nats_server.url, Topology(run="e2e")
     logs = {role: open(tmp_path / f"{role}.log", "wb") for role in ROLES}  # noqa: SIM115
@@ -94,12 +96,16 @@ def test_the_loop_learns_and_keeps_its_invariants(own_nats_server: EmbeddedNats,
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["steps"] == STEPS
     assert summary["reward_start"] <= 0.3
-    assert summary["reward_end"] >= summary["reward_start"] + 0.2, summary
+    rewards = [json.loads(line)["reward_mean"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    first, last = np.array(rewards[:30]), np.array(rewards[-30:])
+    # Significantly higher: the gap is over 4 standard errors of the difference of means.
+    se = np.sqrt(first.var(ddof=1) / len(first) + last.var(ddof=1) / len(last))
+    assert last.mean() - first.mean() > max(4 * se, 0.03), (first.mean(), last.mean(), se)
     assert (tmp_path / "run" / "reward.png").stat().st_size > 10_000
 
     result, dead_stages = asyncio.run(audit_run(url, topology))
     assert result["duplicates"] == 0 and result["trained_and_dropped"] == 0 and result["unknown_trained"] == 0
     assert result["staleness_violations"] == 0 and result["max_staleness_seen"] <= 1
     assert result["issued"] == result["trained"] + result["dropped"] + result["in_flight"]
-    assert result["steps"] == STEPS and result["samples_trained"] == STEPS * 8 * 8
+    assert result["steps"] == STEPS and result["samples_trained"] == STEPS * 16 * 8
     assert dead_stages == ["buffer", "reward", "rollout", "trainer"]

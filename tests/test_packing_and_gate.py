@@ -92,4 +92,4 @@ def test_config_errors_name_the_key(tmp_path: Path) -> None:
     bad.write_text("run: [unclosed\n")
     with pytest.raises(ConfigError, match="cannot read YAML"):
         load_config(bad)
-    assert load_config(Path(__file__).parent.parent / "examples" / "reverse.yaml").data.task == "reverse"
+    assert load_config(Path(__file__).parent.parent / "examples" / "digits.yaml").data.task == "digits"

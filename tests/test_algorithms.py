@@ -1,0 +1,128 @@
+"""Each algorithm against values worked out by hand (the arithmetic is in the comments)."""
+
+import math
+
+import pytest
+import torch
+
+from engines.algorithms import advantages, kl, losses
+
+
+def close(actual: torch.Tensor, expected: list, atol: float = 1e-5) -> None:
+    torch.testing.assert_close(actual, torch.tensor(expected, dtype=actual.dtype), atol=atol, rtol=0)
+
+
+# ---- advantages --------------------------------------------------------------------------
+
+# One group r = [0, 0, 0, 1]: mean 0.25, deviations [-.25, -.25, -.25, .75],
+# unbiased var = (3 * .0625 + .5625) / 3 = .25, std = .5.
+GROUP = torch.tensor([0.0, 0.0, 0.0, 1.0])
+
+
+def test_grpo_divides_by_group_std() -> None:
+    close(advantages.grpo(GROUP), [-0.5, -0.5, -0.5, 1.5])
+
+
+def test_grpo_without_std_and_dr_grpo_only_centre() -> None:
+    close(advantages.grpo(GROUP, normalize_std=False), [-0.25, -0.25, -0.25, 0.75])
+    close(advantages.dr_grpo(GROUP), [-0.25, -0.25, -0.25, 0.75])
+
+
+def test_grpo_rows_are_independent_groups_and_flat_groups_give_zero() -> None:
+    rewards = torch.stack([GROUP, torch.ones(4)])  # [N=2, G=4]; row 2 has std 0
+    close(advantages.grpo(rewards), [[-0.5, -0.5, -0.5, 1.5], [0.0, 0.0, 0.0, 0.0]])
+
+
+def test_rloo_leaves_one_out() -> None:
+    # r_0 - mean(r_1, r_2, r_3) = 0 - 1/3; r_3 - mean(0, 0, 0) = 1.
+    close(advantages.rloo(GROUP), [-1 / 3, -1 / 3, -1 / 3, 1.0])
+
+
+def test_reinforce_pp_baseline_uses_the_batch_std() -> None:
+    # Centred per group: [[-.5, .5], [0, 0]]; over all 4: mean 0, unbiased var = .5 / 3,
+    # std = .408248; -.5 / .408248 = -1.224745.
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0]])
+    close(advantages.reinforce_pp_baseline(rewards), [[-1.224745, 1.224745], [0.0, 0.0]])
+
+
+def test_a_group_of_one_has_no_baseline() -> None:
+    with pytest.raises(ValueError):
+        advantages.grpo(torch.tensor([1.0]))
+
+
+# ---- log-probs, entropy ------------------------------------------------------------------
+
+def test_gather_logprobs_and_entropy() -> None:
+    # logits [0, ln 3] -> p = [.25, .75]; H = .25 ln 4 + .75 ln(4/3) = .346574 + .215762.
+    logits = torch.tensor([[0.0, math.log(3.0)]])
+    close(losses.gather_logprobs(logits, torch.tensor([1])), [math.log(0.75)])
+    close(losses.gather_logprobs(logits, torch.tensor([0])), [math.log(0.25)])
+    close(losses.entropy_from_logits(logits), [0.562335])
+
+
+# ---- policy losses -----------------------------------------------------------------------
+
+def test_ppo_clip_higher_values_clip_flags_and_gradients() -> None:
+    # Ratios [.5, 1, 1.5] (old = 0, logp = ln r), eps_low .2, eps_high .28 -> clip to [.8, 1.28].
+    # A = +1: min(r, clip r) = [.5, 1, 1.28] -> loss [-.5, -1, -1.28]; only r = 1.5 clipped.
+    # A = -1: min(-r, -clip r) = [-.8, -1, -1.5] -> loss [.8, 1, 1.5]; only r = .5 clipped.
+    # d loss / d logp = -A r where not clipped, 0 where clipped.
+    logp = torch.log(torch.tensor([[0.5, 1.0, 1.5], [0.5, 1.0, 1.5]])).requires_grad_()
+    out = losses.ppo_clip_loss(logp, torch.zeros(2, 3), torch.tensor([1.0, -1.0]), eps_low=0.2, eps_high=0.28)
+    close(out.loss.detach(), [[-0.5, -1.0, -1.28], [0.8, 1.0, 1.5]])
+    assert out.clipped.tolist() == [[False, False, True], [True, False, False]]
+    out.loss.sum().backward()
+    close(logp.grad, [[-0.5, -1.0, 0.0], [0.0, 1.0, 1.5]])
+
+
+def test_gspo_uses_one_length_normalised_ratio_per_sequence() -> None:
+    # Row 0: log ratios [.2, .4] (+ a masked 9.0) -> mean .3 -> s = e^.3 = 1.349859 > 1.2:
+    #   with A = +1 the clip (eps .2) binds: loss -1.2 on each token, no gradient.
+    # Row 1: log ratios [.1, -.1] -> mean 0 -> s = 1, A = +1: loss -1 per token.
+    # seq-mean-token-mean = (mean_t loss_0 + mean_t loss_1) / 2, and d s_t / d logp_t = s, so
+    #   d/d logp_t (row 1) = -A * s * (1 / |y| = 1/2) * (1 / B = 1/2) = -.25.
+    logp = torch.tensor([[0.2, 0.4, 9.0], [0.1, -0.1, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    out = losses.gspo_loss(logp, torch.zeros(2, 3), torch.tensor([1.0, 1.0]), mask, eps_low=0.2, eps_high=0.2)
+    close(out.ratio, [[1.349859] * 3, [1.0] * 3])
+    close((out.loss * mask).detach(), [[-1.2, -1.2, 0.0], [-1.0, -1.0, 0.0]])
+    losses.aggregate(out.loss, mask, "seq-mean-token-mean").backward()
+    close(logp.grad, [[0.0, 0.0, 0.0], [-0.25, -0.25, 0.0]])
+
+
+def test_truncated_is_weight_caps_the_ratio() -> None:
+    # pi_prox / pi_behaviour = [1 / .25, 1, 1 / 2] = [4, 1, .5]; cap 2 -> [2, 1, .5].
+    behaviour = torch.log(torch.tensor([0.25, 1.0, 2.0]))
+    close(losses.truncated_is_weight(torch.zeros(3), behaviour, cap=2.0), [2.0, 1.0, 0.5])
+
+
+# ---- aggregation -------------------------------------------------------------------------
+
+LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # row 3: no response
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected", "count"),
+    [
+        ("token-mean", (1 + 2 + 4) / 3, 3),  # 3 tokens
+        ("seq-mean-token-sum", ((1 + 2) + 4) / 2, 2),  # 2 sequences with tokens
+        ("seq-mean-token-mean", (1.5 + 4) / 2, 2),
+    ],
+)
+def test_aggregation_modes(mode: losses.AggregationMode, expected: float, count: int) -> None:
+    assert losses.aggregation_count(MASK, mode) == count
+    close(losses.aggregate(LOSS, MASK, mode), expected)
+    # A step-wide denominator (say 7 tokens over all micro-batches) replaces the local one.
+    close(losses.aggregate(LOSS, MASK, mode, denominator=7), expected * count / 7)
+
+
+# ---- KL estimators -----------------------------------------------------------------------
+
+def test_kl_estimators() -> None:
+    # pi = .5, pi_ref = .25: log r = ln .5 = -.693147.
+    # k1 = .693147; k2 = .5 * .693147^2 = .240227; k3 = (.5 - 1) + .693147 = .193147.
+    logp, ref = torch.log(torch.tensor([0.5, 0.3])), torch.log(torch.tensor([0.25, 0.3]))
+    close(kl.kl_k1(logp, ref), [0.693147, 0.0])
+    close(kl.kl_k2(logp, ref), [0.240227, 0.0])
+    close(kl.kl_k3(logp, ref), [0.193147, 0.0])
