@@ -12,6 +12,10 @@ STAGE = "Jetrl-Dead-Stage"
 SUBJECT = "Jetrl-Original-Subject"
 SEQUENCE = "Jetrl-Original-Sequence"
 DELIVERIES = "Jetrl-Deliveries"
+TRUNCATED = "Jetrl-Original-Size"
+"""Set when the stored bytes are only the start of the original (its size in bytes)."""
+# Room left for the headers (these, the message id, the trace context) under the max payload.
+HEADERS_ROOM = 4096
 
 
 async def dead_letter(publisher: Publisher, topology: Topology, stage: str, msg: Msg, reason: str) -> None:
@@ -27,4 +31,9 @@ async def dead_letter(publisher: Publisher, topology: Topology, stage: str, msg:
         DELIVERIES: str(meta.num_delivered),
     }
     msg_id = f"dead/{stage}/{meta.stream}/{meta.sequence.stream}"
-    await (await publisher.send_bytes(topology.subject("dead", stage), msg.data, msg_id, headers=headers))
+    # A message just under the max payload cannot go back out with headers added: keep its
+    # start (enough to see what it was) rather than fail the dead letter again on every delivery.
+    data = msg.data
+    if len(data) > publisher.max_payload - HEADERS_ROOM:
+        data, headers[TRUNCATED] = data[: publisher.max_payload - HEADERS_ROOM], str(len(data))
+    await (await publisher.send_bytes(topology.subject("dead", stage), data, msg_id, headers=headers))

@@ -35,6 +35,15 @@ class EventTooLarge(ValueError):
     """An encoded event over the server's max payload; split it or fail the sample."""
 
 
+def wire_size(data: bytes, headers: dict[str, str]) -> int:
+    """What the server counts against its max payload: the data plus the NATS header block.
+
+    A message over it makes the server close the connection (nats-py checks the data alone).
+    """
+    block = len(b"NATS/1.0\r\n\r\n") + sum(len(f"{key}: {value}\r\n".encode()) for key, value in headers.items())
+    return len(data) + block
+
+
 class Publisher:
     def __init__(
         self,
@@ -72,10 +81,10 @@ class Publisher:
         headers: dict[str, str] | None = None,
         attributes: dict[str, str | int | float] | None = None,
     ) -> Awaitable[PubAck]:
-        if len(data) > self.max_payload:
-            raise EventTooLarge(f"{msg_id}: {len(data)} bytes is over the {self.max_payload}-byte max payload")
         with tracing.send_span(subject, msg_id, attributes):
             headers = tracing.inject({**(headers or {}), MSG_ID: msg_id})
+        if (size := wire_size(data, headers)) > self.max_payload:
+            raise EventTooLarge(f"{msg_id}: {size} bytes is over the {self.max_payload}-byte max payload")
         # One message larger than the whole budget still goes, alone.
         while self._inflight_bytes and self._inflight_bytes + len(data) > self.max_inflight_bytes:
             self._freed.clear()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -34,10 +35,13 @@ log = logging.getLogger("jetrl.worker")
 
 E = TypeVar("E", bound=Event)
 
-# Keep fetch batch x message size well under the 64 MiB the server allows a slow client.
+# Bytes one pull request may bring (its `max_bytes`), well under the 64 MiB the server lets
+# a client fall behind before cutting it off, and over the 8 MiB max payload, so that any
+# one message fits.
 FETCH_BYTES_BUDGET = 32 << 20
-# Seconds a fetch waits to fill its batch once it has to wait at all.
-SHORT_FETCH = 0.02
+# Seconds a pull request may take to deliver what it found, past its own expiry: only a
+# broken connection takes that long.
+DELIVERY_TIMEOUT = 10.0
 
 
 class Reject(Exception):
@@ -57,8 +61,6 @@ class WorkerOptions:
     """Messages handled at once by this worker."""
     max_deliver: int = 5
     """Deliveries before a failing message goes to dead."""
-    max_event_bytes: int = 1 << 20
-    """Expected upper size of one message; bounds the fetch batch."""
     nak_delay: float = 0.5
     """First redelivery delay after a failure; doubles each time, capped at 30 s."""
     fetch_timeout: float = 1.0
@@ -85,8 +87,7 @@ class Worker(Generic[E]):
         sub = await self.js.pull_subscribe_bind(self.queue.durable, stream=self.topology.stream(self.queue.stage))
         tasks: set[asyncio.Task[None]] = set()
         room = asyncio.Condition()
-        fetch_cap = max(1, FETCH_BYTES_BUDGET // self.options.max_event_bytes)
-        heartbeat = asyncio.create_task(self._heartbeat())
+        heartbeat = asyncio.create_task(self._heartbeat(await consumer_ack_wait(self.js, self.topology, self.queue)))
 
         def done(task: asyncio.Task[None]) -> None:
             tasks.discard(task)
@@ -101,9 +102,8 @@ class Worker(Generic[E]):
             # would make every message pay a request round trip.
             async with room:
                 await room.wait_for(lambda: len(tasks) <= self.options.concurrency // 2)
-            want = min(self.options.concurrency - len(tasks), fetch_cap)
             try:
-                msgs = await self._fetch(sub, want)
+                msgs = await self._fetch(sub, self.options.concurrency - len(tasks))
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 continue
             except nats.errors.Error as exc:  # connection trouble: the client reconnects
@@ -121,17 +121,53 @@ class Worker(Generic[E]):
         await sub.unsubscribe()
 
     async def _fetch(self, sub: JetStreamContext.PullSubscription, want: int) -> list[Msg]:
-        """Up to `want` messages, returned as soon as any are there.
+        """Up to `want` messages and FETCH_BYTES_BUDGET bytes, returned as soon as any are there.
 
-        nats-py's `fetch(n)` takes what is available at once, but when it has to wait, it
-        keeps waiting after the first message for the other n - 1 until its timeout; every
-        hop of the pipeline would pay that. So: a short fetch for what is there, then a
-        long poll for just one message.
+        A no-wait pull for what is there now; when nothing is, a long poll for one message
+        (a pull for n that has to wait keeps waiting after the first message for the other
+        n - 1 until it expires, and every hop of the pipeline would pay that).
+
+        Not nats-py's `fetch`: it cannot bound a request's bytes, and when its timeout cuts a
+        request short, that request goes on delivering while the next one starts. A message's
+        size is known only once it arrives, and any may be as large as the max payload (a long
+        trajectory, or poison the server accepted): with a batch sized for the usual size,
+        a burst of 8 MiB messages piled up past the server's 64 MiB slow-client limit and
+        the worker was disconnected on every fetch (measured). Here each request carries
+        `max_bytes` and is read to its end before the next one goes out.
         """
-        try:
-            return await sub.fetch(want, timeout=SHORT_FETCH)
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):
-            return await sub.fetch(1, timeout=self.options.fetch_timeout)
+        msgs = await self._pull(sub, {"batch": want, "no_wait": True}, DELIVERY_TIMEOUT)
+        if msgs:
+            return msgs
+        expires = self.options.fetch_timeout
+        return await self._pull(sub, {"batch": 1, "expires": int(expires * 1e9)}, expires + DELIVERY_TIMEOUT)
+
+    async def _pull(
+        self, sub: JetStreamContext.PullSubscription, request: dict[str, int | bool], timeout: float
+    ) -> list[Msg]:
+        """Send one pull request and read what it delivers until it ends: its last message, or
+        a status (404 nothing there, 408 expired, 409 byte budget reached).
+
+        A request cut short by `timeout` leaves the rest of its delivery in the inbox, where
+        the next request reads it. Raises nats.errors.TimeoutError if nothing came at all.
+        """
+        # nats-py keeps a pull subscription's inbox and request subject private.
+        inbox, next_subject, reply = sub._sub, sub._nms, sub._deliver
+        body = json.dumps({**request, "max_bytes": FETCH_BYTES_BUDGET}).encode()
+        await self.js._nc.publish(next_subject, body, reply)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        msgs: list[Msg] = []
+        while len(msgs) < request["batch"]:
+            try:
+                msg = await inbox.next_msg(timeout=max(deadline - loop.time(), 0.001))
+            except nats.errors.TimeoutError:
+                if msgs:
+                    break
+                raise
+            if JetStreamContext.is_status_msg(msg) is not None:
+                break
+            msgs.append(msg)
+        return msgs
 
     async def _handle(self, msg: Msg) -> None:
         deliveries = msg.metadata.num_delivered
@@ -165,10 +201,10 @@ class Worker(Generic[E]):
         if outcome is not HOLD:
             await msg.ack()
 
-    async def _heartbeat(self) -> None:
+    async def _heartbeat(self, ack_wait: float) -> None:
         """Tell the server every running handler's message is still being worked on."""
         while True:
-            await asyncio.sleep(self.queue.ack_wait / 3)
+            await asyncio.sleep(ack_wait / 3)
             for msg in list(self._inflight.values()):
                 await msg.in_progress()
 
@@ -176,6 +212,18 @@ class Worker(Generic[E]):
         log.warning("%s: dead letter (seq %d): %s", self.queue.durable, msg.metadata.sequence.stream, reason)
         await dead_letter(self.publisher, self.topology, self.queue.durable, msg, reason)
         await msg.term()
+
+
+async def consumer_ack_wait(js: JetStreamContext, topology: Topology, queue: WorkQueue) -> float:
+    """The ack_wait of the work queue's consumer as the server has it, which heartbeats must beat.
+
+    Not `queue.ack_wait`: that is only the default the first process to declare the queue
+    used. An operator (or `ops.chaos`, which shortens it so a killed worker's messages come
+    back sooner) may have declared it shorter, and a heartbeat paced by the longer default
+    would let held messages be redelivered while still being worked on.
+    """
+    info = await js.consumer_info(topology.stream(queue.stage), queue.durable)
+    return info.config.ack_wait or queue.ack_wait
 
 
 def stop_on_signals(stop: asyncio.Event) -> None:

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -78,7 +79,13 @@ class RoleConfig(Section):
     """Module run with `python -m`; default `consumers.<role name>`."""
     devices: list[int | str] = []
     """GPUs handed out round-robin as CUDA_VISIBLE_DEVICES: replica i gets devices[i % len].
-    An entry may name several ("0,1"). Empty: the variable is inherited unchanged."""
+    An entry may name several ("0,1"). Empty: the variable is inherited unchanged.
+    Ignored by `ops.ray`, where Ray picks each replica's GPUs (see `num_gpus`)."""
+    num_cpus: float = Field(default=1.0, ge=0)
+    """CPUs one replica needs; `ops.ray` places it on a node with that many free (unused here)."""
+    num_gpus: float = Field(default=0.0, ge=0)
+    """GPUs one replica needs; `ops.ray` places it on a node with that many free and sets its
+    CUDA_VISIBLE_DEVICES (a fraction shares a GPU). Unused by this fleet: see `devices`."""
     args: list[str] = []
     """Extra command-line arguments of every replica."""
     env: dict[str, str] = {}
@@ -135,6 +142,11 @@ def local_fleet(logs: Path) -> FleetConfig:
     return FleetConfig(roles={role: RoleConfig() for role in ROLES}, logs=logs)
 
 
+def worker_name(role: str, replica: int) -> str:
+    """A worker's name in its fleet, `<role>-<replica>`; also its log file's stem."""
+    return f"{role}-{replica}"
+
+
 def _term_with_parent(parent: int) -> None:
     """In the child before exec: ask Linux for SIGTERM when the fleet dies."""
     if _LIBC is not None:
@@ -181,7 +193,8 @@ class Supervisor:
     worker exits, not the process.
     """
 
-    def __init__(self, config: FleetConfig, run: str, url: str) -> None:
+    def __init__(self, config: FleetConfig, run: str, url: str, names: Collection[str] | None = None) -> None:
+        """`names`: the workers (`<role>-<replica>`) of the fleet to run; default every one."""
         self.config = config
         self.children: dict[str, Child] = {}
         for role, spec in config.roles.items():
@@ -191,8 +204,9 @@ class Supervisor:
                 env = dict(spec.env)
                 if spec.devices:
                     env["CUDA_VISIBLE_DEVICES"] = str(spec.devices[replica % len(spec.devices)])
-                name = f"{role}-{replica}"
-                self.children[name] = Child(name, command, env, config.logs / f"{name}.log")
+                name = worker_name(role, replica)
+                if names is None or name in names:
+                    self.children[name] = Child(name, command, env, config.logs / f"{name}.log")
 
     def start(self) -> None:
         self.config.logs.mkdir(parents=True, exist_ok=True)

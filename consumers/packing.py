@@ -11,6 +11,10 @@ import numpy as np
 
 from schemas.events import RewardEvent
 
+BYTES_PER_TOKEN = 14
+"""What one token takes in a BatchEvent: int32 id, uint8 attention and loss masks, float32
+behaviour log-prob, int32 version."""
+
 
 @dataclass(frozen=True)
 class Row:

@@ -18,7 +18,9 @@ import logging
 import sys
 
 from nats.aio.msg import Msg
+from opentelemetry.trace import StatusCode
 
+from bus import metrics, tracing
 from bus.publisher import EventTooLarge
 from bus.worker import Handler, Reject, Worker, WorkerOptions, stop_on_signals
 from consumers.reward_pool import RewardPool, RewardSpecError
@@ -34,7 +36,15 @@ def reward_handler(rt: Runtime, pool: RewardPool) -> Handler[TrajectoryEvent]:
     subject = rt.topology.subject("rewards")
 
     async def handle(event: TrajectoryEvent, _msg: Msg) -> None:
-        score = await pool.score(fn, event.response_text, event.task)
+        with tracing.tracer.start_as_current_span(
+            "reward", attributes={"jetrl.prompt_id": event.prompt_id, "jetrl.sample_index": event.sample_index,
+                                  "jetrl.worker": rt.source},
+        ) as span:
+            score = await pool.score(fn, event.response_text, event.task)
+            span.set_attributes({"jetrl.reward": score.reward, "jetrl.failed": score.failed})
+            if score.failed:  # shown as an error in Jaeger; the sample still flows, scored 0
+                span.set_attribute("jetrl.reason", score.reason)
+                span.set_status(StatusCode.ERROR, score.reason)
         reward = RewardEvent(
             id=event.id,
             run=rt.topology.run,
@@ -49,6 +59,9 @@ def reward_handler(rt: Runtime, pool: RewardPool) -> Handler[TrajectoryEvent]:
             await rt.publisher.publish(subject, reward)
         except EventTooLarge as exc:  # retrying cannot shrink it: straight to dead, with the reason
             raise Reject(str(exc)) from None
+        metrics.count_samples("reward", "failed" if score.failed else "scored")
+        if not score.failed:
+            metrics.REWARD.record(score.reward)
 
     return handle
 

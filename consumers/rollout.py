@@ -4,8 +4,9 @@
         trajectories -> return (the loop acks the prompt only once all are stored)
     batcher: wait for the gate -> up to max_batch_prompts of equal sampling -> generate
         in a thread (the event loop keeps heartbeating) -> resolve each prompt's future
-    weights watcher: new WeightVersionEvent -> fetch + verify bytes (no lock held) ->
-        close the gate, wait for the running generation to finish, load, reopen
+    weights watcher: new WeightVersionEvent -> check its manifest against the model,
+        fetch + verify bytes (no lock held) -> close the gate, wait for the running
+        generation to finish, load, reopen; a version that fails is dead-lettered, never loaded
 
 Every token of a generation comes from one version, since weights never change mid-call.
 """
@@ -18,18 +19,23 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import nats.errors
 import numpy as np
 import torch
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
+from opentelemetry import context
 from transformers import AutoTokenizer
 
-from bus.worker import Worker, WorkerOptions, stop_on_signals
+from bus import metrics, tracing
+from bus.dead import dead_letter
+from bus.worker import Reject, Worker, WorkerOptions, stop_on_signals
+from consumers.checks import ModelLimits
 from consumers.runtime import Runtime, attach, worker_args
 from engines import protocols
 from engines.hf_rollout import HFRolloutEngine
-from engines.weights import ChecksumMismatch, get_version
-from schemas import PromptEvent, Tensor, TrajectoryEvent, WeightVersionEvent, decode
+from engines.weights import WeightsRefused, check_manifest, get_version
+from schemas import DecodeError, PromptEvent, Tensor, TrajectoryEvent, WeightVersionEvent, decode
 
 log = logging.getLogger("jetrl.rollout")
 
@@ -40,11 +46,14 @@ class Pending:
     token_ids: list[int]
     queued_at: float
     done: asyncio.Future[tuple[list[protocols.Sample], int, float]]
+    trace: context.Context
+    """The handler's context (inside its process span): the batcher's `generate` span goes there."""
 
 
 class Rollout:
     def __init__(self, rt: Runtime, engine: HFRolloutEngine, tokenizer: object) -> None:
         self.rt, self.engine, self.tokenizer = rt, engine, tokenizer
+        self.limits = ModelLimits.of(engine.model)
         self.queue: list[Pending] = []
         self.wake = asyncio.Event()
         self.gate = asyncio.Event()  # open (set) unless weights are loading
@@ -58,9 +67,27 @@ class Rollout:
             return list(self.tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True))
         return list(self.tokenizer.encode(prompt.prompt, add_special_tokens=False))
 
+    def checked_token_ids(self, prompt: PromptEvent) -> list[int]:
+        """The prompt's token ids, or Reject for a prompt this model can never generate from.
+
+        Checked before the prompt joins a batch: one bad prompt would fail the generation
+        of every prompt batched with it, on every retry.
+        """
+        try:
+            ids = self.token_ids(prompt)
+        except Exception as exc:  # tokenizing is deterministic: what fails once fails on every retry
+            raise Reject(f"cannot tokenize the prompt: {type(exc).__name__}: {exc}") from None
+        if not ids:
+            raise Reject("the prompt has no tokens")
+        max_tokens = prompt.sampling.max_tokens
+        self.limits.check(max(ids), len(ids) + max_tokens, f"prompt of {len(ids)} tokens + max_tokens {max_tokens}")
+        return ids
+
     async def handle(self, prompt: PromptEvent, msg: Msg) -> None:
-        ids = self.token_ids(prompt)
-        pending = Pending(prompt, ids, time.perf_counter(), asyncio.get_running_loop().create_future())
+        ids = self.checked_token_ids(prompt)
+        pending = Pending(
+            prompt, ids, time.perf_counter(), asyncio.get_running_loop().create_future(), context.get_current()
+        )
         self.queue.append(pending)
         self.wake.set()
         samples, version, seconds = await pending.done
@@ -79,6 +106,7 @@ class Rollout:
             )
             acks.append(await self.rt.publisher.send(self.rt.topology.subject("trajectories"), trajectory))
         await asyncio.gather(*acks)
+        metrics.count_samples("rollout", "generated", len(samples))
 
     async def batcher(self) -> None:
         limit = self.rt.config.rollout.max_batch_prompts
@@ -97,34 +125,55 @@ class Rollout:
             async with self.generating:
                 version, started = self.engine.version, time.perf_counter()
                 try:
-                    groups = await asyncio.to_thread(self.engine.generate, [p.token_ids for p in batch], first.prompt.n, params)
+                    parents = [(p.trace, self.span_attributes(p, version, len(batch))) for p in batch]
+                    with tracing.spans_in("generate", parents) as spans:
+                        groups = await asyncio.to_thread(
+                            self.engine.generate, [p.token_ids for p in batch], first.prompt.n, params
+                        )
+                        for span, samples in zip(spans, groups):
+                            span.set_attribute("jetrl.tokens", sum(len(s.token_ids) for s in samples))
                 except Exception as exc:  # the prompts' handlers fail and are retried
                     for p in batch:
                         p.done.set_exception(exc)
                     continue
             seconds = time.perf_counter() - started
+            metrics.GENERATE_SECONDS.record(seconds, {"engine": "hf"})
             for p, samples in zip(batch, groups):
                 p.done.set_result((samples, version, seconds))
+
+    def span_attributes(self, pending: Pending, version: int, batch_prompts: int) -> dict[str, str | int]:
+        """What a prompt's `generate` span says: which prompt, weights, engine, worker, batch."""
+        return {
+            "jetrl.prompt_id": pending.prompt.id, "jetrl.policy_version": version, "jetrl.engine": "hf",
+            "jetrl.worker": self.rt.source, "jetrl.samples": pending.prompt.n,
+            "jetrl.prompt_tokens": len(pending.token_ids), "jetrl.batch_prompts": batch_prompts,
+        }
 
     async def watch_weights(self) -> None:
         sub = await self.rt.js.subscribe(
             self.rt.topology.subject("weights"), ordered_consumer=True, deliver_policy=DeliverPolicy.LAST
         )
         async for msg in sub.messages:
-            event = decode(msg.data, WeightVersionEvent)
-            if event.version <= self.engine.version:
-                continue
             try:
-                tensors = await get_version(self.rt.js, self.rt.topology.object_bucket, event)
-            except ChecksumMismatch as exc:
-                log.error("weights v%d refused, still serving v%d: %s", event.version, self.engine.version, exc)
-                continue
-            self.gate.clear()  # no new generation starts ...
-            async with self.generating:  # ... and the running one finishes first
-                self.engine.load_state_dict(tensors, version=event.version)
-            self.gate.set()
-            self.rt.member.report(weight_version=event.version)
-            log.info("now serving weights v%d", event.version)
+                await self.load_weights(decode(msg.data, WeightVersionEvent))
+            except (DecodeError, WeightsRefused) as exc:  # reported, never loaded
+                log.error("weights refused, still serving v%d: %s", self.engine.version, exc)
+                await dead_letter(self.rt.publisher, self.rt.topology, "rollout", msg, f"weights refused: {exc}")
+            except nats.errors.Error as exc:  # the bytes could not be fetched now; a later version will be
+                log.warning("weights not loaded, still serving v%d: %s", self.engine.version, exc)
+
+    async def load_weights(self, event: WeightVersionEvent) -> None:
+        """Serve `event`'s weights if they are newer; WeightsRefused if they do not fit the model."""
+        if event.version <= self.engine.version:
+            return
+        check_manifest(event.manifest, self.engine.model)  # before a byte is fetched
+        tensors = await get_version(self.rt.js, self.rt.topology.object_bucket, event)
+        self.gate.clear()  # no new generation starts ...
+        async with self.generating:  # ... and the running one finishes first
+            self.engine.load_state_dict(tensors, version=event.version)
+        self.gate.set()
+        self.rt.member.report(weight_version=event.version)
+        log.info("now serving weights v%d", event.version)
 
 
 async def main() -> None:
@@ -137,7 +186,7 @@ async def main() -> None:
     stop = asyncio.Event()
     stop_on_signals(stop)
     helpers = [asyncio.create_task(rollout.batcher()), asyncio.create_task(rollout.watch_weights())]
-    options = WorkerOptions(concurrency=2 * rt.config.rollout.max_batch_prompts, max_event_bytes=64 << 10)
+    options = WorkerOptions(concurrency=2 * rt.config.rollout.max_batch_prompts)
     worker = Worker(rt.js, rt.topology, rt.topology.queues["rollout"], PromptEvent, rollout.handle, rt.publisher, options)
     await worker.run(stop)
     for task in helpers:

@@ -1,4 +1,4 @@
-"""What every worker process does first: connect, declare the run, read its config, join.
+"""What every worker process does first: telemetry, connect, declare the run, read its config, join.
 
 Workers are started with `--run R --nats URL` only; the run's config comes from the KV
 bucket, where the producer put it (key `config`, the YAML of `RunConfig`). Once attached, a
@@ -13,13 +13,14 @@ import logging
 import os
 from dataclasses import dataclass
 
+import nats.errors
 import yaml
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
-from bus import tracing
+from bus import metrics, tracing
 from bus.connection import DEFAULT_URL, connect, worker_id
 from bus.publisher import Publisher
 from bus.topology import Topology, run_id_arg
@@ -47,14 +48,21 @@ class Runtime:
     def source(self) -> str:
         return worker_id(self.role)
 
-    async def close(self) -> None:
-        await self.member.leave()
-        await self.nc.drain()
+    async def close(self, timeout: float = 10.0) -> None:
+        """Leave the members and drain; give up after `timeout` s (a server that is gone
+        would otherwise keep a stopping worker alive forever)."""
+        try:
+            await asyncio.wait_for(self.member.leave(), timeout)
+            await asyncio.wait_for(self.nc.drain(), timeout)
+        except (asyncio.TimeoutError, nats.errors.Error):
+            await self.nc.close()
 
 
 async def attach(role: str, run: str, url: str, replicas: int = 1, wait: float = 120.0) -> Runtime:
     """Connect, apply the run's topology, wait (up to `wait` s) for its config in KV, join the members."""
-    tracing.setup(f"jetrl-{role}")
+    # Spans and metrics name the service (role) and the process (worker id) that made them.
+    tracing.setup(f"jetrl-{role}", worker_id(role))
+    metrics.setup(f"jetrl-{role}", worker_id(role))
     nc = await connect(url, worker_id(role))
     js = nc.jetstream()
     topology = Topology(run=run, replicas=replicas)

@@ -122,6 +122,9 @@ class TorchTrainEngine:
     def train_step(self, micro_batches: Sequence[MicroBatch]) -> dict[str, float]:
         """Accumulates over `micro_batches`, clips the grad norm, takes one AdamW step.
 
+        A step whose gradient is not finite leaves the weights as they were (still counted as
+        a step, so versions stay aligned with the batches); its grad_norm says so.
+
         Returns loss, clip_frac, ratio_mean, is_weight_mean, entropy (all over response
         tokens), grad_norm (before clipping), tokens (response tokens), step (after).
         """
@@ -147,7 +150,10 @@ class TorchTrainEngine:
                 totals["entropy"] += (entropy * mask).sum().item()
                 totals["tokens"] += mask.sum().item()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        self.optimizer.step()
+        # The schemas refuse NaN and inf inputs, but extreme finite ones (a log-prob of -1e30,
+        # a huge advantage) still overflow; one NaN update would poison every weight for good.
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
         self.step += 1
         tokens = max(totals["tokens"], 1.0)
         return {

@@ -1,6 +1,7 @@
 """`python -m ops.audit --run R [--nats URL]`: account for every prompt of a run, from the streams.
 
-Reads the prompt stream, the batch streams and the KV drop records, and reports:
+Reads the prompt stream, the batch streams and the KV drop records (messages that do not
+decode are poison the workers dead-lettered, and are left out), and reports:
 issued prompts; prompts whose group was trained, dropped (with reasons), or neither (in
 flight at shutdown); sample ids trained more than once; tokens trained at a staleness
 beyond the bound. Last line: one JSON object.
@@ -13,7 +14,7 @@ import asyncio
 import json
 import os
 from collections import Counter
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from nats.js import JetStreamContext
@@ -21,7 +22,9 @@ from nats.js.errors import NoKeysError
 
 from bus.connection import DEFAULT_URL, connect
 from bus.topology import Topology, run_id_arg
-from schemas import BatchEvent, PromptEvent, decode
+from schemas import BatchEvent, DecodeError, Event, PromptEvent, decode
+
+E = TypeVar("E", bound=Event)
 
 
 async def _replay(js: JetStreamContext, topology: Topology, stage: str, subject: str) -> list[bytes]:
@@ -32,9 +35,20 @@ async def _replay(js: JetStreamContext, topology: Topology, stage: str, subject:
     return data
 
 
+def _decoded(data: list[bytes], cls: type[E]) -> list[E]:
+    """The messages that are events of `cls`; poison among them is left out."""
+    events = []
+    for item in data:
+        try:
+            events.append(decode(item, cls))
+        except DecodeError:
+            continue
+    return events
+
+
 async def audit(js: JetStreamContext, topology: Topology, max_staleness: int) -> dict[str, Any]:
-    prompts = [decode(d, PromptEvent).id for d in await _replay(js, topology, "prompts", topology.subject("prompts"))]
-    batches = [decode(d, BatchEvent) for d in await _replay(js, topology, "batches", topology.subject("batches", ">"))]
+    prompts = [p.id for p in _decoded(await _replay(js, topology, "prompts", topology.subject("prompts")), PromptEvent)]
+    batches = _decoded(await _replay(js, topology, "batches", topology.subject("batches", ">")), BatchEvent)
     kv = await js.key_value(topology.kv_bucket)
     try:
         drop_keys = [k for k in await kv.keys() if k.startswith("drop.")]
@@ -53,6 +67,7 @@ async def audit(js: JetStreamContext, topology: Topology, max_staleness: int) ->
         "trained": len(trained_prompts & issued),
         "dropped": len(set(dropped) & issued),
         "in_flight": len(issued - trained_prompts - set(dropped)),
+        "in_flight_ids": sorted(issued - trained_prompts - set(dropped)),
         "unknown_trained": len(trained_prompts - issued),
         "samples_trained": sum(trained.values()),
         "duplicates": sum(c - 1 for c in trained.values() if c > 1),

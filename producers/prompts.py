@@ -1,4 +1,4 @@
-"""`python -m producers.prompts [--config YAML] [--nats URL] [--steps N]`: the main job.
+"""`python -m producers.prompts [--config YAML] [--nats URL] [--run R] [--steps N]`: the main job.
 
 With no `--nats`, this is the whole job on one machine: an embedded nats-server, a local
 fleet (trainer, buffer, reward, rollout as subprocesses), the run to the end with live
@@ -26,19 +26,19 @@ from pathlib import Path
 from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from bus import tracing
+from bus import metrics, tracing
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
-from bus.topology import Topology
+from bus.topology import Topology, run_id_arg
 from consumers.fleet import Supervisor, local_fleet
 from consumers.runtime import Runtime, attach, publish_config
 from producers import report
 from producers.datasets import epoch_size, records
-from schemas import PromptEvent, WeightVersionEvent, decode
+from schemas import DecodeError, PromptEvent, WeightVersionEvent, decode
 from schemas.config import ConfigError, RunConfig, load_config
 
 log = logging.getLogger("jetrl.producer")
-BUILTIN = Path(__file__).resolve().parent.parent / "examples" / "reverse.yaml"
+BUILTIN = Path(__file__).resolve().parent.parent / "examples" / "digits.yaml"
 
 
 def admitted_limit(version: int, dropped: int, cfg: RunConfig) -> int:
@@ -56,13 +56,22 @@ class Producer:
         self.changed = asyncio.Event()
 
     async def resume_cursor(self) -> int:
-        """Global index of the next prompt: one past the last stored (no gap, no duplicate)."""
-        try:
-            last = await self.rt.js.get_last_msg(self.rt.topology.stream("prompts"), self.rt.topology.subject("prompts"))
-        except NotFoundError:
+        """Global index of the next prompt: one past the last stored (no gap, no duplicate).
+
+        Messages at the end that are not prompts (poison; the rollout dead-letters it) are
+        stepped over: the last prompt is the last message that decodes as one.
+        """
+        stream = self.rt.topology.stream("prompts")
+        state = (await self.rt.js.stream_info(stream)).state
+        if state.messages == 0:
             return 0
-        prompt = decode(last.data or b"", PromptEvent)
-        return prompt.epoch * epoch_size(self.cfg.data) + prompt.index + 1
+        for seq in range(state.last_seq, state.first_seq - 1, -1):
+            try:
+                prompt = decode((await self.rt.js.get_msg(stream, seq)).data or b"", PromptEvent)
+            except (NotFoundError, DecodeError):  # deleted, or not a prompt
+                continue
+            return prompt.epoch * epoch_size(self.cfg.data) + prompt.index + 1
+        return 0
 
     async def watch(self) -> None:
         """Follow weight versions, drops and per-step metrics; wake the gate on each."""
@@ -73,7 +82,12 @@ class Producer:
 
         async def follow_weights() -> None:
             async for msg in weights.messages:
-                self.version = max(self.version, decode(msg.data, WeightVersionEvent).version)
+                try:
+                    version = decode(msg.data, WeightVersionEvent).version
+                except DecodeError as exc:  # the rollout workers dead-letter it; the gate keeps its version
+                    log.warning("weights event skipped: %s", exc)
+                    continue
+                self.version = max(self.version, version)
                 self.changed.set()
 
         async def follow_kv() -> None:
@@ -108,12 +122,14 @@ class Producer:
                     n=self.cfg.data.n, sampling=self.cfg.data.sampling, admitted_version=self.version,
                 )
                 await self.rt.publisher.publish(self.rt.topology.subject("prompts"), event)
+            metrics.PROMPTS.add(1)
             issued += 1
 
     async def lag(self) -> str:
         parts = []
         for role, queue in self.rt.topology.queues.items():
             info = await self.rt.js.consumer_info(self.rt.topology.stream(queue.stage), queue.durable)
+            metrics.set_queue_depth(role, info.num_pending, info.num_ack_pending)
             parts.append(f"{role} {info.num_pending}+{info.num_ack_pending}")
         return " ".join(parts)
 
@@ -136,10 +152,10 @@ class Producer:
             )
 
 
-async def produce(cfg: RunConfig, url: str, out: Path, fleet: Supervisor | None) -> dict:
+async def produce(cfg: RunConfig, url: str, out: Path, fleet: Supervisor | None, replicas: int = 1) -> dict:
     """Feed and watch a run until its last step; return the summary."""
     started = time.time()
-    rt = await attach_bootstrap(cfg, url)
+    rt = await attach_bootstrap(cfg, url, replicas)
     producer = Producer(rt)
     tasks = [asyncio.create_task(producer.watch()), asyncio.create_task(producer.feed())]
     progress = asyncio.create_task(producer.progress(started))
@@ -175,15 +191,15 @@ async def produce(cfg: RunConfig, url: str, out: Path, fleet: Supervisor | None)
     return summary
 
 
-async def attach_bootstrap(cfg: RunConfig, url: str) -> Runtime:
+async def attach_bootstrap(cfg: RunConfig, url: str, replicas: int = 1) -> Runtime:
     """The producer owns the config: it writes it to KV before attaching like any worker."""
     nc = await connect(url, "producer-bootstrap")
     js = nc.jetstream()
-    topology = Topology(run=cfg.run)
+    topology = Topology(run=cfg.run, replicas=replicas)
     await topology.apply(js)
     await publish_config(await js.key_value(topology.kv_bucket), cfg)
     await nc.close()
-    return await attach("producer", cfg.run, url)
+    return await attach("producer", cfg.run, url, replicas)
 
 
 def prepare(cfg: RunConfig, out: Path) -> RunConfig:
@@ -205,6 +221,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m producers.prompts", description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=BUILTIN, help="run config YAML (default: the built-in example)")
     parser.add_argument("--nats", help="NATS URL of a running cluster; omitted: embedded server + local fleet")
+    # A fleet supervisor starts every process with `--run R --nats URL`: the producer too
+    # (`ops.chaos` supervises it to kill and restart it).
+    parser.add_argument("--run", type=run_id_arg, help="run id (overrides the config's `run`)")
+    parser.add_argument("--replicas", type=int, choices=[1, 3, 5], default=1,
+                        help="stream replicas when this run's streams are created (3 on a NATS cluster)")
     parser.add_argument("--steps", type=int, help="stop after this many optimizer steps (overrides trainer.steps)")
     parser.add_argument("--out", type=Path, help="run directory; an existing one is resumed (default: runs/<run>-<time>)")
     args = parser.parse_args(argv)
@@ -222,13 +243,14 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"producers.prompts: {exc}")
     if args.steps is not None:
         cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"steps": args.steps})})
+    if args.run is not None:
+        cfg = cfg.model_copy(update={"run": args.run})
     out: Path = args.out or Path("runs") / f"{cfg.run}-{time.strftime('%Y%m%d-%H%M%S')}"
     cfg = prepare(cfg, out)
-    tracing.setup("jetrl-producer")
     print(f"run {cfg.run}: {cfg.trainer.steps} steps of {cfg.algorithm.prompts_per_step} prompts x {cfg.data.n} samples; "
           f"output in {out}", flush=True)
     if args.nats:
-        summary = asyncio.run(produce(cfg, args.nats, out, None))
+        summary = asyncio.run(produce(cfg, args.nats, out, None, args.replicas))
     else:
         with contextlib.ExitStack() as stack:
             server = stack.enter_context(EmbeddedNats(out / "nats"))

@@ -26,6 +26,17 @@ UPGRADES: dict[tuple[str, int], Upgrade] = {}
 class DecodeError(ValueError):
     """Bytes that are not a valid event; retrying cannot help (the message goes to dead)."""
 
+    def __init__(self, reason: str) -> None:
+        # One line, cut: the reason names keys and values of the poison itself, and becomes a
+        # log line and a dead letter's header.
+        super().__init__(" ".join(reason.split())[:500])
+
+
+def _short(value: object) -> str:
+    """repr(value), cut: a reason is one log line and one header, whatever the poison holds."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
 
 def register_upgrade(type_name: str, from_version: int) -> Callable[[Upgrade], Upgrade]:
     """Register `fn(fields) -> fields` lifting `type_name` from `from_version` to the next."""
@@ -52,9 +63,9 @@ def decode(data: bytes, expected: type[E] = Event) -> E:  # type: ignore[assignm
     type_name, version = fields.get("type"), fields.get("schema_version")
     cls = REGISTRY.get(type_name) if isinstance(type_name, str) else None
     if cls is None:
-        raise DecodeError(f"unknown event type {type_name!r}")
+        raise DecodeError(f"unknown event type {_short(type_name)}")
     if not isinstance(version, int) or isinstance(version, bool):
-        raise DecodeError(f"{type_name}: schema_version must be an integer, got {version!r}")
+        raise DecodeError(f"{type_name}: schema_version must be an integer, got {_short(version)}")
     if version > cls.VERSION:
         raise DecodeError(f"{type_name} schema_version {version} is newer than this worker's {cls.VERSION}")
     while version < cls.VERSION:

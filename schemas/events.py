@@ -11,19 +11,55 @@ every publish idempotent (DESIGN "Idempotence everywhere"):
 from __future__ import annotations
 
 import time
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, model_validator
 
 from schemas.tensor import DType, Tensor
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+MAX_GROUP = 1024
+"""Most samples per prompt (a GRPO group)."""
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+"""A token id as it travels in int32 arrays."""
+
+# Cheap semantic checks live here, in the events' own validators, so that every reader of
+# every stream gets them from `decode`: arrays in their documented dtype and rank, token
+# ids and versions >= 0, log-probs finite and <= 0, rewards and advantages finite. A NaN
+# log-prob or reward that decoded fine would reach the loss and poison the model; a
+# negative token id would crash an embedding lookup. Checks that need the model (token ids
+# < vocabulary size, lengths <= context, a weight manifest that fits) belong to the workers
+# that hold it (`consumers.checks`, `engines.weights.check_manifest`).
 
 
 def _check_tensors(*tensors: Tensor | None) -> None:
     for tensor in tensors:
         if tensor is not None:
             tensor.check()
+
+
+def _values(name: str, tensor: Tensor, dtype: DType, ndim: int) -> np.ndarray:
+    """The values of a byte-checked `tensor`, once its dtype and rank are the documented ones."""
+    if tensor.dtype != dtype or len(tensor.shape) != ndim:
+        raise ValueError(f"{name} must be {dtype} with {ndim} dimension(s), got {tensor.dtype}{list(tensor.shape)}")
+    return tensor.numpy()
+
+
+def _at_least(name: str, values: np.ndarray, low: int) -> None:
+    if values.size and values.min() < low:
+        raise ValueError(f"{name} holds {values.min()}, below {low}")
+
+
+def _log_probs(name: str, values: np.ndarray) -> None:
+    # A NaN makes max() NaN, which fails `<= 0`; two reductions cost half of an elementwise test.
+    if values.size and not (values.max() <= 0 and values.min() > -np.inf):
+        raise ValueError(f"{name} must be finite and <= 0 (log-probabilities)")
+
+
+def _finite(name: str, values: np.ndarray) -> None:
+    if not np.isfinite(values).all():
+        raise ValueError(f"{name} must be finite")
 
 
 class Event(BaseModel):
@@ -38,7 +74,7 @@ class Event(BaseModel):
     """Deterministic event id, sent as Nats-Msg-Id."""
     run: str = Field(min_length=1, max_length=64)
     """Run id; every subject of the run carries it."""
-    time: float = Field(default_factory=time.time)
+    time: float = Field(default_factory=time.time, allow_inf_nan=False)
     """Creation time, unix seconds."""
     source: str = ""
     """Worker id of the producer of this event (host:pid:role)."""
@@ -59,7 +95,7 @@ class SamplingParams(BaseModel):
     """Nucleus sampling mass."""
     max_tokens: int = Field(16, ge=1, le=1 << 20)
     """Most response tokens to generate."""
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[TokenId, ...] = ()
     """Token ids that end a response (the tokenizer's eos always does)."""
 
 
@@ -83,7 +119,7 @@ class PromptEvent(Event):
     """Prompt token ids (int32 [L]); when set, used as-is."""
     task: dict[str, Any] = {}
     """Task fields the reward function needs (answer, kind, ...)."""
-    n: int = Field(1, ge=1, le=1024)
+    n: int = Field(1, ge=1, le=MAX_GROUP)
     """Samples to draw for this prompt (the GRPO group size)."""
     sampling: SamplingParams = SamplingParams()
     """Sampling parameters."""
@@ -95,6 +131,11 @@ class PromptEvent(Event):
         if self.prompt is None and self.messages is None and self.token_ids is None:
             raise ValueError("a prompt needs one of prompt, messages or token_ids")
         _check_tensors(self.token_ids)
+        if self.token_ids is not None:
+            ids = _values("token_ids", self.token_ids, "int32", 1)
+            if ids.size == 0:
+                raise ValueError("token_ids is empty")
+            _at_least("token_ids", ids, 0)
         return self
 
 
@@ -110,7 +151,7 @@ class TrajectoryEvent(Event):
     """Id of the PromptEvent; also the group id."""
     sample_index: int = Field(ge=0)
     """Index of this sample in its group."""
-    group_size: int = Field(ge=1)
+    group_size: int = Field(ge=1, le=MAX_GROUP)
     """Samples in the group (the prompt's n)."""
     prompt_ids: Tensor
     """Prompt token ids, int32 [P]."""
@@ -143,6 +184,17 @@ class TrajectoryEvent(Event):
         if self.sample_index >= self.group_size:
             raise ValueError(f"sample_index {self.sample_index} outside group of {self.group_size}")
         _check_tensors(self.prompt_ids, self.response_ids, self.logprobs, self.versions)
+        # The buffer groups by prompt id and sample index and dedups by id: they must agree.
+        if self.id != f"{self.prompt_id}/{self.sample_index}":
+            raise ValueError(f"id {self.id!r} must be <prompt_id>/<sample_index>")
+        prompt = _values("prompt_ids", self.prompt_ids, "int32", 1)
+        if prompt.size == 0:
+            raise ValueError("prompt_ids is empty: nothing conditions the response")
+        _at_least("prompt_ids", prompt, 0)
+        # An empty response is valid: a sample that stopped at once, scored like any other.
+        _at_least("response_ids", _values("response_ids", self.response_ids, "int32", 1), 0)
+        _log_probs("logprobs", _values("logprobs", self.logprobs, "float32", 1))
+        _at_least("versions", _values("versions", self.versions, "int32", 1), 0)
         return self
 
 
@@ -156,14 +208,20 @@ class RewardEvent(Event):
 
     trajectory: TrajectoryEvent
     """The trajectory that was scored."""
-    reward: float
+    reward: float = Field(allow_inf_nan=False)
     """Scalar reward (0.0 when failed)."""
-    components: dict[str, float] = {}
+    components: dict[str, FiniteFloat] = {}
     """Named parts of the reward, for logging."""
     failed: bool = False
     """True when scoring raised, hung or the sample was invalid."""
     reason: str = ""
     """Why it failed."""
+
+    @model_validator(mode="after")
+    def _same_id(self) -> RewardEvent:
+        if self.id != self.trajectory.id:
+            raise ValueError(f"id {self.id!r} must be its trajectory's id {self.trajectory.id!r}")
+        return self
 
 
 class BatchEvent(Event):
@@ -229,6 +287,22 @@ class BatchEvent(Event):
             self.input_ids, self.attention_mask, self.loss_mask, self.advantages,
             self.behaviour_logprobs, self.versions, self.rewards,
         )
+        if 0 in bt:
+            raise ValueError(f"a micro-batch needs at least one row of one token, got {bt}")
+        _at_least("input_ids", _values("input_ids", self.input_ids, "int32", 2), 0)
+        attention = _values("attention_mask", self.attention_mask, "uint8", 2)
+        loss = _values("loss_mask", self.loss_mask, "uint8", 2)
+        if attention.max() > 1 or loss.max() > 1 or np.any(loss > attention):
+            raise ValueError("masks must be 0/1, with loss_mask only where attention_mask is 1")
+        _finite("advantages", _values("advantages", self.advantages, "float32", 1))
+        _finite("rewards", _values("rewards", self.rewards, "float32", 1))
+        _log_probs("behaviour_logprobs", _values("behaviour_logprobs", self.behaviour_logprobs, "float32", 2))
+        versions = _values("versions", self.versions, "int32", 2)
+        _at_least("versions", versions, -1)
+        # A token trained at `step` was generated by weights no newer than the step's input.
+        trained = versions[loss == 1]
+        if trained.size and (trained.min() < 0 or trained.max() > self.step):
+            raise ValueError(f"versions on the loss mask must be in [0, step {self.step}]")
         return self
 
 

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 
 import numpy as np
 from nats.js import JetStreamContext
 
+from bus.connection import connect
 from bus.dead import REASON
 from bus.topology import Topology
+from consumers.membership import Member, live_members
+from consumers.runtime import publish_config
 
 from schemas import PromptEvent, RewardEvent, Tensor, TrajectoryEvent
+from schemas.config import RunConfig
 
 
 def trajectory(run: str, prompt: int = 0, sample: int = 0, tokens: int = 8, group: int = 4) -> TrajectoryEvent:
@@ -59,3 +64,30 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out waiting"
         time.sleep(0.05)
+
+
+def declare_run(url: str, topology: Topology) -> None:
+    """Declare a run's streams and buckets and put a default config in KV, as a producer would."""
+
+    async def declare() -> None:
+        nc = await connect(url, "test-declare")
+        try:
+            await topology.apply(nc.jetstream())
+            await publish_config(await nc.jetstream().key_value(topology.kv_bucket), RunConfig(run=topology.run))
+        finally:
+            await nc.close()
+
+    asyncio.run(declare())
+
+
+def members(url: str, topology: Topology) -> list[Member]:
+    """The run's live members, as `live_members` reads them."""
+
+    async def read() -> list[Member]:
+        nc = await connect(url, "test-members")
+        try:
+            return await live_members(nc.jetstream(), topology)
+        finally:
+            await nc.close()
+
+    return asyncio.run(read())

@@ -2,7 +2,8 @@
 
 Each takes `(response_text, task)` like a real reward function. `reverse_or_misbehave`
 is the run's function in the end-to-end tests: it scores the `reverse` task unless the
-task names one of the misbehaviours below.
+task names one of the misbehaviours below. `length` is a well-behaved one for runs that
+measure throughput.
 """
 
 from __future__ import annotations
@@ -104,3 +105,9 @@ def reverse_or_misbehave(response_text: str, task: dict[str, Any]) -> object:
     if "misbehave" in task:
         return globals()[task["misbehave"]](response_text, task)
     return score_reverse(response_text, task)
+
+
+def length(response_text: str, task: dict[str, Any]) -> float:
+    """The response's length: sampled responses differ in length, so a group's rewards are
+    almost never all equal and almost no group is dropped; a run's work is known in advance."""
+    return float(len(response_text))

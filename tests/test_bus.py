@@ -22,7 +22,7 @@ from bus.publisher import EventTooLarge, Publisher
 from bus.topology import Topology
 from bus.worker import Worker, WorkerOptions
 from schemas import TrajectoryEvent, encode
-from tests.helpers import dead_letters, messages, trajectory
+from tests.helpers import dead_letters, messages, trajectory, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -153,13 +153,6 @@ def _spawn(url: str, run: str, mode: str, markers: Path) -> subprocess.Popen[str
     return proc
 
 
-def _wait_for(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-
-
 def test_killed_worker_message_is_redelivered_and_effect_happens_once(
     nats_server: EmbeddedNats, topology: Topology, tmp_path: Path
 ) -> None:
@@ -176,7 +169,7 @@ def test_killed_worker_message_is_redelivered_and_effect_happens_once(
 
     run_bus(nats_server, topology, setup)
     first = _spawn(nats_server.url, topology.run, "hang", tmp_path)
-    _wait_for(lambda: (tmp_path / key).exists())
+    wait_for(lambda: (tmp_path / key).exists(), timeout=20)
     first.send_signal(signal.SIGKILL)
     first.wait()
     second = _spawn(nats_server.url, topology.run, "fast", tmp_path)
@@ -211,7 +204,7 @@ def test_sigterm_drains_in_flight_work_and_exits_zero(nats_server: EmbeddedNats,
 
     run_bus(nats_server, topology, setup)
     proc = _spawn(nats_server.url, topology.run, "slow", tmp_path)
-    _wait_for(lambda: any(tmp_path.iterdir()))
+    wait_for(lambda: any(tmp_path.iterdir()), timeout=20)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=15) == 0
     started = {p.name for p in tmp_path.iterdir()}

@@ -9,6 +9,7 @@ no token is staler than the bound; each stage dead-lettered its garbage and kept
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from nats.js.errors import NotFoundError
 
 from bus.connection import connect
 from bus.dead import STAGE
@@ -28,22 +30,32 @@ from ops.audit import audit
 
 ROOT = Path(__file__).resolve().parent.parent
 ROLES = ("trainer", "buffer", "reward", "rollout")
-# The built-in task's reward is flat for ~200 steps, then climbs (producers/tasks.py).
-STEPS = 260
+# At the demo's lr (3e-4) the reward is flat for ~200 steps (producers/tasks.py); at 1e-3
+# it climbs from ~step 80, which keeps this test short.
+STEPS = 150
 
 
 def e2e_config(tmp_path: Path) -> Path:
     config = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
     config["run"] = "e2e"
     config["trainer"]["steps"] = STEPS
+    config["algorithm"]["lr"] = 1e-3
     path = tmp_path / "e2e.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
 
 
-async def inject_garbage(url: str, topology: Topology) -> None:
+async def inject_garbage_once_training(url: str, topology: Topology) -> None:
+    """Once the first batches are stored (every stage is up), garbage into every stream."""
     nc = await connect(url, "e2e-garbage")
     js = nc.jetstream()
+    deadline = time.monotonic() + 120
+    while True:
+        with contextlib.suppress(NotFoundError):
+            if (await js.stream_info(topology.stream("batches"))).state.messages >= 2:
+                break
+        assert time.monotonic() < deadline, "no batch within 120 s"
+        await asyncio.sleep(0.5)
     for subject in ("prompts", "trajectories", "rewards"):
         await js.publish(topology.subject(subject), b"\x93garbage " + subject.encode())
     await js.publish(topology.subject("batches", 0), b"not a batch")
@@ -76,9 +88,8 @@ def test_the_loop_learns_and_keeps_its_invariants(own_nats_server: EmbeddedNats,
         for role in ROLES
     }
     try:
-        time.sleep(15)  # the model is built and the first steps run
-        asyncio.run(inject_garbage(url, topology))
-        out, _ = producer.communicate(timeout=330)
+        asyncio.run(inject_garbage_once_training(url, topology))
+        out, _ = producer.communicate(timeout=480)
         assert producer.returncode == 0, out
         alive = {role: p.poll() for role, p in workers.items() if role != "trainer"}
         assert alive == {"buffer": None, "reward": None, "rollout": None}, "a worker died"
@@ -97,7 +108,7 @@ def test_the_loop_learns_and_keeps_its_invariants(own_nats_server: EmbeddedNats,
     assert summary["steps"] == STEPS
     assert summary["reward_start"] <= 0.3
     rewards = [json.loads(line)["reward_mean"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    first, last = np.array(rewards[:30]), np.array(rewards[-30:])
+    first, last = np.array(rewards[:25]), np.array(rewards[-25:])
     # Significantly higher: the gap is over 4 standard errors of the difference of means.
     se = np.sqrt(first.var(ddof=1) / len(first) + last.var(ddof=1) / len(last))
     assert last.mean() - first.mean() > max(4 * se, 0.03), (first.mean(), last.mean(), se)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -13,14 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.topology import Topology
 from consumers.fleet import FleetConfig, RestartPolicy, RoleConfig, Supervisor, load_fleet
-from consumers.membership import Member, live_members
-from consumers.runtime import publish_config
-from schemas.config import ConfigError, RunConfig
-from tests.helpers import wait_for
+from schemas.config import ConfigError
+from tests.helpers import declare_run, members, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 STAND_IN = "tests.fleet_proc"
@@ -36,28 +32,10 @@ def fleet_cli(config: dict, tmp_path: Path) -> subprocess.Popen[str]:
     )
 
 
-def members(url: str, topology: Topology) -> list[Member]:
-    async def read() -> list[Member]:
-        nc = await connect(url, "test-members")
-        try:
-            return await live_members(nc.jetstream(), topology)
-        finally:
-            await nc.close()
-
-    return asyncio.run(read())
-
-
 def test_killed_worker_is_restarted_and_membership_follows_it(nats_server: EmbeddedNats, tmp_path: Path) -> None:
     # A short TTL: the killed worker's entry must expire within the test.
     topology = Topology(run=f"t{uuid.uuid4().hex[:10]}", member_ttl=2.0)
-
-    async def set_up() -> None:
-        nc = await connect(nats_server.url, "test")
-        await topology.apply(nc.jetstream())
-        await publish_config(await nc.jetstream().key_value(topology.kv_bucket), RunConfig(run=topology.run))
-        await nc.close()
-
-    asyncio.run(set_up())
+    declare_run(nats_server.url, topology)
     config = FleetConfig(roles={"buffer": RoleConfig()}, logs=tmp_path, restart=RestartPolicy(backoff=0.1))
     fleet = Supervisor(config, topology.run, nats_server.url)
     fleet.start()
@@ -146,6 +124,12 @@ def test_config_errors_are_one_line_naming_the_key(text: str, message: str, tmp_
     with pytest.raises(ConfigError) as error:
         load_fleet(path)
     assert str(error.value).startswith(f"{path}: {message}") and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("name", ["fleet.yaml", "fleet-rollout.yaml"])
+def test_the_example_fleets_are_valid(name: str) -> None:
+    roles = load_fleet(ROOT / "examples" / name).roles
+    assert roles["rollout"].num_gpus == 1 and roles["rollout"].num_cpus == 1  # placed by ops.ray
 
 
 def test_cli_reports_a_config_error_in_one_line(tmp_path: Path) -> None:

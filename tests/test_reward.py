@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from consumers.runtime import attach, publish_config
 from schemas import RewardEvent, TrajectoryEvent, decode
 from schemas.config import DataConfig, RewardConfig, RunConfig
 from tests import reward_fns
-from tests.helpers import dead_letters, messages, trajectory
+from tests.helpers import dead_letters, messages, trajectory, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 REVERSE = "producers.tasks:score_reverse"
@@ -148,14 +147,6 @@ def running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Poll `predicate` until it holds; fail the test after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.05)
 
 
 # --- the worker -------------------------------------------------------------------------

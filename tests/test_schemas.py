@@ -46,7 +46,7 @@ def decode_tensor(t: Tensor) -> Tensor:
 
 @settings(max_examples=60, deadline=None)
 @given(
-    tokens=hnp.arrays(np.int32, st.integers(0, 64)),
+    tokens=hnp.arrays(np.int32, st.integers(0, 64), elements=st.integers(0, 2**31 - 1)),
     meta=metadata,
     text=st.text(max_size=50),
     sample=st.integers(0, 7),
@@ -55,7 +55,9 @@ def test_trajectory_and_reward_round_trip(tokens: np.ndarray, meta: dict, text: 
     n = tokens.shape[0]
     traj = TrajectoryEvent(
         id=f"r/0/1/{sample}", run="r", prompt_id="r/0/1", sample_index=sample, group_size=8,
-        prompt_ids=Tensor.from_numpy(tokens[: n // 2]), response_ids=Tensor.from_numpy(tokens),
+        # A prompt has at least one token; the response may be empty.
+        prompt_ids=Tensor.from_numpy(np.concatenate([tokens[: n // 2], np.ones(1, np.int32)])),
+        response_ids=Tensor.from_numpy(tokens),
         logprobs=Tensor.from_numpy(-np.abs(tokens.astype(np.float32))), versions=Tensor.from_numpy(np.zeros(n, np.int32)),
         response_text=text, task=meta,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import http.server
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -20,6 +21,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from bus.embedded import EmbeddedNats
+from bus.tracing import SystemRandomIds
 from bus.topology import Topology
 from tests.traced_chain import chain
 
@@ -99,3 +101,13 @@ def test_spans_reach_an_otlp_http_receiver(nats_server: EmbeddedNats, topology: 
     assert len({span.trace_id for span, _ in spans}) == 1
     service = {a.value.string_value for _, r in spans for a in r.attributes if a.key == "service.name"}
     assert service == {"jetrl-test"}
+
+
+def test_trace_ids_do_not_follow_a_seeded_random() -> None:
+    """The trainer seeds Python's `random`; with the SDK's default ids every run's train steps
+    got the same trace ids, and Jaeger merged them across runs."""
+    ids = set()
+    for _ in range(2):
+        random.seed(0)
+        ids.add((SystemRandomIds().generate_trace_id(), SystemRandomIds().generate_span_id()))
+    assert len(ids) == 2

@@ -1,0 +1,671 @@
+"""Poison in every stream: it goes to `dead` with a reason (or is scored as a failed sample),
+no worker stops, and the valid events behind it still flow.
+
+- `decode` returns an event that is safe to use, or raises DecodeError: never anything else.
+- A burst of messages at the max payload is dead-lettered (cut to fit) without the worker's
+  connection being dropped for falling behind.
+- The real workers on a real nats-server (rollout, reward and buffer in one event loop on a
+  thread of this process, the trainer as a subprocess): one message of each kind the issue
+  lists, then hypothesis-made poison, go into prompts, trajectories, rewards, batches.0 and
+  weights, each followed by valid events whose outputs are waited for (trajectories;
+  rewards, a failed one among them; a batch, a train step and the new weights served).
+  Token ids and lengths the model cannot take are refused where the model is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from transformers import AutoTokenizer
+
+from bus.connection import connect
+from bus.dead import HEADERS_ROOM, REASON, SEQUENCE, STAGE, SUBJECT, TRUNCATED
+from bus.embedded import MAX_PAYLOAD, EmbeddedNats
+from bus.publisher import Publisher
+from bus.topology import Topology
+from bus.worker import Worker, WorkerOptions
+from consumers.buffer import Buffer, read_batches
+from consumers.checks import ModelLimits
+from consumers.reward import reward_worker
+from consumers.reward_pool import RewardPool
+from consumers.rollout import Rollout
+from consumers.runtime import Runtime, attach, publish_config
+from engines.hf_rollout import HFRolloutEngine
+from engines.tiny import build_tiny_model
+from engines.weights import put_version
+from producers.tasks import VOCAB
+from schemas import (
+    BatchEvent,
+    DecodeError,
+    Event,
+    PromptEvent,
+    RewardEvent,
+    SamplingParams,
+    Tensor,
+    TrajectoryEvent,
+    WeightVersionEvent,
+    decode,
+    encode,
+)
+from schemas.config import RunConfig
+from schemas.events import EVENT_TYPES
+from tests.golden_events import golden
+from tests.helpers import trajectory
+from tests.poison import GOLDEN_MAPS, malformed, one_of_each_kind, undecodable
+
+ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
+Key = tuple[str, int]
+"""A message by its original subject and stream sequence, as its dead letter names it."""
+
+TOKEN = {symbol: index for index, symbol in enumerate(VOCAB)}
+VOCAB_SIZE, CONTEXT = len(VOCAB), 64
+"""The tiny model's limits (`build_tiny_model` defaults); the fleet checks them."""
+MAX_TOKENS = 4
+FAR_VERSION = 10**6
+"""A weight version no trainer reaches in these tests: offered, it is always newer."""
+STREAMS = ("prompts", "trajectories", "rewards", "batches", "weights")
+READER = {
+    "prompts": "rollout", "trajectories": "reward", "rewards": "buffer", "batches": "trainer", "weights": "rollout",
+}
+"""The stage that reads each stream, and so dead-letters what it cannot use."""
+GOLDEN_NAME = {"prompts": "prompt.v1", "trajectories": "trajectory.v1", "rewards": "reward.v1",
+               "batches": "batch.v1", "weights": "weights.v1"}
+EVENT = {"prompts": PromptEvent, "trajectories": TrajectoryEvent, "rewards": RewardEvent,
+         "batches": BatchEvent, "weights": WeightVersionEvent}
+
+
+# --- decode ----------------------------------------------------------------------------
+
+
+def assert_safe(event: Event) -> None:
+    """What the workers take for granted in a decoded event, checked on its arrays directly."""
+    assert math.isfinite(event.time)
+    if isinstance(event, RewardEvent):
+        assert all(map(math.isfinite, [event.reward, *event.components.values()]))
+        assert event.id == event.trajectory.id
+        event = event.trajectory
+    if isinstance(event, PromptEvent) and event.token_ids is not None:
+        ids = event.token_ids.numpy()
+        assert ids.dtype == np.int32 and ids.size > 0 and ids.min() >= 0
+    if isinstance(event, TrajectoryEvent):
+        for tensor in (event.prompt_ids, event.response_ids, event.versions):
+            assert tensor.numpy().dtype == np.int32 and (tensor.numpy() >= 0).all()
+        assert event.prompt_ids.numpy().size > 0
+        logprobs = event.logprobs.numpy()
+        assert logprobs.dtype == np.float32 and np.isfinite(logprobs).all() and (logprobs <= 0).all()
+    if isinstance(event, BatchEvent):
+        ids, attention, loss = event.input_ids.numpy(), event.attention_mask.numpy(), event.loss_mask.numpy()
+        assert ids.dtype == np.int32 and ids.size > 0 and ids.min() >= 0
+        assert set(np.unique(attention)) <= {0, 1} and (loss <= attention).all()
+        for tensor in (event.advantages, event.rewards, event.behaviour_logprobs):
+            assert tensor.numpy().dtype == np.float32 and np.isfinite(tensor.numpy()).all()
+        assert (event.behaviour_logprobs.numpy() <= 0).all()
+        trained = event.versions.numpy()[loss == 1]
+        assert ((trained >= 0) & (trained <= event.step)).all()
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.sampled_from(sorted(GOLDEN_MAPS)).flatmap(malformed), expected=st.sampled_from([Event, *EVENT_TYPES]))
+def test_decode_returns_a_safe_event_or_raises_decode_error(data: bytes, expected: type[Event]) -> None:
+    try:
+        event = decode(data, expected)
+    except DecodeError as exc:
+        assert str(exc) and "\n" not in str(exc)  # one line: it becomes a log line and a header
+        return
+    assert isinstance(event, expected)
+    assert_safe(event)
+    assert decode(encode(event), type(event)) == event
+
+
+# --- the fetch budget -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Dead:
+    """A dead letter: who wrote it, why, and what it kept of the original."""
+
+    stage: str
+    reason: str
+    data: bytes
+    original_size: int | None
+    """Set when only the start of the original was kept."""
+
+
+async def dead_letters(js: JetStreamContext, topology: Topology) -> dict[Key, Dead]:
+    """Every dead letter of the run, by the message it stands for."""
+    sub = await js.subscribe(topology.subject("dead", ">"), ordered_consumer=True)
+    found = {}
+    for _ in range((await js.stream_info(topology.stream("dead"))).state.messages):
+        key, dead = as_dead(await sub.next_msg(timeout=10))
+        found[key] = dead
+    await sub.unsubscribe()
+    return found
+
+
+def as_dead(msg: Msg) -> tuple[Key, Dead]:
+    """A dead letter read from its headers, keyed by its original subject and sequence."""
+    headers = msg.headers or {}
+    size = headers.get(TRUNCATED)
+    dead = Dead(headers[STAGE], headers[REASON], msg.data, int(size) if size else None)
+    return (headers[SUBJECT], int(headers[SEQUENCE])), dead
+
+
+def test_a_burst_of_max_size_messages_goes_dead_without_dropping_the_connection(
+    nats_server: EmbeddedNats, topology: Topology
+) -> None:
+    """16 messages at the max payload (128 MiB) and a valid event behind them: each goes to
+    dead with its start kept, the valid one is handled, and the worker is never disconnected
+    (a fetch of all 16 at once, or a dead letter over the max payload, would have been)."""
+    count, handled = 16, []
+
+    async def handler(event: TrajectoryEvent, _msg: Msg) -> None:
+        handled.append(event.id)
+
+    async def main() -> None:
+        nc = await connect(nats_server.url, "test-burst")
+        js = nc.jetstream()
+        await topology.apply(js)
+        subject = topology.subject("trajectories")
+        keys = {(subject, (await js.publish(subject, bytes([0xC1]) * MAX_PAYLOAD)).seq) for _ in range(count)}
+        publisher = Publisher(js)
+        await publisher.publish(subject, trajectory(topology.run))
+        queue = topology.queues["reward"]
+        options = WorkerOptions(concurrency=32, fetch_timeout=0.2)
+        stop = asyncio.Event()
+        task = asyncio.create_task(Worker(js, topology, queue, TrajectoryEvent, handler, publisher, options).run(stop))
+        try:
+            await eventually(lambda: bool(handled) and len(keys) == count, "the valid event is handled")
+            await eventually_async(lambda: dead_count(js, topology, count), "every max-size message is dead", 60)
+            dead = await dead_letters(js, topology)
+            assert set(dead) == keys
+            assert {(d.original_size, len(d.data), d.reason.split(":")[0]) for d in dead.values()} == {
+                (MAX_PAYLOAD, MAX_PAYLOAD - HEADERS_ROOM, "not msgpack")
+            }
+            assert nc.stats["reconnects"] == 0
+        finally:
+            stop.set()
+            await task
+            await topology.delete(js)  # 256 MiB the rest of the session need not keep
+            await nc.close()
+
+    asyncio.run(main())
+
+
+async def dead_count(js: JetStreamContext, topology: Topology, count: int) -> bool:
+    """Whether the run's dead stream holds at least `count` letters."""
+    return (await js.stream_info(topology.stream("dead"))).state.messages >= count
+
+
+async def eventually(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    """Wait until `predicate` holds; fail the test after `timeout` s."""
+
+    async def check() -> bool:
+        return predicate()
+
+    await eventually_async(check, what, timeout)
+
+
+async def eventually_async(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 30.0) -> None:
+    """Wait until `check()` holds; fail the test after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        await asyncio.sleep(0.05)
+
+
+# --- the fleet --------------------------------------------------------------------------
+
+
+def tokens(text: str) -> list[int]:
+    """The tiny tokenizer's ids of `text` (one symbol, one token)."""
+    return [TOKEN[symbol] for symbol in text]
+
+
+def ids_tensor(values: list[int] | np.ndarray) -> Tensor:
+    """Token ids (or versions) as they travel: int32."""
+    return Tensor.from_numpy(np.asarray(values, dtype=np.int32))
+
+
+def scored(prompt_id: str, sample: int, group: int, response: list[int], reward: float) -> RewardEvent:
+    """A RewardEvent for `response` (ids, which need not be in the vocabulary) to prompt "c1234="."""
+    n = len(response)
+    t = TrajectoryEvent(
+        id=f"{prompt_id}/{sample}", run=prompt_id.split("/")[0], prompt_id=prompt_id, sample_index=sample,
+        group_size=group, prompt_ids=ids_tensor(tokens("c1234=")), response_ids=ids_tensor(response),
+        logprobs=Tensor.from_numpy(np.full(n, -1.0, np.float32)), versions=ids_tensor(np.zeros(n, np.int32)),
+        response_text="", task={"name": "digits", "rule": "copy", "target": "1234"},
+    )
+    return RewardEvent(id=t.id, run=t.run, trajectory=t, reward=reward)
+
+
+@dataclass
+class Observed:
+    """What the fleet's streams hold, read as it arrives (poison left out, except in `dead`)."""
+
+    dead: dict[Key, Dead] = field(default_factory=dict)
+    trajectories: set[str] = field(default_factory=set)
+    rewards: dict[str, RewardEvent] = field(default_factory=dict)
+    batches: list[BatchEvent] = field(default_factory=list)
+    weights: set[int] = field(default_factory=set)
+
+
+class Fleet:
+    """The real workers of one run: rollout, reward and buffer as tasks of an event loop on a
+    thread of this process, the trainer as a subprocess; tests drive it with `call`."""
+
+    def __init__(self, url: str, topology: Topology, model_dir: Path, work: Path) -> None:
+        self.url, self.topology, self.model_dir, self.work = url, topology, model_dir, work
+        self.run = topology.run
+        self.config = RunConfig.model_validate({
+            "run": self.run,
+            "model": {"path": str(model_dir)},
+            "data": {"reward": "producers.tasks:score_digits", "n": 2, "sampling": {"max_tokens": MAX_TOKENS}},
+            # One group a step: every valid group behind poison makes a step of its own.
+            "algorithm": {"prompts_per_step": 1, "max_staleness": 10**6},
+            "trainer": {"steps": 10**6, "checkpoint_every": 10**6, "checkpoint_dir": str(work / "checkpoints")},
+            "rollout": {"max_batch_prompts": 4},
+            "reward": {"processes": 1, "timeout": 10.0},
+        })
+        self.seen = Observed()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.counter = itertools.count()
+        self.stop = asyncio.Event()
+        self.tasks: dict[str, asyncio.Task[Any]] = {}
+        self.runtimes: list[Runtime] = []
+        self.refused_weights: list[bytes] = []
+        """Weight events that decode but must be refused: forged checksum, missing object, bad bytes, wrong shapes."""
+        self.held_group = f"{self.run}/held"
+        """A group of two of which the buffer holds one sample for good (poison claims another size for it)."""
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float = 120.0) -> T:
+        """Run `coro` on the fleet's loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    # Start and stop -------------------------------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+        self.call(self._start())
+
+    async def _start(self) -> None:
+        self.nc: Client = await connect(self.url, "test-fleet")
+        self.js = self.nc.jetstream()
+        await self.topology.apply(self.js)
+        await publish_config(await self.js.key_value(self.topology.kv_bucket), self.config)
+        self.trainer_log = open(self.work / "trainer.log", "wb")  # noqa: SIM115 - closed in stop()
+        self.trainer = subprocess.Popen(
+            [sys.executable, "-m", "consumers.trainer", "--run", self.run, "--nats", self.url],
+            cwd=ROOT, stdout=self.trainer_log, stderr=subprocess.STDOUT,
+        )
+        for stage, cls in (("trajectories", TrajectoryEvent), ("rewards", RewardEvent), ("weights", WeightVersionEvent),
+                           ("batches", BatchEvent)):
+            subject = self.topology.subject("batches", ">") if stage == "batches" else self.topology.subject(stage)
+            self.tasks[f"observe {stage}"] = asyncio.create_task(self._observe(subject, cls))
+        self.tasks["observe dead"] = asyncio.create_task(self._observe_dead())
+        await self._start_rollout()
+        await self._start_reward()
+        await self._start_buffer()
+        # Ready once the rollout watches weights and the trainer has published version 0.
+        await eventually_async(self._watching_weights, "the rollout watches the weights stream")
+        await self.until(lambda: 0 in self.seen.weights, "the trainer publishes version 0", 120)
+        await self._store_refused_weights()
+        await self.js.publish(self.subject("rewards"), encode(scored(self.held_group, 0, 2, [1], 1.0)))
+
+    async def _start_rollout(self) -> None:
+        rt = await self._attach("rollout")
+        engine = HFRolloutEngine(self.model_dir, seed=0)
+        self.rollout = Rollout(rt, engine, AutoTokenizer.from_pretrained(self.model_dir))
+        assert self.rollout.limits == ModelLimits(VOCAB_SIZE, CONTEXT)
+        self.tasks["rollout batcher"] = asyncio.create_task(self.rollout.batcher())
+        self.tasks["rollout weights"] = asyncio.create_task(self.rollout.watch_weights())
+        worker = Worker(rt.js, rt.topology, rt.topology.queues["rollout"], PromptEvent, self.rollout.handle,
+                        rt.publisher, WorkerOptions(concurrency=8, fetch_timeout=0.2))
+        self.tasks["rollout"] = asyncio.create_task(worker.run(self.stop))
+
+    async def _start_reward(self) -> None:
+        rt = await self._attach("reward")
+        self.pool = await RewardPool(self.config.reward.processes, self.config.reward.timeout).__aenter__()
+        worker = reward_worker(rt, self.pool, WorkerOptions(concurrency=2, fetch_timeout=0.2))
+        self.tasks["reward"] = asyncio.create_task(worker.run(self.stop))
+
+    async def _start_buffer(self) -> None:
+        rt = await self._attach("buffer")
+        buffer = Buffer(rt, await read_batches(rt))
+        self.tasks["buffer heartbeat"] = asyncio.create_task(buffer.heartbeat())
+        worker = Worker(rt.js, rt.topology, rt.topology.queues["buffer"], RewardEvent, buffer.handle, rt.publisher,
+                        WorkerOptions(concurrency=64, max_deliver=20, fetch_timeout=0.2))
+        self.tasks["buffer"] = asyncio.create_task(worker.run(self.stop))
+
+    async def _attach(self, role: str) -> Runtime:
+        rt = await attach(role, self.run, self.url)
+        self.runtimes.append(rt)
+        return rt
+
+    async def _watching_weights(self) -> bool:
+        return (await self.js.stream_info(self.topology.stream("weights"))).state.consumer_count >= 2
+
+    async def _store_refused_weights(self) -> None:
+        """Weight events that decode but must never be loaded, all for a version far ahead."""
+        model = self.rollout.engine.model
+        params = {name: param.detach().clone() for name, param in model.named_parameters()}
+        good = await put_version(self.js, self.topology.object_bucket, self.run, "test", FAR_VERSION, params)
+        await (await self.js.object_store(self.topology.object_bucket)).put("corrupt.safetensors", b"\x00" * 64)
+        first, *rest = good.manifest
+        self.refused_weights = [
+            encode(event) for event in (
+                good.model_copy(update={"manifest": (first.model_copy(update={"sha256": "0" * 64}), *rest)}),
+                good.model_copy(update={"location": "missing.safetensors"}),
+                good.model_copy(update={"location": "corrupt.safetensors"}),
+                good.model_copy(update={"manifest": (first.model_copy(update={"shape": (1, 1)}), *rest)}),
+                good.model_copy(update={"manifest": tuple(rest)}),
+            )
+        ]
+
+    def stop_all(self) -> None:
+        self.call(self._stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    async def _stop(self) -> None:
+        self.assert_alive()
+        self.stop.set()
+        for name in ("rollout", "reward", "buffer"):
+            await self.tasks.pop(name)
+        for task in self.tasks.values():
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        await self.pool.close()
+        self.trainer.send_signal(signal.SIGTERM)
+        returncode = await asyncio.to_thread(self.trainer.wait, 30)
+        self.trainer_log.close()
+        for rt in self.runtimes:
+            await rt.close()
+        await self.topology.delete(self.js)
+        await self.nc.close()
+        # nats-py leaves the checkers of closed ordered consumers pending: end them here.
+        leftovers = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in leftovers:
+            task.cancel()
+        await asyncio.gather(*leftovers, return_exceptions=True)
+        assert returncode == 0, self.trainer_tail()
+
+    # What the streams hold ------------------------------------------------------------
+    async def _observe(self, subject: str, cls: type[Event]) -> None:
+        sub = await self.js.subscribe(subject, ordered_consumer=True)
+        async for msg in sub.messages:
+            try:
+                event = decode(msg.data, cls)
+            except DecodeError:
+                continue
+            if isinstance(event, TrajectoryEvent):
+                self.seen.trajectories.add(event.id)
+            elif isinstance(event, RewardEvent):
+                self.seen.rewards[event.id] = event
+            elif isinstance(event, BatchEvent):
+                self.seen.batches.append(event)
+            elif isinstance(event, WeightVersionEvent):
+                self.seen.weights.add(event.version)
+
+    async def _observe_dead(self) -> None:
+        sub = await self.js.subscribe(self.topology.subject("dead", ">"), ordered_consumer=True)
+        async for msg in sub.messages:
+            key, dead = as_dead(msg)
+            self.seen.dead[key] = dead
+
+    def assert_alive(self) -> None:
+        """No worker stopped: every task still runs and the trainer process too."""
+        stopped = {name: task for name, task in self.tasks.items() if task.done()}
+        assert not stopped, {name: task.exception() for name, task in stopped.items() if not task.cancelled()}
+        assert self.trainer.poll() is None, self.trainer_tail()
+
+    def trainer_tail(self) -> str:
+        self.trainer_log.flush()
+        return (self.work / "trainer.log").read_text(errors="replace")[-3000:]
+
+    async def until(self, predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+        """Wait for `predicate`, failing early if a worker stops meanwhile."""
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            self.assert_alive()
+            assert time.monotonic() < deadline, f"timed out waiting until {what}"
+            await asyncio.sleep(0.05)
+
+    # Poison and valid events ------------------------------------------------------------
+    def subject(self, stream: str) -> str:
+        """The subject of `stream` (rank 0's for batches)."""
+        return self.topology.subject("batches", 0) if stream == "batches" else self.topology.subject(stream)
+
+    async def send(self, stream: str, data: bytes) -> Key:
+        """Publish raw bytes (no message id: poison is not deduplicated) and return their key."""
+        ack = await self.js.publish(self.subject(stream), data)
+        return self.subject(stream), ack.seq
+
+    async def dead_letters(self, keys: list[Key]) -> list[Dead]:
+        """The dead letters of `keys`, once they are all there."""
+        await self.until(lambda: all(key in self.seen.dead for key in keys), f"{len(keys)} messages are dead", 60)
+        return [self.seen.dead[key] for key in keys]
+
+    async def valid_prompt(self) -> None:
+        """A prompt behind the poison: wait for its n trajectories."""
+        index = next(self.counter)
+        prompt = PromptEvent(
+            id=f"{self.run}/0/{index}", run=self.run, epoch=0, index=index, token_ids=ids_tensor(tokens("c1234=")),
+            task={"name": "digits", "rule": "copy", "target": "1234"}, n=2,
+            sampling=SamplingParams(max_tokens=MAX_TOKENS),
+        )
+        await self.js.publish(self.subject("prompts"), encode(prompt))
+        expected = {f"{prompt.id}/{i}" for i in range(prompt.n)}
+        await self.until(lambda: expected <= self.seen.trajectories, f"trajectories for {prompt.id}")
+
+    async def valid_trajectories(self) -> None:
+        """Three trajectories behind the poison: scored, scored with an empty response, and
+        failed by the reward function (its task has no target): wait for their rewards."""
+        index = next(self.counter)
+        cases = {"ok": ("12", {"target": "1234"}, 0.5, False), "empty": ("", {"target": "1234"}, 0.0, False),
+                 "no target": ("1", {}, 0.0, True)}
+        sent = {}
+        for name, (text, task, reward, failed) in cases.items():
+            prompt_id = f"{self.run}/t{index}/{name.replace(' ', '-')}"
+            response = tokens(text)
+            t = scored(prompt_id, 0, 1, response, 0.0).trajectory
+            t = t.model_copy(update={"response_text": text, "task": task})
+            await self.js.publish(self.subject("trajectories"), encode(t))
+            sent[t.id] = (reward, failed)
+        await self.until(lambda: set(sent) <= set(self.seen.rewards), "rewards for the valid trajectories")
+        got = {i: (self.seen.rewards[i].reward, self.seen.rewards[i].failed) for i in sent}
+        assert got == sent
+        assert "KeyError" in next(self.seen.rewards[i].reason for i, (_, failed) in sent.items() if failed)
+
+    async def group(self, responses: tuple[list[int], list[int]]) -> list[str]:
+        """Publish a complete group of two scored samples (rewards 1 and 0); their ids."""
+        prompt_id = f"{self.run}/g{next(self.counter)}"
+        events = [scored(prompt_id, i, 2, response, 1.0 - i) for i, response in enumerate(responses)]
+        for event in events:
+            await self.js.publish(self.subject("rewards"), encode(event))
+        return [event.id for event in events]
+
+    async def valid_group(self) -> None:
+        """A group behind the poison, one response empty: wait until a step trained it and the
+        rollout serves the weights that step made."""
+        ids = await self.group((tokens("1234") + [TOKEN["<eos>"]], []))
+        await self.until(lambda: self.step_of(ids) is not None, "the valid group is batched")
+        made = self.step_of(ids) + 1  # type: ignore[operator]
+        await self.until(lambda: self.rollout.engine.version >= made, f"the rollout serves v{made}", 60)
+        assert self.rollout.engine.version < FAR_VERSION  # no refused version was ever loaded
+
+    def step_of(self, sample_ids: list[str]) -> int | None:
+        """The step of the batch holding `sample_ids`, once the buffer stored one."""
+        return next((b.step for b in self.seen.batches if set(sample_ids) <= set(b.sample_ids)), None)
+
+    async def refused_by_trainer(self, sample_ids: list[str]) -> str:
+        """The reason the trainer gave for the batch holding `sample_ids`, once it gave one."""
+
+        def reason() -> str | None:
+            for letter in self.seen.dead.values():
+                if letter.stage == "trainer" and set(sample_ids) <= set(batch_ids(letter.data)):
+                    return letter.reason
+            return None
+
+        await self.until(lambda: reason() is not None, "the trainer refuses the batch")
+        return reason()  # type: ignore[return-value]
+
+    async def valid_events(self, stream: str) -> None:
+        """The valid events that follow poison in `stream`, with their outputs awaited."""
+        if stream == "prompts":
+            await self.valid_prompt()
+        elif stream == "trajectories":
+            await self.valid_trajectories()
+        else:  # rewards, batches and weights: the valid group's batch, train step and weights
+            await self.valid_group()
+
+
+def batch_ids(data: bytes) -> tuple[str, ...]:
+    """The sample ids of a batch, or none when `data` is not one."""
+    try:
+        return decode(data, BatchEvent).sample_ids
+    except DecodeError:
+        return ()
+
+
+@pytest.fixture(scope="module")
+def fleet(nats_server: EmbeddedNats, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    work = tmp_path_factory.mktemp("poison")
+    model_dir = build_tiny_model(work / "model")
+    fleet = Fleet(nats_server.url, Topology(run=f"poison{int(time.time() * 1000) % 10**8}"), model_dir, work)
+    fleet.start()
+    yield fleet
+    fleet.stop_all()
+
+
+def check_dead(stream: str, keys: list[Key], dead: list[Dead]) -> None:
+    """Each poison message is a dead letter of the stage that reads `stream`, with a reason,
+    and was known for poison at once: never retried until the delivery limit."""
+    for key, letter in zip(keys, dead):
+        assert letter.stage == READER[stream] and letter.reason, (key, letter.stage, letter.reason)
+        assert not letter.reason.startswith(("failed ", "gave up")), (key, letter.reason)
+
+
+@pytest.mark.timeout(300)
+def test_one_of_each_kind_in_every_stream_goes_dead_and_valid_events_flow(fleet: Fleet) -> None:
+    """Garbage, truncated msgpack, the wrong shape, an unknown type, a future version, a
+    message at the max payload, NaN and negative values in each array; weights that decode
+    but must not load; then the valid events of every stream."""
+    for stream in STREAMS:
+        poison = one_of_each_kind(GOLDEN_NAME[stream], MAX_PAYLOAD)
+        if stream == "weights":
+            poison += fleet.refused_weights
+        keys = [fleet.call(fleet.send(stream, data)) for data in poison]
+        dead = fleet.call(fleet.dead_letters(keys))
+        check_dead(stream, keys, dead)
+        oversize = next(d for d in dead if d.original_size is not None)
+        assert oversize.original_size == MAX_PAYLOAD and len(oversize.data) == MAX_PAYLOAD - HEADERS_ROOM
+        if stream == "weights":
+            reasons = [d.reason for d in dead[-len(fleet.refused_weights):]]
+            assert all(r.startswith("weights refused:") for r in reasons), reasons
+        fleet.call(fleet.valid_events(stream))
+    assert fleet.rollout.engine.version < FAR_VERSION
+    fleet.assert_alive()
+
+
+def refused_prompts() -> st.SearchStrategy[bytes]:
+    """Prompts that decode but this model can never generate from."""
+
+    def prompt(**fields: Any) -> bytes:
+        return encode(PromptEvent(id="p/0/0", run="p", epoch=0, index=0, n=2,
+                                  sampling=SamplingParams(max_tokens=MAX_TOKENS), **fields))
+
+    in_vocab = st.integers(0, VOCAB_SIZE - 1)
+    past_vocab = st.tuples(st.lists(in_vocab, max_size=6), st.integers(VOCAB_SIZE, 2**31 - 1)).map(
+        lambda pair: [*pair[0], pair[1]]
+    )
+    too_long = st.integers(CONTEXT - MAX_TOKENS + 1, 4 * CONTEXT).map(lambda n: [TOKEN["1"]] * n)
+    return st.one_of(
+        st.one_of(past_vocab, too_long).map(lambda ids: prompt(token_ids=ids_tensor(ids))),
+        st.text(alphabet=" xyzXYZ!?", max_size=8).map(lambda text: prompt(prompt=text)),  # no token of the vocabulary
+        st.just(prompt(messages=({"role": "user", "content": "c1234="},))),  # the tokenizer has no chat template
+    )
+
+
+def refused_rewards(held_group: str) -> st.SearchStrategy[bytes]:
+    """Rewards that decode but the buffer can never batch: made by weights no trainer has made
+    yet, or claiming another size for a group the buffer holds."""
+
+    def future(version: int) -> bytes:
+        event = scored("r/g", 0, 2, [1], 1.0)
+        later = event.trajectory.model_copy(update={"versions": ids_tensor([version])})
+        return encode(event.model_copy(update={"trajectory": later}))
+
+    return st.one_of(
+        st.integers(10**4, 2**31 - 1).map(future),
+        st.integers(3, 1024).map(lambda size: encode(scored(held_group, size - 1, size, [1], 1.0))),
+    )
+
+
+def other_step_batches() -> st.SearchStrategy[bytes]:
+    """Batches that decode but are for a step the trainer is not at (the golden one, moved)."""
+    batch = golden()["batch.v1"]
+    return st.integers(10**4, 2**31 - 1).map(lambda step: encode(batch.model_copy(update={"step": step})))
+
+
+def poison_for(stream: str, fleet: Fleet) -> st.SearchStrategy[bytes]:
+    """Hypothesis-made poison for `stream`: mutated golden events that do not decode, and
+    events that decode but the stage that reads the stream must refuse."""
+    broken = undecodable(GOLDEN_NAME[stream], EVENT[stream])
+    refused = {
+        "prompts": refused_prompts(),
+        "trajectories": broken,
+        "rewards": refused_rewards(fleet.held_group),
+        "batches": other_step_batches(),
+        "weights": st.sampled_from(fleet.refused_weights),
+    }[stream]
+    return st.one_of(broken, refused)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stream", STREAMS)
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_hypothesis_poison_goes_dead_and_valid_events_flow(fleet: Fleet, stream: str, data: st.DataObject) -> None:
+    poison = data.draw(st.lists(poison_for(stream, fleet), min_size=2, max_size=4), label="poison")
+    keys = [fleet.call(fleet.send(stream, message)) for message in poison]
+    check_dead(stream, keys, fleet.call(fleet.dead_letters(keys)))
+    fleet.call(fleet.valid_events(stream))
+    fleet.assert_alive()
+
+
+@pytest.mark.timeout(300)
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    response=st.one_of(
+        st.integers(VOCAB_SIZE, 2**31 - 1).map(lambda token: [TOKEN["1"], token]),
+        st.integers(CONTEXT, 2 * CONTEXT).map(lambda n: [TOKEN["1"]] * n),
+    )
+)
+def test_ids_or_lengths_the_model_cannot_take_are_refused_by_the_trainer(fleet: Fleet, response: list[int]) -> None:
+    """A response with a token id past the vocabulary, or too long for the context, decodes
+    and is batched (the buffer holds no model); the trainer refuses the micro-batch holding it,
+    with the reason, and counts it toward its step, so the next valid group still trains."""
+    ids = fleet.call(fleet.group((response, [])))
+    reason = fleet.call(fleet.refused_by_trainer(ids))
+    assert "outside the model's vocabulary" in reason or "the model's context is" in reason, reason
+    fleet.call(fleet.valid_group())
+    fleet.assert_alive()
