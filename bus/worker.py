@@ -22,7 +22,7 @@ from typing import Generic, TypeVar
 import nats.errors
 from nats.aio.msg import Msg
 from nats.errors import MsgAlreadyAckdError
-from nats.js import JetStreamContext
+from nats.js import JetStreamContext, api
 
 from bus import tracing
 from bus.dead import dead_letter
@@ -147,6 +147,12 @@ class Worker(Generic[E]):
         """Send one pull request and read what it delivers until it ends: its last message, or
         a status (404 nothing there, 408 expired, 409 byte budget reached).
 
+        A request that got its whole batch is then followed by a "409 Batch Completed" status
+        (sent to requests with `max_bytes`), which the next request reads first and skips.
+        Taken as the next request's end, it left that request's messages unread in the inbox,
+        delivered but never handled, and a worker held ever more messages than its
+        concurrency (measured: 18 with 2), which no other worker could then take.
+
         A request cut short by `timeout` leaves the rest of its delivery in the inbox, where
         the next request reads it. Raises nats.errors.TimeoutError if nothing came at all.
         """
@@ -165,6 +171,8 @@ class Worker(Generic[E]):
                     break
                 raise
             if JetStreamContext.is_status_msg(msg) is not None:
+                if not msgs and (msg.headers or {}).get(api.Header.DESCRIPTION) == "Batch Completed":
+                    continue
                 break
             msgs.append(msg)
         return msgs

@@ -56,8 +56,11 @@ class Rollout:
         self.limits = ModelLimits.of(engine.model)
         self.queue: list[Pending] = []
         self.wake = asyncio.Event()
-        self.gate = asyncio.Event()  # open (set) unless weights are loading
-        self.gate.set()
+        # Open (set) unless weights are loading. It starts closed: a worker that joins a
+        # running job must not generate with its base model (v0) while the latest version
+        # loads — those samples would only be dropped as stale. The first weights event
+        # (the trainer publishes v0 at its start) opens it.
+        self.gate = asyncio.Event()
         self.generating = asyncio.Lock()
 
     def token_ids(self, prompt: PromptEvent) -> list[int]:
@@ -161,6 +164,7 @@ class Rollout:
                 await dead_letter(self.rt.publisher, self.rt.topology, "rollout", msg, f"weights refused: {exc}")
             except nats.errors.Error as exc:  # the bytes could not be fetched now; a later version will be
                 log.warning("weights not loaded, still serving v%d: %s", self.engine.version, exc)
+            self.gate.set()  # after the first event, whatever came of it
 
     async def load_weights(self, event: WeightVersionEvent) -> None:
         """Serve `event`'s weights if they are newer; WeightsRefused if they do not fit the model."""

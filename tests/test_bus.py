@@ -117,6 +117,38 @@ def test_failing_handler_is_retried_with_delay_then_dead_lettered(nats_server: E
     assert gaps[0] >= 0.25 and gaps[1] >= 0.55, gaps  # 0.3 s then 0.6 s
 
 
+def test_a_worker_takes_no_more_messages_than_its_concurrency(nats_server: EmbeddedNats, topology: Topology) -> None:
+    # What it fetched but cannot run yet, no other worker can have: a newcomer would starve.
+    handled: list[str] = []
+
+    async def handler(event: TrajectoryEvent, msg: Msg) -> None:
+        await asyncio.sleep(0.1)
+        handled.append(event.id)
+
+    async def body(js: JetStreamContext) -> None:
+        publisher = Publisher(js)
+        for i in range(20):
+            await publisher.publish(topology.subject("trajectories"), trajectory(topology.run, prompt=i))
+        queue = topology.queues["reward"]
+        worker = Worker(js, topology, queue, TrajectoryEvent, handler, publisher, WorkerOptions(concurrency=2))
+        held: list[int] = []
+
+        async def sample() -> None:
+            while True:
+                held.append((await js.consumer_info(topology.stream("trajectories"), queue.durable)).num_ack_pending)
+                await asyncio.sleep(0.05)
+
+        sampler = asyncio.create_task(sample())
+        await run_until(worker, lambda: len(handled) == 20)
+        sampler.cancel()
+        # Twice the concurrency: the server may take the next pull request before the acks sent
+        # ahead of it, so a message just acked can count a moment longer. Without the bound the
+        # worker held 11 of these 20.
+        assert max(held) <= 2 * 2, held
+
+    run_bus(nats_server, topology, body)
+
+
 def test_garbage_and_unknown_version_go_dead_and_worker_goes_on(nats_server: EmbeddedNats, topology: Topology) -> None:
     handled: list[str] = []
 
