@@ -55,12 +55,14 @@ class Group:
     def min_version(self) -> int:
         return min(int(r.trajectory.versions.numpy().min(initial=1 << 30)) for r, _ in self.samples.values())
 
-    def drop_reason(self) -> str | None:
+    def drop_reason(self, drop_equal: bool = True) -> str | None:
+        """Why a complete group must not be trained: a failed sample, or (dynamic sampling,
+        `drop_equal`) rewards that are all equal and so carry no advantage."""
         rewards = [r for r, _ in self.samples.values()]
         failed = [r for r in rewards if r.failed]
         if failed:
             return f"failed sample {failed[0].id}: {failed[0].reason}"
-        if len({r.reward for r in rewards}) == 1:
+        if drop_equal and len({r.reward for r in rewards}) == 1:
             return f"all {len(rewards)} rewards equal ({rewards[0].reward:g})"
         return None
 
@@ -119,7 +121,8 @@ class Buffer:
             self.check(reward)
             group = self.groups.setdefault(t.prompt_id, Group(t.prompt_id, t.group_size))
             group.samples[t.sample_index] = (reward, msg)  # a redelivery replaces the stale Msg
-            if group.complete and (reason := group.drop_reason() or self.advantage_problem(group)):
+            drop_equal = self.cfg.algorithm.drop_equal_reward_groups
+            if group.complete and (reason := group.drop_reason(drop_equal) or self.advantage_problem(group)):
                 await self.drop(group, reason)
             await self.maybe_form_step()
         return HOLD

@@ -109,5 +109,5 @@ def reverse_or_misbehave(response_text: str, task: dict[str, Any]) -> object:
 
 def length(response_text: str, task: dict[str, Any]) -> float:
     """The response's length: sampled responses differ in length, so a group's rewards are
-    almost never all equal and almost no group is dropped; a run's work is known in advance."""
+    rarely all equal and few groups are dropped; a run's work is about known in advance."""
     return float(len(response_text))

@@ -93,3 +93,11 @@ def test_config_errors_name_the_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read YAML"):
         load_config(bad)
     assert load_config(Path(__file__).parent.parent / "examples" / "digits.yaml").data.task == "digits"
+
+
+def test_equal_reward_groups_are_kept_when_dynamic_sampling_is_off() -> None:
+    group = Group("r/0/0", 2)
+    group.samples[0] = (reward("r", 0, 0, 1.0), None)  # type: ignore[assignment]
+    group.samples[1] = (reward("r", 0, 1, 1.0), None)  # type: ignore[assignment]
+    assert group.drop_reason(drop_equal=False) is None
+    assert group.drop_reason(drop_equal=True) == "all 2 rewards equal (1)"
