@@ -29,7 +29,7 @@ This module must stay light (no torch): the producer imports it to make prompts 
 reward workers import ``producers.tasks:score_<name>`` by name in a process pool.
 """
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 import random
 from typing import Any
 
@@ -81,16 +81,6 @@ def task_record(name: str, index: int, *, seed: int = 0) -> dict[str, Any]:
         "prompt": f"{letter}{digits}=",
         "task": {"name": name, "rule": rule, "target": apply(digits)},
     }
-
-
-def iter_task(
-    name: str = DEFAULT_TASK, *, seed: int = 0, start: int = 0
-) -> Iterator[dict[str, Any]]:
-    """Endless, deterministic stream of `task_record(name, i, seed=seed)` from `i = start`."""
-    index = start
-    while True:
-        yield task_record(name, index, seed=seed)
-        index += 1
 
 
 def score_digits(response_text: str, task: dict[str, Any]) -> float:

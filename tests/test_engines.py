@@ -75,7 +75,7 @@ def test_tiny_model_loads_through_the_auto_classes(model_dir: Path, tokenizer) -
 
 def test_tasks_are_deterministic_and_scored_by_position() -> None:
     first = tasks.task_record("digits", 7, seed=3)
-    assert first == tasks.task_record("digits", 7, seed=3) == next(tasks.iter_task("digits", seed=3, start=7))
+    assert first == tasks.task_record("digits", 7, seed=3)
     record = tasks.task_record("increment", 0)
     letter, rest = record["prompt"][0], record["prompt"][1:-1]
     assert letter == "i" and record["task"]["target"] == "".join(str((int(d) + 1) % 10) for d in rest)
