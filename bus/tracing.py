@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 from opentelemetry import context, propagate, trace
 from opentelemetry.sdk.resources import Resource
@@ -68,6 +68,11 @@ def setup(service: str, instance: str | None = None) -> TracerProvider | None:
     return provider
 
 
+def enabled() -> bool:
+    """True once an SDK TracerProvider is installed (by `setup`, or by a test)."""
+    return isinstance(trace.get_tracer_provider(), TracerProvider)
+
+
 def inject(headers: dict[str, str]) -> dict[str, str]:
     """Write the current context's traceparent (and tracestate) into `headers`."""
     propagate.inject(headers)
@@ -104,15 +109,26 @@ def _attributes(subject: str, message_id: str, attributes: Mapping[str, str | in
     }
 
 
-@contextmanager
-def send_span(subject: str, message_id: str, attributes: Mapping[str, str | int | float] | None = None) -> Iterator[Span]:
-    """A PRODUCER span around one publish; its context is what `inject` puts in the headers."""
+def send_headers(
+    subject: str,
+    message_id: str,
+    headers: dict[str, str],
+    attributes: Mapping[str, str | int | float] | None = None,
+) -> dict[str, str]:
+    """`headers` plus the context of a PRODUCER span recorded for this one publish.
+
+    Without an SDK the API's span would be a non-recording copy of its parent's ids, so
+    the current context goes into the headers as it is, saving ~5 µs of a ~30 µs publish
+    (ops.bench.bus).
+    """
+    if not enabled():
+        return inject(headers)
     with tracer.start_as_current_span(
         f"send {subject}",
         kind=SpanKind.PRODUCER,
         attributes={**_attributes(subject, message_id, attributes), "messaging.operation.name": "send"},
-    ) as span:
-        yield span
+    ):
+        return inject(headers)
 
 
 @contextmanager
@@ -138,18 +154,25 @@ def spans_in(
             span.end()
 
 
-@contextmanager
+_NO_SPAN = nullcontext(trace.INVALID_SPAN)
+
+
 def process_span(
     subject: str,
     message_id: str,
     headers: Mapping[str, str] | None,
     attributes: Mapping[str, str | int | float] | None = None,
-) -> Iterator[Span]:
-    """A CONSUMER span for handling one message, child of the trace in its headers."""
-    with tracer.start_as_current_span(
+) -> AbstractContextManager[Span]:
+    """A CONSUMER span for handling one message, child of the trace in its headers.
+
+    Without an SDK and without a traceparent to carry on there is nothing to record or
+    propagate, and the no-op span's ~5 µs is skipped (see `send_headers`).
+    """
+    if not enabled() and not (headers and "traceparent" in headers):
+        return _NO_SPAN
+    return tracer.start_as_current_span(
         f"process {subject}",
         context=extract(headers),
         kind=SpanKind.CONSUMER,
         attributes={**_attributes(subject, message_id, attributes), "messaging.operation.name": "process"},
-    ) as span:
-        yield span
+    )

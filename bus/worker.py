@@ -21,6 +21,7 @@ from typing import Generic, TypeVar
 
 import nats.errors
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.errors import MsgAlreadyAckdError
 from nats.js import JetStreamContext, api
 
@@ -86,22 +87,21 @@ class Worker(Generic[E]):
     async def run(self, stop: asyncio.Event) -> None:
         sub = await self.js.pull_subscribe_bind(self.queue.durable, stream=self.topology.stream(self.queue.stage))
         tasks: set[asyncio.Task[None]] = set()
-        room = asyncio.Condition()
+        half = self.options.concurrency // 2
+        room = asyncio.Event()
         heartbeat = asyncio.create_task(self._heartbeat(await consumer_ack_wait(self.js, self.topology, self.queue)))
 
         def done(task: asyncio.Task[None]) -> None:
             tasks.discard(task)
-            asyncio.create_task(notify())
-
-        async def notify() -> None:
-            async with room:
-                room.notify()
+            if len(tasks) <= half:
+                room.set()
 
         while not stop.is_set():
             # Refill when half the slots are free: fetching one message per free slot
             # would make every message pay a request round trip.
-            async with room:
-                await room.wait_for(lambda: len(tasks) <= self.options.concurrency // 2)
+            if len(tasks) > half:
+                room.clear()
+                await room.wait()
             try:
                 msgs = await self._fetch(sub, self.options.concurrency - len(tasks))
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
@@ -165,7 +165,7 @@ class Worker(Generic[E]):
         msgs: list[Msg] = []
         while len(msgs) < request["batch"]:
             try:
-                msg = await inbox.next_msg(timeout=max(deadline - loop.time(), 0.001))
+                msg = await _next_msg(inbox, max(deadline - loop.time(), 0.001))
             except nats.errors.TimeoutError:
                 if msgs:
                     break
@@ -220,6 +220,23 @@ class Worker(Generic[E]):
         log.warning("%s: dead letter (seq %d): %s", self.queue.durable, msg.metadata.sequence.stream, reason)
         await dead_letter(self.publisher, self.topology, self.queue.durable, msg, reason)
         await msg.term()
+
+
+async def _next_msg(inbox: Subscription, timeout: float) -> Msg:
+    """The inbox's next message, taken at once when one is there.
+
+    nats-py's `next_msg` starts two tasks per call (~15 µs, as much as the server spends on
+    the message); the messages of a pull request mostly arrive together, so all but the
+    first of each request are already queued. Keeps the subscription's byte count and
+    `task_done` as `next_msg` does.
+    """
+    queue = inbox._pending_queue
+    if queue.empty():
+        return await inbox.next_msg(timeout=timeout)
+    msg = queue.get_nowait()
+    inbox._pending_size -= len(msg.data)
+    queue.task_done()
+    return msg
 
 
 async def consumer_ack_wait(js: JetStreamContext, topology: Topology, queue: WorkQueue) -> float:

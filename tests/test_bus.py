@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import msgpack
+import nats.js.errors
 import pytest
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -80,6 +81,40 @@ def test_same_event_published_twice_is_stored_once(nats_server: EmbeddedNats, to
         second = await publisher.publish(topology.subject("trajectories"), event)
         assert second.duplicate and not first.duplicate
         assert await messages(js, topology, "trajectories") == 1
+
+    run_bus(nats_server, topology, body)
+
+
+def test_publish_without_ack_is_retried_until_the_stream_takes_it(nats_server: EmbeddedNats, topology: Topology) -> None:
+    """No stream yet: the async publish gets no ack, times out, and is retried as a request
+    until the stream exists; then it is stored once and the caller gets the ack."""
+
+    async def body(js: JetStreamContext) -> None:
+        publisher = Publisher(js, ack_timeout=0.3, retry_for=20.0)
+        ack = await publisher.send(topology.subject("trajectories"), trajectory(topology.run))
+        await asyncio.sleep(1.0)
+        assert not ack.done()
+        await topology.apply(js)
+        stored = await asyncio.wait_for(ack, 10.0)
+        assert stored.stream == topology.stream("trajectories") and not stored.duplicate
+        assert await messages(js, topology, "trajectories") == 1
+
+    run_bus(nats_server, topology, body, apply=False)
+
+
+def test_publish_the_stream_refuses_fails_after_retry_for(nats_server: EmbeddedNats, topology: Topology) -> None:
+    """The server answers with an error (here: the stream is not the one the header expects).
+    nats-py 2.16 leaves such an async publish pending forever; ours times out, retries, and
+    fails with the server's reason once `retry_for` has passed."""
+
+    async def body(js: JetStreamContext) -> None:
+        publisher = Publisher(js, ack_timeout=0.3, retry_for=1.0)
+        data, started = encode(trajectory(topology.run)), time.monotonic()
+        ack = await publisher.send_bytes(topology.subject("trajectories"), data, "x", {"Nats-Expected-Stream": "other"})
+        with pytest.raises(nats.js.errors.APIError, match="expected stream does not match"):
+            await ack
+        assert time.monotonic() - started < 5.0
+        assert await messages(js, topology, "trajectories") == 0
 
     run_bus(nats_server, topology, body)
 
