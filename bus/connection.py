@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import socket
+import ssl
 
-import nats
+import nats.errors
 from nats.aio.client import Client
 
 log = logging.getLogger("jetrl.bus")
@@ -19,11 +22,35 @@ def worker_id(role: str) -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{role}"
 
 
+class ConnectRefused(ConnectionError):
+    """The server turned this client away for a reason waiting cannot fix (credentials, TLS)."""
+
+
+def _refusal(exc: Exception) -> str | None:
+    """Why `exc`, met while first connecting, will recur on every try; None if it may pass."""
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS failed ({exc}); check the CA, certificate and server name"
+    text = str(exc).lower()
+    if isinstance(exc, nats.errors.AuthorizationError) or "authorization" in text or "authentication" in text:
+        return f"the server refused this client's credentials ({exc}); check the user/password or creds file"
+    return None
+
+
 async def connect(url: str | list[str], name: str, **tls: object) -> Client:
-    """Connect with reconnect-forever; `tls` passes through (tls=ssl.SSLContext, user/password, ...)."""
+    """Connect with reconnect-forever; `tls` passes through (tls=ssl.SSLContext, user/password, ...).
+
+    Until the first connection, a server that is not up yet is waited for (workers may start
+    first), but refused credentials or a failed TLS handshake raise `ConnectRefused` at once:
+    retrying them forever would leave a worker that logs a warning twice a second and never
+    says it cannot work. Once connected, every error is logged and reconnected through.
+    """
+    servers = url.split(",") if isinstance(url, str) else url
+    connected = False
 
     async def error_cb(exc: Exception) -> None:
         log.warning("nats %s: %s: %s", name, type(exc).__name__, exc)
+        if not connected and (reason := _refusal(exc)):
+            raise ConnectRefused(f"{','.join(servers)}: {reason}")
 
     async def disconnected_cb() -> None:
         if not nc.is_closed:
@@ -32,17 +59,25 @@ async def connect(url: str | list[str], name: str, **tls: object) -> Client:
     async def reconnected_cb() -> None:
         log.info("nats %s: reconnected to %s", name, nc.connected_url.netloc if nc.connected_url else "?")
 
-    servers = url.split(",") if isinstance(url, str) else url
-    nc = await nats.connect(
-        servers=servers,
-        name=name,
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
-        connect_timeout=5,
-        allow_reconnect=True,
-        error_cb=error_cb,
-        disconnected_cb=disconnected_cb,
-        reconnected_cb=reconnected_cb,
-        **tls,  # type: ignore[arg-type]
-    )
+    nc = Client()
+    try:
+        await nc.connect(
+            servers=servers,
+            name=name,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            connect_timeout=5,
+            allow_reconnect=True,
+            error_cb=error_cb,
+            disconnected_cb=disconnected_cb,
+            reconnected_cb=reconnected_cb,
+            **tls,  # type: ignore[arg-type]
+        )
+    except ConnectRefused:
+        # Stop the client's tasks; after a failed TLS handshake its close waits forever on a
+        # transport that never finishes closing, so it gets a second.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(nc.close(), 1.0)
+        raise
+    connected = True
     return nc

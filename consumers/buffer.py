@@ -32,7 +32,7 @@ from opentelemetry.context import Context
 from bus import metrics, tracing
 from bus.worker import HOLD, Hold, Reject, Worker, WorkerOptions, consumer_ack_wait, stop_on_signals
 from consumers.packing import BYTES_PER_TOKEN, Row, pack_step
-from consumers.runtime import Runtime, attach, worker_args
+from consumers.runtime import Runtime, attach, run_worker, worker_args
 from engines.algorithms import advantages
 from schemas import BatchEvent, DecodeError, RewardEvent, Tensor, decode
 
@@ -273,4 +273,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    run_worker("buffer", main())

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 
 from nats.aio.msg import Msg
 from opentelemetry.trace import StatusCode
@@ -24,7 +23,7 @@ from bus import metrics, tracing
 from bus.publisher import EventTooLarge
 from bus.worker import Handler, Reject, Worker, WorkerOptions, stop_on_signals
 from consumers.reward_pool import RewardPool, RewardSpecError
-from consumers.runtime import Runtime, attach, worker_args
+from consumers.runtime import Runtime, attach, run_worker, worker_args
 from schemas import RewardEvent, TrajectoryEvent
 
 log = logging.getLogger("jetrl.reward")
@@ -90,7 +89,4 @@ async def main(run: str, url: str, replicas: int) -> None:
 
 if __name__ == "__main__":
     args = worker_args("reward", "Score trajectories with the run's reward function.")
-    try:
-        asyncio.run(main(args.run, args.nats, args.replicas))
-    except RewardSpecError as exc:
-        sys.exit(f"reward: {exc}")
+    run_worker("reward", main(args.run, args.nats, args.replicas), RewardSpecError)

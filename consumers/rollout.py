@@ -31,7 +31,7 @@ from bus import metrics, tracing
 from bus.dead import dead_letter
 from bus.worker import Reject, Worker, WorkerOptions, stop_on_signals
 from consumers.checks import ModelLimits
-from consumers.runtime import Runtime, attach, worker_args
+from consumers.runtime import Runtime, attach, run_worker, worker_args
 from engines import protocols
 from engines.hf_rollout import HFRolloutEngine
 from engines.weights import WeightsRefused, check_manifest, get_version
@@ -199,4 +199,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    run_worker("rollout", main())

@@ -11,7 +11,10 @@ import argparse
 import asyncio
 import logging
 import os
+import sys
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import nats.errors
 import yaml
@@ -21,13 +24,17 @@ from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from bus import metrics, tracing
-from bus.connection import DEFAULT_URL, connect, worker_id
+from bus.connection import DEFAULT_URL, ConnectRefused, connect, worker_id
 from bus.publisher import Publisher
 from bus.topology import Topology, run_id_arg
 from consumers.membership import Membership
 from schemas.config import RunConfig, parse_config
 
 CONFIG_KEY = "config"
+
+
+class CannotAttach(Exception):
+    """What a person must fix before this worker can join its run: said in one line."""
 
 
 @dataclass
@@ -63,7 +70,10 @@ async def attach(role: str, run: str, url: str, replicas: int = 1, wait: float =
     # Spans and metrics name the service (role) and the process (worker id) that made them.
     tracing.setup(f"jetrl-{role}", worker_id(role))
     metrics.setup(f"jetrl-{role}", worker_id(role))
-    nc = await connect(url, worker_id(role))
+    try:
+        nc = await connect(url, worker_id(role))
+    except ConnectRefused as exc:
+        raise CannotAttach(str(exc)) from None
     js = nc.jetstream()
     topology = Topology(run=run, replicas=replicas)
     await topology.apply(js)
@@ -75,7 +85,7 @@ async def attach(role: str, run: str, url: str, replicas: int = 1, wait: float =
             break
         except KeyNotFoundError:
             if asyncio.get_running_loop().time() > deadline:
-                raise TimeoutError(f"run {run}: no config in KV after {wait:.0f}s; is the producer running?") from None
+                raise CannotAttach(f"run {run}: no config in KV after {wait:.0f}s; is the producer running?") from None
             await asyncio.sleep(0.5)
     config = parse_config(yaml.safe_load(entry.value or b""), f"run {run} config in KV")
     return Runtime(role, nc, js, topology, kv, Publisher(js), config, await Membership.join(js, topology, role))
@@ -83,6 +93,14 @@ async def attach(role: str, run: str, url: str, replicas: int = 1, wait: float =
 
 async def publish_config(kv: KeyValue, config: RunConfig) -> None:
     await kv.put(CONFIG_KEY, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False).encode())
+
+
+def run_worker(role: str, main: Coroutine[Any, Any, None], *one_line: type[Exception]) -> None:
+    """`asyncio.run(main)`; `CannotAttach` (and the `one_line` types) end it with one line, exit 1."""
+    try:
+        asyncio.run(main)
+    except (CannotAttach, *one_line) as exc:
+        sys.exit(f"consumers.{role}: {exc}")
 
 
 def worker_args(role: str, description: str, with_rank: bool = False) -> argparse.Namespace:

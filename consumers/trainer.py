@@ -28,7 +28,7 @@ from bus.dead import dead_letter
 from bus.metrics import STALENESS, TRAIN_STEP_SECONDS, count_samples
 from bus.worker import Reject, stop_on_signals
 from consumers.checks import ModelLimits
-from consumers.runtime import Runtime, attach, worker_args
+from consumers.runtime import Runtime, attach, run_worker, worker_args
 from consumers.trainer_loggers import scalars, step_loggers
 from engines.protocols import MicroBatch
 from engines.torch_train import LossConfig, TorchTrainEngine
@@ -194,4 +194,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    run_worker("trainer", main())

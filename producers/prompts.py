@@ -27,11 +27,11 @@ from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from bus import metrics, tracing
-from bus.connection import connect
+from bus.connection import ConnectRefused, connect
 from bus.embedded import EmbeddedNats
 from bus.topology import Topology, run_id_arg
 from consumers.fleet import Supervisor, local_fleet
-from consumers.runtime import Runtime, attach, publish_config
+from consumers.runtime import CannotAttach, Runtime, attach, publish_config
 from producers import report
 from producers.datasets import epoch_size, records
 from schemas import DecodeError, PromptEvent, WeightVersionEvent, decode
@@ -250,7 +250,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"run {cfg.run}: {cfg.trainer.steps} steps of {cfg.algorithm.prompts_per_step} prompts x {cfg.data.n} samples; "
           f"output in {out}", flush=True)
     if args.nats:
-        summary = asyncio.run(produce(cfg, args.nats, out, None, args.replicas))
+        try:
+            summary = asyncio.run(produce(cfg, args.nats, out, None, args.replicas))
+        except (ConnectRefused, CannotAttach) as exc:
+            sys.exit(f"producers.prompts: {exc}")
     else:
         with contextlib.ExitStack() as stack:
             server = stack.enter_context(EmbeddedNats(out / "nats"))

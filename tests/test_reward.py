@@ -279,7 +279,7 @@ def test_cli_refuses_a_bad_reward_function_and_drains_on_sigterm(nats_server: Em
     refused = cli(stderr=subprocess.PIPE)
     _, stderr = refused.communicate(timeout=30)
     assert refused.returncode == 1
-    assert stderr.strip().splitlines()[-1].startswith("reward: reward function 'no_such_module:score': cannot import")
+    assert stderr.strip().splitlines()[-1].startswith("consumers.reward: reward function 'no_such_module:score': cannot import")
 
     good = trajectory(topology.run).model_copy(update={"response_text": "321", "task": reverse_task("321")})
     asyncio.run(setup(run_config(topology, REVERSE), [good]))

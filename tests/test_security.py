@@ -27,7 +27,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from bus.connection import connect
+from bus.connection import ConnectRefused, connect
 from bus.embedded import EmbeddedNats
 from bus.publisher import Publisher
 from bus.topology import Topology
@@ -210,6 +210,31 @@ def test_roles_cannot_write_what_is_not_theirs(secured: Secured, caplog: pytest.
     )
 
 
+def test_wrong_credentials_fail_at_once_with_one_line(secured: Secured) -> None:
+    """A refused password is not retried forever: connect raises, and a CLI says why in one line."""
+    wrong = secured.server.url.replace("nats://", "nats://rollout:not-the-password@")
+
+    async def scenario() -> None:
+        with pytest.raises(ConnectRefused, match="refused this client's credentials.*check the user/password"):
+            await asyncio.wait_for(connect(wrong, "wrong"), 10)
+
+    asyncio.run(scenario())
+    cli = subprocess.run(
+        [sys.executable, "-m", "ops.streams", "show", "--run", secured.topology.run, "--nats", wrong],
+        cwd=ROOT, capture_output=True, text=True, timeout=30,
+    )
+    assert cli.returncode == 1
+    assert cli.stderr.strip().splitlines()[-1].startswith("ops.streams: cannot reach NATS: nats://rollout:")
+    assert "refused this client's credentials" in cli.stderr
+    worker = subprocess.run(
+        [sys.executable, "-m", "consumers.buffer", "--run", secured.topology.run, "--nats", wrong],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert worker.returncode == 1
+    last = worker.stderr.strip().splitlines()[-1]
+    assert last.startswith("consumers.buffer: nats://rollout:") and "refused this client's credentials" in last
+
+
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a test certificate")
 def test_tls_options_pass_through_connect(tmp_path: Path, topology: Topology) -> None:
     """A TLS-only server, a self-signed certificate for a name that is not the address dialled."""
@@ -229,6 +254,9 @@ def test_tls_options_pass_through_connect(tmp_path: Path, topology: Topology) ->
         await topology.apply(js)
         assert (await Publisher(js).publish(topology.subject("trajectories"), trajectory(topology.run))).seq == 1
         await nc.close()
+        # Without the CA the handshake fails the same way on every try: raised, not retried.
+        with pytest.raises(ConnectRefused, match="TLS failed"):
+            await asyncio.wait_for(connect(server.url, "no-ca", tls=ssl.create_default_context(), tls_hostname="jetrl-test"), 10)
 
     with EmbeddedNats(tmp_path / "nats", extra_config=tls) as server:
         asyncio.run(scenario(server))
