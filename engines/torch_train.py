@@ -243,10 +243,11 @@ def _atomic_save(state: dict[str, Any], path: Path) -> None:
     """torch.save to a temporary sibling, fsync, then rename over `path`.
 
     A crash mid-write leaves the previous checkpoint intact: readers see the old file or
-    the new one, never half of one.
+    the new one, never half of one. The temporary's name is fixed, so the half-written one
+    a killed trainer leaves is overwritten by its successor's next save, not kept forever.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
         torch.save(state, f)
         f.flush()

@@ -203,6 +203,8 @@ def test_checkpoint_round_trip(model_dir: Path, batch: MicroBatch, tmp_path: Pat
     saved = trainer(model_dir)
     saved.train_step([batch])
     path = tmp_path / "ckpt" / "trainer.pt"
+    path.parent.mkdir()
+    (path.parent / ".trainer.pt.tmp").write_bytes(b"half a checkpoint a killed trainer left")
     saved.save_checkpoint(path, extra={"last_batch_seq": 42})
     assert sorted(p.name for p in path.parent.iterdir()) == ["trainer.pt"]  # no temp file left
     draws = (torch.rand(3), np.random.rand(3), random.random())
