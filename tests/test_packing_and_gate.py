@@ -46,14 +46,14 @@ def test_gate_with_zero_staleness_is_on_policy() -> None:
 
 def test_group_completes_and_names_its_drop_reason() -> None:
     group = Group("r/0/0", 2)
-    group.samples[0] = (reward("r", 0, 0, 1.0), None)  # type: ignore[assignment]
+    group.add(reward("r", 0, 0, 1.0), None)  # type: ignore[arg-type]
     assert not group.complete
-    group.samples[1] = (reward("r", 0, 1, 1.0), None)  # type: ignore[assignment]
+    group.add(reward("r", 0, 1, 1.0), None)  # type: ignore[arg-type]
     assert group.complete and group.drop_reason() == "all 2 rewards equal (1)"
-    group.samples[1] = (reward("r", 0, 1, 0.0), None)  # type: ignore[assignment]
+    group.add(reward("r", 0, 1, 0.0), None)  # type: ignore[arg-type]
     assert group.drop_reason() is None and group.min_version == 0
     failed = reward("r", 0, 1, 0.0).model_copy(update={"failed": True, "reason": "timeout after 5s"})
-    group.samples[1] = (failed, None)  # type: ignore[assignment]
+    group.add(failed, None)  # type: ignore[arg-type]
     assert group.drop_reason() == "failed sample r/0/0/1: timeout after 5s"
 
 
