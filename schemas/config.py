@@ -81,7 +81,8 @@ class TrainerConfig(Section):
     checkpoint_every: int = Field(10, ge=1)
     """Checkpoint model, optimizer, RNG and last batch every this many steps."""
     dp_size: int = Field(1, ge=1)
-    """Data-parallel trainer ranks; the buffer balances tokens across them."""
+    """Data-parallel trainer ranks; the buffer balances tokens across them. Only 1 for now:
+    the trainers have no gradient all-reduce yet, so more ranks would train diverging copies."""
     micro_batch_tokens: int = Field(4096, ge=64)
     """Most tokens (rows x padded length) in one micro-batch."""
     seed: int = 0
@@ -92,6 +93,17 @@ class TrainerConfig(Section):
     """Rank 0 logs each step's metrics to this Weights & Biases project (needs `pip install wandb`)."""
     tensorboard_dir: str | None = None
     """Rank 0 writes each step's metrics as TensorBoard scalars here (needs `pip install tensorboard`)."""
+
+
+    @field_validator("dp_size")
+    @classmethod
+    def _one_rank(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(
+                f"{value} ranks is not supported yet: trainers have no gradient all-reduce, so each rank "
+                "would train its own diverging copy; use 1"
+            )
+        return value
 
 
 class RolloutConfig(Section):

@@ -89,6 +89,9 @@ def test_config_errors_name_the_key(tmp_path: Path) -> None:
     bad.write_text("trainer:\n  stepz: 3\n")
     with pytest.raises(ConfigError, match=r"trainer.stepz: Extra inputs are not permitted"):
         load_config(bad)
+    bad.write_text("trainer:\n  dp_size: 2\n")
+    with pytest.raises(ConfigError, match=r"trainer.dp_size: Value error, 2 ranks is not supported yet: .*use 1"):
+        load_config(bad)
     bad.write_text("run: [unclosed\n")
     with pytest.raises(ConfigError, match="cannot read YAML"):
         load_config(bad)
