@@ -48,8 +48,11 @@ def register_upgrade(type_name: str, from_version: int) -> Callable[[Upgrade], U
     return wrap
 
 
-def _fields(model: BaseModel) -> dict[str, Any]:
-    return model.__dict__
+def _fields(value: object) -> dict[str, Any]:
+    """msgpack's hook for what it cannot pack itself: a nested model packs as its fields."""
+    if isinstance(value, BaseModel):
+        return value.__dict__
+    raise TypeError(f"an event field holds a {type(value).__name__}, which msgpack cannot encode")
 
 
 def encode(event: Event) -> bytes:

@@ -101,6 +101,14 @@ def test_wrong_event_type_for_the_stream_is_rejected() -> None:
         decode((GOLDEN / "prompt.v1.msgpack").read_bytes(), TrajectoryEvent)
 
 
+def test_a_value_msgpack_cannot_pack_fails_encode_by_name() -> None:
+    """Task fields are free-form: a numpy scalar (or any object) must not slip through as
+    something else, nor fail with an unrelated error."""
+    prompt = PromptEvent(id="r/0/0", run="r", epoch=0, index=0, prompt="c1=", task={"answer": np.float32(1.0)})
+    with pytest.raises(TypeError, match="an event field holds a float32, which msgpack cannot encode"):
+        encode(prompt)
+
+
 def test_an_old_version_is_upgraded_on_decode() -> None:
     # A version-0 prompt called its samples "samples"; the upgrade renames the field.
     old = {**_prompt_fields(), "schema_version": 0, "samples": 2}
