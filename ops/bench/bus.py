@@ -172,8 +172,38 @@ async def main(quick: bool) -> dict:
     }
 
 
+def plot(result: dict, out: Path) -> None:
+    """bus.json and bus.png in `out`: events/s per size, ours beside both baselines."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bus.json").write_text(json.dumps(result, indent=2) + "\n")
+    sizes = list(result["sizes"])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bars = (("ours_per_s", "jetrl publisher + worker"), ("baseline_per_s", "raw nats-py, Nats-Msg-Id"),
+            ("bare_per_s", "raw nats-py, no header"))
+    for i, (key, label) in enumerate(bars):
+        ax.bar([x + (i - 1) * 0.27 for x in range(len(sizes))], [result["sizes"][n][key] for n in sizes], 0.27, label=label)
+    for x, n in enumerate(sizes):
+        ax.annotate(f"{result['sizes'][n]['ratio']:.2f}", (x - 0.27, result["sizes"][n]["ours_per_s"]),
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(sizes)), [f"{n} tokens" for n in sizes])
+    ax.set(ylabel="trajectory events / s (publish, consume, ack)", title="ops.bench.bus (labels: ours / baseline)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "bus.png", dpi=110)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m ops.bench.bus", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer events (about 20 s)")
+    parser.add_argument("--out", type=Path, help="also write bus.json and a bar chart, bus.png, into this directory")
     args = parser.parse_args()
-    print(json.dumps(asyncio.run(main(args.quick))))
+    figures = asyncio.run(main(args.quick))
+    if args.out:
+        plot(figures, args.out)
+    print(json.dumps(figures))
