@@ -1,0 +1,151 @@
+"""Named crash points: the moments the invariants depend on, where a test or `ops.chaos` kills.
+
+Each point is declared once below and called where the moment is in the code:
+
+    BUFFER_MID_STEP()          # after the first micro-batch of a step is stored
+
+It costs one dict test unless the environment arms it:
+
+    JETRL_CRASH_AT="buffer.mid_step@2,trainer.mid_checkpoint@1"
+
+makes the process SIGKILL itself on the 2nd pass of `buffer.mid_step` (passes counted from
+the process start), and on the 1st pass of `trainer.mid_checkpoint`. A name not declared
+here is refused at start-up with the list of names: a typo must not silently never fire.
+
+    JETRL_CRASH_RECORD=DIR
+
+makes each point fire once per DIR instead of once per process: before dying, the process
+creates `DIR/<name>` (exclusively) holding what it was doing, and a point whose file
+exists is disarmed. A supervised worker restarted with the same environment then runs on,
+and the record says which point each kill hit and when.
+
+(In the spirit of FoundationDB's fault injection: the code names its dangerous moments, and
+the tests hit those moments exactly instead of killing at a random time.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+CRASH_AT = "JETRL_CRASH_AT"
+CRASH_RECORD = "JETRL_CRASH_RECORD"
+
+
+@dataclass(frozen=True)
+class CrashPoint:
+    """A moment an invariant depends on. Call it at that moment."""
+
+    name: str
+    """`<role>.<moment>`, the name the environment arms it by."""
+    role: str
+    """The fleet role of the process that passes it."""
+    moment: str
+    """What has happened and what has not yet, when the process dies here."""
+
+    def __call__(self, note: str = "") -> None:
+        """Die here if armed for this pass; `note` (what is being worked on) goes to the record."""
+        if _armed and self.name in _armed:
+            _pass(self, note)
+
+
+POINTS: dict[str, CrashPoint] = {}
+
+
+def _declare(role: str, moment_name: str, moment: str) -> CrashPoint:
+    point = CrashPoint(f"{role}.{moment_name}", role, moment)
+    POINTS[point.name] = point
+    return point
+
+
+PRODUCER_MID_PUBLISH = _declare(
+    "producer", "mid_publish", "a prompt is stored; the prompts after it in the same gate opening are not"
+)
+ROLLOUT_MID_GENERATION = _declare(
+    "rollout", "mid_generation", "a batch of prompts is being generated; none of its trajectories is published"
+)
+ROLLOUT_STORED_NOT_ACKED = _declare(
+    "rollout", "stored_not_acked", "a prompt's trajectories are all stored; the prompt is not acked"
+)
+ROLLOUT_MID_WEIGHT_LOAD = _declare(
+    "rollout", "mid_weight_load", "the gate is closed and the new weights are being loaded into the engine"
+)
+REWARD_MID_SCORING = _declare(
+    "reward", "mid_scoring", "a trajectory is being scored; its reward is not published, the trajectory not acked"
+)
+BUFFER_MID_STEP = _declare(
+    "buffer", "mid_step", "the first micro-batch of a step is stored; the step's other micro-batches are not"
+)
+BUFFER_STEP_STORED = _declare(
+    "buffer", "step_stored", "every micro-batch of a step is stored; none of the step's samples is acked"
+)
+TRAINER_MID_STEP = _declare(
+    "trainer", "mid_step", "a step's micro-batches are collected and trained on; its metrics are not written"
+)
+TRAINER_METRICS_WRITTEN = _declare(
+    "trainer", "metrics_written", "a step's metrics are in KV; its checkpoint (if one is due) is not written"
+)
+TRAINER_MID_CHECKPOINT = _declare(
+    "trainer", "mid_checkpoint", "the checkpoint's temporary file is written; it has not replaced the last one"
+)
+
+
+def parse(spec: str) -> dict[str, int]:
+    """`name@k,name@k` (k >= 1, default 1) -> {name: k}; ValueError in one line if bad."""
+    armed: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, count = item.partition("@")
+        if name not in POINTS:
+            raise ValueError(f"{CRASH_AT}: no crash point {name!r}; the points are {', '.join(POINTS)}")
+        if count and (not count.isdigit() or int(count) < 1):
+            raise ValueError(f"{CRASH_AT}: {item!r}: the pass after '@' must be a whole number >= 1")
+        armed[name] = int(count or 1)
+    return armed
+
+
+def arm(spec: str) -> str:
+    """The value of JETRL_CRASH_AT for `spec`, checked (for callers building environments)."""
+    parse(spec)
+    return spec
+
+
+def records(directory: Path) -> dict[str, dict[str, object]]:
+    """The points that fired with `JETRL_CRASH_RECORD=directory`: name -> record."""
+    found: dict[str, dict[str, object]] = {}
+    if directory.is_dir():
+        for path in directory.iterdir():
+            if path.name in POINTS:
+                try:
+                    found[path.name] = json.loads(path.read_text() or "{}")
+                except json.JSONDecodeError:  # killed between create and write: it fired all the same
+                    found[path.name] = {}
+    return found
+
+
+def _pass(point: CrashPoint, note: str) -> None:
+    _passes[point.name] = _passes.get(point.name, 0) + 1
+    if _passes[point.name] != _armed[point.name]:
+        return
+    record = os.environ.get(CRASH_RECORD)
+    if record:
+        path = Path(record) / point.name
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return  # it fired in an earlier process of this run: disarmed
+        what = {"point": point.name, "pid": os.getpid(), "time": time.time(), "pass": _passes[point.name], "note": note}
+        os.write(fd, json.dumps(what).encode())
+        os.fsync(fd)
+        os.close(fd)
+    print(f"crash point {point.name} (pass {_passes[point.name]}): SIGKILL", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+_armed: dict[str, int] = parse(os.environ.get(CRASH_AT, ""))
+_passes: dict[str, int] = {}
