@@ -31,6 +31,7 @@ from opentelemetry.context import Context
 
 from bus import metrics, tracing
 from bus.worker import HOLD, Hold, Reject, Worker, WorkerOptions, consumer_ack_wait, stop_on_signals
+from consumers.crashpoints import BUFFER_MID_STEP, BUFFER_STEP_STORED, armed
 from consumers.packing import BYTES_PER_TOKEN, Row, pack_step
 from consumers.runtime import Runtime, attach, run_worker, worker_args
 from engines.algorithms import advantages
@@ -210,6 +211,7 @@ class Buffer:
                     return
                 chosen = ready[:per_step]
             await self.publish_step(step, chosen)
+            BUFFER_STEP_STORED(f"step {step}")
             for group in chosen:
                 del self.groups[group.prompt_id]
                 for reward, msg in group.samples.values():
@@ -247,6 +249,9 @@ class Buffer:
                         traceparents=tuple(r.traceparent for r in mb.rows), step_prompt_ids=step_groups,
                     )
                     acks.append(await self.rt.publisher.send(self.rt.topology.subject("batches", rank), event))
+                    if len(acks) == 1 and BUFFER_MID_STEP in armed():
+                        await acks[0]
+                        BUFFER_MID_STEP(f"step {step}")
             await asyncio.gather(*acks)  # every micro-batch stored before any input is acked
         rewards = np.array([r.reward for r in rows])
         log.info("step %d: %d groups, %d samples, mean reward %.3f", step, len(groups), len(rows), rewards.mean())

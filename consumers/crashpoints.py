@@ -95,6 +95,12 @@ TRAINER_MID_CHECKPOINT = _declare(
 )
 
 
+def armed() -> set[CrashPoint]:
+    """The points armed in this process (for code that must reach a moment only when armed:
+    the buffer awaits its first micro-batch's ack only then)."""
+    return {POINTS[name] for name in _armed}
+
+
 def parse(spec: str) -> dict[str, int]:
     """`name@k,name@k` (k >= 1, default 1) -> {name: k}; ValueError in one line if bad."""
     armed: dict[str, int] = {}

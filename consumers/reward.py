@@ -22,6 +22,7 @@ from opentelemetry.trace import StatusCode
 from bus import metrics, tracing
 from bus.publisher import EventTooLarge
 from bus.worker import Handler, Reject, Worker, WorkerOptions, stop_on_signals
+from consumers.crashpoints import REWARD_MID_SCORING
 from consumers.reward_pool import RewardPool, RewardSpecError
 from consumers.runtime import Runtime, attach, run_worker, worker_args
 from schemas import RewardEvent, TrajectoryEvent
@@ -39,6 +40,7 @@ def reward_handler(rt: Runtime, pool: RewardPool) -> Handler[TrajectoryEvent]:
             "reward", attributes={"jetrl.prompt_id": event.prompt_id, "jetrl.sample_index": event.sample_index,
                                   "jetrl.worker": rt.source},
         ) as span:
+            REWARD_MID_SCORING(event.id)
             score = await pool.score(fn, event.response_text, event.task)
             span.set_attributes({"jetrl.reward": score.reward, "jetrl.failed": score.failed})
             if score.failed:  # shown as an error in Jaeger; the sample still flows, scored 0

@@ -31,6 +31,7 @@ from bus import metrics, tracing
 from bus.dead import dead_letter
 from bus.worker import Reject, Worker, WorkerOptions, stop_on_signals
 from consumers.checks import ModelLimits
+from consumers.crashpoints import ROLLOUT_MID_GENERATION, ROLLOUT_MID_WEIGHT_LOAD, ROLLOUT_STORED_NOT_ACKED
 from consumers.runtime import Runtime, attach, run_worker, worker_args
 from engines import protocols
 from engines.hf_rollout import HFRolloutEngine
@@ -109,6 +110,7 @@ class Rollout:
             )
             acks.append(await self.rt.publisher.send(self.rt.topology.subject("trajectories"), trajectory))
         await asyncio.gather(*acks)
+        ROLLOUT_STORED_NOT_ACKED(prompt.id)
         metrics.count_samples("rollout", "generated", len(samples))
 
     async def batcher(self) -> None:
@@ -130,6 +132,7 @@ class Rollout:
                 try:
                     parents = [(p.trace, self.span_attributes(p, version, len(batch))) for p in batch]
                     with tracing.spans_in("generate", parents) as spans:
+                        ROLLOUT_MID_GENERATION(f"{len(batch)} prompts from {first.prompt.id}")
                         groups = await asyncio.to_thread(
                             self.engine.generate, [p.token_ids for p in batch], first.prompt.n, params
                         )
@@ -174,6 +177,7 @@ class Rollout:
         tensors = await get_version(self.rt.js, self.rt.topology.object_bucket, event)
         self.gate.clear()  # no new generation starts ...
         async with self.generating:  # ... and the running one finishes first
+            ROLLOUT_MID_WEIGHT_LOAD(f"v{event.version}")
             self.engine.load_state_dict(tensors, version=event.version)
         self.gate.set()
         self.rt.member.report(weight_version=event.version)

@@ -28,6 +28,7 @@ from bus.dead import dead_letter
 from bus.metrics import STALENESS, TRAIN_STEP_SECONDS, count_samples
 from bus.worker import Reject, stop_on_signals
 from consumers.checks import ModelLimits
+from consumers.crashpoints import TRAINER_METRICS_WRITTEN, TRAINER_MID_CHECKPOINT, TRAINER_MID_STEP
 from consumers.runtime import Runtime, attach, run_worker, worker_args
 from consumers.trainer_loggers import scalars, step_loggers
 from engines.protocols import MicroBatch
@@ -168,6 +169,7 @@ async def main() -> None:
         ) as span:
             started = time.perf_counter()
             trained = await asyncio.to_thread(engine.train_step, [micro_batch(b) for b in pending])
+            TRAINER_MID_STEP(f"step {engine.step - 1}")
             metrics = step_metrics(engine.step - 1, pending, trained, time.perf_counter() - started)
             # The version this step's update makes; it goes out now, or with a later sync.
             span.set_attribute("jetrl.weight_version", engine.step)
@@ -182,8 +184,11 @@ async def main() -> None:
         # for good, and the producer waits for every step's metrics (ops.chaos). Put before,
         # a kill makes the restarted trainer retrain the step and put them again.
         await rt.kv.put(f"metrics.{rank}.{metrics['step']}", json.dumps(metrics).encode())
+        TRAINER_METRICS_WRITTEN(f"step {metrics['step']}")
         if engine.step % cfg.trainer.checkpoint_every == 0 or engine.step == cfg.trainer.steps:
-            await asyncio.to_thread(engine.save_checkpoint, checkpoint, state)
+            await asyncio.to_thread(
+                engine.save_checkpoint, checkpoint, state, lambda: TRAINER_MID_CHECKPOINT(f"after step {metrics['step']}")
+            )
         for logger in loggers:
             logger.log(metrics["step"], scalars(metrics))
         log.info("step %d: reward %.3f loss %.4f", metrics["step"], metrics["reward_mean"], trained["loss"])

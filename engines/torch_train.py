@@ -6,7 +6,7 @@ sequence) count of the *whole step*, so splitting a batch into micro-batches doe
 change the gradient.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 import os
 from pathlib import Path
@@ -177,8 +177,13 @@ class TorchTrainEngine:
             for name, param in self.model.named_parameters()
         }
 
-    def save_checkpoint(self, path: Path, extra: dict[str, Any] | None = None) -> None:
+    def save_checkpoint(
+        self, path: Path, extra: dict[str, Any] | None = None, before_replace: Callable[[], None] | None = None
+    ) -> None:
         """Writes model, optimizer, step, RNG states and `extra` to `path` atomically.
+
+        `before_replace` is called once the new checkpoint is written and synced, before it
+        replaces the last one (the moment a kill leaves both: the trainer names it a crash point).
 
         `extra` must hold plain data (numbers, strings, lists, dicts, tensors): checkpoints
         are read back with ``weights_only=True``, which refuses arbitrary pickles.
@@ -190,7 +195,7 @@ class TorchTrainEngine:
             "rng": _rng_state(),
             "extra": extra or {},
         }
-        _atomic_save(state, path)
+        _atomic_save(state, path, before_replace)
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
         """Restores everything `save_checkpoint` wrote; returns its `extra`."""
@@ -239,7 +244,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
 
 
-def _atomic_save(state: dict[str, Any], path: Path) -> None:
+def _atomic_save(state: dict[str, Any], path: Path, before_replace: Callable[[], None] | None = None) -> None:
     """torch.save to a temporary sibling, fsync, then rename over `path`.
 
     A crash mid-write leaves the previous checkpoint intact: readers see the old file or
@@ -252,6 +257,8 @@ def _atomic_save(state: dict[str, Any], path: Path) -> None:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
+    if before_replace is not None:
+        before_replace()
     os.replace(tmp, path)
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:

@@ -30,6 +30,7 @@ from bus import metrics, tracing
 from bus.connection import ConnectRefused, connect
 from bus.embedded import EmbeddedNats
 from bus.topology import Topology, run_id_arg
+from consumers.crashpoints import PRODUCER_MID_PUBLISH
 from consumers.fleet import Supervisor, local_fleet
 from consumers.runtime import CannotAttach, Runtime, attach, publish_config
 from producers import report
@@ -122,6 +123,7 @@ class Producer:
                     n=self.cfg.data.n, sampling=self.cfg.data.sampling, admitted_version=self.version,
                 )
                 await self.rt.publisher.publish(self.rt.topology.subject("prompts"), event)
+                PRODUCER_MID_PUBLISH(prompt_id)
             metrics.PROMPTS.add(1)
             issued += 1
 
