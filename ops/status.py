@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import sys
 import time
 from collections import Counter
@@ -33,6 +34,8 @@ from schemas import BatchEvent, DecodeError, WeightVersionEvent, decode
 CLEAR = "\033[H\033[J"
 WATCH_SECONDS = 2.0
 CONNECT_SECONDS = 10.0
+CLOSE_SECONDS = 2.0
+"""Seconds an interrupted page loop gets to close its connection before the process exits anyway."""
 
 
 @dataclass(frozen=True)
@@ -178,13 +181,32 @@ def render(topology: Topology, before: Sample, now: Sample, info: Details) -> st
 
 
 async def show(url: str, topology: Topology, watch: bool, batches: int) -> None:
-    """Print the page once (rates over 1 s), or redraw it every WATCH_SECONDS until interrupted."""
+    """Print the page once (rates over 1 s), or redraw it every WATCH_SECONDS until SIGINT/SIGTERM."""
+    # Ctrl-C sets an event rather than cancelling the task: a cancellation that lands inside a
+    # client call can be swallowed there (Python 3.11's `wait_for` loses one that races with a
+    # reply), and --watch then ignored Ctrl-C (1 run in 4 of its test). The event cannot be lost.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    pages = asyncio.create_task(_draw(url, topology, watch, batches, stop))
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({pages, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not pages.done():  # interrupted: the page loop gets a moment to close its connection
+        pages.cancel()
+        await asyncio.wait({pages}, timeout=CLOSE_SECONDS)
+    if pages.done() and not pages.cancelled():
+        pages.result()  # re-raises what ended the loop (no such run, no server)
+
+
+async def _draw(url: str, topology: Topology, watch: bool, batches: int, stop: asyncio.Event) -> None:
     # The bus connection retries forever, right for a worker; a person asking for status wants an answer.
     nc = await asyncio.wait_for(connect(url, "ops-status"), CONNECT_SECONDS)
     js = nc.jetstream()
     try:
         before = await sample(js, topology)
-        while True:
+        while not stop.is_set():
             await asyncio.sleep(WATCH_SECONDS if watch else 1.0)
             now = await sample(js, topology)
             page = render(topology, before, now, await details(js, topology, batches))
@@ -209,8 +231,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     try:
         asyncio.run(show(args.nats, Topology(run=args.run), args.watch, args.batches))
-    except KeyboardInterrupt:
-        pass  # the way out of --watch
     except NotFoundError:
         sys.exit(f"ops.status: run {args.run} has no streams on {args.nats}; is the run id right?")
     except (OSError, TimeoutError) as exc:
