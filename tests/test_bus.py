@@ -26,6 +26,9 @@ from schemas import TrajectoryEvent, encode
 from tests.helpers import dead_letters, messages, trajectory, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
+BODY_SECONDS = 60.0
+"""A test body that has not finished by then is stuck (each takes seconds): fail it now, with
+what it was waiting for, instead of at the 300 s test timeout."""
 
 
 def run_bus(
@@ -37,7 +40,10 @@ def run_bus(
             js = nc.jetstream()
             if apply:
                 await topology.apply(js)
-            await body(js)
+            try:
+                await asyncio.wait_for(body(js), BODY_SECONDS)
+            except asyncio.TimeoutError:
+                pytest.fail(f"{body.__qualname__} did not finish in {BODY_SECONDS:.0f} s", pytrace=True)
         finally:
             await nc.close()
 
@@ -53,7 +59,10 @@ async def run_until(worker: Worker, done: Callable[[], bool], timeout: float = 3
         assert not task.done(), task.exception() if task.done() else ""
         await asyncio.sleep(0.05)
     stop.set()
-    await task
+    try:
+        await asyncio.wait_for(task, 15.0)
+    except asyncio.TimeoutError:
+        pytest.fail("the worker did not return within 15 s of its stop (its drain is stuck)")
 
 
 def test_apply_is_idempotent_and_declares_everything(nats_server: EmbeddedNats, topology: Topology) -> None:
@@ -112,7 +121,7 @@ def test_publish_the_stream_refuses_fails_after_retry_for(nats_server: EmbeddedN
         data, started = encode(trajectory(topology.run)), time.monotonic()
         ack = await publisher.send_bytes(topology.subject("trajectories"), data, "x", {"Nats-Expected-Stream": "other"})
         with pytest.raises(nats.js.errors.APIError, match="expected stream does not match"):
-            await ack
+            await asyncio.wait_for(ack, 10.0)  # nats-py alone leaves this pending forever
         assert time.monotonic() - started < 5.0
         assert await messages(js, topology, "trajectories") == 0
 
