@@ -17,9 +17,9 @@ import yaml
 
 from bus.embedded import EmbeddedNats
 from bus.topology import Topology
-from tests.helpers import declare_run, members, wait_for
+from tests.helpers import declare_run, members, require_extra, wait_for
 
-ray = pytest.importorskip("ray", reason="ray is the optional [ray] extra: pip install -e '.[ray]'")
+ray = require_extra("ray", "ray")
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -9,6 +9,7 @@ import pytest
 
 from consumers.trainer_loggers import scalars, step_loggers
 from schemas.config import RunConfig, TrainerConfig
+from tests.helpers import require_extra
 
 STEP_METRICS = {
     "step": 3, "time": 1.7e9, "train_seconds": 0.25, "samples": 64, "reward_mean": 0.5, "staleness_max": 1,
@@ -27,7 +28,7 @@ def test_no_logger_unless_configured() -> None:
 
 
 def test_tensorboard_logger_writes_scalars(tmp_path: Path) -> None:
-    pytest.importorskip("tensorboard")
+    require_extra("tensorboard", "loggers")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     (logger,) = step_loggers(RunConfig(run="tb", trainer=TrainerConfig(tensorboard_dir=str(tmp_path))))
@@ -41,7 +42,7 @@ def test_tensorboard_logger_writes_scalars(tmp_path: Path) -> None:
 
 
 def test_wandb_logger_logs_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("wandb")
+    require_extra("wandb", "loggers")
     monkeypatch.setenv("WANDB_MODE", "offline")  # no account, no network: a local run directory
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     (logger,) = step_loggers(RunConfig(run="wb", trainer=TrainerConfig(wandb_project="jetrl-test")))
