@@ -1,0 +1,44 @@
+"""Each benchmark's `--quick` runs as a smoke test: it finishes, its last line is one JSON object
+with a numeric `ratio` against a baseline measured in the same run, and it writes the files it
+promises. No threshold: speed is measured by the benchmarks, not timed in tests."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def last_json(args: list[str], timeout: float) -> dict:
+    proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert isinstance(figures, dict)
+    assert isinstance(figures.get("ratio"), float) and math.isfinite(figures["ratio"]) and figures["ratio"] > 0, figures
+    return figures
+
+
+@pytest.mark.timeout(300)
+def test_bench_bus_quick(tmp_path: Path) -> None:
+    figures = last_json(["ops.bench.bus", "--quick", "--out", str(tmp_path)], timeout=280)
+    assert figures["quick"] is True
+    assert set(figures["sizes"]) == {"1024", "4096", "16384"}
+    for size in figures["sizes"].values():
+        assert size["ours_per_s"] > 0 and size["baseline_per_s"] > 0
+    assert json.loads((tmp_path / "bus.json").read_text())["ratio"] == figures["ratio"]
+    assert (tmp_path / "bus.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_bench_learn_quick() -> None:
+    figures = last_json(["ops.bench.learn", "--quick"], timeout=580)
+    assert figures["quick"] is True
+    assert figures["steps"] > 0 and figures["samples_per_s"] > 0 and figures["sync_samples_per_s"] > 0
+    assert 0.0 <= figures["reward_start"] <= 1.0 and 0.0 <= figures["reward_end"] <= 1.0
