@@ -2,13 +2,16 @@
 
     handler(prompt): queue it -> the batcher generates it with others -> publish its n
         trajectories -> return (the loop acks the prompt only once all are stored)
-    batcher: wait for the gate -> up to max_batch_prompts of equal sampling -> generate
-        in a thread (the event loop keeps heartbeating) -> resolve each prompt's future
+    batcher: wait for the gate -> up to max_batch_prompts of equal sampling -> count it
+        running -> generate in a thread (the event loop keeps heartbeating) -> resolve
+        each prompt's future
     weights watcher: new WeightVersionEvent -> check its manifest against the model,
-        fetch + verify bytes (no lock held) -> close the gate, wait for the running
-        generation to finish, load, reopen; a version that fails is dead-lettered, never loaded
+        fetch + verify bytes (generation goes on meanwhile) -> close the gate (no new
+        generation starts), drain the running ones, load in a thread (the event loop keeps
+        heartbeating), reopen; a version that fails is dead-lettered, never loaded
 
-Every token of a generation comes from one version, since weights never change mid-call.
+Every token of a generation comes from one version: the gate and the drain keep a load
+and a generation from ever running at once.
 """
 
 from __future__ import annotations
@@ -62,7 +65,10 @@ class Rollout:
         # loads — those samples would only be dropped as stale. The first weights event
         # (the trainer publishes v0 at its start) opens it.
         self.gate = asyncio.Event()
-        self.generating = asyncio.Lock()
+        # Generations started and not yet returned; a load waits for `idle` (none running).
+        self.running = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
 
     def token_ids(self, prompt: PromptEvent) -> list[int]:
         if prompt.token_ids is not None:
@@ -118,7 +124,11 @@ class Rollout:
         while True:
             await self.wake.wait()
             await asyncio.sleep(0.02)  # let a fetch's worth of prompts arrive together
-            await self.gate.wait()
+            # Checked again on waking: a load may have closed the gate between the set that
+            # woke this task and now. From the check to `running += 1` nothing awaits, so a
+            # load that closes the gate after it sees this generation as running.
+            while not self.gate.is_set():
+                await self.gate.wait()
             first = self.queue[0]
             batch = [p for p in self.queue if (p.prompt.n, p.prompt.sampling) == (first.prompt.n, first.prompt.sampling)]
             batch = batch[:limit]
@@ -127,21 +137,26 @@ class Rollout:
                 self.wake.clear()
             s = first.prompt.sampling
             params = protocols.SamplingParams(s.temperature, s.top_p, s.max_tokens, s.stop_token_ids)
-            async with self.generating:
-                version, started = self.engine.version, time.perf_counter()
-                try:
-                    parents = [(p.trace, self.span_attributes(p, version, len(batch))) for p in batch]
-                    with tracing.spans_in("generate", parents) as spans:
-                        ROLLOUT_MID_GENERATION(f"{len(batch)} prompts from {first.prompt.id}")
-                        groups = await asyncio.to_thread(
-                            self.engine.generate, [p.token_ids for p in batch], first.prompt.n, params
-                        )
-                        for span, samples in zip(spans, groups):
-                            span.set_attribute("jetrl.tokens", sum(len(s.token_ids) for s in samples))
-                except Exception as exc:  # the prompts' handlers fail and are retried
-                    for p in batch:
-                        p.done.set_exception(exc)
-                    continue
+            self.running += 1
+            self.idle.clear()
+            version, started = self.engine.version, time.perf_counter()
+            try:
+                parents = [(p.trace, self.span_attributes(p, version, len(batch))) for p in batch]
+                with tracing.spans_in("generate", parents) as spans:
+                    ROLLOUT_MID_GENERATION(f"{len(batch)} prompts from {first.prompt.id}")
+                    groups = await asyncio.to_thread(
+                        self.engine.generate, [p.token_ids for p in batch], first.prompt.n, params
+                    )
+                    for span, samples in zip(spans, groups):
+                        span.set_attribute("jetrl.tokens", sum(len(s.token_ids) for s in samples))
+            except Exception as exc:  # the prompts' handlers fail and are retried
+                for p in batch:
+                    p.done.set_exception(exc)
+                continue
+            finally:
+                self.running -= 1
+                if not self.running:
+                    self.idle.set()
             seconds = time.perf_counter() - started
             metrics.GENERATE_SECONDS.record(seconds, {"engine": "hf"})
             for p, samples in zip(batch, groups):
@@ -176,9 +191,12 @@ class Rollout:
         check_manifest(event.manifest, self.engine.model)  # before a byte is fetched
         tensors = await get_version(self.rt.js, self.rt.topology.object_bucket, event)
         self.gate.clear()  # no new generation starts ...
-        async with self.generating:  # ... and the running one finishes first
-            ROLLOUT_MID_WEIGHT_LOAD(f"v{event.version}")
-            self.engine.load_state_dict(tensors, version=event.version)
+        while self.running:  # ... and the running ones finish first
+            await self.idle.wait()
+        ROLLOUT_MID_WEIGHT_LOAD(f"v{event.version}")
+        # In a thread: a large model takes seconds to load, and the event loop must keep
+        # heartbeating the prompts it holds meanwhile.
+        await asyncio.to_thread(self.engine.load_state_dict, tensors, version=event.version)
         self.gate.set()
         self.rt.member.report(weight_version=event.version)
         log.info("now serving weights v%d", event.version)

@@ -1,0 +1,360 @@
+"""The rollout worker's two promises, on a real nats-server with the real tiny HF engine.
+
+- A prompt is acked only once all its trajectories are stored: while the trajectories
+  stream refuses writes (server side: discard-new at its message limit), the prompt the
+  worker generated stays unacked; once the stream takes writes again, its trajectories are
+  stored and only then is it acked.
+- Weights never change under a generation: the engine records when each `generate` and
+  each `load_state_dict` ran (a load made slow, as a large model's is), weight versions are
+  published while prompts keep flowing, and no generation overlaps a load; a generation
+  reports the version it ran with, and a prompt published after a load carries that
+  version or a later one. The load runs off the event loop, which keeps running (and so
+  heartbeating the prompts the worker holds) while it lasts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import ConsumerInfo, DiscardPolicy
+from transformers import AutoTokenizer
+
+from bus.connection import connect
+from bus.embedded import EmbeddedNats
+from bus.publisher import Publisher
+from bus.topology import Topology
+from bus.worker import Worker, WorkerOptions
+from consumers.rollout import Rollout
+from consumers.runtime import Runtime, attach, publish_config
+from engines.hf_rollout import HFRolloutEngine
+from engines.protocols import Sample, SamplingParams
+from engines.tiny import build_tiny_model
+from engines.weights import put_version
+from schemas import PromptEvent, Tensor, TrajectoryEvent, decode, encode
+from schemas import SamplingParams as PromptSampling
+from schemas.config import RunConfig
+
+GROUP = 2
+"""Samples per prompt."""
+MAX_TOKENS = 6
+LOAD_SECONDS = 0.8
+"""How long a load takes: long enough that generation would surely start during it if the
+gate stayed open while weights load."""
+MAX_LOOP_STALL = 0.5
+"""Longest the event loop may go without running while weights load: under LOAD_SECONDS,
+so a load run on the loop's own thread is caught."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call into the engine, as it ran (monotonic clock, shared by all threads)."""
+
+    kind: str
+    """"generate" or "load"."""
+    start: float
+    end: float
+    version_at_start: int
+    version_at_end: int
+    prompts: int = 0
+
+
+class RecordingEngine(HFRolloutEngine):
+    """The real engine, recording every generate and load; a load takes `load_seconds` more."""
+
+    def __init__(self, model_dir: Path, load_seconds: float = 0.0) -> None:
+        super().__init__(model_dir, seed=0)
+        self.load_seconds = load_seconds
+        self.calls: list[Call] = []
+        self._lock = threading.Lock()  # generate and load run in worker threads
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams) -> list[list[Sample]]:
+        start, version = time.monotonic(), self.version
+        try:
+            return super().generate(prompts, n, params)
+        finally:
+            self._record(Call("generate", start, time.monotonic(), version, self.version, len(prompts)))
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
+        start, before = time.monotonic(), self.version
+        time.sleep(self.load_seconds)  # a large model's bytes being copied in
+        try:
+            super().load_state_dict(tensors, version)
+        finally:
+            self._record(Call("load", start, time.monotonic(), before, self.version))
+
+    def _record(self, call: Call) -> None:
+        with self._lock:
+            self.calls.append(call)
+
+    def of(self, kind: str) -> list[Call]:
+        with self._lock:
+            return [call for call in self.calls if call.kind == kind]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("model"))
+
+
+@dataclass
+class RolloutUnderTest:
+    """One real rollout worker (batcher, weights watcher, worker loop) in this event loop."""
+
+    nc: Client
+    js: JetStreamContext
+    topology: Topology
+    rt: Runtime
+    engine: RecordingEngine
+    rollout: Rollout
+    published: int = 0
+
+    async def publish_prompt(self) -> PromptEvent:
+        index = self.published
+        self.published += 1
+        event = PromptEvent(
+            id=f"{self.topology.run}/0/{index}", run=self.topology.run, epoch=0, index=index,
+            token_ids=Tensor.from_numpy(np.array([3, 4, 5, 6 + index % 4], np.int32)), n=GROUP,
+            sampling=PromptSampling(max_tokens=MAX_TOKENS),
+        )
+        await self.js.publish(self.topology.subject("prompts"), encode(event))
+        return event
+
+    async def publish_weights(self, version: int) -> None:
+        """Store version `version` (the model's weights, nudged) and announce it, as the trainer does."""
+        params = {name: p.detach().clone() + 1e-3 * version for name, p in self.engine.model.named_parameters()}
+        event = await put_version(self.js, self.topology.object_bucket, self.topology.run, "test", version, params)
+        await self.js.publish(self.topology.subject("weights"), encode(event))
+
+    async def prompts_consumer(self) -> ConsumerInfo:
+        return await self.js.consumer_info(self.topology.stream("prompts"), self.topology.queues["rollout"].durable)
+
+    async def trajectories(self) -> list[TrajectoryEvent]:
+        count = (await self.js.stream_info(self.topology.stream("trajectories"))).state.messages
+        sub = await self.js.subscribe(self.topology.subject("trajectories"), ordered_consumer=True)
+        try:
+            return [decode((await sub.next_msg(timeout=5)).data, TrajectoryEvent) for _ in range(count)]
+        finally:
+            await sub.unsubscribe()
+
+
+@asynccontextmanager
+async def rollout_worker(
+    url: str, topology: Topology, model_dir: Path, load_seconds: float = 0.0, ack_timeout: float = 10.0
+) -> AsyncIterator[RolloutUnderTest]:
+    """Start a rollout worker as `consumers.rollout.main` does; its publisher waits `ack_timeout` s for an ack."""
+    nc = await connect(url, "test-rollout-invariants")
+    js = nc.jetstream()
+    await topology.apply(js)
+    config = RunConfig.model_validate({"run": topology.run, "model": {"path": str(model_dir)},
+                                       "rollout": {"max_batch_prompts": 2}})
+    await publish_config(await js.key_value(topology.kv_bucket), config)
+    rt = await attach("rollout", topology.run, url)
+    rt.publisher = Publisher(rt.js, ack_timeout=ack_timeout)
+    engine = RecordingEngine(model_dir, load_seconds)
+    rollout = Rollout(rt, engine, AutoTokenizer.from_pretrained(model_dir))
+    stop = asyncio.Event()
+    helpers = [asyncio.create_task(rollout.batcher()), asyncio.create_task(rollout.watch_weights())]
+    options = WorkerOptions(concurrency=8, fetch_timeout=0.2)
+    worker = Worker(rt.js, rt.topology, rt.topology.queues["rollout"], PromptEvent, rollout.handle, rt.publisher, options)
+    loop = asyncio.create_task(worker.run(stop))
+    try:
+        yield RolloutUnderTest(nc, js, topology, rt, engine, rollout)
+        assert not loop.done(), f"the worker loop ended: {loop.exception() if loop.done() else ''}"
+    finally:
+        stop.set()
+        try:  # a failed test may leave handlers waiting on a generation that never comes
+            await asyncio.wait_for(asyncio.shield(loop), 10)
+        except Exception:  # teardown: whatever the loop ended with, clean up
+            loop.cancel()
+        for task in (*helpers, loop):
+            task.cancel()
+        await asyncio.gather(*helpers, loop, return_exceptions=True)
+        await rt.close()
+        await topology.delete(js)
+        await nc.close()
+
+
+async def eventually(check: Callable[[], bool | Awaitable[bool]], what: str, timeout: float = 30.0) -> None:
+    """Poll `check` until it holds; fail saying `what` did not happen within `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not await holds(check):
+        assert time.monotonic() < deadline, f"within {timeout:.0f} s: {what} did not happen"
+        await asyncio.sleep(0.05)
+
+
+async def holds(check: Callable[[], bool | Awaitable[bool]]) -> bool:
+    result = check()
+    return await result if inspect.isawaitable(result) else bool(result)
+
+
+# --- a prompt is acked only once its trajectories are stored ----------------------------
+
+REFUSAL_HOLD = 2.5
+"""Seconds the trajectories stream refuses writes with a generated prompt waiting: more than
+the publisher's ack timeout (1 s here) and a few of its retries."""
+
+
+async def refuse_writes(js: JetStreamContext, stream: str) -> int:
+    """Make `stream` refuse every new message (discard new, at its current count); returns the count."""
+    info = await js.stream_info(stream)
+    count = info.state.messages
+    assert count > 0, "max_msgs 0 means no limit: store something first"
+    await js.update_stream(dataclasses.replace(info.config, discard=DiscardPolicy.NEW, max_msgs=count))
+    return count
+
+
+async def accept_writes(js: JetStreamContext, stream: str) -> None:
+    info = await js.stream_info(stream)
+    await js.update_stream(dataclasses.replace(info.config, discard=DiscardPolicy.OLD, max_msgs=-1))
+
+
+def test_prompt_is_acked_only_once_its_trajectories_are_stored(
+    nats_server: EmbeddedNats, topology: Topology, model_dir: Path
+) -> None:
+    async def main() -> None:
+        async with rollout_worker(nats_server.url, topology, model_dir, ack_timeout=1.0) as w:
+            stream = topology.stream("trajectories")
+            await w.publish_weights(0)  # opens the gate, as the trainer's v0 does
+
+            async def acked(count: int) -> bool:
+                info = await w.prompts_consumer()
+                return info.ack_floor.stream_seq == count and info.num_ack_pending == 0
+
+            # A prompt flows while storing works: its trajectories stored, then it is acked.
+            await w.publish_prompt()
+            await eventually(lambda: acked(1), "the first prompt was acked")
+            assert len(await w.trajectories()) == GROUP
+
+            stored = await refuse_writes(w.js, stream)
+            second = await w.publish_prompt()
+            await eventually(
+                lambda: len(w.engine.of("generate")) == 2, "the second prompt was generated"
+            )
+            deadline = time.monotonic() + REFUSAL_HOLD
+            while time.monotonic() < deadline:
+                info = await w.prompts_consumer()
+                assert info.ack_floor.stream_seq == 1 and info.num_ack_pending == 1, (
+                    f"{second.id} was acked while its trajectories could not be stored "
+                    f"(ack floor {info.ack_floor.stream_seq}, ack pending {info.num_ack_pending})"
+                )
+                messages = (await w.js.stream_info(stream)).state.messages
+                assert messages == stored, f"the stream was to refuse writes, yet holds {messages} (had {stored})"
+                await asyncio.sleep(0.1)
+
+            await accept_writes(w.js, stream)
+            await eventually(lambda: acked(2), f"{second.id} was acked once its trajectories could be stored")
+            ids = sorted(t.id for t in await w.trajectories())
+            assert ids == sorted(f"{p}/{i}" for p in (f"{topology.run}/0/0", second.id) for i in range(GROUP)), (
+                f"each trajectory stored once: {ids}"
+            )
+
+    asyncio.run(main())
+
+
+# --- weights never change under a generation ---------------------------------------------
+
+LOADS = 3
+"""Weight versions published while prompts flow."""
+
+
+def overlaps(a: Call, b: Call) -> bool:
+    return a.start < b.end and b.start < a.end
+
+
+async def tick(stop: asyncio.Event, ticks: list[float]) -> None:
+    """Record when the event loop runs, every 20 ms, until `stop`."""
+    while not stop.is_set():
+        ticks.append(time.monotonic())
+        await asyncio.sleep(0.02)
+
+
+def longest_stall(ticks: list[float], during: Call) -> float:
+    """The longest the loop went without running, over the gaps between ticks that meet `during`."""
+    gaps = [b - a for a, b in zip(ticks, ticks[1:]) if a < during.end and b > during.start]
+    return max(gaps, default=during.end - during.start)
+
+
+async def feed(w: RolloutUnderTest, stop: asyncio.Event, published_at: dict[str, float]) -> None:
+    """Keep prompts waiting in the queue until `stop`, so that the worker always has more to generate."""
+    while not stop.is_set():
+        if (await w.prompts_consumer()).num_pending < 4:
+            for _ in range(8):
+                published_at[(await w.publish_prompt()).id] = time.monotonic()
+        await asyncio.sleep(0.05)
+
+
+def test_weights_load_only_between_generations_and_off_the_event_loop(
+    nats_server: EmbeddedNats, topology: Topology, model_dir: Path
+) -> None:
+    async def main() -> None:
+        async with rollout_worker(nats_server.url, topology, model_dir, load_seconds=LOAD_SECONDS) as w:
+            await w.publish_weights(0)
+            published_at: dict[str, float] = {}
+            ticks: list[float] = []
+            stop = asyncio.Event()
+            feeder = asyncio.create_task(feed(w, stop, published_at))
+            ticker = asyncio.create_task(tick(stop, ticks))
+            try:
+                for version in range(1, LOADS + 1):
+                    # Generation is under way (more prompts waiting) when each version comes.
+                    before = len(w.engine.of("generate"))
+                    await eventually(lambda: len(w.engine.of("generate")) >= before + 2,  # noqa: B023
+                                     f"two generations before v{version}")
+                    await w.publish_weights(version)
+                    await eventually(lambda: len(w.engine.of("load")) == version,  # noqa: B023
+                                     f"v{version} was loaded")
+            finally:
+                stop.set()
+                await asyncio.gather(feeder, ticker)
+            total = len(published_at)
+            await eventually(
+                lambda: sum(c.prompts for c in w.engine.of("generate")) >= total,
+                f"all {total} prompts were generated",
+            )
+            await eventually(lambda: trajectories_stored(w, total * GROUP), f"{total * GROUP} trajectories stored")
+
+            loads, generations = w.engine.of("load"), w.engine.of("generate")
+            assert [load.version_at_end for load in loads] == list(range(1, LOADS + 1))
+            clashes = [(g, load) for g in generations for load in loads if overlaps(g, load)]
+            assert not clashes, f"{len(clashes)} generations ran while weights loaded, first: {clashes[0]}"
+            for load in loads:  # each load came in the middle of the flow, or the check above proves nothing
+                assert any(g.end <= load.start for g in generations), f"no generation before the load of {load}"
+                assert any(g.start >= load.end for g in generations), f"no generation after the load of {load}"
+            stalls = [longest_stall(ticks, load) for load in loads]
+            assert max(stalls) < MAX_LOOP_STALL, (
+                f"the event loop stood still for {max(stalls):.2f} s during a {LOAD_SECONDS} s load: "
+                f"the load ran on its thread, and no heartbeat went out meanwhile"
+            )
+            for g in generations:
+                served = max((load.version_at_end for load in loads if load.end <= g.start), default=0)
+                assert g.version_at_start == g.version_at_end == served, (
+                    f"a generation that started after v{served} was loaded ran with v{g.version_at_start}"
+                    f"..v{g.version_at_end}: {g}"
+                )
+            for t in await w.trajectories():
+                versions = set(t.versions.numpy().tolist())
+                assert len(versions) == 1, f"{t.id}: tokens from several versions {versions}"
+                newest_before = max((load.version_at_end for load in loads if load.end <= published_at[t.prompt_id]),
+                                    default=0)
+                assert versions.pop() >= newest_before, (
+                    f"{t.id}: published after v{newest_before} was loaded, yet generated with an older version"
+                )
+
+    asyncio.run(main())
+
+
+async def trajectories_stored(w: RolloutUnderTest, count: int) -> bool:
+    return (await w.js.stream_info(w.topology.stream("trajectories"))).state.messages >= count

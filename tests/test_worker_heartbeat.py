@@ -1,0 +1,89 @@
+"""The worker loop keeps a long handler's message its own: `in_progress` heartbeats.
+
+A handler may run far longer than its consumer's ack_wait (a long generation, a slow reward):
+the loop tells the server every ack_wait/3 that the message is still being worked on, so it
+is not handed out again meanwhile. Here a real worker runs over a real queue whose consumer
+the server has with a 1 s ack_wait, while the handler takes four times that; the message
+must be delivered once.
+
+The `WorkQueue` the worker is given says 60 s, as a queue declared by another process with
+the default would: the worker must pace its heartbeats by what the server has, not by it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import numpy as np
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from bus.connection import connect
+from bus.embedded import EmbeddedNats
+from bus.publisher import Publisher
+from bus.topology import Topology, WorkQueue
+from bus.worker import Worker, WorkerOptions
+from schemas import PromptEvent, Tensor, encode
+
+ACK_WAIT = 1.0
+"""The consumer's ack_wait on the server."""
+HANDLER_SECONDS = 4 * ACK_WAIT
+"""How long the handler works on its message: more than 3 ack_waits."""
+QUEUE = WorkQueue("prompts", "slow", ack_wait=60.0, max_ack_pending=16)
+
+
+def test_a_handler_running_past_ack_wait_keeps_its_message(nats_server: EmbeddedNats, topology: Topology) -> None:
+    async def main() -> None:
+        nc = await connect(nats_server.url, "test-heartbeat")
+        try:
+            js = nc.jetstream()
+            await topology.apply(js)
+            await run(js, topology)
+        finally:
+            await topology.delete(nc.jetstream())
+            await nc.close()
+
+    asyncio.run(main())
+
+
+async def run(js: JetStreamContext, topology: Topology) -> None:
+    stream = topology.stream(QUEUE.stage)
+    await js.add_consumer(stream, topology.consumer_config(dataclasses.replace(QUEUE, ack_wait=ACK_WAIT)))
+    deliveries: list[int] = []
+    finished = asyncio.Event()
+
+    async def handler(event: PromptEvent, msg: Msg) -> None:
+        deliveries.append(msg.metadata.num_delivered)
+        if msg.metadata.num_delivered == 1:  # a redelivered copy returns at once: it is already a failure
+            await asyncio.sleep(HANDLER_SECONDS)
+            finished.set()
+
+    prompt = PromptEvent(id=f"{topology.run}/0/0", run=topology.run, epoch=0, index=0,
+                         token_ids=Tensor.from_numpy(np.array([1, 2], np.int32)))
+    await js.publish(topology.subject("prompts"), encode(prompt))
+    stop = asyncio.Event()
+    worker = Worker(js, topology, QUEUE, PromptEvent, handler, Publisher(js), WorkerOptions(fetch_timeout=0.2))
+    loop = asyncio.create_task(worker.run(stop))
+    most_redelivered = 0
+    try:
+        deadline = time.monotonic() + HANDLER_SECONDS + 20
+        while not finished.is_set():  # watch the consumer while the handler works
+            assert time.monotonic() < deadline, "the handler never finished"
+            assert not loop.done(), f"the worker loop ended: {loop.exception() if loop.done() else ''}"
+            most_redelivered = max(most_redelivered, (await js.consumer_info(stream, QUEUE.durable)).num_redelivered)
+            await asyncio.sleep(0.1)
+        while (info := await js.consumer_info(stream, QUEUE.durable)).ack_floor.stream_seq < 1:
+            assert time.monotonic() < deadline, "the message was never acked"
+            await asyncio.sleep(0.05)
+    finally:
+        stop.set()
+        await asyncio.wait_for(loop, 10)
+    assert deliveries == [1], (
+        f"the message was handed out {len(deliveries)} times (delivery counts {deliveries}) while its "
+        f"{HANDLER_SECONDS:.0f} s handler ran over a {ACK_WAIT:.0f} s ack_wait: no in_progress heartbeat held it"
+    )
+    assert most_redelivered == 0 and info.delivered.consumer_seq == 1, (
+        f"the server redelivered it: {most_redelivered} redelivered, {info.delivered.consumer_seq} deliveries"
+    )
