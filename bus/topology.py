@@ -24,8 +24,8 @@ from nats.js.api import (
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from bus.embedded import MAX_PAYLOAD
+from schemas.names import check_run_id
 
-RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 GiB = 1 << 30
 DAY = 24 * 3600.0
 # Long enough that a redelivery after a restart is still deduplicated by the server
@@ -33,12 +33,6 @@ DAY = 24 * 3600.0
 DEDUP_WINDOW = 3600.0
 
 STAGES = ("prompts", "trajectories", "rewards", "batches", "weights", "dead")
-
-
-def check_run_id(run: str) -> str:
-    if not RUN_ID.match(run):
-        raise ValueError(f"run id {run!r} must be 1-64 characters of letters, digits, '_' or '-'")
-    return run
 
 
 def run_id_arg(value: str) -> str:

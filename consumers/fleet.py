@@ -39,7 +39,8 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from bus.connection import DEFAULT_URL
-from bus.topology import check_run_id, run_id_arg
+from bus.topology import run_id_arg
+from schemas.names import check_run_id
 from schemas.config import ConfigError, Section, read_yaml, validate
 
 log = logging.getLogger("jetrl.fleet")

@@ -7,12 +7,12 @@ run, on any node, reads the same settings from `--run R --nats URL` alone.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from bus.topology import check_run_id
+from schemas.names import check_run_id
 from schemas.events import SamplingParams
 
 
@@ -58,8 +58,15 @@ class AlgorithmConfig(Section):
     """Groups (prompts) in one optimizer step."""
     max_staleness: int = Field(1, ge=0)
     """A sample trained at version v was generated with weights >= v - max_staleness."""
-    advantage: str = "grpo"
-    """Advantage estimator: grpo, dr_grpo, rloo."""
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    """Advantage estimator over each group's rewards (`engines.algorithms.advantages`):
+    grpo (minus the mean, over the std), dr_grpo (minus the mean), rloo (minus the others' mean)."""
+    policy_loss: Literal["ppo", "gspo"] = "ppo"
+    """ppo: per-token ratio, clipped to [1 - clip_low, 1 + clip_high]. gspo: one length-normalised
+    ratio per sequence (GSPO wants clip_low/clip_high near 3e-4/4e-4)."""
+    loss_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    """How per-token losses become the step's loss: the mean over the step's loss tokens, or the
+    mean over its sequences of each sequence's token sum or token mean."""
     drop_equal_reward_groups: bool = True
     """Dynamic sampling: drop groups whose rewards are all equal (zero advantage)."""
     lr: float = Field(3e-4, gt=0)
@@ -133,6 +140,24 @@ class RunConfig(Section):
     def _run(cls, value: str) -> str:
         return check_run_id(value)
 
+    @model_validator(mode="after")
+    def _can_progress(self) -> RunConfig:
+        """Refuse settings under which a run would stall with no error."""
+        sync, stale = self.trainer.sync_every, self.algorithm.max_staleness
+        if sync > stale + 1:
+            # The gate admits step s's prompts only once weights v >= s - max_staleness are
+            # published; with versions published every sync_every steps that never happens.
+            raise ValueError(
+                f"trainer.sync_every {sync} > algorithm.max_staleness + 1 = {stale + 1}: the gate would wait "
+                f"for weights that are never published and the run would stall; raise max_staleness or sync more often"
+            )
+        if self.data.n < 2:
+            raise ValueError(
+                f"data.n {self.data.n}: group-relative advantages need at least 2 samples per prompt "
+                "(a group of 1 has no baseline)"
+            )
+        return self
+
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message is one line naming the key."""
@@ -144,8 +169,11 @@ def validate(model: type[S], data: object, origin: str) -> S:
         return model.model_validate(data if data is not None else {})
     except ValidationError as exc:
         first = exc.errors()[0]
-        key = ".".join(str(p) for p in first["loc"]) or "(top level)"
-        raise ConfigError(f"{origin}: {key}: {first['msg']}") from None
+        message = first["msg"].removeprefix("Value error, ")
+        if not first["loc"]:  # a check across sections: its message names the keys
+            raise ConfigError(f"{origin}: {message}") from None
+        key = ".".join(str(p) for p in first["loc"])
+        raise ConfigError(f"{origin}: {key}: {message}") from None
 
 
 def read_yaml(path: Path) -> object:

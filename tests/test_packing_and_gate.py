@@ -90,7 +90,7 @@ def test_config_errors_name_the_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"trainer.stepz: Extra inputs are not permitted"):
         load_config(bad)
     bad.write_text("trainer:\n  dp_size: 2\n")
-    with pytest.raises(ConfigError, match=r"trainer.dp_size: Value error, 2 ranks is not supported yet: .*use 1"):
+    with pytest.raises(ConfigError, match=r"trainer.dp_size: 2 ranks is not supported yet: .*use 1"):
         load_config(bad)
     bad.write_text("run: [unclosed\n")
     with pytest.raises(ConfigError, match="cannot read YAML"):
@@ -104,3 +104,45 @@ def test_equal_reward_groups_are_kept_when_dynamic_sampling_is_off() -> None:
     group.samples[1] = (reward("r", 0, 1, 1.0), None)  # type: ignore[assignment]
     assert group.drop_reason(drop_equal=False) is None
     assert group.drop_reason(drop_equal=True) == "all 2 rewards equal (1)"
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "message"),
+    [
+        # Would stall at step 2 with no message: the gate waits for a version never published.
+        ("trainer: {sync_every: 3}\nalgorithm: {max_staleness: 1}\n",
+         r"run.yaml: trainer.sync_every 3 > algorithm.max_staleness \+ 1 = 2: the gate would wait"),
+        # A typo used to stall the run at the first complete group (KeyError in the buffer).
+        ("algorithm: {advantage: grpoo}\n", r"algorithm.advantage: Input should be 'grpo', 'dr_grpo' or 'rloo'"),
+        ("algorithm: {policy_loss: ppo2}\n", r"algorithm.policy_loss: Input should be 'ppo' or 'gspo'"),
+        ("algorithm: {loss_aggregation: mean}\n", r"algorithm.loss_aggregation: Input should be 'token-mean'"),
+        # A group of one has no baseline: its advantage is 0 or undefined, and it stalled the buffer.
+        ("data: {n: 1}\nalgorithm: {drop_equal_reward_groups: false}\n",
+         r"data.n 1: group-relative advantages need at least 2 samples per prompt"),
+    ],
+)
+def test_configs_that_would_stall_are_refused_at_load(tmp_path: Path, yaml_text: str, message: str) -> None:
+    bad = tmp_path / "run.yaml"
+    bad.write_text(yaml_text)
+    with pytest.raises(ConfigError, match=message) as caught:
+        load_config(bad)
+    assert "\n" not in str(caught.value) and "Value error" not in str(caught.value)
+
+
+def test_sync_every_up_to_max_staleness_plus_one_is_accepted(tmp_path: Path) -> None:
+    ok = tmp_path / "run.yaml"
+    ok.write_text("trainer: {sync_every: 3}\nalgorithm: {max_staleness: 2}\n")
+    assert load_config(ok).trainer.sync_every == 3
+
+
+def test_the_config_offers_exactly_the_algorithms_the_code_has() -> None:
+    from typing import get_args
+
+    from consumers.buffer import ESTIMATORS
+    from engines.algorithms.losses import AggregationMode
+    from schemas.config import AlgorithmConfig
+
+    fields = AlgorithmConfig.model_fields
+    assert set(get_args(fields["advantage"].annotation)) == set(ESTIMATORS)
+    assert set(get_args(fields["loss_aggregation"].annotation)) == set(get_args(AggregationMode))
+    assert set(get_args(fields["policy_loss"].annotation)) == {"ppo", "gspo"}
