@@ -19,6 +19,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -154,25 +156,48 @@ class Producer:
             )
 
 
+class Stopped(Exception):
+    """SIGINT or SIGTERM reached the main job after `steps` trained steps."""
+
+    def __init__(self, signal_name: str, steps: int | None) -> None:
+        super().__init__(f"stopped by {signal_name}")
+        self.signal_name, self.steps = signal_name, steps
+        """Steps trained when it came; None before the run was watched (starting up)."""
+
+
+def _stop_on_sigterm(signum: int, _frame: object) -> None:
+    """Until the run's loop takes SIGTERM over: stop as Ctrl-C would, through the clean-ups."""
+    raise Stopped(signal.Signals(signum).name, None)
+
+
 async def produce(cfg: RunConfig, url: str, out: Path, fleet: Supervisor | None, replicas: int = 1) -> dict:
-    """Feed and watch a run until its last step; return the summary."""
+    """Feed and watch a run until its last step; return the summary. Stopped on SIGINT/SIGTERM."""
     started = time.time()
+    received: list[str] = []
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda name=sig.name: (received.append(name), stop.set()))
     rt = await attach_bootstrap(cfg, url, replicas)
     producer = Producer(rt)
     tasks = [asyncio.create_task(producer.watch()), asyncio.create_task(producer.feed())]
     progress = asyncio.create_task(producer.progress(started))
     try:
         while not progress.done():
+            if stop.is_set():
+                raise Stopped(received[0], len(producer.metrics))
             if fleet is not None:
                 fleet.check()
             for task in tasks:
                 if task.done() and task.exception():
                     raise task.exception()  # type: ignore[misc]
-            await asyncio.sleep(0.5)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
         progress.result()
     finally:
         for task in [*tasks, progress]:
             task.cancel()
+        await rt.close()
     metrics = [producer.metrics[s] for s in sorted(producer.metrics)]
     first, last = metrics[: max(1, len(metrics) // 10)], metrics[-max(1, len(metrics) // 10):]
     summary = {
@@ -188,7 +213,6 @@ async def produce(cfg: RunConfig, url: str, out: Path, fleet: Supervisor | None,
         "groups_dropped": len(producer.dropped),
     }
     summary["samples_per_s"] = summary["samples_trained"] / summary["seconds"]
-    await rt.close()
     report.write(out, metrics, summary)
     return summary
 
@@ -236,8 +260,33 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def run(cfg: RunConfig, args: argparse.Namespace, out: Path) -> dict:
+    """The run against `--nats`, or on an embedded server with a local fleet; its summary."""
+    if args.nats:
+        return asyncio.run(produce(cfg, args.nats, out, None, args.replicas))
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(EmbeddedNats(out / "nats"))
+        fleet = Supervisor(local_fleet(out / "logs"), cfg.run, server.url)
+        fleet.start()
+        stack.callback(fleet.stop)
+        return asyncio.run(produce(cfg, server.url, out, fleet))
+
+
+def resume_args(argv: list[str] | None, out: Path) -> list[str]:
+    """The command line that resumes this run: the same arguments, with `--out` the run directory."""
+    given = list(sys.argv[1:] if argv is None else argv)
+    kept, args = [], iter(given)
+    for arg in args:
+        if arg == "--out":
+            next(args, None)  # and its value
+        elif not arg.startswith("--out="):
+            kept.append(arg)
+    return [*kept, "--out", str(out)]
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s producer %(levelname)s %(message)s")
     try:
         cfg = load_config(args.config)
@@ -251,18 +300,17 @@ def main(argv: list[str] | None = None) -> None:
     cfg = prepare(cfg, out)
     print(f"run {cfg.run}: {cfg.trainer.steps} steps of {cfg.algorithm.prompts_per_step} prompts x {cfg.data.n} samples; "
           f"output in {out}", flush=True)
-    if args.nats:
-        try:
-            summary = asyncio.run(produce(cfg, args.nats, out, None, args.replicas))
-        except (ConnectRefused, CannotAttach) as exc:
-            sys.exit(f"producers.prompts: {exc}")
-    else:
-        with contextlib.ExitStack() as stack:
-            server = stack.enter_context(EmbeddedNats(out / "nats"))
-            fleet = Supervisor(local_fleet(out / "logs"), cfg.run, server.url)
-            fleet.start()
-            stack.callback(fleet.stop)
-            summary = asyncio.run(produce(cfg, server.url, out, fleet))
+    try:
+        summary = run(cfg, args, out)
+    except (Stopped, KeyboardInterrupt) as exc:
+        # Every child is stopped by now (the fleet and the embedded server are left on the way out).
+        stopped = exc if isinstance(exc, Stopped) else Stopped("SIGINT", None)
+        where = "while starting" if stopped.steps is None else f"after {stopped.steps} of {cfg.trainer.steps} steps"
+        how = stopped.signal_name
+        resume = shlex.join(["python", "-m", "producers.prompts", *resume_args(argv, out)])
+        sys.exit(f"producers.prompts: stopped by {how} {where}; every worker stopped. Resume with: {resume}")
+    except (ConnectRefused, CannotAttach) as exc:
+        sys.exit(f"producers.prompts: {exc}")
     print(json.dumps(summary))
 
 
