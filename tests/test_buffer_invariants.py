@@ -52,6 +52,8 @@ SETTLE = 60.0
 # The work queue's ack_wait in the tests that kill a buffer or hold samples: samples a
 # killed buffer held come back after it, and a held sample must outlive it several times.
 ACK_WAIT = 2.0
+# The ack_wait when a restarted buffer must see new samples before the killed one's return.
+ORPHAN_WAIT = 20.0
 REWARDS_A = (0.0, 1.0, 1.0, 3.0)
 REWARDS_B = (2.0, 0.0, 0.0, 0.5)
 
@@ -175,15 +177,19 @@ def test_drop_equal_reward_groups_reaches_the_buffer(
     run_with_js(nats_server.url, body)
 
 
-def kill_then_restart(url: str, topology: Topology, tmp_path: Path, point: str) -> None:
-    """Four groups (two steps) fed to a buffer armed to die at `point` on step 0; a second one
-    without it must finish both steps whole, from the groups the first one chose."""
+def kill_then_restart(url: str, topology: Topology, tmp_path: Path, point: str, ack_wait: float) -> None:
+    """Four groups (two steps) fed to a buffer armed to die at `point` on step 0; then two more
+    groups, and a second buffer without the crash point. It gets the two new groups at once
+    (the first buffer's samples come back only once `ack_wait` has run out), and must still
+    store step 0 whole from the groups the first one chose, then the rest, each sample once."""
     fed = [group(topology.run, i, np.roll(REWARDS_A, i).tolist(), response_tokens=40) for i in range(4)]
-    groups = {g[0].trajectory.prompt_id: ids(g) for g in fed}
+    fresh = [group(topology.run, i, np.roll(REWARDS_B, i).tolist(), response_tokens=40) for i in range(4, 6)]
+    groups = {g[0].trajectory.prompt_id: ids(g) for g in fed + fresh}
     log = tmp_path / "buffer.log"
 
     async def body(js: JetStreamContext) -> None:
-        await declare(js, topology, config(topology), ack_wait=ACK_WAIT)
+        # Every sample is made by v0; a wide staleness bound keeps step 2 from dropping any.
+        await declare(js, topology, config(topology, max_staleness=10), ack_wait=ack_wait)
         await publish(js, topology, [r for g in fed for r in g])
         first = start_buffer(url, topology, log, crash_at=f"{point}@1")
         try:
@@ -199,6 +205,7 @@ def kill_then_restart(url: str, topology: Topology, tmp_path: Path, point: str) 
         chosen = before[0].step_prompt_ids
         assert len(chosen) == 2 and {b.step for b in before} == {0}, summary(before)
 
+        await publish(js, topology, [r for g in fresh for r in g])
         second = start_buffer(url, topology, log)
         try:
             await settled(js, topology, second, log, f"restarted after a kill at {point}")
@@ -208,11 +215,13 @@ def kill_then_restart(url: str, topology: Topology, tmp_path: Path, point: str) 
         stored = await batches(js, topology)
         named = check_steps(stored, groups)
         assert named[0] == chosen, f"step 0 was begun with groups {chosen} but holds {named[0]}"
-        assert sorted(named) == [0, 1], f"expected steps 0 and 1: {summary(stored)}"
+        assert sorted(named) == [0, 1, 2], f"expected steps 0, 1 and 2: {summary(stored)}"
         batched = sorted(sid for b in stored for sid in b.sample_ids)
         assert batched == sorted(sid for g in groups.values() for sid in g), "a sample was lost"
         info = await buffer_consumer(js, topology)
-        assert (info.num_pending, info.num_ack_pending) == (0, 0), "rewards left unacked after both steps"
+        assert (info.num_pending, info.num_ack_pending) == (0, 0), "rewards left unacked after all steps"
+        dropped = {p: r for p in groups if (r := await drop_record(js, topology, p)) is not None}
+        assert not dropped, f"groups dropped: {dropped}"
 
     run_with_js(url, body)
 
@@ -222,16 +231,18 @@ def test_a_step_stored_in_part_is_completed_from_the_same_groups_after_a_kill(
 ) -> None:
     """Killed after the first of step 0's micro-batches is stored: its samples must still be
     unacked (redelivered), and the restarted buffer must re-form step 0 from the groups that
-    micro-batch names, not start a step 1 or a different step 0."""
-    kill_then_restart(nats_server.url, topology, tmp_path, "buffer.mid_step")
+    micro-batch names, although other complete groups reach it first: not a step 1 instead,
+    nor a step 0 of other groups. The long ack_wait keeps the first buffer's samples away
+    until the new groups are in (a restart takes seconds)."""
+    kill_then_restart(nats_server.url, topology, tmp_path, "buffer.mid_step", ack_wait=ORPHAN_WAIT)
 
 
 def test_a_step_stored_but_not_acked_is_not_batched_again_after_a_kill(
     nats_server: EmbeddedNats, topology: Topology, tmp_path: Path
 ) -> None:
     """Killed with step 0 wholly stored and none of its samples acked: the redelivered samples
-    are acked as batched already, and step 1 is made of the other groups."""
-    kill_then_restart(nats_server.url, topology, tmp_path, "buffer.step_stored")
+    are acked as batched already, and the later steps are made of the other groups."""
+    kill_then_restart(nats_server.url, topology, tmp_path, "buffer.step_stored", ack_wait=ACK_WAIT)
 
 
 def test_held_samples_are_not_redelivered_while_the_buffer_holds_them(
