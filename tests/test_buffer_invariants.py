@@ -8,7 +8,8 @@ buffer's work queue:
 - `algorithm.drop_equal_reward_groups` decides whether an all-equal group is dropped (with a
   KV record) or trained;
 - killed after storing one micro-batch of a step, a restarted buffer completes that step from
-  the same groups (nothing acked early, nothing lost, nothing twice);
+  the same groups, although other complete groups reach it first (nothing acked early,
+  nothing lost, nothing twice);
 - killed after storing a whole step but before acking it, nothing is batched twice;
 - samples it holds for longer than the queue's ack_wait are not redelivered.
 """
@@ -70,8 +71,8 @@ def run_with_js(url: str, body: Callable[[JetStreamContext], Awaitable[None]]) -
 
 
 def config(topology: Topology, **algorithm: object) -> RunConfig:
-    # 45-token rows (5 prompt + 40 response) and 64-token micro-batches: one row each, so a
-    # step of 2 groups of 4 is 8 micro-batches and a kill can fall between them.
+    # 64-token micro-batches: a 45-token row (5 prompt + 40 response, as the kill tests feed)
+    # fills one, so a step of 2 groups of 4 is 8 micro-batches and a kill can fall between them.
     return RunConfig(
         run=topology.run, algorithm=AlgorithmConfig(prompts_per_step=2, **algorithm),
         trainer=TrainerConfig(micro_batch_tokens=64),
@@ -253,7 +254,7 @@ def test_held_samples_are_not_redelivered_while_the_buffer_holds_them(
     of them from being redelivered; once the group completes, the step is formed and acked."""
     a, b = group(topology.run, 0, REWARDS_A), group(topology.run, 1, REWARDS_B)
     held = a + b[:3]
-    log = tmp_path / "buffer.log"
+    url, log = nats_server.url, tmp_path / "buffer.log"
 
     async def body(js: JetStreamContext) -> None:
         await declare(js, topology, config(topology), ack_wait=ACK_WAIT)
@@ -289,5 +290,4 @@ def test_held_samples_are_not_redelivered_while_the_buffer_holds_them(
         assert proc.returncode == 0, f"buffer exit code {proc.returncode}:\n{tail(log)}"
         check_steps(await batches(js, topology), {a[0].trajectory.prompt_id: ids(a), b[0].trajectory.prompt_id: ids(b)})
 
-    url = nats_server.url
     run_with_js(url, body)
