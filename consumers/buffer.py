@@ -74,7 +74,7 @@ class Group:
 
 @dataclass
 class BatchedSoFar:
-    """What the batch stream says: sample ids batched, the next step, a half-stored step."""
+    """What the batch stream says: sample ids in whole stored steps, the next step, a half-stored step."""
 
     sample_ids: set[str] = field(default_factory=set)
     next_step: int = 0
@@ -89,13 +89,14 @@ async def read_batches(rt: Runtime) -> BatchedSoFar:
         return seen
     counts: dict[tuple[int, int], tuple[int, int]] = {}  # (step, rank) -> (stored, micro_count)
     groups: dict[int, tuple[str, ...]] = {}
+    sample_ids: dict[int, set[str]] = {}  # step -> the samples its stored micro-batches hold
     sub = await rt.js.subscribe(rt.topology.subject("batches", ">"), ordered_consumer=True)
     for _ in range(info.state.messages):
         try:
             batch = decode((await sub.next_msg(timeout=10)).data, BatchEvent)
         except DecodeError:
             continue  # the trainer dead-letters unreadable batches; nothing of ours is in them
-        seen.sample_ids.update(batch.sample_ids)
+        sample_ids.setdefault(batch.step, set()).update(batch.sample_ids)
         stored, _ = counts.get((batch.step, batch.dp_rank), (0, batch.micro_count))
         counts[(batch.step, batch.dp_rank)] = (stored + 1, batch.micro_count)
         groups[batch.step] = batch.step_prompt_ids
@@ -107,6 +108,10 @@ async def read_batches(rt: Runtime) -> BatchedSoFar:
     dp_size = rt.config.trainer.dp_size
     if any(counts.get((last, r), (0, 1))[0] < counts.get((last, r), (0, 1))[1] for r in range(dp_size)):
         seen.partial, seen.next_step = (last, groups[last]), last
+        # Its samples come back unacked and must be held again to re-form it: skipped as
+        # batched already, their groups would never complete and no step would form again.
+        del sample_ids[last]
+    seen.sample_ids = set().union(*sample_ids.values())
     return seen
 
 
