@@ -162,8 +162,10 @@ def section_pipeline(args: argparse.Namespace, rec: Record) -> None:
     cmd = [sys.executable, "-m", "producers.prompts", "--steps", str(steps), "--out", str(args.work / "run")]
     rec.put("command", " ".join(cmd[1:]))
     t0 = time.monotonic()
+    # Its own process group, so the fleet's workers stop with it; the same session, so the
+    # machine's end-of-command cleanup still reaches it.
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # its own group: the fleet's workers stop with it
+                            process_group=0)
     lines: list[str] = []
 
     def pump() -> None:
@@ -236,15 +238,18 @@ def run_section(name: str, budget: float, args: argparse.Namespace, scratch: Pat
     say(name, f"start, budget {budget:.0f}s")
     t0 = time.monotonic()
     error = None
-    child = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)
+    child = subprocess.Popen(cmd, cwd=ROOT, process_group=0)  # killpg reaches its own children too
     try:
         code = child.wait(timeout=budget)
         if code != 0:
             error = f"section exited with {code}"
     except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)
-        child.wait()
         error = f"killed at its budget of {budget:.0f}s"
+    except KeyboardInterrupt as exc:  # SIGTERM (see `_interrupt`) or Ctrl-C: report what we have
+        error = f"interrupted by {exc or 'SIGINT'}"
+    with contextlib.suppress(ProcessLookupError):  # no section outlives the report
+        os.killpg(child.pid, signal.SIGKILL)
+    child.wait()
     _kill_servers_under(work)
     data: dict[str, Any] = {}
     with contextlib.suppress(OSError, ValueError):
@@ -295,6 +300,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.section:
@@ -307,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = "cpu-smoke" if args.cpu_smoke else f"{'tiny' if args.tiny else 'full'}-{args.device}"
     report: dict[str, Any] = {"mode": mode, "started_at": time.time(), "sections": {}}
     deadline = time.monotonic() + args.total_s
+    signal.signal(signal.SIGTERM, _interrupt)  # an outer `timeout` still gets the report printed
     try:
         with tempfile.TemporaryDirectory(prefix="gpu_check-") as scratch:
             for i, name in enumerate(chosen):
@@ -316,6 +326,10 @@ def main(argv: list[str] | None = None) -> int:
                     report["sections"][name] = {"error": f"skipped: {budget:.0f}s of the total left"}
                     continue
                 report["sections"][name] = run_section(name, budget, args, Path(scratch))
+                if report["sections"][name].get("error", "").startswith("interrupted"):
+                    break
+    except KeyboardInterrupt:  # between sections
+        report["interrupted"] = f"stopped by a signal after {time.time() - STARTED:.0f}s"
     finally:
         report["seconds"] = round(time.time() - STARTED, 1)
         text = json.dumps(finite(report), separators=(",", ":"))
