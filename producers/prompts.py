@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import nats.errors
 from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
@@ -130,9 +131,16 @@ class Producer:
             issued += 1
 
     async def lag(self) -> str:
+        """Each work queue's pending + in-flight count; `?` for one the server cannot say now
+        (its stream is electing a leader, say): a display must not stop the run."""
         parts = []
         for role, queue in self.rt.topology.queues.items():
-            info = await self.rt.js.consumer_info(self.rt.topology.stream(queue.stage), queue.durable)
+            try:
+                info = await self.rt.js.consumer_info(self.rt.topology.stream(queue.stage), queue.durable)
+            except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                log.info("queue %s: no consumer info now: %s", role, exc)
+                parts.append(f"{role} ?")
+                continue
             metrics.set_queue_depth(role, info.num_pending, info.num_ack_pending)
             parts.append(f"{role} {info.num_pending}+{info.num_ack_pending}")
         return " ".join(parts)

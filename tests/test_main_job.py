@@ -3,6 +3,7 @@ stands and how to resume it, exits non-zero; the command it names resumes the ru
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -13,6 +14,12 @@ import uuid
 from pathlib import Path
 
 import pytest
+
+from bus.embedded import EmbeddedNats
+from bus.topology import Topology
+from consumers.runtime import attach
+from producers.prompts import Producer
+from tests.helpers import declare_run
 
 ROOT = Path(__file__).resolve().parent.parent
 STOPPED = re.compile(
@@ -84,3 +91,20 @@ def test_a_signal_stops_every_child_says_how_to_resume_and_the_resume_works(tmp_
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert '"steps": ' + str(trained + 2) in resumed.stdout.strip().splitlines()[-1]
+
+
+def test_the_progress_line_shows_a_figure_it_cannot_read_as_unknown(nats_server: EmbeddedNats, topology: Topology) -> None:
+    """A queue whose consumer the server cannot describe now (here: deleted; in a cluster: its
+    stream electing a leader) shows as `?`, and the other figures still show."""
+    declare_run(nats_server.url, topology)
+
+    async def scenario() -> str:
+        rt = await attach("producer", topology.run, nats_server.url)
+        try:
+            reward = topology.queues["reward"]
+            await rt.js.delete_consumer(topology.stream(reward.stage), reward.durable)
+            return await Producer(rt).lag()
+        finally:
+            await rt.close()
+
+    assert asyncio.run(scenario()) == "rollout 0+0 reward ? buffer 0+0"
