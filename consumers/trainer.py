@@ -35,6 +35,7 @@ from engines.protocols import MicroBatch
 from engines.torch_train import LossConfig, TorchTrainEngine
 from engines.weights import put_version
 from schemas import BatchEvent, DecodeError, decode
+from schemas.config import RunConfig
 
 log = logging.getLogger("jetrl.trainer")
 
@@ -99,6 +100,17 @@ def admit(batch: BatchEvent, step: int, rank: int, collected: list[BatchEvent]) 
     return batch
 
 
+def loss_config(cfg: RunConfig) -> LossConfig:
+    """The engine's loss settings from the run config: the clip range and TIS cap of
+    `algorithm`, and the rollout's sampling temperature (behaviour log-probs were taken at it,
+    so the trainer's must be too)."""
+    algo = cfg.algorithm
+    return LossConfig(
+        eps_low=algo.clip_low, eps_high=algo.clip_high, tis_cap=algo.tis_cap,
+        temperature=cfg.data.sampling.temperature,
+    )
+
+
 async def publish_weights(rt: Runtime, engine: TorchTrainEngine) -> None:
     with tracing.tracer.start_as_current_span(
         "publish weights", attributes={"jetrl.weight_version": engine.step, "jetrl.run": rt.topology.run}
@@ -116,12 +128,7 @@ async def main() -> None:
     # One thread: rollout and the other workers share the node's cores with us.
     torch.set_num_threads(1)
     cfg = rt.config
-    algo = cfg.algorithm
-    engine = TorchTrainEngine(
-        Path(cfg.model.path or ""), lr=algo.lr, seed=cfg.trainer.seed,
-        loss=LossConfig(eps_low=algo.clip_low, eps_high=algo.clip_high, tis_cap=algo.tis_cap,
-                        temperature=cfg.data.sampling.temperature),
-    )
+    engine = TorchTrainEngine(Path(cfg.model.path or ""), lr=cfg.algorithm.lr, seed=cfg.trainer.seed, loss=loss_config(cfg))
     limits = ModelLimits.of(engine.model)
     checkpoint = Path(cfg.trainer.checkpoint_dir) / f"rank{rank}.pt"
     loggers = step_loggers(cfg) if rank == 0 else []
