@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -103,6 +104,43 @@ def test_sigterm_drains_every_worker_kills_stragglers_and_exits_zero(tmp_path: P
     assert "stubborn-0 still running 1s after SIGTERM: SIGKILL" in log
     with pytest.raises(ProcessLookupError):
         os.kill(stubborn, 0)
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` still runs: an exited process its new parent has not reaped yet is a
+    zombie, which `kill(pid, 0)` would still find."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_workers_of_a_killed_fleet_get_sigterm_and_exit(tmp_path: Path) -> None:
+    """A fleet killed with -9 cannot stop its workers: Linux must, or a restarted fleet would
+    run beside the orphans of the last one."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    fleet = fleet_cli(
+        {"roles": {"drainer": {"module": STAND_IN, "replicas": 2, "args": ["--marker", str(markers), "--mode", "drain"]}}},
+        tmp_path,
+    )
+    pids: set[int] = set()
+    try:
+        wait_for(lambda: len(list(markers.glob("*.ready"))) == 2, 20)
+        pids = {int(p.stem) for p in markers.glob("*.ready")}
+        fleet.kill()
+        fleet.communicate(timeout=10)
+        deadline = time.monotonic() + 10
+        while (left := {pid for pid in pids if running(pid)}) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not left, f"workers {sorted(left)} still run 10 s after their fleet was SIGKILLed"
+        # They were told (SIGTERM) and drained, not merely gone.
+        assert {int(p.stem) for p in markers.glob("*.drained")} == pids
+    finally:
+        for pid in pids:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize(
