@@ -1,0 +1,114 @@
+"""The producer's admission gate, as a process against a real server with no trainer.
+
+With v the newest weight version and d the groups dropped, the prompt stream must hold
+exactly min(v + max_staleness + 1, steps) * prompts_per_step + d prompts, and stay there
+until v or d moves: a gate that never waits overshoots at once, one that never reopens
+falls short. Here the test plays the trainer (weights events) and the buffer (drop records).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+
+from bus.connection import connect
+from bus.embedded import EmbeddedNats
+from bus.publisher import MSG_ID
+from bus.topology import Topology
+from schemas import WeightVersionEvent, encode
+
+ROOT = Path(__file__).resolve().parent.parent
+PER_STEP, STALENESS, STEPS = 3, 1, 8
+HOLD = 2.0  # seconds a count must stay put once reached
+
+
+def gate_config(tmp_path: Path, run: str) -> Path:
+    config = {
+        "run": run,
+        # A path, so the producer builds no model: nothing here generates or trains.
+        "model": {"path": str(tmp_path / "no-model")},
+        "data": {"n": 2},
+        "algorithm": {"prompts_per_step": PER_STEP, "max_staleness": STALENESS},
+        "trainer": {"steps": STEPS, "checkpoint_dir": str(tmp_path / "checkpoints")},
+    }
+    path = tmp_path / "gate.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+async def prompts(js: JetStreamContext, topology: Topology) -> int:
+    return (await js.stream_info(topology.stream("prompts"))).state.messages
+
+
+async def holds_exactly(
+    js: JetStreamContext, topology: Topology, producer: subprocess.Popen[bytes], expected: int, why: str,
+    within: float = 15.0,
+) -> None:
+    """The prompt count reaches `expected` within `within` s, then stays there for HOLD s."""
+    deadline = time.monotonic() + within
+    while (count := await prompts(js, topology)) < expected and time.monotonic() < deadline:
+        assert producer.poll() is None, f"the producer exited with {producer.returncode}"
+        await asyncio.sleep(0.1)
+    assert count >= expected, f"{why}: the producer issued {count} prompts in {within:.0f} s, the gate admits {expected}"
+    until = time.monotonic() + HOLD
+    while time.monotonic() < until:
+        count = await prompts(js, topology)
+        assert count == expected, f"{why}: {count} prompts issued, the gate admits exactly {expected}"
+        await asyncio.sleep(0.1)
+
+
+async def weights(js: JetStreamContext, topology: Topology, version: int) -> None:
+    """What the trainer announces after each step (the producer reads only the version)."""
+    event = WeightVersionEvent(id=f"{topology.run}/weights/{version}", run=topology.run, version=version,
+                               step=version, location="unused", manifest=(), total_bytes=0)
+    await js.publish(topology.subject("weights"), encode(event), headers={MSG_ID: event.id})
+
+
+async def play_trainer_and_buffer(url: str, topology: Topology, producer: subprocess.Popen[bytes]) -> None:
+    nc = await connect(url, "test-gate")
+    js = nc.jetstream()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the producer declares the run's streams
+            try:
+                await prompts(js, topology)
+                break
+            except NotFoundError:
+                await asyncio.sleep(0.2)
+        # No weights yet: the gate starts at version 0. A minute for a loaded machine's start-up.
+        await holds_exactly(js, topology, producer, (0 + STALENESS + 1) * PER_STEP, "at v0", within=60)
+        await weights(js, topology, 2)
+        await holds_exactly(js, topology, producer, (2 + STALENESS + 1) * PER_STEP, "at v2")
+        kv = await js.key_value(topology.kv_bucket)
+        await kv.put(f"drop.{topology.run}/0/1", b"all 2 rewards equal (1)")
+        await holds_exactly(js, topology, producer, (2 + STALENESS + 1) * PER_STEP + 1, "at v2, one group dropped")
+        # Past the last step the gate admits the whole run, plus one replacement per drop.
+        await weights(js, topology, STEPS + 5)
+        await holds_exactly(js, topology, producer, STEPS * PER_STEP + 1, "at the last step, one group dropped")
+    finally:
+        await nc.close()
+
+
+@pytest.mark.timeout(240)
+def test_the_producer_issues_exactly_what_the_gate_admits(nats_server: EmbeddedNats, topology: Topology,
+                                                          tmp_path: Path) -> None:
+    log = open(tmp_path / "producer.log", "wb")  # noqa: SIM115 - closed below, after the process
+    producer = subprocess.Popen(
+        [sys.executable, "-m", "producers.prompts", "--config", str(gate_config(tmp_path, topology.run)),
+         "--nats", nats_server.url, "--out", str(tmp_path / "run")],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        asyncio.run(play_trainer_and_buffer(nats_server.url, topology, producer))
+    finally:
+        producer.kill()
+        producer.wait()
+        log.close()
