@@ -1,10 +1,12 @@
 """`python -m ops.audit --run R [--nats URL]`: account for every prompt of a run, from the streams.
 
-Reads the prompt stream, the batch streams and the KV drop records (messages that do not
-decode are poison the workers dead-lettered, and are left out), and reports:
-issued prompts; prompts whose group was trained, dropped (with reasons), or neither (in
-flight at shutdown); sample ids trained more than once; tokens trained at a staleness
-beyond the bound. Last line: one JSON object.
+Reads the prompt stream, the batch streams, the KV drop records and the trainer's per-step
+metrics records (messages that do not decode are poison the workers dead-lettered, and are
+left out), and reports: issued prompts; prompts whose group was trained (stored in a batch),
+dropped (with reasons; a record without one is listed), or neither (in flight at shutdown);
+samples stored in a batch that no metrics record says the trainer trained (a micro-batch it
+refused, dead-lettered with the reason); sample ids trained more than once; tokens trained
+at a staleness beyond the bound. Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -51,10 +53,15 @@ async def audit(js: JetStreamContext, topology: Topology, max_staleness: int) ->
     batches = _decoded(await _replay(js, topology, "batches", topology.subject("batches", ">")), BatchEvent)
     kv = await js.key_value(topology.kv_bucket)
     try:
-        drop_keys = [k for k in await kv.keys() if k.startswith("drop.")]
+        keys = await kv.keys()
     except NoKeysError:
-        drop_keys = []
+        keys = []
+    drop_keys = [k for k in keys if k.startswith("drop.")]
     dropped = {k.removeprefix("drop."): (await kv.get(k)).value.decode() for k in drop_keys}  # type: ignore[union-attr]
+    # What the trainer says it trained: each step's record lists the ids of the micro-batches
+    # it took (a refused one is in the batch stream but not here).
+    step_records = [json.loads((await kv.get(k)).value) for k in keys if k.startswith("metrics.")]  # type: ignore[arg-type]
+    trainer_ids = {sid for record in step_records for sid in record.get("sample_ids", [])}
     trained = Counter(sid for b in batches for sid in b.sample_ids)
     trained_prompts = {sid.rsplit("/", 1)[0] for sid in trained}
     violations = 0
@@ -66,10 +73,13 @@ async def audit(js: JetStreamContext, topology: Topology, max_staleness: int) ->
         "issued": len(issued),
         "trained": len(trained_prompts & issued),
         "dropped": len(set(dropped) & issued),
+        "dropped_without_reason": sorted(pid for pid, reason in dropped.items() if not reason.strip()),
+        "unknown_dropped": len(set(dropped) - issued),
         "in_flight": len(issued - trained_prompts - set(dropped)),
         "in_flight_ids": sorted(issued - trained_prompts - set(dropped)),
         "unknown_trained": len(trained_prompts - issued),
         "samples_trained": sum(trained.values()),
+        "batched_not_trained": len(set(trained) - trainer_ids),
         "duplicates": sum(c - 1 for c in trained.values() if c > 1),
         "trained_and_dropped": len(trained_prompts & set(dropped)),
         "staleness_violations": violations,
