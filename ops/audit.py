@@ -57,10 +57,11 @@ async def audit(js: JetStreamContext, topology: Topology, max_staleness: int) ->
     except NoKeysError:
         keys = []
     drop_keys = [k for k in keys if k.startswith("drop.")]
-    dropped = {k.removeprefix("drop."): (await kv.get(k)).value.decode() for k in drop_keys}  # type: ignore[union-attr]
+    # An empty record reads back as None: kept, as a drop without a reason.
+    dropped = {k.removeprefix("drop."): ((await kv.get(k)).value or b"").decode() for k in drop_keys}
     # What the trainer says it trained: each step's record lists the ids of the micro-batches
     # it took (a refused one is in the batch stream but not here).
-    step_records = [json.loads((await kv.get(k)).value) for k in keys if k.startswith("metrics.")]  # type: ignore[arg-type]
+    step_records = [json.loads((await kv.get(k)).value or b"{}") for k in keys if k.startswith("metrics.")]
     trainer_ids = {sid for record in step_records for sid in record.get("sample_ids", [])}
     trained = Counter(sid for b in batches for sid in b.sample_ids)
     trained_prompts = {sid.rsplit("/", 1)[0] for sid in trained}

@@ -141,7 +141,8 @@ def test_the_loop_learns_and_keeps_its_invariants(own_nats_server: EmbeddedNats,
     # trainer takes exactly that many groups, so at the end none may be left in flight.
     assert result["in_flight"] == 0, f"issued but neither trained nor dropped: {result['in_flight_ids']}"
     assert result["issued"] == result["trained"] + result["dropped"] == STEPS * 16 + result["dropped"]
-    assert result["dropped_without_reason"] == [] and result["unknown_dropped"] == 0
+    assert result["dropped_without_reason"] == [], f"drop records without a reason: {result['dropped_without_reason'][:10]}"
+    assert result["unknown_dropped"] == 0, "drop records for prompts never issued"
     assert result["dropped"] == summary["groups_dropped"], "the producer replaced other drops than the audit found"
     assert result["batched_not_trained"] == 0, "stored in a batch, but in no step the trainer reported"
     assert result["steps"] == STEPS and result["samples_trained"] == STEPS * 16 * 8
