@@ -101,13 +101,13 @@ def admit(batch: BatchEvent, step: int, rank: int, collected: list[BatchEvent]) 
 
 
 def loss_config(cfg: RunConfig) -> LossConfig:
-    """The engine's loss settings from the run config: the clip range and TIS cap of
-    `algorithm`, and the rollout's sampling temperature (behaviour log-probs were taken at it,
-    so the trainer's must be too)."""
+    """The engine's loss settings from the run config: the policy loss, aggregation, clip
+    range and TIS cap of `algorithm`, and the rollout's sampling temperature (behaviour
+    log-probs were taken at it, so the trainer's must be too)."""
     algo = cfg.algorithm
     return LossConfig(
-        eps_low=algo.clip_low, eps_high=algo.clip_high, tis_cap=algo.tis_cap,
-        temperature=cfg.data.sampling.temperature,
+        policy_loss=algo.policy_loss, eps_low=algo.clip_low, eps_high=algo.clip_high,
+        aggregation=algo.loss_aggregation, tis_cap=algo.tis_cap, temperature=cfg.data.sampling.temperature,
     )
 
 

@@ -40,9 +40,10 @@ def engine(model_dir: Path, cfg: RunConfig) -> TorchTrainEngine:
     return TorchTrainEngine(model_dir, lr=1e-2, weight_decay=0.01, seed=0, loss=loss_config(cfg))
 
 
-def batch(eng: TorchTrainEngine, advantage: float, log_ratio: float) -> MicroBatch:
+def batch(eng: TorchTrainEngine, advantage: float, log_ratio: float | torch.Tensor) -> MicroBatch:
     """ROWS rows of random tokens whose response tokens have behaviour log-probs
-    `log_ratio` below the engine's current ones: pi / pi_behaviour = exp(log_ratio) on each."""
+    `log_ratio` (a number, or one per position [WIDTH]) below the engine's current ones:
+    pi / pi_behaviour = exp(log_ratio) on each."""
     vocab = eng.model.config.vocab_size
     input_ids = torch.randint(0, vocab, (ROWS, WIDTH), generator=torch.Generator().manual_seed(1))
     attention_mask = torch.ones(ROWS, WIDTH, dtype=torch.long)
@@ -53,8 +54,9 @@ def batch(eng: TorchTrainEngine, advantage: float, log_ratio: float) -> MicroBat
 
 
 def test_loss_config_carries_each_algorithm_field_to_its_own_place() -> None:
-    cfg = run_config(tis_cap=2.5)
-    assert loss_config(cfg) == LossConfig(eps_low=0.05, eps_high=0.4, tis_cap=2.5, temperature=0.7)
+    cfg = run_config(tis_cap=2.5, policy_loss="gspo", loss_aggregation="seq-mean-token-sum")
+    assert loss_config(cfg) == LossConfig(policy_loss="gspo", eps_low=0.05, eps_high=0.4,
+                                          aggregation="seq-mean-token-sum", tis_cap=2.5, temperature=0.7)
     assert loss_config(run_config()).tis_cap is None  # no cap configured: plain PPO
 
 
@@ -80,6 +82,20 @@ def test_the_configured_clip_range_decides_which_tokens_clip(
         f"clip_frac {stats['clip_frac']} at ratio {math.exp(log_ratio):.2f}, advantage {advantage}: "
         f"the engine's clip range {eng.loss_config.eps_low}/{eng.loss_config.eps_high} is not the config's 0.05/0.4"
     )
+
+
+def test_the_configured_policy_loss_and_aggregation_shape_the_step(model_dir: Path) -> None:
+    # Log ratios +-0.5 alternating along each response (three of each): PPO's token ratios
+    # average cosh(0.5); GSPO's one ratio per sequence is exp(mean log ratio) = 1.
+    alternating = 0.5 * (-1.0) ** torch.arange(WIDTH)
+    ppo = engine(model_dir, run_config())
+    assert ppo.train_step([batch(ppo, 1.0, alternating)])["ratio_mean"] == pytest.approx(math.cosh(0.5), rel=1e-4)
+    gspo = engine(model_dir, run_config(policy_loss="gspo", loss_aggregation="seq-mean-token-sum"))
+    stats = gspo.train_step([batch(gspo, 1.0, alternating)])
+    assert stats["ratio_mean"] == pytest.approx(1.0, rel=1e-4), "the configured policy_loss (gspo) is not the one used"
+    # Each token's loss is -ratio * A = -1; summed per sequence, averaged over sequences: -RESPONSE
+    # (the token mean would be -1).
+    assert stats["loss"] == pytest.approx(-RESPONSE, rel=1e-4), "the configured loss_aggregation is not the one used"
 
 
 def test_the_configured_tis_cap_truncates_the_is_weight(model_dir: Path) -> None:
