@@ -309,10 +309,11 @@ class ChaosRun:
             kill = next((k for k in self.kills if k.point.name == name), None)
             if kill is None or kill.hit:
                 continue
-            path = self.crashes / name  # a record left empty (killed while writing it): its file's time
-            kill.at = float(record.get("time") or path.stat().st_mtime)  # type: ignore[arg-type]
-            kill.pid = int(record["pid"]) if "pid" in record else None  # type: ignore[call-overload]
-            kill.note = str(record.get("note", ""))
+            at, pid = record.get("time"), record.get("pid")
+            # A record left empty (killed while writing it): the time its file was made.
+            kill.at = float(at) if isinstance(at, (int, float)) else (self.crashes / name).stat().st_mtime
+            kill.pid = pid if isinstance(pid, int) else None
+            kill.note, kill.step = str(record.get("note", "")), self.monitor.last_step
             if live and self.fleet is not None:
                 self.fleet.children[kill.worker].env = self.arm(kill.point.role, self.monitor.last_step)
                 self.measuring.append(asyncio.create_task(self.measure(kill)))

@@ -125,8 +125,8 @@ def arm_at(shape: Shape, point: CrashPoint, target: int, since: int | None, rng:
 def plan(points: tuple[CrashPoint, ...], first: int, last: int, rng: random.Random) -> list[tuple[CrashPoint, int]]:
     """Each point with its target step, in a random order, one slot of [first, last] each."""
     order = rng.sample(points, len(points))
-    slot = (last - first + 1) / len(order)
-    return [(point, first + int(i * slot + rng.uniform(0, slot))) for i, point in enumerate(order)]
+    bounds = [first + i * (last - first + 1) // len(order) for i in range(len(order) + 1)]
+    return [(point, rng.randrange(bounds[i], max(bounds[i] + 1, bounds[i + 1]))) for i, point in enumerate(order)]
 
 
 # What came of the kills: a table per run, figures per fault.
