@@ -6,7 +6,7 @@ its steps: the steps from `first` to `last` are cut into one slot per point, eac
 a seeded random order) gets a random step inside its slot, its *target*. k is the number
 of passes the process will have made by the target, estimated from the run's shape: how
 often the point is passed per trainer step. The estimates are low bounds, so a point fires
-at or a little before its target, never not at all for want of passes.
+near its target, mostly before it, and well before the run ends.
 
     producer.mid_publish      one pass per prompt, a step's worth (prompts_per_step) per
                               step, published as the weights of the step arrive: k lands
