@@ -7,14 +7,23 @@ venv's python. Max payload is raised to 8 MiB (DESIGN "Sizes").
 
 `server_config` writes the configuration of both, and of the example files under
 `ops/cluster/`, so the servers the tests run are configured like the ones users run.
+
+A server dies with the process that started it, even when that process is SIGKILLed (a
+test run out of time, a job killed): Linux sends it SIGTERM then, so no server is left
+running with nobody to stop it.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -25,6 +34,17 @@ from types import TracebackType
 MAX_PAYLOAD = 8 * 1024 * 1024
 CLUSTER_NAME = "jetrl"
 LOOPBACK = "127.0.0.1"
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+# Loaded before any fork: a child between fork and exec must not take the loader's lock.
+_LIBC = ctypes.CDLL(None) if sys.platform == "linux" else None
+
+
+def _term_with_owner(owner: int) -> None:
+    """In the server before exec: ask Linux for SIGTERM when its owner dies."""
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != owner:  # the owner died before the request above took effect
+        os._exit(0)
 
 
 def free_ports(count: int) -> list[int]:
@@ -151,8 +171,13 @@ class EmbeddedNats:
         config = self.store_dir / "nats.conf"
         config.write_text(self.config_text())
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child
+        # Linux sends the death signal when the *thread* that started the server exits, so it
+        # is asked for only from the main thread: a server restarted from a worker thread
+        # (asyncio.to_thread) would otherwise die with that thread.
+        main = threading.current_thread() is threading.main_thread()
         self.process = subprocess.Popen(
-            [server_binary(), "-c", str(config)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            [server_binary(), "-c", str(config)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=functools.partial(_term_with_owner, os.getpid()) if main else None,
         )
         log.close()
         deadline = time.monotonic() + timeout

@@ -1,21 +1,35 @@
-"""`python -m ops.chaos [--quick] [--runs N] [--seed S] [--out DIR]`: kill -9 every kind of process mid-work, then audit.
+"""`python -m ops.chaos [--quick] [--runs N] [--seed S] [--out DIR]`: SIGKILL every kind of process at named crash points, then audit.
 
 Each run is the built-in job (`examples/digits.yaml`, shortened) against an embedded
 nats-server this tool owns, every process of it — the producer too, with `--nats URL --out
-DIR` — supervised by `consumers.fleet.Supervisor`, which restarts what dies. During a run
-one process of each kind is SIGKILLed, in a random order, each a random few trainer steps
-after the replacement of the one killed before did its first work, at a moment read from the
-run's own traffic:
+DIR` — supervised by `consumers.fleet.Supervisor`, which restarts what dies. Every fault is
+a crash point of `consumers.crashpoints` (its `moment` says what has happened and what has
+not): the process kills itself with SIGKILL at that very moment, not at one guessed from
+outside. A full run fires all ten; --quick six (one per role, the trainer's twice):
+producer.mid_publish, rollout.mid_generation, reward.mid_scoring, buffer.mid_step (one
+micro-batch of a step stored, the others not), trainer.mid_step, trainer.mid_checkpoint (a
+checkpoint written beside the last, not yet in its place).
 
-    producer mid-publish     as a prompt is published (the gate opens for a step's worth
-                             of prompts at a time: the producer is inside that burst)
-    rollout mid-generation   30-80 ms after a prompt is published (fetched, batched, generating)
-    reward mid-scoring       0-20 ms after a trajectory is published (its group is being scored)
-    buffer mid-batch         as the first micro-batch of a step is published (the step's other
-                             micro-batches and the acks of its samples are under way)
-    trainer mid-step         within one step's train time after the previous step's metrics
-    trainer mid-checkpoint   while the checkpoint is written: its temporary file is seen after
-                             the metrics of a step that checkpoints
+Arming (`ops.faults`): each point gets a target step, spread over the run in a seeded
+random order one slot each, and is armed through its role's `env` as
+`JETRL_CRASH_AT=<point>@k`, k the pass estimated to come at the target;
+`JETRL_CRASH_RECORD=<run dir>/crashes` makes it fire once, and the file it leaves there
+(point, pid, time, what it was working on) is how this tool learns of the kill. A role
+with several points is armed with the next one in its replacement, counted from then.
+Kills are spread by steps, and a kill's stall holds the steps back, so a recovery is
+mostly over before the next kill comes; each kill is measured on its own in any case.
+
+Per kill, the table shows the step it hit at (the trainer's last written one), what the
+process was doing (the record's note, what its queue held unacked, and for the buffer and
+checkpoint points what the bus and the disk show: how many of the step's micro-batches
+were sent; the new checkpoint beside the old), and:
+
+    restart     kill -> the replacement process joined the run (its membership entry)
+    recovery    kill -> the replacement's first output: a prompt, trajectory, reward or batch
+                event whose `source` is its worker id; for the trainer, a step beyond the last
+                one before the kill (so after retraining the steps since its checkpoint). The
+                work the victim held comes back after ack_wait, and a step waiting for it
+                stalls the run (a rollout's replacement gets no new prompt until then).
 
 Then the fleet is stopped and the run is accounted for from the streams (`ops.audit`) and
 from the trainer's final checkpoint:
@@ -31,22 +45,18 @@ from the trainer's final checkpoint:
     duplicates  sample ids inside more than one stored batch, plus sample ids more than once
                 in the final checkpoint's update history (`trained`)
     staleness_violations  loss tokens trained at step s made by weights older than s - max_staleness
-    restart     kill -> the replacement process joined the run (its membership entry)
-    recovery    kill -> the replacement's first output: a prompt, trajectory, reward or batch
-                event whose `source` is its worker id; for the trainer, a step beyond the last
-                one before the kill (so after retraining the steps since its checkpoint). The
-                work the victim held comes back after ack_wait, and a step waiting for it
-                stalls the run (a rollout's replacement gets no new prompt until then).
 
 The run's work queues are declared with `ack_wait` = ACK_WAIT s (60-120 s by default): the
 messages a killed worker held come back only after ack_wait, and a whole step waits for them.
 
 Prints a table per run, then as its last line one JSON object: totals of the figures above,
-`recovery_s` and `restart_s` per fault (median, max), and `ratio`: the median over the runs
-of steps/s with kills / steps/s of an uninterrupted run of the same config just before it
-(both from first to last step, so start-up is left out; pairs, because other work on the
-machine changes the pace over minutes). --quick skips the uninterrupted runs: `ratio` null.
-Exits 1 if a run did not finish or lost, duplicated or over-staled anything.
+`faults`: per point, whether it was hit in every run it was armed in, the steps it hit at,
+and its `restart_s` and `recovery_s` (median, max); and `ratio`: the median over the runs of
+steps/s with kills / steps/s of an uninterrupted run of the same config just before it (both
+from first to last step, so start-up is left out; pairs, because other work on the machine
+changes the pace over minutes). --quick skips the uninterrupted runs: `ratio` null.
+Exits 1 if a run did not finish, a fault armed was not hit, or anything was lost,
+duplicated or over-staled.
 """
 
 from __future__ import annotations
@@ -58,11 +68,10 @@ import dataclasses
 import json
 import logging
 import random
-import statistics
 import sys
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -76,73 +85,68 @@ from nats.aio.subscription import Subscription
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.topology import Topology
+from consumers import crashpoints
+from consumers.crashpoints import (
+    BUFFER_MID_STEP,
+    BUFFER_STEP_STORED,
+    PRODUCER_MID_PUBLISH,
+    REWARD_MID_SCORING,
+    ROLLOUT_MID_GENERATION,
+    TRAINER_MID_CHECKPOINT,
+    TRAINER_MID_STEP,
+    CrashPoint,
+)
 from consumers.fleet import POLL_SECONDS, ROLES, FleetConfig, RoleConfig, Supervisor
 from consumers.membership import live_members
 from ops.audit import audit
+from ops.faults import ALL, OUTPUT, Kill, Outcome, Shape, arm_at, plan, print_run, summarize
 from producers.prompts import BUILTIN
-from schemas import BatchEvent, DecodeError, PromptEvent, decode
+from schemas import BatchEvent, DecodeError, decode
 from schemas.config import load_config
 
 ACK_WAIT = 10.0
 """Seconds before a killed worker's unacked messages are redelivered (see the module doc)."""
 MICRO_BATCH_TOKENS = 256
-"""Small enough that a step is several micro-batches, so a buffer kill can land between them."""
-CHECKPOINT_WAIT = 1.0
-"""Seconds the mid-checkpoint trigger looks for the checkpoint's temporary file."""
+"""Small enough that a step is several micro-batches, so buffer.mid_step lands between them."""
+FIRST_TARGET = 3
+"""No kill before this step: the run's first steps include every worker's start-up."""
 
 
 @dataclass(frozen=True)
 class Profile:
-    """How long a run is and how far apart its kills are."""
+    """How long a run is and which points it fires."""
 
     steps: int
     checkpoint_every: int
-    gap: tuple[int, int]
-    """Trainer steps between a recovery and the next kill: a random number in this range."""
+    faults: tuple[CrashPoint, ...]
+    tail: int
+    """No target in the last `tail` steps: room for the last kill's recovery, and for a
+    point that fires a little after its target."""
     timeout: float
     """Seconds a run may take before it is stopped and counted as unfinished."""
     baseline: bool
     """Run each run once without kills first, for `ratio`."""
 
 
-QUICK = Profile(steps=40, checkpoint_every=4, gap=(1, 3), timeout=240.0, baseline=False)
-FULL = Profile(steps=100, checkpoint_every=5, gap=(2, 6), timeout=1200.0, baseline=True)
-
-
-@dataclass
-class Kill:
-    """One SIGKILL and what followed it."""
-
-    fault: str
-    step: int
-    """The last step the trainer had written when the kill came."""
-    note: str
-    """What the victim was doing, as far as the bus shows it."""
-    at: float
-    restart_s: float | None = None
-    recovery_s: float | None = None
-
-
-@dataclass
-class Outcome:
-    """One run's figures."""
-
-    run: str
-    finished: bool
-    error: str
-    steps_per_s: float
-    seconds: float
-    accounts: dict[str, Any]
-    kills: list[Kill] = field(default_factory=list)
+QUICK = Profile(
+    steps=40, checkpoint_every=4, tail=8, timeout=180.0, baseline=False,
+    faults=(PRODUCER_MID_PUBLISH, ROLLOUT_MID_GENERATION, REWARD_MID_SCORING, BUFFER_MID_STEP, TRAINER_MID_STEP,
+            TRAINER_MID_CHECKPOINT),
+)
+FULL = Profile(steps=100, checkpoint_every=5, faults=ALL, tail=10, timeout=1200.0, baseline=True)
 
 
 class Monitor:
     """What the driver sees of a run: every message published on its subjects (a core
-    subscription sees each as it is sent), and when each trainer step's metrics first appeared."""
+    subscription sees each as it is sent), when each trainer step's metrics first appeared,
+    and which micro-batches of each step were sent."""
 
     def __init__(self, nc: Client, topology: Topology) -> None:
         self.nc, self.topology = nc, topology
         self.steps: dict[int, float] = {}
+        self.micro: dict[int, set[tuple[int, int]]] = {}
+        """Per step, the (rank, micro index) of each micro-batch sent."""
+        self.micro_count: dict[int, int] = {}
         self.waiters: list[tuple[str, Callable[[bytes], bool], asyncio.Future[bytes]]] = []
         self.subs: list[Subscription] = []
 
@@ -162,6 +166,11 @@ class Monitor:
     async def _seen(self, kind: str, msg: Msg) -> None:
         if kind == "metrics":
             self.steps.setdefault(json.loads(msg.data)["step"], time.time())
+        elif kind == "batches":
+            with contextlib.suppress(DecodeError):
+                batch = decode(msg.data, BatchEvent)
+                self.micro.setdefault(batch.step, set()).add((batch.dp_rank, batch.micro_index))
+                self.micro_count[batch.step] = batch.micro_count * batch.dp_size
         for waiter in [w for w in self.waiters if w[0] == kind and w[1](msg.data)]:
             self.waiters.remove(waiter)
             if not waiter[2].done():
@@ -177,24 +186,13 @@ class Monitor:
     def last_step(self) -> int:
         return max(self.steps, default=-1)
 
-    async def step_reached(self, step: int) -> None:
-        while self.last_step < step:
-            await self.next("metrics")
-
     def steps_per_s(self) -> float:
         """Steps from the first to the last step's metrics, per second (start-up left out)."""
         times = sorted(self.steps.values())
         return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
 
 
-def is_first_micro_batch(data: bytes) -> bool:
-    try:
-        return decode(data, BatchEvent).micro_index == 0
-    except DecodeError:
-        return False
-
-
-def first_output(kind: str, killed: int, step: int) -> Callable[[bytes], bool]:
+def first_output(kind: str, killed: int | None, step: int) -> Callable[[bytes], bool]:
     """Whether a message of `kind` is work of the replacement of process `killed`.
 
     An event's `source` is its writer's worker id, `host:pid:role`; the trainer's metrics
@@ -213,17 +211,18 @@ def first_output(kind: str, killed: int, step: int) -> Callable[[bytes], bool]:
 
 
 class ChaosRun:
-    """One run: its fleet (producer included), the kills, and its accounts."""
+    """One run: its fleet (producer included), the crash points armed in it, and its accounts."""
 
     def __init__(self, url: str, nc: Client, out: Path, run: str, profile: Profile, rng: random.Random) -> None:
-        self.nc, self.js, self.out, self.profile, self.rng = nc, nc.jetstream(), out, profile, rng
+        self.url, self.nc, self.js, self.out, self.profile, self.rng = url, nc, nc.jetstream(), out, profile, rng
         self.topology = Topology(run=run)
         self.monitor = Monitor(nc, self.topology)
         self.checkpoints = (out / "checkpoints").resolve()
-        producer = RoleConfig(module="producers.prompts", args=["--config", str(self.write_config()), "--out", str(out)])
-        fleet = FleetConfig(roles={"producer": producer, **{role: RoleConfig() for role in ROLES}}, logs=out / "logs")
-        self.fleet = Supervisor(fleet, run, url)
+        self.crashes = (out / "crashes").resolve()
+        self.shape = Shape.of(load_config(self.write_config()))
         self.kills: list[Kill] = []
+        self.measuring: list[asyncio.Task[None]] = []
+        self.fleet: Supervisor | None = None
 
     def write_config(self) -> Path:
         """The built-in config, shortened, checkpointing often, with small micro-batches."""
@@ -245,65 +244,112 @@ class ChaosRun:
             short = self.topology.consumer_config(dataclasses.replace(queue, ack_wait=ACK_WAIT))
             await self.js.add_consumer(self.topology.stream(queue.stage), short)
 
+    def supervisor(self) -> Supervisor:
+        """The run's fleet, each role's first process armed with its first point."""
+        producer = ["--config", str(self.out / "config.yaml"), "--out", str(self.out)]
+        roles = {"producer": RoleConfig(module="producers.prompts", args=producer), **{r: RoleConfig() for r in ROLES}}
+        roles = {name: role.model_copy(update={"env": self.arm(name, None)}) for name, role in roles.items()}
+        return Supervisor(FleetConfig(roles=roles, logs=self.out / "logs"), self.topology.run, self.url)
+
+    def arm(self, role: str, since: int | None) -> dict[str, str]:
+        """The environment of `role`'s next process: its next point not yet armed (if any) at
+        the pass estimated to come at its target, counted from step `since`."""
+        env = {crashpoints.CRASH_RECORD: str(self.crashes)}
+        kill = next((k for k in self.kills if k.point.role == role and k.k is None), None)
+        if kill is not None:
+            kill.k, kill.since = arm_at(self.shape, kill.point, kill.target, since, self.rng), since
+            env[crashpoints.CRASH_AT] = crashpoints.arm(f"{kill.point.name}@{kill.k}")
+        return env
+
     async def execute(self, kill: bool) -> Outcome:
-        """Run to the end (or the timeout), killing if `kill`; stop the fleet; account."""
+        """Run to the end (or the timeout) with the profile's points armed if `kill`; stop the fleet; account."""
         await self.declare()
         await self.monitor.start()
+        if kill:
+            last = self.profile.steps - self.profile.tail
+            self.kills = [Kill(point, target) for point, target in plan(self.profile.faults, FIRST_TARGET, last, self.rng)]
+        self.fleet = self.supervisor()
         started = time.time()
         self.fleet.start()
-        driver = asyncio.create_task(self.drive(list(FAULTS) if kill else []))
         error = ""
         try:
             finished = await self.supervise(time.monotonic() + self.profile.timeout)
         except RuntimeError as exc:  # a worker given up on: the reason's first line says which
             finished, error = False, str(exc).splitlines()[0]
         finally:
-            driver.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await driver  # re-raises a driver's own failure
+            for task in self.measuring:
+                task.cancel()
+            for result in await asyncio.gather(*self.measuring, return_exceptions=True):
+                if isinstance(result, Exception):
+                    raise result  # a measurement's own failure
             self.fleet.stop()
             await self.monitor.stop()
+        self.observe(live=False)  # a point that fired as the run ended is still a hit
         seconds = time.time() - started
         return Outcome(self.topology.run, finished, error, self.monitor.steps_per_s(), seconds,
                        await self.account(), self.kills)
 
     async def supervise(self, deadline: float) -> bool:
         """Keep the fleet up until the producer and the trainer are done (True) or the deadline (False)."""
+        assert self.fleet is not None
         while time.monotonic() < deadline:
+            # Before the fleet's poll: a point's record is written before its process dies, so
+            # the replacement, started by a later poll, is always started armed with the next.
+            self.observe()
             self.fleet.check()
             if all(self.fleet.children[name].state == "done" for name in ("producer-0", "trainer-0")):
                 return True
             await asyncio.sleep(POLL_SECONDS)
         return False
 
-    async def drive(self, faults: list[str]) -> None:
-        """Each fault once, in a random order, a random gap of steps after the last recovery."""
-        for name in self.rng.sample(faults, len(faults)):
-            target = self.monitor.last_step + self.rng.randint(*self.profile.gap)
-            if target > self.profile.steps - 3:
-                return  # no room left for a kill and its recovery
-            await self.monitor.step_reached(target)
-            fault = FAULTS[name]
-            await self.strike(name, fault, await fault.trigger(self))
+    def observe(self, live: bool = True) -> None:
+        """Take note of the points that fired since the last look; while the fleet is `live`,
+        arm the victim's replacement with its role's next point and measure its recovery."""
+        for name, record in crashpoints.records(self.crashes).items():
+            kill = next((k for k in self.kills if k.point.name == name), None)
+            if kill is None or kill.hit:
+                continue
+            at, pid = record.get("time"), record.get("pid")
+            # A record left empty (killed while writing it): the time its file was made.
+            kill.at = float(at) if isinstance(at, (int, float)) else (self.crashes / name).stat().st_mtime
+            kill.pid = pid if isinstance(pid, int) else None
+            kill.note, kill.step = str(record.get("note", "")), self.monitor.last_step
+            if live and self.fleet is not None:
+                self.fleet.children[kill.worker].env = self.arm(kill.point.role, self.monitor.last_step)
+                self.measuring.append(asyncio.create_task(self.measure(kill)))
 
-    async def strike(self, name: str, fault: Fault, note: str) -> None:
-        """SIGKILL the fault's worker now; wait for its replacement to join and to do its first work."""
-        pid = self.fleet.pid(fault.worker)
-        if pid is None:
-            return  # it has just finished (the trainer after its last step)
-        kill = Kill(name, self.monitor.last_step, note, time.time())
-        self.kills.append(kill)
-        self.fleet.kill(fault.worker)
-        output = self.monitor.next(fault.output, first_output(fault.output, pid, kill.step))
-        role = fault.worker.rsplit("-", 1)[0]
-        if role in self.topology.queues:  # what it held stays unacked until ACK_WAIT: look now
-            kill.note = ", ".join(filter(None, (note, await self.holding(role))))
-        kill.restart_s = await self.rejoined(fault.worker, pid) - kill.at
+    async def measure(self, kill: Kill) -> None:
+        """What the victim was doing; when its replacement joined the run and did its first work."""
+        assert kill.at is not None
+        # What the server sent us before this round trip includes what the victim had stored
+        # before it died (it wrote its record after): its last metrics, its micro-batches.
+        await self.nc.flush()
+        kill.step = self.monitor.last_step
+        kind = OUTPUT[kill.point.role]
+        output = self.monitor.next(kind, first_output(kind, kill.pid, kill.step))
+        notes = [kill.note, self.evidence(kill.point)]
+        if kill.point.role in self.topology.queues:  # what it held stays unacked until ACK_WAIT: look now
+            notes.append(await self.holding(kill.point.role))
+        kill.note = ", ".join(filter(None, notes))
+        kill.restart_s = await self.rejoined(kill.worker, kill.pid) - kill.at
         await output
         kill.recovery_s = time.time() - kill.at
 
-    async def rejoined(self, worker: str, killed: int) -> float:
+    def evidence(self, point: CrashPoint) -> str:
+        """What the bus or the disk shows of the moment, for the points where it shows."""
+        if point in (BUFFER_MID_STEP, BUFFER_STEP_STORED) and self.monitor.micro:
+            step = max(self.monitor.micro)
+            return f"{len(self.monitor.micro[step])} of {self.monitor.micro_count[step]} micro-batches sent"
+        if point is TRAINER_MID_CHECKPOINT:
+            # engines.torch_train writes the new checkpoint to this sibling, then renames it
+            # over rank0.pt; a trainer that died in between leaves it.
+            written = (self.checkpoints / ".rank0.pt.tmp").exists()
+            return "new checkpoint beside the last" if written else "NO new checkpoint file"
+        return ""
+
+    async def rejoined(self, worker: str, killed: int | None) -> float:
         """Unix time the killed worker's replacement joined the run (its membership entry's start)."""
+        assert self.fleet is not None
         role = worker.rsplit("-", 1)[0]
         while True:
             pid = self.fleet.pid(worker)
@@ -312,43 +358,6 @@ class ChaosRun:
                     if member.role == role and member.pid == pid:
                         return member.started_at
             await asyncio.sleep(POLL_SECONDS)
-
-    # Triggers: each returns at the moment to kill, with a note on what the victim is doing.
-
-    async def mid_publish(self) -> str:
-        prompt = decode(await self.monitor.next("prompts"), PromptEvent)
-        return f"after publishing {prompt.id}"
-
-    async def mid_generation(self) -> str:
-        await self.monitor.next("prompts")
-        await asyncio.sleep(self.rng.uniform(0.03, 0.08))
-        return ""
-
-    async def mid_scoring(self) -> str:
-        await self.monitor.next("trajectories")
-        await asyncio.sleep(self.rng.uniform(0.0, 0.02))
-        return ""
-
-    async def mid_batch(self) -> str:
-        batch = decode(await self.monitor.next("batches", is_first_micro_batch), BatchEvent)
-        return f"step {batch.step}: micro-batch 1 of {batch.micro_count} sent"
-
-    async def mid_step(self) -> str:
-        metrics = json.loads(await self.monitor.next("metrics"))
-        await asyncio.sleep(self.rng.uniform(0.0, metrics["train_seconds"]))
-        return f"after step {metrics['step']}"
-
-    async def mid_checkpoint(self) -> str:
-        every = self.profile.checkpoint_every
-        data = await self.monitor.next("metrics", lambda d: (json.loads(d)["step"] + 1) % every == 0)
-        # The temporary file engines.torch_train._atomic_save writes before renaming it over
-        # `rank0.pt` (the trainer's checkpoint path): while it exists, the write is under way.
-        partial_file = self.checkpoints / f".rank0.pt.tmp-{self.fleet.pid('trainer-0')}"
-        deadline = time.monotonic() + CHECKPOINT_WAIT
-        while not partial_file.exists() and time.monotonic() < deadline:
-            await asyncio.sleep(0.001)
-        where = "mid-write" if partial_file.exists() else "write not seen"
-        return f"checkpoint of step {json.loads(data)['step']}: {where}"
 
     async def holding(self, role: str) -> str:
         queue = self.topology.queues[role]
@@ -407,72 +416,6 @@ class ChaosRun:
         return list(torch.load(path, map_location="cpu", weights_only=True)["extra"]["trained"])
 
 
-@dataclass(frozen=True)
-class Fault:
-    """One kind of kill."""
-
-    worker: str
-    """The fleet's name of the process killed."""
-    trigger: Callable[[ChaosRun], Awaitable[str]]
-    """Returns at the moment to kill, with a note on what the victim is doing."""
-    output: str
-    """The monitored kind of message the replacement's first work is."""
-
-
-FAULTS: dict[str, Fault] = {
-    "producer mid-publish": Fault("producer-0", ChaosRun.mid_publish, "prompts"),
-    "rollout mid-generation": Fault("rollout-0", ChaosRun.mid_generation, "trajectories"),
-    "reward mid-scoring": Fault("reward-0", ChaosRun.mid_scoring, "rewards"),
-    "buffer mid-batch": Fault("buffer-0", ChaosRun.mid_batch, "batches"),
-    "trainer mid-step": Fault("trainer-0", ChaosRun.mid_step, "metrics"),
-    "trainer mid-checkpoint": Fault("trainer-0", ChaosRun.mid_checkpoint, "metrics"),
-}
-
-
-def spread(values: list[float]) -> dict[str, float | int | None]:
-    """Median and max (seconds, 1 decimal) and how many, of the figures that exist."""
-    if not values:
-        return {"median": None, "max": None, "n": 0}
-    return {"median": round(statistics.median(values), 1), "max": round(max(values), 1), "n": len(values)}
-
-
-def seconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
-
-
-def print_run(outcome: Outcome) -> None:
-    """A run's kills as a table, then its accounts in one line."""
-    state = "finished" if outcome.finished else f"UNFINISHED {outcome.error}"
-    print(f"\nrun {outcome.run}: {state} in {outcome.seconds:.0f} s, {outcome.steps_per_s:.2f} steps/s")
-    if outcome.kills:
-        print(f"  {'fault':<24} {'step':>4}  {'restart s':>9}  {'recovery s':>10}  what it was doing")
-    for kill in outcome.kills:
-        print(f"  {kill.fault:<24} {kill.step:>4}  {seconds(kill.restart_s):>9}  {seconds(kill.recovery_s):>10}  {kill.note}")
-    a = outcome.accounts
-    print(f"  issued {a['issued']}  trained {a['trained']}  dropped {a['dropped']} {a['drop_reasons']}  held {a['held']}  "
-          f"LOST {a['lost']}  DUPLICATES {a['duplicates']} (stream {a['stream_duplicates']}, checkpoint history "
-          f"{a['history_duplicates']} of {a['history_samples']})  STALENESS VIOLATIONS {a['staleness_violations']}",
-          flush=True)
-
-
-def summarize(outcomes: list[Outcome], baselines: list[Outcome], args: argparse.Namespace) -> dict[str, Any]:
-    """The invocation's figures: totals over the runs with kills, spreads per fault, ratio."""
-    kills = [k for o in outcomes for k in o.kills]
-    totals = {key: sum(o.accounts[key] for o in outcomes)
-              for key in ("issued", "trained", "dropped", "held", "lost", "duplicates", "staleness_violations")}
-    steps_per_s = statistics.mean(o.steps_per_s for o in outcomes)
-    return {
-        "quick": args.quick, "runs": len(outcomes), "seed": args.seed, "steps": outcomes[0].accounts["steps"],
-        "kills": len(kills), "unfinished": sum(not o.finished for o in outcomes), **totals,
-        "recovery_s": {f: spread([k.recovery_s for k in kills if k.fault == f and k.recovery_s is not None]) for f in FAULTS},
-        "restart_s": {f: spread([k.restart_s for k in kills if k.fault == f and k.restart_s is not None]) for f in FAULTS},
-        "steps_per_s": round(steps_per_s, 3),
-        "baseline_steps_per_s": round(statistics.mean(b.steps_per_s for b in baselines), 3) if baselines else None,
-        "ratio": round(statistics.median(o.steps_per_s / b.steps_per_s for o, b in zip(outcomes, baselines)), 3)
-        if baselines else None,
-    }
-
-
 async def chaos(args: argparse.Namespace) -> dict[str, Any]:
     """`--runs` runs with kills, each after an uninterrupted one (unless --quick), on one server."""
     profile = QUICK if args.quick else FULL
@@ -495,7 +438,7 @@ async def chaos(args: argparse.Namespace) -> dict[str, Any]:
                 outcomes.append(await run(f"{i}", kill=True))
         finally:
             await nc.close()
-    return summarize(outcomes, baselines, args)
+    return summarize(outcomes, baselines, args.quick, args.seed)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -503,7 +446,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK.steps} steps a run, no uninterrupted run (ratio null); default {FULL.steps} steps")
     parser.add_argument("--runs", type=int, default=1, help="runs with kills (default 1)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the kill order, gaps and delays (default 0)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the points' order, target steps and passes (default 0)")
     parser.add_argument("--out", type=Path, help="directory of the runs and their logs (default runs/chaos-<time>)")
     args = parser.parse_args(argv)
     if args.runs < 1:
@@ -518,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"chaos: runs and logs in {args.out}", flush=True)
     summary = asyncio.run(chaos(args))
     print(json.dumps(summary))
-    broken = summary["unfinished"] + summary["lost"] + summary["duplicates"] + summary["staleness_violations"]
+    broken = (summary["unfinished"] + len(summary["not_hit"]) + summary["lost"] + summary["duplicates"]
+              + summary["staleness_violations"])
     return 1 if broken else 0
 
 

@@ -1,16 +1,19 @@
-"""`python -m ops.chaos --quick`: one run of the job with every kind of process SIGKILLed once.
+"""`python -m ops.chaos --quick`: one run of the job with every kind of process SIGKILLed at named crash points.
 
-The tool kills the producer, rollout, reward, buffer and trainer (mid-step and
-mid-checkpoint) and lets the supervisor restart them; the run must still finish with no
-prompt lost, no sample trained twice and no token staler than the bound (DESIGN invariants
-1-3). Takes 1-2 minutes on 2 cores.
+The tool arms six crash points (`QUICK.faults`: buffer.mid_step and trainer.mid_checkpoint
+among them), one role's after another in its replacements, and lets the supervisor restart
+what dies; every point armed must fire, and the run must still finish with no prompt lost,
+no sample trained twice and no token staler than the bound (DESIGN invariants 1-3). Takes
+2-3 minutes on 2 busy cores.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
 import uuid
@@ -21,22 +24,36 @@ import pytest
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.publisher import Publisher
-from ops.chaos import FAULTS, QUICK, ChaosRun
+from ops.chaos import QUICK, ChaosRun
 from tests.helpers import prompt
 
 ROOT = Path(__file__).resolve().parent.parent
+DEADLINE = 280.0
+"""Seconds for the whole tool: the run's own limit (QUICK.timeout), start-up, stop and audit."""
 
 
-@pytest.mark.timeout(300)
-def test_every_kind_of_kill_loses_nothing_and_trains_nothing_twice(tmp_path: Path) -> None:
-    proc = subprocess.run(
+@pytest.mark.timeout(DEADLINE + 40)
+def test_every_crash_point_armed_is_hit_and_nothing_is_lost_or_trained_twice(tmp_path: Path) -> None:
+    # A session of its own: on our deadline the tool and its fleet go down together (its
+    # nats-server, in a session of its own, dies with the tool).
+    proc = subprocess.Popen(
         [sys.executable, "-m", "ops.chaos", "--quick", "--runs", "1", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=280,
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
-    report = proc.stdout + proc.stderr[-3000:]
-    figures = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert figures["unfinished"] == 0, report
-    assert figures["kills"] == len(FAULTS), report
+    try:
+        stdout, stderr = proc.communicate(timeout=DEADLINE)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"ops.chaos --quick did not finish within {DEADLINE:.0f} s:\n{stdout}{stderr[-3000:]}") from None
+    report = stdout + stderr[-3000:]
+    last = stdout.strip().splitlines()[-1:] or [""]
+    assert last[0].startswith("{"), f"ops.chaos printed no figures:\n{report}"
+    figures = json.loads(last[0])
+    assert set(figures["faults"]) == {p.name for p in QUICK.faults}, report
+    assert figures["unfinished"] == 0, f"the run did not finish:\n{report}"
+    missed = [name for name, fault in figures["faults"].items() if not fault["hit"]]
+    assert not missed, f"crash points armed but never hit: {missed}\n{report}"
     assert (figures["lost"], figures["duplicates"], figures["staleness_violations"]) == (0, 0, 0), report
     assert figures["issued"] == figures["trained"] + figures["dropped"] + figures["held"], report
     assert proc.returncode == 0, report
