@@ -2,11 +2,16 @@
 
 The trainer reads its rank's batches *by position*, not by ack: its checkpoint records the
 stream sequence of the last batch trained on, and a restart reads from the next one.
+`Trainer` is the recipe, one method per step of it:
 
-    for each step: collect micro_count micro-batches of step s -> train_step
-        -> KV metrics.<s>, trainer.step
-        -> every sync_every: weights v = s + 1 to the object store, WeightVersionEvent
-        -> every checkpoint_every: model, optimizer, RNG, last sequence, trained sample ids
+    setup       load the checkpoint (or publish weights v0), subscribe from the next sequence
+    for each step s:
+      collect   micro_count micro-batches of step s (refused ones dead-lettered, still counted)
+      train     train_step -> metrics; every sync_every: weights v = s + 1 to the object store,
+                WeightVersionEvent (in the step's trace)
+      record    KV metrics.<rank>.<s> (the step's sample ids with them), step loggers
+      checkpoint  every checkpoint_every: model, optimizer, RNG, last sequence, and the update
+                history as a hash chain (constant size: `consumers.update_history`)
 """
 
 from __future__ import annotations
@@ -17,10 +22,12 @@ import logging
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from bus import tracing
@@ -31,6 +38,7 @@ from consumers.checks import ModelLimits
 from consumers.crashpoints import TRAINER_METRICS_WRITTEN, TRAINER_MID_CHECKPOINT, TRAINER_MID_STEP
 from consumers.runtime import Runtime, attach, run_worker, worker_args
 from consumers.trainer_loggers import scalars, step_loggers
+from consumers.update_history import UpdateHistory
 from engines.protocols import MicroBatch
 from engines.torch_train import LossConfig, TorchTrainEngine
 from engines.weights import put_version
@@ -82,7 +90,7 @@ def record_step(step: int, batches: list[BatchEvent], seconds: float) -> None:
             STALENESS.record(staleness)
 
 
-def admit(batch: BatchEvent, step: int, rank: int, collected: list[BatchEvent]) -> BatchEvent:
+def take_batch(batch: BatchEvent, step: int, rank: int, collected: list[BatchEvent]) -> BatchEvent:
     """`batch` if it is a micro-batch of the step being collected, else Reject: a batch for
     another step or rank, or one that clashes with those `collected` (a repeated index, another
     count). Reading by position, the trainer cannot nak: what it rejects goes to `dead`."""
@@ -111,98 +119,158 @@ def loss_config(cfg: RunConfig) -> LossConfig:
     )
 
 
-async def publish_weights(rt: Runtime, engine: TorchTrainEngine) -> None:
-    with tracing.tracer.start_as_current_span(
-        "publish weights", attributes={"jetrl.weight_version": engine.step, "jetrl.run": rt.topology.run}
-    ):
-        event = await put_version(
-            rt.js, rt.topology.object_bucket, rt.topology.run, rt.source, engine.step, engine.export_weights()
+class Trainer:
+    """One trainer rank, as a recipe: `setup`, then `collect` -> `train` -> `record` ->
+    `checkpoint` for each step; `run` is that loop."""
+
+    def __init__(self, rt: Runtime, rank: int) -> None:
+        self.rt, self.rank, self.cfg = rt, rank, rt.config
+        self.engine = TorchTrainEngine(
+            Path(self.cfg.model.path or ""), lr=self.cfg.algorithm.lr, seed=self.cfg.trainer.seed,
+            loss=loss_config(self.cfg),
         )
-        await rt.publisher.publish(rt.topology.subject("weights"), event)
+        self.limits = ModelLimits.of(self.engine.model)
+        self.checkpoint_path = Path(self.cfg.trainer.checkpoint_dir) / f"rank{rank}.pt"
+        self.loggers = step_loggers(self.cfg) if rank == 0 else []
+        self.last_seq = 0
+        """Stream sequence of the last batch the model holds (trained on, or refused in a trained step)."""
+        self.history = UpdateHistory()
+        self.batches: JetStreamContext.PushSubscription | None = None
+
+    async def setup(self) -> None:
+        """Resume from the checkpoint, or publish version 0 (what every rollout worker starts
+        from); then read this rank's batches from the one after the last the model holds."""
+        if self.checkpoint_path.exists():
+            state = self.engine.load_checkpoint(self.checkpoint_path)
+            self.last_seq, self.history = state["last_seq"], UpdateHistory.from_dict(state["history"])
+        elif self.rank == 0:
+            await self.publish_weights()
+        log.info("rank %d starts at step %d, batch sequence %d", self.rank, self.engine.step, self.last_seq + 1)
+        self.rt.member.report(engine="torch", weight_version=self.engine.step)
+        self.batches = await self.rt.js.subscribe(
+            self.rt.topology.subject("batches", self.rank), ordered_consumer=True,
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.last_seq + 1),
+        )
+
+    async def collect(self, stop: asyncio.Event) -> tuple[list[BatchEvent], int] | None:
+        """The micro-batches of step `engine.step` the model can take, and the sequence of the
+        step's last one; None if `stop` comes first.
+
+        A micro-batch the model cannot take is dead-lettered and still counted toward its step,
+        which trains on the others (or on nothing): waiting for it would stall the trainer, and
+        every later step would then be refused."""
+        assert self.batches is not None, "setup() first"
+        taken: list[BatchEvent] = []
+        refused: list[BatchEvent] = []
+        while not stop.is_set():
+            try:
+                msg = await self.batches.next_msg(timeout=1.0)
+            except TimeoutError:
+                continue
+            try:
+                batch = take_batch(decode(msg.data, BatchEvent), self.engine.step, self.rank, [*taken, *refused])
+            except (DecodeError, Reject) as exc:  # reading by position: record it, skip it, go on
+                await self.skip(msg, exc)
+                continue
+            try:
+                self.limits.check(int(batch.input_ids.numpy().max()), batch.input_ids.shape[1], f"batch {batch.id}")
+                taken.append(batch)
+            except Reject as exc:
+                await self.skip(msg, exc)
+                refused.append(batch)
+            if len(taken) + len(refused) == batch.micro_count:
+                return taken, msg.metadata.sequence.stream
+        return None
+
+    async def skip(self, msg: Msg, reason: Exception) -> None:
+        log.warning("batch at sequence %d skipped: %s", msg.metadata.sequence.stream, reason)
+        await dead_letter(self.rt.publisher, self.rt.topology, "trainer", msg, str(reason))
+
+    async def train(self, batches: list[BatchEvent]) -> dict[str, Any]:
+        """One optimizer step on `batches` (in a thread: the event loop keeps serving the bus);
+        weights out if a sync is due. Returns the step's metrics."""
+        step = self.engine.step
+        with tracing.tracer.start_as_current_span(
+            "train step", links=tracing.link_to([tp for b in batches for tp in b.traceparents]),
+            attributes={"jetrl.step": step, "jetrl.run": self.rt.topology.run},
+        ) as span:
+            started = time.perf_counter()
+            trained = await asyncio.to_thread(self.engine.train_step, [micro_batch(b) for b in batches])
+            TRAINER_MID_STEP(f"step {step}")
+            metrics = step_metrics(step, batches, trained, time.perf_counter() - started)
+            # The version this step's update makes; it goes out now, or with a later sync.
+            span.set_attribute("jetrl.weight_version", self.engine.step)
+            if self.rank == 0 and self.engine.step % self.cfg.trainer.sync_every == 0:
+                await self.publish_weights()  # in the step's trace: what it trained on -> what it made
+        record_step(step, batches, metrics["train_seconds"])
+        return metrics
+
+    async def publish_weights(self) -> None:
+        """The engine's weights as version `engine.step`: bytes to the object store, then the event."""
+        rt, version = self.rt, self.engine.step
+        with tracing.tracer.start_as_current_span(
+            "publish weights", attributes={"jetrl.weight_version": version, "jetrl.run": rt.topology.run}
+        ):
+            event = await put_version(rt.js, rt.topology.object_bucket, rt.topology.run, rt.source, version,
+                                      self.engine.export_weights())
+            await rt.publisher.publish(rt.topology.subject("weights"), event)
+
+    async def record(self, metrics: dict[str, Any]) -> None:
+        """The step's metrics to KV (the producer and the audit read them) and the loggers.
+
+        Before the checkpoint: a trainer killed between the two restarts from this checkpoint
+        and never trains this step again, so metrics put after it could be lost for good, and
+        the producer waits for every step's metrics. Put before, a kill makes the restarted
+        trainer retrain the step and put them again (the same batches, so the same ids)."""
+        self.rt.member.report(weight_version=self.engine.step)
+        await self.rt.kv.put(f"metrics.{self.rank}.{metrics['step']}", json.dumps(metrics).encode())
+        TRAINER_METRICS_WRITTEN(f"step {metrics['step']}")
+        for logger in self.loggers:
+            logger.log(metrics["step"], scalars(metrics))
+        log.info("step %d: reward %.3f loss %.4f", metrics["step"], metrics["reward_mean"], metrics["loss"])
+
+    async def checkpoint(self, last_seq: int, sample_ids: list[str]) -> None:
+        """Note the step in the resume state; write it if a checkpoint is due (or the run ends)."""
+        self.last_seq, self.history = last_seq, self.history.after_step(sample_ids)
+        step = self.engine.step
+        if step % self.cfg.trainer.checkpoint_every and step != self.cfg.trainer.steps:
+            return
+        state = {"last_seq": self.last_seq, "history": self.history.as_dict()}
+        await asyncio.to_thread(
+            self.engine.save_checkpoint, self.checkpoint_path, state, lambda: TRAINER_MID_CHECKPOINT(f"after step {step - 1}")
+        )
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Set up, then train step after step until the run's last step or `stop`."""
+        await self.setup()
+        while self.engine.step < self.cfg.trainer.steps and not stop.is_set():
+            collected = await self.collect(stop)
+            if collected is None:
+                break
+            batches, last_seq = collected
+            metrics = await self.train(batches)
+            await self.record(metrics)
+            await self.checkpoint(last_seq, metrics["sample_ids"])
+
+    async def close(self) -> None:
+        if self.batches is not None:
+            await self.batches.unsubscribe()
+        for logger in self.loggers:
+            logger.close()
 
 
 async def main() -> None:
     args = worker_args("trainer", __doc__.splitlines()[0], with_rank=True)
-    rank: int = args.rank
     rt = await attach("trainer", args.run, args.nats, args.replicas)
-    # One thread: rollout and the other workers share the node's cores with us.
-    torch.set_num_threads(1)
-    cfg = rt.config
-    engine = TorchTrainEngine(Path(cfg.model.path or ""), lr=cfg.algorithm.lr, seed=cfg.trainer.seed, loss=loss_config(cfg))
-    limits = ModelLimits.of(engine.model)
-    checkpoint = Path(cfg.trainer.checkpoint_dir) / f"rank{rank}.pt"
-    loggers = step_loggers(cfg) if rank == 0 else []
-    state = engine.load_checkpoint(checkpoint) if checkpoint.exists() else {"last_seq": 0, "trained": []}
-    if engine.step == 0 and rank == 0:
-        await publish_weights(rt, engine)  # version 0: what every rollout worker starts from
-    log.info("rank %d starts at step %d, batch sequence %d", rank, engine.step, state["last_seq"] + 1)
-    rt.member.report(engine="torch", weight_version=engine.step)
+    torch.set_num_threads(1)  # rollout and the other workers share the node's cores with us
+    trainer = Trainer(rt, args.rank)
     stop = asyncio.Event()
     stop_on_signals(stop)
-    sub = await rt.js.subscribe(
-        rt.topology.subject("batches", rank), ordered_consumer=True,
-        config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=state["last_seq"] + 1),
-    )
-    pending: list[BatchEvent] = []  # micro-batches of the step to train on
-    refused: list[BatchEvent] = []  # micro-batches of the step the model cannot take
-
-    async def skip(msg: Msg, reason: Exception) -> None:
-        log.warning("batch at sequence %d skipped: %s", msg.metadata.sequence.stream, reason)
-        await dead_letter(rt.publisher, rt.topology, "trainer", msg, str(reason))
-
-    while engine.step < cfg.trainer.steps and not stop.is_set():
-        try:
-            msg = await sub.next_msg(timeout=1.0)
-        except TimeoutError:
-            continue
-        try:
-            batch = admit(decode(msg.data, BatchEvent), engine.step, rank, [*pending, *refused])
-        except (DecodeError, Reject) as exc:  # reading by position: record it, skip it, go on
-            await skip(msg, exc)
-            continue
-        try:
-            limits.check(int(batch.input_ids.numpy().max()), batch.input_ids.shape[1], f"batch {batch.id}")
-            pending.append(batch)
-        except Reject as exc:
-            # Still counted toward its step, which trains on the others (or on nothing): waiting
-            # for it would stall the trainer, and every later step would then be rejected.
-            await skip(msg, exc)
-            refused.append(batch)
-        if len(pending) + len(refused) < batch.micro_count:
-            continue
-        with tracing.tracer.start_as_current_span(
-            "train step", links=tracing.link_to([tp for b in pending for tp in b.traceparents]),
-            attributes={"jetrl.step": engine.step, "jetrl.run": rt.topology.run},
-        ) as span:
-            started = time.perf_counter()
-            trained = await asyncio.to_thread(engine.train_step, [micro_batch(b) for b in pending])
-            TRAINER_MID_STEP(f"step {engine.step - 1}")
-            metrics = step_metrics(engine.step - 1, pending, trained, time.perf_counter() - started)
-            # The version this step's update makes; it goes out now, or with a later sync.
-            span.set_attribute("jetrl.weight_version", engine.step)
-            if rank == 0 and engine.step % cfg.trainer.sync_every == 0:
-                await publish_weights(rt, engine)  # in the step's trace: what it trained on -> what it made
-        record_step(metrics["step"], pending, metrics["train_seconds"])
-        state = {"last_seq": msg.metadata.sequence.stream, "trained": state["trained"] + metrics["sample_ids"]}
-        pending, refused = [], []
-        rt.member.report(weight_version=engine.step)
-        # Metrics before the checkpoint: a trainer killed between the two restarts from this
-        # checkpoint and never trains this step again, so metrics put after it could be lost
-        # for good, and the producer waits for every step's metrics (ops.chaos). Put before,
-        # a kill makes the restarted trainer retrain the step and put them again.
-        await rt.kv.put(f"metrics.{rank}.{metrics['step']}", json.dumps(metrics).encode())
-        TRAINER_METRICS_WRITTEN(f"step {metrics['step']}")
-        if engine.step % cfg.trainer.checkpoint_every == 0 or engine.step == cfg.trainer.steps:
-            await asyncio.to_thread(
-                engine.save_checkpoint, checkpoint, state, lambda: TRAINER_MID_CHECKPOINT(f"after step {metrics['step']}")
-            )
-        for logger in loggers:
-            logger.log(metrics["step"], scalars(metrics))
-        log.info("step %d: reward %.3f loss %.4f", metrics["step"], metrics["reward_mean"], trained["loss"])
-    await sub.unsubscribe()
-    for logger in loggers:
-        logger.close()
-    await rt.close()
+    try:
+        await trainer.run(stop)
+    finally:
+        await trainer.close()
+        await rt.close()
 
 
 if __name__ == "__main__":

@@ -98,6 +98,7 @@ from consumers.crashpoints import (
 )
 from consumers.fleet import POLL_SECONDS, ROLES, FleetConfig, RoleConfig, Supervisor
 from consumers.membership import live_members
+from consumers.update_history import UpdateHistory
 from ops.audit import audit
 from ops.faults import ALL, OUTPUT, Kill, Outcome, Shape, arm_at, plan, print_run, summarize
 from producers.prompts import BUILTIN
@@ -372,7 +373,7 @@ class ChaosRun:
         found = await audit(self.js, self.topology, max_staleness)
         candidates = set(found.pop("in_flight_ids"))
         held = await self.held(candidates) if candidates else set()
-        history = self.trained_history()
+        history = await self.trained_history()
         history_duplicates = len(history) - len(set(history))
         return {
             **{k: found[k] for k in ("issued", "trained", "dropped", "steps", "samples_trained", "staleness_violations")},
@@ -408,12 +409,22 @@ class ChaosRun:
             await sub.unsubscribe()
         return found & candidates
 
-    def trained_history(self) -> list[str]:
-        """The final checkpoint's update history: the id of every sample the model was trained on."""
+    async def trained_history(self) -> list[str]:
+        """The final model's update history: the ids of every sample it was trained on, by step.
+
+        The checkpoint keeps it as a hash chain (`consumers.update_history`); the ids come from
+        the trainer's per-step metrics records in KV, and must hash to the checkpoint's chain,
+        else the records are not the model's history and the run counts as broken.
+        """
         path = self.checkpoints / "rank0.pt"
         if not path.exists():
             return []
-        return list(torch.load(path, map_location="cpu", weights_only=True)["extra"]["trained"])
+        kept = UpdateHistory.from_dict(torch.load(path, map_location="cpu", weights_only=True)["extra"]["history"])
+        kv = await self.js.key_value(self.topology.kv_bucket)
+        steps = [json.loads((await kv.get(f"metrics.0.{step}")).value or b"{}")["sample_ids"] for step in range(kept.steps)]
+        if UpdateHistory.of_steps(steps) != kept:
+            raise RuntimeError(f"the metrics records of steps 0-{kept.steps - 1} are not the checkpoint's update history")
+        return [sid for step in steps for sid in step]
 
 
 async def chaos(args: argparse.Namespace) -> dict[str, Any]:

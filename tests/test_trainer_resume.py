@@ -29,6 +29,7 @@ from nats.js.errors import KeyNotFoundError
 from bus.embedded import EmbeddedNats
 from consumers.buffer import BatchedSoFar, Buffer, Group
 from consumers.runtime import Runtime
+from consumers.update_history import UpdateHistory
 from engines.tiny import build_tiny_model
 from producers.prompts import attach_bootstrap
 from schemas import RewardEvent, Tensor, TrajectoryEvent
@@ -125,7 +126,7 @@ def test_restarted_trainer_continues_from_the_next_batch(nats_server: EmbeddedNa
                 if proc.poll() is None:
                     proc.kill()
         curves = {name: [await metrics(rt, step) for step in range(STEPS)] for name, rt in rts.items()}
-        history = torch.load(tmp_path / "b" / "rank0.pt", weights_only=True)["extra"]["trained"]
+        history = torch.load(tmp_path / "b" / "rank0.pt", weights_only=True)["extra"]["history"]
         for rt in rts.values():
             await rt.close()
         return curves, killed_at, history
@@ -136,7 +137,10 @@ def test_restarted_trainer_continues_from_the_next_batch(nats_server: EmbeddedNa
     assert [m["time"] < killed_at for m in b] == [step < CHECKPOINT_EVERY for step in range(STEPS)]
     np.testing.assert_allclose([m["loss"] for m in b], [m["loss"] for m in a], rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose([m["grad_norm"] for m in b], [m["grad_norm"] for m in a], rtol=1e-5)
-    # The final model's update history holds every sample of the stream once, in order.
-    assert history == [sid for m in b for sid in m["sample_ids"]]
-    assert len(set(history)) == STEPS * PROMPTS_PER_STEP * GROUP
+    # The final model's update history holds every sample of the stream once, in order: the
+    # checkpoint's hash chain is that of the steps' own records, and those hold no repeat.
+    assert UpdateHistory.from_dict(history) == UpdateHistory.of_steps([m["sample_ids"] for m in b])
+    trained = [sid for m in b for sid in m["sample_ids"]]
+    assert len(set(trained)) == len(trained) == STEPS * PROMPTS_PER_STEP * GROUP
+    assert set(history) == {"steps", "samples", "digest"}, "the checkpoint keeps no list that grows with the run"
 
