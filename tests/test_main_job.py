@@ -18,7 +18,7 @@ import pytest
 from bus.embedded import EmbeddedNats
 from bus.topology import Topology
 from consumers.runtime import attach
-from producers.prompts import Producer
+from producers.launcher import lag
 from tests.helpers import declare_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,7 +103,7 @@ def test_the_progress_line_shows_a_figure_it_cannot_read_as_unknown(nats_server:
         try:
             reward = topology.queues["reward"]
             await rt.js.delete_consumer(topology.stream(reward.stage), reward.durable)
-            return await Producer(rt).lag()
+            return await lag(rt)
         finally:
             await rt.close()
 

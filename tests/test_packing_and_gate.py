@@ -9,7 +9,7 @@ import pytest
 
 from consumers.buffer import Group
 from consumers.packing import Row, balance, pack_step, split
-from producers.prompts import admitted_limit
+from producers.gate import admitted_limit
 from schemas.config import ConfigError, RunConfig, load_config
 from tests.helpers import reward
 

@@ -31,7 +31,7 @@ from consumers.buffer import BatchedSoFar, Buffer, Group
 from consumers.runtime import Runtime
 from consumers.update_history import UpdateHistory
 from engines.tiny import build_tiny_model
-from producers.prompts import attach_bootstrap
+from producers.launcher import attach_bootstrap
 from schemas import RewardEvent, Tensor, TrajectoryEvent
 from schemas.config import RunConfig
 

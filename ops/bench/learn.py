@@ -28,7 +28,8 @@ from engines.hf_rollout import HFRolloutEngine
 from engines.protocols import MicroBatch, SamplingParams
 from engines.torch_train import LossConfig, TorchTrainEngine
 from producers.datasets import records
-from producers.prompts import BUILTIN, prepare
+from producers.launcher import prepare
+from producers.prompts import BUILTIN
 from schemas.config import RunConfig, load_config
 
 ROOT = Path(__file__).resolve().parent.parent.parent

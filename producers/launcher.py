@@ -1,0 +1,176 @@
+"""The main job around the gate: an embedded server and a local fleet (or a cluster's URL), the
+live progress line, stopping on a signal, and the summary and report at the end.
+
+    run:      [embedded nats-server + local fleet of trainer, buffer, reward, rollout] -> produce
+    produce:  config to KV -> gate.Producer watch + feed -> a progress line every 2 s
+              -> until the trainer's last step (or SIGINT/SIGTERM: Stopped) -> summary, plots
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from pathlib import Path
+
+import nats.errors
+
+from bus import metrics
+from bus.connection import connect
+from bus.embedded import EmbeddedNats
+from bus.topology import Topology
+from consumers.fleet import Supervisor, local_fleet
+from consumers.runtime import Runtime, attach, publish_config
+from producers import report
+from producers.gate import Producer
+from schemas.config import RunConfig
+
+log = logging.getLogger("jetrl.producer")
+PROGRESS_SECONDS = 2.0
+"""Seconds between progress lines."""
+
+
+class Stopped(Exception):
+    """SIGINT or SIGTERM reached the main job after `steps` trained steps."""
+
+    def __init__(self, signal_name: str, steps: int | None) -> None:
+        super().__init__(f"stopped by {signal_name}")
+        self.signal_name, self.steps = signal_name, steps
+        """Steps trained when it came; None before the run was watched (starting up)."""
+
+
+def stop_on_sigterm(signum: int, _frame: object) -> None:
+    """Until the run's loop takes SIGTERM over: stop as Ctrl-C would, through the clean-ups."""
+    raise Stopped(signal.Signals(signum).name, None)
+
+
+async def lag(rt: Runtime) -> str:
+    """Each work queue's pending + in-flight count; `?` for one the server cannot say now
+    (its stream is electing a leader, say): a display must not stop the run."""
+    parts = []
+    for role, queue in rt.topology.queues.items():
+        try:
+            info = await rt.js.consumer_info(rt.topology.stream(queue.stage), queue.durable)
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            log.info("queue %s: no consumer info now: %s", role, exc)
+            parts.append(f"{role} ?")
+            continue
+        metrics.set_queue_depth(role, info.num_pending, info.num_ack_pending)
+        parts.append(f"{role} {info.num_pending}+{info.num_ack_pending}")
+    return " ".join(parts)
+
+
+async def progress(producer: Producer, started: float, every: float = PROGRESS_SECONDS) -> None:
+    """One line every `every` seconds until the last step's metrics arrive."""
+    steps = producer.cfg.trainer.steps
+    while len(producer.metrics) < steps:
+        await asyncio.sleep(every)
+        done = sorted(producer.metrics.values(), key=lambda m: m["step"])
+        recent = done[-5:]
+        reward = sum(m["reward_mean"] for m in recent) / len(recent) if recent else float("nan")
+        samples = sum(m["samples"] for m in done)
+        elapsed = time.time() - started
+        print(
+            f"[{elapsed:6.0f}s] step {len(done):>4}/{steps}  reward {reward:.3f}  "
+            f"staleness<={max((m['staleness_max'] for m in recent), default=0)}  "
+            f"{samples / elapsed:6.1f} samples/s  weights v{producer.version}  dropped {len(producer.dropped)}  "
+            f"lag(pending+in flight) {await lag(producer.rt)}",
+            flush=True,
+        )
+
+
+async def produce(cfg: RunConfig, url: str, out: Path, fleet: Supervisor | None, replicas: int = 1) -> dict:
+    """Feed and watch a run until its last step; return the summary. Stopped on SIGINT/SIGTERM."""
+    started = time.time()
+    received: list[str] = []
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda name=sig.name: (received.append(name), stop.set()))
+    rt = await attach_bootstrap(cfg, url, replicas)
+    producer = Producer(rt)
+    tasks = [asyncio.create_task(producer.watch()), asyncio.create_task(producer.feed())]
+    lines = asyncio.create_task(progress(producer, started))
+    try:
+        while not lines.done():
+            if stop.is_set():
+                raise Stopped(received[0], len(producer.metrics))
+            if fleet is not None:
+                fleet.check()
+            for task in tasks:
+                if task.done() and task.exception():
+                    raise task.exception()  # type: ignore[misc]
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
+        lines.result()
+    finally:
+        for task in [*tasks, lines]:
+            task.cancel()
+        await rt.close()
+    summary = summarize(cfg, producer, started)
+    report.write(out, [producer.metrics[s] for s in sorted(producer.metrics)], summary)
+    return summary
+
+
+def summarize(cfg: RunConfig, producer: Producer, started: float) -> dict:
+    """The run in one JSON object: steps, samples, reward at the start and the end (means over
+    the first and last tenth of the steps), staleness, drops, throughput."""
+    steps = [producer.metrics[s] for s in sorted(producer.metrics)]
+    tenth = max(1, len(steps) // 10)
+    first, last = steps[:tenth], steps[-tenth:]
+    seconds = time.time() - started
+    samples = sum(m["samples"] for m in steps)
+    return {
+        "run": cfg.run,
+        "started_at": started,
+        "seconds": seconds,
+        "steps": len(steps),
+        "samples_trained": samples,
+        "reward_start": sum(m["reward_mean"] for m in first) / len(first),
+        "reward_end": sum(m["reward_mean"] for m in last) / len(last),
+        "max_staleness": cfg.algorithm.max_staleness,
+        "staleness_max_seen": max(m["staleness_max"] for m in steps),
+        "groups_dropped": len(producer.dropped),
+        "samples_per_s": samples / seconds,
+    }
+
+
+async def attach_bootstrap(cfg: RunConfig, url: str, replicas: int = 1) -> Runtime:
+    """The producer owns the config: it writes it to KV before attaching like any worker."""
+    nc = await connect(url, "producer-bootstrap")
+    js = nc.jetstream()
+    topology = Topology(run=cfg.run, replicas=replicas)
+    await topology.apply(js)
+    await publish_config(await js.key_value(topology.kv_bucket), cfg)
+    await nc.close()
+    return await attach("producer", cfg.run, url, replicas)
+
+
+def prepare(cfg: RunConfig, out: Path) -> RunConfig:
+    """Resolve what the local job fills in: the built-in model and the checkpoint directory."""
+    updates: dict = {}
+    if cfg.model.path is None:
+        from engines.tiny import build_tiny_model
+
+        model_dir = out / "model"
+        if not (model_dir / "config.json").exists():
+            build_tiny_model(model_dir, hidden=cfg.model.hidden, layers=cfg.model.layers, seed=cfg.model.seed)
+        updates["model"] = cfg.model.model_copy(update={"path": str(model_dir.resolve())})
+    if not cfg.trainer.checkpoint_dir:
+        updates["trainer"] = cfg.trainer.model_copy(update={"checkpoint_dir": str((out / "checkpoints").resolve())})
+    return cfg.model_copy(update=updates)
+
+
+def run(cfg: RunConfig, out: Path, nats: str | None = None, replicas: int = 1) -> dict:
+    """The run against the cluster at `nats`, or on an embedded server with a local fleet (both
+    stopped on the way out, whatever ends the run); its summary."""
+    if nats:
+        return asyncio.run(produce(cfg, nats, out, None, replicas))
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(EmbeddedNats(out / "nats"))
+        fleet = Supervisor(local_fleet(out / "logs"), cfg.run, server.url)
+        fleet.start()
+        stack.callback(fleet.stop)
+        return asyncio.run(produce(cfg, server.url, out, fleet))
