@@ -2,7 +2,7 @@
 
 Each run is the built-in job (`examples/digits.yaml`, shortened) against an embedded
 nats-server this tool owns, every process of it — the producer too, with `--nats URL --out
-DIR` — supervised by `consumers.fleet.Supervisor`, which restarts what dies. Every fault is
+DIR` — supervised by `consumers.supervisor.Supervisor`, which restarts what dies. Every fault is
 a crash point of `consumers.crashpoints` (its `moment` says what has happened and what has
 not): the process kills itself with SIGKILL at that very moment, not at one guessed from
 outside. A full run fires all ten; --quick six (one per role, the trainer's twice):
@@ -96,7 +96,8 @@ from consumers.crashpoints import (
     TRAINER_MID_STEP,
     CrashPoint,
 )
-from consumers.fleet import POLL_SECONDS, ROLES, FleetConfig, RoleConfig, Supervisor
+from consumers.fleet_config import ROLES, FleetConfig, RoleConfig
+from consumers.supervisor import POLL_SECONDS, Supervisor
 from consumers.membership import live_members
 from consumers.update_history import UpdateHistory
 from ops.audit import audit

@@ -51,7 +51,7 @@ from consumers.crashpoints import (
     TRAINER_MID_STEP,
     CrashPoint,
 )
-from consumers.fleet import worker_name
+from consumers.fleet_config import worker_name
 from schemas.config import RunConfig
 
 ALL: tuple[CrashPoint, ...] = (

@@ -1,6 +1,6 @@
 """`python -m ops.ray up|down fleet.yaml [--address ADDR] [--nats URL]`: a fleet's workers as Ray actors.
 
-`up` starts the workers a fleet YAML describes (`consumers.fleet.FleetConfig`, the file
+`up` starts the workers a fleet YAML describes (`consumers.fleet_config.FleetConfig`, the file
 `python -m consumers.fleet` takes) across a Ray cluster instead of on one node: one
 detached, named actor per worker, placed by its role's `num_cpus` and `num_gpus`. Inside
 its actor the worker is what a fleet runs: `python -m <module> --run R --nats URL [args]`
@@ -38,15 +38,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bus.connection import DEFAULT_URL
-from consumers.fleet import (
-    POLL_SECONDS,
-    FleetConfig,
-    RoleConfig,
-    State,
-    Supervisor,
-    load_fleet,
-    worker_name,
-)
+from consumers.supervisor import State
+from consumers.fleet_config import FleetConfig, RoleConfig, load_fleet, worker_name
+from consumers.supervisor import POLL_SECONDS, Supervisor
 from schemas.config import ConfigError
 
 if TYPE_CHECKING:

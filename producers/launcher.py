@@ -21,7 +21,8 @@ from bus import metrics
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.topology import Topology
-from consumers.fleet import Supervisor, local_fleet
+from consumers.fleet_config import local_fleet
+from consumers.supervisor import Supervisor
 from consumers.runtime import Runtime, attach, publish_config
 from producers import report
 from producers.gate import Producer

@@ -33,7 +33,8 @@ from nats.js.errors import NotFoundError
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.topology import Topology
-from consumers.fleet import FleetConfig, RoleConfig, Supervisor, local_fleet
+from consumers.fleet_config import FleetConfig, RoleConfig, local_fleet
+from consumers.supervisor import Supervisor
 from ops.audit import audit
 from tests.helpers import members, wait_for
 

@@ -15,7 +15,8 @@ import yaml
 
 from bus.embedded import EmbeddedNats
 from bus.topology import Topology
-from consumers.fleet import FleetConfig, RestartPolicy, RoleConfig, Supervisor, load_fleet
+from consumers.fleet_config import FleetConfig, RestartPolicy, RoleConfig, load_fleet
+from consumers.supervisor import Supervisor
 from schemas.config import ConfigError
 from tests.helpers import declare_run, members, wait_for
 
