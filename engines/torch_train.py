@@ -22,6 +22,7 @@ from engines.algorithms.losses import (
     PolicyLoss,
     aggregate,
     aggregation_count,
+    clamped_log_ratio,
     entropy_from_logits,
     gather_logprobs,
     gspo_loss,
@@ -100,15 +101,22 @@ class TorchTrainEngine:
     def _policy_loss(
         self, logprobs: torch.Tensor, batch: MicroBatch, mask: torch.Tensor
     ) -> tuple[PolicyLoss, torch.Tensor]:
-        """Per-token policy loss [B, T] and the per-token IS weight [B, T] it was scaled by."""
+        """Per-token policy loss [B, T] and the per-token IS weight [B, T] it was scaled by.
+
+        Its `log_ratio_clamped` marks the tokens whose log-ratio against the behaviour policy
+        was clamped: in the ratio, or with `tis_cap` in the IS weight (the ratio is then taken
+        against the proximal policy, 1 in value, and never clamped).
+        """
         cfg = self.loss_config
         behaviour = batch.behaviour_logprobs.to(self.device)
         advantages = batch.advantages.to(self.device).float()
         if cfg.tis_cap is None:
             old, weight = behaviour, torch.ones_like(logprobs)
+            tis_clamped = torch.zeros_like(logprobs, dtype=torch.bool)
         else:
             old = logprobs.detach()
             weight = truncated_is_weight(old, behaviour, cfg.tis_cap)
+            _, tis_clamped = clamped_log_ratio(old, behaviour)
         if cfg.policy_loss == "ppo":
             terms = ppo_clip_loss(
                 logprobs, old, advantages, eps_low=cfg.eps_low, eps_high=cfg.eps_high
@@ -117,7 +125,8 @@ class TorchTrainEngine:
             terms = gspo_loss(
                 logprobs, old, advantages, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high
             )
-        return PolicyLoss(terms.loss * weight, terms.ratio, terms.clipped), weight
+        clamped = terms.log_ratio_clamped | tis_clamped
+        return PolicyLoss(terms.loss * weight, terms.ratio, terms.clipped, clamped), weight
 
     def train_step(self, micro_batches: Sequence[MicroBatch]) -> dict[str, float]:
         """Accumulates over `micro_batches`, clips the grad norm, takes one AdamW step.
@@ -126,13 +135,16 @@ class TorchTrainEngine:
         a step, so versions stay aligned with the batches); its grad_norm says so.
 
         Returns loss, clip_frac, ratio_mean, is_weight_mean, entropy (all over response
-        tokens), grad_norm (before clipping), tokens (response tokens), step (after).
+        tokens), log_ratio_clamped (a count of response tokens whose log-ratio was clamped:
+        one such token is the signal, and as a fraction of a large step it would read 0.000),
+        grad_norm (before clipping), tokens (response tokens), step (after).
         """
         mode = self.loss_config.aggregation
         denominator = sum(aggregation_count(mb.loss_mask, mode) for mb in micro_batches)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        totals = dict.fromkeys(("loss", "clipped", "ratio", "is_weight", "entropy", "tokens"), 0.0)
+        names = ("loss", "clipped", "ratio", "is_weight", "entropy", "log_ratio_clamped", "tokens")
+        totals = dict.fromkeys(names, 0.0)
         for batch in micro_batches:
             input_ids = batch.input_ids.to(self.device)
             mask = batch.loss_mask.to(self.device).float()
@@ -148,10 +160,12 @@ class TorchTrainEngine:
                 totals["ratio"] += (terms.ratio * mask).sum().item()
                 totals["is_weight"] += (weight * mask).sum().item()
                 totals["entropy"] += (entropy * mask).sum().item()
+                totals["log_ratio_clamped"] += (terms.log_ratio_clamped * mask).sum().item()
                 totals["tokens"] += mask.sum().item()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        # The schemas refuse NaN and inf inputs, but extreme finite ones (a log-prob of -1e30,
-        # a huge advantage) still overflow; one NaN update would poison every weight for good.
+        # The schemas refuse NaN and inf inputs, but extreme finite ones still overflow (a huge
+        # advantage: the log-ratio is clamped, an advantage is not); one NaN update would poison
+        # every weight for good.
         if torch.isfinite(grad_norm):
             self.optimizer.step()
         self.step += 1
@@ -162,6 +176,7 @@ class TorchTrainEngine:
             "ratio_mean": totals["ratio"] / tokens,
             "is_weight_mean": totals["is_weight"] / tokens,
             "entropy": totals["entropy"] / tokens,
+            "log_ratio_clamped": totals["log_ratio_clamped"],
             "grad_norm": float(grad_norm),
             "tokens": totals["tokens"],
             "step": float(self.step),

@@ -78,6 +78,21 @@ class AlgorithmConfig(Section):
     tis_cap: float | None = Field(None, ge=1)
     """None: PPO ratio against the behaviour log-probs. A number: decoupled PPO against the
     trainer's own pre-step policy, each token weighted by min(pi_prox / pi_behaviour, cap)."""
+    max_group_wait_steps: int | None = Field(None, ge=1)
+    """The buffer drops a group still incomplete when more than this many steps have been formed
+    since its first sample came (a sample of a prompt never issued, or whose other samples are
+    lost, would otherwise be held for ever): a `drop.<prompt id>` KV record, so the gate issues
+    a replacement, and its samples to `dead` with the reason. Steps, not seconds: while the
+    pipeline is stalled no step forms and nothing is dropped. None: max_staleness + 1. A group
+    completed later than that would be dropped as stale anyway (its first sample was made by
+    weights no newer than the step being formed when it came, or one past it while a
+    half-stored step is re-formed), so this drops nothing that could train; a smaller number
+    may drop a group that is only slow."""
+
+    @property
+    def group_wait_steps(self) -> int:
+        """`max_group_wait_steps`, or its default when None."""
+        return self.max_group_wait_steps if self.max_group_wait_steps is not None else self.max_staleness + 1
 
 
 class TrainerConfig(Section):

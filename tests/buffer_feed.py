@@ -23,6 +23,7 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerInfo
 from nats.js.errors import KeyNotFoundError
 
+from bus.connection import connect
 from bus.publisher import Publisher
 from bus.topology import Topology
 from consumers.crashpoints import CRASH_AT, CRASH_RECORD, arm
@@ -152,6 +153,19 @@ async def until(check: Callable[[], Awaitable[bool]], timeout: float, what: Call
         if time.monotonic() > deadline:
             raise AssertionError(await what())
         await asyncio.sleep(0.1)
+
+
+def run_with_js(url: str, body: Callable[[JetStreamContext], Awaitable[None]]) -> None:
+    """Run `body` on a fresh event loop with a JetStream context of the server at `url`."""
+
+    async def main() -> None:
+        nc = await connect(url, "test-buffer")
+        try:
+            await body(nc.jetstream())
+        finally:
+            await nc.close()
+
+    asyncio.run(main())
 
 
 def by_step(stored: list[BatchEvent]) -> dict[int, list[BatchEvent]]:

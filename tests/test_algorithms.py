@@ -96,6 +96,52 @@ def test_truncated_is_weight_caps_the_ratio() -> None:
     close(losses.truncated_is_weight(torch.zeros(3), behaviour, cap=2.0), [2.0, 1.0, 0.5])
 
 
+def test_log_ratios_past_twenty_are_clamped_before_exp() -> None:
+    # log pi - log pi_old = [1e4, 0, -30, 5] -> clamped to [-20, 20]: [20, 0, -20, 5]; only the
+    # first and third were clamped.
+    logp = torch.tensor([[0.0, -1.0, 0.0, 0.0]])
+    old = torch.tensor([[-1e4, -1.0, 30.0, -5.0]])
+    log_ratio, clamped = losses.clamped_log_ratio(logp, old)
+    close(log_ratio, [[20.0, 0.0, -20.0, 5.0]])
+    assert clamped.tolist() == [[True, False, True, False]]
+
+
+def test_ppo_ratio_of_a_far_off_behaviour_logprob_is_finite() -> None:
+    # old = [-1e4, 0, 30] against logp 0: log ratios [1e4, 0, -30] -> [20, 0, -20],
+    # r = [e^20, 1, e^-20]. A = -1, clip [.8, 1.28]: loss = max(r, clip r) = [e^20, 1, .8].
+    # d loss / d logp: 0 where the log ratio was clamped (token 0) or the clip binds (token 2),
+    # -A r = 1 on token 1. Unclamped, r_0 = exp(1e4) = inf: an inf loss and a NaN gradient.
+    logp = torch.zeros(1, 3, requires_grad=True)
+    out = losses.ppo_clip_loss(logp, torch.tensor([[-1e4, 0.0, 30.0]]), torch.tensor([-1.0]))
+    torch.testing.assert_close(out.loss.detach(), torch.tensor([[math.exp(20), 1.0, 0.8]]), rtol=1e-6, atol=0)
+    out.loss.sum().backward()
+    close(logp.grad, [[0.0, 1.0, 0.0]])
+    assert out.log_ratio_clamped.tolist() == [[True, False, True]]
+
+
+def test_gspo_sequence_ratio_is_the_mean_of_clamped_token_log_ratios() -> None:
+    # Token log ratios [1e4, 0, 0] (+ a masked 50) -> clamped [20, 0, 0] -> mean 20/3,
+    # s = e^(20/3) = 786.1343. A = -1, clip [.8, 1.2]: loss = max(s, clip s) = s on each token.
+    # seq-mean-token-mean, one sequence of 3 tokens: d/d logp_t = -A * s / 3 = 262.0448 on every
+    # token (GSPO's gradient runs through log pi_t, not through the clamped ratio).
+    logp = torch.zeros(1, 4, requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    old = torch.tensor([[-1e4, 0.0, 0.0, -50.0]])
+    out = losses.gspo_loss(logp, old, torch.tensor([-1.0]), mask, eps_low=0.2, eps_high=0.2)
+    s = math.exp(20 / 3)
+    torch.testing.assert_close(out.ratio, torch.full((1, 4), s), rtol=1e-6, atol=0)
+    losses.aggregate(out.loss, mask, "seq-mean-token-mean").backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[s / 3] * 3 + [0.0]]), rtol=1e-6, atol=0)
+    assert out.log_ratio_clamped.tolist() == [[True, False, False, True]]
+
+
+def test_truncated_is_weight_exponentiates_the_clamped_log_ratio() -> None:
+    # pi_prox / pi_behaviour with log ratios [1e4, -1e4] -> clamped [20, -20]: [e^20, e^-20],
+    # capped at 2 -> [2, e^-20] (exp of the unclamped -1e4 would be 0).
+    weight = losses.truncated_is_weight(torch.zeros(2), torch.tensor([-1e4, 1e4]), cap=2.0)
+    torch.testing.assert_close(weight, torch.tensor([2.0, math.exp(-20)]), rtol=1e-6, atol=0)
+
+
 # ---- aggregation -------------------------------------------------------------------------
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])

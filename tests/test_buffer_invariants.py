@@ -19,14 +19,12 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 from nats.js import JetStreamContext
 
-from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.topology import Topology
 from schemas import BatchEvent, RewardEvent
@@ -41,6 +39,7 @@ from tests.buffer_feed import (
     expected_advantages,
     group,
     publish,
+    run_with_js,
     start_buffer,
     stop_buffer,
     summary,
@@ -57,17 +56,6 @@ ACK_WAIT = 2.0
 ORPHAN_WAIT = 20.0
 REWARDS_A = (0.0, 1.0, 1.0, 3.0)
 REWARDS_B = (2.0, 0.0, 0.0, 0.5)
-
-
-def run_with_js(url: str, body: Callable[[JetStreamContext], Awaitable[None]]) -> None:
-    async def main() -> None:
-        nc = await connect(url, "test-buffer")
-        try:
-            await body(nc.jetstream())
-        finally:
-            await nc.close()
-
-    asyncio.run(main())
 
 
 def config(topology: Topology, **algorithm: object) -> RunConfig:

@@ -190,6 +190,37 @@ def test_train_step_is_on_policy_and_micro_batching_does_not_change_it(
         torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize(
+    "loss",
+    [{}, {"policy_loss": "gspo", "eps_low": 3e-4, "eps_high": 4e-4, "aggregation": "seq-mean-token-mean"},
+     {"tis_cap": 2.0}],
+    ids=["ppo", "gspo", "tis"],
+)
+def test_a_behaviour_logprob_far_below_the_policy_is_clamped_and_the_step_trains(
+    model_dir: Path, batch: MicroBatch, loss: dict[str, object]
+) -> None:
+    """One response token whose behaviour log-prob is -1e4 (pi / pi_behaviour = e^(~1e4)) in a
+    row of advantage -1: unclamped, its ratio is inf, the loss inf and the gradient NaN, so the
+    whole step would be skipped. Clamped at e^20, the step is finite, trains, and counts it."""
+    train = trainer(model_dir, **loss)
+    before = {name: p.detach().clone() for name, p in train.model.named_parameters()}
+    far = MicroBatch(**{f: getattr(batch, f).clone() for f in
+                        ("input_ids", "attention_mask", "loss_mask", "advantages", "behaviour_logprobs")})
+    row = int(torch.nonzero(far.advantages < 0)[0])
+    token = int(torch.nonzero(far.loss_mask[row])[0])
+    far.behaviour_logprobs[row, token] = -1e4
+    metrics = train.train_step([far])
+    assert np.isfinite(metrics["loss"]), f"loss {metrics['loss']} with one behaviour log-prob of -1e4"
+    assert np.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0, (
+        f"grad_norm {metrics['grad_norm']}: the step's gradient is not finite, so the step was skipped"
+    )
+    changed = [n for n, p in train.model.named_parameters() if not torch.equal(p, before[n])]
+    assert len(changed) == len(before), f"only {len(changed)} of {len(before)} weights changed"
+    assert metrics.get("log_ratio_clamped") == 1.0, (
+        f"log_ratio_clamped {metrics.get('log_ratio_clamped')}: the one clamped token is not counted"
+    )
+
+
 def test_export_weights_are_cpu_copies_named_like_parameters(model_dir: Path) -> None:
     train = trainer(model_dir)
     weights = train.export_weights()

@@ -13,15 +13,25 @@ import torch
 
 AggregationMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 
+LOG_RATIO_BOUND = 20.0
+"""|log pi - log pi_old| is clamped to this before exp (as verl's PPO loss does): e^20 ~ 4.9e8 is
+far past any clip range, yet times any sane advantage stays finite in float32, where exp(89)
+is already inf. A behaviour log-prob far below the current one (a rollout numerics bug, a
+token the rollout sampled from a corrupted distribution) would otherwise make the step's
+gradient NaN, and the whole step would be skipped."""
+
 
 @dataclass(frozen=True)
 class PolicyLoss:
     """loss: [B, T] per-token loss; ratio: [B, T] importance ratio (detached);
-    clipped: [B, T] bool, True where clipping zeroed the token's gradient."""
+    clipped: [B, T] bool, True where clipping zeroed the token's gradient;
+    log_ratio_clamped: [B, T] bool, True where the token's log-ratio was out of
+    [-LOG_RATIO_BOUND, LOG_RATIO_BOUND] and clamped."""
 
     loss: torch.Tensor
     ratio: torch.Tensor
     clipped: torch.Tensor
+    log_ratio_clamped: torch.Tensor
 
 
 def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -42,8 +52,21 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
 
 
+def clamped_log_ratio(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, bound: float = LOG_RATIO_BOUND
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log pi - log pi_old clamped to [-bound, bound], a bool mask of where it was clamped).
+
+    Gradients follow `torch.clamp`: none through a clamped entry, so in PPO a token whose
+    ratio is beyond any trust region does not steer the update (GSPO's gradient runs through
+    log pi_t itself; there the clamp bounds only the ratio's value).
+    """
+    log_ratio = logprobs - old_logprobs
+    return log_ratio.clamp(-bound, bound), (log_ratio.abs() > bound).detach()
+
+
 def _clipped_surrogate(
-    ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float
+    ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float, log_ratio_clamped: torch.Tensor
 ) -> PolicyLoss:
     """-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A). ratio [B, T], advantages [B]."""
     adv = advantages.unsqueeze(-1)  # [B, 1], one advantage per sequence
@@ -54,6 +77,7 @@ def _clipped_surrogate(
         ratio=ratio.detach(),
         # The min picks the (constant) clipped branch exactly when it is strictly smaller.
         clipped=(clipped < unclipped).detach(),
+        log_ratio_clamped=log_ratio_clamped,
     )
 
 
@@ -69,10 +93,11 @@ def ppo_clip_loss(
 
     logprobs [B, T] (with grad), old_logprobs [B, T], advantages [B]. A larger
     ``eps_high`` lets low-probability tokens with positive advantage grow further before
-    clipping, which keeps entropy from collapsing.
+    clipping, which keeps entropy from collapsing. The log-ratio is clamped before exp
+    (`clamped_log_ratio`).
     """
-    ratio = torch.exp(logprobs - old_logprobs.detach())
-    return _clipped_surrogate(ratio, advantages, eps_low, eps_high)
+    log_ratio, clamped = clamped_log_ratio(logprobs, old_logprobs.detach())
+    return _clipped_surrogate(torch.exp(log_ratio), advantages, eps_low, eps_high, clamped)
 
 
 def gspo_loss(
@@ -91,11 +116,14 @@ def gspo_loss(
     every token and whose gradient is s_i * grad log pi_t; aggregated with
     ``seq-mean-token-mean`` it is exactly the sequence-level GSPO objective. Its clip range
     is tiny (a mean of log ratios moves little), hence the 3e-4 / 4e-4 defaults.
+
+    Each token's log-ratio is clamped before the mean, so s_i is at most e^LOG_RATIO_BOUND and
+    one far-off token moves its sequence's ratio by at most LOG_RATIO_BOUND / |y|.
     """
-    log_ratio = (logprobs - old_logprobs.detach()) * mask
-    seq_log_ratio = log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)  # [B]
+    log_ratio, clamped = clamped_log_ratio(logprobs, old_logprobs.detach())
+    seq_log_ratio = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [B]
     token_log_ratio = seq_log_ratio.detach().unsqueeze(-1) + logprobs - logprobs.detach()
-    return _clipped_surrogate(torch.exp(token_log_ratio), advantages, eps_low, eps_high)
+    return _clipped_surrogate(torch.exp(token_log_ratio), advantages, eps_low, eps_high, clamped)
 
 
 def truncated_is_weight(
@@ -105,9 +133,11 @@ def truncated_is_weight(
 
     Corrects for samples drawn by an older (or numerically different) rollout policy
     without letting one rare token's huge ratio dominate the batch (truncated IS, as in
-    verl's TIS and AReaL's decoupled PPO).
+    verl's TIS and AReaL's decoupled PPO). The log-ratio is clamped before exp, as the
+    policy losses' is: the cap alone already bounds the weight, the clamp keeps exp finite.
     """
-    return torch.exp(proximal_logprobs - behaviour_logprobs).clamp(max=cap).detach()
+    log_ratio, _ = clamped_log_ratio(proximal_logprobs, behaviour_logprobs)
+    return torch.exp(log_ratio).clamp(max=cap).detach()
 
 
 def aggregation_count(mask: torch.Tensor, mode: AggregationMode) -> int:
