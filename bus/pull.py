@@ -109,7 +109,7 @@ class Puller:
             return self._queue.get_nowait()
         try:
             return await asyncio.wait_for(self._queue.get(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise nats.errors.TimeoutError from None
 
 

@@ -146,7 +146,8 @@ def test_bus_uses_no_private_attribute_of_another_object() -> None:
     reached = []
     for path in sorted((ROOT / "bus").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
-                if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
-                    reached.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+            private = isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+            own = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            if private and not own:
+                reached.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
     assert not reached, f"private attributes reached: {reached}"
