@@ -11,6 +11,7 @@ import ssl
 
 import nats.errors
 from nats.aio.client import Client
+from nats.js import JetStreamContext, api
 
 log = logging.getLogger("jetrl.bus")
 
@@ -20,6 +21,28 @@ DEFAULT_URL = "nats://127.0.0.1:4222"
 def worker_id(role: str) -> str:
     """host:pid:role — the `source` of every event this process writes."""
     return f"{socket.gethostname()}:{os.getpid()}:{role}"
+
+
+class JetStream(JetStreamContext):
+    """A JetStream context that keeps the connection it was made from and its API prefix.
+
+    A worker's byte-bounded pulls are core NATS traffic (its own inbox, a request published
+    with that inbox as reply) that nats-py's context offers no public way to send; with
+    `client` and `api_prefix` public here, the worker needs only a context, as the other
+    stages' code does.
+    """
+
+    def __init__(self, client: Client, prefix: str = api.DEFAULT_PREFIX, domain: str | None = None, **opts: object) -> None:
+        super().__init__(client, prefix=prefix, domain=domain, **opts)  # type: ignore[arg-type]
+        self.client = client
+        self.api_prefix = prefix if domain is None else f"$JS.{domain}.API"
+
+
+class NatsClient(Client):
+    """nats-py's client, whose `jetstream()` contexts are `JetStream`s."""
+
+    def jetstream(self, **opts: object) -> JetStream:  # type: ignore[override]
+        return JetStream(self, **opts)  # type: ignore[arg-type]
 
 
 class ConnectRefused(ConnectionError):
@@ -36,7 +59,7 @@ def _refusal(exc: Exception) -> str | None:
     return None
 
 
-async def connect(url: str | list[str], name: str, **tls: object) -> Client:
+async def connect(url: str | list[str], name: str, **tls: object) -> NatsClient:
     """Connect with reconnect-forever; `tls` passes through (tls=ssl.SSLContext, user/password, ...).
 
     Until the first connection, a server that is not up yet is waited for (workers may start
@@ -59,7 +82,7 @@ async def connect(url: str | list[str], name: str, **tls: object) -> Client:
     async def reconnected_cb() -> None:
         log.info("nats %s: reconnected to %s", name, nc.connected_url.netloc if nc.connected_url else "?")
 
-    nc = Client()
+    nc = NatsClient()
     try:
         await nc.connect(
             servers=servers,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -21,13 +20,14 @@ from typing import Generic, TypeVar
 
 import nats.errors
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 from nats.errors import MsgAlreadyAckdError
-from nats.js import JetStreamContext, api
+from nats.js import JetStreamContext
 
 from bus import tracing
+from bus.connection import JetStream
 from bus.dead import dead_letter
 from bus.publisher import Publisher
+from bus.pull import Puller
 from bus.topology import Topology, WorkQueue
 from schemas.codec import DecodeError, decode
 from schemas.events import Event
@@ -35,15 +35,6 @@ from schemas.events import Event
 log = logging.getLogger("jetrl.worker")
 
 E = TypeVar("E", bound=Event)
-
-# Bytes one pull request may bring (its `max_bytes`), well under the 64 MiB the server lets
-# a client fall behind before cutting it off, and over the 8 MiB max payload, so that any
-# one message fits.
-FETCH_BYTES_BUDGET = 32 << 20
-# Seconds a pull request may take to deliver what it found, past its own expiry: only a
-# broken connection takes that long.
-DELIVERY_TIMEOUT = 10.0
-
 
 class Reject(Exception):
     """Raised by a handler for input that can never succeed: dead-letter it, don't retry."""
@@ -84,8 +75,17 @@ class Worker(Generic[E]):
     options: WorkerOptions = WorkerOptions()
     _inflight: dict[int, Msg] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.js, JetStream):
+            raise TypeError(
+                "Worker pulls through the connection its JetStream context came from: "
+                "make the context with bus.connection.connect(...).jetstream()"
+            )
+
     async def run(self, stop: asyncio.Event) -> None:
-        sub = await self.js.pull_subscribe_bind(self.queue.durable, stream=self.topology.stream(self.queue.stage))
+        assert isinstance(self.js, JetStream)
+        puller = Puller(self.js, self.topology.stream(self.queue.stage), self.queue.durable)
+        await puller.open()
         tasks: set[asyncio.Task[None]] = set()
         half = self.options.concurrency // 2
         room = asyncio.Event()
@@ -103,7 +103,7 @@ class Worker(Generic[E]):
                 room.clear()
                 await room.wait()
             try:
-                msgs = await self._fetch(sub, self.options.concurrency - len(tasks))
+                msgs = await puller.fetch(self.options.concurrency - len(tasks), self.options.fetch_timeout)
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 continue
             except nats.errors.Error as exc:  # connection trouble: the client reconnects
@@ -118,64 +118,7 @@ class Worker(Generic[E]):
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         heartbeat.cancel()
-        await sub.unsubscribe()
-
-    async def _fetch(self, sub: JetStreamContext.PullSubscription, want: int) -> list[Msg]:
-        """Up to `want` messages and FETCH_BYTES_BUDGET bytes, returned as soon as any are there.
-
-        A no-wait pull for what is there now; when nothing is, a long poll for one message
-        (a pull for n that has to wait keeps waiting after the first message for the other
-        n - 1 until it expires, and every hop of the pipeline would pay that).
-
-        Not nats-py's `fetch`: it cannot bound a request's bytes, and when its timeout cuts a
-        request short, that request goes on delivering while the next one starts. A message's
-        size is known only once it arrives, and any may be as large as the max payload (a long
-        trajectory, or poison the server accepted): with a batch sized for the usual size,
-        a burst of 8 MiB messages piled up past the server's 64 MiB slow-client limit and
-        the worker was disconnected on every fetch (measured). Here each request carries
-        `max_bytes` and is read to its end before the next one goes out.
-        """
-        msgs = await self._pull(sub, {"batch": want, "no_wait": True}, DELIVERY_TIMEOUT)
-        if msgs:
-            return msgs
-        expires = self.options.fetch_timeout
-        return await self._pull(sub, {"batch": 1, "expires": int(expires * 1e9)}, expires + DELIVERY_TIMEOUT)
-
-    async def _pull(
-        self, sub: JetStreamContext.PullSubscription, request: dict[str, int | bool], timeout: float
-    ) -> list[Msg]:
-        """Send one pull request and read what it delivers until it ends: its last message, or
-        a status (404 nothing there, 408 expired, 409 byte budget reached).
-
-        A request that got its whole batch is then followed by a "409 Batch Completed" status
-        (sent to requests with `max_bytes`), which the next request reads first and skips.
-        Taken as the next request's end, it left that request's messages unread in the inbox,
-        delivered but never handled, and a worker held ever more messages than its
-        concurrency (measured: 18 with 2), which no other worker could then take.
-
-        A request cut short by `timeout` leaves the rest of its delivery in the inbox, where
-        the next request reads it. Raises nats.errors.TimeoutError if nothing came at all.
-        """
-        # nats-py keeps a pull subscription's inbox and request subject private.
-        inbox, next_subject, reply = sub._sub, sub._nms, sub._deliver
-        body = json.dumps({**request, "max_bytes": FETCH_BYTES_BUDGET}).encode()
-        await self.js._nc.publish(next_subject, body, reply)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        msgs: list[Msg] = []
-        while len(msgs) < request["batch"]:
-            try:
-                msg = await _next_msg(inbox, max(deadline - loop.time(), 0.001))
-            except nats.errors.TimeoutError:
-                if msgs:
-                    break
-                raise
-            if JetStreamContext.is_status_msg(msg) is not None:
-                if not msgs and (msg.headers or {}).get(api.Header.DESCRIPTION) == "Batch Completed":
-                    continue
-                break
-            msgs.append(msg)
-        return msgs
+        await puller.close()
 
     async def _handle(self, msg: Msg) -> None:
         deliveries = msg.metadata.num_delivered
@@ -220,23 +163,6 @@ class Worker(Generic[E]):
         log.warning("%s: dead letter (seq %d): %s", self.queue.durable, msg.metadata.sequence.stream, reason)
         await dead_letter(self.publisher, self.topology, self.queue.durable, msg, reason)
         await msg.term()
-
-
-async def _next_msg(inbox: Subscription, timeout: float) -> Msg:
-    """The inbox's next message, taken at once when one is there.
-
-    nats-py's `next_msg` starts two tasks per call (~15 µs, as much as the server spends on
-    the message); the messages of a pull request mostly arrive together, so all but the
-    first of each request are already queued. Keeps the subscription's byte count and
-    `task_done` as `next_msg` does.
-    """
-    queue = inbox._pending_queue
-    if queue.empty():
-        return await inbox.next_msg(timeout=timeout)
-    msg = queue.get_nowait()
-    inbox._pending_size -= len(msg.data)
-    queue.task_done()
-    return msg
 
 
 async def consumer_ack_wait(js: JetStreamContext, topology: Topology, queue: WorkQueue) -> float:

@@ -1,0 +1,128 @@
+"""Byte-bounded pulls from a durable pull consumer, through nats-py's public client API only.
+
+nats-py's pull subscription cannot bound a request's bytes, and reading its messages fast
+needs its private queue. Here a worker owns a plain inbox subscription and publishes each
+pull request itself (`$JS.API.CONSUMER.MSG.NEXT.<stream>.<durable>`, the inbox as reply):
+the server delivers the messages there with their `$JS.ACK...` reply subjects, so nats-py
+builds them as ordinary, ackable `Msg`s with `.metadata`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import nats.errors
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import api
+
+from bus.connection import JetStream
+
+# Bytes one pull request may bring (its `max_bytes`), well under the 64 MiB the server lets
+# a client fall behind before cutting it off, and over the 8 MiB max payload, so that any
+# one message fits.
+FETCH_BYTES_BUDGET = 32 << 20
+# Seconds a pull request may take to deliver what it found, past its own expiry: only a
+# broken connection takes that long.
+DELIVERY_TIMEOUT = 10.0
+
+
+class Puller:
+    """One worker's pull requests and the inbox they deliver to; `open` before, `close` after."""
+
+    def __init__(self, js: JetStream, stream: str, durable: str) -> None:
+        self.client = js.client
+        self.subject = f"{js.api_prefix}.CONSUMER.MSG.NEXT.{stream}.{durable}"
+        self.inbox = self.client.new_inbox()
+        # Filled by the subscription's callback: nats-py's `next_msg` starts two tasks per
+        # call (~15 µs, as much as the server spends on a message), while the messages of a
+        # request mostly arrive together and are taken from here without waiting.
+        self._queue: asyncio.Queue[Msg] = asyncio.Queue()
+        self._sub: Subscription | None = None
+
+    async def open(self) -> None:
+        self._sub = await self.client.subscribe(self.inbox, cb=self._arrived)
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+            self._sub = None
+
+    async def _arrived(self, msg: Msg) -> None:
+        self._queue.put_nowait(msg)
+
+    async def fetch(self, want: int, fetch_timeout: float) -> list[Msg]:
+        """Up to `want` messages and FETCH_BYTES_BUDGET bytes, returned as soon as any are there.
+
+        A no-wait pull for what is there now; when nothing is, a long poll for one message
+        (a pull for n that has to wait keeps waiting after the first message for the other
+        n - 1 until it expires, and every hop of the pipeline would pay that).
+
+        Not nats-py's `fetch`: it cannot bound a request's bytes, and when its timeout cuts a
+        request short, that request goes on delivering while the next one starts. A message's
+        size is known only once it arrives, and any may be as large as the max payload (a long
+        trajectory, or poison the server accepted): with a batch sized for the usual size,
+        a burst of 8 MiB messages piled up past the server's 64 MiB slow-client limit and
+        the worker was disconnected on every fetch (measured). Here each request carries
+        `max_bytes` and is read to its end before the next one goes out.
+        """
+        msgs = await self.pull({"batch": want, "no_wait": True}, DELIVERY_TIMEOUT)
+        if msgs:
+            return msgs
+        return await self.pull({"batch": 1, "expires": int(fetch_timeout * 1e9)}, fetch_timeout + DELIVERY_TIMEOUT)
+
+    async def pull(self, request: dict[str, int | bool], timeout: float) -> list[Msg]:
+        """Send one pull request and read what it delivers until it ends: its last message, or
+        a status (404 nothing there, 408 expired, 409 byte budget reached).
+
+        A request that got its whole batch is then followed by a "409 Batch Completed" status
+        (sent to requests with `max_bytes`), which the next request reads first and skips.
+        Taken as the next request's end, it left that request's messages unread in the inbox,
+        delivered but never handled, and a worker held ever more messages than its
+        concurrency (measured: 18 with 2), which no other worker could then take.
+
+        A request cut short by `timeout` leaves the rest of its delivery in the inbox, where
+        the next request reads it. Raises nats.errors.TimeoutError if nothing came at all.
+        """
+        body = json.dumps({**request, "max_bytes": FETCH_BYTES_BUDGET}).encode()
+        await self.client.publish(self.subject, body, reply=self.inbox)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        msgs: list[Msg] = []
+        while len(msgs) < request["batch"]:
+            try:
+                msg = await self._next(max(deadline - loop.time(), 0.001))
+            except nats.errors.TimeoutError:
+                if msgs:
+                    break
+                raise
+            if status(msg) is not None:
+                if not msgs and description(msg) == "Batch Completed":
+                    continue
+                break
+            msgs.append(msg)
+        return msgs
+
+    async def _next(self, timeout: float) -> Msg:
+        if not self._queue.empty():
+            return self._queue.get_nowait()
+        try:
+            return await asyncio.wait_for(self._queue.get(), timeout)
+        except TimeoutError:
+            raise nats.errors.TimeoutError from None
+
+
+def status(msg: Msg) -> str | None:
+    """The status code of a message the server sent about a request, None for a stream message.
+
+    Stream messages come with their `$JS.ACK...` reply subject; a status has none, only its
+    code and description in headers (a publisher may set a `Status` header of its own).
+    """
+    if msg.reply or not msg.headers:
+        return None
+    return msg.headers.get(api.Header.STATUS)
+
+
+def description(msg: Msg) -> str | None:
+    return (msg.headers or {}).get(api.Header.DESCRIPTION)

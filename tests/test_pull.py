@@ -1,0 +1,153 @@
+"""The worker's pulls through nats-py's public API (bus.pull) against a real nats-server.
+
+What the worker does with a pulled message (ack, nak with a delay, in_progress, term, read
+its delivery count and stream sequence) must work on messages of a plain inbox
+subscription, and nothing in bus/ may lean on nats-py's private attributes: they pinned
+the client to one minor version.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import time
+from pathlib import Path
+
+import nats.errors
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from bus.connection import JetStream, connect
+from bus.embedded import EmbeddedNats
+from bus.publisher import Publisher
+from bus.pull import Puller
+from bus.topology import Topology
+from bus.worker import Worker, WorkerOptions
+from schemas import TrajectoryEvent, encode
+from tests.helpers import trajectory
+
+ROOT = Path(__file__).resolve().parent.parent
+ACK_WAIT = 2.0
+
+
+def test_pulled_messages_ack_nak_term_and_heartbeat_like_jetstream_messages(
+    nats_server: EmbeddedNats, topology: Topology
+) -> None:
+    async def main() -> None:
+        nc = await connect(nats_server.url, "test-pull")
+        js = nc.jetstream()
+        await topology.apply(js)
+        queue = topology.queues["reward"]
+        stream = topology.stream(queue.stage)
+        config = topology.consumer_config(queue)
+        config.ack_wait = ACK_WAIT  # short, so a failed heartbeat shows as a redelivery
+        await js.add_consumer(stream, config)
+        publisher = Publisher(js)
+        for i in range(4):
+            await publisher.publish(topology.subject("trajectories"), trajectory(topology.run, prompt=i))
+        puller = Puller(js, stream, queue.durable)
+        await puller.open()
+        try:
+            first = await puller.fetch(4, 1.0)
+            assert [(m.metadata.sequence.stream, m.metadata.num_delivered) for m in first] == [
+                (1, 1), (2, 1), (3, 1), (4, 1)
+            ]
+            acked, termed, naked, held = first
+            await acked.ack()
+            await termed.term()
+            await naked.nak(delay=0.3)
+            naked_at = time.monotonic()
+
+            async def beat() -> None:
+                while True:
+                    await held.in_progress()
+                    await asyncio.sleep(0.25)
+
+            beats = asyncio.create_task(beat())
+            # Twice the ack wait: a message the heartbeat did not keep would be back by then.
+            back: list[tuple[int, int, float]] = []
+            deadline = time.monotonic() + 2 * ACK_WAIT
+            while time.monotonic() < deadline:
+                try:
+                    msgs = await puller.fetch(4, 0.3)
+                except nats.errors.TimeoutError:
+                    continue
+                for msg in msgs:
+                    back.append((msg.metadata.sequence.stream, msg.metadata.num_delivered, time.monotonic() - naked_at))
+                    await msg.ack_sync()
+            beats.cancel()
+            assert [(seq, n) for seq, n, _ in back] == [(3, 2)], (
+                f"expected only the nak'ed message back, on its second delivery; got (seq, delivery, after s) {back}"
+            )
+            assert back[0][2] >= 0.25, f"the nak'ed message came back {back[0][2]:.2f} s after a 0.3 s delay"
+            await held.ack_sync()  # waits for the server, which consumer_info then reflects
+            info = await js.consumer_info(stream, queue.durable)
+            assert (info.num_ack_pending, info.num_pending) == (0, 0), info
+        finally:
+            await puller.close()
+            await topology.delete(js)
+            await nc.close()
+
+    asyncio.run(main())
+
+
+def test_a_message_carrying_its_own_status_header_is_handled_not_taken_for_a_status(
+    nats_server: EmbeddedNats, topology: Topology
+) -> None:
+    """A publisher may set any header; only the server's messages about a request (no ack
+    reply subject) end it. Taken for a "404 No Messages", the event would sit delivered and
+    unhandled until its ack wait, then again on every redelivery."""
+    handled: list[str] = []
+
+    async def handler(event: TrajectoryEvent, _msg: Msg) -> None:
+        handled.append(event.id)
+
+    async def main() -> None:
+        nc = await connect(nats_server.url, "test-pull-status")
+        js = nc.jetstream()
+        await topology.apply(js)
+        event = trajectory(topology.run)
+        await js.publish(topology.subject("trajectories"), encode(event),
+                         headers={"Status": "404", "Description": "No Messages"})
+        worker = Worker(js, topology, topology.queues["reward"], TrajectoryEvent, handler, Publisher(js),
+                        WorkerOptions(fetch_timeout=0.2))
+        stop = asyncio.Event()
+        task = asyncio.create_task(worker.run(stop))
+        deadline = time.monotonic() + 10
+        while not handled and time.monotonic() < deadline and not task.done():
+            await asyncio.sleep(0.05)
+        stop.set()
+        await asyncio.wait_for(task, 15)
+        await topology.delete(js)
+        await nc.close()
+        assert handled == [event.id], "the event with a 'Status: 404' header of its own was not handled in 10 s"
+
+    asyncio.run(main())
+
+
+def test_a_worker_refuses_a_context_that_does_not_keep_its_connection() -> None:
+    topology = Topology(run="refused")
+    plain = JetStreamContext(Client())
+
+    async def handler(event: TrajectoryEvent, _msg: Msg) -> None:
+        pass
+
+    with pytest.raises(TypeError, match=r"bus\.connection\.connect"):
+        Worker(plain, topology, topology.queues["reward"], TrajectoryEvent, handler, Publisher(plain))
+    assert isinstance(JetStream(Client()), JetStreamContext)
+
+
+def test_bus_uses_no_private_attribute_of_another_object() -> None:
+    """bus/ talks to nats-py only through its public API: a private attribute (`js._nc`,
+    `sub._pending_queue`) can change in any release and pinned the client to one minor
+    version. Only an object's own (`self._x`) are allowed."""
+    reached = []
+    for path in sorted((ROOT / "bus").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            private = isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+            own = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            if private and not own:
+                reached.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    assert not reached, f"private attributes reached: {reached}"
