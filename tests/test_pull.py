@@ -142,12 +142,14 @@ def test_a_worker_refuses_a_context_that_does_not_keep_its_connection() -> None:
 def test_bus_uses_no_private_attribute_of_another_object() -> None:
     """bus/ talks to nats-py only through its public API: a private attribute (`js._nc`,
     `sub._pending_queue`) can change in any release and pinned the client to one minor
-    version. Only an object's own (`self._x`) are allowed."""
+    version. Only an object's own (`self._x`) are allowed, and the standard library's public
+    functions whose names start with an underscore (`os._exit`)."""
+    documented = {"os._exit"}
     reached = []
     for path in sorted((ROOT / "bus").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             private = isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
             own = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
-            if private and not own:
+            if private and not own and ast.unparse(node) not in documented:
                 reached.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
     assert not reached, f"private attributes reached: {reached}"
