@@ -54,7 +54,7 @@ meter = metrics.get_meter("jetrl")
 SAMPLES = meter.create_counter(
     "jetrl.samples", unit="{sample}",
     description="Samples through a stage, by stage (rollout, reward, buffer, trainer) and outcome "
-                "(generated; scored or failed; admitted or dropped; trained)",
+                "(generated; scored or failed; batched or dropped; trained)",
 )
 PROMPTS = meter.create_counter("jetrl.prompts", unit="{prompt}", description="Prompts admitted by the producer")
 GENERATE_SECONDS = meter.create_histogram(

@@ -187,7 +187,7 @@ class Buffer:
         del self.groups[group.prompt_id]
         stage = self.rt.topology.queues["buffer"].durable  # the name the worker dead-letters under
         for reward, msg in group.samples.values():
-            self.admit(reward, msg, reason=reason)
+            self.trace_outcome(reward, msg, reason=reason)
             if dead:
                 await dead_letter(self.rt.publisher, self.rt.topology, stage, msg, reason)
                 await msg.term()
@@ -211,24 +211,24 @@ class Buffer:
             self.abandoned[group.prompt_id] = reason
             await self.drop(group, reason, dead=True)
 
-    def admit(self, reward: RewardEvent, msg: Msg, *, step: int | None = None, reason: str | None = None) -> str:
+    def trace_outcome(self, reward: RewardEvent, msg: Msg, *, step: int | None = None, reason: str | None = None) -> str:
         """Record in the sample's own trace that it went into `step`, or was dropped for `reason`.
 
-        The `admit` span is a child of the reward's publish (from the message headers); its
+        The `outcome` span is a child of the reward's publish (from the message headers); its
         traceparent is what the batch carries, so the assemble-batch and train-step spans
         link to it. Returns that traceparent.
         """
         attributes: dict[str, str | int | bool] = {
             "jetrl.run": self.rt.topology.run, "jetrl.prompt_id": reward.trajectory.prompt_id,
-            "jetrl.sample_id": reward.id, "jetrl.admitted": reason is None,
+            "jetrl.sample_id": reward.id, "jetrl.batched": reason is None,
         }
         if step is not None:
             attributes["jetrl.step"] = step
         if reason is not None:
             attributes["jetrl.drop_reason"] = reason
-        span = tracing.tracer.start_span("admit", context=tracing.extract(msg.headers), attributes=attributes)
+        span = tracing.tracer.start_span("outcome", context=tracing.extract(msg.headers), attributes=attributes)
         span.end()
-        metrics.count_samples("buffer", "admitted" if reason is None else "dropped")
+        metrics.count_samples("buffer", "batched" if reason is None else "dropped")
         return tracing.traceparent(span)
 
     async def maybe_form_step(self) -> None:
@@ -263,7 +263,7 @@ class Buffer:
         for group in groups:
             ordered = [group.samples[i] for i in range(group.size)]
             adv = self.advantages(group)
-            rows += [Row.of(r, a, self.admit(r, m, step=step)) for (r, m), a in zip(ordered, adv)]
+            rows += [Row.of(r, a, self.trace_outcome(r, m, step=step)) for (r, m), a in zip(ordered, adv)]
         tcfg = self.cfg.trainer
         packed = pack_step(rows, tcfg.dp_size, tcfg.micro_batch_tokens)
         step_groups = tuple(g.prompt_id for g in groups)

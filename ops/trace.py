@@ -9,7 +9,7 @@ as a timeline, one span a line in tree order:
     that ran it, the weight version it concerns, what it says (reward, tokens, drop reason)
 
 Batch assembly and train steps serve many prompts, so they live in traces of their own and
-*link* to the `admit` spans of the samples they took. Jaeger cannot search by link, so each
+*link* to the `outcome` spans of the samples they took. Jaeger cannot search by link, so each
 admitted sample's step (`jetrl.step` on its `admit` span) is searched for in the buffer's
 and trainers' services, and the spans that link into this trace are printed after it, with
 what they started: the `publish weights` of the version the step produced.
@@ -34,7 +34,7 @@ DEFAULT_JAEGER = "http://127.0.0.1:16686"
 TRACE_ID = re.compile(r"[0-9a-f]{32}")
 PRODUCER = "jetrl-producer"
 LINKING = (("jetrl-buffer", "assemble batch"), ("jetrl-trainer", "train step"))
-"""(service, span) of the spans that link to a sample's `admit` span, searched by run and step."""
+"""(service, span) of the spans that link to a sample's `outcome` span, searched by run and step."""
 VERSION_TAGS = ("jetrl.weight_version", "jetrl.policy_version", "jetrl.admitted_version")
 """The first of these a span has is its version column: made, generated with, admitted at."""
 
@@ -138,7 +138,7 @@ def linked(jaeger: Jaeger, spans: list[SpanView]) -> list[SpanView]:
     ours = {span.span_id for span in spans}
     steps = sorted({
         (str(s.tags["jetrl.run"]), int(s.tags["jetrl.step"]))
-        for s in spans if s.name == "admit" and "jetrl.step" in s.tags and "jetrl.run" in s.tags
+        for s in spans if s.name == "outcome" and "jetrl.step" in s.tags and "jetrl.run" in s.tags
     })
     found: dict[str, SpanView] = {}
     for run, step in steps:
@@ -190,7 +190,7 @@ def details(span: SpanView) -> str:
     parts = []
     if "jetrl.step" in tags:
         parts.append(f"step {tags['jetrl.step']}")
-    if tags.get("jetrl.admitted") is False:
+    if tags.get("jetrl.batched") is False:
         parts.append(f"dropped: {tags.get('jetrl.drop_reason', '?')}")
     if "jetrl.sample_index" in tags:
         parts.append(f"sample {tags['jetrl.sample_index']}")

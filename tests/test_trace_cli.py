@@ -2,7 +2,7 @@
 
 A real 3-step run (producer, embedded nats-server, local fleet of real workers) exports its
 spans and metrics over OTLP/HTTP to a stdlib server standing in for Jaeger
-(`tests.fake_jaeger`), which answers Jaeger's query API. One admitted prompt's trace must
+(`tests.fake_jaeger`), which answers Jaeger's query API. One batched sample's trace must
 hold every stage, in the right parent-child order, and link to the train step that took
 its samples and the weight version that step produced.
 """
@@ -57,13 +57,13 @@ def traced_run(jaeger: FakeJaeger, tmp_path_factory: pytest.TempPathFactory) -> 
     return run
 
 
-def admitted_prompt(jaeger: FakeJaeger, run: str) -> str:
+def batched_prompt(jaeger: FakeJaeger, run: str) -> str:
     """The prompt id of a sample the buffer put into a step."""
     for span, _ in jaeger.spans:
         tags = {t["key"]: t["value"] for t in span["tags"]}
-        if span["operationName"] == "admit" and tags.get("jetrl.admitted") is True and tags["jetrl.run"] == run:
+        if span["operationName"] == "outcome" and tags.get("jetrl.batched") is True and tags["jetrl.run"] == run:
             return str(tags["jetrl.prompt_id"])
-    raise AssertionError("no admitted sample in the exported spans")
+    raise AssertionError("no batched sample in the exported spans")
 
 
 def one(spans: list[SpanView], name: str) -> SpanView:
@@ -73,7 +73,7 @@ def one(spans: list[SpanView], name: str) -> SpanView:
 
 def test_one_prompt_is_one_trace_linked_to_its_train_step(jaeger: FakeJaeger, traced_run: str) -> None:
     run = traced_run
-    prompt_id = admitted_prompt(jaeger, run)
+    prompt_id = batched_prompt(jaeger, run)
     client = Jaeger(jaeger.url)
     (spans,) = find(client, prompt_id)
     by_id = {s.span_id: s for s in spans}
@@ -97,10 +97,10 @@ def test_one_prompt_is_one_trace_linked_to_its_train_step(jaeger: FakeJaeger, tr
 
     # n trajectories -> n rewards -> n admissions, each chain through the message headers:
     # the rollout and the reward worker publish inside their process spans.
-    admits = [s for s in spans if s.name == "admit"]
-    assert len(admits) == 4
-    for admit in admits:
-        send_reward = parent(admit)
+    outcomes = [s for s in spans if s.name == "outcome"]
+    assert len(outcomes) == 4
+    for outcome in outcomes:
+        send_reward = parent(outcome)
         assert send_reward.name == f"send rl.{run}.rewards"
         process_trajectory = parent(send_reward)
         assert process_trajectory.name == f"process rl.{run}.trajectories"
@@ -110,24 +110,24 @@ def test_one_prompt_is_one_trace_linked_to_its_train_step(jaeger: FakeJaeger, tr
         assert reward.tags["jetrl.failed"] is False and 0.0 <= reward.tags["jetrl.reward"] <= 1.0
         buffer_process = [s for s in spans if s.parent == send_reward.span_id and s.name.startswith("process")]
         assert [s.service for s in buffer_process] == ["jetrl-buffer"]
-        assert admit.tags["jetrl.admitted"] is True and admit.service == "jetrl-buffer"
-    (step,) = {a.tags["jetrl.step"] for a in admits}  # a group goes into one step
+        assert outcome.tags["jetrl.batched"] is True and outcome.service == "jetrl-buffer"
+    (step,) = {a.tags["jetrl.step"] for a in outcomes}  # a group goes into one step
 
     # The step's spans live in traces of their own and link to every admission of ours.
     others = linked(client, spans)
-    admit_ids = {a.span_id for a in admits}
+    outcome_ids = {a.span_id for a in outcomes}
     assemble = one(others, "assemble batch")
     train = one(others, "train step")
     for span in (assemble, train):
         assert span.trace_id != root.trace_id and span.tags["jetrl.step"] == step
-        assert admit_ids <= {span_id for _, span_id in span.links}
+        assert outcome_ids <= {span_id for _, span_id in span.links}
     assert train.tags["jetrl.weight_version"] == step + 1
     publish = one(others, "publish weights")
     assert publish.parent == train.span_id and publish.tags["jetrl.weight_version"] == step + 1
 
 
 def test_ops_trace_prints_the_timeline(jaeger: FakeJaeger, traced_run: str) -> None:
-    prompt_id = admitted_prompt(jaeger, traced_run)
+    prompt_id = batched_prompt(jaeger, traced_run)
     out = subprocess.run(
         [sys.executable, "-m", "ops.trace", prompt_id, "--jaeger", jaeger.url],
         cwd=ROOT, capture_output=True, text=True, timeout=30, check=True,
@@ -137,7 +137,7 @@ def test_ops_trace_prints_the_timeline(jaeger: FakeJaeger, traced_run: str) -> N
     assert lines[0].startswith("trace ") and f"prompt {prompt_id} (run {traced_run})" in lines[0]
     names = [line.split()[2] for line in lines[2:]]  # offset, duration, then the (indented) span name
     assert names[:4] == ["prompt", "send", "process", "generate"]
-    assert sum(name == "admit" and "step " in line for name, line in zip(names, lines[2:])) == 4
+    assert sum(name == "outcome" and "step " in line for name, line in zip(names, lines[2:])) == 4
     assert sum(name == "reward" and ", reward " in line for name, line in zip(names, lines[2:])) == 4
     link_at = lines.index("linked from other traces (the steps that took this prompt's samples):")
     linked_text = "\n".join(lines[link_at + 1:])
