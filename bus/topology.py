@@ -7,7 +7,6 @@ start-up; only an explicit update changes what exists.
 from __future__ import annotations
 
 import argparse
-import re
 from dataclasses import dataclass, field
 
 from nats.js import JetStreamContext

@@ -18,10 +18,9 @@ from pathlib import Path
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
-from producers.tasks import VOCAB
 
 
-def build_tokenizer(vocab: Sequence[str] = VOCAB) -> Qwen2Tokenizer:
+def build_tokenizer(vocab: Sequence[str]) -> Qwen2Tokenizer:
     """One token per symbol (ids are positions in `vocab`), no ``<bos>``.
 
     `vocab` holds ``<eos>`` (also the pad token, as in Qwen) and one-character printable
@@ -41,6 +40,7 @@ def build_tokenizer(vocab: Sequence[str] = VOCAB) -> Qwen2Tokenizer:
 
 def build_tiny_model(
     out_dir: Path,
+    vocab: Sequence[str],
     *,
     hidden: int = 64,
     layers: int = 2,
@@ -56,7 +56,7 @@ def build_tiny_model(
     under the first name. The defaults (~120k parameters) are what the built-in task was
     tuned with (see `producers.tasks`).
     """
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(vocab)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden,

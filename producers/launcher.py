@@ -153,11 +153,13 @@ def prepare(cfg: RunConfig, out: Path) -> RunConfig:
     """Resolve what the local job fills in: the built-in model and the checkpoint directory."""
     updates: dict = {}
     if cfg.model.path is None:
+        # Imported here: torch and transformers take seconds, and a cluster's producer never needs them.
         from engines.tiny import build_tiny_model
+        from producers.tasks import VOCAB
 
         model_dir = out / "model"
         if not (model_dir / "config.json").exists():
-            build_tiny_model(model_dir, hidden=cfg.model.hidden, layers=cfg.model.layers, seed=cfg.model.seed)
+            build_tiny_model(model_dir, VOCAB, hidden=cfg.model.hidden, layers=cfg.model.layers, seed=cfg.model.seed)
         updates["model"] = cfg.model.model_copy(update={"path": str(model_dir.resolve())})
     if not cfg.trainer.checkpoint_dir:
         updates["trainer"] = cfg.trainer.model_copy(update={"checkpoint_dir": str((out / "checkpoints").resolve())})

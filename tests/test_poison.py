@@ -549,7 +549,7 @@ def batch_ids(data: bytes) -> tuple[str, ...]:
 @pytest.fixture(scope="module")
 def fleet(nats_server: EmbeddedNats, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     work = tmp_path_factory.mktemp("poison")
-    model_dir = build_tiny_model(work / "model")
+    model_dir = build_tiny_model(work / "model", VOCAB)
     fleet = Fleet(nats_server.url, Topology(run=f"poison{int(time.time() * 1000) % 10**8}"), model_dir, work)
     fleet.start()
     yield fleet

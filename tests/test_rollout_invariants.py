@@ -42,6 +42,7 @@ from consumers.runtime import Runtime, attach, publish_config
 from engines.hf_rollout import HFRolloutEngine
 from engines.protocols import Sample, SamplingParams
 from engines.tiny import build_tiny_model
+from producers.tasks import VOCAB
 from engines.weights import put_version
 from schemas import PromptEvent, Tensor, TrajectoryEvent, decode, encode
 from schemas import SamplingParams as PromptSampling
@@ -106,7 +107,7 @@ class RecordingEngine(HFRolloutEngine):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("model"))
+    return build_tiny_model(tmp_path_factory.mktemp("model"), VOCAB)
 
 
 @dataclass

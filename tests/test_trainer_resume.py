@@ -31,6 +31,7 @@ from consumers.buffer import BatchedSoFar, Buffer, Group
 from consumers.runtime import Runtime
 from consumers.update_history import UpdateHistory
 from engines.tiny import build_tiny_model
+from producers.tasks import VOCAB
 from producers.launcher import attach_bootstrap
 from schemas import RewardEvent, Tensor, TrajectoryEvent
 from schemas.config import RunConfig
@@ -101,7 +102,7 @@ async def wait_for_step(rt: Runtime, step: int, proc: subprocess.Popen[bytes], t
 
 @pytest.mark.timeout(120)
 def test_restarted_trainer_continues_from_the_next_batch(nats_server: EmbeddedNats, tmp_path: Path) -> None:
-    model = build_tiny_model(tmp_path / "model", seed=0)
+    model = build_tiny_model(tmp_path / "model", VOCAB, seed=0)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     runs = {name: f"resume-{name}-{uuid.uuid4().hex[:8]}" for name in ("a", "b")}
 
