@@ -2,7 +2,7 @@
 
 - `Nats-Msg-Id` = event id, so a re-publish after a crash or a retry is stored once.
 - In-flight bytes stay under `max_inflight_bytes`: the stream's intake queue is ~128 MB
-  and thousands of large async publishes got "429 too many requests" (MEASURED.md).
+  and thousands of large async publishes got "429 too many requests".
 - Every ack has a timeout: nats-py 2.16 can leave a `publish_async` future pending
   forever when the server answers with an error. A timed-out or failed publish is retried
   as a plain request publish, which dedup makes safe.

@@ -4,7 +4,7 @@ A reward function is named `module:function` and called as `function(response_te
 it returns a number, or a dict with "reward" plus named float components. Whatever it does
 instead — hang, raise, `sys.exit`, segfault, allocate without bound, write a huge file,
 return NaN or a string — the call ends in a failed `Score` with a one-line reason, and the
-pool replaces a process it lost and keeps serving (DESIGN invariant 4).
+pool replaces a process it lost and keeps serving (invariant 4 in docs/architecture.md).
 
 Each pool process is a fresh interpreter (`python -m consumers.reward_pool`) started with:
 - an environment without the worker's NATS_/JETRL_/OTEL_ variables: they are left out when

@@ -1,4 +1,4 @@
-"""The admission gate (DESIGN invariant 3) and the prompt feed it guards.
+"""The admission gate (invariant 3 in docs/architecture.md) and the prompt feed it guards.
 
 With v the latest weight version and d the groups the buffer dropped, a prompt is admitted while
 

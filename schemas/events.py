@@ -1,7 +1,7 @@
 """The five events of a run, each a frozen pydantic model with the common envelope.
 
 Ids are deterministic so that `Nats-Msg-Id` dedup and the consumers' own seen-sets make
-every publish idempotent (DESIGN "Idempotence everywhere"):
+every publish idempotent (so a retry or a redelivery is stored once):
     prompt      <run>/<epoch>/<index>
     trajectory  <prompt id>/<sample index>     (its RewardEvent reuses the same id)
     batch       <run>/step/<step>/<dp rank>/<micro index>

@@ -3,7 +3,7 @@
 The tool arms six crash points (`QUICK.faults`: buffer.mid_step and trainer.mid_checkpoint
 among them), one role's after another in its replacements, and lets the supervisor restart
 what dies; every point armed must fire, and the run must still finish with no prompt lost,
-no sample trained twice and no token staler than the bound (DESIGN invariants 1-3). Takes
+no sample trained twice and no token staler than the bound (invariant 1-3 in docs/architecture.md). Takes
 2-3 minutes on 2 busy cores.
 """
 
