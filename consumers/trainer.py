@@ -26,6 +26,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from bus import tracing
 from bus.dead import dead_letter
 from bus.metrics import STALENESS, TRAIN_STEP_SECONDS, count_samples
+from bus.topology import BATCHES, WEIGHTS, metrics_key
 from bus.worker import Reject, stop_on_signals
 from consumers.checks import ModelLimits
 from consumers.crashpoints import TRAINER_METRICS_WRITTEN, TRAINER_MID_CHECKPOINT, TRAINER_MID_STEP
@@ -118,7 +119,7 @@ async def publish_weights(rt: Runtime, engine: TorchTrainEngine) -> None:
         event = await put_version(
             rt.js, rt.topology.object_bucket, rt.topology.run, rt.source, engine.step, engine.export_weights()
         )
-        await rt.publisher.publish(rt.topology.subject("weights"), event)
+        await rt.publisher.publish(WEIGHTS, event)
 
 
 async def main() -> None:
@@ -140,7 +141,7 @@ async def main() -> None:
     stop = asyncio.Event()
     stop_on_signals(stop)
     sub = await rt.js.subscribe(
-        rt.topology.subject("batches", rank), ordered_consumer=True,
+        rt.topology.subject(BATCHES, rank), ordered_consumer=True,
         config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=state["last_seq"] + 1),
     )
     pending: list[BatchEvent] = []  # micro-batches of the step to train on
@@ -148,7 +149,7 @@ async def main() -> None:
 
     async def skip(msg: Msg, reason: Exception) -> None:
         log.warning("batch at sequence %d skipped: %s", msg.metadata.sequence.stream, reason)
-        await dead_letter(rt.publisher, rt.topology, "trainer", msg, str(reason))
+        await dead_letter(rt.publisher, "trainer", msg, str(reason))
 
     while engine.step < cfg.trainer.steps and not stop.is_set():
         try:
@@ -190,7 +191,7 @@ async def main() -> None:
         # checkpoint and never trains this step again, so metrics put after it could be lost
         # for good, and the producer waits for every step's metrics (ops.chaos). Put before,
         # a kill makes the restarted trainer retrain the step and put them again.
-        await rt.kv.put(f"metrics.{rank}.{metrics['step']}", json.dumps(metrics).encode())
+        await rt.kv.put(metrics_key(rank, metrics["step"]), json.dumps(metrics).encode())
         TRAINER_METRICS_WRITTEN(f"step {metrics['step']}")
         if engine.step % cfg.trainer.checkpoint_every == 0 or engine.step == cfg.trainer.steps:
             await asyncio.to_thread(

@@ -25,14 +25,14 @@ import sys
 import time
 from pathlib import Path
 
-import nats.errors
 from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from bus import metrics, tracing
 from bus.connection import ConnectRefused, connect
 from bus.embedded import EmbeddedNats
-from bus.topology import Topology, run_id_arg
+from bus.lag import queue_lag
+from bus.topology import PROMPTS, WEIGHTS, Topology, dropped_prompt, metrics_prefix, run_id_arg
 from consumers.crashpoints import PRODUCER_MID_PUBLISH
 from consumers.fleet import Supervisor, local_fleet
 from consumers.runtime import CannotAttach, Runtime, attach, publish_config
@@ -65,7 +65,7 @@ class Producer:
         Messages at the end that are not prompts (poison; the rollout dead-letters it) are
         stepped over: the last prompt is the last message that decodes as one.
         """
-        stream = self.rt.topology.stream("prompts")
+        stream = self.rt.topology.stream(PROMPTS)
         state = (await self.rt.js.stream_info(stream)).state
         if state.messages == 0:
             return 0
@@ -80,7 +80,7 @@ class Producer:
     async def watch(self) -> None:
         """Follow weight versions, drops and per-step metrics; wake the gate on each."""
         weights = await self.rt.js.subscribe(
-            self.rt.topology.subject("weights"), ordered_consumer=True, deliver_policy=DeliverPolicy.LAST
+            self.rt.topology.subject(WEIGHTS), ordered_consumer=True, deliver_policy=DeliverPolicy.LAST
         )
         kv_watch = await self.rt.kv.watch(">")
 
@@ -98,9 +98,9 @@ class Producer:
             async for entry in kv_watch:
                 if entry is None or entry.value is None:
                     continue
-                if entry.key.startswith("drop."):
+                if dropped_prompt(entry.key) is not None:
                     self.dropped.add(entry.key)
-                elif entry.key.startswith("metrics.0."):
+                elif entry.key.startswith(metrics_prefix(0)):
                     m = json.loads(entry.value)
                     self.metrics[m["step"]] = m
                 self.changed.set()
@@ -125,7 +125,7 @@ class Producer:
                     prompt=record.get("prompt"), messages=record.get("messages"), task=record["task"],
                     n=self.cfg.data.n, sampling=self.cfg.data.sampling, admitted_version=self.version,
                 )
-                await self.rt.publisher.publish(self.rt.topology.subject("prompts"), event)
+                await self.rt.publisher.publish(PROMPTS, event)
                 PRODUCER_MID_PUBLISH(prompt_id)
             metrics.PROMPTS.add(1)
             issued += 1
@@ -134,15 +134,12 @@ class Producer:
         """Each work queue's pending + in-flight count; `?` for one the server cannot say now
         (its stream is electing a leader, say): a display must not stop the run."""
         parts = []
-        for role, queue in self.rt.topology.queues.items():
-            try:
-                info = await self.rt.js.consumer_info(self.rt.topology.stream(queue.stage), queue.durable)
-            except (nats.errors.Error, asyncio.TimeoutError) as exc:
-                log.info("queue %s: no consumer info now: %s", role, exc)
+        for role, lag in (await queue_lag(self.rt.js, self.rt.topology)).items():
+            if lag is None:
                 parts.append(f"{role} ?")
                 continue
-            metrics.set_queue_depth(role, info.num_pending, info.num_ack_pending)
-            parts.append(f"{role} {info.num_pending}+{info.num_ack_pending}")
+            metrics.set_queue_depth(role, lag.pending, lag.in_flight)
+            parts.append(f"{role} {lag.pending}+{lag.in_flight}")
         return " ".join(parts)
 
     async def progress(self, started: float, every: float = 2.0) -> None:
