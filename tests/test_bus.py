@@ -20,10 +20,10 @@ from nats.js import JetStreamContext
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.publisher import EventTooLarge, Publisher
-from bus.topology import CHANNELS, TRAJECTORIES, WORK_QUEUES, Topology
+from bus.topology import BATCHES, CHANNELS, DEAD, REWARDS, TRAJECTORIES, WORK_QUEUES, Topology
 from bus.worker import Worker, WorkerOptions
 from schemas import TrajectoryEvent, encode
-from tests.helpers import dead_letters, messages, trajectory, wait_for
+from tests.helpers import dead_letters, messages, reward, trajectory, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 BODY_SECONDS = 60.0
@@ -133,6 +133,28 @@ def test_event_over_max_payload_is_refused_before_sending(nats_server: EmbeddedN
         with pytest.raises(EventTooLarge, match="over the 8388608-byte max payload"):
             await Publisher(js, topology).publish(TRAJECTORIES, trajectory(topology.run, tokens=1 << 20))
         assert await messages(js, topology, TRAJECTORIES) == 0
+
+    run_bus(nats_server, topology, body)
+
+
+def test_a_channel_takes_only_its_event_class_and_its_token(nats_server: EmbeddedNats, topology: Topology) -> None:
+    """Publishing a reward on the trajectories channel, or a batch without its rank, is a
+    caller's bug: refused before anything is sent, so no reader ever dead-letters it."""
+
+    async def body(js: JetStreamContext) -> None:
+        publisher = Publisher(js, topology)
+        wrong = reward(topology.run)
+        with pytest.raises(TypeError, match="channel trajectories carries TrajectoryEvent, not RewardEvent"):
+            await publisher.publish(TRAJECTORIES, wrong)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="channel dead carries raw bytes"):
+            await publisher.publish(DEAD, wrong)
+        with pytest.raises(ValueError, match=r"channel batches takes one token \(rank\)"):
+            await publisher.send_bytes(BATCHES, b"x", "x")
+        with pytest.raises(ValueError, match="channel rewards takes no token"):
+            await publisher.publish(REWARDS, wrong, 0)
+        with pytest.raises(TypeError, match="a Channel of bus.topology"):
+            topology.subject("trajectories")  # type: ignore[arg-type]
+        assert [await messages(js, topology, c) for c in CHANNELS] == [0] * len(CHANNELS)
 
     run_bus(nats_server, topology, body)
 

@@ -36,7 +36,7 @@ from schemas.config import RunConfig
 from tests.helpers import messages, trajectory
 
 ROOT = Path(__file__).resolve().parent.parent
-EXIT_SECONDS = 120.0
+EXIT_SECONDS = 60.0
 """How long a failed stage may take to exit, start-up (torch, the model) included."""
 SCORE_SECONDS = 2.0
 """How long each reward takes: long enough that SIGTERM finds them in flight."""
