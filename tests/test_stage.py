@@ -27,7 +27,12 @@ from bus.embedded import EmbeddedNats
 from bus.lag import queue_lag
 from bus.publisher import Publisher
 from bus.topology import REWARDS, TRAJECTORIES, WEIGHTS, Topology
-from consumers.crashpoints import CRASH_AT, CRASH_RECORD, FAIL_AT, ROLLOUT_MID_WEIGHT_LOAD
+from consumers.crashpoints import (
+    CRASH_AT,
+    CRASH_RECORD,
+    FAIL_AT,
+    ROLLOUT_MID_WEIGHT_LOAD,
+)
 from consumers.runtime import publish_config
 from engines.tiny import build_tiny_model
 from engines.weights import put_version
