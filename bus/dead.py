@@ -1,11 +1,11 @@
-"""Dead letters: the original bytes and the reason, on `rl.<run>.dead.<stage>`."""
+"""Dead letters (the `DEAD` channel): the original bytes and the reason, on `rl.<run>.dead.<stage>`."""
 
 from __future__ import annotations
 
 from nats.aio.msg import Msg
 
 from bus.publisher import Publisher
-from bus.topology import Topology
+from bus.topology import DEAD
 
 REASON = "Jetrl-Dead-Reason"
 STAGE = "Jetrl-Dead-Stage"
@@ -18,7 +18,7 @@ TRUNCATED = "Jetrl-Original-Size"
 HEADERS_ROOM = 4096
 
 
-async def dead_letter(publisher: Publisher, topology: Topology, stage: str, msg: Msg, reason: str) -> None:
+async def dead_letter(publisher: Publisher, stage: str, msg: Msg, reason: str) -> None:
     """Store `msg` as a dead letter of `stage`; idempotent per original stream sequence."""
     meta = msg.metadata
     # Headers are one line each: keep the reason short and printable.
@@ -36,4 +36,4 @@ async def dead_letter(publisher: Publisher, topology: Topology, stage: str, msg:
     data = msg.data
     if len(data) > publisher.max_payload - HEADERS_ROOM:
         data, headers[TRUNCATED] = data[: publisher.max_payload - HEADERS_ROOM], str(len(data))
-    await (await publisher.send_bytes(topology.subject("dead", stage), data, msg_id, headers=headers))
+    await (await publisher.send_bytes(DEAD, data, msg_id, stage, headers=headers))

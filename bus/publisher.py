@@ -17,14 +17,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from typing import TypeVar
 
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
 from bus import tracing
 from bus.embedded import MAX_PAYLOAD
+from bus.topology import Channel, Topology
 from schemas.codec import encode
 from schemas.events import Event
+
+E = TypeVar("E", bound=Event)
 
 log = logging.getLogger("jetrl.publisher")
 
@@ -45,15 +49,19 @@ def wire_size(data: bytes, headers: dict[str, str]) -> int:
 
 
 class Publisher:
+    """Publishes a run's events on its channels (`bus.topology.CHANNELS`)."""
+
     def __init__(
         self,
         js: JetStreamContext,
+        topology: Topology,
         max_inflight_bytes: int = 32 << 20,
         ack_timeout: float = 10.0,
         retry_for: float = 30.0,
         max_payload: int = MAX_PAYLOAD,
     ) -> None:
         self.js = js
+        self.topology = topology
         self.max_inflight_bytes = max_inflight_bytes
         self.ack_timeout = ack_timeout
         self.retry_for = retry_for
@@ -66,25 +74,36 @@ class Publisher:
         self._retries: set[asyncio.Task[PubAck]] = set()
 
     async def send(
-        self, subject: str, event: Event, attributes: dict[str, str | int | float] | None = None
+        self, channel: Channel[E], event: E, *tokens: str | int, attributes: dict[str, str | int | float] | None = None
     ) -> asyncio.Future[PubAck]:
-        """Start publishing `event`; return once it is in flight. Await the result for the ack."""
-        return await self.send_bytes(subject, encode(event), event.id, attributes=attributes)
+        """Start publishing `event` on `channel` (with its rank or stage token, if it has one);
+        return once it is in flight. Await the result for the ack.
+
+        TypeError for an event that is not the channel's class: the readers would dead-letter
+        every one of them, so it is a bug in the caller, not bad input.
+        """
+        if channel.event is None or not isinstance(event, channel.event):
+            expected = channel.event.__name__ if channel.event else "raw bytes (send_bytes)"
+            raise TypeError(f"channel {channel.name} carries {expected}, not {type(event).__name__}")
+        return await self.send_bytes(channel, encode(event), event.id, *tokens, attributes=attributes)
 
     async def publish(
-        self, subject: str, event: Event, attributes: dict[str, str | int | float] | None = None
+        self, channel: Channel[E], event: E, *tokens: str | int, attributes: dict[str, str | int | float] | None = None
     ) -> PubAck:
-        """Publish `event` and wait until the stream has stored it."""
-        return await (await self.send(subject, event, attributes))
+        """Publish `event` on `channel` and wait until the stream has stored it."""
+        return await (await self.send(channel, event, *tokens, attributes=attributes))
 
     async def send_bytes(
         self,
-        subject: str,
+        channel: Channel,
         data: bytes,
         msg_id: str,
+        *tokens: str | int,
         headers: dict[str, str] | None = None,
         attributes: dict[str, str | int | float] | None = None,
     ) -> asyncio.Future[PubAck]:
+        """Start publishing bytes as they are (dead letters keep the original's)."""
+        subject = self.topology.subject(channel, *tokens)
         headers = tracing.send_headers(subject, msg_id, {**(headers or {}), MSG_ID: msg_id}, attributes)
         if (size := wire_size(data, headers)) > self.max_payload:
             raise EventTooLarge(f"{msg_id}: {size} bytes is over the {self.max_payload}-byte max payload")

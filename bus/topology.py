@@ -1,5 +1,13 @@
 """The streams, durable consumers, KV buckets and object store of one run, declared once.
 
+Every data flow between processes is a `Channel` in the `CHANNELS` table below: its stream,
+the event it carries, whether its subject has a per-rank or per-stage token, its durable
+work queue (when competing workers share it), which roles publish it and which read it, and
+how. Publishing takes a channel and an event (`Publisher.publish`), serving takes a channel
+and a handler (`bus.worker.Worker`); permissions (`ops.security`), `ops.status`, `ops.chaos`,
+the audit and the architecture page derive from the table instead of restating it. Roles
+appear here as plain names only: `bus` knows no stage's code.
+
 Applying is idempotent: what is missing is created, so every process may call `apply` at
 start-up; only an explicit update changes what exists.
 """
@@ -7,7 +15,10 @@ start-up; only an explicit update changes what exists.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass, field
+from enum import Enum
+from typing import Generic, TypeVar
 
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -23,15 +34,23 @@ from nats.js.api import (
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from bus.embedded import MAX_PAYLOAD
+from schemas.events import (
+    BatchEvent,
+    Event,
+    PromptEvent,
+    RewardEvent,
+    TrajectoryEvent,
+    WeightVersionEvent,
+)
 from schemas.names import check_run_id
+
+E = TypeVar("E", bound=Event)
 
 GiB = 1 << 30
 DAY = 24 * 3600.0
 # Long enough that a redelivery after a restart is still deduplicated by the server
 # (the default is 2 minutes); consumers also drop ids they have already seen.
 DEDUP_WINDOW = 3600.0
-
-STAGES = ("prompts", "trajectories", "rewards", "batches", "weights", "dead")
 
 
 def run_id_arg(value: str) -> str:
@@ -42,18 +61,172 @@ def run_id_arg(value: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+# Channels -------------------------------------------------------------------------------
+
+
+class Read(Enum):
+    """How a role reads a channel; each way needs its own permissions (`ops.security`)."""
+
+    WORK_QUEUE = "work queue"
+    """Competing workers share the channel's durable consumer: each message goes to one, acked."""
+    BY_POSITION = "by position"
+    """An ordered consumer from a stream sequence the reader keeps (the trainer's checkpoint)."""
+    BROADCAST = "broadcast"
+    """An ordered consumer from the last message on: every reader sees every new value."""
+    REPLAY = "replay"
+    """The whole stream once, in order, at start-up."""
+    LAST_STORED = "last stored"
+    """Single messages by sequence, from the end back (a producer resuming after its last)."""
+
+
+@dataclass(frozen=True)
+class Reader:
+    role: str
+    read: Read
+
+
 @dataclass(frozen=True)
 class WorkQueue:
-    """A durable pull consumer shared by the competing workers of one stage."""
+    """A durable pull consumer shared by the competing workers of one channel."""
 
-    stage: str
-    """Stream it reads (one of STAGES)."""
     durable: str
     """Consumer name, the role of its workers."""
     ack_wait: float
     """Seconds before an unacked message is redelivered (workers heartbeat with in_progress)."""
     max_ack_pending: int
     """Most messages handed out and not yet acked, over all workers."""
+
+
+@dataclass(frozen=True)
+class Channel(Generic[E]):
+    """One data flow between processes: a stream, its subject and event, who writes and reads it."""
+
+    name: str
+    """The stream stage: `rl.<run>.<name>` is its subject, `RL_<run>_<NAME>` its stream."""
+    event: type[E] | None
+    """The event class every message is; None for `dead`, which keeps the original bytes."""
+    token: str | None
+    """What the one extra subject token names (`batches.<rank>`), None for a plain subject."""
+    publishers: tuple[str, ...]
+    readers: tuple[Reader, ...]
+    queue: WorkQueue | None = None
+    """The durable work queue, when competing workers share the channel."""
+
+    @property
+    def consumers(self) -> tuple[str, ...]:
+        """The roles that read the channel, in any way."""
+        return tuple(dict.fromkeys(reader.role for reader in self.readers))
+
+    @property
+    def work_queue(self) -> WorkQueue:
+        """The channel's work queue; ValueError for a channel that is not one."""
+        if self.queue is None:
+            raise ValueError(f"channel {self.name} has no work queue")
+        return self.queue
+
+    def with_queue(self, **changes: object) -> Channel[E]:
+        """This channel with its work queue's settings changed: a test's short ack_wait, or an
+        operator's (what the server has wins over the table: `bus.worker.consumer_ack_wait`)."""
+        return dataclasses.replace(self, queue=dataclasses.replace(self.work_queue, **changes))  # type: ignore[arg-type]
+
+
+PROMPTS: Channel[PromptEvent] = Channel(
+    "prompts", PromptEvent, None, publishers=("producer",),
+    readers=(Reader("rollout", Read.WORK_QUEUE), Reader("producer", Read.LAST_STORED)),
+    queue=WorkQueue("rollout", ack_wait=60.0, max_ack_pending=1024),
+)
+TRAJECTORIES: Channel[TrajectoryEvent] = Channel(
+    "trajectories", TrajectoryEvent, None, publishers=("rollout",), readers=(Reader("reward", Read.WORK_QUEUE),),
+    queue=WorkQueue("reward", ack_wait=60.0, max_ack_pending=4096),
+)
+REWARDS: Channel[RewardEvent] = Channel(
+    "rewards", RewardEvent, None, publishers=("reward",), readers=(Reader("buffer", Read.WORK_QUEUE),),
+    # The buffer holds scored samples unacked until they are inside a stored batch, so its
+    # pending window must hold several steps of samples.
+    queue=WorkQueue("buffer", ack_wait=120.0, max_ack_pending=65536),
+)
+BATCHES: Channel[BatchEvent] = Channel(
+    "batches", BatchEvent, "rank", publishers=("buffer",),
+    readers=(Reader("trainer", Read.BY_POSITION), Reader("buffer", Read.REPLAY)),
+)
+WEIGHTS: Channel[WeightVersionEvent] = Channel(
+    "weights", WeightVersionEvent, None, publishers=("trainer",),
+    readers=(Reader("rollout", Read.BROADCAST), Reader("producer", Read.BROADCAST)),
+)
+DEAD: Channel[Event] = Channel(
+    "dead", None, "stage", publishers=("rollout", "reward", "buffer", "trainer"), readers=(),
+)
+"""What a stage cannot use, with the reason, under the stage that refused it (read by the operator)."""
+
+CHANNELS: tuple[Channel, ...] = (PROMPTS, TRAJECTORIES, REWARDS, BATCHES, WEIGHTS, DEAD)
+WORK_QUEUES: tuple[Channel, ...] = tuple(c for c in CHANNELS if c.queue is not None)
+"""The channels that competing workers share through a durable consumer."""
+
+
+def served_by(role: str) -> Channel | None:
+    """The channel whose work queue `role`'s workers share, if any."""
+    return next((c for c in WORK_QUEUES if c.work_queue.durable == role), None)
+
+
+# KV keys ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KvKey:
+    """A family of keys in the run's KV bucket that crosses processes."""
+
+    pattern: str
+    """Its keys, as the docs write them."""
+    filter: str
+    """The subject filter of its keys under `$KV.<bucket>.` (for watches and permissions)."""
+    writers: tuple[str, ...]
+    why: str
+
+
+CONFIG = KvKey("config", "config", ("producer",), "the run's config, read by every worker at start-up")
+DROPS = KvKey("drop.<prompt id>", "drop.>", ("buffer",), "a dropped group and why: the gate replaces it")
+METRICS = KvKey("metrics.<rank>.<step>", "metrics.>", ("trainer",), "a trained step's numbers")
+KV_KEYS: tuple[KvKey, ...] = (CONFIG, DROPS, METRICS)
+
+CONFIG_KEY = CONFIG.pattern
+_DROP, _METRICS = "drop.", "metrics."
+
+
+def drop_key(prompt_id: str) -> str:
+    return f"{_DROP}{prompt_id}"
+
+
+def dropped_prompt(key: str) -> str | None:
+    """The prompt id of a drop key, None for another key."""
+    return key.removeprefix(_DROP) if key.startswith(_DROP) else None
+
+
+def metrics_key(rank: int, step: int) -> str:
+    return f"{_METRICS}{rank}.{step}"
+
+
+def metrics_prefix(rank: int | None = None) -> str:
+    """`metrics.` or, for one rank, `metrics.<rank>.`: what its keys start with."""
+    return _METRICS if rank is None else f"{_METRICS}{rank}."
+
+
+def markdown_tables() -> str:
+    """The channel and KV key tables as the architecture page shows them (a test keeps it so)."""
+    rows = ["| channel | subject | event | work queue | published by | read by (how) |", "| --- " * 6 + "|"]
+    for c in CHANNELS:
+        subject = f"`rl.<run>.{c.name}{f'.<{c.token}>' if c.token else ''}`"
+        event = f"`{c.event.__name__}`" if c.event else "the original bytes, reason in headers"
+        queue = "-" if c.queue is None else (
+            f"`{c.queue.durable}`: ack_wait {c.queue.ack_wait:g} s, at most {c.queue.max_ack_pending} unacked"
+        )
+        readers = ", ".join(f"{r.role} ({r.read.value})" for r in c.readers) or "the operator (`ops.status`)"
+        rows.append(f"| `{c.name}` | {subject} | {event} | {queue} | {', '.join(c.publishers)} | {readers} |")
+    rows += ["", "| KV key (bucket `rl_<run>`) | written by | what |", "| --- | --- | --- |"]
+    rows += [f"| `{k.pattern}` | {', '.join(k.writers)} | {k.why} |" for k in KV_KEYS]
+    return "\n".join(rows) + "\n"
+
+
+# The run's objects ------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -64,14 +237,15 @@ class Topology:
     replicas: int = 1
     max_bytes: dict[str, int] = field(
         default_factory=lambda: {
-            "prompts": 1 * GiB,
-            "trajectories": 4 * GiB,
-            "rewards": 4 * GiB,
-            "batches": 8 * GiB,
-            "weights": 64 << 20,
-            "dead": 1 * GiB,
+            PROMPTS.name: 1 * GiB,
+            TRAJECTORIES.name: 4 * GiB,
+            REWARDS.name: 4 * GiB,
+            BATCHES.name: 8 * GiB,
+            WEIGHTS.name: 64 << 20,
+            DEAD.name: 1 * GiB,
         }
     )
+    """Per channel name."""
     max_age: float = 7 * DAY
     member_ttl: float = 15.0
     """Seconds a worker's membership entry lives without a heartbeat (set when the bucket is created)."""
@@ -82,11 +256,28 @@ class Topology:
             raise ValueError(f"replicas must be 1, 3 or 5, got {self.replicas}")
 
     # Subjects ---------------------------------------------------------------
-    def subject(self, stage: str, *tokens: str | int) -> str:
-        return ".".join(["rl", self.run, stage, *map(str, tokens)])
+    def subject(self, channel: Channel, *tokens: str | int) -> str:
+        """`rl.<run>.<channel>`, plus its one token (a rank, a stage, or a wildcard) if it has one."""
+        if not isinstance(channel, Channel):
+            raise TypeError(f"a Channel of bus.topology (PROMPTS, BATCHES, ...), not {channel!r}")
+        if len(tokens) != (channel.token is not None):
+            what = f"one token ({channel.token})" if channel.token else "no token"
+            raise ValueError(f"channel {channel.name} takes {what}, got {tokens}")
+        return ".".join(["rl", self.run, channel.name, *map(str, tokens)])
 
-    def stream(self, stage: str) -> str:
-        return f"RL_{self.run}_{stage.upper()}"
+    def subjects(self, channel: Channel) -> str:
+        """The subject, or wildcard, of every message of `channel` (every rank's, every stage's)."""
+        return self.subject(channel, ">") if channel.token else self.subject(channel)
+
+    @property
+    def all_subjects(self) -> str:
+        """The wildcard of every channel's subject of the run."""
+        return f"rl.{self.run}.>"
+
+    def stream(self, channel: Channel) -> str:
+        if not isinstance(channel, Channel):
+            raise TypeError(f"a Channel of bus.topology (PROMPTS, BATCHES, ...), not {channel!r}")
+        return f"RL_{self.run}_{channel.name.upper()}"
 
     @property
     def kv_bucket(self) -> str:
@@ -101,25 +292,13 @@ class Topology:
     def object_bucket(self) -> str:
         return f"rl_{self.run}_weights"
 
-    # Work sharing -----------------------------------------------------------
-    @property
-    def queues(self) -> dict[str, WorkQueue]:
-        return {
-            "rollout": WorkQueue("prompts", "rollout", ack_wait=60.0, max_ack_pending=1024),
-            "reward": WorkQueue("trajectories", "reward", ack_wait=60.0, max_ack_pending=4096),
-            # The buffer holds scored samples unacked until they are inside a stored batch,
-            # so its pending window must hold several steps of samples.
-            "buffer": WorkQueue("rewards", "buffer", ack_wait=120.0, max_ack_pending=65536),
-        }
-
-    def stream_config(self, stage: str) -> StreamConfig:
-        subjects = [self.subject(stage, ">")] if stage in ("batches", "dead") else [self.subject(stage)]
+    def stream_config(self, channel: Channel) -> StreamConfig:
         return StreamConfig(
-            name=self.stream(stage),
-            subjects=subjects,
+            name=self.stream(channel),
+            subjects=[self.subjects(channel)],
             retention=RetentionPolicy.LIMITS,
             discard=DiscardPolicy.OLD,
-            max_bytes=self.max_bytes[stage],
+            max_bytes=self.max_bytes[channel.name],
             max_age=self.max_age,
             max_msg_size=MAX_PAYLOAD,
             storage=StorageType.FILE,
@@ -128,7 +307,9 @@ class Topology:
             allow_direct=True,
         )
 
-    def consumer_config(self, queue: WorkQueue) -> ConsumerConfig:
+    def consumer_config(self, channel: Channel) -> ConsumerConfig:
+        """The durable consumer of `channel`'s work queue."""
+        queue = channel.work_queue
         return ConsumerConfig(
             durable_name=queue.durable,
             ack_policy=AckPolicy.EXPLICIT,
@@ -139,7 +320,7 @@ class Topology:
             max_deliver=-1,
             max_ack_pending=queue.max_ack_pending,
             max_waiting=512,
-            filter_subject=self.subject(queue.stage),
+            filter_subject=self.subject(channel),
             num_replicas=self.replicas,
         )
 
@@ -150,8 +331,8 @@ class Topology:
         `ops.streams apply`): every worker applies at start-up, and one started with other
         settings (say `--replicas 1` on a 3-replica run) must not reconfigure the run.
         """
-        for stage in STAGES:
-            config = self.stream_config(stage)
+        for channel in CHANNELS:
+            config = self.stream_config(channel)
             try:
                 await js.stream_info(config.name)  # type: ignore[arg-type]
             except NotFoundError:
@@ -159,14 +340,14 @@ class Topology:
             else:
                 if update:
                     await js.update_stream(config)
-        for queue in self.queues.values():
+        for channel in WORK_QUEUES:
             try:
-                await js.consumer_info(self.stream(queue.stage), queue.durable)
+                await js.consumer_info(self.stream(channel), channel.work_queue.durable)
             except NotFoundError:
-                await js.add_consumer(self.stream(queue.stage), self.consumer_config(queue))
+                await js.add_consumer(self.stream(channel), self.consumer_config(channel))
             else:
                 if update:
-                    await js.add_consumer(self.stream(queue.stage), self.consumer_config(queue))
+                    await js.add_consumer(self.stream(channel), self.consumer_config(channel))
         for bucket, ttl in ((self.kv_bucket, None), (self.members_bucket, self.member_ttl)):
             try:
                 await js.key_value(bucket)
@@ -180,9 +361,9 @@ class Topology:
             )
 
     async def delete(self, js: JetStreamContext) -> None:
-        for stage in STAGES:
+        for channel in CHANNELS:
             try:
-                await js.delete_stream(self.stream(stage))
+                await js.delete_stream(self.stream(channel))
             except NotFoundError:
                 pass
         for delete, bucket in (

@@ -28,7 +28,7 @@ from bus.connection import JetStream
 from bus.dead import dead_letter
 from bus.publisher import Publisher
 from bus.pull import Puller
-from bus.topology import Topology, WorkQueue
+from bus.topology import Channel, Topology, WorkQueue
 from schemas.codec import DecodeError, decode
 from schemas.events import Event
 
@@ -64,12 +64,12 @@ Handler = Callable[[E, Msg], Awaitable[Hold | None]]
 
 @dataclass
 class Worker(Generic[E]):
-    """Runs `handler` over the durable queue `queue` until `stop` is set."""
+    """Serves `channel`'s work queue with `handler` until `stop` is set: each message decoded
+    to the channel's event class."""
 
     js: JetStreamContext
     topology: Topology
-    queue: WorkQueue
-    event_type: type[E]
+    channel: Channel[E]
     handler: Handler[E]
     publisher: Publisher
     options: WorkerOptions = WorkerOptions()
@@ -82,14 +82,30 @@ class Worker(Generic[E]):
                 "make the context with bus.connection.connect(...).jetstream()"
             )
 
+    @property
+    def queue(self) -> WorkQueue:
+        return self.channel.work_queue
+
     async def run(self, stop: asyncio.Event) -> None:
+        """Fetch and handle until `stop`, then drain. The heartbeat runs in a TaskGroup with the
+        loop: should it fail, the loop is cancelled and the error raised, rather than handlers
+        running on while the server hands their messages to others."""
         assert isinstance(self.js, JetStream)
-        puller = Puller(self.js, self.topology.stream(self.queue.stage), self.queue.durable)
+        puller = Puller(self.js, self.topology.stream(self.channel), self.queue.durable)
         await puller.open()
+        ack_wait = await consumer_ack_wait(self.js, self.topology, self.channel)
+        try:
+            async with asyncio.TaskGroup() as group:
+                heartbeat = group.create_task(self._heartbeat(ack_wait))
+                await self._serve(puller, stop)
+                heartbeat.cancel()
+        finally:
+            await puller.close()
+
+    async def _serve(self, puller: Puller, stop: asyncio.Event) -> None:
         tasks: set[asyncio.Task[None]] = set()
         half = self.options.concurrency // 2
         room = asyncio.Event()
-        heartbeat = asyncio.create_task(self._heartbeat(await consumer_ack_wait(self.js, self.topology, self.queue)))
 
         def done(task: asyncio.Task[None]) -> None:
             tasks.discard(task)
@@ -117,8 +133,6 @@ class Worker(Generic[E]):
         # Drain: finish what was fetched; unfetched messages stay in the stream.
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-        heartbeat.cancel()
-        await puller.close()
 
     async def _handle(self, msg: Msg) -> None:
         deliveries = msg.metadata.num_delivered
@@ -126,7 +140,7 @@ class Worker(Generic[E]):
             await self._dead(msg, f"gave up after {deliveries - 1} deliveries")
             return
         try:
-            event = decode(msg.data, self.event_type)
+            event = decode(msg.data, self.channel.event)  # type: ignore[arg-type]
         except DecodeError as exc:
             await self._dead(msg, str(exc))
             return
@@ -161,19 +175,19 @@ class Worker(Generic[E]):
 
     async def _dead(self, msg: Msg, reason: str) -> None:
         log.warning("%s: dead letter (seq %d): %s", self.queue.durable, msg.metadata.sequence.stream, reason)
-        await dead_letter(self.publisher, self.topology, self.queue.durable, msg, reason)
+        await dead_letter(self.publisher, self.queue.durable, msg, reason)
         await msg.term()
 
 
-async def consumer_ack_wait(js: JetStreamContext, topology: Topology, queue: WorkQueue) -> float:
+async def consumer_ack_wait(js: JetStreamContext, topology: Topology, channel: Channel) -> float:
     """The ack_wait of the work queue's consumer as the server has it, which heartbeats must beat.
 
-    Not `queue.ack_wait`: that is only the default the first process to declare the queue
-    used. An operator (or `ops.chaos`, which shortens it so a killed worker's messages come
-    back sooner) may have declared it shorter, and a heartbeat paced by the longer default
+    Not the table's `ack_wait`: that is only the default the first process to declare the queue
+    used. An operator may have declared it shorter, and a heartbeat paced by the longer default
     would let held messages be redelivered while still being worked on.
     """
-    info = await js.consumer_info(topology.stream(queue.stage), queue.durable)
+    queue = channel.work_queue
+    info = await js.consumer_info(topology.stream(channel), queue.durable)
     return info.config.ack_wait or queue.ack_wait
 
 

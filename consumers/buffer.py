@@ -32,10 +32,12 @@ from opentelemetry.context import Context
 
 from bus import metrics, tracing
 from bus.dead import dead_letter
-from bus.worker import HOLD, Hold, Reject, Worker, WorkerOptions, consumer_ack_wait, stop_on_signals
+from bus.topology import BATCHES, REWARDS, drop_key
+from bus.worker import HOLD, Hold, Reject, WorkerOptions, consumer_ack_wait
 from consumers.crashpoints import BUFFER_MID_STEP, BUFFER_STEP_STORED, armed
 from consumers.packing import BYTES_PER_TOKEN, Row, pack_step
-from consumers.runtime import Runtime, attach, run_worker, worker_args
+from consumers.runtime import Runtime
+from consumers.stage import Stage, run_stage
 from engines.algorithms import advantages
 from schemas import BatchEvent, DecodeError, RewardEvent, Tensor, decode
 
@@ -89,13 +91,13 @@ class BatchedSoFar:
 async def read_batches(rt: Runtime) -> BatchedSoFar:
     """Replay the batch stream once at start-up (an ordered consumer from the first message)."""
     seen = BatchedSoFar()
-    info = await rt.js.stream_info(rt.topology.stream("batches"))
+    info = await rt.js.stream_info(rt.topology.stream(BATCHES))
     if info.state.messages == 0:
         return seen
     counts: dict[tuple[int, int], tuple[int, int]] = {}  # (step, rank) -> (stored, micro_count)
     groups: dict[int, tuple[str, ...]] = {}
     sample_ids: dict[int, set[str]] = {}  # step -> the samples its stored micro-batches hold
-    sub = await rt.js.subscribe(rt.topology.subject("batches", ">"), ordered_consumer=True)
+    sub = await rt.js.subscribe(rt.topology.subject(BATCHES, ">"), ordered_consumer=True)
     for _ in range(info.state.messages):
         try:
             batch = decode((await sub.next_msg(timeout=10)).data, BatchEvent)
@@ -181,15 +183,15 @@ class Buffer:
         """Record the drop in KV (the producer replaces the group), then ack its samples, or
         with `dead` store each in `dead` with the reason and terminate it."""
         try:
-            await self.rt.kv.create(f"drop.{group.prompt_id}", reason.encode())
+            await self.rt.kv.create(drop_key(group.prompt_id), reason.encode())
         except KeyWrongLastSequenceError:
             pass  # dropped before a restart: recorded once
         del self.groups[group.prompt_id]
-        stage = self.rt.topology.queues["buffer"].durable  # the name the worker dead-letters under
+        stage = REWARDS.work_queue.durable  # the name the worker dead-letters under
         for reward, msg in group.samples.values():
             self.trace_outcome(reward, msg, reason=reason)
             if dead:
-                await dead_letter(self.rt.publisher, self.rt.topology, stage, msg, reason)
+                await dead_letter(self.rt.publisher, stage, msg, reason)
                 await msg.term()
             else:
                 await msg.ack()
@@ -287,7 +289,7 @@ class Buffer:
                         sample_ids=tuple(r.sample_id for r in mb.rows),
                         traceparents=tuple(r.traceparent for r in mb.rows), step_prompt_ids=step_groups,
                     )
-                    acks.append(await self.rt.publisher.send(self.rt.topology.subject("batches", rank), event))
+                    acks.append(await self.rt.publisher.send(BATCHES, event, rank))
                     if len(acks) == 1 and BUFFER_MID_STEP in armed():
                         await acks[0]
                         BUFFER_MID_STEP(f"step {step}")
@@ -297,7 +299,7 @@ class Buffer:
 
     async def heartbeat(self) -> None:
         """Held samples stay ours: tell the server before their ack_wait runs out."""
-        ack_wait = await consumer_ack_wait(self.rt.js, self.rt.topology, self.rt.topology.queues["buffer"])
+        ack_wait = await consumer_ack_wait(self.rt.js, self.rt.topology, REWARDS)
         while True:
             await asyncio.sleep(ack_wait / 3)
             for group in list(self.groups.values()):
@@ -305,20 +307,18 @@ class Buffer:
                     await msg.in_progress()
 
 
-async def main() -> None:
-    args = worker_args("buffer", __doc__.splitlines()[0])
-    rt = await attach("buffer", args.run, args.nats, args.replicas)
+async def build(rt: Runtime) -> Stage[RewardEvent]:
+    """The buffer stage: what the batch stream says first, then rewards served by
+    `Buffer.handle`, beside the heartbeat of the samples it holds."""
     buffer = Buffer(rt, await read_batches(rt))
-    stop = asyncio.Event()
-    stop_on_signals(stop)
-    heartbeat = asyncio.create_task(buffer.heartbeat())
     # Samples of several steps wait here unacked, so let many handlers be "in flight".
     options = WorkerOptions(concurrency=256, max_deliver=20)
-    worker = Worker(rt.js, rt.topology, rt.topology.queues["buffer"], RewardEvent, buffer.handle, rt.publisher, options)
-    await worker.run(stop)
-    heartbeat.cancel()
-    await rt.close()
+    return Stage(REWARDS, buffer.handle, options, helpers={"held samples heartbeat": buffer.heartbeat})
+
+
+def main() -> None:
+    run_stage("buffer", build, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":
-    run_worker("buffer", main())
+    main()

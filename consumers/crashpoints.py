@@ -19,6 +19,12 @@ creates `DIR/<name>` (exclusively) holding what it was doing, and a point whose 
 exists is disarmed. A supervised worker restarted with the same environment then runs on,
 and the record says which point each kill hit and when.
 
+    JETRL_FAIL_AT="rollout.mid_weight_load@1"
+
+makes the point raise `InjectedFailure` on that pass instead: an error the code there does
+not expect, to check that it takes its process down rather than leaving it up and idle
+(`consumers.stage`).
+
 (In the spirit of FoundationDB's fault injection: the code names its dangerous moments, and
 the tests hit those moments exactly instead of killing at a random time.)
 """
@@ -35,6 +41,11 @@ from pathlib import Path
 
 CRASH_AT = "JETRL_CRASH_AT"
 CRASH_RECORD = "JETRL_CRASH_RECORD"
+FAIL_AT = "JETRL_FAIL_AT"
+
+
+class InjectedFailure(RuntimeError):
+    """Raised at a point armed by JETRL_FAIL_AT."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,8 @@ class CrashPoint:
         """Die here if armed for this pass; `note` (what is being worked on) goes to the record."""
         if _armed and self.name in _armed:
             _pass(self, note)
+        if _failing and self.name in _failing:
+            _fail(self, note)
 
 
 POINTS: dict[str, CrashPoint] = {}
@@ -101,15 +114,16 @@ def armed() -> set[CrashPoint]:
     return {POINTS[name] for name in _armed}
 
 
-def parse(spec: str) -> dict[str, int]:
-    """`name@k,name@k` (k >= 1, default 1) -> {name: k}; ValueError in one line if bad."""
+def parse(spec: str, variable: str = CRASH_AT) -> dict[str, int]:
+    """`name@k,name@k` (k >= 1, default 1) -> {name: k}; ValueError in one line, naming
+    `variable`, if bad."""
     armed: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
         name, _, count = item.partition("@")
         if name not in POINTS:
-            raise ValueError(f"{CRASH_AT}: no crash point {name!r}; the points are {', '.join(POINTS)}")
+            raise ValueError(f"{variable}: no crash point {name!r}; the points are {', '.join(POINTS)}")
         if count and (not count.isdigit() or int(count) < 1):
-            raise ValueError(f"{CRASH_AT}: {item!r}: the pass after '@' must be a whole number >= 1")
+            raise ValueError(f"{variable}: {item!r}: the pass after '@' must be a whole number >= 1")
         armed[name] = int(count or 1)
     return armed
 
@@ -153,5 +167,13 @@ def _pass(point: CrashPoint, note: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _fail(point: CrashPoint, note: str) -> None:
+    _fail_passes[point.name] = _fail_passes.get(point.name, 0) + 1
+    if _fail_passes[point.name] == _failing[point.name]:
+        raise InjectedFailure(f"{FAIL_AT} {point.name} (pass {_fail_passes[point.name]}){': ' + note if note else ''}")
+
+
 _armed: dict[str, int] = parse(os.environ.get(CRASH_AT, ""))
 _passes: dict[str, int] = {}
+_failing: dict[str, int] = parse(os.environ.get(FAIL_AT, ""), FAIL_AT)
+_fail_passes: dict[str, int] = {}

@@ -75,14 +75,21 @@ class Membership:
         self._task: asyncio.Task[None] | None = None
 
     @classmethod
-    async def join(cls, js: JetStreamContext, topology: Topology, role: str) -> Membership:
-        """Write the first entry and start heartbeating."""
+    async def join(cls, js: JetStreamContext, topology: Topology, role: str, background: bool = True) -> Membership:
+        """Write the first entry; heartbeat from a task of its own if `background`, else the
+        caller runs `beat()` (a stage runs it under its TaskGroup, where a failure is seen)."""
         kv = await js.key_value(topology.members_bucket)
         ttl = (await kv.status()).ttl or topology.member_ttl
         membership = cls(kv, role, interval=ttl / BEATS_PER_TTL)
         await membership._put()
-        membership._task = asyncio.create_task(membership._beat())
+        if background:
+            membership._task = asyncio.create_task(membership.beat())
         return membership
+
+    @property
+    def background(self) -> bool:
+        """Whether the heartbeat runs as a task of its own (else the caller runs `beat`)."""
+        return self._task is not None
 
     def report(self, *, engine: str | None = None, weight_version: int | None = None) -> None:
         """Record what this worker runs or serves; the entry is rewritten now, not at the next beat."""
@@ -92,7 +99,8 @@ class Membership:
             self.member = self.member.model_copy(update={"weight_version": weight_version})
         self._changed.set()
 
-    async def _beat(self) -> None:
+    async def beat(self) -> None:
+        """Rewrite the entry every `interval` s, or at once after `report`, until cancelled."""
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), self.interval)

@@ -13,7 +13,6 @@ duplicate the stream drops. SIGTERM stops fetching, finishes what was fetched, a
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from nats.aio.msg import Msg
@@ -21,10 +20,12 @@ from opentelemetry.trace import StatusCode
 
 from bus import metrics, tracing
 from bus.publisher import EventTooLarge
-from bus.worker import Handler, Reject, Worker, WorkerOptions, stop_on_signals
+from bus.topology import REWARDS, TRAJECTORIES
+from bus.worker import Handler, Reject, WorkerOptions
 from consumers.crashpoints import REWARD_MID_SCORING
 from consumers.reward_pool import RewardPool, RewardSpecError
-from consumers.runtime import Runtime, attach, run_worker, worker_args
+from consumers.runtime import Runtime
+from consumers.stage import Stage, run_stage
 from schemas import RewardEvent, TrajectoryEvent
 
 log = logging.getLogger("jetrl.reward")
@@ -33,7 +34,6 @@ log = logging.getLogger("jetrl.reward")
 def reward_handler(rt: Runtime, pool: RewardPool) -> Handler[TrajectoryEvent]:
     """Score one trajectory with the run's reward function and store its RewardEvent."""
     fn = rt.config.data.reward
-    subject = rt.topology.subject("rewards")
 
     async def handle(event: TrajectoryEvent, _msg: Msg) -> None:
         with tracing.tracer.start_as_current_span(
@@ -57,7 +57,7 @@ def reward_handler(rt: Runtime, pool: RewardPool) -> Handler[TrajectoryEvent]:
             reason=score.reason,
         )
         try:
-            await rt.publisher.publish(subject, reward)
+            await rt.publisher.publish(REWARDS, reward)
         except EventTooLarge as exc:  # retrying cannot shrink it: straight to dead, with the reason
             raise Reject(str(exc)) from None
         metrics.count_samples("reward", "failed" if score.failed else "scored")
@@ -67,28 +67,26 @@ def reward_handler(rt: Runtime, pool: RewardPool) -> Handler[TrajectoryEvent]:
     return handle
 
 
-def reward_worker(rt: Runtime, pool: RewardPool, options: WorkerOptions | None = None) -> Worker[TrajectoryEvent]:
-    """The worker loop over the run's `reward` queue; by default twice as many messages in
-    hand as pool processes, so a process never waits for the next fetch."""
-    options = options or WorkerOptions(concurrency=2 * pool.processes)
-    queue = rt.topology.queues["reward"]
-    return Worker(rt.js, rt.topology, queue, TrajectoryEvent, reward_handler(rt, pool), rt.publisher, options)
+async def build(rt: Runtime) -> Stage[TrajectoryEvent]:
+    """The reward stage: trajectories scored in a process pool. A function that cannot be
+    imported would fail every sample: RewardSpecError refuses to start instead.
 
-
-async def main(run: str, url: str, replicas: int) -> None:
-    rt = await attach("reward", run, url, replicas)
-    stop = asyncio.Event()
-    stop_on_signals(stop)
+    Twice as many messages in hand as pool processes, so a process never waits for the next fetch.
+    """
+    pool = await RewardPool(rt.config.reward.processes, rt.config.reward.timeout).__aenter__()
     try:
-        async with RewardPool(rt.config.reward.processes, rt.config.reward.timeout) as pool:
-            # A function that cannot be imported would fail every sample: refuse to start instead.
-            await pool.resolve(rt.config.data.reward)
-            log.info("scoring run %s with %s in %d processes", run, rt.config.data.reward, pool.processes)
-            await reward_worker(rt, pool).run(stop)
-    finally:
-        await rt.close()
+        await pool.resolve(rt.config.data.reward)
+    except BaseException:
+        await pool.close()
+        raise
+    log.info("scoring run %s with %s in %d processes", rt.topology.run, rt.config.data.reward, pool.processes)
+    options = WorkerOptions(concurrency=2 * pool.processes)
+    return Stage(TRAJECTORIES, reward_handler(rt, pool), options, close=pool.close)
+
+
+def main() -> None:
+    run_stage("reward", build, "Score trajectories with the run's reward function.", RewardSpecError)
 
 
 if __name__ == "__main__":
-    args = worker_args("reward", "Score trajectories with the run's reward function.")
-    run_worker("reward", main(args.run, args.nats, args.replicas), RewardSpecError)
+    main()

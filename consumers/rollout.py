@@ -32,10 +32,12 @@ from transformers import AutoTokenizer
 
 from bus import metrics, tracing
 from bus.dead import dead_letter
-from bus.worker import Reject, Worker, WorkerOptions, stop_on_signals
+from bus.topology import PROMPTS, TRAJECTORIES, WEIGHTS
+from bus.worker import Reject, WorkerOptions
 from consumers.checks import ModelLimits
 from consumers.crashpoints import ROLLOUT_MID_GENERATION, ROLLOUT_MID_WEIGHT_LOAD, ROLLOUT_STORED_NOT_ACKED
-from consumers.runtime import Runtime, attach, run_worker, worker_args
+from consumers.runtime import Runtime
+from consumers.stage import Stage, run_stage
 from engines import protocols
 from engines.hf_rollout import HFRolloutEngine
 from engines.weights import WeightsRefused, check_manifest, get_version
@@ -114,7 +116,7 @@ class Rollout:
                 finish_reason=sample.finish_reason, task=prompt.task, engine="hf",
                 timings={"generate": seconds},
             )
-            acks.append(await self.rt.publisher.send(self.rt.topology.subject("trajectories"), trajectory))
+            acks.append(await self.rt.publisher.send(TRAJECTORIES, trajectory))
         await asyncio.gather(*acks)
         ROLLOUT_STORED_NOT_ACKED(prompt.id)
         metrics.count_samples("rollout", "generated", len(samples))
@@ -172,14 +174,14 @@ class Rollout:
 
     async def watch_weights(self) -> None:
         sub = await self.rt.js.subscribe(
-            self.rt.topology.subject("weights"), ordered_consumer=True, deliver_policy=DeliverPolicy.LAST
+            self.rt.topology.subject(WEIGHTS), ordered_consumer=True, deliver_policy=DeliverPolicy.LAST
         )
         async for msg in sub.messages:
             try:
                 await self.load_weights(decode(msg.data, WeightVersionEvent))
             except (DecodeError, WeightsRefused) as exc:  # reported, never loaded
                 log.error("weights refused, still serving v%d: %s", self.engine.version, exc)
-                await dead_letter(self.rt.publisher, self.rt.topology, "rollout", msg, f"weights refused: {exc}")
+                await dead_letter(self.rt.publisher, "rollout", msg, f"weights refused: {exc}")
             except nats.errors.Error as exc:  # the bytes could not be fetched now; a later version will be
                 log.warning("weights not loaded, still serving v%d: %s", self.engine.version, exc)
             self.gate.set()  # after the first event, whatever came of it
@@ -202,23 +204,22 @@ class Rollout:
         log.info("now serving weights v%d", event.version)
 
 
-async def main() -> None:
-    args = worker_args("rollout", __doc__.splitlines()[0])
-    rt = await attach("rollout", args.run, args.nats, args.replicas)
-    torch.set_num_threads(1)
+async def build(rt: Runtime) -> Stage[PromptEvent]:
+    """The rollout stage: prompts served by `Rollout.handle`, beside its batcher and weights watcher."""
     model = Path(rt.config.model.path or "")
     rollout = Rollout(rt, HFRolloutEngine(model, seed=rt.config.data.seed), AutoTokenizer.from_pretrained(model))
     rt.member.report(engine="hf", weight_version=rollout.engine.version)
-    stop = asyncio.Event()
-    stop_on_signals(stop)
-    helpers = [asyncio.create_task(rollout.batcher()), asyncio.create_task(rollout.watch_weights())]
-    options = WorkerOptions(concurrency=2 * rt.config.rollout.max_batch_prompts)
-    worker = Worker(rt.js, rt.topology, rt.topology.queues["rollout"], PromptEvent, rollout.handle, rt.publisher, options)
-    await worker.run(stop)
-    for task in helpers:
-        task.cancel()
-    await rt.close()
+    return Stage(
+        PROMPTS, rollout.handle, WorkerOptions(concurrency=2 * rt.config.rollout.max_batch_prompts),
+        helpers={"batcher": rollout.batcher, "weights watcher": rollout.watch_weights},
+    )
+
+
+def main() -> None:
+    # One thread: the trainer and the other workers share the node's cores with us.
+    torch.set_num_threads(1)
+    run_stage("rollout", build, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":
-    run_worker("rollout", main())
+    main()

@@ -26,11 +26,9 @@ from nats.js.kv import KeyValue
 from bus import metrics, tracing
 from bus.connection import DEFAULT_URL, ConnectRefused, connect, worker_id
 from bus.publisher import Publisher
-from bus.topology import Topology, run_id_arg
+from bus.topology import CONFIG_KEY, Topology, run_id_arg
 from consumers.membership import Membership
 from schemas.config import RunConfig, parse_config
-
-CONFIG_KEY = "config"
 
 
 class CannotAttach(Exception):
@@ -65,8 +63,13 @@ class Runtime:
             await self.nc.close()
 
 
-async def attach(role: str, run: str, url: str, replicas: int = 1, wait: float = 120.0) -> Runtime:
-    """Connect, apply the run's topology, wait (up to `wait` s) for its config in KV, join the members."""
+async def attach(
+    role: str, run: str, url: str, replicas: int = 1, wait: float = 120.0, beat_in_background: bool = True
+) -> Runtime:
+    """Connect, apply the run's topology, wait (up to `wait` s) for its config in KV, join the members.
+
+    The membership heartbeat runs as a task of its own unless not `beat_in_background`: a
+    stage (`consumers.stage`) runs `rt.member.beat()` under its TaskGroup instead."""
     # Spans and metrics name the service (role) and the process (worker id) that made them.
     tracing.setup(f"jetrl-{role}", worker_id(role))
     metrics.setup(f"jetrl-{role}", worker_id(role))
@@ -88,7 +91,8 @@ async def attach(role: str, run: str, url: str, replicas: int = 1, wait: float =
                 raise CannotAttach(f"run {run}: no config in KV after {wait:.0f}s; is the producer running?") from None
             await asyncio.sleep(0.5)
     config = parse_config(yaml.safe_load(entry.value or b""), f"run {run} config in KV")
-    return Runtime(role, nc, js, topology, kv, Publisher(js), config, await Membership.join(js, topology, role))
+    member = await Membership.join(js, topology, role, background=beat_in_background)
+    return Runtime(role, nc, js, topology, kv, Publisher(js, topology), config, member)
 
 
 async def publish_config(kv: KeyValue, config: RunConfig) -> None:

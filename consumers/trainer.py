@@ -33,6 +33,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from bus import tracing
 from bus.dead import dead_letter
 from bus.metrics import STALENESS, TRAIN_STEP_SECONDS, count_samples
+from bus.topology import BATCHES, WEIGHTS, metrics_key
 from bus.worker import Reject, stop_on_signals
 from consumers.checks import ModelLimits
 from consumers.crashpoints import TRAINER_METRICS_WRITTEN, TRAINER_MID_CHECKPOINT, TRAINER_MID_STEP
@@ -148,7 +149,7 @@ class Trainer:
         log.info("rank %d starts at step %d, batch sequence %d", self.rank, self.engine.step, self.last_seq + 1)
         self.rt.member.report(engine="torch", weight_version=self.engine.step)
         self.batches = await self.rt.js.subscribe(
-            self.rt.topology.subject("batches", self.rank), ordered_consumer=True,
+            self.rt.topology.subject(BATCHES, self.rank), ordered_consumer=True,
             config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.last_seq + 1),
         )
 
@@ -184,7 +185,7 @@ class Trainer:
 
     async def skip(self, msg: Msg, reason: Exception) -> None:
         log.warning("batch at sequence %d skipped: %s", msg.metadata.sequence.stream, reason)
-        await dead_letter(self.rt.publisher, self.rt.topology, "trainer", msg, str(reason))
+        await dead_letter(self.rt.publisher, "trainer", msg, str(reason))
 
     async def train(self, batches: list[BatchEvent]) -> dict[str, Any]:
         """One optimizer step on `batches` (in a thread: the event loop keeps serving the bus);
@@ -213,7 +214,7 @@ class Trainer:
         ):
             event = await put_version(rt.js, rt.topology.object_bucket, rt.topology.run, rt.source, version,
                                       self.engine.export_weights())
-            await rt.publisher.publish(rt.topology.subject("weights"), event)
+            await rt.publisher.publish(WEIGHTS, event)
 
     async def record(self, metrics: dict[str, Any]) -> None:
         """The step's metrics to KV (the producer and the audit read them) and the loggers.
@@ -223,7 +224,7 @@ class Trainer:
         the producer waits for every step's metrics. Put before, a kill makes the restarted
         trainer retrain the step and put them again (the same batches, so the same ids)."""
         self.rt.member.report(weight_version=self.engine.step)
-        await self.rt.kv.put(f"metrics.{self.rank}.{metrics['step']}", json.dumps(metrics).encode())
+        await self.rt.kv.put(metrics_key(self.rank, metrics["step"]), json.dumps(metrics).encode())
         TRAINER_METRICS_WRITTEN(f"step {metrics['step']}")
         for logger in self.loggers:
             logger.log(metrics["step"], scalars(metrics))

@@ -23,15 +23,15 @@ from nats.js import JetStreamContext
 from nats.js.errors import NoKeysError
 
 from bus.connection import DEFAULT_URL, connect
-from bus.topology import Topology, run_id_arg
+from bus.topology import BATCHES, PROMPTS, Channel, Topology, dropped_prompt, metrics_prefix, run_id_arg
 from schemas import BatchEvent, DecodeError, Event, PromptEvent, decode
 
 E = TypeVar("E", bound=Event)
 
 
-async def _replay(js: JetStreamContext, topology: Topology, stage: str, subject: str) -> list[bytes]:
-    count = (await js.stream_info(topology.stream(stage))).state.messages
-    sub = await js.subscribe(subject, ordered_consumer=True)
+async def _replay(js: JetStreamContext, topology: Topology, channel: Channel) -> list[bytes]:
+    count = (await js.stream_info(topology.stream(channel))).state.messages
+    sub = await js.subscribe(topology.subjects(channel), ordered_consumer=True)
     data = [(await sub.next_msg(timeout=10)).data for _ in range(count)]
     await sub.unsubscribe()
     return data
@@ -49,19 +49,19 @@ def _decoded(data: list[bytes], cls: type[E]) -> list[E]:
 
 
 async def audit(js: JetStreamContext, topology: Topology, max_staleness: int) -> dict[str, Any]:
-    prompts = [p.id for p in _decoded(await _replay(js, topology, "prompts", topology.subject("prompts")), PromptEvent)]
-    batches = _decoded(await _replay(js, topology, "batches", topology.subject("batches", ">")), BatchEvent)
+    prompts = [p.id for p in _decoded(await _replay(js, topology, PROMPTS), PromptEvent)]
+    batches = _decoded(await _replay(js, topology, BATCHES), BatchEvent)
     kv = await js.key_value(topology.kv_bucket)
     try:
         keys = await kv.keys()
     except NoKeysError:
         keys = []
-    drop_keys = [k for k in keys if k.startswith("drop.")]
+    drop_keys = {pid: k for k in keys if (pid := dropped_prompt(k)) is not None}
     # An empty record reads back as None: kept, as a drop without a reason.
-    dropped = {k.removeprefix("drop."): ((await kv.get(k)).value or b"").decode() for k in drop_keys}
+    dropped = {pid: ((await kv.get(k)).value or b"").decode() for pid, k in drop_keys.items()}
     # What the trainer says it trained: each step's record lists the ids of the micro-batches
     # it took (a refused one is in the batch stream but not here).
-    step_records = [json.loads((await kv.get(k)).value or b"{}") for k in keys if k.startswith("metrics.")]
+    step_records = [json.loads((await kv.get(k)).value or b"{}") for k in keys if k.startswith(metrics_prefix())]
     trainer_ids = {sid for record in step_records for sid in record.get("sample_ids", [])}
     trained = Counter(sid for b in batches for sid in b.sample_ids)
     trained_prompts = {sid.rsplit("/", 1)[0] for sid in trained}

@@ -64,7 +64,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import random
@@ -84,7 +83,8 @@ from nats.aio.subscription import Subscription
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
-from bus.topology import Topology
+from bus.lag import queue_lag
+from bus.topology import BATCHES, PROMPTS, REWARDS, TRAJECTORIES, WORK_QUEUES, Topology, metrics_key, metrics_prefix, served_by
 from consumers import crashpoints
 from consumers.crashpoints import (
     BUFFER_MID_STEP,
@@ -154,11 +154,8 @@ class Monitor:
 
     async def start(self) -> None:
         t = self.topology
-        subjects = {
-            "prompts": t.subject("prompts"), "trajectories": t.subject("trajectories"),
-            "rewards": t.subject("rewards"), "batches": t.subject("batches", ">"),
-            "metrics": f"$KV.{t.kv_bucket}.metrics.0.>",
-        }
+        subjects = {c.name: t.subjects(c) for c in (PROMPTS, TRAJECTORIES, REWARDS, BATCHES)}
+        subjects["metrics"] = f"$KV.{t.kv_bucket}.{metrics_prefix(0)}>"
         self.subs = [await self.nc.subscribe(subject, cb=partial(self._seen, kind)) for kind, subject in subjects.items()]
 
     async def stop(self) -> None:
@@ -242,9 +239,9 @@ class ChaosRun:
     async def declare(self) -> None:
         """Declare the run before any of its processes does, its work queues with ACK_WAIT."""
         await self.topology.apply(self.js)
-        for queue in self.topology.queues.values():
-            short = self.topology.consumer_config(dataclasses.replace(queue, ack_wait=ACK_WAIT))
-            await self.js.add_consumer(self.topology.stream(queue.stage), short)
+        for channel in WORK_QUEUES:
+            short = self.topology.consumer_config(channel.with_queue(ack_wait=ACK_WAIT))
+            await self.js.add_consumer(self.topology.stream(channel), short)
 
     def supervisor(self) -> Supervisor:
         """The run's fleet, each role's first process armed with its first point."""
@@ -330,7 +327,7 @@ class ChaosRun:
         kind = OUTPUT[kill.point.role]
         output = self.monitor.next(kind, first_output(kind, kill.pid, kill.step))
         notes = [kill.note, self.evidence(kill.point)]
-        if kill.point.role in self.topology.queues:  # what it held stays unacked until ACK_WAIT: look now
+        if served_by(kill.point.role) is not None:  # what it held stays unacked until ACK_WAIT: look now
             notes.append(await self.holding(kill.point.role))
         kill.note = ", ".join(filter(None, notes))
         kill.restart_s = await self.rejoined(kill.worker, kill.pid) - kill.at
@@ -362,9 +359,8 @@ class ChaosRun:
             await asyncio.sleep(POLL_SECONDS)
 
     async def holding(self, role: str) -> str:
-        queue = self.topology.queues[role]
-        info = await self.js.consumer_info(self.topology.stream(queue.stage), queue.durable)
-        return f"held {info.num_ack_pending} unacked"
+        lag = (await queue_lag(self.js, self.topology))[role]
+        return f"held {'?' if lag is None else lag.in_flight} unacked"
 
     # Accounts.
 
@@ -394,8 +390,8 @@ class ChaosRun:
         delivered, after ack_wait if a worker held it when it stopped. Ours are left unacked.
         """
         found: set[str] = set()
-        for queue in self.topology.queues.values():
-            sub = await self.js.pull_subscribe_bind(queue.durable, stream=self.topology.stream(queue.stage))
+        for channel in WORK_QUEUES:
+            sub = await self.js.pull_subscribe_bind(channel.work_queue.durable, stream=self.topology.stream(channel))
             info = await sub.consumer_info()
             unacked = (info.num_pending or 0) + (info.num_ack_pending or 0)
             sequences: set[int] = set()
@@ -406,7 +402,7 @@ class ChaosRun:
                         sequences.add(msg.metadata.sequence.stream)
                         # Event ids: a prompt's, or `<prompt id>/<sample>` for its trajectories and rewards.
                         event_id = (msg.headers or {}).get("Nats-Msg-Id", "")
-                        found.add(event_id if queue.stage == "prompts" else event_id.rsplit("/", 1)[0])
+                        found.add(event_id if channel is PROMPTS else event_id.rsplit("/", 1)[0])
             await sub.unsubscribe()
         return found & candidates
 
@@ -422,7 +418,7 @@ class ChaosRun:
             return []
         kept = UpdateHistory.from_dict(torch.load(path, map_location="cpu", weights_only=True)["extra"]["history"])
         kv = await self.js.key_value(self.topology.kv_bucket)
-        steps = [json.loads((await kv.get(f"metrics.0.{step}")).value or b"{}")["sample_ids"] for step in range(kept.steps)]
+        steps = [json.loads((await kv.get(metrics_key(0, step))).value or b"{}")["sample_ids"] for step in range(kept.steps)]
         if UpdateHistory.of_steps(steps) != kept:
             raise RuntimeError(f"the metrics records of steps 0-{kept.steps - 1} are not the checkpoint's update history")
         return [sid for step in steps for sid in step]

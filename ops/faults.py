@@ -38,6 +38,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from bus.topology import BATCHES, METRICS, PROMPTS, REWARDS, TRAJECTORIES
 from consumers.crashpoints import (
     BUFFER_MID_STEP,
     BUFFER_STEP_STORED,
@@ -62,7 +63,8 @@ ALL: tuple[CrashPoint, ...] = (
 """Every point a chaos run can fire."""
 
 OUTPUT: dict[str, str] = {
-    "producer": "prompts", "rollout": "trajectories", "reward": "rewards", "buffer": "batches", "trainer": "metrics",
+    **{role: c.name for c in (PROMPTS, TRAJECTORIES, REWARDS, BATCHES) for role in c.publishers},
+    **{role: "metrics" for role in METRICS.writers},  # every step writes metrics; weights only every sync_every
 }
 """Per role, the kind of message that is its work: a replacement's first one ends its recovery."""
 

@@ -14,6 +14,11 @@ API verbs for S plus acks (`$JS.ACK.<S>.<consumer>.>`) or flow-control replies
 refused: the server drops the message and reports a permissions violation to the client
 (whose publish then gets no ack).
 
+What each role publishes and reads comes from the channel table (`bus.topology.CHANNELS`:
+publishers, readers and how they read) and the KV key table (`KV_KEYS`: writers); only what
+the table does not describe (the object store's weight bytes, creating the run, the
+producer's KV watch) is written out per role below.
+
 Known looseness, each kept because the code needs it today:
 - Every role may update the run's streams and re-declare its work queues, because every
   worker applies the topology at start-up (`consumers.runtime.attach`). Once an operator
@@ -30,7 +35,7 @@ import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from bus.topology import STAGES, Topology
+from bus.topology import CHANNELS, DEAD, KV_KEYS, WORK_QUEUES, Channel, Read, Topology
 
 API = "$JS.API"
 
@@ -65,7 +70,7 @@ def object_stream(bucket: str) -> str:
 def run_streams(t: Topology) -> list[str]:
     """Every JetStream stream of the run, the KV buckets' and the object store's included."""
     return [
-        *(t.stream(stage) for stage in STAGES),
+        *(t.stream(channel) for channel in CHANNELS),
         kv_stream(t.kv_bucket),
         kv_stream(t.members_bucket),
         object_stream(t.object_bucket),
@@ -84,7 +89,6 @@ def attach_rules(t: Topology, role: str) -> list[Rule]:
              "read the run's KV (config at start-up; drops and metrics are not secret)"),
         # Membership keys are `<host>_<pid>_<role>`, one token: a role cannot be told apart by subject.
         Rule(f"$KV.{t.members_bucket}.*", "write and delete this process's heartbeat entry"),
-        Rule(t.subject("dead", role), "dead-letter what it cannot process, under its own stage"),
     ]
 
 
@@ -95,10 +99,10 @@ def declare_rules(t: Topology) -> list[Rule]:
     role needs STREAM.UPDATE.
     """
     return [
-        *(Rule(f"{API}.CONSUMER.INFO.{t.stream(q.stage)}.{q.durable}", "see whether the work queue exists")
-          for q in t.queues.values()),
-        *(Rule(f"{API}.CONSUMER.DURABLE.CREATE.{t.stream(q.stage)}.{q.durable}",
-               "declare the work queue if it is missing (Topology.apply at start-up)") for q in t.queues.values()),
+        *(Rule(f"{API}.CONSUMER.INFO.{t.stream(c)}.{c.work_queue.durable}",
+               "see whether the work queue exists, and its lag") for c in WORK_QUEUES),
+        *(Rule(f"{API}.CONSUMER.DURABLE.CREATE.{t.stream(c)}.{c.work_queue.durable}",
+               "declare the work queue if it is missing (Topology.apply at start-up)") for c in WORK_QUEUES),
     ]
 
 
@@ -107,13 +111,12 @@ def create_rules(t: Topology) -> list[Rule]:
     return [Rule(f"{API}.STREAM.CREATE.{s}", "create the run (Topology.apply)") for s in run_streams(t)]
 
 
-def work_queue_rules(t: Topology, role: str) -> list[Rule]:
-    """Compete for messages on the role's durable pull consumer and settle them."""
-    queue = t.queues[role]
-    stream = t.stream(queue.stage)
+def work_queue_rules(t: Topology, channel: Channel) -> list[Rule]:
+    """Compete for messages on the channel's durable pull consumer and settle them."""
+    durable, stream = channel.work_queue.durable, t.stream(channel)
     return [
-        Rule(f"{API}.CONSUMER.MSG.NEXT.{stream}.{queue.durable}", f"fetch from its work queue on {queue.stage}"),
-        Rule(f"$JS.ACK.{stream}.{queue.durable}.>", "ack, nak, term and in-progress its messages"),
+        Rule(f"{API}.CONSUMER.MSG.NEXT.{stream}.{durable}", f"fetch from its work queue on {channel.name}"),
+        Rule(f"$JS.ACK.{stream}.{durable}.>", "ack, nak, term and in-progress its messages"),
     ]
 
 
@@ -149,79 +152,74 @@ def object_write_rules(t: Topology) -> list[Rule]:
 # Roles ---------------------------------------------------------------------------------
 
 
+def publish_rules(t: Topology, role: str) -> list[Rule]:
+    """The channels `role` publishes, one subject per rank or stage where the channel has a token
+    (dead letters under the role's own stage only), and the KV keys it writes."""
+    rules = []
+    for channel in CHANNELS:
+        if role not in channel.publishers:
+            continue
+        if channel is DEAD:
+            rules.append(Rule(t.subject(DEAD, role), "dead-letter what it cannot process, under its own stage"))
+        else:
+            subject = t.subject(channel, "*") if channel.token else t.subject(channel)
+            per = f", one subject per {channel.token}" if channel.token else ""
+            rules.append(Rule(subject, f"publish {channel.name}{per}"))
+    return rules + [Rule(f"$KV.{t.kv_bucket}.{key.filter}", key.why) for key in KV_KEYS if role in key.writers]
+
+
+def read_rules(t: Topology, role: str) -> list[Rule]:
+    """How `role` reads each channel it reads, as the table says."""
+    rules: list[Rule] = []
+    for channel in CHANNELS:
+        for reader in (r for r in channel.readers if r.role == role):
+            what = f"{channel.name} ({reader.read.value})"
+            if reader.read is Read.WORK_QUEUE:
+                rules += work_queue_rules(t, channel)
+            elif reader.read is Read.LAST_STORED:
+                rules.append(Rule(f"{API}.STREAM.MSG.GET.{t.stream(channel)}", f"read {what}"))
+            else:  # an ordered consumer, found by subject
+                rules += [stream_lookup_rule(), *replay_rules(t.stream(channel), what)]
+    return list(dict.fromkeys(rules))
+
+
+def extra_rules(t: Topology, role: str) -> list[Rule]:
+    """What a role does on the bus that the channel and KV tables do not describe."""
+    return {
+        "rollout": object_read_rules(t),
+        "trainer": object_write_rules(t),
+        "producer": [
+            *create_rules(t),
+            *replay_rules(kv_stream(t.kv_bucket), "drops and metrics (kv.watch)"),
+            Rule(f"{API}.CONSUMER.INFO.{kv_stream(t.kv_bucket)}.*",
+                 "kv.watch asks its own watcher how many entries are pending"),
+        ],
+    }.get(role, [])
+
+
+def table_roles() -> tuple[str, ...]:
+    """Every role the channel and KV tables name, in the order they first appear."""
+    names = [r for c in CHANNELS for r in (*c.publishers, *c.consumers)] + [w for k in KV_KEYS for w in k.writers]
+    return tuple(dict.fromkeys(names))
+
+
+def does(role: str) -> str:
+    """One line, from the table: what the role reads (and how) and writes."""
+    reads = [f"{c.name} ({r.read.value})" for c in CHANNELS for r in c.readers if r.role == role]
+    writes = [c.name for c in CHANNELS if role in c.publishers and c is not DEAD]
+    writes += [f"KV {k.pattern}" for k in KV_KEYS if role in k.writers]
+    return f"reads {', '.join(reads) or 'nothing'}; writes {', '.join(writes) or 'nothing'}"
+
+
 def worker_roles(t: Topology) -> tuple[Role, ...]:
-    """The five roles of a run and exactly what their code does on the bus."""
+    """The roles of a run and exactly what their code does on the bus."""
     inbox = (Rule("_INBOX.>", "replies to its requests and deliveries of its consumers"),)
-    weights = t.stream("weights")
-    return (
-        Role(
-            "rollout",
-            "reads prompts (work queue) and weight versions (+ object store), writes trajectories",
-            (
-                *attach_rules(t, "rollout"),
-                *work_queue_rules(t, "rollout"),
-                Rule(t.subject("trajectories"), "its output"),
-                stream_lookup_rule(),
-                *replay_rules(weights, "weight versions"),
-                *object_read_rules(t),
-            ),
-            inbox,
-        ),
-        Role(
-            "reward",
-            "reads trajectories (work queue), writes rewards",
-            (
-                *attach_rules(t, "reward"),
-                *work_queue_rules(t, "reward"),
-                Rule(t.subject("rewards"), "its output"),
-            ),
-            inbox,
-        ),
-        Role(
-            "buffer",
-            "reads rewards (work queue) and replays batches at start-up, writes batches and KV drops",
-            (
-                *attach_rules(t, "buffer"),
-                *work_queue_rules(t, "buffer"),
-                Rule(t.subject("batches", "*"), "its output, one subject per data-parallel rank"),
-                stream_lookup_rule(),
-                *replay_rules(t.stream("batches"), "the batches already stored"),
-                Rule(f"$KV.{t.kv_bucket}.drop.>", "record a dropped group for the admission gate"),
-            ),
-            inbox,
-        ),
-        Role(
-            "trainer",
-            "reads batches (by position), writes weight versions (+ object store) and KV metrics",
-            (
-                *attach_rules(t, "trainer"),
-                stream_lookup_rule(),
-                *replay_rules(t.stream("batches"), "its rank's batches from its checkpoint on"),
-                Rule(t.subject("weights"), "announce a weight version"),
-                *object_write_rules(t),
-                Rule(f"$KV.{t.kv_bucket}.metrics.>", "per-step metrics"),
-            ),
-            inbox,
-        ),
-        Role(
-            "producer",
-            "creates the run, writes prompts and the KV config; follows weights, KV and queue lag",
-            (
-                *attach_rules(t, "producer"),
-                *create_rules(t),
-                Rule(t.subject("prompts"), "its output"),
-                Rule(f"$KV.{t.kv_bucket}.config", "the run's config, read by every worker"),
-                Rule(f"{API}.STREAM.MSG.GET.{t.stream('prompts')}", "resume after the last prompt stored"),
-                stream_lookup_rule(),
-                *replay_rules(weights, "weight versions (the admission gate)"),
-                *replay_rules(kv_stream(t.kv_bucket), "drops and metrics"),
-                Rule(f"{API}.CONSUMER.INFO.{kv_stream(t.kv_bucket)}.*",
-                     "kv.watch asks its own watcher how many entries are pending"),
-                *(Rule(f"{API}.CONSUMER.INFO.{t.stream(q.stage)}.{q.durable}", "show the work queues' lag")
-                  for q in t.queues.values()),
-            ),
-            inbox,
-        ),
+    return tuple(
+        Role(role, does(role),
+             tuple(dict.fromkeys([*attach_rules(t, role), *publish_rules(t, role), *read_rules(t, role),
+                                  *extra_rules(t, role)])),
+             inbox)
+        for role in table_roles()
     )
 
 
@@ -231,7 +229,7 @@ def admin_role(t: Topology) -> Role:
         Rule(f"{API}.INFO", "account limits and usage"),
         Rule(f"{API}.STREAM.NAMES", "list streams"),
         Rule(f"{API}.STREAM.LIST", "list streams"),
-        Rule(t.subject(">"), "republish dead letters, inject test events"),
+        Rule(t.all_subjects, "republish dead letters, inject test events"),
         Rule(f"$KV.{t.kv_bucket}.>", "edit the run's KV"),
         Rule(f"$KV.{t.members_bucket}.>", "remove a stale member"),
         Rule(f"$O.{t.object_bucket}.>", "manage weight objects"),

@@ -27,7 +27,8 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from bus.connection import DEFAULT_URL, connect
-from bus.topology import STAGES, Topology, run_id_arg
+from bus.lag import QueueLag, queue_lag
+from bus.topology import BATCHES, CHANNELS, DEAD, WEIGHTS, Topology, run_id_arg
 from consumers.membership import Member, live_members
 from schemas import BatchEvent, DecodeError, WeightVersionEvent, decode
 
@@ -51,26 +52,13 @@ class StageState:
 
 
 @dataclass(frozen=True)
-class QueueState:
-    """One work queue (durable consumer)."""
-
-    pending: int
-    """Not yet delivered to any worker."""
-    in_flight: int
-    """Delivered, neither acked nor terminated."""
-    redelivered: int
-    """In flight and delivered more than once."""
-    done: int
-    """Taken and settled so far (last delivered stream sequence - in flight): its difference is the work rate."""
-
-
-@dataclass(frozen=True)
 class Sample:
     """The counters of a run at one moment; two of them give the rates."""
 
     time: float
     stages: dict[str, StageState]
-    queues: dict[str, QueueState]
+    queues: dict[str, QueueLag | None]
+    """Per work queue (by durable); None for one the server could not describe."""
     dead: dict[str, int]
     """Dead letters by the worker (stage) that wrote them."""
 
@@ -88,31 +76,26 @@ class Details:
 
 async def sample(js: JetStreamContext, topology: Topology) -> Sample:
     stages = {}
-    for stage in STAGES:
-        state = (await js.stream_info(topology.stream(stage))).state
-        stages[stage] = StageState(state.messages, state.bytes, state.last_seq)
-    queues = {}
-    for role, queue in topology.queues.items():
-        info = await js.consumer_info(topology.stream(queue.stage), queue.durable)
-        delivered = info.delivered.stream_seq if info.delivered and info.delivered.stream_seq else 0
-        in_flight = info.num_ack_pending or 0
-        queues[role] = QueueState(info.num_pending or 0, in_flight, info.num_redelivered or 0, delivered - in_flight)
-    dead_info = await js.stream_info(topology.stream("dead"), subjects_filter=topology.subject("dead", ">"))
+    for channel in CHANNELS:
+        state = (await js.stream_info(topology.stream(channel))).state
+        stages[channel.name] = StageState(state.messages, state.bytes, state.last_seq)
+    queues = await queue_lag(js, topology)
+    dead_info = await js.stream_info(topology.stream(DEAD), subjects_filter=topology.subject(DEAD, ">"))
     dead = {subject.rsplit(".", 1)[1]: count for subject, count in (dead_info.state.subjects or {}).items()}
     return Sample(time.monotonic(), stages, queues, dead)
 
 
 async def details(js: JetStreamContext, topology: Topology, batches: int) -> Details:
     try:
-        last = await js.get_last_msg(topology.stream("weights"), topology.subject("weights"))
+        last = await js.get_last_msg(topology.stream(WEIGHTS), topology.subject(WEIGHTS))
         weights: int | None = decode(last.data or b"", WeightVersionEvent).version
     except (NotFoundError, DecodeError):
         weights = None
-    state = (await js.stream_info(topology.stream("batches"))).state
+    state = (await js.stream_info(topology.stream(BATCHES))).state
     recent = []
     for seq in range(max(state.first_seq, state.last_seq - batches + 1, 1), state.last_seq + 1):  # seqs start at 1
         try:
-            recent.append(decode((await js.get_msg(topology.stream("batches"), seq)).data or b"", BatchEvent))
+            recent.append(decode((await js.get_msg(topology.stream(BATCHES), seq)).data or b"", BatchEvent))
         except (NotFoundError, DecodeError):
             continue  # deleted by retention, or garbage the trainer dead-letters
     return Details(await live_members(js, topology), weights, recent)
@@ -158,9 +141,12 @@ def render(topology: Topology, before: Sample, now: Sample, info: Details) -> st
         lines.append(f"{stage:<13} {s.messages:>9} {_size(s.bytes):>10} {rate:>8.1f}")
     lines += ["", f"{'queue':<9} {'reads':<13} {'pending':>8} {'in flight':>10} {'redelivered':>12} {'done/s':>8}"]
     for role, q in now.queues.items():
-        rate = (q.done - before.queues[role].done) / seconds
-        stage = topology.queues[role].stage
-        lines.append(f"{role:<9} {stage:<13} {q.pending:>8} {q.in_flight:>10} {q.redelivered:>12} {rate:>8.1f}")
+        if q is None:
+            lines.append(f"{role:<9} {'?':<13} {'?':>8} {'?':>10} {'?':>12} {'?':>8}")
+            continue
+        last = before.queues.get(role)
+        rate = f"{(q.done - last.done) / seconds:.1f}" if last is not None else "?"
+        lines.append(f"{role:<9} {q.channel.name:<13} {q.pending:>8} {q.in_flight:>10} {q.redelivered:>12} {rate:>8}")
     dead = ", ".join(f"{stage} {n}" for stage, n in sorted(now.dead.items())) or "none"
     lines += ["", f"dead letters: {dead}"]
     trainer_steps = [m.weight_version for m in info.members if m.role == "trainer" and m.weight_version is not None]

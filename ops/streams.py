@@ -16,24 +16,26 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from bus.connection import DEFAULT_URL, connect
-from bus.topology import STAGES, Topology, run_id_arg
+from bus.lag import queue_lag
+from bus.topology import CHANNELS, WORK_QUEUES, Topology, run_id_arg
 from ops.security import new_passwords, roles, users_config
 
 
 async def show(js: JetStreamContext, topology: Topology) -> None:
     print(f"{'stream':<34} {'messages':>9} {'bytes':>12}  consumers")
-    for stage in STAGES:
+    lags = await queue_lag(js, topology)
+    for channel in CHANNELS:
         try:
-            info = await js.stream_info(topology.stream(stage))
+            info = await js.stream_info(topology.stream(channel))
         except NotFoundError:
-            print(f"{topology.stream(stage):<34} {'(missing)':>9}")
+            print(f"{topology.stream(channel):<34} {'(missing)':>9}")
             continue
         consumers = []
-        for queue in topology.queues.values():
-            if queue.stage == stage:
-                c = await js.consumer_info(topology.stream(stage), queue.durable)
-                consumers.append(f"{queue.durable}: pending {c.num_pending}, in flight {c.num_ack_pending}")
-        print(f"{topology.stream(stage):<34} {info.state.messages:>9} {info.state.bytes:>12}  {'; '.join(consumers)}")
+        if channel.queue is not None:
+            lag = lags[channel.queue.durable]
+            figures = "?" if lag is None else f"pending {lag.pending}, in flight {lag.in_flight}"
+            consumers.append(f"{channel.queue.durable}: {figures}")
+        print(f"{topology.stream(channel):<34} {info.state.messages:>9} {info.state.bytes:>12}  {'; '.join(consumers)}")
 
 
 def write_users(topology: Topology, out: str | None) -> None:
@@ -60,7 +62,7 @@ async def main(args: argparse.Namespace) -> None:
     topology = Topology(run=args.run, replicas=args.replicas)
     if args.action == "apply":
         await topology.apply(js, update=True)
-        print(f"applied run {args.run}: {len(STAGES)} streams, {len(topology.queues)} consumers, KV and object store")
+        print(f"applied run {args.run}: {len(CHANNELS)} streams, {len(WORK_QUEUES)} consumers, KV and object store")
     elif args.action == "delete":
         await topology.delete(js)
         print(f"deleted run {args.run}")

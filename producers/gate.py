@@ -22,6 +22,7 @@ from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from bus import metrics, tracing
+from bus.topology import PROMPTS, WEIGHTS, dropped_prompt, metrics_prefix
 from consumers.crashpoints import PRODUCER_MID_PUBLISH
 from consumers.runtime import Runtime
 from producers.datasets import epoch_size, records
@@ -54,7 +55,7 @@ class Producer:
         Messages at the end that are not prompts (poison; the rollout dead-letters it) are
         stepped over: the last prompt is the last message that decodes as one.
         """
-        stream = self.rt.topology.stream("prompts")
+        stream = self.rt.topology.stream(PROMPTS)
         state = (await self.rt.js.stream_info(stream)).state
         if state.messages == 0:
             return 0
@@ -69,7 +70,7 @@ class Producer:
     async def watch(self) -> None:
         """Follow weight versions, drops and per-step metrics; wake the gate on each."""
         weights = await self.rt.js.subscribe(
-            self.rt.topology.subject("weights"), ordered_consumer=True, deliver_policy=DeliverPolicy.LAST
+            self.rt.topology.subject(WEIGHTS), ordered_consumer=True, deliver_policy=DeliverPolicy.LAST
         )
         kv_watch = await self.rt.kv.watch(">")
 
@@ -87,9 +88,9 @@ class Producer:
             async for entry in kv_watch:
                 if entry is None or entry.value is None:
                     continue
-                if entry.key.startswith("drop."):
+                if dropped_prompt(entry.key) is not None:
                     self.dropped.add(entry.key)
-                elif entry.key.startswith("metrics.0."):
+                elif entry.key.startswith(metrics_prefix(0)):
                     m = json.loads(entry.value)
                     self.metrics[m["step"]] = m
                 self.changed.set()
@@ -114,7 +115,7 @@ class Producer:
                     prompt=record.get("prompt"), messages=record.get("messages"), task=record["task"],
                     n=self.cfg.data.n, sampling=self.cfg.data.sampling, admitted_version=self.version,
                 )
-                await self.rt.publisher.publish(self.rt.topology.subject("prompts"), event)
+                await self.rt.publisher.publish(PROMPTS, event)
                 PRODUCER_MID_PUBLISH(prompt_id)
             metrics.PROMPTS.add(1)
             issued += 1

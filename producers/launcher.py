@@ -15,11 +15,10 @@ import signal
 import time
 from pathlib import Path
 
-import nats.errors
-
 from bus import metrics
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
+from bus.lag import queue_lag
 from bus.topology import Topology
 from consumers.fleet_config import local_fleet
 from consumers.supervisor import Supervisor
@@ -51,15 +50,12 @@ async def lag(rt: Runtime) -> str:
     """Each work queue's pending + in-flight count; `?` for one the server cannot say now
     (its stream is electing a leader, say): a display must not stop the run."""
     parts = []
-    for role, queue in rt.topology.queues.items():
-        try:
-            info = await rt.js.consumer_info(rt.topology.stream(queue.stage), queue.durable)
-        except (nats.errors.Error, asyncio.TimeoutError) as exc:
-            log.info("queue %s: no consumer info now: %s", role, exc)
+    for role, lag in (await queue_lag(rt.js, rt.topology)).items():
+        if lag is None:
             parts.append(f"{role} ?")
             continue
-        metrics.set_queue_depth(role, info.num_pending, info.num_ack_pending)
-        parts.append(f"{role} {info.num_pending}+{info.num_ack_pending}")
+        metrics.set_queue_depth(role, lag.pending, lag.in_flight)
+        parts.append(f"{role} {lag.pending}+{lag.in_flight}")
     return " ".join(parts)
 
 

@@ -8,7 +8,6 @@ its crash points), not a test double of it.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import signal
 import subprocess
@@ -25,7 +24,7 @@ from nats.js.errors import KeyNotFoundError
 
 from bus.connection import connect
 from bus.publisher import Publisher
-from bus.topology import Topology
+from bus.topology import BATCHES, REWARDS, Topology, drop_key
 from consumers.crashpoints import CRASH_AT, CRASH_RECORD, arm
 from consumers.runtime import publish_config
 from schemas import BatchEvent, RewardEvent, Tensor, TrajectoryEvent, decode
@@ -73,16 +72,15 @@ async def declare(js: JetStreamContext, topology: Topology, config: RunConfig, a
     samples come back within a test's time."""
     await topology.apply(js)
     if ack_wait is not None:
-        queue = dataclasses.replace(topology.queues["buffer"], ack_wait=ack_wait)
-        await js.add_consumer(topology.stream(queue.stage), topology.consumer_config(queue))
+        await js.add_consumer(topology.stream(REWARDS), topology.consumer_config(REWARDS.with_queue(ack_wait=ack_wait)))
     await publish_config(await js.key_value(topology.kv_bucket), config)
 
 
 async def publish(js: JetStreamContext, topology: Topology, rewards: Iterable[RewardEvent]) -> None:
     """Store `rewards` in the rewards stream, in order, as the reward workers would."""
-    publisher = Publisher(js)
+    publisher = Publisher(js, topology)
     for reward in rewards:
-        await publisher.publish(topology.subject("rewards"), reward)
+        await publisher.publish(REWARDS, reward)
 
 
 def start_buffer(url: str, topology: Topology, log: Path, crash_at: str | None = None) -> subprocess.Popen[bytes]:
@@ -115,10 +113,10 @@ def tail(log: Path, lines: int = 15) -> str:
 
 async def batches(js: JetStreamContext, topology: Topology) -> list[BatchEvent]:
     """Every BatchEvent stored so far, in stream order."""
-    count = (await js.stream_info(topology.stream("batches"))).state.messages
+    count = (await js.stream_info(topology.stream(BATCHES))).state.messages
     if not count:
         return []
-    sub = await js.subscribe(topology.subject("batches", ">"), ordered_consumer=True)
+    sub = await js.subscribe(topology.subject(BATCHES, ">"), ordered_consumer=True)
     try:
         return [decode((await sub.next_msg(timeout=5)).data, BatchEvent) for _ in range(count)]
     finally:
@@ -127,8 +125,7 @@ async def batches(js: JetStreamContext, topology: Topology) -> list[BatchEvent]:
 
 async def buffer_consumer(js: JetStreamContext, topology: Topology) -> ConsumerInfo:
     """The server's view of the buffer's work queue on the rewards stream."""
-    queue = topology.queues["buffer"]
-    return await js.consumer_info(topology.stream(queue.stage), queue.durable)
+    return await js.consumer_info(topology.stream(REWARDS), REWARDS.work_queue.durable)
 
 
 async def drained(js: JetStreamContext, topology: Topology) -> bool:
@@ -140,7 +137,7 @@ async def drained(js: JetStreamContext, topology: Topology) -> bool:
 async def drop_record(js: JetStreamContext, topology: Topology, prompt: str) -> str | None:
     """The reason the buffer recorded for dropping group `prompt`, or None."""
     try:
-        entry = await (await js.key_value(topology.kv_bucket)).get(f"drop.{prompt}")
+        entry = await (await js.key_value(topology.kv_bucket)).get(drop_key(prompt))
     except KeyNotFoundError:
         return None
     return (entry.value or b"").decode()

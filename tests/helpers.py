@@ -15,7 +15,7 @@ from nats.js import JetStreamContext
 
 from bus.connection import connect
 from bus.dead import REASON
-from bus.topology import Topology
+from bus.topology import DEAD, Channel, Topology
 from consumers.membership import Member, live_members
 from consumers.runtime import publish_config
 
@@ -48,14 +48,14 @@ def reward(run: str, prompt_index: int = 0, sample: int = 0, value: float = 1.0)
     return RewardEvent(id=t.id, run=run, trajectory=t, reward=value)
 
 
-async def messages(js: JetStreamContext, topology: Topology, stage: str) -> int:
-    return (await js.stream_info(topology.stream(stage))).state.messages
+async def messages(js: JetStreamContext, topology: Topology, channel: Channel) -> int:
+    return (await js.stream_info(topology.stream(channel))).state.messages
 
 
 async def dead_letters(js: JetStreamContext, topology: Topology) -> list[tuple[bytes, str]]:
-    sub = await js.subscribe(topology.subject("dead", ">"), ordered_consumer=True)
+    sub = await js.subscribe(topology.subject(DEAD, ">"), ordered_consumer=True)
     out = []
-    for _ in range(await messages(js, topology, "dead")):
+    for _ in range(await messages(js, topology, DEAD)):
         msg = await sub.next_msg(timeout=5)
         out.append((msg.data, (msg.headers or {})[REASON]))
     await sub.unsubscribe()

@@ -31,6 +31,12 @@ def hang(response_text: str, task: dict[str, Any]) -> float:
     return 1.0
 
 
+def slow(response_text: str, task: dict[str, Any]) -> float:
+    """Takes task["seconds"] (a reward model's latency): long enough to be caught in flight."""
+    time.sleep(float(task["seconds"]))
+    return 1.0
+
+
 def raise_error(response_text: str, task: dict[str, Any]) -> float:
     raise ValueError("no answer found")
 

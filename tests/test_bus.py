@@ -20,10 +20,10 @@ from nats.js import JetStreamContext
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.publisher import EventTooLarge, Publisher
-from bus.topology import Topology
+from bus.topology import BATCHES, CHANNELS, DEAD, REWARDS, TRAJECTORIES, WORK_QUEUES, Topology
 from bus.worker import Worker, WorkerOptions
 from schemas import TrajectoryEvent, encode
-from tests.helpers import dead_letters, messages, trajectory, wait_for
+from tests.helpers import dead_letters, messages, reward, trajectory, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 BODY_SECONDS = 60.0
@@ -69,12 +69,12 @@ def test_apply_is_idempotent_and_declares_everything(nats_server: EmbeddedNats, 
     async def body(js: JetStreamContext) -> None:
         await topology.apply(js)  # second time: nothing to do, no error
         await topology.apply(js, update=True)
-        for stage in ("prompts", "trajectories", "rewards", "batches", "weights", "dead"):
-            info = await js.stream_info(topology.stream(stage))
+        for channel in CHANNELS:
+            info = await js.stream_info(topology.stream(channel))
             assert info.config.duplicate_window == 3600.0
-        for role in ("rollout", "reward", "buffer"):
-            queue = topology.queues[role]
-            info = await js.consumer_info(topology.stream(queue.stage), queue.durable)
+        for channel in WORK_QUEUES:
+            queue = channel.work_queue
+            info = await js.consumer_info(topology.stream(channel), queue.durable)
             assert info.config.ack_wait == queue.ack_wait
         await js.key_value(topology.kv_bucket)
         await js.object_store(topology.object_bucket)
@@ -84,12 +84,12 @@ def test_apply_is_idempotent_and_declares_everything(nats_server: EmbeddedNats, 
 
 def test_same_event_published_twice_is_stored_once(nats_server: EmbeddedNats, topology: Topology) -> None:
     async def body(js: JetStreamContext) -> None:
-        publisher = Publisher(js)
+        publisher = Publisher(js, topology)
         event = trajectory(topology.run)
-        first = await publisher.publish(topology.subject("trajectories"), event)
-        second = await publisher.publish(topology.subject("trajectories"), event)
+        first = await publisher.publish(TRAJECTORIES, event)
+        second = await publisher.publish(TRAJECTORIES, event)
         assert second.duplicate and not first.duplicate
-        assert await messages(js, topology, "trajectories") == 1
+        assert await messages(js, topology, TRAJECTORIES) == 1
 
     run_bus(nats_server, topology, body)
 
@@ -99,14 +99,14 @@ def test_publish_without_ack_is_retried_until_the_stream_takes_it(nats_server: E
     until the stream exists; then it is stored once and the caller gets the ack."""
 
     async def body(js: JetStreamContext) -> None:
-        publisher = Publisher(js, ack_timeout=0.3, retry_for=20.0)
-        ack = await publisher.send(topology.subject("trajectories"), trajectory(topology.run))
+        publisher = Publisher(js, topology, ack_timeout=0.3, retry_for=20.0)
+        ack = await publisher.send(TRAJECTORIES, trajectory(topology.run))
         await asyncio.sleep(1.0)
         assert not ack.done()
         await topology.apply(js)
         stored = await asyncio.wait_for(ack, 10.0)
-        assert stored.stream == topology.stream("trajectories") and not stored.duplicate
-        assert await messages(js, topology, "trajectories") == 1
+        assert stored.stream == topology.stream(TRAJECTORIES) and not stored.duplicate
+        assert await messages(js, topology, TRAJECTORIES) == 1
 
     run_bus(nats_server, topology, body, apply=False)
 
@@ -117,13 +117,13 @@ def test_publish_the_stream_refuses_fails_after_retry_for(nats_server: EmbeddedN
     fails with the server's reason once `retry_for` has passed."""
 
     async def body(js: JetStreamContext) -> None:
-        publisher = Publisher(js, ack_timeout=0.3, retry_for=1.0)
+        publisher = Publisher(js, topology, ack_timeout=0.3, retry_for=1.0)
         data, started = encode(trajectory(topology.run)), time.monotonic()
-        ack = await publisher.send_bytes(topology.subject("trajectories"), data, "x", {"Nats-Expected-Stream": "other"})
+        ack = await publisher.send_bytes(TRAJECTORIES, data, "x", headers={"Nats-Expected-Stream": "other"})
         with pytest.raises(nats.js.errors.APIError, match="expected stream does not match"):
             await asyncio.wait_for(ack, 10.0)  # nats-py alone leaves this pending forever
         assert time.monotonic() - started < 5.0
-        assert await messages(js, topology, "trajectories") == 0
+        assert await messages(js, topology, TRAJECTORIES) == 0
 
     run_bus(nats_server, topology, body)
 
@@ -131,8 +131,30 @@ def test_publish_the_stream_refuses_fails_after_retry_for(nats_server: EmbeddedN
 def test_event_over_max_payload_is_refused_before_sending(nats_server: EmbeddedNats, topology: Topology) -> None:
     async def body(js: JetStreamContext) -> None:
         with pytest.raises(EventTooLarge, match="over the 8388608-byte max payload"):
-            await Publisher(js).publish(topology.subject("trajectories"), trajectory(topology.run, tokens=1 << 20))
-        assert await messages(js, topology, "trajectories") == 0
+            await Publisher(js, topology).publish(TRAJECTORIES, trajectory(topology.run, tokens=1 << 20))
+        assert await messages(js, topology, TRAJECTORIES) == 0
+
+    run_bus(nats_server, topology, body)
+
+
+def test_a_channel_takes_only_its_event_class_and_its_token(nats_server: EmbeddedNats, topology: Topology) -> None:
+    """Publishing a reward on the trajectories channel, or a batch without its rank, is a
+    caller's bug: refused before anything is sent, so no reader ever dead-letters it."""
+
+    async def body(js: JetStreamContext) -> None:
+        publisher = Publisher(js, topology)
+        wrong = reward(topology.run)
+        with pytest.raises(TypeError, match="channel trajectories carries TrajectoryEvent, not RewardEvent"):
+            await publisher.publish(TRAJECTORIES, wrong)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="channel dead carries raw bytes"):
+            await publisher.publish(DEAD, wrong)
+        with pytest.raises(ValueError, match=r"channel batches takes one token \(rank\)"):
+            await publisher.send_bytes(BATCHES, b"x", "x")
+        with pytest.raises(ValueError, match="channel rewards takes no token"):
+            await publisher.publish(REWARDS, wrong, 0)
+        with pytest.raises(TypeError, match="a Channel of bus.topology"):
+            topology.subject("trajectories")  # type: ignore[arg-type]
+        assert [await messages(js, topology, c) for c in CHANNELS] == [0] * len(CHANNELS)
 
     run_bus(nats_server, topology, body)
 
@@ -147,10 +169,10 @@ def test_failing_handler_is_retried_with_delay_then_dead_lettered(nats_server: E
     event = trajectory(topology.run)
 
     async def body(js: JetStreamContext) -> None:
-        publisher = Publisher(js)
-        await publisher.publish(topology.subject("trajectories"), event)
+        publisher = Publisher(js, topology)
+        await publisher.publish(TRAJECTORIES, event)
         options = WorkerOptions(max_deliver=3, nak_delay=0.3, fetch_timeout=0.2)
-        worker = Worker(js, topology, topology.queues["reward"], TrajectoryEvent, handler, publisher, options)
+        worker = Worker(js, topology, TRAJECTORIES, handler, publisher, options)
         await run_until(worker, lambda: len(attempts) == 3 and publisher._inflight_bytes == 0)
         await asyncio.sleep(0.3)
         dead = await dead_letters(js, topology)
@@ -170,16 +192,16 @@ def test_a_worker_takes_no_more_messages_than_its_concurrency(nats_server: Embed
         handled.append(event.id)
 
     async def body(js: JetStreamContext) -> None:
-        publisher = Publisher(js)
+        publisher = Publisher(js, topology)
         for i in range(20):
-            await publisher.publish(topology.subject("trajectories"), trajectory(topology.run, prompt=i))
-        queue = topology.queues["reward"]
-        worker = Worker(js, topology, queue, TrajectoryEvent, handler, publisher, WorkerOptions(concurrency=2))
+            await publisher.publish(TRAJECTORIES, trajectory(topology.run, prompt=i))
+        queue = TRAJECTORIES.work_queue
+        worker = Worker(js, topology, TRAJECTORIES, handler, publisher, WorkerOptions(concurrency=2))
         held: list[int] = []
 
         async def sample() -> None:
             while True:
-                held.append((await js.consumer_info(topology.stream("trajectories"), queue.durable)).num_ack_pending)
+                held.append((await js.consumer_info(topology.stream(TRAJECTORIES), queue.durable)).num_ack_pending)
                 await asyncio.sleep(0.05)
 
         sampler = asyncio.create_task(sample())
@@ -203,12 +225,12 @@ def test_garbage_and_unknown_version_go_dead_and_worker_goes_on(nats_server: Emb
     future = msgpack.packb({**msgpack.unpackb(encode(good)), "schema_version": 7})
 
     async def body(js: JetStreamContext) -> None:
-        publisher = Publisher(js)
-        subject = topology.subject("trajectories")
+        publisher = Publisher(js, topology)
+        subject = topology.subject(TRAJECTORIES)
         await js.publish(subject, b"\x00\xffnot an event")
         await js.publish(subject, future)
-        await publisher.publish(subject, good)
-        worker = Worker(js, topology, topology.queues["reward"], TrajectoryEvent, handler, publisher,
+        await publisher.publish(TRAJECTORIES, good)
+        worker = Worker(js, topology, TRAJECTORIES, handler, publisher,
                         WorkerOptions(fetch_timeout=0.2))
         await run_until(worker, lambda: bool(handled))
         await asyncio.sleep(0.3)
@@ -236,12 +258,10 @@ def test_killed_worker_message_is_redelivered_and_effect_happens_once(
     key = "effect." + event.id.replace("/", "_")
 
     async def setup(js: JetStreamContext) -> None:
-        queue = topology.queues["reward"]
         # A short ack wait so the redelivery comes quickly after the kill.
-        config = topology.consumer_config(queue)
-        config.ack_wait = 1.5
-        await js.add_consumer(topology.stream(queue.stage), config)
-        await Publisher(js).publish(topology.subject("trajectories"), event)
+        config = topology.consumer_config(TRAJECTORIES.with_queue(ack_wait=1.5))
+        await js.add_consumer(topology.stream(TRAJECTORIES), config)
+        await Publisher(js, topology).publish(TRAJECTORIES, event)
 
     run_bus(nats_server, topology, setup)
     first = _spawn(nats_server.url, topology.run, "hang", tmp_path)
@@ -251,10 +271,9 @@ def test_killed_worker_message_is_redelivered_and_effect_happens_once(
     second = _spawn(nats_server.url, topology.run, "fast", tmp_path)
 
     async def check(js: JetStreamContext) -> None:
-        queue = topology.queues["reward"]
         deadline = time.monotonic() + 20
         while True:
-            info = await js.consumer_info(topology.stream(queue.stage), queue.durable)
+            info = await js.consumer_info(topology.stream(TRAJECTORIES), TRAJECTORIES.work_queue.durable)
             if info.num_ack_pending == 0 and info.num_pending == 0:
                 break
             assert time.monotonic() < deadline, info
@@ -274,9 +293,9 @@ def test_killed_worker_message_is_redelivered_and_effect_happens_once(
 
 def test_sigterm_drains_in_flight_work_and_exits_zero(nats_server: EmbeddedNats, topology: Topology, tmp_path: Path) -> None:
     async def setup(js: JetStreamContext) -> None:
-        publisher = Publisher(js)
+        publisher = Publisher(js, topology)
         for i in range(3):
-            await publisher.publish(topology.subject("trajectories"), trajectory(topology.run, prompt=i))
+            await publisher.publish(TRAJECTORIES, trajectory(topology.run, prompt=i))
 
     run_bus(nats_server, topology, setup)
     proc = _spawn(nats_server.url, topology.run, "slow", tmp_path)
@@ -286,8 +305,7 @@ def test_sigterm_drains_in_flight_work_and_exits_zero(nats_server: EmbeddedNats,
     started = {p.name for p in tmp_path.iterdir()}
 
     async def check(js: JetStreamContext) -> None:
-        queue = topology.queues["reward"]
-        info = await js.consumer_info(topology.stream(queue.stage), queue.durable)
+        info = await js.consumer_info(topology.stream(TRAJECTORIES), TRAJECTORIES.work_queue.durable)
         assert info.num_ack_pending == 0  # everything it took was finished and acked
         kv = await js.key_value(topology.kv_bucket)
         done = {k for k in await kv.keys()}

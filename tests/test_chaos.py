@@ -24,6 +24,7 @@ import pytest
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.publisher import Publisher
+from bus.topology import PROMPTS
 from ops.chaos import QUICK, ChaosRun
 from tests.helpers import prompt
 
@@ -69,9 +70,9 @@ def test_held_prompts_are_those_a_queue_never_had_acked(nats_server: EmbeddedNat
         ids = []
         for i in range(3):
             event = prompt(run.topology.run, i)
-            await Publisher(nc.jetstream()).publish(run.topology.subject("prompts"), event)
+            await Publisher(nc.jetstream(), run.topology).publish(PROMPTS, event)
             ids.append(event.id)
-        worker = await nc.jetstream().pull_subscribe_bind("rollout", stream=run.topology.stream("prompts"))
+        worker = await nc.jetstream().pull_subscribe_bind(PROMPTS.work_queue.durable, stream=run.topology.stream(PROMPTS))
         done, _unacked = await worker.fetch(2, timeout=5)
         await done.ack()
         await worker.unsubscribe()  # stopped holding the second; the third was never delivered

@@ -23,7 +23,7 @@ from nats.js import JetStreamContext
 from bus.connection import connect
 from bus.embedded import LOOPBACK, EmbeddedCluster, server_binary
 from bus.publisher import Publisher
-from bus.topology import Topology
+from bus.topology import TRAJECTORIES, Topology
 from bus.worker import Worker, WorkerOptions
 from ops.cluster import EXAMPLES, node_addresses, node_configs
 from ops.cluster.__main__ import main
@@ -63,7 +63,7 @@ async def produce(publisher: Publisher, topology: Topology, stop: asyncio.Event,
     while not stop.is_set():
         event = trajectory(topology.run, prompt=index)
         started = time.monotonic()
-        await publisher.publish(topology.subject("trajectories"), event)
+        await publisher.publish(TRAJECTORIES, event)
         longest = max(longest, time.monotonic() - started)
         acked.append(event.id)
         index += 1
@@ -113,15 +113,15 @@ async def connect_leader_first(cluster: EmbeddedCluster, leader: int, name: str)
 
 def test_killed_node_loses_nothing_stalls_briefly_and_catches_up(tmp_path: Path) -> None:
     topology = Topology(run=f"c{uuid.uuid4().hex[:10]}", replicas=3)
-    queue = dataclasses.replace(topology.queues["reward"], ack_wait=ACK_WAIT)
-    stream = topology.stream(queue.stage)
+    channel = TRAJECTORIES.with_queue(ack_wait=ACK_WAIT)
+    stream = topology.stream(channel)
     figures: dict[str, float] = {}
 
     async def scenario(cluster: EmbeddedCluster) -> None:
         admin = await connect(cluster.url, "test-admin")
         js: JetStreamContext = admin.jetstream()
         await topology.apply(js)
-        await js.add_consumer(stream, topology.consumer_config(queue))
+        await js.add_consumer(stream, topology.consumer_config(channel))
         info = await js.stream_info(stream)
         assert info.config.num_replicas == 3 and info.cluster is not None and info.cluster.leader
         leader = cluster.index(info.cluster.leader)
@@ -132,13 +132,13 @@ def test_killed_node_loses_nothing_stalls_briefly_and_catches_up(tmp_path: Path)
         consumer_js = consumer_nc.jetstream()
         seen = Consumption()
         worker = Worker(
-            consumer_js, topology, queue, TrajectoryEvent, seen.handle, Publisher(consumer_js),
+            consumer_js, topology, channel, seen.handle, Publisher(consumer_js, topology),
             WorkerOptions(concurrency=8, fetch_timeout=0.5),
         )
         acked: list[str] = []
         stop_producing, stop_consuming = asyncio.Event(), asyncio.Event()
         # Acks time out after 2 s, not 10: a publish whose ack died with the node is retried sooner.
-        publisher = Publisher(producer_nc.jetstream(), ack_timeout=2.0)
+        publisher = Publisher(producer_nc.jetstream(), topology, ack_timeout=2.0)
         producing = asyncio.create_task(produce(publisher, topology, stop_producing, acked))
         consuming = asyncio.create_task(worker.run(stop_consuming))
 

@@ -26,7 +26,7 @@ from nats.js.errors import NotFoundError
 from bus.connection import connect
 from bus.dead import STAGE
 from bus.embedded import EmbeddedNats
-from bus.topology import Topology
+from bus.topology import BATCHES, DEAD, PROMPTS, REWARDS, TRAJECTORIES, Topology
 from ops.audit import audit
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,13 +53,13 @@ async def inject_garbage_once_training(url: str, topology: Topology) -> None:
     deadline = time.monotonic() + 120
     while True:
         with contextlib.suppress(NotFoundError):
-            if (await js.stream_info(topology.stream("batches"))).state.messages >= 2:
+            if (await js.stream_info(topology.stream(BATCHES))).state.messages >= 2:
                 break
         assert time.monotonic() < deadline, "no batch within 120 s"
         await asyncio.sleep(0.5)
-    for subject in ("prompts", "trajectories", "rewards"):
-        await js.publish(topology.subject(subject), b"\x93garbage " + subject.encode())
-    await js.publish(topology.subject("batches", 0), b"not a batch")
+    for channel in (PROMPTS, TRAJECTORIES, REWARDS):
+        await js.publish(topology.subject(channel), b"\x93garbage " + channel.name.encode())
+    await js.publish(topology.subject(BATCHES, 0), b"not a batch")
     await nc.close()
 
 
@@ -67,8 +67,8 @@ async def audit_run(url: str, topology: Topology) -> tuple[dict, list[str]]:
     nc = await connect(url, "e2e-audit")
     js = nc.jetstream()
     result = await audit(js, topology, max_staleness=1)
-    sub = await js.subscribe(topology.subject("dead", ">"), ordered_consumer=True)
-    count = (await js.stream_info(topology.stream("dead"))).state.messages
+    sub = await js.subscribe(topology.subject(DEAD, ">"), ordered_consumer=True)
+    count = (await js.stream_info(topology.stream(DEAD))).state.messages
     stages = sorted([(await sub.next_msg(timeout=5)).headers[STAGE] for _ in range(count)])
     await nc.close()
     return result, stages

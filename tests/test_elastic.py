@@ -32,7 +32,7 @@ from nats.js.errors import NotFoundError
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
-from bus.topology import Topology
+from bus.topology import PROMPTS, TRAJECTORIES, Topology
 from consumers.fleet_config import FleetConfig, RoleConfig, local_fleet
 from consumers.supervisor import Supervisor
 from ops.audit import audit
@@ -98,8 +98,8 @@ def progress(url: str, topology: Topology) -> Progress:
         nc = await connect(url, "elastic-progress")
         js = nc.jetstream()
         try:
-            stored = (await js.stream_info(topology.stream("trajectories"))).state.last_seq
-            rollout = await js.consumer_info(topology.stream("prompts"), topology.queues["rollout"].durable)
+            stored = (await js.stream_info(topology.stream(TRAJECTORIES))).state.last_seq
+            rollout = await js.consumer_info(topology.stream(PROMPTS), PROMPTS.work_queue.durable)
             return Progress(stored, rollout.num_pending, rollout.num_ack_pending)
         except NotFoundError:
             return Progress(0, 0, 0)

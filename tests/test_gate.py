@@ -22,7 +22,7 @@ from nats.js.errors import NotFoundError
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.publisher import MSG_ID
-from bus.topology import Topology
+from bus.topology import PROMPTS, WEIGHTS, Topology, drop_key
 from schemas import WeightVersionEvent, encode
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,7 +45,7 @@ def gate_config(tmp_path: Path, run: str) -> Path:
 
 
 async def prompts(js: JetStreamContext, topology: Topology) -> int:
-    return (await js.stream_info(topology.stream("prompts"))).state.messages
+    return (await js.stream_info(topology.stream(PROMPTS))).state.messages
 
 
 async def holds_exactly(
@@ -69,7 +69,7 @@ async def weights(js: JetStreamContext, topology: Topology, version: int) -> Non
     """What the trainer announces after each step (the producer reads only the version)."""
     event = WeightVersionEvent(id=f"{topology.run}/weights/{version}", run=topology.run, version=version,
                                step=version, location="unused", manifest=(), total_bytes=0)
-    await js.publish(topology.subject("weights"), encode(event), headers={MSG_ID: event.id})
+    await js.publish(topology.subject(WEIGHTS), encode(event), headers={MSG_ID: event.id})
 
 
 async def play_trainer_and_buffer(url: str, topology: Topology, producer: subprocess.Popen[bytes]) -> None:
@@ -88,7 +88,7 @@ async def play_trainer_and_buffer(url: str, topology: Topology, producer: subpro
         await weights(js, topology, 2)
         await holds_exactly(js, topology, producer, (2 + STALENESS + 1) * PER_STEP, "at v2")
         kv = await js.key_value(topology.kv_bucket)
-        await kv.put(f"drop.{topology.run}/0/1", b"all 2 rewards equal (1)")
+        await kv.put(drop_key(f"{topology.run}/0/1"), b"all 2 rewards equal (1)")
         await holds_exactly(js, topology, producer, (2 + STALENESS + 1) * PER_STEP + 1, "at v2, one group dropped")
         # Past the last step the gate admits the whole run, plus one replacement per drop.
         await weights(js, topology, STEPS + 5)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from bus.embedded import EmbeddedNats
-from bus.topology import Topology
+from bus.topology import TRAJECTORIES, Topology
 from consumers.runtime import attach
 from producers.launcher import lag
 from tests.helpers import declare_run
@@ -101,8 +101,7 @@ def test_the_progress_line_shows_a_figure_it_cannot_read_as_unknown(nats_server:
     async def scenario() -> str:
         rt = await attach("producer", topology.run, nats_server.url)
         try:
-            reward = topology.queues["reward"]
-            await rt.js.delete_consumer(topology.stream(reward.stage), reward.durable)
+            await rt.js.delete_consumer(topology.stream(TRAJECTORIES), TRAJECTORIES.work_queue.durable)
             return await lag(rt)
         finally:
             await rt.close()

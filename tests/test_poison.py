@@ -4,8 +4,9 @@ no worker stops, and the valid events behind it still flow.
 - `decode` returns an event that is safe to use, or raises DecodeError: never anything else.
 - A burst of messages at the max payload is dead-lettered (cut to fit) without the worker's
   connection being dropped for falling behind.
-- The real workers on a real nats-server (rollout, reward and buffer in one event loop on a
-  thread of this process, the trainer as a subprocess): one message of each kind the issue
+- The real workers on a real nats-server (rollout, reward and buffer stages built by their
+  own builders and served as in production, in one event loop on a thread of this process;
+  the trainer as a subprocess): one message of each kind the issue
   lists, then hypothesis-made poison, go into prompts, trajectories, rewards, batches.0 and
   weights, each followed by valid events whose outputs are waited for (trajectories;
   rewards, a failed one among them; a batch, a train step and the new weights served).
@@ -34,21 +35,30 @@ from hypothesis import strategies as st
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from bus.connection import connect
 from bus.dead import HEADERS_ROOM, REASON, SEQUENCE, STAGE, SUBJECT, TRUNCATED
 from bus.embedded import MAX_PAYLOAD, EmbeddedNats
 from bus.publisher import Publisher
-from bus.topology import Topology
+from bus.topology import (
+    BATCHES,
+    CHANNELS,
+    DEAD,
+    PROMPTS,
+    REWARDS,
+    TRAJECTORIES,
+    WEIGHTS,
+    Channel,
+    Topology,
+)
 from bus.worker import Worker, WorkerOptions
-from consumers.buffer import Buffer, read_batches
+from consumers import buffer as buffer_stage
+from consumers import reward as reward_stage
+from consumers import rollout as rollout_stage
 from consumers.checks import ModelLimits
-from consumers.reward import reward_worker
-from consumers.reward_pool import RewardPool
-from consumers.rollout import Rollout
 from consumers.runtime import Runtime, attach, publish_config
-from engines.hf_rollout import HFRolloutEngine
+from consumers.stage import Builder, Stage, serve
 from engines.tiny import build_tiny_model
 from engines.weights import put_version
 from producers.tasks import VOCAB
@@ -82,15 +92,14 @@ VOCAB_SIZE, CONTEXT = len(VOCAB), 64
 MAX_TOKENS = 4
 FAR_VERSION = 10**6
 """A weight version no trainer reaches in these tests: offered, it is always newer."""
-STREAMS = ("prompts", "trajectories", "rewards", "batches", "weights")
-READER = {
-    "prompts": "rollout", "trajectories": "reward", "rewards": "buffer", "batches": "trainer", "weights": "rollout",
-}
-"""The stage that reads each stream, and so dead-letters what it cannot use."""
+CHANNEL = {channel.name: channel for channel in CHANNELS if channel.event is not None}
+"""Every channel that carries events, by name (the tests' parameter)."""
+STREAMS = tuple(CHANNEL)
+READER = {name: channel.readers[0].role for name, channel in CHANNEL.items()}
+"""The stage that consumes each stream, and so dead-letters what it cannot use."""
 GOLDEN_NAME = {"prompts": "prompt.v1", "trajectories": "trajectory.v1", "rewards": "reward.v1",
                "batches": "batch.v1", "weights": "weights.v1"}
-EVENT = {"prompts": PromptEvent, "trajectories": TrajectoryEvent, "rewards": RewardEvent,
-         "batches": BatchEvent, "weights": WeightVersionEvent}
+EVENT = {name: channel.event for name, channel in CHANNEL.items()}
 
 
 # --- decode ----------------------------------------------------------------------------
@@ -152,9 +161,9 @@ class Dead:
 
 async def dead_letters(js: JetStreamContext, topology: Topology) -> dict[Key, Dead]:
     """Every dead letter of the run, by the message it stands for."""
-    sub = await js.subscribe(topology.subject("dead", ">"), ordered_consumer=True)
+    sub = await js.subscribe(topology.subject(DEAD, ">"), ordered_consumer=True)
     found = {}
-    for _ in range((await js.stream_info(topology.stream("dead"))).state.messages):
+    for _ in range((await js.stream_info(topology.stream(DEAD))).state.messages):
         key, dead = as_dead(await sub.next_msg(timeout=10))
         found[key] = dead
     await sub.unsubscribe()
@@ -184,14 +193,13 @@ def test_a_burst_of_max_size_messages_goes_dead_without_dropping_the_connection(
         nc = await connect(nats_server.url, "test-burst")
         js = nc.jetstream()
         await topology.apply(js)
-        subject = topology.subject("trajectories")
+        subject = topology.subject(TRAJECTORIES)
         keys = {(subject, (await js.publish(subject, bytes([0xC1]) * MAX_PAYLOAD)).seq) for _ in range(count)}
-        publisher = Publisher(js)
-        await publisher.publish(subject, trajectory(topology.run))
-        queue = topology.queues["reward"]
+        publisher = Publisher(js, topology)
+        await publisher.publish(TRAJECTORIES, trajectory(topology.run))
         options = WorkerOptions(concurrency=32, fetch_timeout=0.2)
         stop = asyncio.Event()
-        task = asyncio.create_task(Worker(js, topology, queue, TrajectoryEvent, handler, publisher, options).run(stop))
+        task = asyncio.create_task(Worker(js, topology, TRAJECTORIES, handler, publisher, options).run(stop))
         try:
             await eventually(lambda: bool(handled) and len(keys) == count, "the valid event is handled")
             await eventually_async(lambda: dead_count(js, topology, count), "every max-size message is dead", 60)
@@ -212,7 +220,7 @@ def test_a_burst_of_max_size_messages_goes_dead_without_dropping_the_connection(
 
 async def dead_count(js: JetStreamContext, topology: Topology, count: int) -> bool:
     """Whether the run's dead stream holds at least `count` letters."""
-    return (await js.stream_info(topology.stream("dead"))).state.messages >= count
+    return (await js.stream_info(topology.stream(DEAD))).state.messages >= count
 
 
 async def eventually(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
@@ -292,6 +300,7 @@ class Fleet:
         self.stop = asyncio.Event()
         self.tasks: dict[str, asyncio.Task[Any]] = {}
         self.runtimes: list[Runtime] = []
+        self.stages: list[Stage[Any]] = []
         self.refused_weights: list[bytes] = []
         """Weight events that decode but must be refused: forged checksum, missing object, bad bytes, wrong shapes."""
         self.held_group = f"{self.run}/held"
@@ -316,44 +325,28 @@ class Fleet:
             [sys.executable, "-m", "consumers.trainer", "--run", self.run, "--nats", self.url],
             cwd=ROOT, stdout=self.trainer_log, stderr=subprocess.STDOUT,
         )
-        for stage, cls in (("trajectories", TrajectoryEvent), ("rewards", RewardEvent), ("weights", WeightVersionEvent),
-                           ("batches", BatchEvent)):
-            subject = self.topology.subject("batches", ">") if stage == "batches" else self.topology.subject(stage)
-            self.tasks[f"observe {stage}"] = asyncio.create_task(self._observe(subject, cls))
+        for channel in (TRAJECTORIES, REWARDS, WEIGHTS, BATCHES):
+            observer = self._observe(self.topology.subjects(channel), channel.event)  # type: ignore[arg-type]
+            self.tasks[f"observe {channel.name}"] = asyncio.create_task(observer)
         self.tasks["observe dead"] = asyncio.create_task(self._observe_dead())
-        await self._start_rollout()
-        await self._start_reward()
-        await self._start_buffer()
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir)
+        assert ModelLimits.of(self.model) == ModelLimits(VOCAB_SIZE, CONTEXT)
+        self.rollout_rt = await self._start_stage("rollout", rollout_stage.build)
+        await self._start_stage("reward", reward_stage.build)
+        await self._start_stage("buffer", buffer_stage.build)
         # Ready once the rollout watches weights and the trainer has published version 0.
         await eventually_async(self._watching_weights, "the rollout watches the weights stream")
         await self.until(lambda: 0 in self.seen.weights, "the trainer publishes version 0", 120)
         await self._store_refused_weights()
-        await self.js.publish(self.subject("rewards"), encode(scored(self.held_group, 0, 2, [1], 1.0)))
+        await self.js.publish(self.subject(REWARDS), encode(scored(self.held_group, 0, 2, [1], 1.0)))
 
-    async def _start_rollout(self) -> None:
-        rt = await self._attach("rollout")
-        engine = HFRolloutEngine(self.model_dir, seed=0)
-        self.rollout = Rollout(rt, engine, AutoTokenizer.from_pretrained(self.model_dir))
-        assert self.rollout.limits == ModelLimits(VOCAB_SIZE, CONTEXT)
-        self.tasks["rollout batcher"] = asyncio.create_task(self.rollout.batcher())
-        self.tasks["rollout weights"] = asyncio.create_task(self.rollout.watch_weights())
-        worker = Worker(rt.js, rt.topology, rt.topology.queues["rollout"], PromptEvent, self.rollout.handle,
-                        rt.publisher, WorkerOptions(concurrency=8, fetch_timeout=0.2))
-        self.tasks["rollout"] = asyncio.create_task(worker.run(self.stop))
-
-    async def _start_reward(self) -> None:
-        rt = await self._attach("reward")
-        self.pool = await RewardPool(self.config.reward.processes, self.config.reward.timeout).__aenter__()
-        worker = reward_worker(rt, self.pool, WorkerOptions(concurrency=2, fetch_timeout=0.2))
-        self.tasks["reward"] = asyncio.create_task(worker.run(self.stop))
-
-    async def _start_buffer(self) -> None:
-        rt = await self._attach("buffer")
-        buffer = Buffer(rt, await read_batches(rt))
-        self.tasks["buffer heartbeat"] = asyncio.create_task(buffer.heartbeat())
-        worker = Worker(rt.js, rt.topology, rt.topology.queues["buffer"], RewardEvent, buffer.handle, rt.publisher,
-                        WorkerOptions(concurrency=64, max_deliver=20, fetch_timeout=0.2))
-        self.tasks["buffer"] = asyncio.create_task(worker.run(self.stop))
+    async def _start_stage(self, role: str, build: Builder) -> Runtime:
+        """Build the role's stage as its `python -m consumers.<role>` does, and serve it."""
+        rt = await self._attach(role)
+        stage = await build(rt)
+        self.stages.append(stage)
+        self.tasks[role] = asyncio.create_task(serve(rt, stage, self.stop))
+        return rt
 
     async def _attach(self, role: str) -> Runtime:
         rt = await attach(role, self.run, self.url)
@@ -361,11 +354,11 @@ class Fleet:
         return rt
 
     async def _watching_weights(self) -> bool:
-        return (await self.js.stream_info(self.topology.stream("weights"))).state.consumer_count >= 2
+        return (await self.js.stream_info(self.topology.stream(WEIGHTS))).state.consumer_count >= 2
 
     async def _store_refused_weights(self) -> None:
         """Weight events that decode but must never be loaded, all for a version far ahead."""
-        model = self.rollout.engine.model
+        model = self.model
         params = {name: param.detach().clone() for name, param in model.named_parameters()}
         good = await put_version(self.js, self.topology.object_bucket, self.run, "test", FAR_VERSION, params)
         await (await self.js.object_store(self.topology.object_bucket)).put("corrupt.safetensors", b"\x00" * 64)
@@ -393,7 +386,9 @@ class Fleet:
         for task in self.tasks.values():
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
-        await self.pool.close()
+        for stage in self.stages:
+            if stage.close is not None:
+                await stage.close()
         self.trainer.send_signal(signal.SIGTERM)
         returncode = await asyncio.to_thread(self.trainer.wait, 30)
         self.trainer_log.close()
@@ -426,7 +421,7 @@ class Fleet:
                 self.seen.weights.add(event.version)
 
     async def _observe_dead(self) -> None:
-        sub = await self.js.subscribe(self.topology.subject("dead", ">"), ordered_consumer=True)
+        sub = await self.js.subscribe(self.topology.subject(DEAD, ">"), ordered_consumer=True)
         async for msg in sub.messages:
             key, dead = as_dead(msg)
             self.seen.dead[key] = dead
@@ -450,14 +445,14 @@ class Fleet:
             await asyncio.sleep(0.05)
 
     # Poison and valid events ------------------------------------------------------------
-    def subject(self, stream: str) -> str:
-        """The subject of `stream` (rank 0's for batches)."""
-        return self.topology.subject("batches", 0) if stream == "batches" else self.topology.subject(stream)
+    def subject(self, channel: Channel) -> str:
+        """The subject of `channel` (rank 0's for batches)."""
+        return self.topology.subject(channel, 0) if channel.token else self.topology.subject(channel)
 
     async def send(self, stream: str, data: bytes) -> Key:
         """Publish raw bytes (no message id: poison is not deduplicated) and return their key."""
-        ack = await self.js.publish(self.subject(stream), data)
-        return self.subject(stream), ack.seq
+        ack = await self.js.publish(self.subject(CHANNEL[stream]), data)
+        return self.subject(CHANNEL[stream]), ack.seq
 
     async def dead_letters(self, keys: list[Key]) -> list[Dead]:
         """The dead letters of `keys`, once they are all there."""
@@ -472,7 +467,7 @@ class Fleet:
             task={"name": "digits", "rule": "copy", "target": "1234"}, n=2,
             sampling=SamplingParams(max_tokens=MAX_TOKENS),
         )
-        await self.js.publish(self.subject("prompts"), encode(prompt))
+        await self.js.publish(self.subject(PROMPTS), encode(prompt))
         expected = {f"{prompt.id}/{i}" for i in range(prompt.n)}
         await self.until(lambda: expected <= self.seen.trajectories, f"trajectories for {prompt.id}")
 
@@ -488,7 +483,7 @@ class Fleet:
             response = tokens(text)
             t = scored(prompt_id, 0, 1, response, 0.0).trajectory
             t = t.model_copy(update={"response_text": text, "task": task})
-            await self.js.publish(self.subject("trajectories"), encode(t))
+            await self.js.publish(self.subject(TRAJECTORIES), encode(t))
             sent[t.id] = (reward, failed)
         await self.until(lambda: set(sent) <= set(self.seen.rewards), "rewards for the valid trajectories")
         got = {i: (self.seen.rewards[i].reward, self.seen.rewards[i].failed) for i in sent}
@@ -500,7 +495,7 @@ class Fleet:
         prompt_id = f"{self.run}/g{next(self.counter)}"
         events = [scored(prompt_id, i, 2, response, 1.0 - i) for i, response in enumerate(responses)]
         for event in events:
-            await self.js.publish(self.subject("rewards"), encode(event))
+            await self.js.publish(self.subject(REWARDS), encode(event))
         return [event.id for event in events]
 
     async def valid_group(self) -> None:
@@ -509,8 +504,12 @@ class Fleet:
         ids = await self.group((tokens("1234") + [TOKEN["<eos>"]], []))
         await self.until(lambda: self.step_of(ids) is not None, "the valid group is batched")
         made = self.step_of(ids) + 1  # type: ignore[operator]
-        await self.until(lambda: self.rollout.engine.version >= made, f"the rollout serves v{made}", 60)
-        assert self.rollout.engine.version < FAR_VERSION  # no refused version was ever loaded
+        await self.until(lambda: self.serving() >= made, f"the rollout serves v{made}", 60)
+        assert self.serving() < FAR_VERSION  # no refused version was ever loaded
+
+    def serving(self) -> int:
+        """The weight version the rollout worker says it serves (its membership entry)."""
+        return self.rollout_rt.member.member.weight_version or 0
 
     def step_of(self, sample_ids: list[str]) -> int | None:
         """The step of the batch holding `sample_ids`, once the buffer stored one."""
@@ -582,7 +581,7 @@ def test_one_of_each_kind_in_every_stream_goes_dead_and_valid_events_flow(fleet:
             reasons = [d.reason for d in dead[-len(fleet.refused_weights):]]
             assert all(r.startswith("weights refused:") for r in reasons), reasons
         fleet.call(fleet.valid_events(stream))
-    assert fleet.rollout.engine.version < FAR_VERSION
+    assert fleet.serving() < FAR_VERSION
     fleet.assert_alive()
 
 

@@ -23,7 +23,7 @@ from bus.connection import JetStream, connect
 from bus.embedded import EmbeddedNats
 from bus.publisher import Publisher
 from bus.pull import Puller
-from bus.topology import Topology
+from bus.topology import TRAJECTORIES, Topology
 from bus.worker import Worker, WorkerOptions
 from schemas import TrajectoryEvent, encode
 from tests.helpers import trajectory
@@ -39,14 +39,14 @@ def test_pulled_messages_ack_nak_term_and_heartbeat_like_jetstream_messages(
         nc = await connect(nats_server.url, "test-pull")
         js = nc.jetstream()
         await topology.apply(js)
-        queue = topology.queues["reward"]
-        stream = topology.stream(queue.stage)
-        config = topology.consumer_config(queue)
+        queue = TRAJECTORIES.work_queue
+        stream = topology.stream(TRAJECTORIES)
+        config = topology.consumer_config(TRAJECTORIES)
         config.ack_wait = ACK_WAIT  # short, so a failed heartbeat shows as a redelivery
         await js.add_consumer(stream, config)
-        publisher = Publisher(js)
+        publisher = Publisher(js, topology)
         for i in range(4):
-            await publisher.publish(topology.subject("trajectories"), trajectory(topology.run, prompt=i))
+            await publisher.publish(TRAJECTORIES, trajectory(topology.run, prompt=i))
         puller = Puller(js, stream, queue.durable)
         await puller.open()
         try:
@@ -109,9 +109,9 @@ def test_a_message_carrying_its_own_status_header_is_handled_not_taken_for_a_sta
         js = nc.jetstream()
         await topology.apply(js)
         event = trajectory(topology.run)
-        await js.publish(topology.subject("trajectories"), encode(event),
+        await js.publish(topology.subject(TRAJECTORIES), encode(event),
                          headers={"Status": "404", "Description": "No Messages"})
-        worker = Worker(js, topology, topology.queues["reward"], TrajectoryEvent, handler, Publisher(js),
+        worker = Worker(js, topology, TRAJECTORIES, handler, Publisher(js, topology),
                         WorkerOptions(fetch_timeout=0.2))
         stop = asyncio.Event()
         task = asyncio.create_task(worker.run(stop))
@@ -135,7 +135,7 @@ def test_a_worker_refuses_a_context_that_does_not_keep_its_connection() -> None:
         pass
 
     with pytest.raises(TypeError, match=r"bus\.connection\.connect"):
-        Worker(plain, topology, topology.queues["reward"], TrajectoryEvent, handler, Publisher(plain))
+        Worker(plain, topology, TRAJECTORIES, handler, Publisher(plain, topology))
     assert isinstance(JetStream(Client()), JetStreamContext)
 
 

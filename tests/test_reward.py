@@ -15,12 +15,13 @@ from nats.js import JetStreamContext
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
+from bus.lag import queue_lag
 from bus.publisher import Publisher
-from bus.topology import Topology
-from bus.worker import WorkerOptions
-from consumers.reward import reward_worker
+from bus.topology import REWARDS, TRAJECTORIES, Topology
+from consumers import reward as reward_stage
 from consumers.reward_pool import Limits, RewardPool, RewardSpecError, Score
 from consumers.runtime import attach, publish_config
+from consumers.stage import serve
 from schemas import RewardEvent, TrajectoryEvent, decode
 from schemas.config import DataConfig, RewardConfig, RunConfig
 from tests import reward_fns
@@ -165,25 +166,24 @@ async def set_up_run(js: JetStreamContext, topology: Topology, config: RunConfig
     """Declare the run, store its config, and put `inputs` (events or raw bytes) on the trajectories subject."""
     await topology.apply(js)
     await publish_config(await js.key_value(topology.kv_bucket), config)
-    publisher, subject = Publisher(js), topology.subject("trajectories")
+    publisher = Publisher(js, topology)
     for item in inputs:
         if isinstance(item, bytes):
-            await js.publish(subject, item)
+            await js.publish(topology.subject(TRAJECTORIES), item)
         else:
-            await publisher.publish(subject, item)
+            await publisher.publish(TRAJECTORIES, item)
 
 
 async def queue_empty(js: JetStreamContext, topology: Topology) -> bool:
     """Every trajectory handed out and settled (acked, or dead-lettered and terminated)."""
-    queue = topology.queues["reward"]
-    info = await js.consumer_info(topology.stream(queue.stage), queue.durable)
-    return info.num_pending == 0 and info.num_ack_pending == 0
+    lag = (await queue_lag(js, topology))[TRAJECTORIES.work_queue.durable]
+    return lag is not None and lag.pending == 0 and lag.in_flight == 0
 
 
 async def stored_rewards(js: JetStreamContext, topology: Topology) -> dict[str, RewardEvent]:
     """Every RewardEvent in the run's rewards stream, by id."""
-    sub = await js.subscribe(topology.subject("rewards"), ordered_consumer=True)
-    count = await messages(js, topology, "rewards")
+    sub = await js.subscribe(topology.subject(REWARDS), ordered_consumer=True)
+    count = await messages(js, topology, REWARDS)
     events = [decode((await sub.next_msg(timeout=5)).data, RewardEvent) for _ in range(count)]
     await sub.unsubscribe()
     return {event.id: event for event in events}
@@ -192,7 +192,8 @@ async def stored_rewards(js: JetStreamContext, topology: Topology) -> dict[str, 
 def run_reward_worker(
     server: EmbeddedNats, topology: Topology, config: RunConfig, inputs: Inputs
 ) -> tuple[dict[str, RewardEvent], list[tuple[bytes, str]], str]:
-    """Run the reward worker in-process over `inputs` until all are settled.
+    """Run the reward stage in-process (its builder, as `python -m consumers.reward` does) over
+    `inputs` until all are settled.
 
     Returns the stored rewards by id, the dead letters, and the worker's source id.
     """
@@ -203,15 +204,17 @@ def run_reward_worker(
         await set_up_run(js, topology, config, inputs)
         rt = await attach("reward", topology.run, server.url)
         stop = asyncio.Event()
-        async with RewardPool(config.reward.processes, config.reward.timeout) as pool:
-            worker = reward_worker(rt, pool, WorkerOptions(concurrency=4, fetch_timeout=0.2))
-            task = asyncio.create_task(worker.run(stop))
+        stage = await reward_stage.build(rt)
+        try:
+            task = asyncio.create_task(serve(rt, stage, stop))
             deadline = time.monotonic() + 20
             while not await queue_empty(js, topology):
                 assert time.monotonic() < deadline and not task.done(), "worker did not settle every trajectory"
                 await asyncio.sleep(0.05)
             stop.set()
             await task
+        finally:
+            await stage.close()
         try:
             return await stored_rewards(js, topology), await dead_letters(js, topology), rt.source
         finally:
@@ -288,7 +291,7 @@ def test_cli_refuses_a_bad_reward_function_and_drains_on_sigterm(nats_server: Em
     async def scored() -> bool:
         nc = await connect(nats_server.url, "test")
         try:
-            return await messages(nc.jetstream(), topology, "rewards") == 1
+            return await messages(nc.jetstream(), topology, REWARDS) == 1
         finally:
             await nc.close()
 

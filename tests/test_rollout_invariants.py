@@ -35,7 +35,7 @@ from transformers import AutoTokenizer
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.publisher import Publisher
-from bus.topology import Topology
+from bus.topology import PROMPTS, TRAJECTORIES, WEIGHTS, Topology
 from bus.worker import Worker, WorkerOptions
 from consumers.rollout import Rollout
 from consumers.runtime import Runtime, attach, publish_config
@@ -130,21 +130,21 @@ class RolloutUnderTest:
             token_ids=Tensor.from_numpy(np.array([3, 4, 5, 6 + index % 4], np.int32)), n=GROUP,
             sampling=PromptSampling(max_tokens=MAX_TOKENS),
         )
-        await self.js.publish(self.topology.subject("prompts"), encode(event))
+        await self.js.publish(self.topology.subject(PROMPTS), encode(event))
         return event
 
     async def publish_weights(self, version: int) -> None:
         """Store version `version` (the model's weights, nudged) and announce it, as the trainer does."""
         params = {name: p.detach().clone() + 1e-3 * version for name, p in self.engine.model.named_parameters()}
         event = await put_version(self.js, self.topology.object_bucket, self.topology.run, "test", version, params)
-        await self.js.publish(self.topology.subject("weights"), encode(event))
+        await self.js.publish(self.topology.subject(WEIGHTS), encode(event))
 
     async def prompts_consumer(self) -> ConsumerInfo:
-        return await self.js.consumer_info(self.topology.stream("prompts"), self.topology.queues["rollout"].durable)
+        return await self.js.consumer_info(self.topology.stream(PROMPTS), PROMPTS.work_queue.durable)
 
     async def trajectories(self) -> list[TrajectoryEvent]:
-        count = (await self.js.stream_info(self.topology.stream("trajectories"))).state.messages
-        sub = await self.js.subscribe(self.topology.subject("trajectories"), ordered_consumer=True)
+        count = (await self.js.stream_info(self.topology.stream(TRAJECTORIES))).state.messages
+        sub = await self.js.subscribe(self.topology.subject(TRAJECTORIES), ordered_consumer=True)
         try:
             return [decode((await sub.next_msg(timeout=5)).data, TrajectoryEvent) for _ in range(count)]
         finally:
@@ -163,13 +163,13 @@ async def rollout_worker(
                                        "rollout": {"max_batch_prompts": 2}})
     await publish_config(await js.key_value(topology.kv_bucket), config)
     rt = await attach("rollout", topology.run, url)
-    rt.publisher = Publisher(rt.js, ack_timeout=ack_timeout)
+    rt.publisher = Publisher(rt.js, rt.topology, ack_timeout=ack_timeout)
     engine = RecordingEngine(model_dir, load_seconds)
     rollout = Rollout(rt, engine, AutoTokenizer.from_pretrained(model_dir))
     stop = asyncio.Event()
     helpers = [asyncio.create_task(rollout.batcher()), asyncio.create_task(rollout.watch_weights())]
     options = WorkerOptions(concurrency=8, fetch_timeout=0.2)
-    worker = Worker(rt.js, rt.topology, rt.topology.queues["rollout"], PromptEvent, rollout.handle, rt.publisher, options)
+    worker = Worker(rt.js, rt.topology, PROMPTS, rollout.handle, rt.publisher, options)
     loop = asyncio.create_task(worker.run(stop))
     try:
         yield RolloutUnderTest(nc, js, topology, rt, engine, rollout)
@@ -227,7 +227,7 @@ def test_prompt_is_acked_only_once_its_trajectories_are_stored(
 ) -> None:
     async def main() -> None:
         async with rollout_worker(nats_server.url, topology, model_dir, ack_timeout=1.0) as w:
-            stream = topology.stream("trajectories")
+            stream = topology.stream(TRAJECTORIES)
             await w.publish_weights(0)  # opens the gate, as the trainer's v0 does
 
             async def acked(count: int) -> bool:
@@ -358,4 +358,4 @@ def test_weights_load_only_between_generations_and_off_the_event_loop(
 
 
 async def trajectories_stored(w: RolloutUnderTest, count: int) -> bool:
-    return (await w.js.stream_info(w.topology.stream("trajectories"))).state.messages >= count
+    return (await w.js.stream_info(w.topology.stream(TRAJECTORIES))).state.messages >= count

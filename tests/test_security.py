@@ -29,8 +29,19 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from bus.connection import ConnectRefused, connect
 from bus.embedded import EmbeddedNats
+from bus.lag import queue_lag
 from bus.publisher import Publisher
-from bus.topology import Topology
+from bus.topology import (
+    BATCHES,
+    PROMPTS,
+    REWARDS,
+    TRAJECTORIES,
+    WEIGHTS,
+    Channel,
+    Topology,
+    drop_key,
+    metrics_key,
+)
 from bus.worker import Worker, WorkerOptions
 from consumers.runtime import Runtime, attach, publish_config
 from schemas import Event, PromptEvent, RewardEvent, TrajectoryEvent
@@ -74,8 +85,8 @@ def violations(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if VIOLATION in r.getMessage()]
 
 
-async def work_one(rt: Runtime, role: str, event_type: type[E], handle: Callable[[E], Awaitable[None]]) -> None:
-    """Run the role's worker loop until its handler has run once."""
+async def work_one(rt: Runtime, channel: Channel[E], handle: Callable[[E], Awaitable[None]]) -> None:
+    """Serve the channel's work queue until the handler has run once."""
     done = asyncio.Event()
 
     async def handler(event: E, msg: Msg) -> None:
@@ -83,8 +94,7 @@ async def work_one(rt: Runtime, role: str, event_type: type[E], handle: Callable
         done.set()
 
     stop = asyncio.Event()
-    worker = Worker(rt.js, rt.topology, rt.topology.queues[role], event_type, handler, rt.publisher,
-                    WorkerOptions(fetch_timeout=0.5))
+    worker = Worker(rt.js, rt.topology, channel, handler, rt.publisher, WorkerOptions(fetch_timeout=0.5))
     task = asyncio.create_task(worker.run(stop))
     await asyncio.wait_for(done.wait(), 10)
     stop.set()
@@ -109,53 +119,53 @@ def test_every_role_does_its_job_with_its_own_credential(secured: Secured, caplo
         await publish_config(await nc.jetstream().key_value(t.kv_bucket), RunConfig(run=run))
         await nc.close()
         producer = await attach("producer", run, secured.url("producer"))
-        await producer.publisher.publish(t.subject("prompts"), prompt(run, 0))
-        assert (await producer.js.get_last_msg(t.stream("prompts"), t.subject("prompts"))).data
-        for queue in t.queues.values():
-            await producer.js.consumer_info(t.stream(queue.stage), queue.durable)
+        await producer.publisher.publish(PROMPTS, prompt(run, 0))
+        assert (await producer.js.get_last_msg(t.stream(PROMPTS), t.subject(PROMPTS))).data
+        lags = await queue_lag(producer.js, t)  # the progress line's figures
+        assert None not in lags.values(), lags
 
         # Trainer: weight bytes to the object store, the version announced.
         trainer = await attach("trainer", run, secured.url("trainer"))
         store = await trainer.js.object_store(t.object_bucket)
         await store.put("v0.safetensors", b"w" * 300_000)  # several chunks
         await store.put("v0.safetensors", b"v" * 300_000)  # a replacement purges the old chunks
-        await trainer.js.publish(t.subject("weights"), b"version 0")
+        await trainer.js.publish(t.subject(WEIGHTS), b"version 0")
 
         # Rollout: a prompt from its queue -> a trajectory; follows weights and reads their bytes.
         rollout = await attach("rollout", run, secured.url("rollout"))
 
         async def generate(event: PromptEvent) -> None:
-            await rollout.publisher.publish(t.subject("trajectories"), trajectory(run, event.index))
+            await rollout.publisher.publish(TRAJECTORIES, trajectory(run, event.index))
 
-        await work_one(rollout, "rollout", PromptEvent, generate)
-        assert await read_one(rollout.js, t.subject("weights"), deliver_policy=DeliverPolicy.LAST) == b"version 0"
+        await work_one(rollout, PROMPTS, generate)
+        assert await read_one(rollout.js, t.subject(WEIGHTS), deliver_policy=DeliverPolicy.LAST) == b"version 0"
         assert (await (await rollout.js.object_store(t.object_bucket)).get("v0.safetensors")).data == b"v" * 300_000
 
         # Reward: a trajectory from its queue -> a reward.
         scorer = await attach("reward", run, secured.url("reward"))
 
         async def score(event: TrajectoryEvent) -> None:
-            await scorer.publisher.publish(t.subject("rewards"), reward(run, 0))
+            await scorer.publisher.publish(REWARDS, reward(run, 0))
 
-        await work_one(scorer, "reward", TrajectoryEvent, score)
+        await work_one(scorer, TRAJECTORIES, score)
 
         # Buffer: a reward from its queue -> a batch and a drop record; replays the batches.
         buffer = await attach("buffer", run, secured.url("buffer"))
 
         async def batch(event: RewardEvent) -> None:
-            await buffer.kv.create(f"drop.{run}/0/1", b"all rewards equal")
-            await buffer.js.publish(t.subject("batches", 0), b"batch 0")
+            await buffer.kv.create(drop_key(f"{run}/0/1"), b"all rewards equal")
+            await buffer.js.publish(t.subject(BATCHES, 0), b"batch 0")
 
-        await work_one(buffer, "buffer", RewardEvent, batch)
-        assert await read_one(buffer.js, t.subject("batches", ">")) == b"batch 0"
+        await work_one(buffer, REWARDS, batch)
+        assert await read_one(buffer.js, t.subject(BATCHES, ">")) == b"batch 0"
 
         # Trainer: its rank's batches by position, then metrics.
         config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=1)
-        assert await read_one(trainer.js, t.subject("batches", 0), config=config) == b"batch 0"
-        await trainer.kv.put("metrics.0.0", b"{}")
+        assert await read_one(trainer.js, t.subject(BATCHES, 0), config=config) == b"batch 0"
+        await trainer.kv.put(metrics_key(0, 0), b"{}")
 
         # Producer: the admission gate follows weights and the KV.
-        assert await read_one(producer.js, t.subject("weights"), deliver_policy=DeliverPolicy.LAST) == b"version 0"
+        assert await read_one(producer.js, t.subject(WEIGHTS), deliver_policy=DeliverPolicy.LAST) == b"version 0"
         watcher = await producer.kv.watch(">")
         assert (await watcher.updates(timeout=5)) is not None
         await watcher.stop()
@@ -186,27 +196,27 @@ def test_roles_cannot_write_what_is_not_theirs(secured: Secured, caplog: pytest.
         admin = await connect(secured.url("admin"), "admin")
         admin_js = admin.jetstream()
         await t.apply(admin_js)
-        before = {stage: await messages(admin_js, t, stage) for stage in ("prompts", "trajectories", "weights", "batches")}
+        before = {c: await messages(admin_js, t, c) for c in (PROMPTS, TRAJECTORIES, WEIGHTS, BATCHES)}
 
         rollout = await connect(secured.url("rollout"), "rollout")
         rollout_js = rollout.jetstream()
-        assert (await Publisher(rollout_js).publish(t.subject("trajectories"), trajectory(run, 99))).seq
-        await refused(rollout_js, t.subject("weights"))
-        await refused(rollout_js, t.subject("batches", 0))
+        assert (await Publisher(rollout_js, t).publish(TRAJECTORIES, trajectory(run, 99))).seq
+        await refused(rollout_js, t.subject(WEIGHTS))
+        await refused(rollout_js, t.subject(BATCHES, 0))
         reward_nc = await connect(secured.url("reward"), "reward")
-        await refused(reward_nc.jetstream(), t.subject("prompts"))
+        await refused(reward_nc.jetstream(), t.subject(PROMPTS))
 
-        after = {stage: await messages(admin_js, t, stage) for stage in before}
+        after = {c: await messages(admin_js, t, c) for c in before}
         for nc in (rollout, reward_nc, admin):
             await nc.close()
-        return {stage: after[stage] - before[stage] for stage in before}
+        return {c.name: after[c] - before[c] for c in before}
 
     stored = asyncio.run(scenario())
     assert stored == {"prompts": 0, "trajectories": 1, "weights": 0, "batches": 0}
     assert sorted(violations(caplog)) == sorted(
         f'nats {role}: Error: nats: {VIOLATION} for publish to "{subject.lower()}"'
-        for role, subject in (("rollout", t.subject("weights")), ("rollout", t.subject("batches", 0)),
-                              ("reward", t.subject("prompts")))
+        for role, subject in (("rollout", t.subject(WEIGHTS)), ("rollout", t.subject(BATCHES, 0)),
+                              ("reward", t.subject(PROMPTS)))
     )
 
 
@@ -252,7 +262,7 @@ def test_tls_options_pass_through_connect(tmp_path: Path, topology: Topology) ->
         nc = await connect(server.url, "tls-test", tls=context, tls_hostname="jetrl-test")
         js = nc.jetstream()
         await topology.apply(js)
-        assert (await Publisher(js).publish(topology.subject("trajectories"), trajectory(topology.run))).seq == 1
+        assert (await Publisher(js, topology).publish(TRAJECTORIES, trajectory(topology.run))).seq == 1
         await nc.close()
         # Without the CA the handshake fails the same way on every try: raised, not retried.
         with pytest.raises(ConnectRefused, match="TLS failed"):

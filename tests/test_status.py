@@ -17,7 +17,15 @@ from nats.aio.msg import Msg
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.publisher import Publisher
-from bus.topology import Topology
+from bus.topology import (
+    BATCHES,
+    DEAD,
+    PROMPTS,
+    REWARDS,
+    TRAJECTORIES,
+    WEIGHTS,
+    Topology,
+)
 from consumers.membership import Membership, live_members
 from consumers.runtime import publish_config
 from ops.status import details, render, sample
@@ -60,25 +68,24 @@ async def populate(nc: Client, topology: Topology) -> list[Msg]:
     js = nc.jetstream()
     await topology.apply(js)
     await publish_config(await js.key_value(topology.kv_bucket), RunConfig(run=topology.run))
-    publisher = Publisher(js)
+    publisher = Publisher(js, topology)
     run = topology.run
     for i in range(5):
-        await publisher.publish(topology.subject("prompts"), prompt(run, i))
+        await publisher.publish(PROMPTS, prompt(run, i))
     for i in range(3):
-        await publisher.publish(topology.subject("trajectories"), trajectory(run, prompt=i))
+        await publisher.publish(TRAJECTORIES, trajectory(run, prompt=i))
     for i in range(2):
-        await publisher.publish(topology.subject("rewards"), reward(run, prompt_index=i))
+        await publisher.publish(REWARDS, reward(run, prompt_index=i))
     # Staleness at step 3 over the loss tokens: 0, 0, 1 | 2, 0.
     stale = batch(run, 3, versions=[[-1, 3, 3, 2], [-1, -1, 1, 3]], loss_mask=[[0, 1, 1, 1], [0, 0, 1, 1]])
-    await publisher.publish(topology.subject("batches", 0), stale)
-    await js.publish(topology.subject("batches", 0), b"not a batch")
+    await publisher.publish(BATCHES, stale, 0)
+    await js.publish(topology.subject(BATCHES, 0), b"not a batch")
     weights = WeightVersionEvent(id=f"{run}/weights/3", run=run, version=3, step=3, location="w", manifest=(),
                                  total_bytes=0)
-    await publisher.publish(topology.subject("weights"), weights)
+    await publisher.publish(WEIGHTS, weights)
     for stage in ("reward", "reward", "rollout"):
-        await js.publish(topology.subject("dead", stage), b"x")
-    rollout = topology.queues["rollout"]
-    sub = await js.pull_subscribe_bind(rollout.durable, stream=topology.stream(rollout.stage))
+        await js.publish(topology.subject(DEAD, stage), b"x")
+    sub = await js.pull_subscribe_bind(PROMPTS.work_queue.durable, stream=topology.stream(PROMPTS))
     taken = await sub.fetch(2, timeout=5)
     # A nak sent as a request: the server answers once it has processed it, so the next
     # fetch gets this message again rather than racing ahead to a fresh one.
@@ -132,7 +139,7 @@ def test_rates_are_the_change_between_two_samples(nats_server: EmbeddedNats, top
         for msg in in_flight:
             await msg.ack_sync()
         for i in range(5, 9):
-            await Publisher(js).publish(topology.subject("prompts"), prompt(topology.run, i))
+            await Publisher(js, topology).publish(PROMPTS, prompt(topology.run, i))
         now = await sample(js, topology)
         page = render(topology, before, now, await details(js, topology, batches=16))
         await nc.close()

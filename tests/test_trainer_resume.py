@@ -27,6 +27,7 @@ from nats.aio.msg import Msg
 from nats.js.errors import KeyNotFoundError
 
 from bus.embedded import EmbeddedNats
+from bus.topology import metrics_key
 from consumers.buffer import BatchedSoFar, Buffer, Group
 from consumers.runtime import Runtime
 from consumers.update_history import UpdateHistory
@@ -87,7 +88,7 @@ def trainer(url: str, run: str, log: Path) -> subprocess.Popen[bytes]:
 
 async def metrics(rt: Runtime, step: int) -> dict | None:
     try:
-        entry = await rt.kv.get(f"metrics.0.{step}")
+        entry = await rt.kv.get(metrics_key(0, step))
     except KeyNotFoundError:
         return None
     return json.loads(entry.value or b"")

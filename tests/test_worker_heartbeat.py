@@ -6,14 +6,13 @@ is not handed out again meanwhile. Here a real worker runs over a real queue who
 the server has with a 1 s ack_wait, while the handler takes four times that; the message
 must be delivered once.
 
-The `WorkQueue` the worker is given says 60 s, as a queue declared by another process with
+The channel the worker is given says 60 s, as a queue declared by another process with
 the default would: the worker must pace its heartbeats by what the server has, not by it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 
 import numpy as np
@@ -23,7 +22,7 @@ from nats.js import JetStreamContext
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.publisher import Publisher
-from bus.topology import Topology, WorkQueue
+from bus.topology import PROMPTS, Topology
 from bus.worker import Worker, WorkerOptions
 from schemas import PromptEvent, Tensor, encode
 
@@ -31,7 +30,8 @@ ACK_WAIT = 1.0
 """The consumer's ack_wait on the server."""
 HANDLER_SECONDS = 4 * ACK_WAIT
 """How long the handler works on its message: more than 3 ack_waits."""
-QUEUE = WorkQueue("prompts", "slow", ack_wait=60.0, max_ack_pending=16)
+CHANNEL = PROMPTS.with_queue(durable="slow", ack_wait=60.0, max_ack_pending=16)
+QUEUE = CHANNEL.work_queue
 
 
 def test_a_handler_running_past_ack_wait_keeps_its_message(nats_server: EmbeddedNats, topology: Topology) -> None:
@@ -49,8 +49,8 @@ def test_a_handler_running_past_ack_wait_keeps_its_message(nats_server: Embedded
 
 
 async def run(js: JetStreamContext, topology: Topology) -> None:
-    stream = topology.stream(QUEUE.stage)
-    await js.add_consumer(stream, topology.consumer_config(dataclasses.replace(QUEUE, ack_wait=ACK_WAIT)))
+    stream = topology.stream(CHANNEL)
+    await js.add_consumer(stream, topology.consumer_config(CHANNEL.with_queue(ack_wait=ACK_WAIT)))
     deliveries: list[int] = []
     finished = asyncio.Event()
 
@@ -62,9 +62,9 @@ async def run(js: JetStreamContext, topology: Topology) -> None:
 
     prompt = PromptEvent(id=f"{topology.run}/0/0", run=topology.run, epoch=0, index=0,
                          token_ids=Tensor.from_numpy(np.array([1, 2], np.int32)))
-    await js.publish(topology.subject("prompts"), encode(prompt))
+    await js.publish(topology.subject(PROMPTS), encode(prompt))
     stop = asyncio.Event()
-    worker = Worker(js, topology, QUEUE, PromptEvent, handler, Publisher(js), WorkerOptions(fetch_timeout=0.2))
+    worker = Worker(js, topology, CHANNEL, handler, Publisher(js, topology), WorkerOptions(fetch_timeout=0.2))
     loop = asyncio.create_task(worker.run(stop))
     most_redelivered = 0
     try:

@@ -14,7 +14,7 @@ from nats.aio.msg import Msg
 from bus import tracing
 from bus.connection import connect
 from bus.publisher import Publisher
-from bus.topology import Topology
+from bus.topology import REWARDS, TRAJECTORIES, Topology
 from bus.worker import Worker, WorkerOptions
 from schemas import RewardEvent, TrajectoryEvent
 from tests.helpers import trajectory
@@ -25,23 +25,23 @@ async def chain(url: str, run: str) -> None:
     js = nc.jetstream()
     topology = Topology(run=run)
     await topology.apply(js)
-    publisher = Publisher(js)
+    publisher = Publisher(js, topology)
     done = asyncio.Event()
 
     async def score(event: TrajectoryEvent, _msg: Msg) -> None:
         reward = RewardEvent(id=event.id, run=run, trajectory=event, reward=1.0)
-        await publisher.publish(topology.subject("rewards"), reward)
+        await publisher.publish(REWARDS, reward)
 
     async def collect(event: RewardEvent, _msg: Msg) -> None:
         done.set()
 
     with tracing.tracer.start_as_current_span("prompt", attributes={"jetrl.prompt_id": "p0"}):
-        await publisher.publish(topology.subject("trajectories"), trajectory(run))
+        await publisher.publish(TRAJECTORIES, trajectory(run))
     stop = asyncio.Event()
     options = WorkerOptions(fetch_timeout=0.2)
     workers = [
-        asyncio.create_task(Worker(js, topology, topology.queues["reward"], TrajectoryEvent, score, publisher, options).run(stop)),
-        asyncio.create_task(Worker(js, topology, topology.queues["buffer"], RewardEvent, collect, publisher, options).run(stop)),
+        asyncio.create_task(Worker(js, topology, TRAJECTORIES, score, publisher, options).run(stop)),
+        asyncio.create_task(Worker(js, topology, REWARDS, collect, publisher, options).run(stop)),
     ]
     await asyncio.wait_for(done.wait(), 20)
     stop.set()

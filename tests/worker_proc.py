@@ -18,7 +18,7 @@ from nats.js.errors import KeyWrongLastSequenceError
 
 from bus.connection import connect
 from bus.publisher import Publisher
-from bus.topology import Topology
+from bus.topology import TRAJECTORIES, Topology
 from bus.worker import Worker, WorkerOptions, stop_on_signals
 from schemas import TrajectoryEvent
 
@@ -44,7 +44,7 @@ async def main(url: str, run: str, mode: str, markers: Path) -> None:
 
     stop = asyncio.Event()
     stop_on_signals(stop)
-    worker = Worker(js, topology, topology.queues["reward"], TrajectoryEvent, handler, Publisher(js), WorkerOptions(concurrency=4))
+    worker = Worker(js, topology, TRAJECTORIES, handler, Publisher(js, topology), WorkerOptions(concurrency=4))
     print("ready", flush=True)
     await worker.run(stop)
     await nc.drain()

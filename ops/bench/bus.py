@@ -35,7 +35,7 @@ from nats.js import JetStreamContext
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.publisher import Publisher
-from bus.topology import Topology
+from bus.topology import TRAJECTORIES, Topology
 from bus.worker import Worker, WorkerOptions
 from schemas import TrajectoryEvent, decode, encode
 from tests.helpers import trajectory
@@ -49,8 +49,8 @@ async def ours(js: JetStreamContext, run: str, evs: list[TrajectoryEvent]) -> fl
     topo = Topology(run=run)
     await topo.apply(js)
     start = time.perf_counter()
-    publisher = Publisher(js)
-    acks = [await publisher.send(topo.subject("trajectories"), e) for e in evs]
+    publisher = Publisher(js, topo)
+    acks = [await publisher.send(TRAJECTORIES, e) for e in evs]
     await asyncio.gather(*acks)
     done, stop, count = asyncio.Event(), asyncio.Event(), 0
 
@@ -61,7 +61,7 @@ async def ours(js: JetStreamContext, run: str, evs: list[TrajectoryEvent]) -> fl
             done.set()
 
     options = WorkerOptions(concurrency=128)
-    worker = Worker(js, topo, topo.queues["reward"], TrajectoryEvent, handler, publisher, options)
+    worker = Worker(js, topo, TRAJECTORIES, handler, publisher, options)
     task = asyncio.create_task(worker.run(stop))
     await done.wait()
     elapsed = time.perf_counter() - start
@@ -74,7 +74,7 @@ async def ours(js: JetStreamContext, run: str, evs: list[TrajectoryEvent]) -> fl
 async def baseline(js: JetStreamContext, run: str, payloads: list[bytes], ids: list[str] | None) -> float:
     topo = Topology(run=run)
     await topo.apply(js)
-    subject = topo.subject("trajectories")
+    subject = topo.subject(TRAJECTORIES)
     start = time.perf_counter()
     inflight: list[asyncio.Future] = []
     budget, used = 32 << 20, 0
@@ -86,7 +86,7 @@ async def baseline(js: JetStreamContext, run: str, payloads: list[bytes], ids: l
         inflight.append(await js.publish_async(subject, data, headers=headers))
         used += len(data)
     await asyncio.gather(*inflight)
-    sub = await js.pull_subscribe_bind("reward", stream=topo.stream("trajectories"))
+    sub = await js.pull_subscribe_bind(TRAJECTORIES.work_queue.durable, stream=topo.stream(TRAJECTORIES))
     batch = max(1, min(128, (32 << 20) // len(payloads[0])))
     got = 0
     while got < len(payloads):

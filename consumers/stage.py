@@ -1,0 +1,135 @@
+"""One shape for every worker process: a builder says what the stage is, one runner runs it.
+
+    build(rt) -> Stage      the channel and handler it serves, its WorkerOptions, its helpers
+    run_stage(role, build)  attach -> build -> serve -> close; `main` of a worker is this call
+
+    serve(rt, stage, stop): one asyncio.TaskGroup holds the worker loop over the channel's
+        work queue and every helper (the membership heartbeat too)
+        SIGTERM/SIGINT -> stop: the loop stops fetching and drains its handlers, then the
+            helpers are cancelled, then the stage closes and the process exits 0
+        a helper raises, or returns while the stage runs -> the group cancels everything:
+            one log line names the helper and its error, the process exits 1, and the fleet
+            restarts it
+
+Helpers are loops the handlers depend on (the rollout's batcher resolves the futures its
+handlers await; its weights watcher reopens the gate they wait at). Run as bare tasks, one
+that died took nothing down: the process stayed up, held its messages and heartbeat them,
+and did no work again. Under the group its death is the process's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from bus.topology import Channel
+from bus.worker import Handler, Worker, WorkerOptions, stop_on_signals
+from consumers.runtime import CannotAttach, Runtime, attach, worker_args
+from schemas.events import Event
+
+log = logging.getLogger("jetrl.stage")
+
+E = TypeVar("E", bound=Event)
+
+MEMBERSHIP = "membership heartbeat"
+"""The helper every stage runs: its entry in the run's members bucket."""
+
+Helper = Callable[[], Coroutine[Any, Any, None]]
+
+
+@dataclass
+class Stage(Generic[E]):
+    """What one worker process runs: the channel it serves, and the loops beside it."""
+
+    channel: Channel[E] | None
+    """The work queue it serves (`bus.topology.WORK_QUEUES`); None for a stage of helpers only."""
+    handler: Handler[E] | None
+    options: WorkerOptions = field(default_factory=WorkerOptions)
+    helpers: dict[str, Helper] = field(default_factory=dict)
+    """Loops that run as long as the stage, by the name a failure is reported under."""
+    close: Callable[[], Awaitable[None]] | None = None
+    """Releases what the builder acquired (a process pool), after the worker loop has drained."""
+
+
+Builder = Callable[[Runtime], Awaitable[Stage[Any]]]
+
+
+class StageFailed(Exception):
+    """A helper or the worker loop of a stage failed; the process exits for the fleet to restart it."""
+
+
+async def serve(rt: Runtime, stage: Stage[Any], stop: asyncio.Event) -> None:
+    """Run `stage` until `stop` is set, then drain; StageFailed if a helper or the loop fails."""
+    helpers = dict(stage.helpers)
+    if not rt.member.background:
+        helpers[MEMBERSHIP] = rt.member.beat
+    try:
+        async with asyncio.TaskGroup() as group:
+            running = [group.create_task(_watched(name, helper), name=name) for name, helper in helpers.items()]
+            if stage.channel is not None and stage.handler is not None:
+                worker = Worker(rt.js, rt.topology, stage.channel, stage.handler, rt.publisher, stage.options)
+                await worker.run(stop)
+            else:
+                await stop.wait()
+            for task in running:
+                task.cancel()
+    except ExceptionGroup as failed:
+        raise StageFailed("; ".join(_describe(exc) for exc in _leaves(failed))) from failed
+
+
+async def _watched(name: str, helper: Helper) -> None:
+    """Run a helper; its error, or its return while the stage still runs, fails the stage."""
+    try:
+        await helper()
+    except Exception as exc:
+        log.error("helper %s failed: %s: %s", name, type(exc).__name__, exc, exc_info=exc)
+        raise _HelperFailed(f"helper {name} failed: {type(exc).__name__}: {exc}") from exc
+    log.error("helper %s stopped while the stage runs", name)
+    raise _HelperFailed(f"helper {name} stopped while the stage runs")
+
+
+class _HelperFailed(Exception):
+    """Carries the helper's name with its error."""
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    found: list[BaseException] = []
+    for exc in group.exceptions:
+        found += _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
+    return found
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, _HelperFailed) else f"worker loop failed: {type(exc).__name__}: {exc}"
+
+
+async def _run(role: str, run: str, url: str, replicas: int, build: Builder) -> None:
+    rt = await attach(role, run, url, replicas, beat_in_background=False)
+    stop = asyncio.Event()
+    stop_on_signals(stop)
+    try:
+        stage = await build(rt)
+        try:
+            await serve(rt, stage, stop)
+        finally:
+            if stage.close is not None:
+                await stage.close()
+    finally:
+        await rt.close()
+
+
+def run_stage(role: str, build: Builder, description: str, *one_line: type[Exception]) -> None:
+    """`python -m consumers.<role> --run R [--nats URL] [--replicas N]`: run `build`'s stage.
+
+    CannotAttach, StageFailed and the `one_line` types (a builder's refusal to start) end the
+    process with one line on stderr and exit status 1.
+    """
+    args = worker_args(role, description)
+    try:
+        asyncio.run(_run(role, args.run, args.nats, args.replicas, build))
+    except (CannotAttach, StageFailed, *one_line) as exc:
+        sys.exit(f"consumers.{role}: {exc}")

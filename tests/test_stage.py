@@ -1,0 +1,152 @@
+"""One stage shape (`consumers.stage`): worker processes run by `run_stage`, as a fleet runs them.
+
+- A helper that raises takes its process down: the rollout's weights watcher fails while it
+  loads a version (the gate closed, so no prompt would ever be generated again), and the
+  process exits 1 with a line naming the helper and the error, for the fleet to restart it.
+  As a bare task, it died alone and the process stayed up, holding and heartbeating its
+  prompts and doing nothing.
+- SIGTERM still drains: the reward stage, its handlers mid-scoring, stops fetching, finishes
+  and acks what it holds, then exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from bus.connection import connect
+from bus.embedded import EmbeddedNats
+from bus.lag import queue_lag
+from bus.publisher import Publisher
+from bus.topology import REWARDS, TRAJECTORIES, WEIGHTS, Topology
+from consumers.crashpoints import (
+    CRASH_AT,
+    CRASH_RECORD,
+    FAIL_AT,
+    ROLLOUT_MID_WEIGHT_LOAD,
+)
+from consumers.runtime import publish_config
+from engines.tiny import build_tiny_model
+from engines.weights import put_version
+from schemas import RewardEvent, decode
+from schemas.config import RunConfig
+from tests.helpers import messages, trajectory
+
+ROOT = Path(__file__).resolve().parent.parent
+EXIT_SECONDS = 60.0
+"""How long a failed stage may take to exit, start-up (torch, the model) included."""
+SCORE_SECONDS = 2.0
+"""How long each reward takes: long enough that SIGTERM finds them in flight."""
+
+
+def worker(role: str, topology: Topology, url: str, **env: str) -> subprocess.Popen[str]:
+    clean = {k: v for k, v in os.environ.items() if k not in (CRASH_AT, CRASH_RECORD, FAIL_AT)}
+    return subprocess.Popen(
+        [sys.executable, "-m", f"consumers.{role}", "--run", topology.run, "--nats", url],
+        cwd=ROOT, env={**clean, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def exited(proc: subprocess.Popen[str], seconds: float, what: str) -> tuple[int, str]:
+    """The process's exit status and stderr; fails the test if it is still running after `seconds`."""
+    try:
+        _, stderr = proc.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, stderr = proc.communicate()
+        pytest.fail(f"{what}: still running {seconds:.0f} s on; its log:\n{stderr[-3000:]}")
+    return proc.returncode, stderr
+
+
+def test_a_helper_that_raises_takes_its_worker_down(
+    nats_server: EmbeddedNats, topology: Topology, tmp_path: Path
+) -> None:
+    model_dir = build_tiny_model(tmp_path / "model")
+
+    async def declare() -> None:
+        nc = await connect(nats_server.url, "test-stage")
+        js = nc.jetstream()
+        await topology.apply(js)
+        config = RunConfig.model_validate({"run": topology.run, "model": {"path": str(model_dir)}})
+        await publish_config(await js.key_value(topology.kv_bucket), config)
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        params = {name: p.detach().clone() for name, p in model.named_parameters()}
+        event = await put_version(js, topology.object_bucket, topology.run, "test", 1, params)
+        await Publisher(js, topology).publish(WEIGHTS, event)
+        await nc.close()
+
+    asyncio.run(declare())
+    # The watcher fails where a load is under way: the gate closed, the bytes fetched.
+    proc = worker("rollout", topology, nats_server.url, **{FAIL_AT: f"{ROLLOUT_MID_WEIGHT_LOAD.name}@1"})
+    status, stderr = exited(proc, EXIT_SECONDS, "the rollout worker whose weights watcher failed")
+    assert status == 1, f"exit status {status}, expected 1 (a failure the fleet restarts):\n{stderr[-3000:]}"
+    last = stderr.strip().splitlines()[-1]
+    assert last == (
+        "consumers.rollout: helper weights watcher failed: InjectedFailure: "
+        f"{FAIL_AT} {ROLLOUT_MID_WEIGHT_LOAD.name} (pass 1): v1"
+    ), stderr[-3000:]
+    assert "ERROR helper weights watcher failed: InjectedFailure" in stderr, "no log line names the helper"
+
+
+def test_sigterm_drains_a_stage_and_exits_zero(nats_server: EmbeddedNats, topology: Topology) -> None:
+    config = RunConfig.model_validate({
+        "run": topology.run, "data": {"reward": "tests.reward_fns:reverse_or_misbehave"},
+        "reward": {"processes": 2, "timeout": 30.0},
+    })
+    count = 4
+    slow = [
+        trajectory(topology.run, prompt=i).model_copy(update={"task": {"misbehave": "slow", "seconds": SCORE_SECONDS}})
+        for i in range(count)
+    ]
+
+    async def declare() -> None:
+        nc = await connect(nats_server.url, "test-stage")
+        js = nc.jetstream()
+        await topology.apply(js)
+        await publish_config(await js.key_value(topology.kv_bucket), config)
+        publisher = Publisher(js, topology)
+        for event in slow:
+            await publisher.publish(TRAJECTORIES, event)
+        await nc.close()
+
+    async def in_flight() -> int:
+        nc = await connect(nats_server.url, "test-stage")
+        try:
+            lag = (await queue_lag(nc.jetstream(), topology))[TRAJECTORIES.work_queue.durable]
+            return 0 if lag is None else lag.in_flight
+        finally:
+            await nc.close()
+
+    asyncio.run(declare())
+    proc = worker("reward", topology, nats_server.url)
+    deadline = time.monotonic() + EXIT_SECONDS
+    while (held := asyncio.run(in_flight())) < count:
+        assert proc.poll() is None, f"the reward worker exited before taking its work:\n{proc.communicate()[1]}"
+        assert time.monotonic() < deadline, f"the reward worker took {held} of {count} trajectories"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    status, stderr = exited(proc, 4 * count * SCORE_SECONDS + 30, "the reward worker after SIGTERM")
+    assert status == 0, f"exit status {status} after SIGTERM:\n{stderr[-3000:]}"
+
+    async def outcome() -> tuple[int, set[str]]:
+        nc = await connect(nats_server.url, "test-stage")
+        js = nc.jetstream()
+        lag = (await queue_lag(js, topology))[TRAJECTORIES.work_queue.durable]
+        sub = await js.subscribe(topology.subject(REWARDS), ordered_consumer=True)
+        stored = {decode((await sub.next_msg(timeout=5)).data, RewardEvent).id
+                  for _ in range(await messages(js, topology, REWARDS))}
+        await nc.close()
+        assert lag is not None
+        return lag.in_flight, stored
+
+    left, stored = asyncio.run(outcome())
+    assert stored == {t.id for t in slow}, f"scored before exiting: {sorted(stored)} of {count}"
+    assert left == 0, f"{left} trajectories left unacked: the worker exited without settling what it held"
