@@ -35,6 +35,7 @@ from consumers.crashpoints import (
 )
 from consumers.runtime import publish_config
 from engines.tiny import build_tiny_model
+from producers.tasks import VOCAB
 from engines.weights import put_version
 from schemas import RewardEvent, decode
 from schemas.config import RunConfig
@@ -69,7 +70,7 @@ def exited(proc: subprocess.Popen[str], seconds: float, what: str) -> tuple[int,
 def test_a_helper_that_raises_takes_its_worker_down(
     nats_server: EmbeddedNats, topology: Topology, tmp_path: Path
 ) -> None:
-    model_dir = build_tiny_model(tmp_path / "model")
+    model_dir = build_tiny_model(tmp_path / "model", VOCAB)
 
     async def declare() -> None:
         nc = await connect(nats_server.url, "test-stage")
