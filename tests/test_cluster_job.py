@@ -21,12 +21,16 @@ import time
 import uuid
 from pathlib import Path
 
+import nats.errors
 import pytest
 
 from bus.connection import connect
 from bus.embedded import EmbeddedCluster
 from bus.topology import Topology
+from producers.gate import Producer
+from producers.launcher import attach_bootstrap
 from schemas.codec import encode
+from schemas.config import RunConfig
 from tests.helpers import prompt
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -198,8 +202,39 @@ def test_ops_tools_wait_out_a_lost_quorum_or_show_unknowns(tmp_path: Path) -> No
             for tool in tools.values():
                 if tool.poll() is None:
                     tool.kill()
-    for name, (out, err) in outputs.items():
+    for name, (_, err) in outputs.items():
         assert tools[name].returncode == 0 and "Traceback" not in err, f"{name} exited {tools[name].returncode}: {err[-3000:]}"
     assert re.search(r"^prompts .* \?$", outputs["status"][0], re.M), outputs["status"][0]
     audited = json.loads(outputs["audit"][0].strip().splitlines()[-1])
     assert audited["issued"] == 3 and audited["in_flight"] == 3, audited
+
+
+def test_the_producer_starts_and_resumes_through_a_lost_quorum(tmp_path: Path) -> None:
+    """Declaring the run, writing its config, attaching and finding where to resume all wait
+    for the quorum to return (a node restarted 6 s later) instead of raising."""
+    topology = Topology(run=f"r{uuid.uuid4().hex[:8]}", replicas=3)
+    cfg = RunConfig(run=topology.run)
+
+    async def scenario(cluster: EmbeddedCluster) -> int:
+        nc = await connect(cluster.url, "test-declare")
+        js = nc.jetstream()
+        await topology.apply(js)
+        for i in range(3):
+            await js.publish(topology.subject("prompts"), encode(prompt(topology.run, i)))
+        await nc.close()
+        cluster.kill(0)
+        cluster.kill(1)
+        restarting = asyncio.create_task(asyncio.to_thread(lambda: (time.sleep(6.0), cluster.restart(1))))
+        rt = await attach_bootstrap(cfg, cluster.url, replicas=3)
+        try:
+            return await Producer(rt).resume_cursor()
+        finally:
+            await restarting
+            await rt.close()
+
+    with EmbeddedCluster(tmp_path / "cluster") as cluster:
+        try:
+            cursor = asyncio.run(scenario(cluster))
+        except (asyncio.TimeoutError, nats.errors.Error) as exc:
+            pytest.fail(f"the producer gave up during the outage instead of waiting: {type(exc).__name__}: {exc}")
+    assert cursor == 3, f"resumes at prompt {cursor}, not after the 3 stored"
