@@ -25,6 +25,7 @@ from nats.js.kv import KeyValue
 
 from bus import metrics, tracing
 from bus.connection import DEFAULT_URL, ConnectRefused, connect, worker_id
+from bus.election import ride_out
 from bus.publisher import Publisher
 from bus.topology import CONFIG_KEY, Topology, run_id_arg
 from consumers.membership import Membership
@@ -79,19 +80,22 @@ async def attach(
         raise CannotAttach(str(exc)) from None
     js = nc.jetstream()
     topology = Topology(run=run, replicas=replicas)
-    await topology.apply(js)
-    kv = await js.key_value(topology.kv_bucket)
+    # A worker (or the producer) started while a node is down meets the election that follows.
+    await ride_out(lambda: topology.apply(js), f"declaring run {run}")
+    kv = await ride_out(lambda: js.key_value(topology.kv_bucket), "opening the run's KV bucket")
     deadline = asyncio.get_running_loop().time() + wait
     while True:
         try:
-            entry = await kv.get(CONFIG_KEY)
+            entry = await ride_out(lambda: kv.get(CONFIG_KEY), "reading the run config")
             break
         except KeyNotFoundError:
             if asyncio.get_running_loop().time() > deadline:
                 raise CannotAttach(f"run {run}: no config in KV after {wait:.0f}s; is the producer running?") from None
             await asyncio.sleep(0.5)
     config = parse_config(yaml.safe_load(entry.value or b""), f"run {run} config in KV")
-    member = await Membership.join(js, topology, role, background=beat_in_background)
+    member = await ride_out(
+        lambda: Membership.join(js, topology, role, background=beat_in_background), "joining the run's members"
+    )
     return Runtime(role, nc, js, topology, kv, Publisher(js, topology), config, member)
 
 

@@ -6,7 +6,8 @@ left out), and reports: issued prompts; prompts whose group was trained (stored 
 dropped (with reasons; a record without one is listed), or neither (in flight at shutdown);
 samples stored in a batch that no metrics record says the trainer trained (a micro-batch it
 refused, dead-lettered with the reason); sample ids trained more than once; tokens trained
-at a staleness beyond the bound. Last line: one JSON object.
+at a staleness beyond the bound. Last line: one JSON object. A read the server refuses
+while a node's streams elect new leaders is retried, the whole audit over (it only reads).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import asyncio
 import json
 import os
+import sys
 from collections import Counter
 from typing import Any, TypeVar
 
@@ -23,18 +25,22 @@ from nats.js import JetStreamContext
 from nats.js.errors import NoKeysError
 
 from bus.connection import DEFAULT_URL, connect
+from bus.election import TRANSIENT, ride_out
 from bus.topology import BATCHES, PROMPTS, Channel, Topology, dropped_prompt, metrics_prefix, run_id_arg
 from schemas import BatchEvent, DecodeError, Event, PromptEvent, decode
 
 E = TypeVar("E", bound=Event)
+AUDIT_SECONDS = 120.0
+"""How long an audit refused by elections is started over: reading a long run takes a while itself."""
 
 
 async def _replay(js: JetStreamContext, topology: Topology, channel: Channel) -> list[bytes]:
     count = (await js.stream_info(topology.stream(channel))).state.messages
     sub = await js.subscribe(topology.subjects(channel), ordered_consumer=True)
-    data = [(await sub.next_msg(timeout=10)).data for _ in range(count)]
-    await sub.unsubscribe()
-    return data
+    try:
+        return [(await sub.next_msg(timeout=10)).data for _ in range(count)]
+    finally:
+        await sub.unsubscribe()
 
 
 def _decoded(data: list[bytes], cls: type[E]) -> list[E]:
@@ -93,8 +99,11 @@ async def audit(js: JetStreamContext, topology: Topology, max_staleness: int) ->
 
 async def main(args: argparse.Namespace) -> None:
     nc = await connect(args.nats, "ops-audit")
-    result = await audit(nc.jetstream(), Topology(run=args.run), args.max_staleness)
-    await nc.close()
+    js, topology = nc.jetstream(), Topology(run=args.run)
+    try:
+        result = await ride_out(lambda: audit(js, topology, args.max_staleness), f"auditing run {args.run}", AUDIT_SECONDS)
+    finally:
+        await nc.close()
     print(json.dumps(result))
 
 
@@ -103,4 +112,8 @@ if __name__ == "__main__":
     parser.add_argument("--run", required=True, type=run_id_arg)
     parser.add_argument("--nats", default=os.environ.get("JETRL_NATS_URL", DEFAULT_URL))
     parser.add_argument("--max-staleness", type=int, default=1)
-    asyncio.run(main(parser.parse_args()))
+    arguments = parser.parse_args()
+    try:
+        asyncio.run(main(arguments))
+    except TRANSIENT as exc:
+        sys.exit(f"ops.audit: no answer from NATS at {arguments.nats}: {type(exc).__name__} {exc}")

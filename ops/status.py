@@ -9,7 +9,8 @@
     workers  the live members: role, node, pid, engine, weights, uptime, last heartbeat
 
 Rates are the difference between two samples 1 s apart, or, with --watch, between two
-redraws (every 2 s). Nothing is written anywhere.
+redraws (every 2 s). A figure the server cannot give now (a stream electing a leader after
+a node died) is shown as `?` and read again at the next redraw. Nothing is written anywhere.
 """
 
 from __future__ import annotations
@@ -27,12 +28,15 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from bus.connection import DEFAULT_URL, connect
+from bus.election import or_unknown
 from bus.lag import QueueLag, queue_lag
-from bus.topology import BATCHES, CHANNELS, DEAD, WEIGHTS, Topology, run_id_arg
+from bus.topology import BATCHES, CHANNELS, DEAD, WEIGHTS, WORK_QUEUES, Topology, run_id_arg
 from consumers.membership import Member, live_members
 from schemas import BatchEvent, DecodeError, WeightVersionEvent, decode
 
 CLEAR = "\033[H\033[J"
+READS = {channel.work_queue.durable: channel.name for channel in WORK_QUEUES}
+"""The stream each work queue reads, by its durable."""
 WATCH_SECONDS = 2.0
 CONNECT_SECONDS = 10.0
 CLOSE_SECONDS = 2.0
@@ -56,10 +60,11 @@ class Sample:
     """The counters of a run at one moment; two of them give the rates."""
 
     time: float
-    stages: dict[str, StageState]
+    stages: dict[str, StageState | None]
+    """None: unknown now (as for each figure below)."""
     queues: dict[str, QueueLag | None]
-    """Per work queue (by durable); None for one the server could not describe."""
-    dead: dict[str, int]
+    """Per work queue (by durable)."""
+    dead: dict[str, int] | None
     """Dead letters by the worker (stage) that wrote them."""
 
 
@@ -67,30 +72,54 @@ class Sample:
 class Details:
     """What is shown as it is now, no rate: membership, weights, recent batches."""
 
-    members: list[Member]
+    members: list[Member] | None
+    """None: unknown now."""
     weights: int | None
-    """Latest published weight version, None before the first."""
-    batches: list[BatchEvent]
-    """The last few readable batch events, oldest first."""
+    """Latest published weight version, None before the first (or when in `unknown`)."""
+    batches: list[BatchEvent] | None
+    """The last few readable batch events, oldest first; None: unknown now."""
+    unknown: frozenset[str] = frozenset()
+    """The figures above the server could not give now ("weights" among them)."""
 
 
 async def sample(js: JetStreamContext, topology: Topology) -> Sample:
-    stages = {}
+    stages: dict[str, StageState | None] = {}
     for channel in CHANNELS:
-        state = (await js.stream_info(topology.stream(channel))).state
-        stages[channel.name] = StageState(state.messages, state.bytes, state.last_seq)
+        info = await or_unknown(lambda: js.stream_info(topology.stream(channel)), f"stream {channel.name}")  # noqa: B023
+        stages[channel.name] = info and StageState(info.state.messages, info.state.bytes, info.state.last_seq)
     queues = await queue_lag(js, topology)
-    dead_info = await js.stream_info(topology.stream(DEAD), subjects_filter=topology.subject(DEAD, ">"))
-    dead = {subject.rsplit(".", 1)[1]: count for subject, count in (dead_info.state.subjects or {}).items()}
+    dead_info = await or_unknown(
+        lambda: js.stream_info(topology.stream(DEAD), subjects_filter=topology.subject(DEAD, ">")), "dead letters"
+    )
+    dead = None if dead_info is None else {
+        subject.rsplit(".", 1)[1]: count for subject, count in (dead_info.state.subjects or {}).items()
+    }
     return Sample(time.monotonic(), stages, queues, dead)
 
 
 async def details(js: JetStreamContext, topology: Topology, batches: int) -> Details:
+    unknown = set()
+    weights: int | None = None
     try:
-        last = await js.get_last_msg(topology.stream(WEIGHTS), topology.subject(WEIGHTS))
-        weights: int | None = decode(last.data or b"", WeightVersionEvent).version
+        last = await or_unknown(
+            lambda: js.get_last_msg(topology.stream(WEIGHTS), topology.subject(WEIGHTS)), "latest weights"
+        )
+        if last is None:
+            unknown.add("weights")
+        else:
+            weights = decode(last.data or b"", WeightVersionEvent).version
     except (NotFoundError, DecodeError):
-        weights = None
+        pass
+    return Details(
+        await or_unknown(lambda: live_members(js, topology), "live members"),
+        weights,
+        await or_unknown(lambda: recent_batches(js, topology, batches), "recent batches"),
+        frozenset(unknown),
+    )
+
+
+async def recent_batches(js: JetStreamContext, topology: Topology, batches: int) -> list[BatchEvent]:
+    """The last `batches` readable batch events of the run, oldest first."""
     state = (await js.stream_info(topology.stream(BATCHES))).state
     recent = []
     for seq in range(max(state.first_seq, state.last_seq - batches + 1, 1), state.last_seq + 1):  # seqs start at 1
@@ -98,7 +127,7 @@ async def details(js: JetStreamContext, topology: Topology, batches: int) -> Det
             recent.append(decode((await js.get_msg(topology.stream(BATCHES), seq)).data or b"", BatchEvent))
         except (NotFoundError, DecodeError):
             continue  # deleted by retention, or garbage the trainer dead-letters
-    return Details(await live_members(js, topology), weights, recent)
+    return recent
 
 
 def _size(n: int) -> str:
@@ -137,26 +166,35 @@ def render(topology: Topology, before: Sample, now: Sample, info: Details) -> st
     lines = [f"run {topology.run}  {time.strftime('%Y-%m-%d %H:%M:%S')}", ""]
     lines.append(f"{'stage':<13} {'messages':>9} {'bytes':>10} {'in/s':>8}")
     for stage, s in now.stages.items():
-        rate = (s.last_seq - before.stages[stage].last_seq) / seconds
-        lines.append(f"{stage:<13} {s.messages:>9} {_size(s.bytes):>10} {rate:>8.1f}")
+        if s is None:
+            lines.append(f"{stage:<13} {'?':>9} {'?':>10} {'?':>8}")
+            continue
+        was = before.stages.get(stage)
+        rate = "?" if was is None else f"{(s.last_seq - was.last_seq) / seconds:.1f}"
+        lines.append(f"{stage:<13} {s.messages:>9} {_size(s.bytes):>10} {rate:>8}")
     lines += ["", f"{'queue':<9} {'reads':<13} {'pending':>8} {'in flight':>10} {'redelivered':>12} {'done/s':>8}"]
     for role, q in now.queues.items():
+        stage = READS[role]
         if q is None:
-            lines.append(f"{role:<9} {'?':<13} {'?':>8} {'?':>10} {'?':>12} {'?':>8}")
+            lines.append(f"{role:<9} {stage:<13} {'?':>8} {'?':>10} {'?':>12} {'?':>8}")
             continue
-        last = before.queues.get(role)
-        rate = f"{(q.done - last.done) / seconds:.1f}" if last is not None else "?"
-        lines.append(f"{role:<9} {q.channel.name:<13} {q.pending:>8} {q.in_flight:>10} {q.redelivered:>12} {rate:>8}")
-    dead = ", ".join(f"{stage} {n}" for stage, n in sorted(now.dead.items())) or "none"
+        was_q = before.queues.get(role)
+        rate = "?" if was_q is None else f"{(q.done - was_q.done) / seconds:.1f}"
+        lines.append(f"{role:<9} {stage:<13} {q.pending:>8} {q.in_flight:>10} {q.redelivered:>12} {rate:>8}")
+    dead = "?" if now.dead is None else ", ".join(f"{stage} {n}" for stage, n in sorted(now.dead.items())) or "none"
     lines += ["", f"dead letters: {dead}"]
-    trainer_steps = [m.weight_version for m in info.members if m.role == "trainer" and m.weight_version is not None]
-    trainer = f"trainer at step {max(trainer_steps)}" if trainer_steps else "no live trainer"
-    weights = f"v{info.weights}" if info.weights is not None else "none yet"
-    lines += [f"{trainer}; latest weights {weights}", staleness_line(info.batches), ""]
-    lines.append(f"workers: {len(info.members)} live")
+    members = info.members
+    trainer_steps = [m.weight_version for m in members or [] if m.role == "trainer" and m.weight_version is not None]
+    trainer = (
+        "trainer step ?" if members is None else f"trainer at step {max(trainer_steps)}" if trainer_steps else "no live trainer"
+    )
+    weights = "?" if "weights" in info.unknown else f"v{info.weights}" if info.weights is not None else "none yet"
+    staleness = "staleness: ?" if info.batches is None else staleness_line(info.batches)
+    lines += [f"{trainer}; latest weights {weights}", staleness, ""]
+    lines.append(f"workers: {'?' if members is None else len(members)} live")
     lines.append(f"{'role':<9} {'node':<20} {'pid':>8} {'engine':<7} {'weights':<9} {'up':>7} {'last beat':>10}")
     wall = time.time()
-    for m in info.members:
+    for m in members or []:
         version = m.weight_version
         held = "-" if version is None else f"step {version}" if m.role == "trainer" else f"v{version}"
         lines.append(

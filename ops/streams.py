@@ -1,7 +1,8 @@
 """`python -m ops.streams apply|show|delete|users --run R [--nats URL]`: a run's JetStream objects.
 
 `users` needs no server: it writes the run's per-role NATS users (ops.security) to --out
-(readable by its owner only) or prints them.
+(readable by its owner only) or prints them. `apply` and `delete` ride out a leader election
+(a node just died); `show` prints `?` for a figure the server cannot give now.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from bus.connection import DEFAULT_URL, connect
+from bus.election import TRANSIENT, or_unknown, ride_out
 from bus.lag import queue_lag
 from bus.topology import CHANNELS, WORK_QUEUES, Topology, run_id_arg
 from ops.security import new_passwords, roles, users_config
@@ -25,17 +27,19 @@ async def show(js: JetStreamContext, topology: Topology) -> None:
     print(f"{'stream':<34} {'messages':>9} {'bytes':>12}  consumers")
     lags = await queue_lag(js, topology)
     for channel in CHANNELS:
+        name = topology.stream(channel)
         try:
-            info = await js.stream_info(topology.stream(channel))
+            info = await or_unknown(lambda: js.stream_info(name), f"stream {name}")  # noqa: B023
         except NotFoundError:
-            print(f"{topology.stream(channel):<34} {'(missing)':>9}")
+            print(f"{name:<34} {'(missing)':>9}")
             continue
         consumers = []
         if channel.queue is not None:
             lag = lags[channel.queue.durable]
             figures = "?" if lag is None else f"pending {lag.pending}, in flight {lag.in_flight}"
             consumers.append(f"{channel.queue.durable}: {figures}")
-        print(f"{topology.stream(channel):<34} {info.state.messages:>9} {info.state.bytes:>12}  {'; '.join(consumers)}")
+        messages, size = ("?", "?") if info is None else (info.state.messages, info.state.bytes)
+        print(f"{name:<34} {messages:>9} {size:>12}  {'; '.join(consumers)}")
 
 
 def write_users(topology: Topology, out: str | None) -> None:
@@ -61,10 +65,10 @@ async def main(args: argparse.Namespace) -> None:
     js = nc.jetstream()
     topology = Topology(run=args.run, replicas=args.replicas)
     if args.action == "apply":
-        await topology.apply(js, update=True)
+        await ride_out(lambda: topology.apply(js, update=True), f"applying run {args.run}")
         print(f"applied run {args.run}: {len(CHANNELS)} streams, {len(WORK_QUEUES)} consumers, KV and object store")
     elif args.action == "delete":
-        await topology.delete(js)
+        await ride_out(lambda: topology.delete(js), f"deleting run {args.run}")
         print(f"deleted run {args.run}")
     else:
         await show(js, topology)
@@ -88,5 +92,5 @@ if __name__ == "__main__":
         sys.exit()
     try:
         asyncio.run(main(arguments))
-    except (OSError, asyncio.TimeoutError) as exc:
-        sys.exit(f"ops.streams: cannot reach NATS: {exc}")
+    except (OSError, *TRANSIENT) as exc:
+        sys.exit(f"ops.streams: cannot reach NATS: {exc or type(exc).__name__}")

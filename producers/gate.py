@@ -22,6 +22,7 @@ from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from bus import metrics, tracing
+from bus.election import ride_out
 from bus.topology import PROMPTS, WEIGHTS, dropped_prompt, metrics_prefix
 from consumers.crashpoints import PRODUCER_MID_PUBLISH
 from consumers.runtime import Runtime
@@ -56,23 +57,31 @@ class Producer:
         stepped over: the last prompt is the last message that decodes as one.
         """
         stream = self.rt.topology.stream(PROMPTS)
-        state = (await self.rt.js.stream_info(stream)).state
+        state = (await ride_out(lambda: self.rt.js.stream_info(stream), "reading the prompt stream")).state
         if state.messages == 0:
             return 0
         for seq in range(state.last_seq, state.first_seq - 1, -1):
             try:
-                prompt = decode((await self.rt.js.get_msg(stream, seq)).data or b"", PromptEvent)
+                stored = await ride_out(lambda: self.rt.js.get_msg(stream, seq), f"reading prompt #{seq}")  # noqa: B023
+                prompt = decode(stored.data or b"", PromptEvent)
             except (NotFoundError, DecodeError):  # deleted, or not a prompt
                 continue
             return prompt.epoch * epoch_size(self.cfg.data) + prompt.index + 1
         return 0
 
     async def watch(self) -> None:
-        """Follow weight versions, drops and per-step metrics; wake the gate on each."""
-        weights = await self.rt.js.subscribe(
-            self.rt.topology.subject(WEIGHTS), ordered_consumer=True, deliver_policy=DeliverPolicy.LAST
+        """Follow weight versions, drops and per-step metrics; wake the gate on each.
+
+        Both follow ordered consumers, which nats-py recreates by itself when their node dies
+        (no heartbeat for two periods: ~10 s), so only creating them has to ride out an election.
+        """
+        weights = await ride_out(
+            lambda: self.rt.js.subscribe(
+                self.rt.topology.subject(WEIGHTS), ordered_consumer=True, deliver_policy=DeliverPolicy.LAST
+            ),
+            "following weight versions",
         )
-        kv_watch = await self.rt.kv.watch(">")
+        kv_watch = await ride_out(lambda: self.rt.kv.watch(">"), "watching the run's KV bucket")
 
         async def follow_weights() -> None:
             async for msg in weights.messages:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from bus import metrics
 from bus.connection import connect
+from bus.election import ride_out
 from bus.embedded import EmbeddedNats
 from bus.lag import queue_lag
 from bus.topology import Topology
@@ -139,8 +140,9 @@ async def attach_bootstrap(cfg: RunConfig, url: str, replicas: int = 1) -> Runti
     nc = await connect(url, "producer-bootstrap")
     js = nc.jetstream()
     topology = Topology(run=cfg.run, replicas=replicas)
-    await topology.apply(js)
-    await publish_config(await js.key_value(topology.kv_bucket), cfg)
+    await ride_out(lambda: topology.apply(js), f"declaring run {cfg.run}")
+    kv = await ride_out(lambda: js.key_value(topology.kv_bucket), "opening the run's KV bucket")
+    await ride_out(lambda: publish_config(kv, cfg), "writing the run config")
     await nc.close()
     return await attach("producer", cfg.run, url, replicas)
 
