@@ -6,6 +6,7 @@
     dead     dead letters by the worker that wrote them
     trainer  the step of the live trainer(s), the latest weight version
     staleness  step - version over the loss tokens of the last batches in the stream
+    stalled  when no step completed for the run's `trainer.stall_after`: who holds the work and why
     workers  the live members: role, node, pid, engine, weights, uptime, last heartbeat
 
 Rates are the difference between two samples 1 s apart, or, with --watch, between two
@@ -29,6 +30,7 @@ from nats.js.errors import NotFoundError
 from bus.connection import DEFAULT_URL, connect
 from bus.topology import STAGES, Topology, run_id_arg
 from consumers.membership import Member, live_members
+from ops.stall import stalled_line
 from schemas import BatchEvent, DecodeError, WeightVersionEvent, decode
 
 CLEAR = "\033[H\033[J"
@@ -84,6 +86,8 @@ class Details:
     """Latest published weight version, None before the first."""
     batches: list[BatchEvent]
     """The last few readable batch events, oldest first."""
+    stalled: str | None = None
+    """Who holds the work, when no step completed for the run's `trainer.stall_after`."""
 
 
 async def sample(js: JetStreamContext, topology: Topology) -> Sample:
@@ -115,7 +119,7 @@ async def details(js: JetStreamContext, topology: Topology, batches: int) -> Det
             recent.append(decode((await js.get_msg(topology.stream("batches"), seq)).data or b"", BatchEvent))
         except (NotFoundError, DecodeError):
             continue  # deleted by retention, or garbage the trainer dead-letters
-    return Details(await live_members(js, topology), weights, recent)
+    return Details(await live_members(js, topology), weights, recent, await stalled_line(js, topology))
 
 
 def _size(n: int) -> str:
@@ -166,7 +170,8 @@ def render(topology: Topology, before: Sample, now: Sample, info: Details) -> st
     trainer_steps = [m.weight_version for m in info.members if m.role == "trainer" and m.weight_version is not None]
     trainer = f"trainer at step {max(trainer_steps)}" if trainer_steps else "no live trainer"
     weights = f"v{info.weights}" if info.weights is not None else "none yet"
-    lines += [f"{trainer}; latest weights {weights}", staleness_line(info.batches), ""]
+    lines += [f"{trainer}; latest weights {weights}", staleness_line(info.batches)]
+    lines += [info.stalled, ""] if info.stalled else [""]
     lines.append(f"workers: {len(info.members)} live")
     lines.append(f"{'role':<9} {'node':<20} {'pid':>8} {'engine':<7} {'weights':<9} {'up':>7} {'last beat':>10}")
     wall = time.time()
