@@ -219,6 +219,10 @@ def worker_roles(t: Topology) -> tuple[Role, ...]:
                      "kv.watch asks its own watcher how many entries are pending"),
                 *(Rule(f"{API}.CONSUMER.INFO.{t.stream(q.stage)}.{q.durable}", "show the work queues' lag")
                   for q in t.queues.values()),
+                Rule(f"{API}.STREAM.MSG.GET.{kv_stream(t.members_bucket)}",
+                     "a stalled run: name the roles with no live worker (ops.stall)"),
+                Rule(f"{API}.STREAM.MSG.GET.{t.stream('batches')}",
+                     "a stalled run: name the micro-batches the trainer waits for (ops.stall)"),
             ),
             inbox,
         ),
