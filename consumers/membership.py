@@ -23,7 +23,7 @@ import time
 
 import nats.errors
 from nats.js import JetStreamContext
-from nats.js.errors import KeyDeletedError, KeyNotFoundError, NoKeysError
+from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel, ConfigDict
 
@@ -126,15 +126,21 @@ class Membership:
             log.warning("membership entry not deleted (it expires by itself): %s", exc)
 
 
+async def stored_keys(js: JetStreamContext, bucket: str, pattern: str = ">") -> list[str]:
+    """The keys of a KV bucket matching `pattern` (NATS wildcards), from one stream-info request.
+
+    Not `KeyValue.keys()`: nats-py's listing can end before the first key arrives (its end marker
+    races the delivery), and under load a live run read as having no workers. A deleted key may
+    be listed (its marker is stored until it ages out): reading it says so."""
+    info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"$KV.{bucket}.{pattern}")
+    return [subject.removeprefix(f"$KV.{bucket}.") for subject in info.state.subjects or {}]
+
+
 async def live_members(js: JetStreamContext, topology: Topology) -> list[Member]:
     """Every worker of the run whose heartbeat has not expired, by role, node and pid."""
     kv = await js.key_value(topology.members_bucket)
-    try:
-        keys = await kv.keys()
-    except NoKeysError:
-        return []
     members = []
-    for key in keys:
+    for key in await stored_keys(js, topology.members_bucket):
         try:
             entry = await kv.get(key)
         except (KeyNotFoundError, KeyDeletedError):

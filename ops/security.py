@@ -35,7 +35,7 @@ import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from bus.topology import CHANNELS, DEAD, KV_KEYS, WORK_QUEUES, Channel, Read, Topology
+from bus.topology import BATCHES, CHANNELS, DEAD, KV_KEYS, WORK_QUEUES, Channel, Read, Topology
 
 API = "$JS.API"
 
@@ -193,6 +193,10 @@ def extra_rules(t: Topology, role: str) -> list[Rule]:
             *replay_rules(kv_stream(t.kv_bucket), "drops and metrics (kv.watch)"),
             Rule(f"{API}.CONSUMER.INFO.{kv_stream(t.kv_bucket)}.*",
                  "kv.watch asks its own watcher how many entries are pending"),
+            Rule(f"{API}.STREAM.MSG.GET.{kv_stream(t.members_bucket)}",
+                 "a stalled run: name the roles with no live worker (ops.stall)"),
+            Rule(f"{API}.STREAM.MSG.GET.{t.stream(BATCHES)}",
+                 "a stalled run: name the micro-batches the trainer waits for (ops.stall)"),
         ],
     }.get(role, [])
 

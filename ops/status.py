@@ -6,6 +6,7 @@
     dead     dead letters by the worker that wrote them
     trainer  the step of the live trainer(s), the latest weight version
     staleness  step - version over the loss tokens of the last batches in the stream
+    stalled  when no step completed for the run's `trainer.stall_after`: who holds the work and why
     workers  the live members: role, node, pid, engine, weights, uptime, last heartbeat
 
 Rates are the difference between two samples 1 s apart, or, with --watch, between two
@@ -32,6 +33,7 @@ from bus.election import or_unknown
 from bus.lag import QueueLag, queue_lag
 from bus.topology import BATCHES, CHANNELS, DEAD, WEIGHTS, WORK_QUEUES, Topology, run_id_arg
 from consumers.membership import Member, live_members
+from ops.stall import stalled_line
 from schemas import BatchEvent, DecodeError, WeightVersionEvent, decode
 
 CLEAR = "\033[H\033[J"
@@ -80,6 +82,8 @@ class Details:
     """The last few readable batch events, oldest first; None: unknown now."""
     unknown: frozenset[str] = frozenset()
     """The figures above the server could not give now ("weights" among them)."""
+    stalled: str | None = None
+    """Who holds the work, when no step completed for the run's `trainer.stall_after`."""
 
 
 async def sample(js: JetStreamContext, topology: Topology) -> Sample:
@@ -115,6 +119,7 @@ async def details(js: JetStreamContext, topology: Topology, batches: int) -> Det
         weights,
         await or_unknown(lambda: recent_batches(js, topology, batches), "recent batches"),
         frozenset(unknown),
+        await or_unknown(lambda: stalled_line(js, topology), "the stall diagnosis"),
     )
 
 
@@ -190,7 +195,8 @@ def render(topology: Topology, before: Sample, now: Sample, info: Details) -> st
     )
     weights = "?" if "weights" in info.unknown else f"v{info.weights}" if info.weights is not None else "none yet"
     staleness = "staleness: ?" if info.batches is None else staleness_line(info.batches)
-    lines += [f"{trainer}; latest weights {weights}", staleness, ""]
+    lines += [f"{trainer}; latest weights {weights}", staleness]
+    lines += [info.stalled, ""] if info.stalled else [""]
     lines.append(f"workers: {'?' if members is None else len(members)} live")
     lines.append(f"{'role':<9} {'node':<20} {'pid':>8} {'engine':<7} {'weights':<9} {'up':>7} {'last beat':>10}")
     wall = time.time()

@@ -46,6 +46,8 @@ class Producer:
     def __init__(self, rt: Runtime) -> None:
         self.rt, self.cfg = rt, rt.config
         self.version = 0
+        self.issued = 0
+        """Prompts issued so far, this process's and its predecessors' (what the gate counts)."""
         self.dropped: set[str] = set()
         self.metrics: dict[int, dict] = {}
         self.changed = asyncio.Event()
@@ -108,10 +110,10 @@ class Producer:
 
     async def feed(self) -> None:
         """Publish prompts as the gate allows, until the trainer has its last step."""
-        issued = await self.resume_cursor()
-        source = records(self.cfg.data, issued)
+        self.issued = await self.resume_cursor()
+        source = records(self.cfg.data, self.issued)
         for epoch, index, record in source:
-            while issued >= admitted_limit(self.version, len(self.dropped), self.cfg):
+            while self.issued >= admitted_limit(self.version, len(self.dropped), self.cfg):
                 self.changed.clear()
                 await self.changed.wait()
             prompt_id = f"{self.rt.topology.run}/{epoch}/{index}"
@@ -127,4 +129,4 @@ class Producer:
                 await self.rt.publisher.publish(PROMPTS, event)
                 PRODUCER_MID_PUBLISH(prompt_id)
             metrics.PROMPTS.add(1)
-            issued += 1
+            self.issued += 1

@@ -24,6 +24,7 @@ from bus.topology import Topology
 from consumers.fleet_config import local_fleet
 from consumers.supervisor import Supervisor
 from consumers.runtime import Runtime, attach, publish_config
+from ops.stall import StallWatch
 from producers import report
 from producers.gate import Producer
 from schemas.config import RunConfig
@@ -61,8 +62,10 @@ async def lag(rt: Runtime) -> str:
 
 
 async def progress(producer: Producer, started: float, every: float = PROGRESS_SECONDS) -> None:
-    """One line every `every` seconds until the last step's metrics arrive."""
+    """One line every `every` seconds until the last step's metrics arrive; once no step came for
+    `trainer.stall_after` seconds, it ends with who holds the work and why (`ops.stall`)."""
     steps = producer.cfg.trainer.steps
+    stall = StallWatch(producer.cfg.trainer.stall_after, since=started)
     while len(producer.metrics) < steps:
         await asyncio.sleep(every)
         done = sorted(producer.metrics.values(), key=lambda m: m["step"])
@@ -74,7 +77,7 @@ async def progress(producer: Producer, started: float, every: float = PROGRESS_S
             f"[{elapsed:6.0f}s] step {len(done):>4}/{steps}  reward {reward:.3f}  "
             f"staleness<={max((m['staleness_max'] for m in recent), default=0)}  "
             f"{samples / elapsed:6.1f} samples/s  weights v{producer.version}  dropped {len(producer.dropped)}  "
-            f"lag(pending+in flight) {await lag(producer.rt)}",
+            f"lag(pending+in flight) {await lag(producer.rt)}  {await stall.check(producer)}".rstrip(),
             flush=True,
         )
 

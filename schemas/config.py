@@ -115,6 +115,9 @@ class TrainerConfig(Section):
     """Rank 0 logs each step's metrics to this Weights & Biases project (needs `pip install wandb`)."""
     tensorboard_dir: str | None = None
     """Rank 0 writes each step's metrics as TensorBoard scalars here (needs `pip install tensorboard`)."""
+    stall_after: float = Field(30.0, gt=0)
+    """Seconds with no completed step after which the run counts as stalled: the producer's progress
+    line, its log and `ops.status` then name the stage that holds the work and why (`ops.stall`)."""
 
 
     @field_validator("dp_size")

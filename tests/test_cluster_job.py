@@ -26,7 +26,7 @@ import pytest
 
 from bus.connection import connect
 from bus.embedded import EmbeddedCluster
-from bus.topology import Topology
+from bus.topology import PROMPTS, REWARDS, Topology
 from producers.gate import Producer
 from producers.launcher import attach_bootstrap
 from schemas.codec import encode
@@ -140,7 +140,7 @@ def test_the_main_job_rides_out_the_loss_of_each_node_in_turn(tmp_path: Path) ->
         try:
             # The fleet joins once the producer has declared the run at 3 replicas (its workers
             # would declare a missing run at 1).
-            first = leader(cluster.url, topology.stream("rewards"))
+            first = leader(cluster.url, topology.stream(REWARDS))
             fleet = Job(["consumers.fleet", "--config", str(fleet_yaml), "--nats", cluster.url, "--run", run])
             wait_for_steps(job, 3, "before any node was killed")
             for name in [first, *(a.name for a in cluster.addresses if a.name != first)]:
@@ -180,7 +180,7 @@ def test_ops_tools_wait_out_a_lost_quorum_or_show_unknowns(tmp_path: Path) -> No
         js = nc.jetstream()
         await topology.apply(js)
         for i in range(3):
-            await js.publish(topology.subject("prompts"), encode(prompt(topology.run, i)))
+            await js.publish(topology.subject(PROMPTS), encode(prompt(topology.run, i)))
         await nc.close()
 
     with EmbeddedCluster(tmp_path / "cluster") as cluster:
@@ -220,7 +220,7 @@ def test_the_producer_starts_and_resumes_through_a_lost_quorum(tmp_path: Path) -
         js = nc.jetstream()
         await topology.apply(js)
         for i in range(3):
-            await js.publish(topology.subject("prompts"), encode(prompt(topology.run, i)))
+            await js.publish(topology.subject(PROMPTS), encode(prompt(topology.run, i)))
         await nc.close()
         cluster.kill(0)
         cluster.kill(1)

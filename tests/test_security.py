@@ -44,6 +44,7 @@ from bus.topology import (
 )
 from bus.worker import Worker, WorkerOptions
 from consumers.runtime import Runtime, attach, publish_config
+from ops.stall import read_view
 from schemas import Event, PromptEvent, RewardEvent, TrajectoryEvent
 from schemas.config import RunConfig
 from tests.helpers import messages, prompt, reward, trajectory
@@ -169,6 +170,10 @@ def test_every_role_does_its_job_with_its_own_credential(secured: Secured, caplo
         watcher = await producer.kv.watch(">")
         assert (await watcher.updates(timeout=5)) is not None
         await watcher.stop()
+        # Producer: naming a stall reads members, queues and the batch stream's tail.
+        stall = await read_view(producer.js, t, producer.config, next_step=0, issued=1, version=0, dropped=0)
+        assert stall.live is not None and stall.live["buffer"] == 1, f"the members as the producer reads them: {stall.live}"
+        assert None not in stall.queues.values(), f"the work queues as the producer reads them: {stall.queues}"
 
         for rt in (producer, trainer, rollout, scorer, buffer):
             await rt.close()
