@@ -20,13 +20,16 @@ same groups (the batch events list them) and re-published (dedup absorbs the rep
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import nats.errors
 from nats.aio.msg import Msg
+from nats.errors import MsgAlreadyAckdError
 from nats.js.errors import KeyWrongLastSequenceError
 from opentelemetry.context import Context
 
@@ -42,6 +45,10 @@ from engines.algorithms import advantages
 from schemas import BatchEvent, DecodeError, RewardEvent, Tensor, decode
 
 log = logging.getLogger("jetrl.buffer")
+
+BUS_TROUBLE = (nats.errors.Error, asyncio.TimeoutError)
+"""What forming or dropping a step meets when the bus is unavailable for a while (an election,
+a lost connection): the buffer keeps what it holds and tries again."""
 
 ESTIMATORS = {"grpo": advantages.grpo, "dr_grpo": advantages.dr_grpo, "rloo": advantages.rloo}
 
@@ -132,6 +139,8 @@ class Buffer:
         """Prompt id -> reason, for groups dropped incomplete: a sample of one that comes later
         is rejected, not held as the start of a group that can never complete either."""
         self.lock = asyncio.Lock()
+        self.unsettled = False
+        """A handler could not finish forming or dropping (the bus failed); the heartbeat retries."""
 
     async def handle(self, reward: RewardEvent, msg: Msg) -> Hold | None:
         if reward.id in self.batched.sample_ids:
@@ -141,11 +150,26 @@ class Buffer:
             self.check(reward)
             group = self.groups.setdefault(t.prompt_id, Group(t.prompt_id, t.group_size, self.batched.next_step))
             group.add(reward, msg)
-            drop_equal = self.cfg.algorithm.drop_equal_reward_groups
-            if group.complete and (reason := group.drop_reason(drop_equal) or self.advantage_problem(group)):
-                await self.drop(group, reason)
-            await self.maybe_form_step()
+            # The sample is held from here on: what fails now is the bus, not this sample, and
+            # the worker must not nak a message a group holds (a later ack of it would fail,
+            # half-way through acking a stored step). The heartbeat retries.
+            try:
+                await self.settle([group])
+            except BUS_TROUBLE as exc:
+                self.unsettled = True
+                log.warning("step %d not settled, retried at the next heartbeat: %r", self.batched.next_step, exc)
         return HOLD
+
+    async def settle(self, groups: list[Group]) -> None:
+        """Drop those of `groups` that are complete and cannot be trained, then form every step
+        the complete groups allow. Safe to call again after it failed part-way."""
+        drop_equal = self.cfg.algorithm.drop_equal_reward_groups
+        for group in groups:
+            if group.prompt_id in self.groups and group.complete and (
+                reason := group.drop_reason(drop_equal) or self.advantage_problem(group)
+            ):
+                await self.drop(group, reason)
+        await self.maybe_form_step()
 
     def check(self, reward: RewardEvent) -> None:
         """Reject a sample that could never go into a batch: held, it would block its group or
@@ -192,9 +216,8 @@ class Buffer:
             self.trace_outcome(reward, msg, reason=reason)
             if dead:
                 await dead_letter(self.rt.publisher, stage, msg, reason)
-                await msg.term()
-            else:
-                await msg.ack()
+            with contextlib.suppress(MsgAlreadyAckdError):  # settled by an earlier try
+                await (msg.term() if dead else msg.ack())
 
     async def drop_overdue(self) -> None:
         """Drop the groups still incomplete after more than `max_group_wait_steps` formed steps.
@@ -250,14 +273,22 @@ class Buffer:
                 if len(ready) < per_step:
                     return
                 chosen = ready[:per_step]
+                # Until every micro-batch is stored the step is these groups, whatever happens:
+                # a publish that fails part-way is retried with the same groups (the stored
+                # micro-batches keep their ids, so the stream keeps one of each).
+                self.batched.partial = (step, tuple(g.prompt_id for g in chosen))
             await self.publish_step(step, chosen)
             BUFFER_STEP_STORED(f"step {step}")
             for group in chosen:
                 del self.groups[group.prompt_id]
-                for reward, msg in group.samples.values():
-                    self.batched.sample_ids.add(reward.id)
-                    await msg.ack()
+                self.batched.sample_ids.update(reward.id for reward, _ in group.samples.values())
             self.batched.partial, self.batched.next_step = None, step + 1
+            # Acked once the step is settled here: a redelivery of one not acked (a failed ack,
+            # a kill) is then recognised as batched and acked.
+            for group in chosen:
+                for _, msg in group.samples.values():
+                    with contextlib.suppress(MsgAlreadyAckdError):
+                        await msg.ack()
             await self.drop_overdue()  # steps formed are what a held group's wait is counted in
 
     async def publish_step(self, step: int, groups: list[Group]) -> None:
@@ -298,13 +329,22 @@ class Buffer:
         log.info("step %d: %d groups, %d samples, mean reward %.3f", step, len(groups), len(rows), rewards.mean())
 
     async def heartbeat(self) -> None:
-        """Held samples stay ours: tell the server before their ack_wait runs out."""
+        """Held samples stay ours: tell the server before their ack_wait runs out; and settle
+        what the bus did not let a handler settle."""
         ack_wait = await consumer_ack_wait(self.rt.js, self.rt.topology, REWARDS)
         while True:
             await asyncio.sleep(ack_wait / 3)
             for group in list(self.groups.values()):
                 for _, msg in list(group.samples.values()):
-                    await msg.in_progress()
+                    with contextlib.suppress(MsgAlreadyAckdError):
+                        await msg.in_progress()
+            if self.unsettled:
+                async with self.lock:
+                    try:
+                        await self.settle(list(self.groups.values()))
+                        self.unsettled = False
+                    except BUS_TROUBLE as exc:
+                        log.warning("step %d still not settled: %r", self.batched.next_step, exc)
 
 
 async def build(rt: Runtime) -> Stage[RewardEvent]:

@@ -32,6 +32,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from bus import tracing
 from bus.dead import dead_letter
+from bus.election import ride_out
 from bus.metrics import STALENESS, TRAIN_STEP_SECONDS, count_samples
 from bus.topology import BATCHES, WEIGHTS, metrics_key
 from bus.worker import Reject, stop_on_signals
@@ -212,8 +213,13 @@ class Trainer:
         with tracing.tracer.start_as_current_span(
             "publish weights", attributes={"jetrl.weight_version": version, "jetrl.run": rt.topology.run}
         ):
-            event = await put_version(rt.js, rt.topology.object_bucket, rt.topology.run, rt.source, version,
-                                      self.engine.export_weights())
+            tensors = self.engine.export_weights()
+            # Storing again is safe (same name, same bytes), so an election is ridden out here
+            # rather than restarting the trainer from its checkpoint.
+            event = await ride_out(
+                lambda: put_version(rt.js, rt.topology.object_bucket, rt.topology.run, rt.source, version, tensors),
+                f"storing weights v{version}",
+            )
             await rt.publisher.publish(WEIGHTS, event)
 
     async def record(self, metrics: dict[str, Any]) -> None:
