@@ -130,20 +130,27 @@ class Channel(Generic[E]):
         return dataclasses.replace(self, queue=dataclasses.replace(self.work_queue, **changes))  # type: ignore[arg-type]
 
 
+ACK_WAIT = 10.0
+"""Seconds a work queue's consumer waits for an ack before it redelivers. Short, so recovery is
+bounded by liveness: a live worker heartbeats `in_progress` every ack_wait / 3 for every message
+it runs or holds (`bus.worker`), however long the work takes, and a killed worker's messages come
+back to the others within ack_wait. (At 60-120 s, one kill of the buffer stopped training for
+up to 115 s.)"""
+
 PROMPTS: Channel[PromptEvent] = Channel(
     "prompts", PromptEvent, None, publishers=("producer",),
     readers=(Reader("rollout", Read.WORK_QUEUE), Reader("producer", Read.LAST_STORED)),
-    queue=WorkQueue("rollout", ack_wait=60.0, max_ack_pending=1024),
+    queue=WorkQueue("rollout", ack_wait=ACK_WAIT, max_ack_pending=1024),
 )
 TRAJECTORIES: Channel[TrajectoryEvent] = Channel(
     "trajectories", TrajectoryEvent, None, publishers=("rollout",), readers=(Reader("reward", Read.WORK_QUEUE),),
-    queue=WorkQueue("reward", ack_wait=60.0, max_ack_pending=4096),
+    queue=WorkQueue("reward", ack_wait=ACK_WAIT, max_ack_pending=4096),
 )
 REWARDS: Channel[RewardEvent] = Channel(
     "rewards", RewardEvent, None, publishers=("reward",), readers=(Reader("buffer", Read.WORK_QUEUE),),
     # The buffer holds scored samples unacked until they are inside a stored batch, so its
     # pending window must hold several steps of samples.
-    queue=WorkQueue("buffer", ack_wait=120.0, max_ack_pending=65536),
+    queue=WorkQueue("buffer", ack_wait=ACK_WAIT, max_ack_pending=65536),
 )
 BATCHES: Channel[BatchEvent] = Channel(
     "batches", BatchEvent, "rank", publishers=("buffer",),

@@ -2,7 +2,8 @@
 
 One durable pull consumer per stage, shared by competing workers. For each message:
 count deliveries -> decode -> run the handler under a process span while heartbeating
-`in_progress` -> ack. Bad input (undecodable, unknown type/version, invalid fields, a
+`in_progress` -> ack (or, for a handler that returns HOLD, keep heartbeating it until the
+handler's owner settles it). Bad input (undecodable, unknown type/version, invalid fields, a
 handler's `Reject`) goes to `dead` with its reason and is terminated; other errors are
 nak'ed with a growing delay until `max_deliver`, then dead-lettered. A worker never
 exits because of one message.
@@ -41,7 +42,8 @@ class Reject(Exception):
 
 
 class Hold:
-    """Returned by a handler that keeps the message unacked and will ack it itself later."""
+    """Returned by a handler that keeps the message unacked and will ack (or term) it itself
+    later; the worker's heartbeat keeps it in progress until then."""
 
 
 HOLD = Hold()
@@ -74,6 +76,9 @@ class Worker(Generic[E]):
     publisher: Publisher
     options: WorkerOptions = WorkerOptions()
     _inflight: dict[int, Msg] = field(default_factory=dict)
+    _held: dict[int, Msg] = field(default_factory=dict)
+    """Messages handlers returned HOLD for, by stream sequence (a redelivery replaces the stale
+    delivery), until they are settled."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.js, JetStream):
@@ -163,14 +168,21 @@ class Worker(Generic[E]):
             return
         finally:
             self._inflight.pop(id(msg), None)
-        if outcome is not HOLD:
+        if outcome is HOLD:
+            self._held[msg.metadata.sequence.stream] = msg
+        else:
             await msg.ack()
 
     async def _heartbeat(self, ack_wait: float) -> None:
-        """Tell the server every running handler's message is still being worked on."""
+        """The one heartbeat: every running handler's message and every held one is still being
+        worked on. Paced by the consumer's ack_wait (`consumer_ack_wait`), which is kept short so
+        that a dead worker's messages come back within seconds, not minutes."""
         while True:
             await asyncio.sleep(ack_wait / 3)
-            for msg in list(self._inflight.values()):
+            for seq, msg in list(self._held.items()):
+                if msg.is_acked:  # settled by its holder since the last beat
+                    del self._held[seq]
+            for msg in [*self._inflight.values(), *self._held.values()]:
                 await msg.in_progress()
 
     async def _dead(self, msg: Msg, reason: str) -> None:

@@ -140,7 +140,7 @@ class Buffer:
         is rejected, not held as the start of a group that can never complete either."""
         self.lock = asyncio.Lock()
         self.unsettled = False
-        """A handler could not finish forming or dropping (the bus failed); the heartbeat retries."""
+        """A handler could not finish forming or dropping (the bus failed); `retry_unsettled` retries."""
 
     async def handle(self, reward: RewardEvent, msg: Msg) -> Hold | None:
         if reward.id in self.batched.sample_ids:
@@ -152,12 +152,12 @@ class Buffer:
             group.add(reward, msg)
             # The sample is held from here on: what fails now is the bus, not this sample, and
             # the worker must not nak a message a group holds (a later ack of it would fail,
-            # half-way through acking a stored step). The heartbeat retries.
+            # half-way through acking a stored step). `retry_unsettled` tries again.
             try:
                 await self.settle([group])
             except BUS_TROUBLE as exc:
                 self.unsettled = True
-                log.warning("step %d not settled, retried at the next heartbeat: %r", self.batched.next_step, exc)
+                log.warning("step %d not settled, retried shortly: %r", self.batched.next_step, exc)
         return HOLD
 
     async def settle(self, groups: list[Group]) -> None:
@@ -328,16 +328,12 @@ class Buffer:
         rewards = np.array([r.reward for r in rows])
         log.info("step %d: %d groups, %d samples, mean reward %.3f", step, len(groups), len(rows), rewards.mean())
 
-    async def heartbeat(self) -> None:
-        """Held samples stay ours: tell the server before their ack_wait runs out; and settle
-        what the bus did not let a handler settle."""
+    async def retry_unsettled(self) -> None:
+        """Settle what the bus did not let a handler settle (its samples stay held meanwhile:
+        the worker's heartbeat keeps every HOLD message in progress)."""
         ack_wait = await consumer_ack_wait(self.rt.js, self.rt.topology, REWARDS)
         while True:
             await asyncio.sleep(ack_wait / 3)
-            for group in list(self.groups.values()):
-                for _, msg in list(group.samples.values()):
-                    with contextlib.suppress(MsgAlreadyAckdError):
-                        await msg.in_progress()
             if self.unsettled:
                 async with self.lock:
                     try:
@@ -349,11 +345,11 @@ class Buffer:
 
 async def build(rt: Runtime) -> Stage[RewardEvent]:
     """The buffer stage: what the batch stream says first, then rewards served by
-    `Buffer.handle`, beside the heartbeat of the samples it holds."""
+    `Buffer.handle`, beside the retry of what the bus did not let a handler settle."""
     buffer = Buffer(rt, await read_batches(rt))
     # Samples of several steps wait here unacked, so let many handlers be "in flight".
     options = WorkerOptions(concurrency=256, max_deliver=20)
-    return Stage(REWARDS, buffer.handle, options, helpers={"held samples heartbeat": buffer.heartbeat})
+    return Stage(REWARDS, buffer.handle, options, helpers={"retry unsettled steps": buffer.retry_unsettled})
 
 
 def main() -> None:

@@ -46,8 +46,11 @@ from the trainer's final checkpoint:
                 in the final checkpoint's update history (`trained`)
     staleness_violations  loss tokens trained at step s made by weights older than s - max_staleness
 
-The run's work queues are declared with `ack_wait` = ACK_WAIT s (60-120 s by default): the
-messages a killed worker held come back only after ack_wait, and a whole step waits for them.
+The run is declared as users get it: the work queues' `ack_wait` is the default
+(`bus.topology.ACK_WAIT`, 10 s, kept alive by the workers' heartbeats), so a killed worker's
+messages come back within it. `resume` is the figure the defaults are held to: from the
+replacement joining the run to the next step trained (target 15 s); a table per role ends
+each invocation.
 
 Prints a table per run, then as its last line one JSON object: totals of the figures above,
 `faults`: per point, whether it was hit in every run it was armed in, the steps it hit at,
@@ -84,7 +87,18 @@ from nats.aio.subscription import Subscription
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.lag import queue_lag
-from bus.topology import BATCHES, PROMPTS, REWARDS, TRAJECTORIES, WORK_QUEUES, Topology, metrics_key, metrics_prefix, served_by
+from bus.topology import (
+    ACK_WAIT,
+    BATCHES,
+    PROMPTS,
+    REWARDS,
+    TRAJECTORIES,
+    WORK_QUEUES,
+    Topology,
+    metrics_key,
+    metrics_prefix,
+    served_by,
+)
 from consumers import crashpoints
 from consumers.crashpoints import (
     BUFFER_MID_STEP,
@@ -101,13 +115,11 @@ from consumers.supervisor import POLL_SECONDS, Supervisor
 from consumers.membership import live_members
 from consumers.update_history import UpdateHistory
 from ops.audit import audit
-from ops.faults import ALL, OUTPUT, Kill, Outcome, Shape, arm_at, plan, print_run, summarize
+from ops.faults import ALL, OUTPUT, Kill, Outcome, Shape, arm_at, plan, print_roles, print_run, summarize
 from producers.prompts import BUILTIN
 from schemas import BatchEvent, DecodeError, decode
 from schemas.config import load_config
 
-ACK_WAIT = 10.0
-"""Seconds before a killed worker's unacked messages are redelivered (see the module doc)."""
 MICRO_BATCH_TOKENS = 256
 """Small enough that a step is several micro-batches, so buffer.mid_step lands between them."""
 FIRST_TARGET = 3
@@ -146,6 +158,8 @@ class Monitor:
     def __init__(self, nc: Client, topology: Topology) -> None:
         self.nc, self.topology = nc, topology
         self.steps: dict[int, float] = {}
+        self.trained_at: list[float] = []
+        """When each step's metrics were written, retrained steps again."""
         self.micro: dict[int, set[tuple[int, int]]] = {}
         """Per step, the (rank, micro index) of each micro-batch sent."""
         self.micro_count: dict[int, int] = {}
@@ -165,6 +179,7 @@ class Monitor:
     async def _seen(self, kind: str, msg: Msg) -> None:
         if kind == "metrics":
             self.steps.setdefault(json.loads(msg.data)["step"], time.time())
+            self.trained_at.append(time.time())
         elif kind == "batches":
             with contextlib.suppress(DecodeError):
                 batch = decode(msg.data, BatchEvent)
@@ -237,11 +252,8 @@ class ChaosRun:
         return path
 
     async def declare(self) -> None:
-        """Declare the run before any of its processes does, its work queues with ACK_WAIT."""
+        """Declare the run before any of its processes does, with the default settings."""
         await self.topology.apply(self.js)
-        for channel in WORK_QUEUES:
-            short = self.topology.consumer_config(channel.with_queue(ack_wait=ACK_WAIT))
-            await self.js.add_consumer(self.topology.stream(channel), short)
 
     def supervisor(self) -> Supervisor:
         """The run's fleet, each role's first process armed with its first point."""
@@ -327,12 +339,16 @@ class ChaosRun:
         kind = OUTPUT[kill.point.role]
         output = self.monitor.next(kind, first_output(kind, kill.pid, kill.step))
         notes = [kill.note, self.evidence(kill.point)]
-        if served_by(kill.point.role) is not None:  # what it held stays unacked until ACK_WAIT: look now
+        if served_by(kill.point.role) is not None:  # what it held stays unacked until ack_wait: look now
             notes.append(await self.holding(kill.point.role))
         kill.note = ", ".join(filter(None, notes))
-        kill.restart_s = await self.rejoined(kill.worker, kill.pid) - kill.at
+        joined = await self.rejoined(kill.worker, kill.pid)
+        kill.restart_s = joined - kill.at
         await output
         kill.recovery_s = time.time() - kill.at
+        while not any(t >= joined for t in self.monitor.trained_at):
+            await self.monitor.next("metrics")
+        kill.resume_s = min(t for t in self.monitor.trained_at if t >= joined) - joined
 
     def evidence(self, point: CrashPoint) -> str:
         """What the bus or the disk shows of the moment, for the points where it shows."""
@@ -395,7 +411,7 @@ class ChaosRun:
             info = await sub.consumer_info()
             unacked = (info.num_pending or 0) + (info.num_ack_pending or 0)
             sequences: set[int] = set()
-            deadline = time.monotonic() + ACK_WAIT + 5
+            deadline = time.monotonic() + ACK_WAIT + 5  # what a stopped worker held comes back by then
             while len(sequences) < unacked and (left := deadline - time.monotonic()) > 0:
                 with contextlib.suppress(TimeoutError):
                     for msg in await sub.fetch(unacked - len(sequences), timeout=left):
@@ -446,7 +462,9 @@ async def chaos(args: argparse.Namespace) -> dict[str, Any]:
                 outcomes.append(await run(f"{i}", kill=True))
         finally:
             await nc.close()
-    return summarize(outcomes, baselines, args.quick, args.seed)
+    figures = summarize(outcomes, baselines, args.quick, args.seed)
+    print_roles(figures["roles"])
+    return figures
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -153,7 +153,12 @@ class Kill:
     note: str = ""
     """What the victim was doing: its record's note, and what the bus and the disk show."""
     restart_s: float | None = None
+    """Kill -> the replacement joined the run."""
     recovery_s: float | None = None
+    """Kill -> the replacement's first output."""
+    resume_s: float | None = None
+    """The replacement joined -> the next step trained: how long training stood still after the
+    restart (the figure the defaults are held to: 15 s)."""
 
     @property
     def hit(self) -> bool:
@@ -193,13 +198,14 @@ def print_run(outcome: Outcome) -> None:
     state = "finished" if outcome.finished else f"UNFINISHED {outcome.error}"
     print(f"\nrun {outcome.run}: {state} in {outcome.seconds:.0f} s, {outcome.steps_per_s:.2f} steps/s")
     if outcome.kills:
-        print(f"  {'crash point':<24} {'target':>6} {'pass':>5} {'step':>5}  {'restart s':>9}  {'recovery s':>10}  what it was doing")
+        print(f"  {'crash point':<24} {'target':>6} {'pass':>5} {'step':>5}  {'restart s':>9}  {'recovery s':>10}  "
+              f"{'resume s':>8}  what it was doing")
     for kill in outcome.kills:
         k = "-" if kill.k is None else str(kill.k)
         hit = str(kill.step) if kill.hit else "-"
         what = kill.note if kill.hit else "NOT HIT" + ("" if kill.k is not None else " (never armed: no replacement)")
         print(f"  {kill.point.name:<24} {kill.target:>6} {k:>5} {hit:>5}  {seconds(kill.restart_s):>9}  "
-              f"{seconds(kill.recovery_s):>10}  {what}")
+              f"{seconds(kill.recovery_s):>10}  {seconds(kill.resume_s):>8}  {what}")
     a = outcome.accounts
     print(f"  issued {a['issued']}  trained {a['trained']}  dropped {a['dropped']} {a['drop_reasons']}  held {a['held']}  "
           f"LOST {a['lost']}  DUPLICATES {a['duplicates']} (stream {a['stream_duplicates']}, checkpoint history "
@@ -218,9 +224,34 @@ def faults(outcomes: list[Outcome]) -> dict[str, dict[str, Any]]:
             "steps": [k.step for k in kills if k.hit],
             "restart_s": spread([k.restart_s for k in kills if k.restart_s is not None]),
             "recovery_s": spread([k.recovery_s for k in kills if k.recovery_s is not None]),
+            "resume_s": spread([k.resume_s for k in kills if k.resume_s is not None]),
         }
         for name, kills in by_point.items()
     }
+
+
+def by_role(outcomes: list[Outcome]) -> dict[str, dict[str, Any]]:
+    """Per role killed: restart, recovery and resume seconds over all its kills."""
+    roles: dict[str, list[Kill]] = {}
+    for kill in (k for o in outcomes for k in o.kills if k.hit):
+        roles.setdefault(kill.point.role, []).append(kill)
+    return {
+        role: {
+            "kills": len(kills),
+            "restart_s": spread([k.restart_s for k in kills if k.restart_s is not None]),
+            "recovery_s": spread([k.recovery_s for k in kills if k.recovery_s is not None]),
+            "resume_s": spread([k.resume_s for k in kills if k.resume_s is not None]),
+        }
+        for role, kills in roles.items()
+    }
+
+
+def print_roles(roles: dict[str, dict[str, Any]]) -> None:
+    """Recovery per role: the table the defaults are judged by."""
+    print(f"\n  {'role':<9} {'kills':>5}  {'restart s (median/max)':>22}  {'recovery s':>12}  {'resume s':>12}")
+    for role, r in roles.items():
+        cells = [f"{r[key]['median']}/{r[key]['max']}" for key in ("restart_s", "recovery_s", "resume_s")]
+        print(f"  {role:<9} {r['kills']:>5}  {cells[0]:>22}  {cells[1]:>12}  {cells[2]:>12}", flush=True)
 
 
 def summarize(outcomes: list[Outcome], baselines: list[Outcome], quick: bool, seed: int) -> dict[str, Any]:
@@ -235,6 +266,7 @@ def summarize(outcomes: list[Outcome], baselines: list[Outcome], quick: bool, se
         "not_hit": sorted(name for name, f in per_fault.items() if not f["hit"]),
         "unfinished": sum(not o.finished for o in outcomes), **totals,
         "faults": per_fault,
+        "roles": by_role(outcomes),
         "steps_per_s": round(steps_per_s, 3),
         "baseline_steps_per_s": round(statistics.mean(b.steps_per_s for b in baselines), 3) if baselines else None,
         "ratio": round(statistics.median(o.steps_per_s / b.steps_per_s for o, b in zip(outcomes, baselines)), 3)

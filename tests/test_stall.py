@@ -246,7 +246,7 @@ def test_status_names_the_gate_and_a_buffer_holding_samples_with_no_member(
     assert "the gate has issued all 6 prompts it admits at weights v1 and waits for v2" in at_limit, at_limit
     assert (
         "the buffer queue holds 3 scored samples in flight for a buffer that stopped heartbeating (no live buffer), "
-        "back to the queue 120s after its last heartbeat"
+        "back to the queue 10s after its last heartbeat"
     ) in at_limit, at_limit
     assert "trainer at step 1 waits for the buffer to form step 1 (it holds 3 scored samples" in at_limit, at_limit
     assert one_dropped is not None and "the gate" not in one_dropped, f"the gate is open after a drop: {one_dropped}"
@@ -310,6 +310,6 @@ def test_a_stuck_then_stopped_reward_worker_is_named_with_the_trajectories_it_ho
     assert "no live reward worker" not in stuck, stuck
     assert (
         "the reward queue holds 3 trajectories in flight for a reward worker that stopped heartbeating "
-        "(no live reward worker), back to the queue 60s after its last heartbeat"
+        "(no live reward worker), back to the queue 10s after its last heartbeat"
     ) in stopped, stopped
     assert "no live reward worker: the run cannot progress until one joins" in stopped, stopped
