@@ -140,6 +140,8 @@ class Buffer:
         is rejected, not held as the start of a group that can never complete either."""
         self.lock = asyncio.Lock()
         self.unsettled = False
+        self.dropping: set[str] = set()
+        """Groups whose drop began and did not finish (the bus failed): kept out of every step."""
         """A handler could not finish forming or dropping (the bus failed); `retry_unsettled` retries."""
 
     async def handle(self, reward: RewardEvent, msg: Msg) -> Hold | None:
@@ -168,7 +170,11 @@ class Buffer:
             if group.prompt_id in self.groups and group.complete and (
                 reason := group.drop_reason(drop_equal) or self.advantage_problem(group)
             ):
+                # Out of every step until the drop is done: a drop record the bus stored
+                # although its reply was lost must not meet the same group in a batch.
+                self.dropping.add(group.prompt_id)
                 await self.drop(group, reason)
+                self.dropping.discard(group.prompt_id)
         await self.maybe_form_step()
 
     def check(self, reward: RewardEvent) -> None:
@@ -269,7 +275,7 @@ class Buffer:
                 oldest_allowed = step - self.cfg.algorithm.max_staleness
                 for group in [g for g in self.groups.values() if g.complete and g.min_version < oldest_allowed]:
                     await self.drop(group, f"stale: version {group.min_version} < {oldest_allowed} at step {step}")
-                ready = [g for g in self.groups.values() if g.complete]
+                ready = [g for g in self.groups.values() if g.complete and g.prompt_id not in self.dropping]
                 if len(ready) < per_step:
                     return
                 chosen = ready[:per_step]
@@ -339,6 +345,8 @@ class Buffer:
                     try:
                         await self.settle(list(self.groups.values()))
                         self.unsettled = False
+        self.dropping: set[str] = set()
+        """Groups whose drop began and did not finish (the bus failed): kept out of every step."""
                     except BUS_TROUBLE as exc:
                         log.warning("step %d still not settled: %r", self.batched.next_step, exc)
 
