@@ -345,8 +345,6 @@ class Buffer:
                     try:
                         await self.settle(list(self.groups.values()))
                         self.unsettled = False
-        self.dropping: set[str] = set()
-        """Groups whose drop began and did not finish (the bus failed): kept out of every step."""
                     except BUS_TROUBLE as exc:
                         log.warning("step %d still not settled: %r", self.batched.next_step, exc)
 
