@@ -215,7 +215,10 @@ def test_ops_tools_wait_out_a_lost_quorum_or_show_unknowns(tmp_path: Path) -> No
                     tool.kill()
     for name, (_, err) in outputs.items():
         assert tools[name].returncode == 0 and "Traceback" not in err, f"{name} exited {tools[name].returncode}: {err[-3000:]}"
-    assert re.search(r"^prompts .* \?$", outputs["status"][0], re.M), outputs["status"][0]
+    # Which figures the lost quorum hides depends on when each request lands (a stream read
+    # may get through just before): some are unknown, and the page still shows.
+    page = outputs["status"][0]
+    assert page.startswith(f"run {topology.run}") and re.search(r" \?( |$)", page, re.M), page
     audited = json.loads(outputs["audit"][0].strip().splitlines()[-1])
     assert audited["issued"] == 3 and audited["in_flight"] == 3, audited
 
