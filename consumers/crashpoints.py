@@ -108,10 +108,10 @@ TRAINER_MID_CHECKPOINT = _declare(
 )
 
 
-def armed() -> set[CrashPoint]:
+def armed() -> frozenset[CrashPoint]:
     """The points armed in this process (for code that must reach a moment only when armed:
-    the buffer awaits its first micro-batch's ack only then)."""
-    return {POINTS[name] for name in _armed}
+    the buffer awaits its first micro-batch's ack only then). Fixed at start-up."""
+    return _armed_points
 
 
 def parse(spec: str, variable: str = CRASH_AT) -> dict[str, int]:
@@ -174,6 +174,7 @@ def _fail(point: CrashPoint, note: str) -> None:
 
 
 _armed: dict[str, int] = parse(os.environ.get(CRASH_AT, ""))
+_armed_points = frozenset(POINTS[name] for name in _armed)
 _passes: dict[str, int] = {}
 _failing: dict[str, int] = parse(os.environ.get(FAIL_AT, ""), FAIL_AT)
 _fail_passes: dict[str, int] = {}

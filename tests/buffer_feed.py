@@ -31,6 +31,9 @@ from schemas import BatchEvent, RewardEvent, Tensor, TrajectoryEvent, decode
 from schemas.config import RunConfig
 
 ROOT = Path(__file__).resolve().parent.parent
+SETTLE = 60.0
+"""Seconds a buffer test waits for something to happen: start-up (imports, attach) takes seconds,
+more on a busy machine."""
 PROMPT_TOKENS = 5
 
 

@@ -17,8 +17,15 @@ from nats.js import JetStreamContext
 from bus.embedded import EmbeddedNats
 from bus.topology import Topology
 from schemas import RewardEvent, decode
-from schemas.config import AlgorithmConfig, ConfigError, RunConfig, TrainerConfig, parse_config
+from schemas.config import (
+    AlgorithmConfig,
+    ConfigError,
+    RunConfig,
+    TrainerConfig,
+    parse_config,
+)
 from tests.buffer_feed import (
+    SETTLE,
     batches,
     buffer_consumer,
     by_step,
@@ -38,8 +45,6 @@ from tests.buffer_feed import (
 )
 from tests.helpers import dead_letters
 
-# Start-up (imports, attach) takes seconds, more on a busy machine.
-SETTLE = 60.0
 WAIT_STEPS = 2
 
 

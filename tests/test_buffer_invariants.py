@@ -30,6 +30,7 @@ from bus.topology import Topology
 from schemas import BatchEvent, RewardEvent
 from schemas.config import AlgorithmConfig, RunConfig, TrainerConfig
 from tests.buffer_feed import (
+    SETTLE,
     batches,
     buffer_consumer,
     check_steps,
@@ -47,8 +48,6 @@ from tests.buffer_feed import (
     until,
 )
 
-# Start-up (imports, attach) takes seconds, more on a busy machine.
-SETTLE = 60.0
 # The work queue's ack_wait in the tests that kill a buffer or hold samples: samples a
 # killed buffer held come back after it, and a held sample must outlive it several times.
 ACK_WAIT = 2.0

@@ -36,6 +36,7 @@ from bus.topology import BATCHES, Topology
 from schemas import RewardEvent
 from schemas.config import AlgorithmConfig, RunConfig, TrainerConfig
 from tests.buffer_feed import (
+    SETTLE,
     batches,
     buffer_consumer,
     by_step,
@@ -61,8 +62,6 @@ ack timeout runs out first, then the retries go on for `retry_for`."""
 REFUSED_FOR = GIVE_UP + 5.0
 """Seconds the batch stream refuses writes once step 0's first micro-batch is stored: past
 the publisher's give-up, with room for a busy machine."""
-SETTLE = 60.0
-"""Start-up (imports, attach) and settling after the stream takes writes again."""
 ACK_WAIT = 20.0
 """The buffer's work queue ack_wait: its heartbeat (every ack_wait / 3) retries an unsettled
 step within seconds, and a retry begun just before the stream takes writes again (its first
