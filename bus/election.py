@@ -41,12 +41,18 @@ TRANSIENT: tuple[type[BaseException], ...] = (
 """What a request meets while a leader is being elected or the client is failing over."""
 
 
-async def ride_out(call: Callable[[], Awaitable[T]], what: str, deadline: float = ELECTION_SECONDS) -> T:
-    """`await call()`, retried on `TRANSIENT` errors until `deadline` seconds have passed.
+async def ride_out(
+    call: Callable[[], Awaitable[T]],
+    what: str,
+    deadline: float = ELECTION_SECONDS,
+    retry_on: tuple[type[BaseException], ...] = TRANSIENT,
+) -> T:
+    """`await call()`, retried on `retry_on` errors until `deadline` seconds have passed.
 
     `call` makes a fresh awaitable each time (a lambda around the request). The pauses
-    grow to 0.5 s, as the publisher's do, so the call goes through soon after the election.
-    One warning per call, then debug: during an election a loop retries many times.
+    grow to 0.5 s, so the call goes through soon after the election. One warning per call,
+    then debug: during an election a loop retries many times. The publisher's retries are
+    this loop too, on every error (`bus.publisher`).
     """
     loop = asyncio.get_running_loop()
     end = loop.time() + deadline
@@ -55,7 +61,7 @@ async def ride_out(call: Callable[[], Awaitable[T]], what: str, deadline: float 
         attempt += 1
         try:
             return await call()
-        except TRANSIENT as exc:
+        except retry_on as exc:
             pause = min(0.1 * attempt, 0.5)
             if loop.time() + pause > end:
                 log.warning("%s: gave up after %d tries over %.0f s: %s", what, attempt, deadline, _reason(exc))

@@ -23,6 +23,7 @@ from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
 from bus import tracing
+from bus.election import ride_out
 from bus.embedded import MAX_PAYLOAD
 from bus.topology import Channel, Topology
 from schemas.codec import encode
@@ -158,22 +159,15 @@ class Publisher:
             future.cancel()  # does nothing to one that has its ack
 
     async def _retry(self, subject: str, data: bytes, headers: dict[str, str]) -> PubAck:
-        """Publish as a request until stored or `retry_for` has passed (dedup makes it safe)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.retry_for
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return await self.js.publish(subject, data, timeout=self.ack_timeout, headers=headers)
-            except Exception as exc:
-                pause = min(0.1 * attempt, 0.5)
-                if loop.time() + pause > deadline:
-                    raise
-                # One warning per publish: during an election every in-flight publish retries
-                # twice a second for seconds.
-                (log.warning if attempt == 1 else log.debug)("publish retry %d to %s failed: %s", attempt, subject, exc)
-                await asyncio.sleep(pause)
+        """Publish as a request until stored or `retry_for` has passed.
+
+        Every error is retried, not only an election's: dedup makes a repeat safe, and a store
+        that refuses (its intake queue full, its limits reached) may accept once consumers
+        catch up; the caller is told only when `retry_for` is spent."""
+        return await ride_out(
+            lambda: self.js.publish(subject, data, timeout=self.ack_timeout, headers=headers),
+            f"publish to {subject}", self.retry_for, retry_on=(Exception,),
+        )
 
     def _release(self, nbytes: int) -> None:
         self._inflight_bytes -= nbytes

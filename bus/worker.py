@@ -62,6 +62,9 @@ class WorkerOptions:
 
 
 Handler = Callable[[E, Msg], Awaitable[Hold | None]]
+OnDead = Callable[[E, str], Awaitable[None]]
+"""Called with an event and the reason before it is dead-lettered (the rollout records the
+prompt as dropped, so the gate issues another in its place)."""
 
 
 @dataclass
@@ -75,6 +78,7 @@ class Worker(Generic[E]):
     handler: Handler[E]
     publisher: Publisher
     options: WorkerOptions = WorkerOptions()
+    on_dead: OnDead[E] | None = None
     _inflight: dict[int, Msg] = field(default_factory=dict)
     _held: dict[int, Msg] = field(default_factory=dict)
     """Messages handlers returned HOLD for, by stream sequence (a redelivery replaces the stale
@@ -142,7 +146,11 @@ class Worker(Generic[E]):
     async def _handle(self, msg: Msg) -> None:
         deliveries = msg.metadata.num_delivered
         if deliveries > self.options.max_deliver:
-            await self._dead(msg, f"gave up after {deliveries - 1} deliveries")
+            try:
+                given_up: E | None = decode(msg.data, self.channel.event)  # type: ignore[arg-type]
+            except DecodeError:  # a poison message has no event to report
+                given_up = None
+            await self._dead(msg, f"gave up after {deliveries - 1} deliveries", given_up)
             return
         try:
             event = decode(msg.data, self.channel.event)  # type: ignore[arg-type]
@@ -154,12 +162,12 @@ class Worker(Generic[E]):
             with tracing.process_span(msg.subject, event.id, msg.headers, {"jetrl.run": event.run}):
                 outcome = await self.handler(event, msg)
         except Reject as exc:
-            await self._dead(msg, f"rejected: {exc}")
+            await self._dead(msg, f"rejected: {exc}", event)
             return
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
             if deliveries >= self.options.max_deliver:
-                await self._dead(msg, f"failed {deliveries} times, last: {reason}")
+                await self._dead(msg, f"failed {deliveries} times, last: {reason}", event)
             else:
                 log.warning("%s: %s failed (delivery %d): %s", self.queue.durable, event.id, deliveries, reason)
                 # A handler that acked before raising leaves nothing to nak.
@@ -185,8 +193,10 @@ class Worker(Generic[E]):
             for msg in [*self._inflight.values(), *self._held.values()]:
                 await msg.in_progress()
 
-    async def _dead(self, msg: Msg, reason: str) -> None:
+    async def _dead(self, msg: Msg, reason: str, event: E | None = None) -> None:
         log.warning("%s: dead letter (seq %d): %s", self.queue.durable, msg.metadata.sequence.stream, reason)
+        if event is not None and self.on_dead is not None:
+            await self.on_dead(event, reason)
         await dead_letter(self.publisher, self.queue.durable, msg, reason)
         await msg.term()
 

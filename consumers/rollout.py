@@ -2,6 +2,8 @@
 
     handler(prompt): queue it -> the batcher generates it with others -> publish its n
         trajectories -> return (the loop acks the prompt only once all are stored)
+        a prompt it can never generate (untokenizable, too long, failing every delivery):
+        recorded as dropped in KV (the gate issues another), then dead-lettered
     batcher: wait for the gate -> up to max_batch_prompts of equal sampling -> count it
         running -> generate in a thread (the event loop keeps heartbeating) -> resolve
         each prompt's future
@@ -17,6 +19,7 @@ and a generation from ever running at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -27,21 +30,33 @@ import numpy as np
 import torch
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
+from nats.js.errors import KeyWrongLastSequenceError
 from opentelemetry import context
 from transformers import AutoTokenizer
 
 from bus import metrics, tracing
 from bus.dead import dead_letter
-from bus.topology import PROMPTS, TRAJECTORIES, WEIGHTS
+from bus.topology import PROMPTS, TRAJECTORIES, WEIGHTS, drop_key
 from bus.worker import Reject, WorkerOptions
 from consumers.checks import ModelLimits
-from consumers.crashpoints import ROLLOUT_MID_GENERATION, ROLLOUT_MID_WEIGHT_LOAD, ROLLOUT_STORED_NOT_ACKED
+from consumers.crashpoints import (
+    ROLLOUT_MID_GENERATION,
+    ROLLOUT_MID_WEIGHT_LOAD,
+    ROLLOUT_STORED_NOT_ACKED,
+)
 from consumers.runtime import Runtime
 from consumers.stage import Stage, run_stage
 from engines import protocols
 from engines.hf_rollout import HFRolloutEngine
 from engines.weights import WeightsRefused, check_manifest, get_version
-from schemas import DecodeError, PromptEvent, Tensor, TrajectoryEvent, WeightVersionEvent, decode
+from schemas import (
+    DecodeError,
+    PromptEvent,
+    Tensor,
+    TrajectoryEvent,
+    WeightVersionEvent,
+    decode,
+)
 
 log = logging.getLogger("jetrl.rollout")
 
@@ -94,6 +109,13 @@ class Rollout:
         max_tokens = prompt.sampling.max_tokens
         self.limits.check(max(ids), len(ids) + max_tokens, f"prompt of {len(ids)} tokens + max_tokens {max_tokens}")
         return ids
+
+    async def dropped(self, prompt: PromptEvent, reason: str) -> None:
+        """Record a prompt that will never be generated (rejected, or failing every delivery) as
+        dropped: the gate counts it and issues another in its place. Without the record the gate
+        waits for a group that never comes and the run stops short of its last step."""
+        with contextlib.suppress(KeyWrongLastSequenceError):  # recorded before a restart
+            await self.rt.kv.create(drop_key(prompt.id), f"rollout: {reason}".encode())
 
     async def handle(self, prompt: PromptEvent, msg: Msg) -> None:
         ids = self.checked_token_ids(prompt)
@@ -209,9 +231,16 @@ async def build(rt: Runtime) -> Stage[PromptEvent]:
     model = Path(rt.config.model.path or "")
     rollout = Rollout(rt, HFRolloutEngine(model, seed=rt.config.data.seed), AutoTokenizer.from_pretrained(model))
     rt.member.report(engine="hf", weight_version=rollout.engine.version)
+    return rollout_stage(rollout)
+
+
+def rollout_stage(rollout: Rollout) -> Stage[PromptEvent]:
+    """`rollout` as a stage: twice a batch of prompts in flight, so one batch fills while the
+    engine generates the other."""
     return Stage(
-        PROMPTS, rollout.handle, WorkerOptions(concurrency=2 * rt.config.rollout.max_batch_prompts),
+        PROMPTS, rollout.handle, WorkerOptions(concurrency=2 * rollout.rt.config.rollout.max_batch_prompts),
         helpers={"batcher": rollout.batcher, "weights watcher": rollout.watch_weights},
+        on_dead=rollout.dropped,
     )
 
 

@@ -11,10 +11,7 @@ import argparse
 import asyncio
 import logging
 import os
-import sys
-from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any
 
 import nats.errors
 import yaml
@@ -49,6 +46,8 @@ class Runtime:
     config: RunConfig
     member: Membership
     """This process's heartbeat entry; `member.report(...)` what it serves."""
+    rank: int = 0
+    """The data-parallel rank this worker serves (`--rank`; the trainer's)."""
 
     @property
     def source(self) -> str:
@@ -60,12 +59,13 @@ class Runtime:
         try:
             await asyncio.wait_for(self.member.leave(), timeout)
             await asyncio.wait_for(self.nc.drain(), timeout)
-        except (asyncio.TimeoutError, nats.errors.Error):
+        except (TimeoutError, nats.errors.Error):
             await self.nc.close()
 
 
 async def attach(
-    role: str, run: str, url: str, replicas: int = 1, wait: float = 120.0, beat_in_background: bool = True
+    role: str, run: str, url: str, replicas: int = 1, wait: float = 120.0, beat_in_background: bool = True,
+    rank: int = 0,
 ) -> Runtime:
     """Connect, apply the run's topology, wait (up to `wait` s) for its config in KV, join the members.
 
@@ -96,19 +96,11 @@ async def attach(
     member = await ride_out(
         lambda: Membership.join(js, topology, role, background=beat_in_background), "joining the run's members"
     )
-    return Runtime(role, nc, js, topology, kv, Publisher(js, topology), config, member)
+    return Runtime(role, nc, js, topology, kv, Publisher(js, topology), config, member, rank)
 
 
 async def publish_config(kv: KeyValue, config: RunConfig) -> None:
     await kv.put(CONFIG_KEY, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False).encode())
-
-
-def run_worker(role: str, main: Coroutine[Any, Any, None], *one_line: type[Exception]) -> None:
-    """`asyncio.run(main)`; `CannotAttach` (and the `one_line` types) end it with one line, exit 1."""
-    try:
-        asyncio.run(main)
-    except (CannotAttach, *one_line) as exc:
-        sys.exit(f"consumers.{role}: {exc}")
 
 
 def worker_args(role: str, description: str, with_rank: bool = False) -> argparse.Namespace:

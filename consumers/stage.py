@@ -3,10 +3,12 @@
     build(rt) -> Stage      the channel and handler it serves, its WorkerOptions, its helpers
     run_stage(role, build)  attach -> build -> serve -> close; `main` of a worker is this call
 
-    serve(rt, stage, stop): one asyncio.TaskGroup holds the worker loop over the channel's
-        work queue and every helper (the membership heartbeat too)
+    serve(rt, stage, stop): one asyncio.TaskGroup holds the stage's loop and every helper
+        (the membership heartbeat too); the loop is the worker loop over the channel's work
+        queue, or the stage's own `main` (the trainer's steps, read by position)
         SIGTERM/SIGINT -> stop: the loop stops fetching and drains its handlers, then the
             helpers are cancelled, then the stage closes and the process exits 0
+        `main` returns (the run's last step is trained) -> helpers cancelled, exit 0
         a helper raises, or returns while the stage runs -> the group cancels everything:
             one log line names the helper and its error, the process exits 1, and the fleet
             restarts it
@@ -22,12 +24,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from argparse import Namespace
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from bus.topology import Channel
-from bus.worker import Handler, Worker, WorkerOptions, stop_on_signals
+from bus.worker import Handler, OnDead, Worker, WorkerOptions, stop_on_signals
 from consumers.runtime import CannotAttach, Runtime, attach, worker_args
 from schemas.events import Event
 
@@ -39,6 +42,7 @@ MEMBERSHIP = "membership heartbeat"
 """The helper every stage runs: its entry in the run's members bucket."""
 
 Helper = Callable[[], Coroutine[Any, Any, None]]
+MainLoop = Callable[[asyncio.Event], Coroutine[Any, Any, None]]
 
 
 @dataclass
@@ -46,13 +50,18 @@ class Stage(Generic[E]):
     """What one worker process runs: the channel it serves, and the loops beside it."""
 
     channel: Channel[E] | None
-    """The work queue it serves (`bus.topology.WORK_QUEUES`); None for a stage of helpers only."""
+    """The work queue it serves (`bus.topology.WORK_QUEUES`); None for a stage with a `main`."""
     handler: Handler[E] | None
     options: WorkerOptions = field(default_factory=WorkerOptions)
     helpers: dict[str, Helper] = field(default_factory=dict)
     """Loops that run as long as the stage, by the name a failure is reported under."""
     close: Callable[[], Awaitable[None]] | None = None
     """Releases what the builder acquired (a process pool), after the worker loop has drained."""
+    on_dead: OnDead[E] | None = None
+    """Called with an event of `channel` before it is dead-lettered (`bus.worker.OnDead`)."""
+    main: MainLoop | None = None
+    """The stage's own loop instead of a work queue, until its work is done or the stop event
+    is set; its return ends the stage with success, its error fails it."""
 
 
 Builder = Callable[[Runtime], Awaitable[Stage[Any]]]
@@ -70,8 +79,12 @@ async def serve(rt: Runtime, stage: Stage[Any], stop: asyncio.Event) -> None:
     try:
         async with asyncio.TaskGroup() as group:
             running = [group.create_task(_watched(name, helper), name=name) for name, helper in helpers.items()]
-            if stage.channel is not None and stage.handler is not None:
-                worker = Worker(rt.js, rt.topology, stage.channel, stage.handler, rt.publisher, stage.options)
+            if stage.main is not None:
+                await stage.main(stop)
+            elif stage.channel is not None and stage.handler is not None:
+                worker = Worker(
+                    rt.js, rt.topology, stage.channel, stage.handler, rt.publisher, stage.options, stage.on_dead
+                )
                 await worker.run(stop)
             else:
                 await stop.wait()
@@ -104,11 +117,11 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 
 
 def _describe(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, _HelperFailed) else f"worker loop failed: {type(exc).__name__}: {exc}"
+    return str(exc) if isinstance(exc, _HelperFailed) else f"stage loop failed: {type(exc).__name__}: {exc}"
 
 
-async def _run(role: str, run: str, url: str, replicas: int, build: Builder) -> None:
-    rt = await attach(role, run, url, replicas, beat_in_background=False)
+async def _run(role: str, args: Namespace, build: Builder) -> None:
+    rt = await attach(role, args.run, args.nats, args.replicas, beat_in_background=False, rank=getattr(args, "rank", 0))
     stop = asyncio.Event()
     stop_on_signals(stop)
     try:
@@ -122,14 +135,16 @@ async def _run(role: str, run: str, url: str, replicas: int, build: Builder) -> 
         await rt.close()
 
 
-def run_stage(role: str, build: Builder, description: str, *one_line: type[Exception]) -> None:
-    """`python -m consumers.<role> --run R [--nats URL] [--replicas N]`: run `build`'s stage.
+def run_stage(
+    role: str, build: Builder, description: str, *one_line: type[Exception], with_rank: bool = False
+) -> None:
+    """`python -m consumers.<role> --run R [--nats URL] [--replicas N] [--rank K]`: run `build`'s stage.
 
     CannotAttach, StageFailed and the `one_line` types (a builder's refusal to start) end the
     process with one line on stderr and exit status 1.
     """
-    args = worker_args(role, description)
+    args = worker_args(role, description, with_rank=with_rank)
     try:
-        asyncio.run(_run(role, args.run, args.nats, args.replicas, build))
+        asyncio.run(_run(role, args, build))
     except (CannotAttach, StageFailed, *one_line) as exc:
         sys.exit(f"consumers.{role}: {exc}")

@@ -35,10 +35,15 @@ from bus.dead import dead_letter
 from bus.election import ride_out
 from bus.metrics import STALENESS, TRAIN_STEP_SECONDS, count_samples
 from bus.topology import BATCHES, WEIGHTS, metrics_key
-from bus.worker import Reject, stop_on_signals
+from bus.worker import Reject
 from consumers.checks import ModelLimits
-from consumers.crashpoints import TRAINER_METRICS_WRITTEN, TRAINER_MID_CHECKPOINT, TRAINER_MID_STEP
-from consumers.runtime import Runtime, attach, run_worker, worker_args
+from consumers.crashpoints import (
+    TRAINER_METRICS_WRITTEN,
+    TRAINER_MID_CHECKPOINT,
+    TRAINER_MID_STEP,
+)
+from consumers.runtime import Runtime
+from consumers.stage import Stage, run_stage
 from consumers.trainer_loggers import scalars, step_loggers
 from consumers.update_history import UpdateHistory
 from engines.protocols import MicroBatch
@@ -266,19 +271,13 @@ class Trainer:
             logger.close()
 
 
-async def main() -> None:
-    args = worker_args("trainer", __doc__.splitlines()[0], with_rank=True)
-    rt = await attach("trainer", args.run, args.nats, args.replicas)
+async def build(rt: Runtime) -> Stage[Any]:
+    """The trainer stage: no work queue (it reads its rank's batches by position), its steps
+    as the stage's loop; the process exits 0 once the run's last step is trained."""
     torch.set_num_threads(1)  # rollout and the other workers share the node's cores with us
-    trainer = Trainer(rt, args.rank)
-    stop = asyncio.Event()
-    stop_on_signals(stop)
-    try:
-        await trainer.run(stop)
-    finally:
-        await trainer.close()
-        await rt.close()
+    trainer = Trainer(rt, rt.rank)
+    return Stage(channel=None, handler=None, main=trainer.run, close=trainer.close)
 
 
 if __name__ == "__main__":
-    run_worker("trainer", main())
+    run_stage("trainer", build, __doc__.splitlines()[0], with_rank=True)

@@ -2,8 +2,9 @@
 live progress line, stopping on a signal, and the summary and report at the end.
 
     run:      [embedded nats-server + local fleet of trainer, buffer, reward, rollout] -> produce
-    produce:  config to KV -> gate.Producer watch + feed -> a progress line every 2 s
-              -> until the trainer's last step (or SIGINT/SIGTERM: Stopped) -> summary, plots
+    produce:  config to KV -> one TaskGroup: gate.Producer watch + feed, membership heartbeat,
+              fleet check, signals; a progress line every 2 s until the trainer's last step
+              (or SIGINT/SIGTERM: Stopped; a loop beside it fails: its error) -> summary, plots
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import logging
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from bus import metrics
@@ -22,8 +24,8 @@ from bus.embedded import EmbeddedNats
 from bus.lag import queue_lag
 from bus.topology import Topology
 from consumers.fleet_config import local_fleet
-from consumers.supervisor import Supervisor
 from consumers.runtime import Runtime, attach, publish_config
+from consumers.supervisor import Supervisor
 from ops.stall import StallWatch
 from producers import report
 from producers.gate import Producer
@@ -83,7 +85,11 @@ async def progress(producer: Producer, started: float, every: float = PROGRESS_S
 
 
 async def produce(cfg: RunConfig, url: str, out: Path, fleet: Supervisor | None, replicas: int = 1) -> dict:
-    """Feed and watch a run until its last step; return the summary. Stopped on SIGINT/SIGTERM."""
+    """Feed and watch a run until its last step; return the summary. Stopped on SIGINT/SIGTERM.
+
+    The progress line runs until the last step's metrics arrive; the gate's loops, the
+    membership heartbeat, the fleet's check and the signal watch run beside it in one
+    TaskGroup, so any of them that fails ends the job with its error (not a silent hang)."""
     started = time.time()
     received: list[str] = []
     stop = asyncio.Event()
@@ -92,27 +98,49 @@ async def produce(cfg: RunConfig, url: str, out: Path, fleet: Supervisor | None,
         loop.add_signal_handler(sig, lambda name=sig.name: (received.append(name), stop.set()))
     rt = await attach_bootstrap(cfg, url, replicas)
     producer = Producer(rt)
-    tasks = [asyncio.create_task(producer.watch()), asyncio.create_task(producer.feed())]
-    lines = asyncio.create_task(progress(producer, started))
+
+    async def stopped() -> None:
+        await stop.wait()
+        raise Stopped(received[0], len(producer.metrics))
+
+    beside = {"gate feed": producer.feed(), "gate watch": producer.watch(),
+              "membership heartbeat": rt.member.beat(), "signals": stopped()}
+    if fleet is not None:
+        beside["fleet"] = watch_fleet(fleet)
     try:
-        while not lines.done():
-            if stop.is_set():
-                raise Stopped(received[0], len(producer.metrics))
-            if fleet is not None:
-                fleet.check()
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(coro, name=name) for name, coro in beside.items()]
+            await progress(producer, started)
             for task in tasks:
-                if task.done() and task.exception():
-                    raise task.exception()  # type: ignore[misc]
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.5)
-        lines.result()
+                task.cancel()
+    except BaseExceptionGroup as failed:
+        raise first_cause(failed) from None
     finally:
-        for task in [*tasks, lines]:
-            task.cancel()
         await rt.close()
     summary = summarize(cfg, producer, started)
     report.write(out, [producer.metrics[s] for s in sorted(producer.metrics)], summary)
     return summary
+
+
+async def watch_fleet(fleet: Supervisor, every: float = 0.5) -> None:
+    """Restart the fleet's workers that died (`Supervisor.check` raises if one cannot be)."""
+    while True:
+        fleet.check()
+        await asyncio.sleep(every)
+
+
+def first_cause(failed: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The error to report from a failed TaskGroup: a stop by signal first, else the first."""
+    leaves = list(_leaves(failed))
+    return next((exc for exc in leaves if isinstance(exc, Stopped)), leaves[0])
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc
 
 
 def summarize(cfg: RunConfig, producer: Producer, started: float) -> dict:
@@ -147,7 +175,7 @@ async def attach_bootstrap(cfg: RunConfig, url: str, replicas: int = 1) -> Runti
     kv = await ride_out(lambda: js.key_value(topology.kv_bucket), "opening the run's KV bucket")
     await ride_out(lambda: publish_config(kv, cfg), "writing the run config")
     await nc.close()
-    return await attach("producer", cfg.run, url, replicas)
+    return await attach("producer", cfg.run, url, replicas, beat_in_background=False)
 
 
 def prepare(cfg: RunConfig, out: Path) -> RunConfig:

@@ -30,20 +30,21 @@ import torch
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerInfo, DiscardPolicy
+from nats.js.errors import KeyNotFoundError
 from transformers import AutoTokenizer
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.publisher import Publisher
-from bus.topology import PROMPTS, TRAJECTORIES, WEIGHTS, Topology
-from bus.worker import Worker, WorkerOptions
-from consumers.rollout import Rollout
+from bus.topology import PROMPTS, TRAJECTORIES, WEIGHTS, Topology, drop_key
+from consumers.rollout import Rollout, rollout_stage
 from consumers.runtime import Runtime, attach, publish_config
+from consumers.stage import serve
 from engines.hf_rollout import HFRolloutEngine
 from engines.protocols import Sample, SamplingParams
 from engines.tiny import build_tiny_model
-from producers.tasks import VOCAB
 from engines.weights import put_version
+from producers.tasks import VOCAB
 from schemas import PromptEvent, Tensor, TrajectoryEvent, decode, encode
 from schemas import SamplingParams as PromptSampling
 from schemas.config import RunConfig
@@ -155,7 +156,8 @@ class RolloutUnderTest:
 async def rollout_worker(
     url: str, topology: Topology, model_dir: Path, load_seconds: float = 0.0, ack_timeout: float = 10.0
 ) -> AsyncIterator[RolloutUnderTest]:
-    """Start a rollout worker as `consumers.rollout.main` does; its publisher waits `ack_timeout` s for an ack."""
+    """A rollout stage built as `consumers.rollout.build` builds it (production options), on a
+    recording engine; its publisher waits `ack_timeout` s for an ack."""
     nc = await connect(url, "test-rollout-invariants")
     js = nc.jetstream()
     await topology.apply(js)
@@ -167,22 +169,17 @@ async def rollout_worker(
     engine = RecordingEngine(model_dir, load_seconds)
     rollout = Rollout(rt, engine, AutoTokenizer.from_pretrained(model_dir))
     stop = asyncio.Event()
-    helpers = [asyncio.create_task(rollout.batcher()), asyncio.create_task(rollout.watch_weights())]
-    options = WorkerOptions(concurrency=8, fetch_timeout=0.2)
-    worker = Worker(rt.js, rt.topology, PROMPTS, rollout.handle, rt.publisher, options)
-    loop = asyncio.create_task(worker.run(stop))
+    loop = asyncio.create_task(serve(rt, rollout_stage(rollout), stop))
     try:
         yield RolloutUnderTest(nc, js, topology, rt, engine, rollout)
-        assert not loop.done(), f"the worker loop ended: {loop.exception() if loop.done() else ''}"
+        assert not loop.done(), f"the stage ended: {loop.exception() if loop.done() else ''}"
     finally:
         stop.set()
         try:  # a failed test may leave handlers waiting on a generation that never comes
             await asyncio.wait_for(asyncio.shield(loop), 10)
-        except Exception:  # teardown: whatever the loop ended with, clean up
+        except Exception:  # teardown: whatever the stage ended with, clean up
             loop.cancel()
-        for task in (*helpers, loop):
-            task.cancel()
-        await asyncio.gather(*helpers, loop, return_exceptions=True)
+        await asyncio.gather(loop, return_exceptions=True)
         await rt.close()
         await topology.delete(js)
         await nc.close()
@@ -359,3 +356,39 @@ def test_weights_load_only_between_generations_and_off_the_event_loop(
 
 async def trajectories_stored(w: RolloutUnderTest, count: int) -> bool:
     return (await w.js.stream_info(w.topology.stream(TRAJECTORIES))).state.messages >= count
+
+
+# --- a prompt the model can never generate is recorded as dropped -------------------------
+
+
+def test_a_prompt_the_model_cannot_take_is_recorded_as_dropped_for_the_gate(
+    nats_server: EmbeddedNats, topology: Topology, model_dir: Path
+) -> None:
+    """The gate counted the prompt as issued; without a drop record it waits for a group that
+    never comes and the run stops short of its last step. A valid prompt after it still flows."""
+
+    async def main() -> None:
+        async with rollout_worker(nats_server.url, topology, model_dir) as w:
+            await w.publish_weights(0)
+            unknown_token = w.engine.model.config.vocab_size + 5
+            refused = PromptEvent(
+                id=f"{topology.run}/0/99", run=topology.run, epoch=0, index=99, n=GROUP,
+                token_ids=Tensor.from_numpy(np.array([3, unknown_token], np.int32)),
+                sampling=PromptSampling(max_tokens=MAX_TOKENS),
+            )
+            await w.js.publish(topology.subject(PROMPTS), encode(refused))
+            kv = await w.js.key_value(topology.kv_bucket)
+
+            async def recorded() -> bool:
+                try:
+                    return bool((await kv.get(drop_key(refused.id))).value)
+                except KeyNotFoundError:
+                    return False
+
+            await eventually(recorded, f"a drop record for {refused.id}")
+            reason = ((await kv.get(drop_key(refused.id))).value or b"").decode()
+            assert reason.startswith("rollout: rejected:") and str(unknown_token) in reason, reason
+            await w.publish_prompt()
+            await eventually(lambda: trajectories_stored(w, GROUP), "the next prompt's trajectories were stored")
+
+    asyncio.run(main())
