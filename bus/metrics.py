@@ -15,7 +15,7 @@ Neither set: the instruments below are no-ops. They are created at import, throu
 API's proxy meter, so a module records into them without knowing whether `setup` ran.
 
     jetrl.samples            counter    samples through a stage: stage, outcome
-    jetrl.prompts            counter    prompts the producer admitted
+    jetrl.prompts            counter    prompts the producer issued
     jetrl.generate.duration  histogram  seconds of one batched generation call (rollout)
     jetrl.train_step.duration histogram seconds of one optimizer step (trainer)
     jetrl.reward             histogram  reward of each scored sample (reward worker)
@@ -56,7 +56,7 @@ SAMPLES = meter.create_counter(
     description="Samples through a stage, by stage (rollout, reward, buffer, trainer) and outcome "
                 "(generated; scored or failed; batched or dropped; trained)",
 )
-PROMPTS = meter.create_counter("jetrl.prompts", unit="{prompt}", description="Prompts admitted by the producer")
+PROMPTS = meter.create_counter("jetrl.prompts", unit="{prompt}", description="Prompts issued by the producer")
 GENERATE_SECONDS = meter.create_histogram(
     "jetrl.generate.duration", unit="s", description="One batched generation call of a rollout worker",
     explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,

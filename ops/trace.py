@@ -10,7 +10,7 @@ as a timeline, one span a line in tree order:
 
 Batch assembly and train steps serve many prompts, so they live in traces of their own and
 *link* to the `outcome` spans of the samples they took. Jaeger cannot search by link, so each
-admitted sample's step (`jetrl.step` on its `admit` span) is searched for in the buffer's
+batched sample's step (`jetrl.step` on its `outcome` span) is searched for in the buffer's
 and trainers' services, and the spans that link into this trace are printed after it, with
 what they started: the `publish weights` of the version the step produced.
 """
