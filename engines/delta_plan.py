@@ -78,8 +78,8 @@ def assign_shards(sizes: Mapping[str, int], world: int) -> tuple[tuple[str, ...]
     """Tensor names per rank (rank r encodes `result[r]`), balanced by bytes; deterministic.
 
     Largest tensor first onto the least loaded rank (lowest rank on a tie): every rank that
-    computes it from the same sizes gets the same answer, and no rank's load exceeds the
-    mean by more than the largest tensor. Names keep `sizes`' order within a shard.
+    computes it from the same sizes gets the same answer, and the fullest rank exceeds the
+    emptiest by at most its own smallest tensor. Names keep `sizes`' order within a shard.
     """
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
