@@ -62,7 +62,7 @@ def measure(before: Weights, after: Weights, repeat: int) -> dict:
                      / sum(t.numel() for t in after.values())}
     for world in (1, 4):
         shards = assign_shards({n: t.nbytes for n, t in after.items()}, world)
-        encode = [lambda r=r, names=names: encode_shard(before, after, names, version=1, base_version=0, rank=r, world=world)
+        encode = [lambda r=r, names=names, w=world: encode_shard(before, after, names, version=1, base_version=0, rank=r, world=w)
                   for r, names in enumerate(shards)]
         slowest = max(timed(fn, repeat) for fn in encode)
         figures[f"encode_mb_per_s_world{world}"] = full_mb / slowest
