@@ -154,14 +154,14 @@ def encode_shard(
     `base` holds this rank's tensors of `base_version` (only those are read); with
     `base_version` None every tensor is stored whole (a full version in the same format).
     Returns the payload and the manifest entries of its result tensors (name, dtype,
-    shape, sha256 of `new[name]`), for the version's event.
+    shape, sha256 of `new[name]`), for the version's event. Tensors are on the CPU.
     """
     entries, payload, specs = [], {}, []
     for name in names:
         tensor = new[name].contiguous()
         fields, stored = _encode(base.get(name) if base_version is not None else None, tensor)
         spec = TensorSpec(name=name, dtype=_dtype_name(tensor), shape=tuple(tensor.shape), sha256=_sha256(tensor))
-        entries.append(TensorDelta(**spec.model_dump(), **fields))  # type: ignore[arg-type]
+        entries.append(TensorDelta.model_validate({**spec.model_dump(), **fields}))
         specs.append(spec)
         if stored is not None:
             payload[name] = stored
@@ -170,7 +170,7 @@ def encode_shard(
 
 
 def read_shard(data: bytes) -> tuple[ShardHeader, dict[str, torch.Tensor]]:
-    """The header and stored tensors of one shard payload; WeightsRefused if unreadable."""
+    """The header and stored tensors of one shard payload; ChecksumMismatch if unreadable."""
     try:
         tensors = load(data)
         with_header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
@@ -189,14 +189,18 @@ def _changes(header: ShardHeader, entry: TensorDelta, blob: torch.Tensor, size: 
     gaps_dtype, diffs_dtype = np.dtype(entry.gaps), np.dtype(entry.diffs)
     n_gaps = entry.count if entry.encoding == "sparse" else 0
     expected = n_gaps * gaps_dtype.itemsize + entry.count * diffs_dtype.itemsize
-    # Bounded: a corrupt or hostile blob cannot inflate past what the header announces.
+    mismatch = ChecksumMismatch(f"shard {header.rank}: tensor {entry.name}: changes do not match its header")
+    if entry.count > size or (entry.encoding == "dense" and entry.count != size):
+        raise mismatch
+    # Bounded: a corrupt or hostile blob cannot inflate past what the header announces,
+    # which is at most 16 bytes per element of the tensor.
     inflate = zlib.decompressobj()
     try:
         raw = inflate.decompress(blob.numpy().tobytes(), expected + 1)
     except zlib.error as exc:
         raise ChecksumMismatch(f"shard {header.rank}: tensor {entry.name}: corrupt changes ({exc})") from None
-    if len(raw) != expected or not inflate.eof or (entry.encoding == "dense" and entry.count != size):
-        raise ChecksumMismatch(f"shard {header.rank}: tensor {entry.name}: changes do not match its header")
+    if len(raw) != expected or not inflate.eof:
+        raise mismatch
     changes = np.frombuffer(raw, diffs_dtype, offset=n_gaps * gaps_dtype.itemsize)
     if entry.encoding == "dense":
         return None, changes
@@ -231,12 +235,13 @@ def apply_delta(
     checksums to trust: a shard's own header is checked against it). Each result tensor is
     hashed; on any mismatch every tensor already changed is restored bit for bit and
     ChecksumMismatch says which tensor failed. With `base_version` None (a full version)
-    `weights` may start empty. Nothing is read from `weights` beyond the manifest's names.
+    `weights` may start empty; its tensors are replaced, not written into.
     """
     parsed = [read_shard(data) for data in shards]
     _check_shards(parsed, manifest, version, base_version)
-    if base_version is not None and set(weights) != {spec.name for spec in manifest}:
-        raise WeightsRefused(f"base weights differ from v{version}'s manifest: {sorted(set(weights) ^ {s.name for s in manifest})[:3]}")
+    names = {spec.name for spec in manifest}
+    if (base_version is not None or weights) and set(weights) != names:
+        raise WeightsRefused(f"base weights' names differ from v{version}'s manifest: {sorted(set(weights) ^ names)[:3]}")
     undo: list[tuple[str, torch.Tensor | None, np.ndarray | None, np.ndarray | None]] = []
     try:
         for header, stored in parsed:

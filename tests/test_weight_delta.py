@@ -8,6 +8,7 @@ from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save
@@ -155,6 +156,19 @@ def test_changes_longer_or_shorter_than_their_header_says_are_refused(step: tupl
         with pytest.raises(ChecksumMismatch, match=rf"shard 0: tensor {name}: changes do not match its header"):
             apply_delta(weights, [rewrite(payloads[0], name, edit), payloads[1]], manifest, version=1, base_version=0)
         assert same_bits(weights, before)
+    header, stored = read_shard(payloads[0])
+    # More changes than the tensor has elements, each stored: refused before inflating them.
+    count = before[name].numel() + 1
+    entry = next(e for e in header.tensors if e.name == name)
+    inflated = header.model_copy(update={"tensors": tuple(
+        e.model_copy(update={"count": count}) if e.name == name else e for e in header.tensors)})
+    blob = zlib.compress(bytes(count * (np.dtype(entry.gaps).itemsize + np.dtype(entry.diffs).itemsize)))
+    stored[name] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    weights = copy(before)
+    with pytest.raises(ChecksumMismatch, match=rf"shard 0: tensor {name}: changes do not match its header"):
+        apply_delta(weights, [save(stored, metadata={META_KEY: inflated.model_dump_json()}), payloads[1]], manifest,
+                    version=1, base_version=0)
+    assert same_bits(weights, before)
 
 
 def test_a_delta_applied_onto_the_wrong_base_is_refused(step: tuple) -> None:
@@ -175,6 +189,10 @@ def test_shards_that_disagree_with_the_manifest_or_version_are_refused(step: tup
         (payloads, manifest[1:], 1, 0, WeightsRefused, r"do not carry each manifest tensor once"),
         ([payloads[0], b"\x00" * 16], manifest, 1, 0, ChecksumMismatch, r"not a jetrl-delta/1 shard"),
     ]
+    weights = copy(before)
+    del weights[manifest[0].name]
+    with pytest.raises(WeightsRefused, match=r"base weights' names differ from v1's manifest"):
+        apply_delta(weights, payloads, manifest, version=1, base_version=0)
     for shards, specs, version, base_version, error, message in cases:
         weights = copy(before)
         with pytest.raises(error, match=message):
