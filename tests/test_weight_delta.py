@@ -210,6 +210,9 @@ def test_full_every_k_versions_and_a_restart_starts_a_new_chain() -> None:
     assert [next_publication(v, Chain(0, v - 1), 1)[0] for v in (1, 2)] == [None, None]  # full_every 1: deltas off
     with pytest.raises(ValueError, match="not after the chain's last version"):
         next_publication(4, Chain(full=0, last=4), full_every=3)
+    for base, full, message in [(None, 0, "its own chain's full version"), (4, 0, "base must lie in its chain"), (1, 2, "base must lie")]:
+        with pytest.raises(ValueError, match=message):
+            ShardLayout(version=4, base_version=base, full_version=full, shards=(("a",),))
 
 
 def test_a_worker_fetches_the_chain_it_lacks_in_order() -> None:
