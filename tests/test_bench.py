@@ -42,3 +42,15 @@ def test_bench_learn_quick() -> None:
     assert figures["quick"] is True
     assert figures["steps"] > 0 and figures["samples_per_s"] > 0 and figures["sync_samples_per_s"] > 0
     assert 0.0 <= figures["reward_start"] <= 1.0 and 0.0 <= figures["reward_end"] <= 1.0
+
+
+@pytest.mark.timeout(300)
+def test_bench_weight_delta_quick(tmp_path: Path) -> None:
+    figures = last_json(["ops.bench.weight_delta", "--quick", "--out", str(tmp_path)], timeout=280)
+    assert figures["quick"] is True and figures["model_mb"] > 50
+    # Bytes, not time: issue 11's target for one AdamW step at lr 1e-6 (seeded, so stable).
+    assert figures["ratio"] == figures["delta_bytes_ratio"] <= 0.1
+    for setup in figures["setups"].values():
+        assert 0 < setup["changed_fraction"] < 0.1 and setup["encodings"].get("sparse", 0) > 0
+        assert setup["encode_mb_per_s_world1"] > 0 and setup["decode_mb_per_s"] > 0
+    assert json.loads((tmp_path / "weight_delta.json").read_text())["ratio"] == figures["ratio"]
