@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -36,11 +37,11 @@ DEADLINE_S = 20.0
 class Participant:
     """A collective_proc child; its stdout lines are read by a thread so every wait has a deadline."""
 
-    def __init__(self, tmp: Path, *args: str) -> None:
+    def __init__(self, tmp: Path, settings: dict, *args: str) -> None:
         self.name = args[1] if args[0] == "receiver" else "source"
         self.log = tmp / f"{self.name}.stderr"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.collective_proc", *args, json.dumps(SETTINGS)],
+            [sys.executable, "-m", "tests.collective_proc", *args, json.dumps(settings)],
             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log.open("w"), text=True,
         )
         self.lines: queue.Queue[dict] = queue.Queue()
@@ -70,8 +71,8 @@ class Participant:
 def spawn(tmp_path: Path) -> Iterator:
     started: list[Participant] = []
 
-    def start(*args: str) -> Participant:
-        started.append(Participant(tmp_path, *args))
+    def start(*args: str, settings: dict = SETTINGS) -> Participant:
+        started.append(Participant(tmp_path, settings, *args))
         return started[-1]
 
     yield start
@@ -80,9 +81,9 @@ def spawn(tmp_path: Path) -> Iterator:
         p.proc.wait()
 
 
-def start_all(spawn, *receivers: str) -> tuple[Participant, dict, list[Participant]]:
-    src = spawn("source")
-    rcv = [spawn("receiver", r) for r in receivers]
+def start_all(spawn, *receivers: str, settings: dict = SETTINGS) -> tuple[Participant, dict, list[Participant]]:
+    src = spawn("source", settings=settings)
+    rcv = [spawn("receiver", r, settings=settings) for r in receivers]
     address = src.expect("address", within=STARTUP_S)
     for r in rcv:
         r.expect("ready", within=STARTUP_S)
@@ -125,6 +126,22 @@ def test_a_member_that_stops_reading_is_dropped_after_the_op_timeout(spawn) -> N
     assert late["event"] == "missed", late  # it woke to a group rebuilt without it
 
 
+def test_a_member_back_from_a_stall_rejoins_a_rebuilt_group(spawn) -> None:
+    """Same members on the retry, yet a new epoch: the broken group is never used again."""
+    settings = {**SETTINGS, "join_timeout_s": 4.0}
+    src, at, (a, b) = start_all(spawn, "a", "b", settings=settings)
+    a.send(cmd="receive", version=1, **at)
+    # Wakes 1.5 s after the source's op timeout (2 s), well inside the retry's join window (2..6 s).
+    b.send(cmd="receive", version=1, stall_at=1, stall_s=3.5, **at)
+    src.send(cmd="publish", version=1, mb=VERSION_MB, alive=["a", "b"])
+    published = src.expect("published", within=DEADLINE_S)
+    assert published["members"] == ["a", "b"] and published["attempts"] == 2, published
+    assert published["epoch"] == 2, published
+    for r in (a, b):
+        got = r.expect("received", "missed", within=DEADLINE_S)
+        assert got["event"] == "received" and got["digest"] == published["digest"], got
+
+
 def test_a_late_joiner_misses_a_version_then_gets_the_next(spawn) -> None:
     src, at, (a,) = start_all(spawn, "a")
     a.send(cmd="receive", version=1, **at)
@@ -147,9 +164,11 @@ def test_a_late_joiner_misses_a_version_then_gets_the_next(spawn) -> None:
         got = r.expect("received", "missed", within=DEADLINE_S)
         assert got["event"] == "received" and got["digest"] == second["digest"], got
 
+    asked = time.monotonic()
     c.send(cmd="receive", version=0, **at)  # older than anything the source still holds
     stale = c.expect("received", "missed", within=DEADLINE_S)
     assert stale["event"] == "missed" and "superseded" in stale["reason"], stale
+    assert time.monotonic() - asked < SETTINGS["join_timeout_s"] / 2  # told at once, not after the join timeout
 
 
 class Tiny(torch.nn.Module):
