@@ -1,29 +1,15 @@
 """Weight versions broadcast from the trainer over torch.distributed: NCCL on GPUs, gloo on CPU.
 
-The source (trainer rank 0) hosts a TCPStore, the control plane of every broadcast: the
-address `(host, port)` is what the weights event announces. Per version and attempt:
-
-    source                                   receiver (a rollout worker)
-    plan  v<V>/a<A>/plan = candidates,       reads the plan; not a candidate -> Missed
-          tensor slots, bucket size          ready/<id> = yes (or no: does not fit its model)
-    waits for every candidate's ready key, at most join_timeout_s
-    start v<V>/a<A>/start = epoch, members   not a member (checked in late) -> Missed
-    (a new epoch = a new process group, opened only when the members differ)
-    broadcast bucket by bucket               receives each bucket into a slice of one
-                                             preallocated staging buffer
-    outcome = delivered | retry | gave_up    after a failure: retry -> next attempt, else Missed
-
-The group never hangs on a dead member: every broadcast carries a timeout and is waited on
-with a deadline of our own; a failed attempt tears the group down (closing its sockets wakes
-every receiver still waiting on the source) and the next attempt opens a new epoch with the
-members that check in. Members come from `alive()` (the caller's heartbeats) filtered by who
-checks in. A receiver that misses a version gets `Missed` and catches up from the object
-store or filesystem. The weights a receiver applies are all or nothing: they land in `into`
-only once every bucket has arrived (and matched `checksums`, when given).
-
-The groups are bare backend objects (`ProcessGroupGloo` / `ProcessGroupNCCL`), not the
-default group: the trainer's own data-parallel group and a rollout engine's tensor-parallel
-group stay untouched, and a group can be rebuilt in-process any number of times.
+The source (trainer rank 0) hosts a TCPStore, the control plane of every broadcast; its `address`
+is what the weights event announces. Per version and attempt the source writes a plan (the
+candidates `alive()` names, the tensor slots), waits at most join_timeout_s for each candidate's
+yes/no, writes the start (epoch, members), broadcasts bucket by bucket, and writes the outcome
+(delivered | retry | gave_up). A new epoch (process group) opens whenever the members differ or
+an attempt failed: every broadcast has a timeout and a deadline of our own, so a dead or stalled
+member costs one attempt, never a hang. A worker left out gets `Missed` and catches up from the
+object store or filesystem. Loads are all or nothing (`into` is written once every bucket
+arrived). Groups are bare backend objects, not the default group, so the trainer's and a rollout
+engine's own groups stay untouched. The protocol, in full: docs/weights.md, "Collective transport".
 """
 
 from __future__ import annotations
@@ -39,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 _ALIGN = 64  # byte alignment of every tensor in the stream, so uint8 slices view as any dtype
-_POLL_S = 0.02  # store polling while waiting for keys
-_WAIT_SLICE_S = 0.2  # a receiver checks for an abandoned attempt this often during one bucket
+_POLL_S = (0.0001, 0.005)  # polling a key or a broadcast: first and longest sleep (it doubles)
+_ABANDON_CHECK_S = 0.2  # a receiver asks the store whether the attempt was abandoned this often per bucket
 _GRACE_S = 2.0  # our own deadline = the op timeout + this, in case the backend's never fires
 _KEEP_VERSIONS = 4  # store keys of older versions are deleted (a late receiver then sees "superseded")
 
@@ -84,7 +70,8 @@ class Published:
 
 @dataclass(frozen=True)
 class Received:
-    """A version that arrived whole; `tensors` are views of a buffer this receive allocated."""
+    """A version that arrived whole. `tensors` view the staging buffer: a new one per receive when
+    `into` is None, else one reused (and overwritten) by the next receive."""
 
     version: int
     tensors: dict[str, torch.Tensor]
@@ -100,12 +87,7 @@ class Missed:
     reason: str
 
 
-class _Abandoned(RuntimeError):
-    """The source ended the attempt while this receiver still waited on a bucket."""
-
-
-# One slot per tensor: (name, dtype name, shape, byte offset in the stream, byte length).
-_Slot = tuple[str, str, list[int], int, int]
+_Slot = tuple[str, str, list[int], int, int]  # per tensor: name, dtype, shape, byte offset in the stream, bytes
 
 
 def _layout(tensors: Mapping[str, torch.Tensor]) -> tuple[list[_Slot], int]:
@@ -120,12 +102,8 @@ def _layout(tensors: Mapping[str, torch.Tensor]) -> tuple[list[_Slot], int]:
 
 def _pieces(slots: list[_Slot], lo: int, hi: int) -> list[tuple[int, int, int, int]]:
     """(slot index, offset in the tensor's bytes, offset in the bucket, length) for stream bytes [lo, hi)."""
-    out = []
-    for i, (_, _, _, off, n) in enumerate(slots):
-        a, b = max(off, lo), min(off + n, hi)
-        if a < b:
-            out.append((i, a - off, a - lo, b - a))
-    return out
+    spans = ((i, off, max(off, lo), min(off + n, hi)) for i, (_, _, _, off, n) in enumerate(slots))
+    return [(i, a - off, a - lo, b - a) for i, off, a, b in spans if a < b]
 
 
 def _open_group(store: dist.Store, rank: int, size: int, s: CollectiveSettings) -> dist.Backend:
@@ -141,30 +119,44 @@ def _open_group(store: dist.Store, rank: int, size: int, s: CollectiveSettings) 
     return group
 
 
-def _wait(work: dist.Work, seconds: float, abandoned: Callable[[], bool] | None = None) -> None:
-    """Wait for one broadcast, at most `seconds` + grace; raises on failure, timeout or abandon."""
-    deadline = time.monotonic() + seconds + _GRACE_S
-    while True:
-        try:
-            work.wait(timedelta(seconds=_WAIT_SLICE_S))
-            return
-        except RuntimeError:
-            if work.is_completed():
-                work.wait()  # finished just now, or failed: returns, or raises the op's own error
-                return
-        if abandoned is not None and abandoned():
-            raise _Abandoned("the source ended this attempt")
+def _until(done: Callable[[], bool], timeout_s: float) -> bool:
+    """Poll `done` (sleeps doubling from 0.1 to 5 ms) until it is true (True) or `timeout_s` passed (False)."""
+    deadline, pause = time.monotonic() + timeout_s, _POLL_S[0]
+    while not done():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"broadcast still pending after {seconds + _GRACE_S:.0f} s")
+            return False
+        time.sleep(pause)
+        pause = min(2 * pause, _POLL_S[1])
+    return True
 
 
+def _wait(work: dist.Work, seconds: float, abandoned: Callable[[], bool] = lambda: False) -> None:
+    """Wait for one broadcast, at most `seconds` + grace; raises on failure, timeout or abandon.
+
+    Polls `is_completed` rather than `work.wait(timeout)`: NCCL takes a wait that times out for
+    a failed collective (it aborts the communicator and may take the process down)."""
+    checked = [time.monotonic()]
+
+    def done() -> bool:
+        if time.monotonic() - checked[0] > _ABANDON_CHECK_S:
+            checked[0] = time.monotonic()
+            if abandoned():
+                raise TimeoutError("the source ended this attempt")
+        return work.is_completed()
+
+    if not _until(done, seconds + _GRACE_S):
+        raise TimeoutError(f"broadcast still pending after {seconds + _GRACE_S:.0f} s")
+    work.wait()  # returns at once, or raises the op's own error
+
+
+@dataclass
 class _Group:
-    """One epoch's process group; a group dropped with a broadcast still pending is parked, not
-    destroyed, because destroying a gloo group blocks until its pending op ends."""
+    """One epoch's process group and its last broadcast."""
 
-    def __init__(self, epoch: int, members: tuple[str, ...], backend: dist.Backend) -> None:
-        self.epoch, self.members, self.backend = epoch, members, backend
-        self.pending: dist.Work | None = None
+    epoch: int
+    members: tuple[str, ...]
+    backend: dist.Backend
+    pending: dist.Work | None = None
 
     def broadcast(self, buf: torch.Tensor, timeout_s: float) -> dist.Work:
         self.pending = self.backend.broadcast(buf, 0, timedelta(seconds=timeout_s))
@@ -174,7 +166,7 @@ class _Group:
         return self.pending is None or self.pending.is_completed()
 
 
-_parked: list[_Group] = []
+_parked: list[_Group] = []  # dropped with a broadcast pending: destroying a gloo group would block until it ends
 
 
 def _drop(group: _Group | None) -> None:
@@ -186,29 +178,24 @@ def _drop(group: _Group | None) -> None:
 
 def _poll(store: dist.Store, key: str, timeout_s: float, gone: Callable[[], bool] = lambda: False) -> str | None:
     """The key's value once set; None after `timeout_s` or as soon as `gone()`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if store.check([key]):
-            return store.get(key).decode()
-        if gone() or time.monotonic() > deadline:
-            return None
-        time.sleep(_POLL_S)
+    _until(lambda: store.check([key]) or gone(), timeout_s)
+    return store.get(key).decode() if store.check([key]) else None
 
 
 class CollectiveSource:
     """Trainer rank 0: broadcasts versions to the members `alive()` names (rollout worker ids)."""
 
-    def __init__(
-        self, alive: Callable[[], Sequence[str]], settings: CollectiveSettings, host: str = "127.0.0.1", port: int = 0
-    ) -> None:
+    def __init__(self, alive: Callable[[], Sequence[str]], settings: CollectiveSettings, host: str = "127.0.0.1",
+                 port: int = 0) -> None:  # fmt: skip
         self._alive, self._s = alive, settings
         t = timedelta(seconds=settings.join_timeout_s)
         self._store = dist.TCPStore(host, port, None, True, t, wait_for_workers=False)
         self.address = (host, self._store.port)
         self._store.set("latest", "-1")
         self._group: _Group | None = None
-        self._epoch = 0
+        self._epoch = 0  # bumped by every new group
         self._keys: dict[int, list[str]] = {}
+        self._bufs = [torch.empty(0, dtype=torch.uint8, device=settings.device)] * 2
 
     def _set(self, version: int, key: str, value: str) -> None:
         self._keys.setdefault(version, []).append(key)
@@ -219,14 +206,13 @@ class CollectiveSource:
         started = time.monotonic()
         slots, total = _layout(tensors)
         self._store.set("latest", str(version))
-        reason = "no attempt"
-        attempt = 0
+        reason, attempt = "no attempt", 0
         for attempt in range(self._s.max_attempts):
             key = f"v{version}/a{attempt}"
             candidates = sorted(set(self._alive()))
             plan = {"candidates": candidates, "slots": slots, "total": total, "bucket_bytes": self._s.bucket_bytes}
             self._set(version, f"{key}/plan", json.dumps(plan))
-            self._keys[version] += [f"{key}/ready/{m}" for m in candidates]
+            self._keys[version] += [f"{key}/ready/{m}" for m in candidates]  # written by the receivers
             members = self._check_ins(key, candidates)
             if not members:
                 self._set(version, f"{key}/start", json.dumps({"epoch": self._epoch, "members": []}))
@@ -245,8 +231,7 @@ class CollectiveSource:
                 _drop(self._group)
                 self._group = None
                 reason = f"attempt {attempt} failed: {str(exc).splitlines()[0][:200]}"
-                last = attempt + 1 == self._s.max_attempts
-                self._set(version, f"{key}/outcome", "gave_up" if last else "retry")
+                self._set(version, f"{key}/outcome", "gave_up" if attempt + 1 == self._s.max_attempts else "retry")
                 continue
             self._set(version, f"{key}/outcome", "delivered")
             self._forget(version)
@@ -257,24 +242,26 @@ class CollectiveSource:
     def _check_ins(self, key: str, candidates: list[str]) -> tuple[str, ...]:
         """The candidates that said yes within join_timeout_s (a "no" ends the wait for that one)."""
         answers: dict[str, str] = {}
-        deadline = time.monotonic() + self._s.join_timeout_s
-        while len(answers) < len(candidates) and time.monotonic() < deadline:
+
+        def all_in() -> bool:
             for m in candidates:
                 if m not in answers and self._store.check([f"{key}/ready/{m}"]):
                     answers[m] = self._store.get(f"{key}/ready/{m}").decode()
-            if len(answers) < len(candidates):
-                time.sleep(_POLL_S)
+            return len(answers) == len(candidates)
+
+        _until(all_in, self._s.join_timeout_s)
         return tuple(m for m in candidates if answers.get(m) == "yes")
 
     def _send(self, group: _Group, tensors: Mapping[str, torch.Tensor], slots: list[_Slot], total: int) -> None:
         """Pack bucket k+1 while bucket k is on the wire (two bucket buffers)."""
         size = min(self._s.bucket_bytes, total)
-        bufs = [torch.empty(size, dtype=torch.uint8, device=self._s.device) for _ in range(2)]
+        if self._bufs[0].numel() < size:  # kept across versions: fresh pages cost as much as the copy
+            self._bufs = [torch.empty(size, dtype=torch.uint8, device=self._s.device) for _ in range(2)]
         flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()]
         work: dist.Work | None = None
         for k, lo in enumerate(range(0, total, self._s.bucket_bytes)):
             hi = min(lo + self._s.bucket_bytes, total)
-            buf = bufs[k % 2][: hi - lo]
+            buf = self._bufs[k % 2][: hi - lo]
             for i, src, dst, n in _pieces(slots, lo, hi):
                 buf[dst : dst + n].copy_(flat[i][src : src + n])
             if work is not None:
@@ -295,6 +282,9 @@ class CollectiveSource:
         del self._store
 
 
+Into = torch.nn.Module | Mapping[str, torch.Tensor] | None  # a model (its state_dict) or a dict of tensors
+
+
 class CollectiveReceiver:
     """A rollout worker's side; `member_id` is the id `alive()` names it by on the source."""
 
@@ -306,65 +296,52 @@ class CollectiveReceiver:
         self._staging: torch.Tensor | None = None
 
     def receive(
-        self,
-        address: tuple[str, int],
-        version: int,
-        into: torch.nn.Module | Mapping[str, torch.Tensor] | None = None,
-        checksums: Mapping[str, str] | None = None,
-        on_bucket: Callable[[int, int], None] | None = None,
-    ) -> Received | Missed:
+        self, address: tuple[str, int], version: int, into: Into = None,
+        checksums: Mapping[str, str] | None = None, on_bucket: Callable[[int, int], None] | None = None,
+    ) -> Received | Missed:  # fmt: skip
         """Take part in `version`'s broadcast from the source at `address`.
 
-        `into`: a model (its state_dict) or a dict of tensors, written only once the whole version
-        arrived (a dtype that differs is cast). `checksums`: sha256 per tensor name, checked first.
-        `on_bucket(k, count)` runs after each bucket (progress, heartbeats).
+        `into` is written only once the whole version arrived (a dtype that differs is cast);
+        `checksums` (sha256 per tensor name) are checked before that; `on_bucket(k, count)` runs
+        after each bucket (progress, heartbeats).
         """
-        started = time.monotonic()
+        started, t = time.monotonic(), timedelta(seconds=self._s.join_timeout_s)
         try:
-            store = self._connect(address)
-            got = self._attempts(store, version, into, on_bucket)
+            if self._store is None or self._address != tuple(address):
+                self.close()
+                self._store, self._address = dist.TCPStore(address[0], address[1], None, False, t), tuple(address)
+            got = self._attempts(self._store, version, into, on_bucket)
         except RuntimeError as exc:  # the store went away: the source died or closed
-            self._leave()
+            self.close()
             return Missed(version, f"source unreachable: {str(exc).splitlines()[0][:200]}")
         if isinstance(got, Missed):
             return got
         slots, staging = got
-        tensors = {
-            name: staging[off : off + n].view(getattr(torch, dtype)).view(shape) for name, dtype, shape, off, n in slots
-        }
+        tensors = {name: staging[off : off + n].view(getattr(torch, dt)).view(shape) for name, dt, shape, off, n in slots}
         for name, digest in (checksums or {}).items():
-            if name not in tensors or hashlib.sha256(tensors[name].reshape(-1).view(torch.uint8).cpu().numpy()).hexdigest() != digest:
+            raw = tensors[name].reshape(-1).view(torch.uint8).cpu().numpy() if name in tensors else b""
+            if hashlib.sha256(raw).hexdigest() != digest:
                 return Missed(version, f"checksum mismatch on {name}")
         if into is not None:
             dest = into.state_dict() if isinstance(into, torch.nn.Module) else into
             with torch.no_grad():
                 for name, t in tensors.items():
                     dest[name].copy_(t)
-        nbytes = staging.numel()
-        return Received(version, tensors, time.monotonic() - started, nbytes)
+        return Received(version, tensors, time.monotonic() - started, staging.numel())
 
     def _attempts(
-        self,
-        store: dist.TCPStore,
-        version: int,
-        into: torch.nn.Module | Mapping[str, torch.Tensor] | None,
-        on_bucket: Callable[[int, int], None] | None,
+        self, store: dist.TCPStore, version: int, into: Into, on_bucket: Callable[[int, int], None] | None
     ) -> tuple[list[_Slot], torch.Tensor] | Missed:
-        s = self._s
-
-        def superseded() -> bool:
-            return int(store.get("latest")) > version
-
+        s, superseded = self._s, lambda: int(store.get("latest")) > version
         for attempt in range(s.max_attempts):
             key = f"v{version}/a{attempt}"
             raw = _poll(store, f"{key}/plan", s.join_timeout_s, superseded if attempt == 0 else lambda: False)
             if raw is None:
-                why = "superseded by a newer version" if superseded() else "no plan from the source in time"
-                return Missed(version, why)
+                return Missed(version, "superseded by a newer version" if superseded() else "no plan from the source in time")
             plan = json.loads(raw)
             if self.member_id not in plan["candidates"]:
-                return Missed(version, "not a member of this version's group (joined late)")
-            misfit = self._misfit(plan["slots"], into)
+                return Missed(version, "not a member of this version's group (alive() did not list it)")
+            misfit = _misfit(plan["slots"], into)
             store.set(f"{key}/ready/{self.member_id}", "no" if misfit else "yes")
             if misfit:
                 return Missed(version, misfit)
@@ -374,8 +351,7 @@ class CollectiveReceiver:
             if store.check([f"{key}/outcome"]) and store.get(f"{key}/outcome") == b"delivered":
                 return Missed(version, "the version already went out")
             try:
-                staging = self._join_and_receive(store, key, plan, start, into is None, on_bucket)
-                return plan["slots"], staging
+                return plan["slots"], self._join_and_receive(store, key, plan, start, into is None, on_bucket)
             except (RuntimeError, TimeoutError) as exc:
                 _drop(self._group)
                 self._group = None
@@ -385,53 +361,39 @@ class CollectiveReceiver:
         return Missed(version, "the source gave up on this version")
 
     def _join_and_receive(
-        self, store: dist.TCPStore, key: str, plan: dict, start: dict, fresh: bool, on_bucket: Callable[[int, int], None] | None
-    ) -> torch.Tensor:
-        members = tuple(start["members"])
+        self, store: dist.TCPStore, key: str, plan: dict, start: dict, fresh: bool,
+        on_bucket: Callable[[int, int], None] | None,
+    ) -> torch.Tensor:  # fmt: skip
+        members, s = tuple(start["members"]), self._s
         if self._group is None or self._group.epoch != start["epoch"] or self._group.members != members:
             _drop(self._group)
             self._group = None
             prefix = dist.PrefixStore(f"epoch{start['epoch']}/", store)
             rank = 1 + members.index(self.member_id)
-            self._group = _Group(start["epoch"], members, _open_group(prefix, rank, 1 + len(members), self._s))
+            self._group = _Group(start["epoch"], members, _open_group(prefix, rank, 1 + len(members), s))
         total, step = plan["total"], plan["bucket_bytes"]
-        # A fresh buffer when the caller keeps the views (into=None), so earlier versions stay intact.
+        # A new buffer when the caller keeps the views (into=None), so earlier versions stay intact.
         if fresh or self._staging is None or self._staging.numel() != total:
-            self._staging = torch.empty(total, dtype=torch.uint8, device=self._s.device)
-        staging = self._staging
+            self._staging = torch.empty(total, dtype=torch.uint8, device=s.device)
 
         def abandoned() -> bool:
             return store.check([f"{key}/outcome"]) and store.get(f"{key}/outcome") != b"delivered"
 
-        count = -(-total // step)
         for k, lo in enumerate(range(0, total, step)):
-            work = self._group.broadcast(staging[lo : min(lo + step, total)], self._s.op_timeout_s)
-            _wait(work, self._s.op_timeout_s, abandoned)
+            _wait(self._group.broadcast(self._staging[lo : min(lo + step, total)], s.op_timeout_s), s.op_timeout_s, abandoned)
             if on_bucket is not None:
-                on_bucket(k, count)
-        return staging
+                on_bucket(k, -(-total // step))
+        return self._staging
 
-    @staticmethod
-    def _misfit(slots: list[_Slot], into: torch.nn.Module | Mapping[str, torch.Tensor] | None) -> str:
-        if into is None:
-            return ""
-        dest = into.state_dict() if isinstance(into, torch.nn.Module) else into
-        shapes = {name: list(shape) for name, _, shape, _, _ in slots}
-        if set(shapes) != set(dest) or any(list(dest[n].shape) != shapes[n] for n in shapes):
-            return f"the version does not match the model: names or shapes differ ({len(set(shapes) ^ set(dest))} names)"
-        return ""
-
-    def _connect(self, address: tuple[str, int]) -> dist.TCPStore:
-        if self._store is None or self._address != tuple(address):
-            self._leave()
-            t = timedelta(seconds=self._s.join_timeout_s)
-            self._store = dist.TCPStore(address[0], address[1], None, False, t)
-            self._address = (address[0], address[1])
-        return self._store
-
-    def _leave(self) -> None:
+    def close(self) -> None:
         _drop(self._group)
         self._group, self._store, self._address = None, None, None
 
-    def close(self) -> None:
-        self._leave()
+
+def _misfit(slots: list[_Slot], into: Into) -> str:
+    """Why the version cannot load into `into` (names or shapes differ), or ""."""
+    dest = into.state_dict() if isinstance(into, torch.nn.Module) else into
+    shapes = {name: list(shape) for name, _, shape, _, _ in slots}
+    if dest is not None and (set(shapes) != set(dest) or any(list(dest[n].shape) != shapes[n] for n in shapes)):
+        return f"the version does not match the model: names or shapes differ ({len(set(shapes) ^ set(dest))} names)"
+    return ""

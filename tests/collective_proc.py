@@ -70,12 +70,12 @@ def receiver(member_id: str, settings: CollectiveSettings) -> None:
         cmd = json.loads(line)
         stalls = [cmd["stall_at"]] if "stall_at" in cmd else []
 
-        def progress(k: int, count: int) -> None:
+        def progress(k: int, count: int, stalls: list[int] = stalls, stall_s: float = cmd.get("stall_s", 3600.0)) -> None:
             say(event="bucket", k=k, count=count)
             if k in stalls:  # once: a retry of the same version runs through
                 stalls.clear()
                 say(event="stalled")
-                time.sleep(cmd.get("stall_s", 3600.0))
+                time.sleep(stall_s)
 
         got = rcv.receive((cmd["host"], cmd["port"]), cmd["version"], on_bucket=progress)
         if isinstance(got, Received):
