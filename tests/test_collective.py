@@ -178,6 +178,7 @@ class Tiny(torch.nn.Module):
         super().__init__()
         self.a = torch.nn.Linear(61, 37, dtype=dtype)
         self.b = torch.nn.Linear(37, 129, dtype=dtype)
+        self.register_buffer("scale", torch.ones(3, dtype=torch.bfloat16))  # 6 bytes: the int64 after it needs padding
         self.register_buffer("count", torch.tensor([3, 1, 4], dtype=torch.int64))
 
 
