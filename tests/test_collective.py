@@ -128,11 +128,11 @@ def test_a_member_that_stops_reading_is_dropped_after_the_op_timeout(spawn) -> N
 
 def test_a_member_back_from_a_stall_rejoins_a_rebuilt_group(spawn) -> None:
     """Same members on the retry, yet a new epoch: the broken group is never used again."""
-    settings = {**SETTINGS, "join_timeout_s": 4.0}
+    settings = {**SETTINGS, "join_timeout_s": 6.0}
     src, at, (a, b) = start_all(spawn, "a", "b", settings=settings)
     a.send(cmd="receive", version=1, **at)
-    # Wakes 1.5 s after the source's op timeout (2 s), well inside the retry's join window (2..6 s).
-    b.send(cmd="receive", version=1, stall_at=1, stall_s=3.5, **at)
+    # Wakes 2 s after the source's op timeout (2 s), well inside the retry's join window (2..8 s).
+    b.send(cmd="receive", version=1, stall_at=1, stall_s=4.0, **at)
     src.send(cmd="publish", version=1, mb=VERSION_MB, alive=["a", "b"])
     published = src.expect("published", within=DEADLINE_S)
     assert published["members"] == ["a", "b"] and published["attempts"] == 2, published
