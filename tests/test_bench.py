@@ -35,6 +35,16 @@ def test_bench_bus_quick(tmp_path: Path) -> None:
     assert (tmp_path / "bus.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.timeout(300)
+def test_bench_collective_quick(tmp_path: Path) -> None:
+    figures = last_json(["ops.bench.collective", "--quick", "--repeats", "2", "--out", str(tmp_path)], timeout=280)
+    assert figures["quick"] is True
+    assert set(figures["sizes"]) == {"8MB_x1", "8MB_x2", "32MB_x1", "32MB_x2"}
+    for row in figures["sizes"].values():
+        assert row["mb_per_s"] > 0 and row["tcp_mb_per_s"] > 0
+    assert json.loads((tmp_path / "collective.json").read_text())["ratio"] == figures["ratio"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_bench_learn_quick() -> None:

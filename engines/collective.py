@@ -1,0 +1,399 @@
+"""Weight versions broadcast from the trainer over torch.distributed: NCCL on GPUs, gloo on CPU.
+
+The source (trainer rank 0) hosts a TCPStore, the control plane of every broadcast; its `address`
+is what the weights event announces. Per version and attempt the source writes a plan (the
+candidates `alive()` names, the tensor slots), waits at most join_timeout_s for each candidate's
+yes/no, writes the start (epoch, members), broadcasts bucket by bucket, and writes the outcome
+(delivered | retry | gave_up). A new epoch (process group) opens whenever the members differ or
+an attempt failed: every broadcast has a timeout and a deadline of our own, so a dead or stalled
+member costs one attempt, never a hang. A worker left out gets `Missed` and catches up from the
+object store or filesystem. Loads are all or nothing (`into` is written once every bucket
+arrived). Groups are bare backend objects, not the default group, so the trainer's and a rollout
+engine's own groups stay untouched. The protocol, in full: docs/weights.md, "Collective transport".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_ALIGN = 64  # byte alignment of every tensor in the stream, so uint8 slices view as any dtype
+_POLL_S = (0.0001, 0.005)  # polling a key or a broadcast: first and longest sleep (it doubles)
+_ABANDON_CHECK_S = 0.2  # a receiver asks the store whether the attempt was abandoned this often per bucket
+_GRACE_S = 2.0  # our own deadline = the op timeout + this, in case the backend's never fires
+_KEEP_VERSIONS = 4  # store keys of older versions are deleted (a late receiver then sees "superseded")
+
+
+@dataclass(frozen=True)
+class CollectiveSettings:
+    """How broadcasts run; the same on the source and every receiver."""
+
+    backend: str = "gloo"
+    """`gloo` (CPU, CI) or `nccl` (GPUs; buckets live on `device`)."""
+    device: str = "cpu"
+    """Where buckets and the receiver's staging buffer live: `cpu` for gloo, `cuda:N` for nccl."""
+    bucket_bytes: int = 64 << 20
+    """Bytes per broadcast; the source holds two buckets, a receiver one staging buffer of the version's size."""
+    op_timeout_s: float = 30.0
+    """Longest one bucket's broadcast may take before the attempt fails and the group is rebuilt."""
+    join_timeout_s: float = 30.0
+    """How long the source waits for candidates to check in, and a receiver for the source's plan."""
+    max_attempts: int = 3
+    """Attempts per version (each failure rebuilds the group) before the source gives up on it."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"collective backend must be gloo or nccl, not {self.backend!r}")
+        if self.bucket_bytes < _ALIGN or self.op_timeout_s <= 0 or self.join_timeout_s <= 0 or self.max_attempts < 1:
+            raise ValueError("collective settings: bucket_bytes >= 64, timeouts > 0, max_attempts >= 1")
+
+
+@dataclass(frozen=True)
+class Published:
+    """What the source did with one version."""
+
+    version: int
+    epoch: int
+    members: tuple[str, ...]  # who the version went to (empty: nobody, see `reason`)
+    attempts: int
+    seconds: float
+    nbytes: int
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Received:
+    """A version that arrived whole. `tensors` view the staging buffer: a new one per receive when
+    `into` is None, else one reused (and overwritten) by the next receive."""
+
+    version: int
+    tensors: dict[str, torch.Tensor]
+    seconds: float
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Missed:
+    """This worker did not get the version by broadcast: catch up from the object store or filesystem."""
+
+    version: int
+    reason: str
+
+
+_Slot = tuple[str, str, list[int], int, int]  # per tensor: name, dtype, shape, byte offset in the stream, bytes
+
+
+def _layout(tensors: Mapping[str, torch.Tensor]) -> tuple[list[_Slot], int]:
+    slots: list[_Slot] = []
+    offset = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        slots.append((name, str(t.dtype).removeprefix("torch."), list(t.shape), offset, nbytes))
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    return slots, offset
+
+
+def _pieces(slots: list[_Slot], lo: int, hi: int) -> list[tuple[int, int, int, int]]:
+    """(slot index, offset in the tensor's bytes, offset in the bucket, length) for stream bytes [lo, hi)."""
+    spans = ((i, off, max(off, lo), min(off + n, hi)) for i, (_, _, _, off, n) in enumerate(slots))
+    return [(i, a - off, a - lo, b - a) for i, off, a, b in spans if a < b]
+
+
+def _open_group(store: dist.Store, rank: int, size: int, s: CollectiveSettings) -> dist.Backend:
+    """A process group of its own (not the default one); its rendezvous fails after join_timeout_s."""
+    if s.backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=s.join_timeout_s))
+    # NCCL (untested here: no GPU in CI). The watchdog's timeout is set past our own deadline, so
+    # we abort a stuck communicator ourselves before the watchdog would tear the process down.
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timedelta(seconds=2 * (s.op_timeout_s + _GRACE_S) + s.join_timeout_s)
+    group = dist.ProcessGroupNCCL(store, rank, size, opts)
+    group.eager_connect_single_device(torch.device(s.device))
+    return group
+
+
+def _until(done: Callable[[], bool], timeout_s: float) -> bool:
+    """Poll `done` (sleeps doubling from 0.1 to 5 ms) until it is true (True) or `timeout_s` passed (False)."""
+    deadline, pause = time.monotonic() + timeout_s, _POLL_S[0]
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(pause)
+        pause = min(2 * pause, _POLL_S[1])
+    return True
+
+
+def _wait(work: dist.Work, seconds: float, abandoned: Callable[[], bool] = lambda: False) -> None:
+    """Wait for one broadcast, at most `seconds` + grace; raises on failure, timeout or abandon.
+
+    Polls `is_completed` rather than `work.wait(timeout)`: NCCL takes a wait that times out for
+    a failed collective (it aborts the communicator and may take the process down)."""
+    checked = [time.monotonic()]
+
+    def done() -> bool:
+        if time.monotonic() - checked[0] > _ABANDON_CHECK_S:
+            checked[0] = time.monotonic()
+            if abandoned():
+                raise TimeoutError("the source ended this attempt")
+        return work.is_completed()
+
+    if not _until(done, seconds + _GRACE_S):
+        raise TimeoutError(f"broadcast still pending after {seconds + _GRACE_S:.0f} s")
+    work.wait()  # returns at once, or raises the op's own error
+
+
+@dataclass
+class _Group:
+    """One epoch's process group and its last broadcast."""
+
+    epoch: int
+    members: tuple[str, ...]
+    backend: dist.Backend
+    pending: dist.Work | None = None
+
+    def broadcast(self, buf: torch.Tensor, timeout_s: float) -> dist.Work:
+        self.pending = self.backend.broadcast(buf, 0, timedelta(seconds=timeout_s))
+        return self.pending
+
+    def settled(self) -> bool:
+        return self.pending is None or self.pending.is_completed()
+
+
+_parked: list[_Group] = []  # dropped with a broadcast pending: destroying a gloo group would block until it ends
+
+
+def _drop(group: _Group | None) -> None:
+    _parked[:] = [g for g in _parked if not g.settled()]
+    if group is not None and not group.settled():
+        group.backend.abort()  # NCCL interrupts the op; gloo lets it run to its own timeout
+        _parked.append(group)
+
+
+def _poll(store: dist.Store, key: str, timeout_s: float, gone: Callable[[], bool] = lambda: False) -> str | None:
+    """The key's value once set; None after `timeout_s` or as soon as `gone()`."""
+    _until(lambda: store.check([key]) or gone(), timeout_s)
+    return store.get(key).decode() if store.check([key]) else None
+
+
+class CollectiveSource:
+    """Trainer rank 0: broadcasts versions to the members `alive()` names (rollout worker ids)."""
+
+    def __init__(self, alive: Callable[[], Sequence[str]], settings: CollectiveSettings, host: str = "127.0.0.1",
+                 port: int = 0) -> None:  # fmt: skip
+        self._alive, self._s = alive, settings
+        t = timedelta(seconds=settings.join_timeout_s)
+        self._store = dist.TCPStore(host, port, None, True, t, wait_for_workers=False)
+        self.address = (host, self._store.port)
+        self._store.set("latest", "-1")
+        self._group: _Group | None = None
+        self._epoch = 0  # bumped by every new group
+        self._keys: dict[int, list[str]] = {}
+        self._bufs = [torch.empty(0, dtype=torch.uint8, device=settings.device)] * 2
+
+    def _set(self, version: int, key: str, value: str) -> None:
+        self._keys.setdefault(version, []).append(key)
+        self._store.set(key, value)
+
+    def publish(self, version: int, tensors: Mapping[str, torch.Tensor]) -> Published:
+        """Broadcast `tensors` as `version`; returns once delivered or given up (never hangs)."""
+        started = time.monotonic()
+        slots, total = _layout(tensors)
+        self._store.set("latest", str(version))
+        reason, attempt = "no attempt", 0
+        for attempt in range(self._s.max_attempts):
+            key = f"v{version}/a{attempt}"
+            candidates = sorted(set(self._alive()))
+            plan = {"candidates": candidates, "slots": slots, "total": total, "bucket_bytes": self._s.bucket_bytes}
+            self._set(version, f"{key}/plan", json.dumps(plan))
+            self._keys[version] += [f"{key}/ready/{m}" for m in candidates]  # written by the receivers
+            members = self._check_ins(key, candidates)
+            if not members:
+                self._set(version, f"{key}/start", json.dumps({"epoch": self._epoch, "members": []}))
+                reason = "no member checked in"
+                break
+            if self._group is None or self._group.members != members:
+                _drop(self._group)
+                self._group, self._epoch = None, self._epoch + 1
+            self._set(version, f"{key}/start", json.dumps({"epoch": self._epoch, "members": list(members)}))
+            try:
+                if self._group is None:
+                    prefix = dist.PrefixStore(f"epoch{self._epoch}/", self._store)
+                    self._group = _Group(self._epoch, members, _open_group(prefix, 0, 1 + len(members), self._s))
+                self._send(self._group, tensors, slots, total)
+            except (RuntimeError, TimeoutError) as exc:  # a member died or stalled: rebuild without it
+                _drop(self._group)
+                self._group = None
+                reason = f"attempt {attempt} failed: {str(exc).splitlines()[0][:200]}"
+                self._set(version, f"{key}/outcome", "gave_up" if attempt + 1 == self._s.max_attempts else "retry")
+                continue
+            self._set(version, f"{key}/outcome", "delivered")
+            self._forget(version)
+            return Published(version, self._epoch, members, attempt + 1, time.monotonic() - started, total)
+        self._forget(version)
+        return Published(version, self._epoch, (), attempt + 1, time.monotonic() - started, total, reason)
+
+    def _check_ins(self, key: str, candidates: list[str]) -> tuple[str, ...]:
+        """The candidates that said yes within join_timeout_s (a "no" ends the wait for that one)."""
+        answers: dict[str, str] = {}
+
+        def all_in() -> bool:
+            for m in candidates:
+                if m not in answers and self._store.check([f"{key}/ready/{m}"]):
+                    answers[m] = self._store.get(f"{key}/ready/{m}").decode()
+            return len(answers) == len(candidates)
+
+        _until(all_in, self._s.join_timeout_s)
+        return tuple(m for m in candidates if answers.get(m) == "yes")
+
+    def _send(self, group: _Group, tensors: Mapping[str, torch.Tensor], slots: list[_Slot], total: int) -> None:
+        """Pack bucket k+1 while bucket k is on the wire (two bucket buffers)."""
+        size = min(self._s.bucket_bytes, total)
+        if self._bufs[0].numel() < size:  # kept across versions: fresh pages cost as much as the copy
+            self._bufs = [torch.empty(size, dtype=torch.uint8, device=self._s.device) for _ in range(2)]
+        flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()]
+        work: dist.Work | None = None
+        for k, lo in enumerate(range(0, total, self._s.bucket_bytes)):
+            hi = min(lo + self._s.bucket_bytes, total)
+            buf = self._bufs[k % 2][: hi - lo]
+            for i, src, dst, n in _pieces(slots, lo, hi):
+                buf[dst : dst + n].copy_(flat[i][src : src + n])
+            if work is not None:
+                _wait(work, self._s.op_timeout_s)
+            work = group.broadcast(buf, self._s.op_timeout_s)
+        if work is not None:
+            _wait(work, self._s.op_timeout_s)
+
+    def _forget(self, version: int) -> None:
+        for old in [v for v in self._keys if v <= version - _KEEP_VERSIONS]:
+            for key in self._keys.pop(old):
+                self._store.delete_key(key)
+
+    def close(self) -> None:
+        """Drop the group and the store; receivers still waiting get Missed (source unreachable)."""
+        _drop(self._group)
+        self._group = None
+        del self._store
+
+
+Into = torch.nn.Module | Mapping[str, torch.Tensor] | None  # a model (its state_dict) or a dict of tensors
+
+
+class CollectiveReceiver:
+    """A rollout worker's side; `member_id` is the id `alive()` names it by on the source."""
+
+    def __init__(self, member_id: str, settings: CollectiveSettings) -> None:
+        self.member_id, self._s = member_id, settings
+        self._address: tuple[str, int] | None = None
+        self._store: dist.TCPStore | None = None
+        self._group: _Group | None = None
+        self._staging: torch.Tensor | None = None
+
+    def receive(
+        self, address: tuple[str, int], version: int, into: Into = None,
+        checksums: Mapping[str, str] | None = None, on_bucket: Callable[[int, int], None] | None = None,
+    ) -> Received | Missed:  # fmt: skip
+        """Take part in `version`'s broadcast from the source at `address`.
+
+        `into` is written only once the whole version arrived (a dtype that differs is cast);
+        `checksums` (sha256 per tensor name) are checked before that; `on_bucket(k, count)` runs
+        after each bucket (progress, heartbeats).
+        """
+        started, t = time.monotonic(), timedelta(seconds=self._s.join_timeout_s)
+        try:
+            if self._store is None or self._address != tuple(address):
+                self.close()
+                self._store, self._address = dist.TCPStore(address[0], address[1], None, False, t), tuple(address)
+            got = self._attempts(self._store, version, into, on_bucket)
+        except RuntimeError as exc:  # the store went away: the source died or closed
+            self.close()
+            return Missed(version, f"source unreachable: {str(exc).splitlines()[0][:200]}")
+        if isinstance(got, Missed):
+            return got
+        slots, staging = got
+        tensors = {name: staging[off : off + n].view(getattr(torch, dt)).view(shape) for name, dt, shape, off, n in slots}
+        for name, digest in (checksums or {}).items():
+            raw = tensors[name].reshape(-1).view(torch.uint8).cpu().numpy() if name in tensors else b""
+            if hashlib.sha256(raw).hexdigest() != digest:
+                return Missed(version, f"checksum mismatch on {name}")
+        if into is not None:
+            dest = into.state_dict() if isinstance(into, torch.nn.Module) else into
+            with torch.no_grad():
+                for name, t in tensors.items():
+                    dest[name].copy_(t)
+        return Received(version, tensors, time.monotonic() - started, staging.numel())
+
+    def _attempts(
+        self, store: dist.TCPStore, version: int, into: Into, on_bucket: Callable[[int, int], None] | None
+    ) -> tuple[list[_Slot], torch.Tensor] | Missed:
+        s, superseded = self._s, lambda: int(store.get("latest")) > version
+        for attempt in range(s.max_attempts):
+            key = f"v{version}/a{attempt}"
+            raw = _poll(store, f"{key}/plan", s.join_timeout_s, superseded if attempt == 0 else lambda: False)
+            if raw is None:
+                return Missed(version, "superseded by a newer version" if superseded() else "no plan from the source in time")
+            plan = json.loads(raw)
+            if self.member_id not in plan["candidates"]:
+                return Missed(version, "not a member of this version's group (alive() did not list it)")
+            misfit = _misfit(plan["slots"], into)
+            store.set(f"{key}/ready/{self.member_id}", "no" if misfit else "yes")
+            if misfit:
+                return Missed(version, misfit)
+            start = json.loads(_poll(store, f"{key}/start", s.join_timeout_s + s.op_timeout_s) or '{"members": []}')
+            if self.member_id not in start["members"]:
+                return Missed(version, "checked in too late: the version went out without this worker")
+            if store.check([f"{key}/outcome"]) and store.get(f"{key}/outcome") == b"delivered":
+                return Missed(version, "the version already went out")
+            try:
+                return plan["slots"], self._join_and_receive(store, key, plan, start, into is None, on_bucket)
+            except (RuntimeError, TimeoutError) as exc:
+                _drop(self._group)
+                self._group = None
+                outcome = _poll(store, f"{key}/outcome", s.op_timeout_s + s.join_timeout_s)
+                if outcome != "retry":
+                    return Missed(version, f"broadcast failed ({str(exc).splitlines()[0][:120]}), outcome {outcome}")
+        return Missed(version, "the source gave up on this version")
+
+    def _join_and_receive(
+        self, store: dist.TCPStore, key: str, plan: dict, start: dict, fresh: bool,
+        on_bucket: Callable[[int, int], None] | None,
+    ) -> torch.Tensor:  # fmt: skip
+        members, s = tuple(start["members"]), self._s
+        if self._group is None or self._group.epoch != start["epoch"] or self._group.members != members:
+            _drop(self._group)
+            self._group = None
+            prefix = dist.PrefixStore(f"epoch{start['epoch']}/", store)
+            rank = 1 + members.index(self.member_id)
+            self._group = _Group(start["epoch"], members, _open_group(prefix, rank, 1 + len(members), s))
+        total, step = plan["total"], plan["bucket_bytes"]
+        # A new buffer when the caller keeps the views (into=None), so earlier versions stay intact.
+        if fresh or self._staging is None or self._staging.numel() != total:
+            self._staging = torch.empty(total, dtype=torch.uint8, device=s.device)
+
+        def abandoned() -> bool:
+            return store.check([f"{key}/outcome"]) and store.get(f"{key}/outcome") != b"delivered"
+
+        for k, lo in enumerate(range(0, total, step)):
+            _wait(self._group.broadcast(self._staging[lo : min(lo + step, total)], s.op_timeout_s), s.op_timeout_s, abandoned)
+            if on_bucket is not None:
+                on_bucket(k, -(-total // step))
+        return self._staging
+
+    def close(self) -> None:
+        _drop(self._group)
+        self._group, self._store, self._address = None, None, None
+
+
+def _misfit(slots: list[_Slot], into: Into) -> str:
+    """Why the version cannot load into `into` (names or shapes differ), or ""."""
+    dest = into.state_dict() if isinstance(into, torch.nn.Module) else into
+    shapes = {name: list(shape) for name, _, shape, _, _ in slots}
+    if dest is not None and (set(shapes) != set(dest) or any(list(dest[n].shape) != shapes[n] for n in shapes)):
+        return f"the version does not match the model: names or shapes differ ({len(set(shapes) ^ set(dest))} names)"
+    return ""
