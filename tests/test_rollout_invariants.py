@@ -43,10 +43,10 @@ from engines.hf_rollout import HFRolloutEngine
 from engines.protocols import Sample, SamplingParams
 from engines.tiny import build_tiny_model
 from producers.tasks import VOCAB
-from engines.weights import put_version
 from schemas import PromptEvent, Tensor, TrajectoryEvent, decode, encode
 from schemas import SamplingParams as PromptSampling
 from schemas.config import RunConfig
+from tests.helpers import store_weights
 
 GROUP = 2
 """Samples per prompt."""
@@ -136,7 +136,7 @@ class RolloutUnderTest:
     async def publish_weights(self, version: int) -> None:
         """Store version `version` (the model's weights, nudged) and announce it, as the trainer does."""
         params = {name: p.detach().clone() + 1e-3 * version for name, p in self.engine.model.named_parameters()}
-        event = await put_version(self.js, self.topology.object_bucket, self.topology.run, "test", version, params)
+        event = await store_weights(self.js, self.topology, version, params)
         await self.js.publish(self.topology.subject(WEIGHTS), encode(event))
 
     async def prompts_consumer(self) -> ConsumerInfo:
