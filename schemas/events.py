@@ -358,7 +358,7 @@ class WeightVersionEvent(Event):
     filesystem: the file's absolute path, ending in `.safetensors`; collective: the group's address."""
     format: Literal["safetensors"] = "safetensors"
     """Serialization of the bytes."""
-    manifest: tuple[TensorSpec, ...] = Field(min_length=1)
+    manifest: tuple[TensorSpec, ...]
     """Every tensor in the payload with its checksum, each name once."""
     total_bytes: int = Field(ge=0)
     """Size of the payload: at least the tensors' data (a safetensors file adds its header)."""

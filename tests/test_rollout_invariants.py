@@ -35,7 +35,7 @@ from transformers import AutoTokenizer
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.publisher import Publisher
-from bus.topology import PROMPTS, TRAJECTORIES, WEIGHTS, Topology
+from bus.topology import DEAD, PROMPTS, TRAJECTORIES, WEIGHTS, Topology
 from bus.worker import Worker, WorkerOptions
 from consumers.rollout import Rollout
 from consumers.runtime import Runtime, attach, publish_config
@@ -43,10 +43,12 @@ from engines.hf_rollout import HFRolloutEngine
 from engines.protocols import Sample, SamplingParams
 from engines.tiny import build_tiny_model
 from producers.tasks import VOCAB
-from schemas import PromptEvent, Tensor, TrajectoryEvent, decode, encode
+from schemas import PromptEvent, Tensor, TrajectoryEvent, WeightVersionEvent, decode, encode
 from schemas import SamplingParams as PromptSampling
 from schemas.config import RunConfig
-from tests.helpers import store_weights
+from consumers.weights import publish_version
+from consumers.weights.filesystem import FilesystemTransport
+from tests.helpers import dead_letters, store_weights
 
 GROUP = 2
 """Samples per prompt."""
@@ -153,14 +155,16 @@ class RolloutUnderTest:
 
 @asynccontextmanager
 async def rollout_worker(
-    url: str, topology: Topology, model_dir: Path, load_seconds: float = 0.0, ack_timeout: float = 10.0
+    url: str, topology: Topology, model_dir: Path, load_seconds: float = 0.0, ack_timeout: float = 10.0,
+    weights: dict | None = None,
 ) -> AsyncIterator[RolloutUnderTest]:
-    """Start a rollout worker as `consumers.rollout.main` does; its publisher waits `ack_timeout` s for an ack."""
+    """Start a rollout worker as `consumers.rollout.main` does; its publisher waits `ack_timeout` s
+    for an ack; `weights` is the run config's `weights` section."""
     nc = await connect(url, "test-rollout-invariants")
     js = nc.jetstream()
     await topology.apply(js)
     config = RunConfig.model_validate({"run": topology.run, "model": {"path": str(model_dir)},
-                                       "rollout": {"max_batch_prompts": 2}})
+                                       "rollout": {"max_batch_prompts": 2}, "weights": weights or {}})
     await publish_config(await js.key_value(topology.kv_bucket), config)
     rt = await attach("rollout", topology.run, url)
     rt.publisher = Publisher(rt.js, rt.topology, ack_timeout=ack_timeout)
@@ -359,3 +363,62 @@ def test_weights_load_only_between_generations_and_off_the_event_loop(
 
 async def trajectories_stored(w: RolloutUnderTest, count: int) -> bool:
     return (await w.js.stream_info(w.topology.stream(TRAJECTORIES))).state.messages >= count
+
+
+# --- a version that cannot be loaded leaves the worker serving what it has ----------------
+
+
+def test_a_version_whose_file_is_damaged_or_pruned_leaves_the_worker_serving_the_old_one(
+    nats_server: EmbeddedNats, topology: Topology, model_dir: Path, tmp_path: Path
+) -> None:
+    """Filesystem transport: v1 loads; v2's file is damaged after it was announced, so v2 is
+    refused (dead-lettered, never loaded) and generation goes on with v1; v3's file was pruned
+    but v4 is already announced, so v3 is skipped without a dead letter and v4 loads."""
+
+    async def main() -> None:
+        weights = {"transport": "filesystem", "dir": str(tmp_path), "keep": 5}
+        async with rollout_worker(nats_server.url, topology, model_dir, weights=weights) as w:
+            transport = FilesystemTransport(tmp_path / topology.run, keep=5)
+
+            async def store(version: int) -> WeightVersionEvent:
+                params = {n: p.detach().clone() + 1e-3 * version for n, p in w.engine.model.named_parameters()}
+                return await publish_version(transport, topology.run, "test", version, params)
+
+            async def announce(event: WeightVersionEvent) -> None:
+                await w.js.publish(topology.subject(WEIGHTS), encode(event))
+
+            async def generated_after(version_loads: int) -> None:
+                before = len(w.engine.of("generate"))
+                await w.publish_prompt()
+                await eventually(lambda: len(w.engine.of("generate")) > before, "a prompt was generated")
+                assert len(w.engine.of("load")) == version_loads
+
+            await announce(await store(1))
+            await eventually(lambda: w.engine.version == 1, "v1 was loaded")
+            damaged = await store(2)
+            path = Path(damaged.location)
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 0x01
+            path.write_bytes(bytes(data))
+            await announce(damaged)
+            await eventually(lambda: w.engine.version != 1 or dead_stored(w, 1), "v2 was loaded or refused")
+            assert w.engine.version == 1, f"the damaged v2 was loaded: now v{w.engine.version}"
+            assert w.rollout.gate.is_set(), "v2 refused, yet the gate stayed closed"
+            await generated_after(version_loads=1)
+            assert w.engine.of("generate")[-1].version_at_start == 1
+
+            pruned, newest = await store(3), await store(4)
+            Path(pruned.location).unlink()
+            await announce(pruned)
+            await announce(newest)
+            await eventually(lambda: w.engine.version == 4, "v4 was loaded")
+            assert [load.version_at_end for load in w.engine.of("load")] == [1, 4]
+            reasons = [reason for _, reason in await dead_letters(w.js, topology)]
+            assert len(reasons) == 1 and "tensor" in reasons[0] and "does not match" in reasons[0], reasons
+
+    asyncio.run(main())
+
+
+async def dead_stored(w: RolloutUnderTest, count: int) -> bool:
+    """Whether at least `count` dead letters are stored."""
+    return (await w.js.stream_info(w.topology.stream(DEAD))).state.messages >= count

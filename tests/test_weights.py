@@ -273,9 +273,12 @@ def test_filesystem_keeps_the_last_versions_and_a_reader_keeps_what_it_opened(tm
     assert_bit_exact(held, weights(0))  # its file is gone, its mapping is not
     with pytest.raises(WeightsMissing):
         asyncio.run(transport.fetch(first))
-    # Write order, not version: a trainer resumed from an older checkpoint publishes v2 again.
-    again = fs_publish(transport, 2, weights(2))
-    assert Path(again.location).exists() and Path(events[-1].location).exists()
+    # Write order, not version: a trainer resumed from an older checkpoint publishes v1 again,
+    # and its events announce that one.
+    again = fs_publish(transport, 1, weights(1))
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == sorted(
+        Path(e.location).name for e in (events[-1], again)
+    )
 
 
 # --- config and event --------------------------------------------------------------------
@@ -333,6 +336,7 @@ def test_a_run_with_filesystem_transport_serves_versions_from_files(tmp_path: Pa
         cwd=ROOT, env=env, timeout=200, capture_output=True, text=True,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    assert (out / "weights" / run).is_dir(), f"no weights directory for run {run} under {out}"
     files = sorted(p.name for p in (out / "weights" / run).iterdir())
     assert len(files) == 2 and all(name.endswith(".safetensors") for name in files), files
     assert {name.split("-")[0] for name in files} == {f"v{steps - 1}", f"v{steps}"}, files
