@@ -33,7 +33,7 @@ from pydantic import ValidationError
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
-from bus.objects import list_objects
+from bus.objects import ObjectMissing, ObjectStalled, delete_object, list_objects, object_info, read_chunks
 from bus.topology import Topology
 from consumers.weights import WeightsMissing, publish_version
 from consumers.weights.filesystem import FilesystemTransport
@@ -177,6 +177,42 @@ def test_object_store_keeps_the_last_versions_and_a_pruned_one_is_missing(
         with pytest.raises(WeightsMissing):
             await transport.fetch(events[0])
         assert_bit_exact(await transport.fetch(events[-1]), weights(3))
+
+    with_store(nats_server, topology, body)
+
+
+def test_an_object_deleted_while_it_is_read_ends_the_read_as_missing(
+    nats_server: EmbeddedNats, topology: Topology
+) -> None:
+    """A version pruned while a worker reads it: the read ends, as missing, soon after the
+    chunks stop (the object is looked up), not after the stall limit."""
+    STALL = 8.0  # noqa: N806
+
+    async def body(js: JetStreamContext) -> None:
+        transport = ObjectStoreTransport(js, topology.object_bucket, chunk_bytes=64 << 10)
+        event = await publish_version(transport, topology.run, "test", 1, {"w": torch.zeros(64 * MB // 4)})
+        info = await object_info(js, topology.object_bucket, event.location)
+        chunks: list[int] = []
+        deleting: list[asyncio.Task[None]] = []
+
+        def slowly(offset: int, data: bytes) -> None:
+            chunks.append(offset)
+            if len(chunks) == 1:
+                deleting.append(asyncio.get_running_loop().create_task(
+                    delete_object(js, topology.object_bucket, event.location)))
+            time.sleep(0.002)  # a slow reader: the deletion comes while most chunks are unread
+
+        started = time.monotonic()
+        try:
+            await read_chunks(js, topology.object_bucket, info, slowly, stall=STALL)
+            ended: Exception | None = None
+        except (ObjectMissing, ObjectStalled) as exc:
+            ended = exc
+        seconds = time.monotonic() - started
+        assert isinstance(ended, ObjectMissing), f"the read ended with {ended!r} after {seconds:.1f} s"
+        assert seconds < STALL, "the read waited for the stall limit"
+        assert len(chunks) < info.chunks, f"all {info.chunks} chunks were read: the deletion came too late to tell"
+        await deleting[0]
 
     with_store(nats_server, topology, body)
 
