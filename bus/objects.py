@@ -91,7 +91,7 @@ async def read_chunks(
             return
         try:
             on_chunk(offset, msg.data)
-        except Exception as exc:  # the caller's refusal ends the read
+        except Exception as exc:  # noqa: BLE001 - whatever the caller raises ends the read, raised by read_chunks
             done.set_exception(exc)
             return
         offset, chunks = offset + len(msg.data), chunks + 1

@@ -40,9 +40,9 @@ from consumers.checks import ModelLimits
 from consumers.crashpoints import ROLLOUT_MID_GENERATION, ROLLOUT_MID_WEIGHT_LOAD, ROLLOUT_STORED_NOT_ACKED
 from consumers.runtime import Runtime
 from consumers.stage import Stage, run_stage
+from consumers.weights import WeightsMissing, WeightsUnavailable, WeightTransport, transport_for
 from engines import protocols
 from engines.hf_rollout import HFRolloutEngine
-from consumers.weights import WeightsMissing, WeightsUnavailable, WeightTransport, transport_for
 from engines.weights import WeightsRefused, check_manifest
 from schemas import DecodeError, PromptEvent, Tensor, TrajectoryEvent, WeightVersionEvent, decode
 

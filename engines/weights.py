@@ -12,7 +12,6 @@ import hashlib
 import json
 import math
 import struct
-from collections.abc import Iterable
 
 import torch
 from safetensors.torch import save
@@ -142,7 +141,7 @@ class Receiver:
                 return  # the header is not all in yet
             self.hashed = self._layout[0][0] if self._layout else self.total
         while self._next < len(self._layout) and self.hashed < end:
-            start, stop, spec = self._layout[self._next]
+            _, stop, spec = self._layout[self._next]
             upto = min(stop, end)
             self._hash.update(self._view[self.hashed:upto])
             self.hashed = upto
@@ -172,7 +171,7 @@ class Receiver:
         if set(entries) != set(self.manifest):
             raise ChecksumMismatch(f"tensor names differ from the manifest: {sorted(set(entries) ^ set(self.manifest))[:5]}")
         layout, base, cursor = [], 8 + length, 0
-        for start, stop, name in ranges:
+        for start, stop, name in ranges:  # offsets within the data section
             spec = self.manifest[name]
             if codes[name] != (spec.dtype, spec.shape) or start != cursor or stop - start != nbytes(spec):
                 raise ChecksumMismatch(f"tensor {name} does not match its manifest entry (dtype, shape or place)")
@@ -187,7 +186,7 @@ class Receiver:
         self.verify_through(self.received)
         if self.received != self.total or self._layout is None or self._next != len(self._layout):
             raise ChecksumMismatch(f"{self.received} of {self.total} bytes arrived, not all verified")
-        return {spec.name: self._tensor(start, spec) for start, _, spec in self._layout}
+        return {spec.name: self._tensor(begin, spec) for begin, _, spec in self._layout}
 
     def _tensor(self, start: int, spec: TensorSpec) -> torch.Tensor:
         count = math.prod(spec.shape)
@@ -196,15 +195,3 @@ class Receiver:
         view = torch.frombuffer(self.buffer, dtype=_TORCH[spec.dtype], count=count, offset=start)
         # safetensors aligns every tensor; a payload that does not gets a copy, never a misaligned view.
         return view.reshape(spec.shape) if start % _ITEMSIZE[spec.dtype] == 0 else view.clone().reshape(spec.shape)
-
-
-def load_verified(data: bytes, manifest: tuple[TensorSpec, ...]) -> dict[str, torch.Tensor]:
-    """Tensors from whole safetensors bytes, each checked against the manifest."""
-    receiver = Receiver(manifest, len(data))
-    receiver.write(0, data)
-    return receiver.tensors()
-
-
-def total_bytes(specs: Iterable[TensorSpec]) -> int:
-    """Bytes of the tensors' data alone (a payload is this plus its header)."""
-    return sum(nbytes(spec) for spec in specs)

@@ -165,10 +165,12 @@ class WeightsConfig(Section):
     server, 1 MiB on a default nats-server). Measured on 2 cores: reads run at the same speed from
     1 to 8 MiB, writes of 8 MiB chunks at about half the speed of 1-2 MiB ones (each chunk's
     publish waits for the server to store it)."""
-    keep: int = Field(3, ge=1)
-    """Versions kept in the object store or the directory; older ones are deleted when a new one is
-    published. A worker still reading a deleted file keeps its open mapping; one that reaches a
-    deleted version finds a newer one announced and skips it (see docs/weights.md)."""
+    keep: int = Field(3, ge=2)
+    """Versions kept in the object store or the directory: after each publish, that version and
+    the `keep - 1` written just before it; the rest are deleted. A worker still reading a deleted
+    file keeps its open mapping; one that reaches a deleted version skips it, since a newer one is
+    announced by then: at least 2, so that what is deleted is older than a version already
+    announced (see docs/weights.md)."""
     stall_seconds: float = Field(10.0, gt=0)
     """object_store: a fetch with no chunk arriving for this long gives up (the worker keeps its
     weights; the next version is fetched when it comes)."""

@@ -39,6 +39,8 @@ from bus.topology import DEAD, PROMPTS, TRAJECTORIES, WEIGHTS, Topology
 from bus.worker import Worker, WorkerOptions
 from consumers.rollout import Rollout
 from consumers.runtime import Runtime, attach, publish_config
+from consumers.weights import publish_version
+from consumers.weights.filesystem import FilesystemTransport
 from engines.hf_rollout import HFRolloutEngine
 from engines.protocols import Sample, SamplingParams
 from engines.tiny import build_tiny_model
@@ -46,8 +48,6 @@ from producers.tasks import VOCAB
 from schemas import PromptEvent, Tensor, TrajectoryEvent, WeightVersionEvent, decode, encode
 from schemas import SamplingParams as PromptSampling
 from schemas.config import RunConfig
-from consumers.weights import publish_version
-from consumers.weights.filesystem import FilesystemTransport
 from tests.helpers import dead_letters, store_weights
 
 GROUP = 2
@@ -372,12 +372,14 @@ def test_a_version_whose_file_is_damaged_or_pruned_leaves_the_worker_serving_the
     nats_server: EmbeddedNats, topology: Topology, model_dir: Path, tmp_path: Path
 ) -> None:
     """Filesystem transport: v1 loads; v2's file is damaged after it was announced, so v2 is
-    refused (dead-lettered, never loaded) and generation goes on with v1; v3's file was pruned
-    but v4 is already announced, so v3 is skipped without a dead letter and v4 loads."""
+    refused (dead-lettered, never loaded) and generation goes on with v1. While v3 loads, v4
+    (whose file is already pruned) and v5 are announced: v4 is skipped without a dead letter,
+    since a newer version is announced, and v5 loads."""
 
     async def main() -> None:
         weights = {"transport": "filesystem", "dir": str(tmp_path), "keep": 5}
-        async with rollout_worker(nats_server.url, topology, model_dir, weights=weights) as w:
+        async with rollout_worker(nats_server.url, topology, model_dir, load_seconds=LOAD_SECONDS,
+                                  weights=weights) as w:
             transport = FilesystemTransport(tmp_path / topology.run, keep=5)
 
             async def store(version: int) -> WeightVersionEvent:
@@ -386,12 +388,6 @@ def test_a_version_whose_file_is_damaged_or_pruned_leaves_the_worker_serving_the
 
             async def announce(event: WeightVersionEvent) -> None:
                 await w.js.publish(topology.subject(WEIGHTS), encode(event))
-
-            async def generated_after(version_loads: int) -> None:
-                before = len(w.engine.of("generate"))
-                await w.publish_prompt()
-                await eventually(lambda: len(w.engine.of("generate")) > before, "a prompt was generated")
-                assert len(w.engine.of("load")) == version_loads
 
             await announce(await store(1))
             await eventually(lambda: w.engine.version == 1, "v1 was loaded")
@@ -404,15 +400,20 @@ def test_a_version_whose_file_is_damaged_or_pruned_leaves_the_worker_serving_the
             await eventually(lambda: w.engine.version != 1 or dead_stored(w, 1), "v2 was loaded or refused")
             assert w.engine.version == 1, f"the damaged v2 was loaded: now v{w.engine.version}"
             assert w.rollout.gate.is_set(), "v2 refused, yet the gate stayed closed"
-            await generated_after(version_loads=1)
+            before = len(w.engine.of("generate"))
+            await w.publish_prompt()
+            await eventually(lambda: len(w.engine.of("generate")) > before, "a prompt was generated after v2")
             assert w.engine.of("generate")[-1].version_at_start == 1
 
-            pruned, newest = await store(3), await store(4)
+            loading, pruned, newest = await store(3), await store(4), await store(5)
             Path(pruned.location).unlink()
+            await announce(loading)
+            # The watcher handles one event at a time: both come while v3 loads (the gate shut).
+            await eventually(lambda: not w.rollout.gate.is_set(), "v3 began to load")
             await announce(pruned)
             await announce(newest)
-            await eventually(lambda: w.engine.version == 4, "v4 was loaded")
-            assert [load.version_at_end for load in w.engine.of("load")] == [1, 4]
+            await eventually(lambda: w.engine.version == 5, "v5 was loaded")
+            assert [load.version_at_end for load in w.engine.of("load")] == [1, 3, 5]
             reasons = [reason for _, reason in await dead_letters(w.js, topology)]
             assert len(reasons) == 1 and "tensor" in reasons[0] and "does not match" in reasons[0], reasons
 
