@@ -8,9 +8,11 @@
         running -> generate in a thread (the event loop keeps heartbeating) -> resolve
         each prompt's future
     weights watcher: new WeightVersionEvent -> check its manifest against the model,
-        fetch + verify bytes (generation goes on meanwhile) -> close the gate (no new
-        generation starts), drain the running ones, load in a thread (the event loop keeps
-        heartbeating), reopen; a version that fails is dead-lettered, never loaded
+        fetch + verify bytes with the transport the event names (`consumers.weights`;
+        generation goes on meanwhile) -> close the gate (no new generation starts), drain
+        the running ones, load in a thread (the event loop keeps heartbeating), reopen; a
+        version that fails is dead-lettered, never loaded (one whose bytes were pruned
+        because newer versions came is skipped)
 
 Every token of a generation comes from one version: the gate and the drain keep a load
 and a generation from ever running at once.
@@ -46,17 +48,11 @@ from consumers.crashpoints import (
 )
 from consumers.runtime import Runtime
 from consumers.stage import Stage, run_stage
+from consumers.weights import WeightsMissing, WeightsUnavailable, WeightTransport, transport_for
 from engines import protocols
 from engines.hf_rollout import HFRolloutEngine
-from engines.weights import WeightsRefused, check_manifest, get_version
-from schemas import (
-    DecodeError,
-    PromptEvent,
-    Tensor,
-    TrajectoryEvent,
-    WeightVersionEvent,
-    decode,
-)
+from engines.weights import WeightsRefused, check_manifest
+from schemas import DecodeError, PromptEvent, Tensor, TrajectoryEvent, WeightVersionEvent, decode
 
 log = logging.getLogger("jetrl.rollout")
 
@@ -86,6 +82,8 @@ class Rollout:
         self.running = 0
         self.idle = asyncio.Event()
         self.idle.set()
+        self.transports: dict[str, WeightTransport] = {}
+        """By name, made when an event first names one: the event says where its bytes are."""
 
     def token_ids(self, prompt: PromptEvent) -> list[int]:
         if prompt.token_ids is not None:
@@ -200,20 +198,56 @@ class Rollout:
         )
         async for msg in sub.messages:
             try:
-                await self.load_weights(decode(msg.data, WeightVersionEvent))
+                event = decode(msg.data, WeightVersionEvent)
+                await self.load_weights(event)
+            except WeightsMissing as exc:  # pruned: gone only once newer versions were stored
+                newer = await self.superseded(event)
+                if newer is None:
+                    log.warning("weights not loaded, still serving v%d: %s", self.engine.version, exc)
+                elif newer:
+                    log.info("weights v%d skipped, a newer version is announced: %s", event.version, exc)
+                else:
+                    await self.refuse(msg, exc)
             except (DecodeError, WeightsRefused) as exc:  # reported, never loaded
-                log.error("weights refused, still serving v%d: %s", self.engine.version, exc)
-                await dead_letter(self.rt.publisher, "rollout", msg, f"weights refused: {exc}")
-            except nats.errors.Error as exc:  # the bytes could not be fetched now; a later version will be
+                await self.refuse(msg, exc)
+            except (nats.errors.Error, WeightsUnavailable) as exc:  # not fetched now; a later version will be
                 log.warning("weights not loaded, still serving v%d: %s", self.engine.version, exc)
             self.gate.set()  # after the first event, whatever came of it
 
+    async def refuse(self, msg: Msg, exc: Exception) -> None:
+        log.error("weights refused, still serving v%d: %s", self.engine.version, exc)
+        await dead_letter(self.rt.publisher, "rollout", msg, f"weights refused: {exc}")
+
+    async def superseded(self, event: WeightVersionEvent) -> bool | None:
+        """Whether a version newer than `event`'s is announced (the last on `weights`); None
+        when the server cannot say now."""
+        try:
+            last = await self.rt.js.get_last_msg(self.rt.topology.stream(WEIGHTS), self.rt.topology.subject(WEIGHTS))
+        except nats.errors.Error:
+            return None
+        try:
+            return decode(last.data or b"", WeightVersionEvent).version > event.version
+        except DecodeError:
+            return False
+
+    def transport(self, event: WeightVersionEvent) -> WeightTransport:
+        if event.transport not in self.transports:
+            topology = self.rt.topology
+            self.transports[event.transport] = transport_for(
+                self.rt.config.weights, self.rt.js, topology.object_bucket, topology.run, event.transport
+            )
+        return self.transports[event.transport]
+
     async def load_weights(self, event: WeightVersionEvent) -> None:
-        """Serve `event`'s weights if they are newer; WeightsRefused if they do not fit the model."""
+        """Serve `event`'s weights if they are newer; WeightsRefused if they do not fit the model.
+
+        The bytes are fetched and verified while generation goes on; only then is the gate
+        closed, the running generations drained and the tensors copied in. A fetch that
+        fails leaves the model as it was."""
         if event.version <= self.engine.version:
             return
         check_manifest(event.manifest, self.engine.model)  # before a byte is fetched
-        tensors = await get_version(self.rt.js, self.rt.topology.object_bucket, event)
+        tensors = await self.transport(event).fetch(event)
         self.gate.clear()  # no new generation starts ...
         while self.running:  # ... and the running ones finish first
             await self.idle.wait()

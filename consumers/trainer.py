@@ -7,8 +7,8 @@ stream sequence of the last batch trained on, and a restart reads from the next 
     setup       load the checkpoint (or publish weights v0), subscribe from the next sequence
     for each step s:
       collect   micro_count micro-batches of step s (refused ones dead-lettered, still counted)
-      train     train_step -> metrics; every sync_every: weights v = s + 1 to the object store,
-                WeightVersionEvent (in the step's trace)
+      train     train_step -> metrics; every sync_every: weights v = s + 1 through the weight
+                transport (object store or files), WeightVersionEvent (in the step's trace)
       record    KV metrics.<rank>.<s> (the step's sample ids with them), step loggers
       checkpoint  every checkpoint_every: model, optimizer, RNG, last sequence, and the update
                 history as a hash chain (constant size: `consumers.update_history`)
@@ -32,7 +32,6 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from bus import tracing
 from bus.dead import dead_letter
-from bus.election import ride_out
 from bus.metrics import STALENESS, TRAIN_STEP_SECONDS, count_samples
 from bus.topology import BATCHES, WEIGHTS, metrics_key
 from bus.worker import Reject
@@ -46,9 +45,9 @@ from consumers.runtime import Runtime
 from consumers.stage import Stage, run_stage
 from consumers.trainer_loggers import scalars, step_loggers
 from consumers.update_history import UpdateHistory
+from consumers.weights import publish_version, transport_for
 from engines.protocols import MicroBatch
 from engines.torch_train import LossConfig, TorchTrainEngine
-from engines.weights import put_version
 from schemas import BatchEvent, DecodeError, decode
 from schemas.config import RunConfig
 
@@ -143,6 +142,7 @@ class Trainer:
         """Stream sequence of the last batch the model holds (trained on, or refused in a trained step)."""
         self.history = UpdateHistory()
         self.batches: JetStreamContext.PushSubscription | None = None
+        self.weights = transport_for(self.cfg.weights, rt.js, rt.topology.object_bucket, rt.topology.run)
 
     async def setup(self) -> None:
         """Resume from the checkpoint, or publish version 0 (what every rollout worker starts
@@ -213,18 +213,15 @@ class Trainer:
         return metrics
 
     async def publish_weights(self) -> None:
-        """The engine's weights as version `engine.step`: bytes to the object store, then the event."""
+        """The engine's weights as version `engine.step`: bytes through the configured transport
+        (`weights.transport`: object store or files), then the event that says where they are."""
         rt, version = self.rt, self.engine.step
         with tracing.tracer.start_as_current_span(
             "publish weights", attributes={"jetrl.weight_version": version, "jetrl.run": rt.topology.run}
         ):
             tensors = self.engine.export_weights()
-            # Storing again is safe (same name, same bytes), so an election is ridden out here
-            # rather than restarting the trainer from its checkpoint.
-            event = await ride_out(
-                lambda: put_version(rt.js, rt.topology.object_bucket, rt.topology.run, rt.source, version, tensors),
-                f"storing weights v{version}",
-            )
+            # An election while storing is ridden out in there rather than restarting the trainer.
+            event = await publish_version(self.weights, rt.topology.run, rt.source, version, tensors)
             await rt.publisher.publish(WEIGHTS, event)
 
     async def record(self, metrics: dict[str, Any]) -> None:

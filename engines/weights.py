@@ -1,28 +1,33 @@
-"""Weight versions through the run's JetStream object store: safetensors + sha256 per tensor.
+"""Weight versions as bytes: the manifest (sha256 per tensor), its checks, and safetensors.
 
-The bytes never ride in a stream message; the `WeightVersionEvent` on `weights` says where
-they are and carries the manifest. A loader first checks the manifest against its model
-(`check_manifest`), then recomputes every checksum; a version that fails either, or whose
-bytes are missing or unreadable, is refused (reported, never loaded).
+Pure numerics, no bus: the transports (`consumers.weights`) move the bytes and call these.
+A loader first checks the manifest against its model (`check_manifest`), then every tensor
+against its manifest entry (`verify`, or `Receiver` while the bytes arrive); a version that
+fails either is refused (reported, never loaded).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import math
+import struct
 
 import torch
-from nats.js import JetStreamContext
-from nats.js.errors import (
-    BadObjectMetaError,
-    DigestMismatchError,
-    InvalidObjectNameError,
-    LinkIsABucketError,
-    NotFoundError,
-)
-from safetensors import SafetensorError
-from safetensors.torch import load, save
+from safetensors.torch import save
 
-from schemas.events import TensorSpec, WeightVersionEvent
+from schemas.events import TensorSpec
+
+# safetensors' dtype codes <-> the wire dtype names of `schemas.tensor.DType`.
+_CODES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64",
+    "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
+}
+_TORCH = {name: getattr(torch, name) for name in _CODES.values()}
+_ITEMSIZE = {name: torch.empty(0, dtype=dtype).element_size() for name, dtype in _TORCH.items()}
+HEADER_LIMIT = 100 << 20
+"""Largest safetensors header accepted (safetensors' own limit): a forged length must not
+make a reader wait for, or allocate, gigabytes of header."""
 
 
 class WeightsRefused(ValueError):
@@ -50,56 +55,143 @@ def check_manifest(manifest: tuple[TensorSpec, ...], model: torch.nn.Module) -> 
         )
 
 
-def _sha256(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def _dtype_name(tensor: torch.Tensor) -> str:
+def dtype_name(tensor: torch.Tensor) -> str:
     return str(tensor.dtype).removeprefix("torch.")
 
 
-def pack(tensors: dict[str, torch.Tensor]) -> tuple[bytes, tuple[TensorSpec, ...]]:
-    manifest = tuple(
-        TensorSpec(name=name, dtype=_dtype_name(t), shape=tuple(t.shape), sha256=_sha256(t)) for name, t in tensors.items()
+def raw(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes, without a copy when it is a contiguous CPU tensor."""
+    flat = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy())
+
+
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(raw(tensor)).hexdigest()
+
+
+def manifest_of(tensors: dict[str, torch.Tensor]) -> tuple[TensorSpec, ...]:
+    """Name, dtype, shape and sha256 of every tensor, in the dict's order."""
+    return tuple(
+        TensorSpec(name=name, dtype=dtype_name(t), shape=tuple(t.shape), sha256=tensor_sha256(t))
+        for name, t in tensors.items()
     )
-    return save(tensors), manifest
 
 
-def unpack(data: bytes, manifest: tuple[TensorSpec, ...]) -> dict[str, torch.Tensor]:
-    """Tensors from safetensors bytes, each checked against the manifest."""
-    try:
-        tensors = load(data)
-    except SafetensorError as exc:
-        raise ChecksumMismatch(f"not a safetensors payload: {exc}") from None
+def nbytes(spec: TensorSpec) -> int:
+    return math.prod(spec.shape) * _ITEMSIZE[spec.dtype]
+
+
+def serialize(tensors: dict[str, torch.Tensor]) -> bytes:
+    """The safetensors bytes of `tensors` (what the object store holds)."""
+    return save(tensors)
+
+
+def verify(tensors: dict[str, torch.Tensor], manifest: tuple[TensorSpec, ...]) -> None:
+    """ChecksumMismatch unless `tensors` are exactly the manifest's: names, dtypes, shapes, sha256."""
     expected = {spec.name: spec for spec in manifest}
     if set(tensors) != set(expected):
         raise ChecksumMismatch(f"tensor names differ from the manifest: {sorted(set(tensors) ^ set(expected))[:5]}")
     for name, tensor in tensors.items():
         spec = expected[name]
-        if tuple(tensor.shape) != spec.shape or _dtype_name(tensor) != spec.dtype or _sha256(tensor) != spec.sha256:
+        if tuple(tensor.shape) != spec.shape or dtype_name(tensor) != spec.dtype or tensor_sha256(tensor) != spec.sha256:
             raise ChecksumMismatch(f"tensor {name} does not match its manifest entry (shape, dtype or sha256)")
-    return tensors
 
 
-async def put_version(
-    js: JetStreamContext, bucket: str, run: str, source: str, version: int, tensors: dict[str, torch.Tensor]
-) -> WeightVersionEvent:
-    """Store the weights of `version` and return the event that announces them."""
-    data, manifest = pack(tensors)
-    name = f"v{version}.safetensors"
-    await (await js.object_store(bucket)).put(name, data)
-    return WeightVersionEvent(
-        id=f"{run}/weights/{version}", run=run, source=source, version=version, step=version,
-        location=name, manifest=manifest, total_bytes=len(data),
-    )
+class Receiver:
+    """A safetensors payload received in pieces into one preallocated buffer, each tensor's
+    sha256 checked as its bytes come in, and the tensors handed out as views of the buffer.
 
+    `write(offset, data)` copies a piece in (the receiving side, pieces in order);
+    `verify_through(end)` hashes what arrived up to byte `end` and raises ChecksumMismatch at
+    the first tensor whose last byte is in and whose digest is wrong, or at a header that
+    does not describe exactly the manifest's tensors, back to back. The two may run on
+    different threads (at most one of each at a time): they touch disjoint bytes, and a
+    byte is hashed only after it was written. Nothing is copied twice and no piece is
+    joined to another: the cost is linear in the size.
 
-async def get_version(js: JetStreamContext, bucket: str, event: WeightVersionEvent) -> dict[str, torch.Tensor]:
-    """The verified tensors of `event`; WeightsRefused when its bytes are missing or wrong."""
-    try:
-        result = await (await js.object_store(bucket)).get(event.location)
-    except (NotFoundError, InvalidObjectNameError, BadObjectMetaError, LinkIsABucketError, DigestMismatchError) as exc:
-        raise WeightsRefused(f"object {event.location!r}: {type(exc).__name__} {exc}".strip()) from None
-    if result.data is None:
-        raise ChecksumMismatch(f"object {event.location} is empty")
-    return unpack(result.data, event.manifest)
+    Why not `safetensors.torch.load`: it takes the whole payload as `bytes` and copies every
+    tensor out of it, so it cannot check tensors while the rest is still on the wire.
+    """
+
+    def __init__(self, manifest: tuple[TensorSpec, ...], total_bytes: int) -> None:
+        self.manifest = {spec.name: spec for spec in manifest}
+        self.total = total_bytes
+        self.buffer = bytearray(total_bytes)
+        self._view = memoryview(self.buffer)
+        self.received = 0
+        self.hashed = 0
+        self._layout: list[tuple[int, int, TensorSpec]] | None = None
+        """(start, end, spec) of every tensor in the buffer, by start; known once the header is in."""
+        self._next = 0
+        """Index in `_layout` of the tensor being hashed."""
+        self._hash = hashlib.sha256()
+
+    def write(self, offset: int, data: bytes | memoryview) -> None:
+        end = offset + len(data)
+        if offset != self.received or end > self.total:
+            raise ChecksumMismatch(f"bytes {offset}..{end} out of order or past the announced {self.total}")
+        self._view[offset:end] = data
+        self.received = end
+
+    def verify_through(self, end: int) -> None:
+        end = min(end, self.received)
+        if self._layout is None:
+            self._layout = self._parse_header(end)
+            if self._layout is None:
+                return  # the header is not all in yet
+            self.hashed = self._layout[0][0] if self._layout else self.total
+        while self._next < len(self._layout) and self.hashed < end:
+            _, stop, spec = self._layout[self._next]
+            upto = min(stop, end)
+            self._hash.update(self._view[self.hashed:upto])
+            self.hashed = upto
+            if upto == stop:
+                if self._hash.hexdigest() != spec.sha256:
+                    raise ChecksumMismatch(f"tensor {spec.name} does not match its manifest entry (sha256)")
+                self._hash = hashlib.sha256()
+                self._next += 1
+
+    def _parse_header(self, end: int) -> list[tuple[int, int, TensorSpec]] | None:
+        """The tensors' byte ranges from the header once it is in (None before), checked
+        against the manifest: the same names, dtypes and shapes, back to back to the end."""
+        if end < 8:
+            return None
+        (length,) = struct.unpack("<Q", self._view[:8])
+        if length > min(HEADER_LIMIT, self.total - 8):
+            raise ChecksumMismatch(f"not a safetensors payload: a header of {length} bytes in {self.total}")
+        if end < 8 + length:
+            return None
+        try:
+            header = json.loads(bytes(self._view[8:8 + length]))
+            entries = {name: entry for name, entry in header.items() if name != "__metadata__"}
+            ranges = sorted((int(e["data_offsets"][0]), int(e["data_offsets"][1]), name) for name, e in entries.items())
+            codes = {name: (_CODES.get(e["dtype"]), tuple(e["shape"])) for name, e in entries.items()}
+        except (ValueError, TypeError, KeyError, AttributeError, IndexError) as exc:
+            raise ChecksumMismatch(f"not a safetensors payload: {type(exc).__name__} in its header") from None
+        if set(entries) != set(self.manifest):
+            raise ChecksumMismatch(f"tensor names differ from the manifest: {sorted(set(entries) ^ set(self.manifest))[:5]}")
+        layout, base, cursor = [], 8 + length, 0
+        for start, stop, name in ranges:  # offsets within the data section
+            spec = self.manifest[name]
+            if codes[name] != (spec.dtype, spec.shape) or start != cursor or stop - start != nbytes(spec):
+                raise ChecksumMismatch(f"tensor {name} does not match its manifest entry (dtype, shape or place)")
+            layout.append((base + start, base + stop, spec))
+            cursor = stop
+        if base + cursor != self.total:
+            raise ChecksumMismatch(f"the payload is {self.total} bytes, its header describes {base + cursor}")
+        return layout
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The verified tensors, views of the buffer; ChecksumMismatch unless all arrived and matched."""
+        self.verify_through(self.received)
+        if self.received != self.total or self._layout is None or self._next != len(self._layout):
+            raise ChecksumMismatch(f"{self.received} of {self.total} bytes arrived, not all verified")
+        return {spec.name: self._tensor(begin, spec) for begin, _, spec in self._layout}
+
+    def _tensor(self, start: int, spec: TensorSpec) -> torch.Tensor:
+        count = math.prod(spec.shape)
+        if count == 0:
+            return torch.empty(spec.shape, dtype=_TORCH[spec.dtype])
+        view = torch.frombuffer(self.buffer, dtype=_TORCH[spec.dtype], count=count, offset=start)
+        # safetensors aligns every tensor; a payload that does not gets a copy, never a misaligned view.
+        return view.reshape(spec.shape) if start % _ITEMSIZE[spec.dtype] == 0 else view.clone().reshape(spec.shape)

@@ -178,7 +178,8 @@ async def _weights(args: argparse.Namespace, rec: Record) -> None:
     from bus.connection import connect
     from bus.embedded import EmbeddedNats
     from bus.topology import Topology
-    from engines.weights import get_version, put_version
+    from consumers.weights.object_store import ObjectStoreTransport
+    from consumers.weights.transport import publish_version
 
     sizes = (1, 4, 8) if args.tiny else (64, 256, 512)
     runs: list[dict[str, Any]] = []
@@ -189,6 +190,7 @@ async def _weights(args: argparse.Namespace, rec: Record) -> None:
             topology = Topology(run="gpucheck")
             await topology.apply(js)
             store = await js.object_store(topology.object_bucket)
+            transport = ObjectStoreTransport(js, topology.object_bucket)
             for version, size in enumerate(sizes, start=1):
                 if version == 3:  # the optional size: only if the growth seen so far says it fits
                     b = runs[1]
@@ -203,7 +205,7 @@ async def _weights(args: argparse.Namespace, rec: Record) -> None:
                 row: dict[str, Any] = {"mb": size}
                 t0 = time.monotonic()
                 event = await within(
-                    put_version(js, topology.object_bucket, "gpucheck", "gpu-check", version, tensors), rec, "put")
+                    publish_version(transport, "gpucheck", "gpu-check", version, tensors), rec, "put")
                 row["put_s"] = round(time.monotonic() - t0, 3)
                 t0 = time.monotonic()
                 await within(store.get(event.location, writeinto=io.BytesIO()), rec, "get into a buffer")
@@ -214,18 +216,18 @@ async def _weights(args: argparse.Namespace, rec: Record) -> None:
                 t0 = time.monotonic()
                 limit = rec.left() - 5
                 try:
-                    got = await asyncio.wait_for(get_version(js, topology.object_bucket, event), limit)
+                    got = await asyncio.wait_for(transport.fetch(event), limit)
                 except TimeoutError:
                     row["get_s"], row["get_timeout_s"] = None, round(limit, 1)
                     rec.put("runs", runs)
-                    say("weights", f"{size} MB: get_version did not finish in {limit:.0f}s")
+                    say("weights", f"{size} MB: fetch did not finish in {limit:.0f}s")
                     break
                 row["get_s"] = round(time.monotonic() - t0, 3)
                 row["round_trip_exact"] = all(torch.equal(got[k], tensors[k]) for k in tensors)
                 for key in ("put", "get", "get_writeinto"):
                     row[f"{key}_mb_per_s"] = round(size / row[f"{key}_s"], 1)
                 rec.put("runs", runs)
-                say("weights", f"{size} MB: get_version {row['get_s']}s ({row['get_mb_per_s']} MB/s)")
+                say("weights", f"{size} MB: fetch {row['get_s']}s ({row['get_mb_per_s']} MB/s)")
                 await store.delete(event.location)
                 del tensors, got
         finally:

@@ -35,7 +35,7 @@ import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from bus.topology import BATCHES, CHANNELS, DEAD, KV_KEYS, WORK_QUEUES, Channel, Read, Topology
+from bus.topology import BATCHES, CHANNELS, DEAD, KV_KEYS, WEIGHTS, WORK_QUEUES, Channel, Read, Topology
 
 API = "$JS.API"
 
@@ -145,7 +145,9 @@ def object_write_rules(t: Topology) -> list[Rule]:
     return [
         Rule(f"$O.{t.object_bucket}.>", "write weight chunks and their metadata"),
         Rule(f"{API}.STREAM.MSG.GET.{stream}", "see whether the object exists before replacing it"),
-        Rule(f"{API}.STREAM.PURGE.{stream}", "drop the chunks of the object it replaces (this bucket only)"),
+        Rule(f"{API}.STREAM.PURGE.{stream}", "drop the chunks of the versions it prunes (this bucket only)"),
+        stream_lookup_rule(),
+        *replay_rules(stream, "the objects' metadata, to prune old versions"),
     ]
 
 
@@ -186,7 +188,11 @@ def read_rules(t: Topology, role: str) -> list[Rule]:
 def extra_rules(t: Topology, role: str) -> list[Rule]:
     """What a role does on the bus that the channel and KV tables do not describe."""
     return {
-        "rollout": object_read_rules(t),
+        "rollout": [
+            *object_read_rules(t),
+            Rule(f"{API}.STREAM.MSG.GET.{t.stream(WEIGHTS)}",
+                 "a version whose bytes are gone: is a newer one announced (the last weights event)?"),
+        ],
         "trainer": object_write_rules(t),
         "producer": [
             *create_rules(t),

@@ -179,7 +179,8 @@ async def attach_bootstrap(cfg: RunConfig, url: str, replicas: int = 1) -> Runti
 
 
 def prepare(cfg: RunConfig, out: Path) -> RunConfig:
-    """Resolve what the local job fills in: the built-in model and the checkpoint directory."""
+    """Resolve what the local job fills in: the built-in model, the checkpoint directory and
+    the weights directory (`weights.dir`, absolute: workers may run from another directory)."""
     updates: dict = {}
     if cfg.model.path is None:
         # Imported here: torch and transformers take seconds, and a cluster's producer never needs them.
@@ -192,6 +193,9 @@ def prepare(cfg: RunConfig, out: Path) -> RunConfig:
         updates["model"] = cfg.model.model_copy(update={"path": str(model_dir.resolve())})
     if not cfg.trainer.checkpoint_dir:
         updates["trainer"] = cfg.trainer.model_copy(update={"checkpoint_dir": str((out / "checkpoints").resolve())})
+    if not Path(cfg.weights.dir).is_absolute():
+        weights_dir = Path(cfg.weights.dir) if cfg.weights.dir else out / "weights"
+        updates["weights"] = cfg.weights.model_copy(update={"dir": str(weights_dir.resolve())})
     return cfg.model_copy(update=updates)
 
 

@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from schemas.names import check_run_id
-from schemas.events import SamplingParams
+from schemas.events import SamplingParams, TransportName
 
 
 class Section(BaseModel):
@@ -143,6 +143,50 @@ class RewardConfig(Section):
     """Reward worker pool size."""
 
 
+WIRED_TRANSPORTS = ("object_store", "filesystem")
+"""The transports this version can move weights with."""
+MIB = 1 << 20
+
+
+class WeightsConfig(Section):
+    transport: TransportName = "object_store"
+    """How weight bytes go from the trainer to the rollout workers (the `WeightVersionEvent` on
+    `weights` says where each version is): `object_store`, the run's JetStream object store,
+    streamed in chunks (models up to about 1 GB); `filesystem`, a safetensors file per version
+    under `dir`, on a node-local or shared filesystem, read with mmap (any size);
+    `collective`, a torch.distributed broadcast (not wired yet: refused at load)."""
+    dir: str = ""
+    """filesystem: the directory versions are written under, as `<dir>/<run>/v<version>-<token>.safetensors`;
+    the trainer and every rollout worker of the run must see it at the same path. Empty: `weights`
+    in the producer's run directory (filled in by the producer, like `trainer.checkpoint_dir`);
+    a relative path is made absolute by the producer."""
+    chunk_mib: int = Field(2, ge=1, le=64)
+    """object_store: chunk size in MiB, capped at the server's max payload (8 MiB on the embedded
+    server, 1 MiB on a default nats-server). Measured on 2 cores: reads run at the same speed from
+    1 to 8 MiB, writes of 8 MiB chunks at about half the speed of 1-2 MiB ones (each chunk's
+    publish waits for the server to store it)."""
+    keep: int = Field(3, ge=2)
+    """Versions kept in the object store or the directory: after each publish, that version and
+    the `keep - 1` written just before it; the rest are deleted. A worker still reading a deleted
+    file keeps its open mapping; one that reaches a deleted version skips it, since a newer one is
+    announced by then: at least 2, so that what is deleted is older than a version already
+    announced (see docs/weights.md)."""
+    stall_seconds: float = Field(10.0, gt=0)
+    """object_store: a fetch with no chunk arriving for this long gives up (the worker keeps its
+    weights; the next version is fetched when it comes)."""
+
+    @field_validator("transport")
+    @classmethod
+    def _wired(cls, value: str) -> str:
+        if value not in WIRED_TRANSPORTS:
+            raise ValueError(f"{value} is not wired yet; use {' or '.join(WIRED_TRANSPORTS)}")
+        return value
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.chunk_mib * MIB
+
+
 class RunConfig(Section):
     run: str = "demo"
     """Run id: names every stream, subject and bucket of the run."""
@@ -152,6 +196,7 @@ class RunConfig(Section):
     trainer: TrainerConfig = TrainerConfig()
     rollout: RolloutConfig = RolloutConfig()
     reward: RewardConfig = RewardConfig()
+    weights: WeightsConfig = WeightsConfig()
 
     @field_validator("run")
     @classmethod

@@ -10,13 +10,16 @@ every publish idempotent (so a retry or a redelivery is stored once):
 
 from __future__ import annotations
 
+import math
+import re
 import time
+from pathlib import PurePosixPath
 from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, model_validator
 
-from schemas.tensor import DType, Tensor
+from schemas.tensor import DType, Tensor, itemsize
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 MAX_GROUP = 1024
@@ -326,8 +329,13 @@ class TensorSpec(BaseModel):
     """Hex sha256 of the tensor's raw bytes."""
 
 
+TransportName = Literal["object_store", "filesystem", "collective"]
+"""How a weight version's bytes travel (`weights.transport` in the run config)."""
+_OBJECT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+
+
 class WeightVersionEvent(Event):
-    """Announces that the weights of `version` can be loaded from `location`."""
+    """Announces that the weights of `version` can be loaded from `location` by `transport`."""
 
     TYPE: ClassVar[str] = "jetrl.weights"
     VERSION: ClassVar[int] = 1
@@ -338,18 +346,47 @@ class WeightVersionEvent(Event):
     """Weight version = optimizer steps taken."""
     step: int = Field(ge=0)
     """Trainer step the weights were taken at (equal to version)."""
-    base_version: int | None = None
-    """For a delta: the version the listed tensors apply on top of; None for full weights."""
-    transport: Literal["object_store", "filesystem", "nccl"] = "object_store"
-    """Where the bytes are."""
-    location: str
-    """Object name in the run's object store, or a path on a shared filesystem."""
+    base_version: int | None = Field(None, ge=0)
+    """For a delta: the version the listed tensors apply on top of (older than `version`); None
+    for full weights."""
+    transport: TransportName = "object_store"
+    """Where the bytes are: `object_store` (the run's JetStream object store), `filesystem` (a
+    file every reader sees at the same path), `collective` (a torch.distributed broadcast). The
+    name `nccl`, which the first schema documented for the last, is read as `collective`."""
+    location: str = Field(min_length=1, max_length=4096)
+    """object_store: the object's name in the run's bucket (letters, digits, `._-`);
+    filesystem: the file's absolute path, ending in `.safetensors`; collective: the group's address."""
     format: Literal["safetensors"] = "safetensors"
     """Serialization of the bytes."""
     manifest: tuple[TensorSpec, ...]
-    """Every tensor in the payload with its checksum."""
+    """Every tensor in the payload with its checksum, each name once."""
     total_bytes: int = Field(ge=0)
-    """Size of the payload."""
+    """Size of the payload: at least the tensors' data (a safetensors file adds its header)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_transport_name(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("transport") == "nccl":
+            return {**data, "transport": "collective"}
+        return data
+
+    @model_validator(mode="after")
+    def _where(self) -> WeightVersionEvent:
+        if self.base_version is not None and self.base_version >= self.version:
+            raise ValueError(f"base_version {self.base_version} must be older than version {self.version}")
+        if self.transport == "object_store" and not _OBJECT_NAME.fullmatch(self.location):
+            raise ValueError(f"object_store location {self.location[:64]!r} is not an object name (letters, digits, ._-)")
+        if self.transport == "filesystem":
+            path = PurePosixPath(self.location)
+            if not path.is_absolute() or ".." in path.parts or path.suffix != ".safetensors" or "\x00" in self.location:
+                raise ValueError(f"filesystem location {self.location[:64]!r} must be an absolute path to a .safetensors file")
+        names = [spec.name for spec in self.manifest]
+        if len(set(names)) != len(names):
+            raise ValueError("manifest names a tensor twice")
+        data = sum(math.prod(spec.shape) * itemsize(spec.dtype) for spec in self.manifest)
+        if self.total_bytes < data:
+            raise ValueError(f"total_bytes {self.total_bytes} is less than the manifest's {data} bytes of tensor data")
+        return self
 
 
 EVENT_TYPES: tuple[type[Event], ...] = (PromptEvent, TrajectoryEvent, RewardEvent, BatchEvent, WeightVersionEvent)

@@ -28,6 +28,11 @@ _LITTLE: dict[str, np.dtype] = {name: dtype.newbyteorder("<") for name, dtype in
 DType = Literal["bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
 
 
+def itemsize(dtype: DType) -> int:
+    """Bytes per element of a wire dtype."""
+    return _NUMPY[dtype].itemsize
+
+
 class Tensor(BaseModel):
     """A dense array: dtype name, shape, and C-order little-endian bytes."""
 

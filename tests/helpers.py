@@ -19,7 +19,7 @@ from bus.topology import DEAD, Channel, Topology
 from consumers.membership import Member, live_members
 from consumers.runtime import publish_config
 
-from schemas import PromptEvent, RewardEvent, Tensor, TrajectoryEvent
+from schemas import PromptEvent, RewardEvent, Tensor, TrajectoryEvent, WeightVersionEvent
 from schemas.config import RunConfig
 
 
@@ -103,3 +103,16 @@ def require_extra(module: str, extra: str) -> ModuleType:
     if os.environ.get("CI"):
         return importlib.import_module(module)
     return pytest.importorskip(module, reason=f"{module} is the optional [{extra}] extra: pip install -e '.[{extra}]'")
+
+
+async def store_weights(
+    js: JetStreamContext, topology: Topology, version: int, tensors: dict, source: str = "test"
+) -> WeightVersionEvent:
+    """Store `tensors` as `version` in the run's object store, as the trainer does; the
+    `WeightVersionEvent` that announces them (not published)."""
+    # Imported here: torch takes seconds, and most tests that use these helpers never need it.
+    from consumers.weights.object_store import ObjectStoreTransport
+    from consumers.weights.transport import publish_version
+
+    transport = ObjectStoreTransport(js, topology.object_bucket)  # type: ignore[arg-type]
+    return await publish_version(transport, topology.run, source, version, tensors)

@@ -60,7 +60,6 @@ from consumers.checks import ModelLimits
 from consumers.runtime import Runtime, attach, publish_config
 from consumers.stage import Builder, Stage, serve
 from engines.tiny import build_tiny_model
-from engines.weights import put_version
 from producers.tasks import VOCAB
 from schemas import (
     BatchEvent,
@@ -78,7 +77,7 @@ from schemas import (
 from schemas.config import RunConfig
 from schemas.events import EVENT_TYPES
 from tests.golden_events import golden
-from tests.helpers import trajectory
+from tests.helpers import store_weights, trajectory
 from tests.poison import GOLDEN_MAPS, malformed, one_of_each_kind, undecodable
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -360,7 +359,7 @@ class Fleet:
         """Weight events that decode but must never be loaded, all for a version far ahead."""
         model = self.model
         params = {name: param.detach().clone() for name, param in model.named_parameters()}
-        good = await put_version(self.js, self.topology.object_bucket, self.run, "test", FAR_VERSION, params)
+        good = await store_weights(self.js, self.topology, FAR_VERSION, params)
         await (await self.js.object_store(self.topology.object_bucket)).put("corrupt.safetensors", b"\x00" * 64)
         first, *rest = good.manifest
         self.refused_weights = [

@@ -36,18 +36,20 @@ from transformers import AutoTokenizer
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.publisher import Publisher
-from bus.topology import PROMPTS, TRAJECTORIES, WEIGHTS, Topology, drop_key
+from bus.topology import DEAD, PROMPTS, TRAJECTORIES, WEIGHTS, Topology, drop_key
 from consumers.rollout import Rollout, rollout_stage
 from consumers.runtime import Runtime, attach, publish_config
 from consumers.stage import serve
+from consumers.weights import publish_version
+from consumers.weights.filesystem import FilesystemTransport
 from engines.hf_rollout import HFRolloutEngine
 from engines.protocols import Sample, SamplingParams
 from engines.tiny import build_tiny_model
-from engines.weights import put_version
 from producers.tasks import VOCAB
-from schemas import PromptEvent, Tensor, TrajectoryEvent, decode, encode
+from schemas import PromptEvent, Tensor, TrajectoryEvent, WeightVersionEvent, decode, encode
 from schemas import SamplingParams as PromptSampling
 from schemas.config import RunConfig
+from tests.helpers import dead_letters, store_weights
 
 GROUP = 2
 """Samples per prompt."""
@@ -137,7 +139,7 @@ class RolloutUnderTest:
     async def publish_weights(self, version: int) -> None:
         """Store version `version` (the model's weights, nudged) and announce it, as the trainer does."""
         params = {name: p.detach().clone() + 1e-3 * version for name, p in self.engine.model.named_parameters()}
-        event = await put_version(self.js, self.topology.object_bucket, self.topology.run, "test", version, params)
+        event = await store_weights(self.js, self.topology, version, params)
         await self.js.publish(self.topology.subject(WEIGHTS), encode(event))
 
     async def prompts_consumer(self) -> ConsumerInfo:
@@ -154,15 +156,17 @@ class RolloutUnderTest:
 
 @asynccontextmanager
 async def rollout_worker(
-    url: str, topology: Topology, model_dir: Path, load_seconds: float = 0.0, ack_timeout: float = 10.0
+    url: str, topology: Topology, model_dir: Path, load_seconds: float = 0.0, ack_timeout: float = 10.0,
+    weights: dict | None = None,
 ) -> AsyncIterator[RolloutUnderTest]:
     """A rollout stage built as `consumers.rollout.build` builds it (production options), on a
-    recording engine; its publisher waits `ack_timeout` s for an ack."""
+    recording engine; its publisher waits `ack_timeout` s for an ack; `weights` is the run
+    config's `weights` section."""
     nc = await connect(url, "test-rollout-invariants")
     js = nc.jetstream()
     await topology.apply(js)
     config = RunConfig.model_validate({"run": topology.run, "model": {"path": str(model_dir)},
-                                       "rollout": {"max_batch_prompts": 2}})
+                                       "rollout": {"max_batch_prompts": 2}, "weights": weights or {}})
     await publish_config(await js.key_value(topology.kv_bucket), config)
     rt = await attach("rollout", topology.run, url)
     rt.publisher = Publisher(rt.js, rt.topology, ack_timeout=ack_timeout)
@@ -392,3 +396,63 @@ def test_a_prompt_the_model_cannot_take_is_recorded_as_dropped_for_the_gate(
             await eventually(lambda: trajectories_stored(w, GROUP), "the next prompt's trajectories were stored")
 
     asyncio.run(main())
+
+
+# --- a version that cannot be loaded leaves the worker serving what it has ----------------
+
+
+def test_a_version_whose_file_is_damaged_or_pruned_leaves_the_worker_serving_the_old_one(
+    nats_server: EmbeddedNats, topology: Topology, model_dir: Path, tmp_path: Path
+) -> None:
+    """Filesystem transport: v1 loads; v2's file is damaged after it was announced, so v2 is
+    refused (dead-lettered, never loaded) and generation goes on with v1. While v3 loads, v4
+    (whose file is already pruned) and v5 are announced: v4 is skipped without a dead letter,
+    since a newer version is announced, and v5 loads."""
+
+    async def main() -> None:
+        weights = {"transport": "filesystem", "dir": str(tmp_path), "keep": 5}
+        async with rollout_worker(nats_server.url, topology, model_dir, load_seconds=LOAD_SECONDS,
+                                  weights=weights) as w:
+            transport = FilesystemTransport(tmp_path / topology.run, keep=5)
+
+            async def store(version: int) -> WeightVersionEvent:
+                params = {n: p.detach().clone() + 1e-3 * version for n, p in w.engine.model.named_parameters()}
+                return await publish_version(transport, topology.run, "test", version, params)
+
+            async def announce(event: WeightVersionEvent) -> None:
+                await w.js.publish(topology.subject(WEIGHTS), encode(event))
+
+            await announce(await store(1))
+            await eventually(lambda: w.engine.version == 1, "v1 was loaded")
+            damaged = await store(2)
+            path = Path(damaged.location)
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 0x01
+            path.write_bytes(bytes(data))
+            await announce(damaged)
+            await eventually(lambda: w.engine.version != 1 or dead_stored(w, 1), "v2 was loaded or refused")
+            assert w.engine.version == 1, f"the damaged v2 was loaded: now v{w.engine.version}"
+            assert w.rollout.gate.is_set(), "v2 refused, yet the gate stayed closed"
+            before = len(w.engine.of("generate"))
+            await w.publish_prompt()
+            await eventually(lambda: len(w.engine.of("generate")) > before, "a prompt was generated after v2")
+            assert w.engine.of("generate")[-1].version_at_start == 1
+
+            loading, pruned, newest = await store(3), await store(4), await store(5)
+            Path(pruned.location).unlink()
+            await announce(loading)
+            # The watcher handles one event at a time: both come while v3 loads (the gate shut).
+            await eventually(lambda: not w.rollout.gate.is_set(), "v3 began to load")
+            await announce(pruned)
+            await announce(newest)
+            await eventually(lambda: w.engine.version == 5, "v5 was loaded")
+            assert [load.version_at_end for load in w.engine.of("load")] == [1, 3, 5]
+            reasons = [reason for _, reason in await dead_letters(w.js, topology)]
+            assert len(reasons) == 1 and "tensor" in reasons[0] and "does not match" in reasons[0], reasons
+
+    asyncio.run(main())
+
+
+async def dead_stored(w: RolloutUnderTest, count: int) -> bool:
+    """Whether at least `count` dead letters are stored."""
+    return (await w.js.stream_info(w.topology.stream(DEAD))).state.messages >= count

@@ -23,6 +23,7 @@ from typing import TypeVar
 
 import nats.errors
 import pytest
+import torch
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
@@ -30,6 +31,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from bus.connection import ConnectRefused, connect
 from bus.embedded import EmbeddedNats
 from bus.lag import queue_lag
+from bus.objects import list_objects
 from bus.publisher import Publisher
 from bus.topology import (
     BATCHES,
@@ -44,6 +46,8 @@ from bus.topology import (
 )
 from bus.worker import Worker, WorkerOptions
 from consumers.runtime import Runtime, attach, publish_config
+from consumers.weights import publish_version
+from consumers.weights.object_store import ObjectStoreTransport
 from ops.stall import read_view
 from schemas import Event, PromptEvent, RewardEvent, TrajectoryEvent
 from schemas.config import RunConfig
@@ -125,11 +129,14 @@ def test_every_role_does_its_job_with_its_own_credential(secured: Secured, caplo
         lags = await queue_lag(producer.js, t)  # the progress line's figures
         assert None not in lags.values(), lags
 
-        # Trainer: weight bytes to the object store, the version announced.
+        # Trainer: weight bytes to the object store in chunks, older versions pruned, the
+        # version announced (as bytes: what a reader does with them is not the point here).
         trainer = await attach("trainer", run, secured.url("trainer"))
-        store = await trainer.js.object_store(t.object_bucket)
-        await store.put("v0.safetensors", b"w" * 300_000)  # several chunks
-        await store.put("v0.safetensors", b"v" * 300_000)  # a replacement purges the old chunks
+        publishing = ObjectStoreTransport(trainer.js, t.object_bucket, chunk_bytes=64 << 10, keep=1)
+        tensors = {"w": torch.arange(100_000, dtype=torch.float32)}  # several chunks
+        await publish_version(publishing, run, trainer.source, 0, {"w": torch.zeros(10)})
+        event = await publish_version(publishing, run, trainer.source, 1, tensors)  # v0 pruned
+        assert [i.name for i in await list_objects(trainer.js, t.object_bucket)] == [event.location]
         await trainer.js.publish(t.subject(WEIGHTS), b"version 0")
 
         # Rollout: a prompt from its queue -> a trajectory; follows weights and reads their bytes.
@@ -140,7 +147,9 @@ def test_every_role_does_its_job_with_its_own_credential(secured: Secured, caplo
 
         await work_one(rollout, PROMPTS, generate)
         assert await read_one(rollout.js, t.subject(WEIGHTS), deliver_policy=DeliverPolicy.LAST) == b"version 0"
-        assert (await (await rollout.js.object_store(t.object_bucket)).get("v0.safetensors")).data == b"v" * 300_000
+        fetched = await ObjectStoreTransport(rollout.js, t.object_bucket).fetch(event)
+        assert torch.equal(fetched["w"], tensors["w"])
+        assert (await rollout.js.get_last_msg(t.stream(WEIGHTS), t.subject(WEIGHTS))).data == b"version 0"
 
         # Reward: a trajectory from its queue -> a reward.
         scorer = await attach("reward", run, secured.url("reward"))

@@ -36,10 +36,9 @@ from consumers.crashpoints import (
 from consumers.runtime import publish_config
 from engines.tiny import build_tiny_model
 from producers.tasks import VOCAB
-from engines.weights import put_version
 from schemas import RewardEvent, decode
 from schemas.config import RunConfig
-from tests.helpers import messages, trajectory
+from tests.helpers import messages, store_weights, trajectory
 
 ROOT = Path(__file__).resolve().parent.parent
 EXIT_SECONDS = 60.0
@@ -80,7 +79,7 @@ def test_a_helper_that_raises_takes_its_worker_down(
         await publish_config(await js.key_value(topology.kv_bucket), config)
         model = AutoModelForCausalLM.from_pretrained(model_dir)
         params = {name: p.detach().clone() for name, p in model.named_parameters()}
-        event = await put_version(js, topology.object_bucket, topology.run, "test", 1, params)
+        event = await store_weights(js, topology, 1, params)
         await Publisher(js, topology).publish(WEIGHTS, event)
         await nc.close()
 

@@ -1,0 +1,114 @@
+"""Weight versions as safetensors files in a directory the trainer and the rollout workers share.
+
+    publish: <root>/.v<version>-<token>.safetensors.tmp, written and fsynced -> renamed to
+             <root>/v<version>-<token>.safetensors (atomic: a reader sees the whole file or
+             none) -> the directory fsynced -> all but the `keep` files written last deleted
+    fetch:   the event's path (refused unless it is a file of <root>) opened with safetensors'
+             `safe_open`, which maps it (mmap): tensors are views of the page cache, which the
+             workers of one node share -> each checked against the manifest (names, dtypes,
+             shapes, sha256), then handed to the engine, which copies them into the model
+
+A new token per publish: a version published again (a trainer resumed from its checkpoint)
+never overwrites a file that an event already announced with other checksums.
+
+Deleting is safe for a reader that has the file open: its mapping keeps the bytes until it
+lets go (POSIX; an NFS client keeps a deleted file it has open as `.nfsXXXX`). A reader that
+comes to a version already deleted finds it missing (`WeightsMissing`) and, since newer
+versions exist by then, moves on to them (`consumers.rollout`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import secrets
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from consumers.weights.transport import Stored, WeightsMissing, WeightsUnavailable
+from engines.weights import ChecksumMismatch, WeightsRefused, verify
+from schemas.events import TransportName, WeightVersionEvent
+
+VERSION_FILE = re.compile(r"v(\d+)(?:-[0-9a-f]{8})?\.safetensors")
+"""The files this transport writes (and prunes); any other file in the directory is left alone."""
+
+
+def file_name(version: int) -> str:
+    return f"v{version}-{secrets.token_hex(4)}.safetensors"
+
+
+class FilesystemTransport:
+    """Versions of one run as files under `root` (`<weights.dir>/<run>`), the last `keep` written kept."""
+
+    name: ClassVar[TransportName] = "filesystem"
+
+    def __init__(self, root: Path, keep: int = 3) -> None:
+        self.root = root
+        self.keep = keep
+
+    async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> Stored:
+        return await asyncio.to_thread(self._write, version, tensors)
+
+    def _write(self, version: int, tensors: dict[str, torch.Tensor]) -> Stored:
+        self.root.mkdir(parents=True, exist_ok=True)
+        final = self.root / file_name(version)
+        temp = self.root / f".{final.name}.tmp"
+        try:
+            save_file(tensors, temp)
+            with open(temp, "rb") as f:
+                os.fsync(f.fileno())  # the bytes on disk before the name points at them
+            os.replace(temp, final)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                temp.unlink()
+        fd = os.open(self.root, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the rename itself survives a crash
+        finally:
+            os.close(fd)
+        self._prune(final)
+        return Stored(str(final), final.stat().st_size)
+
+    def _prune(self, written: Path) -> None:
+        """Keep `written` and the `keep - 1` files written last before it (by write time, not
+        by version: a trainer resumed from an older checkpoint publishes lower versions, and
+        those are what its events announce); delete the other version files, and temporary
+        files a trainer that died mid-write left (one writer per run: none is being written)."""
+        files = sorted(
+            (p for p in self.root.iterdir() if p != written and VERSION_FILE.fullmatch(p.name)),
+            key=lambda p: p.stat().st_mtime_ns,
+        )
+        doomed = files[: max(len(files) - (self.keep - 1), 0)]
+        doomed += [p for p in self.root.iterdir() if p.name.startswith(".v") and p.name.endswith(".safetensors.tmp")]
+        for path in doomed:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+    async def fetch(self, event: WeightVersionEvent) -> dict[str, torch.Tensor]:
+        return await asyncio.to_thread(self._read, event)
+
+    def _read(self, event: WeightVersionEvent) -> dict[str, torch.Tensor]:
+        path = Path(event.location)
+        # An event may only point into this run's directory: not at any file a worker can read.
+        if Path(os.path.realpath(path.parent)) != Path(os.path.realpath(self.root)):
+            raise WeightsRefused(f"{path} is outside this run's weights directory {self.root}")
+        try:
+            with safe_open(path, framework="pt") as f:
+                size = path.stat().st_size
+                if size != event.total_bytes:
+                    raise ChecksumMismatch(f"{path} holds {size} bytes, the event announced {event.total_bytes}")
+                tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - not a dict
+        except FileNotFoundError:
+            raise WeightsMissing(f"{path} is missing (pruned, or never written)") from None
+        except SafetensorError as exc:
+            raise ChecksumMismatch(f"{path} is not a safetensors file: {exc}") from None
+        except OSError as exc:
+            raise WeightsUnavailable(f"{path}: {exc}") from None
+        verify(tensors, event.manifest)
+        return tensors

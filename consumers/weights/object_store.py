@@ -1,0 +1,115 @@
+"""Weight versions through the run's JetStream object store, streamed in and checked as they come.
+
+    publish: safetensors bytes -> object `v<version>-<token>.safetensors` in chunks of
+             `weights.chunk_mib` (`bus.objects.put_object`) -> all but the `keep` objects
+             stored last deleted
+    fetch:   the object's metadata (its size must be the event's) -> one buffer of that size
+             (`engines.weights.Receiver`) -> every chunk copied in as it arrives
+             (`bus.objects.read_chunks`) while a verifier thread hashes what is in, tensor by
+             tensor, against the manifest -> the tensors, views of the buffer
+
+The first tensor whose bytes do not match ends the read at once. Each byte is copied in
+once and hashed once; the verifier runs beside the reading (hashlib lets go of the GIL), so
+a fetch costs about what reading the chunks costs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import secrets
+from concurrent.futures import ThreadPoolExecutor
+from typing import ClassVar
+
+import torch
+
+from bus.connection import JetStream
+from bus.objects import (
+    ObjectCorrupt,
+    ObjectMissing,
+    ObjectStalled,
+    delete_object,
+    list_objects,
+    object_info,
+    put_object,
+    read_chunks,
+)
+from consumers.weights.transport import Stored, WeightsMissing, WeightsUnavailable
+from engines.weights import ChecksumMismatch, Receiver, WeightsRefused, serialize
+from schemas.events import TransportName, WeightVersionEvent
+
+VERSION_OBJECT = re.compile(r"v(\d+)(?:-[0-9a-f]{8})?\.safetensors")
+"""The objects this transport writes (and prunes); any other object in the bucket is left alone."""
+
+
+def object_name(version: int) -> str:
+    return f"v{version}-{secrets.token_hex(4)}.safetensors"
+
+
+class ObjectStoreTransport:
+    """Versions in object store `bucket`, the last `keep` stored kept."""
+
+    name: ClassVar[TransportName] = "object_store"
+
+    def __init__(
+        self, js: JetStream, bucket: str, chunk_bytes: int = 2 << 20, keep: int = 3, stall_seconds: float = 10.0
+    ) -> None:
+        self.js, self.bucket = js, bucket
+        self.chunk_bytes, self.keep, self.stall_seconds = chunk_bytes, keep, stall_seconds
+        # One thread, so that the hashing of one fetch runs in the order the chunks came.
+        self._verifier = ThreadPoolExecutor(1, thread_name_prefix="weights-verify")
+
+    async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> Stored:
+        data = await asyncio.to_thread(serialize, tensors)
+        name = object_name(version)
+        await put_object(self.js, self.bucket, name, data, self.chunk_bytes)
+        await self.prune(name)
+        return Stored(name, len(data))
+
+    async def prune(self, written: str) -> None:
+        """Keep `written` and the `keep - 1` objects stored last before it (by the time in
+        their metadata, not by version: a trainer resumed from an older checkpoint publishes
+        lower versions, and those are what its events announce); delete the other versions."""
+        objects = sorted(
+            (info for info in await list_objects(self.js, self.bucket)
+             if info.name != written and VERSION_OBJECT.fullmatch(info.name)),
+            key=lambda info: info.mtime or "",
+        )
+        for info in objects[: max(len(objects) - (self.keep - 1), 0)]:
+            await delete_object(self.js, self.bucket, info.name)
+
+    async def fetch(self, event: WeightVersionEvent) -> dict[str, torch.Tensor]:
+        try:
+            info = await object_info(self.js, self.bucket, event.location)
+        except ObjectMissing as exc:
+            raise WeightsMissing(str(exc)) from None
+        except ObjectCorrupt as exc:
+            raise WeightsRefused(str(exc)) from None
+        if info.size != event.total_bytes:
+            raise ChecksumMismatch(f"object {event.location} holds {info.size} bytes, the event announced {event.total_bytes}")
+        receiver = Receiver(event.manifest, event.total_bytes)
+        loop = asyncio.get_running_loop()
+        checks: list[asyncio.Future[None]] = []
+
+        def arrived(offset: int, data: bytes) -> None:
+            for check in checks[-2:]:  # a mismatch found ends the read (the rest would be wasted)
+                if check.done() and check.exception() is not None:
+                    raise check.exception()  # type: ignore[misc]
+            receiver.write(offset, data)
+            checks.append(loop.run_in_executor(self._verifier, receiver.verify_through, offset + len(data)))
+
+        try:
+            await read_chunks(self.js, self.bucket, info, arrived, self.stall_seconds)
+        except ObjectMissing as exc:
+            raise WeightsMissing(str(exc)) from None
+        except ObjectCorrupt as exc:
+            raise WeightsRefused(str(exc)) from None
+        except ObjectStalled as exc:
+            raise WeightsUnavailable(str(exc)) from None
+        finally:
+            # Every check ends before the buffer is given out or dropped; the first failure wins.
+            results = await asyncio.gather(*checks, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return await loop.run_in_executor(self._verifier, receiver.tensors)

@@ -1,0 +1,96 @@
+"""The weight transport: how one version's bytes go from the trainer to the rollout workers.
+
+One interface per data flow: the trainer `publish`es a version's tensors and gets back
+where they are (`Stored`: what the `WeightVersionEvent` says), a rollout worker `fetch`es
+them from the event, verified against the event's manifest before it sees a tensor. The
+transports (`object_store`, `filesystem`) differ only in where the bytes live; the manifest
+(sha256 per tensor) is made once, here, for all of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import ClassVar, NamedTuple, Protocol
+
+import torch
+
+from bus.connection import JetStream
+from bus.election import ride_out
+from engines.weights import WeightsRefused, manifest_of
+from schemas.config import WeightsConfig
+from schemas.events import TransportName, WeightVersionEvent
+
+
+class WeightsMissing(WeightsRefused):
+    """The version's bytes are not where its event says: deleted (pruned) or never stored."""
+
+
+class WeightsUnavailable(Exception):
+    """The bytes cannot be read now (the read stalled): nothing wrong with the version itself,
+    but the worker keeps its weights and takes the next version that comes."""
+
+
+class Stored(NamedTuple):
+    """Where a published version is, as its `WeightVersionEvent` says."""
+
+    location: str
+    total_bytes: int
+
+
+class WeightTransport(Protocol):
+    """Moves whole weight versions; one object per process, used by one task at a time."""
+
+    name: ClassVar[TransportName]
+
+    async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> Stored:
+        """Store `tensors` (CPU, contiguous) as `version`, and delete versions older than the
+        ones kept. The manifest is made beside it (`publish_version`)."""
+        ...
+
+    async def fetch(self, event: WeightVersionEvent) -> dict[str, torch.Tensor]:
+        """The event's tensors, each checked against its manifest entry. WeightsRefused (its
+        ChecksumMismatch, WeightsMissing) for bytes that must never be loaded;
+        WeightsUnavailable when they cannot be read now."""
+        ...
+
+
+def transport_for(
+    config: WeightsConfig, js: JetStream, bucket: str, run: str, name: TransportName | None = None
+) -> WeightTransport:
+    """The transport `name` (default: the configured one) of run `run`, whose object store is `bucket`.
+
+    A reader builds the one its event names: the config says what the trainer publishes with.
+    """
+    name = name or config.transport
+    if name == "object_store":
+        from consumers.weights.object_store import ObjectStoreTransport
+
+        return ObjectStoreTransport(js, bucket, config.chunk_bytes, config.keep, config.stall_seconds)
+    if name == "filesystem":
+        from consumers.weights.filesystem import FilesystemTransport
+
+        if not Path(config.dir).is_absolute():
+            raise WeightsRefused(
+                f"weights.dir {config.dir!r} is not an absolute path (the producer fills it in; set it in the run config)"
+            )
+        return FilesystemTransport(Path(config.dir) / run, config.keep)
+    raise WeightsRefused(f"weights transport {name} is not wired yet")
+
+
+async def publish_version(
+    transport: WeightTransport, run: str, source: str, version: int, tensors: dict[str, torch.Tensor]
+) -> WeightVersionEvent:
+    """Store `tensors` as `version` with `transport`; the event that announces them.
+
+    Hashing (the manifest, in a thread) and storing run at the same time: storing waits on
+    the server much of the time. A store refused during a leader election is retried: every
+    try writes under a new name, so a repeat never changes bytes an event already points to."""
+    manifest, stored = await asyncio.gather(
+        asyncio.to_thread(manifest_of, tensors),
+        ride_out(lambda: transport.publish(version, tensors), f"storing weights v{version}"),
+    )
+    return WeightVersionEvent(
+        id=f"{run}/weights/{version}", run=run, source=source, version=version, step=version,
+        transport=transport.name, location=stored.location, manifest=manifest, total_bytes=stored.total_bytes,
+    )
