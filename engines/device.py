@@ -11,17 +11,22 @@ GPU(s) through CUDA_VISIBLE_DEVICES, and a role may pin its device in the fleet 
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a device is resolved: the fleet reads DEVICE_ENV only
+    import torch
 
 DEVICE_ENV = "JETRL_DEVICE"
 """The variable a fleet sets from a role's `device` (consumers.fleet_config.RoleConfig)."""
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-"""`model.dtype` names -> torch dtypes."""
-
 DTypeName = Literal["float32", "bfloat16"]
+
+
+def torch_dtype(name: DTypeName) -> torch.dtype:
+    """A `model.dtype` name as a torch dtype."""
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
 def resolve_device(setting: str | None = None) -> torch.device:
@@ -30,6 +35,8 @@ def resolve_device(setting: str | None = None) -> torch.device:
     A named device that does not exist here (cuda with no GPU) is a ValueError with one line,
     not a late CUDA error inside the first step.
     """
+    import torch
+
     name = (setting or os.environ.get(DEVICE_ENV) or "auto").strip()
     if name == "auto":
         if torch.cuda.is_available():
@@ -51,4 +58,6 @@ def autocast(device: torch.device, dtype: torch.dtype) -> torch.autocast:
 
     Disabled (a no-op context) for float32.
     """
+    import torch
+
     return torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype != torch.float32)

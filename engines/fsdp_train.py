@@ -209,11 +209,6 @@ class FSDPTrainEngine(TorchTrainEngine):
             "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
         }
 
-    def close(self) -> None:
-        """Leave the process group (the trainer's last act)."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
 
 def _steps(path: Path) -> Path:
     return path.with_name(f"{path.name}.d")

@@ -24,7 +24,7 @@ WORLD = 2
 CHECKPOINT_AFTER = 2
 """Engine A checkpoints after this many steps; engine B resumes from it."""
 LOSS = LossConfig(temperature=0.7)
-ENGINE_ARGS = dict(lr=1e-2, weight_decay=0.01, seed=0, loss=LOSS)
+ENGINE_ARGS = {"lr": 1e-2, "weight_decay": 0.01, "seed": 0, "loss": LOSS}
 
 # [step][rank] -> rows per micro-batch; rank 1 has no micro-batch in step 1 (all refused, say).
 LAYOUT = [
@@ -96,4 +96,4 @@ def rank_main(rank: int, port: int, model_dir: str, out: str, vocab: int) -> Non
     seen["bf16"] = c.train_step(recorded[0][rank])
     seen["bf16_shard_dtypes"] = sorted({str(p.to_local().dtype) for p in c.model.parameters()})
     torch.save(seen, os.path.join(out, f"rank{rank}.pt"))
-    a.close()
+    dist.destroy_process_group()

@@ -55,7 +55,7 @@ def single(ranks: tuple[Path, int, list[dict]]) -> tuple[list[dict], dict[str, t
 
 
 @pytest.mark.timeout(120)
-def test_two_ranks_train_as_one_process_on_the_union(ranks, single) -> None:  # noqa: ANN001
+def test_two_ranks_train_as_one_process_on_the_union(ranks, single) -> None:
     _, _, seen = ranks
     metrics, weights = single
     for rank in range(WORLD):
@@ -80,7 +80,7 @@ def test_two_ranks_train_as_one_process_on_the_union(ranks, single) -> None:  # 
         torch.testing.assert_close(exported[name], tensor, rtol=1e-5, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_a_resumed_engine_continues_exactly(ranks) -> None:  # noqa: ANN001
+def test_a_resumed_engine_continues_exactly(ranks) -> None:
     _, _, seen = ranks
     for rank in range(WORLD):
         assert seen[rank]["has_checkpoint_before"] is False and seen[rank]["has_checkpoint"] is True
@@ -95,12 +95,12 @@ def test_a_resumed_engine_continues_exactly(ranks) -> None:  # noqa: ANN001
         torch.testing.assert_close(seen[0]["b_weights"][name], tensor, rtol=1e-6, atol=1e-7)
     files = seen[0]["files"]
     assert "fsdp.pt" in files and any(f.endswith(".metadata") for f in files)
-    assert {f for f in files if f.endswith("rank0.pt") or f.endswith("rank1.pt")} == {
+    assert {f for f in files if f.endswith(("rank0.pt", "rank1.pt"))} == {
         f"fsdp.pt.d/step-{CHECKPOINT_AFTER}/rank{r}.pt" for r in range(WORLD)
     }
 
 
-def test_bfloat16_compute_keeps_float32_masters(ranks) -> None:  # noqa: ANN001
+def test_bfloat16_compute_keeps_float32_masters(ranks) -> None:
     _, _, seen = ranks
     for rank in range(WORLD):
         assert seen[rank]["bf16_shard_dtypes"] == ["torch.float32"]
