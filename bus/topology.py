@@ -193,9 +193,14 @@ class KvKey:
 CONFIG = KvKey("config", "config", ("producer",), "the run's config, read by every worker at start-up")
 DROPS = KvKey("drop.<prompt id>", "drop.>", ("buffer",), "a dropped group and why: the gate replaces it")
 METRICS = KvKey("metrics.<rank>.<step>", "metrics.>", ("trainer",), "a trained step's numbers")
-KV_KEYS: tuple[KvKey, ...] = (CONFIG, DROPS, METRICS)
+RENDEZVOUS = KvKey(
+    "trainer.rendezvous", "trainer.rendezvous", ("trainer",),
+    "fsdp rank 0's store address and group generation: the other ranks join it",
+)
+KV_KEYS: tuple[KvKey, ...] = (CONFIG, DROPS, METRICS, RENDEZVOUS)
 
 CONFIG_KEY = CONFIG.pattern
+RENDEZVOUS_KEY = RENDEZVOUS.pattern
 _DROP, _METRICS = "drop.", "metrics."
 
 

@@ -46,6 +46,9 @@ class RoleConfig(Section):
     num_gpus: float = Field(default=0.0, ge=0)
     """GPUs one replica needs; `ops.ray` places it on a node with that many free and sets its
     CUDA_VISIBLE_DEVICES (a fraction shares a GPU). Unused by this fleet: see `devices`."""
+    device: str | None = Field(default=None, pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    """Where every replica computes: auto, cpu, cuda or cuda:N, passed as JETRL_DEVICE
+    (`engines.device`). None: auto, the first GPU CUDA_VISIBLE_DEVICES leaves it, else the CPU."""
     args: list[str] = []
     """Extra command-line arguments of every replica."""
     env: dict[str, str] = {}
@@ -97,9 +100,13 @@ def load_fleet(path: Path) -> FleetConfig:
     return validate(FleetConfig, read_yaml(path), str(path))
 
 
-def local_fleet(logs: Path) -> FleetConfig:
-    """The one-machine job's fleet: one worker of each role."""
-    return FleetConfig(roles={role: RoleConfig() for role in ROLES}, logs=logs)
+def local_fleet(logs: Path, dp_size: int = 1) -> FleetConfig:
+    """The one-machine job's fleet: one worker of each role, and a trainer per data-parallel rank
+    (`trainer` is rank 0, `trainer-rank<K>` runs `--rank K`)."""
+    roles = {role: RoleConfig() for role in ROLES}
+    for rank in range(1, dp_size):
+        roles[f"trainer-rank{rank}"] = RoleConfig(module="consumers.trainer", args=["--rank", str(rank)])
+    return FleetConfig(roles=roles, logs=logs)
 
 
 def worker_name(role: str, replica: int) -> str:

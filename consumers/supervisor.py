@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Literal
 
 from consumers.fleet_config import FleetConfig, worker_name
+from engines.device import DEVICE_ENV
 
 log = logging.getLogger("jetrl.fleet")
 
@@ -101,6 +102,8 @@ class Supervisor:
                 env = dict(spec.env)
                 if spec.devices:
                     env["CUDA_VISIBLE_DEVICES"] = str(spec.devices[replica % len(spec.devices)])
+                if spec.device is not None:
+                    env[DEVICE_ENV] = spec.device
                 name = worker_name(role, replica)
                 if names is None or name in names:
                     self.children[name] = Child(name, command, env, config.logs / f"{name}.log")

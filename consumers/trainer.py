@@ -12,6 +12,10 @@ stream sequence of the last batch trained on, and a restart reads from the next 
       record    KV metrics.<rank>.<s> (the step's sample ids with them), step loggers
       checkpoint  every checkpoint_every: model, optimizer, RNG, last sequence, and the update
                 history as a hash chain (constant size: `consumers.update_history`)
+
+With `trainer.engine: fsdp` each of the `dp_size` ranks is one such process, `--rank K`: they
+meet first (`consumers.trainer_dist`), then train, publish (rank 0; the others join the
+gather) and checkpoint together, each on its own `batches.<rank>`.
 """
 
 from __future__ import annotations
@@ -41,13 +45,15 @@ from consumers.crashpoints import (
     TRAINER_MID_CHECKPOINT,
     TRAINER_MID_STEP,
 )
-from consumers.runtime import Runtime
+from consumers.runtime import CannotAttach, Runtime
 from consumers.stage import Stage, run_stage
+from consumers.trainer_dist import Group, join, leave, make_engine, watch
 from consumers.trainer_loggers import scalars, step_loggers
 from consumers.update_history import UpdateHistory
 from consumers.weights import publish_version, transport_for
+from engines.device import resolve_device
 from engines.protocols import MicroBatch
-from engines.torch_train import LossConfig, TorchTrainEngine
+from engines.torch_train import LossConfig
 from schemas import BatchEvent, DecodeError, decode
 from schemas.config import RunConfig
 
@@ -129,14 +135,16 @@ class Trainer:
     """One trainer rank, as a recipe: `setup`, then `collect` -> `train` -> `record` ->
     `checkpoint` for each step; `run` is that loop."""
 
-    def __init__(self, rt: Runtime, rank: int) -> None:
+    def __init__(self, rt: Runtime, rank: int, group: Group | None = None, device: torch.device | None = None) -> None:
+        """`group`: this rank's process group (`consumers.trainer_dist.join`; fsdp); `device`:
+        where the engine computes (default `engines.device.resolve_device()`)."""
         self.rt, self.rank, self.cfg = rt, rank, rt.config
-        self.engine = TorchTrainEngine(
-            Path(self.cfg.model.path or ""), lr=self.cfg.algorithm.lr, seed=self.cfg.trainer.seed,
-            loss=loss_config(self.cfg),
-        )
+        self.group = group or Group(rank, 1)
+        self.engine = make_engine(self.cfg, loss_config(self.cfg), device or resolve_device())
         self.limits = ModelLimits.of(self.engine.model)
-        self.checkpoint_path = Path(self.cfg.trainer.checkpoint_dir) / f"rank{rank}.pt"
+        # fsdp: one checkpoint of every rank's shards; torch: one file per rank.
+        name = f"{self.engine.name}.pt" if self.engine.collective else f"rank{rank}.pt"
+        self.checkpoint_path = Path(self.cfg.trainer.checkpoint_dir) / name
         self.loggers = step_loggers(self.cfg) if rank == 0 else []
         self.last_seq = 0
         """Stream sequence of the last batch the model holds (trained on, or refused in a trained step)."""
@@ -147,13 +155,13 @@ class Trainer:
     async def setup(self) -> None:
         """Resume from the checkpoint, or publish version 0 (what every rollout worker starts
         from); then read this rank's batches from the one after the last the model holds."""
-        if self.checkpoint_path.exists():
+        if self.engine.has_checkpoint(self.checkpoint_path):
             state = self.engine.load_checkpoint(self.checkpoint_path)
             self.last_seq, self.history = state["last_seq"], UpdateHistory.from_dict(state["history"])
-        elif self.rank == 0:
-            await self.publish_weights()
+        else:
+            await self.sync_weights()
         log.info("rank %d starts at step %d, batch sequence %d", self.rank, self.engine.step, self.last_seq + 1)
-        self.rt.member.report(engine="torch", weight_version=self.engine.step)
+        self.rt.member.report(engine=self.engine.name, weight_version=self.engine.step)
         self.batches = await self.rt.js.subscribe(
             self.rt.topology.subject(BATCHES, self.rank), ordered_consumer=True,
             config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.last_seq + 1),
@@ -207,10 +215,21 @@ class Trainer:
             metrics = step_metrics(step, batches, trained, time.perf_counter() - started)
             # The version this step's update makes; it goes out now, or with a later sync.
             span.set_attribute("jetrl.weight_version", self.engine.step)
-            if self.rank == 0 and self.engine.step % self.cfg.trainer.sync_every == 0:
-                await self.publish_weights()  # in the step's trace: what it trained on -> what it made
+            if self.engine.step % self.cfg.trainer.sync_every == 0:
+                await self.sync_weights()  # in the step's trace: what it trained on -> what it made
         record_step(step, batches, metrics["train_seconds"])
         return metrics
+
+    async def sync_weights(self) -> None:
+        """Rank 0 publishes the weights; the other ranks of a collective engine join its gather."""
+        if self.rank == 0:
+            await self.publish_weights()
+        elif self.engine.collective:
+            await asyncio.to_thread(self.engine.export_weights)
+
+    def done(self) -> bool:
+        """Whether the run's last step is trained."""
+        return self.engine.step >= self.cfg.trainer.steps
 
     async def publish_weights(self) -> None:
         """The engine's weights as version `engine.step`: bytes through the configured transport
@@ -252,7 +271,7 @@ class Trainer:
     async def run(self, stop: asyncio.Event) -> None:
         """Set up, then train step after step until the run's last step or `stop`."""
         await self.setup()
-        while self.engine.step < self.cfg.trainer.steps and not stop.is_set():
+        while not self.done() and not stop.is_set():
             collected = await self.collect(stop)
             if collected is None:
                 break
@@ -266,14 +285,21 @@ class Trainer:
             await self.batches.unsubscribe()
         for logger in self.loggers:
             logger.close()
+        leave(self.group)
 
 
 async def build(rt: Runtime) -> Stage[Any]:
     """The trainer stage: no work queue (it reads its rank's batches by position), its steps
     as the stage's loop; the process exits 0 once the run's last step is trained."""
     torch.set_num_threads(1)  # rollout and the other workers share the node's cores with us
-    trainer = Trainer(rt, rt.rank)
-    return Stage(channel=None, handler=None, main=trainer.run, close=trainer.close)
+    try:
+        device = resolve_device()
+    except ValueError as exc:
+        raise CannotAttach(str(exc)) from None
+    group = await join(rt, rt.rank, device)  # fsdp: every rank's process group; torch: alone
+    trainer = Trainer(rt, group.rank, group, device)
+    helpers = {"process group watch": lambda: watch(group, trainer.done)} if group.store is not None else {}
+    return Stage(channel=None, handler=None, main=trainer.run, close=trainer.close, helpers=helpers)
 
 
 if __name__ == "__main__":

@@ -83,6 +83,11 @@ class TrainEngine(Protocol):
     """Holds the policy and its optimizer; one `train_step` is one optimizer step."""
 
     step: int
+    name: str
+    """What the trainer reports as its engine ("torch", "fsdp")."""
+    collective: bool
+    """True when every data-parallel rank must call `train_step`, `export_weights` and the
+    checkpoint methods together, in the same order (they communicate)."""
 
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[B, T] float32 log-probs of `input_ids` under the current policy, aligned as above."""
@@ -93,7 +98,12 @@ class TrainEngine(Protocol):
         ...
 
     def export_weights(self) -> dict[str, torch.Tensor]:
-        """CPU, contiguous tensors keyed by the model's parameter names."""
+        """CPU, contiguous tensors keyed by the model's parameter names (on rank 0; a
+        collective engine's other ranks get {})."""
+        ...
+
+    def has_checkpoint(self, path: Path) -> bool:
+        """Whether a completed `save_checkpoint(path)` is there to resume from."""
         ...
 
     def save_checkpoint(self, path: Path, extra: dict[str, Any] | None = None) -> None:

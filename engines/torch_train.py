@@ -7,6 +7,7 @@ change the gradient.
 """
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 import os
 from pathlib import Path
@@ -29,7 +30,11 @@ from engines.algorithms.losses import (
     ppo_clip_loss,
     truncated_is_weight,
 )
+from engines.device import autocast
 from engines.protocols import MicroBatch
+
+METRIC_SUMS = ("loss", "clipped", "ratio", "is_weight", "entropy", "log_ratio_clamped", "tokens")
+"""What a step sums over its micro-batches (and, with data-parallel ranks, over the ranks)."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,19 @@ class LossConfig:
 
 
 class TorchTrainEngine:
-    """Holds the policy, AdamW and the step counter; checkpoints them atomically."""
+    """Holds the policy, AdamW and the step counter; checkpoints them atomically.
+
+    The hooks a data-parallel engine overrides (`engines.fsdp_train`): `_wrap` (shard the
+    model), `_step_shape` (the step's denominator and pass count over every rank),
+    `_before_backward` (when gradients sync), `_reduce` (metric sums over the ranks),
+    `_clip_grad_norm`, `_autocast`, and the export and checkpoint methods.
+    """
+
+    name = "torch"
+    """What the trainer reports as its engine (membership)."""
+    collective = False
+    """True when every rank must call `export_weights`, `has_checkpoint`, `save_checkpoint` and
+    `load_checkpoint` together (they communicate); here each rank is on its own."""
 
     def __init__(
         self,
@@ -68,23 +85,33 @@ class TorchTrainEngine:
         max_grad_norm: float = 1.0,
         seed: int = 0,
         loss: LossConfig = LossConfig(),
-        device: str = "cpu",
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
     ) -> None:
+        """`dtype` is the compute dtype of forward and backward (bfloat16: autocast); the
+        master weights and the AdamW moments stay float32, which they need the precision of."""
         _seed_everything(seed)
         self.device = torch.device(device)
-        # Train in float32: the master weights and AdamW moments need the precision.
+        self.compute_dtype = dtype
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.model = model.to(self.device)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.model = self._wrap(model.to(self.device))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
         self.max_grad_norm = max_grad_norm
         self.loss_config = loss
         self.step = 0
+
+    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+    def _autocast(self) -> AbstractContextManager[Any]:
+        return autocast(self.device, self.compute_dtype)
 
     def _token_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[B, T] ids -> [B, T - 1, V] temperature-scaled logits predicting tokens 1..T-1."""
         # Positions count real tokens, so a row's padding (left or right) does not shift RoPE.
         positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions)
+        with self._autocast():
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions)
         return out.logits[:, :-1].float() / self.loss_config.temperature
 
     def _aligned_logprobs(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -140,12 +167,15 @@ class TorchTrainEngine:
         grad_norm (before clipping), tokens (response tokens), step (after).
         """
         mode = self.loss_config.aggregation
-        denominator = sum(aggregation_count(mb.loss_mask, mode) for mb in micro_batches)
+        denominator, passes = self._step_shape(micro_batches)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        names = ("loss", "clipped", "ratio", "is_weight", "entropy", "log_ratio_clamped", "tokens")
-        totals = dict.fromkeys(names, 0.0)
-        for batch in micro_batches:
+        totals = dict.fromkeys(METRIC_SUMS, 0.0)
+        for index in range(passes):
+            # A rank with fewer micro-batches than the busiest runs empty passes: every rank
+            # must join the same collectives (parameter gathers, the last pass's gradient sync).
+            batch = micro_batches[index] if index < len(micro_batches) else _empty_like(micro_batches)
+            self._before_backward(last=index == passes - 1)
             input_ids = batch.input_ids.to(self.device)
             mask = batch.loss_mask.to(self.device).float()
             logits = self._token_logits(input_ids, batch.attention_mask.to(self.device))
@@ -162,7 +192,8 @@ class TorchTrainEngine:
                 totals["entropy"] += (entropy * mask).sum().item()
                 totals["log_ratio_clamped"] += (terms.log_ratio_clamped * mask).sum().item()
                 totals["tokens"] += mask.sum().item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        totals = self._reduce(totals)
+        grad_norm = self._clip_grad_norm()
         # The schemas refuse NaN and inf inputs, but extreme finite ones still overflow (a huge
         # advantage: the log-ratio is clamped, an advantage is not); one NaN update would poison
         # every weight for good.
@@ -182,6 +213,22 @@ class TorchTrainEngine:
             "step": float(self.step),
         }
 
+    def _step_shape(self, micro_batches: Sequence[MicroBatch]) -> tuple[int, int]:
+        """The loss denominator of the whole step (tokens or sequences) and the passes to run."""
+        mode = self.loss_config.aggregation
+        return sum(aggregation_count(mb.loss_mask, mode) for mb in micro_batches), len(micro_batches)
+
+    def _before_backward(self, last: bool) -> None:
+        """Called before each pass; `last` is the step's final one (where gradients sync)."""
+
+    def _reduce(self, totals: dict[str, float]) -> dict[str, float]:
+        """The step's metric sums over every rank (one rank: as they are)."""
+        return totals
+
+    def _clip_grad_norm(self) -> torch.Tensor:
+        """Clips the gradient to `max_grad_norm`; returns its norm before clipping."""
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+
     def export_weights(self) -> dict[str, torch.Tensor]:
         """Parameter name -> CPU contiguous copy (tied weights once, under their first name).
 
@@ -191,6 +238,10 @@ class TorchTrainEngine:
             name: param.detach().to("cpu", copy=True).contiguous()
             for name, param in self.model.named_parameters()
         }
+
+    def has_checkpoint(self, path: Path) -> bool:
+        """Whether `save_checkpoint(path)` has completed once (what a restart resumes from)."""
+        return path.exists()
 
     def save_checkpoint(
         self, path: Path, extra: dict[str, Any] | None = None, before_replace: Callable[[], None] | None = None
@@ -220,6 +271,20 @@ class TorchTrainEngine:
         self.step = state["step"]
         _set_rng_state(state["rng"])
         return state["extra"]
+
+
+def _empty_like(micro_batches: Sequence[MicroBatch]) -> MicroBatch:
+    """A pass that adds nothing: a 1-row batch with no loss token (its loss is exactly 0 and
+    its gradient zeros, but it runs the model's forward and backward like any batch)."""
+    if micro_batches:
+        first = micro_batches[0]
+        ids, attention = first.input_ids[:1], first.attention_mask[:1]
+    else:
+        ids, attention = torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long)
+    return MicroBatch(
+        input_ids=ids, attention_mask=attention, loss_mask=torch.zeros(ids.shape), advantages=torch.zeros(1),
+        behaviour_logprobs=torch.zeros(ids.shape),
+    )
 
 
 def _seed_everything(seed: int) -> None:

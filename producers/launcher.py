@@ -206,7 +206,7 @@ def run(cfg: RunConfig, out: Path, nats: str | None = None, replicas: int = 1) -
         return asyncio.run(produce(cfg, nats, out, None, replicas))
     with contextlib.ExitStack() as stack:
         server = stack.enter_context(EmbeddedNats(out / "nats"))
-        fleet = Supervisor(local_fleet(out / "logs"), cfg.run, server.url)
+        fleet = Supervisor(local_fleet(out / "logs", cfg.trainer.dp_size), cfg.run, server.url)
         fleet.start()
         stack.callback(fleet.stop)
         return asyncio.run(produce(cfg, server.url, out, fleet))

@@ -34,6 +34,12 @@ class ModelConfig(Section):
     """Layers of the built-in tiny model."""
     seed: int = 0
     """Seed of the built-in tiny model's random init."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype of the trainer's forward and backward. bfloat16: mixed precision (autocast
+    in the torch engine, FSDP2's parameter dtype in the fsdp engine, gradients reduced in
+    float32); the master weights, the AdamW moments and the published weights stay float32.
+    Each worker's device is its own (`engines.device`: the GPU CUDA_VISIBLE_DEVICES gives it,
+    else the CPU; a fleet role's `device` overrides)."""
 
 
 class DataConfig(Section):
@@ -102,9 +108,22 @@ class TrainerConfig(Section):
     """Publish weights every this many steps."""
     checkpoint_every: int = Field(10, ge=1)
     """Checkpoint model, optimizer, RNG and last batch every this many steps."""
+    engine: Literal["torch", "fsdp"] = "torch"
+    """Train engine: torch (one process, CPU or one GPU) or fsdp (FSDP2, one process per rank,
+    `dp_size` ranks that shard the model and take each optimizer step together)."""
     dp_size: int = Field(1, ge=1)
-    """Data-parallel trainer ranks; the buffer balances tokens across them. Only 1 for now:
-    the trainers have no gradient all-reduce yet, so more ranks would train diverging copies."""
+    """Data-parallel trainer ranks (`--rank 0 .. dp_size-1`); the buffer balances each step's tokens
+    across them on `batches.<rank>`. More than 1 needs engine fsdp."""
+    dist_init: Literal["kv", "env"] = "kv"
+    """How the fsdp ranks find each other. kv: rank 0 listens on a free port and publishes its
+    address in the run's KV (`trainer.rendezvous`), the others read it (workers need only --run
+    and --nats). env: torchrun's variables (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)."""
+    dist_host: str | None = None
+    """kv: the address rank 0 listens on and publishes; None: its address on the route to the
+    NATS server (127.0.0.1 when NATS is on loopback)."""
+    dist_timeout: float = Field(300.0, gt=0)
+    """Seconds an fsdp rank waits in one collective, or for its peers at the rendezvous, before it
+    fails (exit 1, and the fleet restarts it): a rank that died never leaves the others hanging."""
     micro_batch_tokens: int = Field(4096, ge=64)
     """Most tokens (rows x padded length) in one micro-batch."""
     seed: int = 0
@@ -119,16 +138,14 @@ class TrainerConfig(Section):
     """Seconds with no completed step after which the run counts as stalled: the producer's progress
     line, its log and `ops.status` then name the stage that holds the work and why (`ops.stall`)."""
 
-
-    @field_validator("dp_size")
-    @classmethod
-    def _one_rank(cls, value: int) -> int:
-        if value != 1:
+    @model_validator(mode="after")
+    def _ranks_need_fsdp(self) -> TrainerConfig:
+        if self.dp_size > 1 and self.engine != "fsdp":
             raise ValueError(
-                f"{value} ranks is not supported yet: trainers have no gradient all-reduce, so each rank "
-                "would train its own diverging copy; use 1"
+                f"dp_size {self.dp_size} needs engine fsdp: the torch engine has no gradient "
+                "all-reduce, so each rank would train its own diverging copy"
             )
-        return value
+        return self
 
 
 class RolloutConfig(Section):
@@ -213,6 +230,13 @@ class RunConfig(Section):
             raise ValueError(
                 f"trainer.sync_every {sync} > algorithm.max_staleness + 1 = {stale + 1}: the gate would wait "
                 f"for weights that are never published and the run would stall; raise max_staleness or sync more often"
+            )
+        rows = self.algorithm.prompts_per_step * self.data.n
+        if self.trainer.dp_size > rows:
+            # A rank with no row gets no batch event for the step and would wait for it forever.
+            raise ValueError(
+                f"trainer.dp_size {self.trainer.dp_size} > the {rows} rows of a step "
+                "(algorithm.prompts_per_step x data.n): some rank would get nothing to train"
             )
         if self.data.n < 2:
             raise ValueError(

@@ -10,6 +10,7 @@ from tokenizers import Tokenizer
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from engines.device import DEVICE_ENV, resolve_device
 from engines.hf_rollout import HFRolloutEngine, _top_p_filter
 from engines.protocols import MicroBatch, RolloutEngine, Sample, SamplingParams, TrainEngine
 from engines.tiny import build_tiny_model
@@ -258,3 +259,33 @@ def test_checkpoint_round_trip(model_dir: Path, batch: MicroBatch, tmp_path: Pat
     restored.train_step([batch])
     for a, b in zip(saved.model.parameters(), restored.model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_bfloat16_computes_in_bf16_on_float32_weights(model_dir: Path, batch: MicroBatch) -> None:
+    config = LossConfig(temperature=TEMPERATURE)
+    full = TorchTrainEngine(model_dir, lr=1e-2, seed=0, loss=config)
+    half = TorchTrainEngine(model_dir, lr=1e-2, seed=0, loss=config, dtype=torch.bfloat16)
+    exact = full.logprobs(batch.input_ids, batch.attention_mask)
+    rounded = half.logprobs(batch.input_ids, batch.attention_mask)
+    assert rounded.dtype == torch.float32 and not torch.equal(rounded, exact), "the forward ran in bf16"
+    torch.testing.assert_close(rounded, exact, atol=0.05, rtol=0)
+    metrics = half.train_step([batch])
+    assert metrics["loss"] == pytest.approx(full.train_step([batch])["loss"], abs=0.01)
+    assert {p.dtype for p in half.model.parameters()} == {torch.float32}, "master weights stay float32"
+    assert {t.dtype for t in half.export_weights().values()} == {torch.float32}
+
+
+def test_the_device_is_the_processes_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(DEVICE_ENV, raising=False)
+    assert resolve_device() == (torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"))
+    monkeypatch.setenv(DEVICE_ENV, "cpu")
+    assert resolve_device() == torch.device("cpu")
+    assert resolve_device("auto").type in ("cpu", "cuda")
+    monkeypatch.setenv(DEVICE_ENV, "tpu0")
+    with pytest.raises(ValueError, match=r"JETRL_DEVICE='tpu0': not a device \(auto, cpu, cuda or cuda:N\)"):
+        resolve_device()
+    with pytest.raises(ValueError, match="JETRL_DEVICE='meta': only cpu and cuda are supported"):
+        resolve_device("meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="JETRL_DEVICE='cuda:1': no CUDA device is visible to this process"):
+            resolve_device("cuda:1")

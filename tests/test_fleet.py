@@ -15,7 +15,7 @@ import yaml
 
 from bus.embedded import EmbeddedNats
 from bus.topology import Topology
-from consumers.fleet_config import FleetConfig, RestartPolicy, RoleConfig, load_fleet
+from consumers.fleet_config import FleetConfig, RestartPolicy, RoleConfig, load_fleet, local_fleet
 from consumers.supervisor import Supervisor
 from schemas.config import ConfigError
 from tests.helpers import declare_run, members, wait_for
@@ -150,6 +150,7 @@ def test_workers_of_a_killed_fleet_get_sigterm_and_exit(tmp_path: Path) -> None:
         ("run: r\nroles: {rollout: {}}\nreplica: 2\n", "replica: Extra inputs are not permitted"),
         ("run: r\nroles: {rollout: {gpus: [0]}}\n", "roles.rollout.gpus: Extra inputs are not permitted"),
         ("run: r\nroles: {rollout: {replicas: 0}}\n", "roles.rollout.replicas: Input should be greater"),
+        ("run: r\nroles: {trainer: {device: gpu0}}\n", "roles.trainer.device: String should match pattern"),
         ("run: r\nroles: {rollot: {}}\n", "roles: role 'rollot': no module consumers.rollot"),
         ("run: r\nroles: {x: {module: no.such}}\n", "roles: role 'x': no module no.such"),
         ("run: a.b\nroles: {}\n", "run: run id 'a.b' must be 1-64 characters"),
@@ -172,9 +173,21 @@ def test_the_example_fleets_are_valid(name: str) -> None:
 
 
 def test_cli_reports_a_config_error_in_one_line(tmp_path: Path) -> None:
-    fleet = fleet_cli({"roles": {"rollout": {"replicas": 1, "device": [0]}}}, tmp_path)
+    fleet = fleet_cli({"roles": {"rollout": {"replicas": 1, "gpus": [0]}}}, tmp_path)
     _, err = fleet.communicate(timeout=30)
     assert fleet.returncode == 1
     assert err.strip().splitlines() == [
-        f"consumers.fleet: {tmp_path / 'fleet.yaml'}: roles.rollout.device: Extra inputs are not permitted"
+        f"consumers.fleet: {tmp_path / 'fleet.yaml'}: roles.rollout.gpus: Extra inputs are not permitted"
     ]
+
+
+def test_a_role_device_reaches_its_workers_and_the_local_job_starts_a_trainer_per_rank(tmp_path: Path) -> None:
+    config = FleetConfig(roles={"trainer": RoleConfig(device="cuda:1", devices=[2, 3]), "reward": RoleConfig()})
+    children = Supervisor(config, "r", "nats://127.0.0.1:4222").children
+    assert children["trainer-0"].env == {"CUDA_VISIBLE_DEVICES": "2", "JETRL_DEVICE": "cuda:1"}
+    assert children["reward-0"].env == {}
+    fleet = local_fleet(tmp_path, dp_size=3)
+    assert [r for r in fleet.roles if r.startswith("trainer")] == ["trainer", "trainer-rank1", "trainer-rank2"]
+    commands = {name: child.command for name, child in Supervisor(fleet, "r", "u").children.items()}
+    assert commands["trainer-rank2-0"][1:] == ["-m", "consumers.trainer", "--run", "r", "--nats", "u", "--rank", "2"]
+    assert commands["trainer-0"][1:] == ["-m", "consumers.trainer", "--run", "r", "--nats", "u"]

@@ -9,7 +9,7 @@ import pytest
 
 from consumers.buffer import Group
 from consumers.packing import Row, balance, pack_step, split
-from producers.gate import admitted_limit
+from producers.gate import admitted_limit, merge_ranks
 from schemas.config import ConfigError, RunConfig, load_config
 from tests.helpers import reward
 
@@ -90,7 +90,18 @@ def test_config_errors_name_the_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"trainer.stepz: Extra inputs are not permitted"):
         load_config(bad)
     bad.write_text("trainer:\n  dp_size: 2\n")
-    with pytest.raises(ConfigError, match=r"trainer.dp_size: 2 ranks is not supported yet: .*use 1"):
+    with pytest.raises(ConfigError, match=r"run.yaml: trainer: dp_size 2 needs engine fsdp: .* no gradient all-reduce"):
+        load_config(bad)
+    bad.write_text("trainer:\n  dp_size: 2\n  engine: fsdp\n")
+    assert load_config(bad).trainer.dp_size == 2
+    bad.write_text("trainer:\n  dp_size: 5\n  engine: fsdp\nalgorithm:\n  prompts_per_step: 1\ndata:\n  n: 4\n")
+    with pytest.raises(ConfigError, match=r"trainer.dp_size 5 > the 4 rows of a step"):
+        load_config(bad)
+    bad.write_text("trainer:\n  engine: megatron\n")
+    with pytest.raises(ConfigError, match=r"trainer.engine: Input should be 'torch' or 'fsdp'"):
+        load_config(bad)
+    bad.write_text("model:\n  dtype: float16\n")
+    with pytest.raises(ConfigError, match=r"model.dtype: Input should be 'float32' or 'bfloat16'"):
         load_config(bad)
     bad.write_text("run: [unclosed\n")
     with pytest.raises(ConfigError, match="cannot read YAML"):
@@ -146,3 +157,19 @@ def test_the_config_offers_exactly_the_algorithms_the_code_has() -> None:
     assert set(get_args(fields["advantage"].annotation)) == set(ESTIMATORS)
     assert set(get_args(fields["loss_aggregation"].annotation)) == set(get_args(AggregationMode))
     assert set(get_args(fields["policy_loss"].annotation)) == {"ppo", "gspo"}
+
+
+def test_a_steps_records_from_every_rank_merge_into_one() -> None:
+    common = {"step": 3, "loss": -0.5, "grad_norm": 0.7}
+    ranks = [
+        {**common, "time": 10.0, "train_seconds": 0.2, "samples": 2, "reward_mean": 1.0, "staleness_max": 0,
+         "staleness_hist": [5], "sample_ids": ["a", "b"]},
+        {**common, "time": 11.0, "train_seconds": 0.3, "samples": 6, "reward_mean": 0.0, "staleness_max": 1,
+         "staleness_hist": [1, 4], "sample_ids": ["c", "d", "e", "f", "g", "h"]},
+    ]
+    merged = merge_ranks(ranks)
+    assert merged == {
+        **common, "time": 11.0, "train_seconds": 0.3, "samples": 8, "reward_mean": 0.25, "staleness_max": 1,
+        "staleness_hist": [6, 4], "sample_ids": list("abcdefgh"),
+    }
+    assert merge_ranks(ranks[:1]) is ranks[0]

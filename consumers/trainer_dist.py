@@ -1,0 +1,201 @@
+"""Trainer ranks: the train engine a run's config names, and the process group its fsdp ranks share.
+
+Rendezvous (`trainer.dist_init`):
+
+    kv    rank 0   listens on (dist_host, or its address on the route to NATS; a free port), runs
+                   a TCPStore server on that socket, and puts KV `trainer.rendezvous` =
+                   {host, port, world_size, generation} (generation: a fresh id per rank-0 process)
+          rank k   reads the key, connects, claims `rank/<k>` in the generation's store:
+                   the first claim joins; a second means this generation already had a rank k,
+                   which died, so the group is broken: its rank 0 will fail (below) and come back
+                   with a new generation, which rank k waits for (up to dist_timeout)
+          all      init_process_group over the generation's prefix of the store, with
+                   dist_timeout on every collective
+    env   torchrun: MASTER_ADDR/MASTER_PORT, and RANK/WORLD_SIZE instead of --rank
+
+A rank that dies (kv): the others fail within WATCH_SECONDS, not at their next collective, by the
+group watch (a helper of the trainer stage): a rank claimed twice (its replacement is waiting)
+or a store that stopped answering (rank 0 is gone) fails the stage, exit 1. The fleet restarts
+each rank, they meet in rank 0's new generation, and every rank resumes from the last committed
+checkpoint and reads its batches from its own last sequence + 1. Without the watch, a rank in a
+collective fails at once anyway (gloo: the dead peer's socket closes; NCCL: dist_timeout).
+Under torchrun (env) its elastic agent restarts the whole group instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from nats.js.errors import KeyNotFoundError
+
+from bus.topology import RENDEZVOUS_KEY
+from consumers.runtime import CannotAttach, Runtime
+from engines.device import torch_dtype
+from engines.fsdp_train import FSDPTrainEngine, init_group
+from engines.torch_train import LossConfig, TorchTrainEngine
+from schemas.config import RunConfig
+
+log = logging.getLogger("jetrl.trainer")
+
+WATCH_SECONDS = 2.0
+"""How often a rank checks that its group is whole."""
+PROBE_SECONDS = 5.0
+"""How long a joining rank tries to reach an announced rank 0 before taking it for gone."""
+
+
+class RendezvousFailed(CannotAttach):
+    """This rank cannot join its group, or its group broke: said in one line (the process exits 1)."""
+
+
+@dataclass
+class Group:
+    """This process's place in the trainer ranks' process group."""
+
+    rank: int
+    world_size: int
+    store: dist.Store | None = None
+    """kv: the generation's store (every claim is in it); None under torchrun."""
+    listener: socket.socket | None = None
+    """Rank 0's listening socket, kept open for the store server's life."""
+
+
+def make_engine(cfg: RunConfig, loss: LossConfig, device: torch.device) -> TorchTrainEngine:
+    """The engine `trainer.engine` names (fsdp: after `join`), in `model.dtype` on `device`."""
+    engine = FSDPTrainEngine if cfg.trainer.engine == "fsdp" else TorchTrainEngine
+    return engine(
+        Path(cfg.model.path or ""), lr=cfg.algorithm.lr, seed=cfg.trainer.seed, loss=loss, device=device,
+        dtype=torch_dtype(cfg.model.dtype),
+    )
+
+
+async def join(rt: Runtime, rank: int, device: torch.device) -> Group:
+    """Meet the run's other trainer ranks in a process group (fsdp), or stand alone (torch)."""
+    tcfg = rt.config.trainer
+    if tcfg.engine != "fsdp":
+        return Group(rank, 1)
+    world = tcfg.dp_size
+    if tcfg.dist_init == "env":
+        try:
+            rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        except (KeyError, ValueError):
+            raise RendezvousFailed("trainer.dist_init env: RANK and WORLD_SIZE must be set (start it with torchrun)") from None
+        if size != world:
+            raise RendezvousFailed(f"torchrun started {size} ranks, trainer.dp_size is {world}")
+        await asyncio.to_thread(init_group, None, rank, world, device, tcfg.dist_timeout)
+        return Group(rank, world)
+    if not 0 <= rank < world:
+        raise RendezvousFailed(f"--rank {rank}: trainer.dp_size is {world}, so ranks are 0..{world - 1}")
+    group = await (_host(rt, world) if rank == 0 else _claim(rt, rank, world))
+    assert group.store is not None
+    await asyncio.to_thread(init_group, group.store, rank, world, device, tcfg.dist_timeout)
+    log.info("rank %d of %d joined the process group", rank, world)
+    return group
+
+
+async def _host(rt: Runtime, world: int) -> Group:
+    """Rank 0: a new generation, its store on a socket of ours (one address, never all of them)."""
+    tcfg = rt.config.trainer
+    host = tcfg.dist_host or route_address(rt)
+    listener = socket.create_server((host, 0))
+    port = listener.getsockname()[1]
+    server = dist.TCPStore(
+        host, port, world, True, timeout=timedelta(seconds=tcfg.dist_timeout), wait_for_workers=False,
+        master_listen_fd=listener.fileno(),
+    )
+    generation = uuid.uuid4().hex[:12]
+    announce = {"host": host, "port": port, "world_size": world, "generation": generation}
+    await rt.kv.put(RENDEZVOUS_KEY, json.dumps(announce).encode())
+    log.info("rank 0 hosts generation %s at %s:%d", generation, host, port)
+    return Group(0, world, dist.PrefixStore(generation, server), listener)
+
+
+async def _claim(rt: Runtime, rank: int, world: int) -> Group:
+    """Rank k: the newest announced generation that has no rank k yet."""
+    timeout = rt.config.trainer.dist_timeout
+    deadline = asyncio.get_running_loop().time() + timeout
+    refused: set[str] = set()
+    while asyncio.get_running_loop().time() < deadline:
+        try:
+            entry = await rt.kv.get(RENDEZVOUS_KEY)
+            announce = json.loads(entry.value or b"")
+        except KeyNotFoundError:
+            announce = None
+        if announce is None or announce["generation"] in refused:
+            await asyncio.sleep(0.5)
+            continue
+        generation, address = announce["generation"], (announce["host"], announce["port"])
+        if announce["world_size"] != world:
+            raise RendezvousFailed(f"rank 0 announced {announce['world_size']} ranks, trainer.dp_size is {world}")
+        store = await asyncio.to_thread(_connect, address, world, timeout)
+        if store is None:
+            log.info("generation %s: rank 0 at %s:%d is gone; waiting for the next", generation, *address)
+        else:
+            store = dist.PrefixStore(generation, store)
+            if await asyncio.to_thread(store.add, f"rank/{rank}", 1) == 1:
+                return Group(rank, world, store)
+            log.info("generation %s already had a rank %d: waiting for rank 0's next generation", generation, rank)
+        refused.add(generation)
+    raise RendezvousFailed(f"rank {rank}: no trainer rank 0 to join after {timeout:.0f}s (trainer.dist_timeout)")
+
+
+def _connect(address: tuple[str, int], world: int, timeout: float) -> dist.Store | None:
+    """A client of the store at `address`, or None if nothing answers there within PROBE_SECONDS
+    (the TCPStore client itself would retry for its whole timeout)."""
+    try:
+        socket.create_connection(address, timeout=PROBE_SECONDS).close()
+    except OSError:
+        return None
+    return dist.TCPStore(address[0], address[1], world, False, timeout=timedelta(seconds=timeout))
+
+
+def route_address(rt: Runtime) -> str:
+    """This host's address on the route to the NATS server it is connected to (no packet is sent:
+    connecting a UDP socket only picks the route). Peers that reach NATS can reach it too."""
+    url = rt.nc.connected_url
+    host, port = (url.hostname or "127.0.0.1", url.port or 4222) if url is not None else ("127.0.0.1", 4222)
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(address)
+        return str(probe.getsockname()[0])
+
+
+async def watch(group: Group, done: Callable[[], bool]) -> None:
+    """Fail when the group is broken (a stage helper: its error ends the process, exit 1).
+
+    Once `done()` (the run's last step is trained) it only waits: rank 0 exits first, and its
+    store with it, which is then no failure."""
+    if group.store is None or group.world_size == 1:
+        await asyncio.Event().wait()
+        return
+    store = group.store
+    while not done():
+        try:
+            claims = [await asyncio.to_thread(store.add, f"rank/{k}", 0) for k in range(1, group.world_size)]
+        except (RuntimeError, dist.DistError) as exc:
+            if done():
+                break
+            raise RendezvousFailed(f"rank 0's store stopped answering ({exc}): the group is gone") from None
+        twice = [k + 1 for k, n in enumerate(claims) if n > 1]
+        if twice:
+            raise RendezvousFailed(f"rank {twice[0]} restarted: the process group is broken, all ranks restart")
+        await asyncio.sleep(WATCH_SECONDS)
+    await asyncio.Event().wait()
+
+
+def leave(group: Group) -> None:
+    """Destroy the process group and close rank 0's socket."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if group.listener is not None:
+        group.listener.close()

@@ -1,0 +1,59 @@
+"""`examples/digits-dp2.yaml`, shortened: the local job starts two FSDP2 trainer ranks on CPU.
+
+The producer's local fleet starts `trainer` (rank 0) and `trainer-rank1`; they meet through
+the run's KV, each reads its own `batches.<rank>`, and every step's samples are trained
+across the two: the run trains steps x prompts x n samples (the producer merges each step's
+two records), both ranks log the whole step's loss (the same on both), and one checkpoint
+for both ranks is committed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from schemas.config import load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "examples" / "digits-dp2.yaml"
+STEPS = 6
+
+
+@pytest.mark.timeout(240)
+def test_the_dp2_example_trains_every_sample_once_across_two_ranks(tmp_path: Path) -> None:
+    cfg = load_config(CONFIG)
+    assert (cfg.trainer.engine, cfg.trainer.dp_size) == ("fsdp", 2)
+    # The example itself, but for a run id of its own (a rerun resumes nothing of another).
+    config = tmp_path / "dp2.yaml"
+    config.write_text(yaml.safe_dump({**yaml.safe_load(CONFIG.read_text()), "run": f"dp2-{tmp_path.name[-12:]}"}))
+    out = tmp_path / "run"
+    job = subprocess.run(
+        [sys.executable, "-m", "producers.prompts", "--config", str(config), "--steps", str(STEPS), "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=220, check=False,
+    )
+    logs = {p.name: p.read_text() for p in (out / "logs").glob("*.log")} if (out / "logs").exists() else {}
+    assert job.returncode == 0, job.stderr[-2000:] + "".join(text[-1500:] for text in logs.values())
+    summary = json.loads(job.stdout.strip().splitlines()[-1])
+    per_step = cfg.algorithm.prompts_per_step * cfg.data.n
+    assert summary["steps"] == STEPS and summary["samples_trained"] == STEPS * per_step
+
+    assert {"trainer-0.log", "trainer-rank1-0.log"} <= set(logs), sorted(logs)
+    for name, rank in (("trainer-0.log", 0), ("trainer-rank1-0.log", 1)):
+        assert f"rank {rank} of 2 joined the process group" in logs[name]
+
+    # The KV is gone with the embedded server: metrics.jsonl holds the steps as the producer
+    # merged them, each rank's log its own line per step.
+    merged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["step"], m["samples"]) for m in merged] == [(step, per_step) for step in range(STEPS)]
+    losses = {name: [line.rsplit("loss ", 1)[1] for line in logs[name].splitlines() if ": reward " in line]
+              for name in ("trainer-0.log", "trainer-rank1-0.log")}
+    assert losses["trainer-0.log"] == losses["trainer-rank1-0.log"] and len(losses["trainer-0.log"]) == STEPS
+
+    checkpoints = out / "checkpoints"
+    assert (checkpoints / "fsdp.pt").exists()
+    assert {p.name for p in (checkpoints / "fsdp.pt.d" / f"step-{STEPS}").iterdir()} >= {"rank0.pt", "rank1.pt", ".metadata"}
