@@ -174,6 +174,15 @@ class WeightsConfig(Section):
     stall_seconds: float = Field(10.0, gt=0)
     """object_store: a fetch with no chunk arriving for this long gives up (the worker keeps its
     weights; the next version is fetched when it comes)."""
+    delta: bool = False
+    """Publish delta versions: per tensor only the elements whose bits changed since the version
+    published before (`engines.weight_delta`), with a full version every `full_every` versions and
+    at every trainer start. Rollout workers keep a CPU copy of the version they serve to apply
+    deltas onto; one without the base pulls the chain's full version first (docs/weights.md)."""
+    full_every: int = Field(8, ge=1)
+    """With `delta`: versions per chain, its full version included (1: every version full). A
+    worker that joins late fetches the chain's full version and at most `full_every - 1` deltas;
+    the store keeps the whole current chain besides the `keep` versions written last."""
 
     @field_validator("transport")
     @classmethod

@@ -40,6 +40,7 @@ from consumers.weights.filesystem import FilesystemTransport
 from consumers.weights.object_store import ObjectStoreTransport
 from engines.weights import ChecksumMismatch, Receiver, WeightsRefused, manifest_of, serialize
 from schemas import WeightVersionEvent
+from schemas.events import WeightShard
 from schemas.config import ConfigError, parse_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -327,8 +328,11 @@ def test_weights_config_is_checked_at_load() -> None:
         parse_config({"weights": {"transport": "collective"}})
     with pytest.raises(ConfigError, match=r"^config: weights\.chunk_mib:"):
         parse_config({"weights": {"chunk_mib": 0}})
-    with pytest.raises(ConfigError, match=r"^config: weights\.delta: Extra inputs are not permitted"):
-        parse_config({"weights": {"delta": True}})
+    with pytest.raises(ConfigError, match=r"^config: weights\.full_every: Input should be greater than or equal to 1"):
+        parse_config({"weights": {"delta": True, "full_every": 0}})
+    with pytest.raises(ConfigError, match=r"^config: weights\.delta: Input should be a valid boolean"):
+        parse_config({"weights": {"delta": "sometimes"}})
+    assert parse_config({"weights": {"delta": True, "full_every": 4}}).weights.full_every == 4
     assert parse_config({"weights": {"transport": "filesystem", "dir": "/w"}}).weights.dir == "/w"
 
 
@@ -351,6 +355,34 @@ def test_weight_event_says_where_its_bytes_are_or_is_refused() -> None:
         WeightVersionEvent(**{**base, "total_bytes": 63}, location="v1.safetensors")
     with pytest.raises(ValidationError, match="must be older than version"):
         WeightVersionEvent(**base, base_version=1, location="v1.safetensors")
+
+
+def test_a_delta_event_names_its_chain_and_shards_or_is_refused() -> None:
+    base = {"id": "r/weights/3", "run": "r", "version": 3, "step": 3, "location": "v3-0a0b0c0d.safetensors",
+            "manifest": manifest_of({"w": torch.zeros(4, 4), "b": torch.zeros(4)})}
+    shard = WeightShard(location="v3-0a0b0c0d.safetensors", total_bytes=20, tensors=("w", "b"))
+    delta = {**base, "base_version": 2, "full_version": 0, "total_bytes": 20, "shards": (shard,)}
+    assert WeightVersionEvent(**delta).total_bytes == 20  # less than the tensors' data: a delta
+    assert WeightVersionEvent(**{**base, "total_bytes": 80}, full_version=3).full_version == 3
+    for change, why in [
+        ({"full_version": None}, "needs its chain's full version"),
+        ({"full_version": 2, "base_version": 2}, None),  # a delta on its chain's full version
+        ({"full_version": 3}, "needs its chain's full version"),
+        ({"shards": ()}, "needs its shards"),
+        ({"shards": (shard.model_copy(update={"tensors": ("w",)}),)}, "each manifest tensor exactly once"),
+        ({"shards": (shard.model_copy(update={"tensors": ("w", "b", "w")}),)}, "each manifest tensor exactly once"),
+        ({"total_bytes": 21}, "the shards' sum"),
+        ({"shards": (shard.model_copy(update={"location": "../x"}),)}, "not an object name"),
+    ]:
+        if why is None:
+            WeightVersionEvent(**{**delta, **change})
+            continue
+        with pytest.raises(ValidationError, match=why):
+            WeightVersionEvent(**{**delta, **change})
+    with pytest.raises(ValidationError, match="own chain's full version"):
+        WeightVersionEvent(**{**base, "total_bytes": 80}, full_version=0)
+    with pytest.raises(ValidationError, match="a full version has no delta shards"):
+        WeightVersionEvent(**{**base, "total_bytes": 80}, shards=(shard,))
 
 
 # --- a short run over files --------------------------------------------------------------
