@@ -50,12 +50,24 @@ from consumers.crashpoints import (
 )
 from consumers.runtime import Runtime
 from consumers.stage import Stage, run_stage
-from consumers.weights import WeightsMissing, WeightsUnavailable, WeightTransport, transport_for
+from consumers.weights import (
+    WeightsMissing,
+    WeightsUnavailable,
+    WeightTransport,
+    transport_for,
+)
 from consumers.weights.chain import Follower
 from engines import protocols
 from engines.hf_rollout import HFRolloutEngine
 from engines.weights import WeightsRefused, check_manifest
-from schemas import DecodeError, PromptEvent, Tensor, TrajectoryEvent, WeightVersionEvent, decode
+from schemas import (
+    DecodeError,
+    PromptEvent,
+    Tensor,
+    TrajectoryEvent,
+    WeightVersionEvent,
+    decode,
+)
 
 log = logging.getLogger("jetrl.rollout")
 
@@ -239,7 +251,8 @@ class Rollout:
         if event.transport not in self.transports:
             topology = self.rt.topology
             self.transports[event.transport] = transport_for(
-                self.rt.config.weights, self.rt.js, topology.object_bucket, topology.run, event.transport
+                self.rt.config.weights, self.rt.js, topology.object_bucket, topology.run, event.transport,
+                member_id=self.rt.source,
             )
         return self.transports[event.transport]
 

@@ -42,6 +42,7 @@ from consumers.crashpoints import (
     TRAINER_MID_CHECKPOINT,
     TRAINER_MID_STEP,
 )
+from consumers.membership import member_ids
 from consumers.runtime import Runtime
 from consumers.stage import Stage, run_stage
 from consumers.trainer_loggers import scalars, step_loggers
@@ -145,10 +146,13 @@ class Trainer:
         self.history = UpdateHistory()
         self.batches: JetStreamContext.PushSubscription | None = None
         self.weights = Publisher(
-            transport_for(self.cfg.weights, rt.js, rt.topology.object_bucket, rt.topology.run),
+            transport_for(
+                self.cfg.weights, rt.js, rt.topology.object_bucket, rt.topology.run,
+                members=lambda: member_ids(rt.js, rt.topology, "rollout"),
+            ),
             self.cfg.weights, rt.topology.run, rt.source, rank=rank,
         )
-        """Full or delta versions (`weights.delta`); only rank 0 publishes today."""
+        """Full or delta versions (`weights.delta`), or broadcasts; only rank 0 publishes today."""
 
     async def setup(self) -> None:
         """Resume from the checkpoint, or publish version 0 (what every rollout worker starts
@@ -230,6 +234,7 @@ class Trainer:
             # An election while storing is ridden out in there rather than restarting the trainer.
             event = await self.weights.publish(version, tensors)
             await rt.publisher.publish(WEIGHTS, event)
+            await self.weights.announced(version, tensors)  # collective: the broadcast, in a thread
 
     async def record(self, metrics: dict[str, Any]) -> None:
         """The step's metrics to KV (the producer and the audit read them) and the loggers.
@@ -271,6 +276,7 @@ class Trainer:
     async def close(self) -> None:
         if self.batches is not None:
             await self.batches.unsubscribe()
+        await self.weights.close()
         for logger in self.loggers:
             logger.close()
 

@@ -378,7 +378,8 @@ class WeightVersionEvent(Event):
     name `nccl`, which the first schema documented for the last, is read as `collective`."""
     location: str = Field(min_length=1, max_length=4096)
     """object_store: the object's name in the run's bucket (letters, digits, `._-`);
-    filesystem: the file's absolute path, ending in `.safetensors`; collective: the group's address."""
+    filesystem: the file's absolute path, ending in `.safetensors`; collective: the trainer's
+    rendezvous store, `host:port`."""
     format: Literal["safetensors"] = "safetensors"
     """Serialization of the bytes."""
     manifest: tuple[TensorSpec, ...]
@@ -393,6 +394,11 @@ class WeightVersionEvent(Event):
     shards: tuple[WeightShard, ...] = ()
     """A delta's payloads, one per trainer rank (`location` and `total_bytes` name the first and
     the sum); empty for a full version, whose bytes are at `location`."""
+    fallback_transport: Literal["object_store", "filesystem"] | None = None
+    """collective: the transport the version is also stored with, for a worker that misses the
+    broadcast (joined late, dropped from the group); `total_bytes` is that copy's size."""
+    fallback_location: str | None = Field(None, min_length=1, max_length=4096)
+    """collective: where that copy is, as `location` says for `fallback_transport`."""
 
     @model_validator(mode="before")
     @classmethod
@@ -406,6 +412,12 @@ class WeightVersionEvent(Event):
         if self.base_version is not None and self.base_version >= self.version:
             raise ValueError(f"base_version {self.base_version} must be older than version {self.version}")
         _check_location(self.transport, self.location)
+        if (self.fallback_transport is None) != (self.fallback_location is None):
+            raise ValueError("fallback_transport and fallback_location come together")
+        if self.fallback_transport is not None and self.fallback_location is not None:
+            if self.transport != "collective":
+                raise ValueError(f"a fallback copy is for collective versions, not {self.transport}")
+            _check_location(self.fallback_transport, self.fallback_location)
         names = [spec.name for spec in self.manifest]
         if len(set(names)) != len(names):
             raise ValueError("manifest names a tensor twice")

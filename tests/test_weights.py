@@ -33,15 +33,28 @@ from pydantic import ValidationError
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
-from bus.objects import ObjectMissing, ObjectStalled, delete_object, list_objects, object_info, read_chunks
+from bus.objects import (
+    ObjectMissing,
+    ObjectStalled,
+    delete_object,
+    list_objects,
+    object_info,
+    read_chunks,
+)
 from bus.topology import Topology
 from consumers.weights import WeightsMissing, publish_version
 from consumers.weights.filesystem import FilesystemTransport
 from consumers.weights.object_store import ObjectStoreTransport
-from engines.weights import ChecksumMismatch, Receiver, WeightsRefused, manifest_of, serialize
+from engines.weights import (
+    ChecksumMismatch,
+    Receiver,
+    WeightsRefused,
+    manifest_of,
+    serialize,
+)
 from schemas import WeightVersionEvent
-from schemas.events import WeightShard
 from schemas.config import ConfigError, parse_config
+from schemas.events import WeightShard
 
 ROOT = Path(__file__).resolve().parent.parent
 MB = 1 << 20
@@ -324,8 +337,15 @@ def test_filesystem_keeps_the_last_versions_and_a_reader_keeps_what_it_opened(tm
 
 
 def test_weights_config_is_checked_at_load() -> None:
-    with pytest.raises(ConfigError, match=r"^config: weights\.transport: collective is not wired yet"):
-        parse_config({"weights": {"transport": "collective"}})
+    assert parse_config({"weights": {"transport": "collective"}}).weights.fallback == "object_store"
+    with pytest.raises(ConfigError, match=r"^config: weights: .*collective broadcasts full versions"):
+        parse_config({"weights": {"transport": "collective", "delta": True}})
+    with pytest.raises(ConfigError, match=r"^config: weights\.collective: .*nccl needs cuda:N"):
+        parse_config({"weights": {"transport": "collective", "collective": {"backend": "nccl"}}})
+    with pytest.raises(ConfigError, match=r"^config: weights\.fallback: "):
+        parse_config({"weights": {"transport": "collective", "fallback": "collective"}})
+    with pytest.raises(ConfigError, match=r"^config: weights\.collective\.join_timeout: Extra inputs"):
+        parse_config({"weights": {"collective": {"join_timeout": 3}}})
     with pytest.raises(ConfigError, match=r"^config: weights\.chunk_mib:"):
         parse_config({"weights": {"chunk_mib": 0}})
     with pytest.raises(ConfigError, match=r"^config: weights\.full_every: Input should be greater than or equal to 1"):
@@ -355,6 +375,15 @@ def test_weight_event_says_where_its_bytes_are_or_is_refused() -> None:
         WeightVersionEvent(**{**base, "total_bytes": 63}, location="v1.safetensors")
     with pytest.raises(ValidationError, match="must be older than version"):
         WeightVersionEvent(**base, base_version=1, location="v1.safetensors")
+    collective = {**base, "transport": "collective", "location": "10.0.0.1:29500", "fallback_transport": "filesystem"}
+    assert WeightVersionEvent(**collective, fallback_location="/w/r/v1-0a0b0c0d.safetensors").fallback_location
+    with pytest.raises(ValidationError, match="absolute path"):
+        WeightVersionEvent(**collective, fallback_location="v1.safetensors")
+    with pytest.raises(ValidationError, match="come together"):
+        WeightVersionEvent(**collective)
+    with pytest.raises(ValidationError, match="for collective versions, not object_store"):
+        WeightVersionEvent(**{**collective, "transport": "object_store", "location": "v1.safetensors"},
+                           fallback_location="/w/r/v1-0a0b0c0d.safetensors")
 
 
 def test_a_delta_event_names_its_chain_and_shards_or_is_refused() -> None:

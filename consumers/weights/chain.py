@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 import torch
 
 from bus.election import ride_out
+from consumers.weights.collective import CollectiveTransport
 from consumers.weights.transport import WeightsMissing, WeightTransport, publish_version
 from engines.delta_plan import Chain, assign_shards, next_publication, plan_fetch
 from engines.weight_delta import apply_delta, encode_shard
@@ -39,7 +40,8 @@ full version, published before the event being followed; WeightsMissing for any 
 
 
 class Publisher:
-    """Publishes the trainer's versions, full or delta as `weights.delta` and `full_every` say.
+    """Publishes the trainer's versions, full or delta as `weights.delta` and `full_every` say
+    (collective: a full version stored through `weights.fallback`, then broadcast).
 
     `rank` of `world` encodes its own shard of each delta; today rank 0 publishes with world 1
     (data-parallel ranks would each store a shard and rank 0 announce them all)."""
@@ -58,6 +60,9 @@ class Publisher:
     async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> WeightVersionEvent:
         """Store `version` (`tensors`: CPU copies in the published dtype, not changed after);
         the event that announces it."""
+        if isinstance(self.transport, CollectiveTransport):  # the copy stored first, announced with the address
+            store = self.transport.fallback(self.config.fallback)
+            return self.transport.event(await publish_version(store, self.run, self.source, version, tensors))
         if not self.config.delta:
             return await publish_version(self.transport, self.run, self.source, version, tensors)
         base_version, chain = next_publication(version, self.chain, self.config.full_every)
@@ -72,6 +77,15 @@ class Publisher:
         self.chain = chain
         self.base = tensors
         return event
+
+    async def announced(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """After `version`'s event is out: collective starts its broadcast (workers wait for it)."""
+        if isinstance(self.transport, CollectiveTransport):
+            await self.transport.broadcast(version, tensors)
+
+    async def close(self) -> None:
+        if isinstance(self.transport, CollectiveTransport):
+            await self.transport.close()
 
     async def _delta(
         self, version: int, base_version: int, full_version: int, tensors: dict[str, torch.Tensor]

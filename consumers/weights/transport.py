@@ -10,7 +10,7 @@ transports (`object_store`, `filesystem`) differ only in where the bytes live; t
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection
+from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
 from typing import ClassVar, NamedTuple, Protocol
 
@@ -66,13 +66,27 @@ class WeightTransport(Protocol):
 
 
 def transport_for(
-    config: WeightsConfig, js: JetStream, bucket: str, run: str, name: TransportName | None = None
+    config: WeightsConfig, js: JetStream, bucket: str, run: str, name: TransportName | None = None, *,
+    members: Callable[[], Awaitable[list[str]]] | None = None, member_id: str = "",
 ) -> WeightTransport:
     """The transport `name` (default: the configured one) of run `run`, whose object store is `bucket`.
 
     A reader builds the one its event names: the config says what the trainer publishes with.
+    collective: `members` (the trainer's: the live rollout workers' ids) or `member_id` (a
+    worker's own id); its fallback copies go through the transport the event names.
     """
     name = name or config.transport
+    if name == "collective":
+        from consumers.weights.collective import CollectiveTransport
+
+        stores: dict[TransportName, WeightTransport] = {}
+
+        def fallback(store: TransportName) -> WeightTransport:
+            if store not in stores:
+                stores[store] = transport_for(config, js, bucket, run, store)
+            return stores[store]
+
+        return CollectiveTransport(config, fallback, members, member_id)
     if name == "object_store":
         from consumers.weights.object_store import ObjectStoreTransport
 
@@ -85,7 +99,7 @@ def transport_for(
                 f"weights.dir {config.dir!r} is not an absolute path (the producer fills it in; set it in the run config)"
             )
         return FilesystemTransport(Path(config.dir) / run, config.keep)
-    raise WeightsRefused(f"weights transport {name} is not wired yet")
+    raise WeightsRefused(f"unknown weights transport {name}")
 
 
 async def publish_version(
