@@ -417,14 +417,14 @@ def test_a_delta_event_names_its_chain_and_shards_or_is_refused() -> None:
 # --- a short run over files --------------------------------------------------------------
 
 
-@pytest.mark.timeout(240)
-def test_a_run_with_filesystem_transport_serves_versions_from_files(tmp_path: Path) -> None:
-    run, steps = f"fs{uuid.uuid4().hex[:8]}", 3
+def short_run(tmp_path: Path, weights: dict, steps: int) -> tuple[str, Path]:
+    """A whole run of `steps` steps (`producers.prompts` starts every role) with `weights`; (run, out)."""
+    run = f"fs{uuid.uuid4().hex[:8]}"
     config = {
         "run": run, "model": {"hidden": 32, "layers": 1},
         "data": {"n": 4, "sampling": {"max_tokens": 6}},
         "algorithm": {"prompts_per_step": 2}, "reward": {"processes": 1},
-        "weights": {"transport": "filesystem", "keep": 2},
+        "weights": weights,
     }
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     out = tmp_path / "out"
@@ -436,9 +436,31 @@ def test_a_run_with_filesystem_transport_serves_versions_from_files(tmp_path: Pa
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert (out / "weights" / run).is_dir(), f"no weights directory for run {run} under {out}"
+    return run, out
+
+
+@pytest.mark.timeout(240)
+def test_a_run_with_filesystem_transport_serves_versions_from_files(tmp_path: Path) -> None:
+    steps = 3
+    run, out = short_run(tmp_path, {"transport": "filesystem", "keep": 2}, steps)
     files = sorted(p.name for p in (out / "weights" / run).iterdir())
     assert len(files) == 2 and all(name.endswith(".safetensors") for name in files), files
     assert {name.split("-")[0] for name in files} == {f"v{steps - 1}", f"v{steps}"}, files
     served = (out / "logs" / "rollout-0.log").read_text()
     assert "now serving weights v1" in served, served[-3000:]
     assert "weights refused" not in served, served[-3000:]
+
+
+@pytest.mark.timeout(240)
+def test_a_run_with_delta_versions_serves_every_version_and_keeps_the_chain(tmp_path: Path) -> None:
+    """v0 full, v1..v3 deltas on it: the rollout serves v3 (each delta checked against its
+    checksum), and the whole chain is kept though `keep` is 2."""
+    steps = 3
+    run, out = short_run(tmp_path, {"transport": "filesystem", "keep": 2, "delta": True, "full_every": 4}, steps)
+    files = sorted(p.name for p in (out / "weights" / run).iterdir())
+    assert {name.split("-")[0] for name in files} == {f"v{v}" for v in range(steps + 1)}, files
+    sizes = {name.split("-")[0]: (out / "weights" / run / name).stat().st_size for name in files}
+    assert all(sizes[f"v{v}"] < sizes["v0"] for v in range(1, steps + 1)), sizes
+    served = (out / "logs" / "rollout-0.log").read_text()
+    assert f"now serving weights v{steps}" in served, served[-3000:]
+    assert "weights refused" not in served and "not loaded" not in served, served[-3000:]
