@@ -147,3 +147,8 @@ async def live_members(js: JetStreamContext, topology: Topology) -> list[Member]
             continue  # expired or left since the listing
         members.append(Member.model_validate_json(entry.value or b""))
     return sorted(members, key=lambda m: (m.role, m.node, m.pid))
+
+
+async def member_ids(js: JetStreamContext, topology: Topology, role: str) -> list[str]:
+    """The worker ids (host:pid:role, `bus.connection.worker_id`) of `role`'s live members."""
+    return [f"{m.node}:{m.pid}:{m.role}" for m in await live_members(js, topology) if m.role == role]

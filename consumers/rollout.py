@@ -9,6 +9,7 @@
         each prompt's future
     weights watcher: new WeightVersionEvent -> check its manifest against the model,
         fetch + verify bytes with the transport the event names (`consumers.weights`;
+        a delta is applied onto the worker's CPU copy of its version, `consumers.weights.chain`;
         generation goes on meanwhile) -> close the gate (no new generation starts), drain
         the running ones, load in a thread (the event loop keeps heartbeating), reopen; a
         version that fails is dead-lettered, never loaded (one whose bytes were pruned
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import nats.errors
+import nats.js.errors
 import numpy as np
 import torch
 from nats.aio.msg import Msg
@@ -48,11 +50,24 @@ from consumers.crashpoints import (
 )
 from consumers.runtime import Runtime
 from consumers.stage import Stage, run_stage
-from consumers.weights import WeightsMissing, WeightsUnavailable, WeightTransport, transport_for
+from consumers.weights import (
+    WeightsMissing,
+    WeightsUnavailable,
+    WeightTransport,
+    transport_for,
+)
+from consumers.weights.chain import Follower
 from engines import protocols
 from engines.hf_rollout import HFRolloutEngine
 from engines.weights import WeightsRefused, check_manifest
-from schemas import DecodeError, PromptEvent, Tensor, TrajectoryEvent, WeightVersionEvent, decode
+from schemas import (
+    DecodeError,
+    PromptEvent,
+    Tensor,
+    TrajectoryEvent,
+    WeightVersionEvent,
+    decode,
+)
 
 log = logging.getLogger("jetrl.rollout")
 
@@ -84,6 +99,8 @@ class Rollout:
         self.idle.set()
         self.transports: dict[str, WeightTransport] = {}
         """By name, made when an event first names one: the event says where its bytes are."""
+        self.chain = Follower()
+        """The CPU copy of the version served, which deltas apply onto (`weights.delta`)."""
 
     def token_ids(self, prompt: PromptEvent) -> list[int]:
         if prompt.token_ids is not None:
@@ -199,7 +216,7 @@ class Rollout:
         async for msg in sub.messages:
             try:
                 event = decode(msg.data, WeightVersionEvent)
-                await self.load_weights(event)
+                await self.load_weights(event, msg.metadata.sequence.stream)
             except WeightsMissing as exc:  # pruned: gone only once newer versions were stored
                 newer = await self.superseded(event)
                 if newer is None:
@@ -234,20 +251,47 @@ class Rollout:
         if event.transport not in self.transports:
             topology = self.rt.topology
             self.transports[event.transport] = transport_for(
-                self.rt.config.weights, self.rt.js, topology.object_bucket, topology.run, event.transport
+                self.rt.config.weights, self.rt.js, topology.object_bucket, topology.run, event.transport,
+                member_id=self.rt.source,
             )
         return self.transports[event.transport]
 
-    async def load_weights(self, event: WeightVersionEvent) -> None:
+    async def earlier(self, seq: int, versions: set[int], full: int) -> dict[int, WeightVersionEvent]:
+        """The events of `versions` on the chain from full version `full`, looked up backwards
+        on the `weights` stream from sequence `seq` (the event being loaded): the nearest one of
+        each version, since a trainer resumed from a checkpoint publishes a version again. The
+        walk ends at the chain's full version (at most `full_every` versions back)."""
+        found: dict[int, WeightVersionEvent] = {}
+        stream = self.rt.topology.stream(WEIGHTS)
+        while seq > 1 and not versions <= set(found):
+            seq -= 1
+            try:
+                raw = await self.rt.js.get_msg(stream, seq)
+                event = decode(raw.data or b"", WeightVersionEvent)
+            except nats.js.errors.NotFoundError:
+                break  # aged out of the stream: older ones are too
+            except DecodeError:
+                continue
+            if event.version in versions and event.full_version == full and event.version not in found:
+                found[event.version] = event
+            if event.version == full and event.base_version is None:
+                break
+        return found
+
+    async def load_weights(self, event: WeightVersionEvent, seq: int = 0) -> None:
         """Serve `event`'s weights if they are newer; WeightsRefused if they do not fit the model.
 
-        The bytes are fetched and verified while generation goes on; only then is the gate
-        closed, the running generations drained and the tensors copied in. A fetch that
-        fails leaves the model as it was."""
+        The bytes are fetched and verified while generation goes on (a delta is applied onto
+        the worker's CPU copy then too; `seq`: the event's stream sequence, from which the
+        events of its chain are looked up); only then is the gate closed, the running
+        generations drained and the tensors copied in. A fetch that fails leaves the model as
+        it was."""
         if event.version <= self.engine.version:
             return
         check_manifest(event.manifest, self.engine.model)  # before a byte is fetched
-        tensors = await self.transport(event).fetch(event)
+        tensors = await self.chain.fetch(
+            event, self.transport, lambda versions, full: self.earlier(seq, versions, full)
+        )
         self.gate.clear()  # no new generation starts ...
         while self.running:  # ... and the running ones finish first
             await self.idle.wait()

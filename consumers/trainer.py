@@ -8,7 +8,8 @@ stream sequence of the last batch trained on, and a restart reads from the next 
     for each step s:
       collect   micro_count micro-batches of step s (refused ones dead-lettered, still counted)
       train     train_step -> metrics; every sync_every: weights v = s + 1 through the weight
-                transport (object store or files), WeightVersionEvent (in the step's trace)
+                transport (object store or files; full, or a delta on the version before),
+                WeightVersionEvent (in the step's trace)
       record    KV metrics.<rank>.<s> (the step's sample ids with them), step loggers
       checkpoint  every checkpoint_every: model, optimizer, RNG, last sequence, and the update
                 history as a hash chain (constant size: `consumers.update_history`)
@@ -45,12 +46,14 @@ from consumers.crashpoints import (
     TRAINER_MID_CHECKPOINT,
     TRAINER_MID_STEP,
 )
+from consumers.membership import member_ids
 from consumers.runtime import CannotAttach, Runtime
 from consumers.stage import Stage, run_stage
 from consumers.trainer_dist import Group, join, leave, make_engine, watch
 from consumers.trainer_loggers import scalars, step_loggers
 from consumers.update_history import UpdateHistory
-from consumers.weights import publish_version, transport_for
+from consumers.weights import transport_for
+from consumers.weights.chain import VersionPublisher
 from engines.device import resolve_device
 from engines.protocols import MicroBatch
 from engines.torch_train import LossConfig
@@ -150,7 +153,14 @@ class Trainer:
         """Stream sequence of the last batch the model holds (trained on, or refused in a trained step)."""
         self.history = UpdateHistory()
         self.batches: JetStreamContext.PushSubscription | None = None
-        self.weights = transport_for(self.cfg.weights, rt.js, rt.topology.object_bucket, rt.topology.run)
+        self.weights = VersionPublisher(
+            transport_for(
+                self.cfg.weights, rt.js, rt.topology.object_bucket, rt.topology.run,
+                members=lambda: member_ids(rt.js, rt.topology, "rollout"),
+            ),
+            self.cfg.weights, rt.topology.run, rt.source, rank=rank,
+        )
+        """Full or delta versions (`weights.delta`), or broadcasts; only rank 0 publishes today."""
 
     async def setup(self) -> None:
         """Resume from the checkpoint, or publish version 0 (what every rollout worker starts
@@ -233,15 +243,17 @@ class Trainer:
 
     async def publish_weights(self) -> None:
         """The engine's weights as version `engine.step`: bytes through the configured transport
-        (`weights.transport`: object store or files), then the event that says where they are."""
+        (`weights.transport`: object store or files; a full version or, with `weights.delta`, the
+        changes since the version published before), then the event that says where they are."""
         rt, version = self.rt, self.engine.step
         with tracing.tracer.start_as_current_span(
             "publish weights", attributes={"jetrl.weight_version": version, "jetrl.run": rt.topology.run}
         ):
             tensors = self.engine.export_weights()
             # An election while storing is ridden out in there rather than restarting the trainer.
-            event = await publish_version(self.weights, rt.topology.run, rt.source, version, tensors)
+            event = await self.weights.publish(version, tensors)
             await rt.publisher.publish(WEIGHTS, event)
+            await self.weights.announced(version, tensors)  # collective: the broadcast, in a thread
 
     async def record(self, metrics: dict[str, Any]) -> None:
         """The step's metrics to KV (the producer and the audit read them) and the loggers.
@@ -283,6 +295,7 @@ class Trainer:
     async def close(self) -> None:
         if self.batches is not None:
             await self.batches.unsubscribe()
+        await self.weights.close()
         for logger in self.loggers:
             logger.close()
         leave(self.group)

@@ -3,7 +3,7 @@
 One trainer rank encodes one shard (the tensors `engines.delta_plan.assign_shards` gives it)
 into one safetensors payload; a worker applies every shard of a version onto its copy of the
 base version, in place, and checks each result tensor against the sha256 the version's
-manifest gives for it (`engines.weights._sha256`: the full result's raw bytes).
+manifest gives for it (`engines.weights.tensor_sha256`: the full result's raw bytes).
 
 Per tensor, one of four encodings (the header says which):
 - ``same``: no element changed; nothing is stored.
@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load, save
 
-from engines.weights import ChecksumMismatch, WeightsRefused, _dtype_name, _sha256
+from engines.weights import ChecksumMismatch, WeightsRefused, dtype_name, tensor_sha256
 from schemas.events import TensorSpec
 from schemas.tensor import DType
 
@@ -160,7 +160,7 @@ def encode_shard(
     for name in names:
         tensor = new[name].contiguous()
         fields, stored = _encode(base.get(name) if base_version is not None else None, tensor)
-        spec = TensorSpec(name=name, dtype=_dtype_name(tensor), shape=tuple(tensor.shape), sha256=_sha256(tensor))
+        spec = TensorSpec(name=name, dtype=dtype_name(tensor), shape=tuple(tensor.shape), sha256=tensor_sha256(tensor))
         entries.append(TensorDelta.model_validate({**spec.model_dump(), **fields}))
         specs.append(spec)
         if stored is not None:
@@ -268,20 +268,20 @@ def _apply_entry(
     name = entry.name
     if entry.encoding == "full":
         assert stored is not None  # read_shard checked it
-        if _dtype_name(stored) != entry.dtype or tuple(stored.shape) != entry.shape:
+        if dtype_name(stored) != entry.dtype or tuple(stored.shape) != entry.shape:
             raise ChecksumMismatch(f"shard {header.rank}: tensor {name}: stored dtype or shape differs from its header")
         undo.append((name, weights.get(name), None, None))
         weights[name] = stored
     else:
         tensor = weights[name]
-        if _dtype_name(tensor) != entry.dtype or tuple(tensor.shape) != entry.shape or not tensor.is_contiguous():
+        if dtype_name(tensor) != entry.dtype or tuple(tensor.shape) != entry.shape or not tensor.is_contiguous():
             raise WeightsRefused(f"base tensor {name} is not a contiguous {entry.dtype} {list(entry.shape)}")
         if entry.encoding != "same":
             assert stored is not None
             where, changes = _changes(header, entry, stored, tensor.numel())
             _shift(_bits(tensor), where, changes, +1)
             undo.append((name, None, where, changes))
-    if _sha256(weights[name]) != entry.sha256:
+    if tensor_sha256(weights[name]) != entry.sha256:
         raise ChecksumMismatch(
             f"tensor {name}: v{header.base_version} + delta does not give v{header.version}'s checksum "
             "(wrong base or corrupt delta); weights left at the base"

@@ -160,9 +160,38 @@ class RewardConfig(Section):
     """Reward worker pool size."""
 
 
-WIRED_TRANSPORTS = ("object_store", "filesystem")
-"""The transports this version can move weights with."""
 MIB = 1 << 20
+
+
+class CollectiveConfig(Section):
+    """`weights.collective`: the broadcast from trainer rank 0 (`engines.collective.CollectiveSettings`)."""
+
+    backend: Literal["gloo", "nccl"] = "gloo"
+    """`gloo` (CPU; CI) or `nccl` (GPUs: one per rank, buckets on `device`)."""
+    device: str = "cpu"
+    """Where buckets and a receiver's staging buffer live: `cpu` for gloo, `cuda:N` for nccl."""
+    bucket_mib: int = Field(64, ge=1)
+    """MiB per broadcast; the trainer holds two buckets, a worker one buffer of the version's size."""
+    op_timeout_s: float = Field(30.0, gt=0)
+    """Longest one bucket's broadcast may take before the attempt fails and the group is rebuilt
+    without the stalled member."""
+    join_timeout_s: float = Field(30.0, gt=0)
+    """How long the trainer waits for workers to check in to a version, and a worker for the
+    trainer's plan; also what a dead worker still listed as a member costs each version."""
+    max_attempts: int = Field(3, ge=1)
+    """Attempts per version (each failure rebuilds the group) before the trainer gives up on it;
+    workers then catch up from the fallback copy."""
+    host: str = "127.0.0.1"
+    """Address the trainer's rendezvous store listens on and announces (one every rollout
+    worker reaches: the trainer node's address on a cluster)."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port of the rendezvous store; 0: any free port (announced in each weights event)."""
+
+    @model_validator(mode="after")
+    def _device(self) -> CollectiveConfig:
+        if (self.backend == "nccl") != self.device.startswith("cuda"):
+            raise ValueError(f"backend {self.backend} with device {self.device!r}: nccl needs cuda:N, gloo cpu")
+        return self
 
 
 class WeightsConfig(Section):
@@ -171,7 +200,13 @@ class WeightsConfig(Section):
     `weights` says where each version is): `object_store`, the run's JetStream object store,
     streamed in chunks (models up to about 1 GB); `filesystem`, a safetensors file per version
     under `dir`, on a node-local or shared filesystem, read with mmap (any size);
-    `collective`, a torch.distributed broadcast (not wired yet: refused at load)."""
+    `collective`, a torch.distributed broadcast from trainer rank 0 (`collective`), every
+    version also stored through `fallback` for workers that miss it."""
+    fallback: Literal["object_store", "filesystem"] = "object_store"
+    """collective: where every version is also stored, for a worker that joined late or missed
+    a broadcast (it fetches the version there)."""
+    collective: CollectiveConfig = CollectiveConfig()
+    """collective: the broadcast's settings."""
     dir: str = ""
     """filesystem: the directory versions are written under, as `<dir>/<run>/v<version>-<token>.safetensors`;
     the trainer and every rollout worker of the run must see it at the same path. Empty: `weights`
@@ -191,13 +226,21 @@ class WeightsConfig(Section):
     stall_seconds: float = Field(10.0, gt=0)
     """object_store: a fetch with no chunk arriving for this long gives up (the worker keeps its
     weights; the next version is fetched when it comes)."""
+    delta: bool = False
+    """Publish delta versions: per tensor only the elements whose bits changed since the version
+    published before (`engines.weight_delta`), with a full version every `full_every` versions and
+    at every trainer start. Rollout workers keep a CPU copy of the version they serve to apply
+    deltas onto; one without the base pulls the chain's full version first (docs/weights.md)."""
+    full_every: int = Field(8, ge=1)
+    """With `delta`: versions per chain, its full version included (1: every version full). A
+    worker that joins late fetches the chain's full version and at most `full_every - 1` deltas;
+    the store keeps the whole current chain besides the `keep` versions written last."""
 
-    @field_validator("transport")
-    @classmethod
-    def _wired(cls, value: str) -> str:
-        if value not in WIRED_TRANSPORTS:
-            raise ValueError(f"{value} is not wired yet; use {' or '.join(WIRED_TRANSPORTS)}")
-        return value
+    @model_validator(mode="after")
+    def _delta_moves_bytes(self) -> WeightsConfig:
+        if self.delta and self.transport == "collective":
+            raise ValueError("delta versions go through object_store or filesystem; collective broadcasts full versions")
+        return self
 
     @property
     def chunk_bytes(self) -> int:

@@ -33,14 +33,28 @@ from pydantic import ValidationError
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
-from bus.objects import ObjectMissing, ObjectStalled, delete_object, list_objects, object_info, read_chunks
+from bus.objects import (
+    ObjectMissing,
+    ObjectStalled,
+    delete_object,
+    list_objects,
+    object_info,
+    read_chunks,
+)
 from bus.topology import Topology
 from consumers.weights import WeightsMissing, publish_version
 from consumers.weights.filesystem import FilesystemTransport
 from consumers.weights.object_store import ObjectStoreTransport
-from engines.weights import ChecksumMismatch, Receiver, WeightsRefused, manifest_of, serialize
+from engines.weights import (
+    ChecksumMismatch,
+    Receiver,
+    WeightsRefused,
+    manifest_of,
+    serialize,
+)
 from schemas import WeightVersionEvent
 from schemas.config import ConfigError, parse_config
+from schemas.events import WeightShard
 
 ROOT = Path(__file__).resolve().parent.parent
 MB = 1 << 20
@@ -323,12 +337,22 @@ def test_filesystem_keeps_the_last_versions_and_a_reader_keeps_what_it_opened(tm
 
 
 def test_weights_config_is_checked_at_load() -> None:
-    with pytest.raises(ConfigError, match=r"^config: weights\.transport: collective is not wired yet"):
-        parse_config({"weights": {"transport": "collective"}})
+    assert parse_config({"weights": {"transport": "collective"}}).weights.fallback == "object_store"
+    with pytest.raises(ConfigError, match=r"^config: weights: .*collective broadcasts full versions"):
+        parse_config({"weights": {"transport": "collective", "delta": True}})
+    with pytest.raises(ConfigError, match=r"^config: weights\.collective: .*nccl needs cuda:N"):
+        parse_config({"weights": {"transport": "collective", "collective": {"backend": "nccl"}}})
+    with pytest.raises(ConfigError, match=r"^config: weights\.fallback: "):
+        parse_config({"weights": {"transport": "collective", "fallback": "collective"}})
+    with pytest.raises(ConfigError, match=r"^config: weights\.collective\.join_timeout: Extra inputs"):
+        parse_config({"weights": {"collective": {"join_timeout": 3}}})
     with pytest.raises(ConfigError, match=r"^config: weights\.chunk_mib:"):
         parse_config({"weights": {"chunk_mib": 0}})
-    with pytest.raises(ConfigError, match=r"^config: weights\.delta: Extra inputs are not permitted"):
-        parse_config({"weights": {"delta": True}})
+    with pytest.raises(ConfigError, match=r"^config: weights\.full_every: Input should be greater than or equal to 1"):
+        parse_config({"weights": {"delta": True, "full_every": 0}})
+    with pytest.raises(ConfigError, match=r"^config: weights\.delta: Input should be a valid boolean"):
+        parse_config({"weights": {"delta": "sometimes"}})
+    assert parse_config({"weights": {"delta": True, "full_every": 4}}).weights.full_every == 4
     assert parse_config({"weights": {"transport": "filesystem", "dir": "/w"}}).weights.dir == "/w"
 
 
@@ -351,19 +375,56 @@ def test_weight_event_says_where_its_bytes_are_or_is_refused() -> None:
         WeightVersionEvent(**{**base, "total_bytes": 63}, location="v1.safetensors")
     with pytest.raises(ValidationError, match="must be older than version"):
         WeightVersionEvent(**base, base_version=1, location="v1.safetensors")
+    collective = {**base, "transport": "collective", "location": "10.0.0.1:29500", "fallback_transport": "filesystem"}
+    assert WeightVersionEvent(**collective, fallback_location="/w/r/v1-0a0b0c0d.safetensors").fallback_location
+    with pytest.raises(ValidationError, match="absolute path"):
+        WeightVersionEvent(**collective, fallback_location="v1.safetensors")
+    with pytest.raises(ValidationError, match="come together"):
+        WeightVersionEvent(**collective)
+    with pytest.raises(ValidationError, match="for collective versions, not object_store"):
+        WeightVersionEvent(**{**collective, "transport": "object_store", "location": "v1.safetensors"},
+                           fallback_location="/w/r/v1-0a0b0c0d.safetensors")
+
+
+def test_a_delta_event_names_its_chain_and_shards_or_is_refused() -> None:
+    base = {"id": "r/weights/3", "run": "r", "version": 3, "step": 3, "location": "v3-0a0b0c0d.safetensors",
+            "manifest": manifest_of({"w": torch.zeros(4, 4), "b": torch.zeros(4)})}
+    shard = WeightShard(location="v3-0a0b0c0d.safetensors", total_bytes=20, tensors=("w", "b"))
+    delta = {**base, "base_version": 2, "full_version": 0, "total_bytes": 20, "shards": (shard,)}
+    assert WeightVersionEvent(**delta).total_bytes == 20  # less than the tensors' data: a delta
+    assert WeightVersionEvent(**{**base, "total_bytes": 80}, full_version=3).full_version == 3
+    for change, why in [
+        ({"full_version": None}, "needs its chain's full version"),
+        ({"full_version": 2, "base_version": 2}, None),  # a delta on its chain's full version
+        ({"full_version": 3}, "needs its chain's full version"),
+        ({"shards": ()}, "needs its shards"),
+        ({"shards": (shard.model_copy(update={"tensors": ("w",)}),)}, "each manifest tensor exactly once"),
+        ({"shards": (shard.model_copy(update={"tensors": ("w", "b", "w")}),)}, "each manifest tensor exactly once"),
+        ({"total_bytes": 21}, "the shards' sum"),
+        ({"shards": (shard.model_copy(update={"location": "../x"}),)}, "not an object name"),
+    ]:
+        if why is None:
+            WeightVersionEvent(**{**delta, **change})
+            continue
+        with pytest.raises(ValidationError, match=why):
+            WeightVersionEvent(**{**delta, **change})
+    with pytest.raises(ValidationError, match="own chain's full version"):
+        WeightVersionEvent(**{**base, "total_bytes": 80}, full_version=0)
+    with pytest.raises(ValidationError, match="a full version has no delta shards"):
+        WeightVersionEvent(**{**base, "total_bytes": 80}, shards=(shard,))
 
 
 # --- a short run over files --------------------------------------------------------------
 
 
-@pytest.mark.timeout(240)
-def test_a_run_with_filesystem_transport_serves_versions_from_files(tmp_path: Path) -> None:
-    run, steps = f"fs{uuid.uuid4().hex[:8]}", 3
+def short_run(tmp_path: Path, weights: dict, steps: int) -> tuple[str, Path]:
+    """A whole run of `steps` steps (`producers.prompts` starts every role) with `weights`; (run, out)."""
+    run = f"fs{uuid.uuid4().hex[:8]}"
     config = {
         "run": run, "model": {"hidden": 32, "layers": 1},
         "data": {"n": 4, "sampling": {"max_tokens": 6}},
         "algorithm": {"prompts_per_step": 2}, "reward": {"processes": 1},
-        "weights": {"transport": "filesystem", "keep": 2},
+        "weights": weights,
     }
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     out = tmp_path / "out"
@@ -375,9 +436,31 @@ def test_a_run_with_filesystem_transport_serves_versions_from_files(tmp_path: Pa
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert (out / "weights" / run).is_dir(), f"no weights directory for run {run} under {out}"
+    return run, out
+
+
+@pytest.mark.timeout(240)
+def test_a_run_with_filesystem_transport_serves_versions_from_files(tmp_path: Path) -> None:
+    steps = 3
+    run, out = short_run(tmp_path, {"transport": "filesystem", "keep": 2}, steps)
     files = sorted(p.name for p in (out / "weights" / run).iterdir())
     assert len(files) == 2 and all(name.endswith(".safetensors") for name in files), files
     assert {name.split("-")[0] for name in files} == {f"v{steps - 1}", f"v{steps}"}, files
     served = (out / "logs" / "rollout-0.log").read_text()
     assert "now serving weights v1" in served, served[-3000:]
     assert "weights refused" not in served, served[-3000:]
+
+
+@pytest.mark.timeout(240)
+def test_a_run_with_delta_versions_serves_every_version_and_keeps_the_chain(tmp_path: Path) -> None:
+    """v0 full, v1..v3 deltas on it: the rollout serves v3 (each delta checked against its
+    checksum), and the whole chain is kept though `keep` is 2."""
+    steps = 3
+    run, out = short_run(tmp_path, {"transport": "filesystem", "keep": 2, "delta": True, "full_every": 4}, steps)
+    files = sorted(p.name for p in (out / "weights" / run).iterdir())
+    assert {name.split("-")[0] for name in files} == {f"v{v}" for v in range(steps + 1)}, files
+    sizes = {name.split("-")[0]: (out / "weights" / run / name).stat().st_size for name in files}
+    assert all(sizes[f"v{v}"] < sizes["v0"] for v in range(1, steps + 1)), sizes
+    served = (out / "logs" / "rollout-0.log").read_text()
+    assert f"now serving weights v{steps}" in served, served[-3000:]
+    assert "weights refused" not in served and "not loaded" not in served, served[-3000:]

@@ -24,6 +24,7 @@ import contextlib
 import os
 import re
 import secrets
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import ClassVar
 
@@ -33,7 +34,7 @@ from safetensors.torch import save_file
 
 from consumers.weights.transport import Stored, WeightsMissing, WeightsUnavailable
 from engines.weights import ChecksumMismatch, WeightsRefused, verify
-from schemas.events import TransportName, WeightVersionEvent
+from schemas.events import TransportName, WeightShard, WeightVersionEvent
 
 VERSION_FILE = re.compile(r"v(\d+)(?:-[0-9a-f]{8})?\.safetensors")
 """The files this transport writes (and prunes); any other file in the directory is left alone."""
@@ -52,15 +53,18 @@ class FilesystemTransport:
         self.root = root
         self.keep = keep
 
-    async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> Stored:
-        return await asyncio.to_thread(self._write, version, tensors)
+    async def publish(self, version: int, tensors: dict[str, torch.Tensor], pinned: Collection[str] = ()) -> Stored:
+        return await asyncio.to_thread(self._write, version, lambda temp: save_file(tensors, temp), pinned)
 
-    def _write(self, version: int, tensors: dict[str, torch.Tensor]) -> Stored:
+    async def publish_bytes(self, version: int, data: bytes, pinned: Collection[str] = ()) -> Stored:
+        return await asyncio.to_thread(self._write, version, lambda temp: temp.write_bytes(data), pinned)
+
+    def _write(self, version: int, write: Callable[[Path], object], pinned: Collection[str]) -> Stored:
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / file_name(version)
         temp = self.root / f".{final.name}.tmp"
         try:
-            save_file(tensors, temp)
+            write(temp)
             with open(temp, "rb") as f:
                 os.fsync(f.fileno())  # the bytes on disk before the name points at them
             os.replace(temp, final)
@@ -72,16 +76,17 @@ class FilesystemTransport:
             os.fsync(fd)  # the rename itself survives a crash
         finally:
             os.close(fd)
-        self._prune(final)
+        self._prune(final, {Path(p) for p in pinned})
         return Stored(str(final), final.stat().st_size)
 
-    def _prune(self, written: Path) -> None:
-        """Keep `written` and the `keep - 1` files written last before it (by write time, not
-        by version: a trainer resumed from an older checkpoint publishes lower versions, and
-        those are what its events announce); delete the other version files, and temporary
-        files a trainer that died mid-write left (one writer per run: none is being written)."""
+    def _prune(self, written: Path, pinned: set[Path]) -> None:
+        """Keep `written`, `pinned` (a delta chain's versions) and the `keep - 1` files written
+        last before it (by write time, not by version: a trainer resumed from an older
+        checkpoint publishes lower versions, and those are what its events announce); delete
+        the other version files, and temporary files a trainer that died mid-write left (one
+        writer per run: none is being written)."""
         files = sorted(
-            (p for p in self.root.iterdir() if p != written and VERSION_FILE.fullmatch(p.name)),
+            (p for p in self.root.iterdir() if p != written and p not in pinned and VERSION_FILE.fullmatch(p.name)),
             key=lambda p: p.stat().st_mtime_ns,
         )
         doomed = files[: max(len(files) - (self.keep - 1), 0)]
@@ -93,11 +98,31 @@ class FilesystemTransport:
     async def fetch(self, event: WeightVersionEvent) -> dict[str, torch.Tensor]:
         return await asyncio.to_thread(self._read, event)
 
-    def _read(self, event: WeightVersionEvent) -> dict[str, torch.Tensor]:
-        path = Path(event.location)
+    def _inside(self, location: str) -> Path:
+        path = Path(location)
         # An event may only point into this run's directory: not at any file a worker can read.
         if Path(os.path.realpath(path.parent)) != Path(os.path.realpath(self.root)):
             raise WeightsRefused(f"{path} is outside this run's weights directory {self.root}")
+        return path
+
+    async def fetch_bytes(self, shard: WeightShard) -> bytes:
+        """A delta shard's payload, whole; its checks are the delta's own (`apply_delta`)."""
+        return await asyncio.to_thread(self._read_bytes, shard)
+
+    def _read_bytes(self, shard: WeightShard) -> bytes:
+        path = self._inside(shard.location)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise WeightsMissing(f"{path} is missing (pruned, or never written)") from None
+        except OSError as exc:
+            raise WeightsUnavailable(f"{path}: {exc}") from None
+        if len(data) != shard.total_bytes:
+            raise ChecksumMismatch(f"{path} holds {len(data)} bytes, the event announced {shard.total_bytes}")
+        return data
+
+    def _read(self, event: WeightVersionEvent) -> dict[str, torch.Tensor]:
+        path = self._inside(event.location)
         try:
             with safe_open(path, framework="pt") as f:
                 size = path.stat().st_size

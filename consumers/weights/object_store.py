@@ -18,10 +18,12 @@ from __future__ import annotations
 import asyncio
 import re
 import secrets
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
 
 import torch
+from nats.js.api import ObjectInfo
 
 from bus.connection import JetStream
 from bus.objects import (
@@ -36,7 +38,7 @@ from bus.objects import (
 )
 from consumers.weights.transport import Stored, WeightsMissing, WeightsUnavailable
 from engines.weights import ChecksumMismatch, Receiver, WeightsRefused, serialize
-from schemas.events import TransportName, WeightVersionEvent
+from schemas.events import TransportName, WeightShard, WeightVersionEvent
 
 VERSION_OBJECT = re.compile(r"v(\d+)(?:-[0-9a-f]{8})?\.safetensors")
 """The objects this transport writes (and prunes); any other object in the bucket is left alone."""
@@ -59,34 +61,63 @@ class ObjectStoreTransport:
         # One thread, so that the hashing of one fetch runs in the order the chunks came.
         self._verifier = ThreadPoolExecutor(1, thread_name_prefix="weights-verify")
 
-    async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> Stored:
+    async def publish(self, version: int, tensors: dict[str, torch.Tensor], pinned: Collection[str] = ()) -> Stored:
         data = await asyncio.to_thread(serialize, tensors)
+        return await self.publish_bytes(version, data, pinned)
+
+    async def publish_bytes(self, version: int, data: bytes, pinned: Collection[str] = ()) -> Stored:
         name = object_name(version)
         await put_object(self.js, self.bucket, name, data, self.chunk_bytes)
-        await self.prune(name)
+        await self.prune(name, pinned)
         return Stored(name, len(data))
 
-    async def prune(self, written: str) -> None:
-        """Keep `written` and the `keep - 1` objects stored last before it (by the time in
-        their metadata, not by version: a trainer resumed from an older checkpoint publishes
-        lower versions, and those are what its events announce); delete the other versions."""
+    async def prune(self, written: str, pinned: Collection[str] = ()) -> None:
+        """Keep `written`, `pinned` (a delta chain's versions) and the `keep - 1` objects stored
+        last before it (by the time in their metadata, not by version: a trainer resumed from an
+        older checkpoint publishes lower versions, and those are what its events announce);
+        delete the other versions."""
         objects = sorted(
             (info for info in await list_objects(self.js, self.bucket)
-             if info.name != written and VERSION_OBJECT.fullmatch(info.name)),
+             if info.name != written and info.name not in pinned and VERSION_OBJECT.fullmatch(info.name)),
             key=lambda info: info.mtime or "",
         )
         for info in objects[: max(len(objects) - (self.keep - 1), 0)]:
             await delete_object(self.js, self.bucket, info.name)
 
-    async def fetch(self, event: WeightVersionEvent) -> dict[str, torch.Tensor]:
+    async def _info(self, location: str, total_bytes: int) -> ObjectInfo:
         try:
-            info = await object_info(self.js, self.bucket, event.location)
+            info = await object_info(self.js, self.bucket, location)
         except ObjectMissing as exc:
             raise WeightsMissing(str(exc)) from None
         except ObjectCorrupt as exc:
             raise WeightsRefused(str(exc)) from None
-        if info.size != event.total_bytes:
-            raise ChecksumMismatch(f"object {event.location} holds {info.size} bytes, the event announced {event.total_bytes}")
+        if info.size != total_bytes:
+            raise ChecksumMismatch(f"object {location} holds {info.size} bytes, the event announced {total_bytes}")
+        return info
+
+    async def fetch_bytes(self, shard: WeightShard) -> bytes:
+        """A delta shard's payload, whole; its checks are the delta's own (`apply_delta`)."""
+        info = await self._info(shard.location, shard.total_bytes)
+        buffer = bytearray(info.size)
+
+        def arrived(offset: int, data: bytes) -> None:
+            buffer[offset : offset + len(data)] = data
+
+        await self._read(info, arrived)
+        return bytes(buffer)
+
+    async def _read(self, info: ObjectInfo, arrived: Callable[[int, bytes], None]) -> None:
+        try:
+            await read_chunks(self.js, self.bucket, info, arrived, self.stall_seconds)
+        except ObjectMissing as exc:
+            raise WeightsMissing(str(exc)) from None
+        except ObjectCorrupt as exc:
+            raise WeightsRefused(str(exc)) from None
+        except ObjectStalled as exc:
+            raise WeightsUnavailable(str(exc)) from None
+
+    async def fetch(self, event: WeightVersionEvent) -> dict[str, torch.Tensor]:
+        info = await self._info(event.location, event.total_bytes)
         receiver = Receiver(event.manifest, event.total_bytes)
         loop = asyncio.get_running_loop()
         checks: list[asyncio.Future[None]] = []
@@ -99,13 +130,7 @@ class ObjectStoreTransport:
             checks.append(loop.run_in_executor(self._verifier, receiver.verify_through, offset + len(data)))
 
         try:
-            await read_chunks(self.js, self.bucket, info, arrived, self.stall_seconds)
-        except ObjectMissing as exc:
-            raise WeightsMissing(str(exc)) from None
-        except ObjectCorrupt as exc:
-            raise WeightsRefused(str(exc)) from None
-        except ObjectStalled as exc:
-            raise WeightsUnavailable(str(exc)) from None
+            await self._read(info, arrived)
         finally:
             # Every check ends before the buffer is given out or dropped; the first failure wins.
             results = await asyncio.gather(*checks, return_exceptions=True)

@@ -10,6 +10,7 @@ transports (`object_store`, `filesystem`) differ only in where the bytes live; t
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
 from typing import ClassVar, NamedTuple, Protocol
 
@@ -19,7 +20,7 @@ from bus.connection import JetStream
 from bus.election import ride_out
 from engines.weights import WeightsRefused, manifest_of
 from schemas.config import WeightsConfig
-from schemas.events import TransportName, WeightVersionEvent
+from schemas.events import TransportName, WeightShard, WeightVersionEvent
 
 
 class WeightsMissing(WeightsRefused):
@@ -43,9 +44,18 @@ class WeightTransport(Protocol):
 
     name: ClassVar[TransportName]
 
-    async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> Stored:
+    async def publish(self, version: int, tensors: dict[str, torch.Tensor], pinned: Collection[str] = ()) -> Stored:
         """Store `tensors` (CPU, contiguous) as `version`, and delete versions older than the
-        ones kept. The manifest is made beside it (`publish_version`)."""
+        ones kept, never those at `pinned` locations (the delta chain in progress). The
+        manifest is made beside it (`publish_version`)."""
+        ...
+
+    async def publish_bytes(self, version: int, data: bytes, pinned: Collection[str] = ()) -> Stored:
+        """Store one delta shard's payload of `version`, kept and pruned as `publish` does."""
+        ...
+
+    async def fetch_bytes(self, shard: WeightShard) -> bytes:
+        """A delta shard's payload as stored (its size checked; `apply_delta` checks the rest)."""
         ...
 
     async def fetch(self, event: WeightVersionEvent) -> dict[str, torch.Tensor]:
@@ -56,13 +66,27 @@ class WeightTransport(Protocol):
 
 
 def transport_for(
-    config: WeightsConfig, js: JetStream, bucket: str, run: str, name: TransportName | None = None
+    config: WeightsConfig, js: JetStream, bucket: str, run: str, name: TransportName | None = None, *,
+    members: Callable[[], Awaitable[list[str]]] | None = None, member_id: str = "",
 ) -> WeightTransport:
     """The transport `name` (default: the configured one) of run `run`, whose object store is `bucket`.
 
     A reader builds the one its event names: the config says what the trainer publishes with.
+    collective: `members` (the trainer's: the live rollout workers' ids) or `member_id` (a
+    worker's own id); its fallback copies go through the transport the event names.
     """
     name = name or config.transport
+    if name == "collective":
+        from consumers.weights.collective import CollectiveTransport
+
+        stores: dict[TransportName, WeightTransport] = {}
+
+        def fallback(store: TransportName) -> WeightTransport:
+            if store not in stores:
+                stores[store] = transport_for(config, js, bucket, run, store)
+            return stores[store]
+
+        return CollectiveTransport(config, fallback, members, member_id)
     if name == "object_store":
         from consumers.weights.object_store import ObjectStoreTransport
 
@@ -75,13 +99,15 @@ def transport_for(
                 f"weights.dir {config.dir!r} is not an absolute path (the producer fills it in; set it in the run config)"
             )
         return FilesystemTransport(Path(config.dir) / run, config.keep)
-    raise WeightsRefused(f"weights transport {name} is not wired yet")
+    raise WeightsRefused(f"unknown weights transport {name}")
 
 
 async def publish_version(
-    transport: WeightTransport, run: str, source: str, version: int, tensors: dict[str, torch.Tensor]
+    transport: WeightTransport, run: str, source: str, version: int, tensors: dict[str, torch.Tensor],
+    *, full_version: int | None = None,
 ) -> WeightVersionEvent:
-    """Store `tensors` as `version` with `transport`; the event that announces them.
+    """Store `tensors` as `version` with `transport`; the event that announces them
+    (`full_version`: `version`, when it starts a delta chain).
 
     Hashing (the manifest, in a thread) and storing run at the same time: storing waits on
     the server much of the time. A store refused during a leader election is retried: every
@@ -93,4 +119,5 @@ async def publish_version(
     return WeightVersionEvent(
         id=f"{run}/weights/{version}", run=run, source=source, version=version, step=version,
         transport=transport.name, location=stored.location, manifest=manifest, total_bytes=stored.total_bytes,
+        full_version=full_version,
     )

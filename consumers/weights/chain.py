@@ -1,0 +1,163 @@
+"""Delta versions through a weight transport: the trainer's side (`VersionPublisher`) and a worker's (`Follower`).
+
+    trainer  version v -> `next_publication`: full (chain start) or a delta on the version
+             published before -> full: `publish_version` as without deltas; delta: the rank's
+             tensors (`assign_shards`) encoded against its copy of the base
+             (`encode_shard`, in a thread) -> `publish_bytes` (the chain's versions are
+             pinned: never pruned while the chain goes on) -> the event (base, chain's full
+             version, shards) -> the published tensors become the next base
+    worker   event v -> `plan_fetch` from the version of its CPU copy -> the chain's earlier
+             events (from the `weights` stream, `Earlier`) -> full fetch and/or each delta's
+             shards (`fetch_bytes`) applied onto the copy (`apply_delta`, in a thread: all or
+             nothing, every result tensor checked against its manifest) -> the copy, for the
+             engine to load under the gate
+
+The copy and the base hold the tensors in the published dtype, so that deltas apply bit for
+bit. A delta that fails to apply drops the worker's copy: its next version is pulled from the
+chain's full version (a trainer resumed from a checkpoint may have published other bytes under
+the versions the copy went through).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import torch
+
+from bus.election import ride_out
+from consumers.weights.collective import CollectiveTransport
+from consumers.weights.transport import WeightsMissing, WeightTransport, publish_version
+from engines.delta_plan import Chain, assign_shards, next_publication, plan_fetch
+from engines.weight_delta import apply_delta, encode_shard
+from engines.weights import WeightsRefused
+from schemas.config import WeightsConfig
+from schemas.events import WeightShard, WeightVersionEvent
+
+Earlier = Callable[[set[int], int], Awaitable[dict[int, WeightVersionEvent]]]
+"""(versions, full version) -> the events of those versions on the chain starting at that
+full version, published before the event being followed; WeightsMissing for any not found."""
+
+
+class VersionPublisher:
+    """Publishes the trainer's versions, full or delta as `weights.delta` and `full_every` say
+    (collective: a full version stored through `weights.fallback`, then broadcast).
+
+    `rank` of `world` encodes its own shard of each delta; today rank 0 publishes with world 1
+    (data-parallel ranks would each store a shard and rank 0 announce them all)."""
+
+    def __init__(self, transport: WeightTransport, config: WeightsConfig, run: str, source: str,
+                 rank: int = 0, world: int = 1) -> None:
+        self.transport, self.config, self.run, self.source = transport, config, run, source
+        self.rank, self.world = rank, world
+        self.chain: Chain | None = None
+        """None until a version is published: a trainer that starts or resumes publishes a full one."""
+        self.base: dict[str, torch.Tensor] = {}
+        """This rank's tensors of the version published last (the next delta's base)."""
+        self.pinned: list[str] = []
+        """Locations of the chain's versions so far: pruning spares them for workers catching up."""
+
+    async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> WeightVersionEvent:
+        """Store `version` (`tensors`: CPU copies in the published dtype, not changed after);
+        the event that announces it."""
+        if isinstance(self.transport, CollectiveTransport):  # the copy stored first, announced with the address
+            store = self.transport.fallback(self.config.fallback)
+            return self.transport.event(await publish_version(store, self.run, self.source, version, tensors))
+        if not self.config.delta:
+            return await publish_version(self.transport, self.run, self.source, version, tensors)
+        base_version, chain = next_publication(version, self.chain, self.config.full_every)
+        if base_version is None:
+            event = await publish_version(
+                self.transport, self.run, self.source, version, tensors, full_version=version
+            )
+            self.pinned = [event.location]
+        else:
+            event = await self._delta(version, base_version, chain.full, tensors)
+            self.pinned.append(event.location)
+        self.chain = chain
+        self.base = tensors
+        return event
+
+    async def announced(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """After `version`'s event is out: collective starts its broadcast (workers wait for it)."""
+        if isinstance(self.transport, CollectiveTransport):
+            await self.transport.broadcast(version, tensors)
+
+    async def close(self) -> None:
+        if isinstance(self.transport, CollectiveTransport):
+            await self.transport.close()
+
+    async def _delta(
+        self, version: int, base_version: int, full_version: int, tensors: dict[str, torch.Tensor]
+    ) -> WeightVersionEvent:
+        layout = assign_shards({name: t.nbytes for name, t in tensors.items()}, self.world)
+        names = layout[self.rank]
+        payload, manifest = await asyncio.to_thread(
+            encode_shard, self.base, tensors, names,
+            version=version, base_version=base_version, rank=self.rank, world=self.world,
+        )
+        pinned = tuple(self.pinned)
+        stored = await ride_out(
+            lambda: self.transport.publish_bytes(version, payload, pinned), f"storing weights delta v{version}"
+        )
+        shard = WeightShard(location=stored.location, total_bytes=stored.total_bytes, tensors=names)
+        return WeightVersionEvent(
+            id=f"{self.run}/weights/{version}", run=self.run, source=self.source, version=version, step=version,
+            base_version=base_version, full_version=full_version, transport=self.transport.name,
+            location=stored.location, manifest=manifest, total_bytes=stored.total_bytes, shards=(shard,),
+        )
+
+
+class Follower:
+    """A worker's CPU copy of the chain version it serves, brought to each new version."""
+
+    def __init__(self) -> None:
+        self.copy: dict[str, torch.Tensor] = {}
+        self.version: int | None = None
+        """The version `copy` holds; None: no copy (none yet, or dropped after a failed delta)."""
+
+    async def fetch(
+        self, event: WeightVersionEvent, transport_of: Callable[[WeightVersionEvent], WeightTransport], earlier: Earlier
+    ) -> dict[str, torch.Tensor]:
+        """`event`'s tensors. Outside a chain: fetched as a full version, no copy kept. On a
+        chain: the copy, brought to `event.version` (full version and deltas as `plan_fetch`
+        says); its tensors are the copy's, to be loaded before the next `fetch`."""
+        if event.full_version is None:
+            return await transport_of(event).fetch(event)
+        if event.base_version is None:
+            await self._full(event, transport_of(event))
+            return self.copy
+        plan = plan_fetch(event.version, event.full_version, self.version, event.version - event.base_version)
+        needed = {step.version for step in plan} - {event.version}
+        events = {event.version: event, **(await earlier(needed, event.full_version) if needed else {})}
+        if set(events) < {step.version for step in plan}:
+            raise WeightsMissing(f"v{event.version}: the events of its chain's versions {sorted(needed - set(events))} are gone")
+        for step in plan:
+            step_event = events[step.version]
+            if step.base is None:
+                await self._full(step_event, transport_of(step_event))
+            else:
+                await self._delta(step_event, transport_of(step_event))
+        return self.copy
+
+    async def _full(self, event: WeightVersionEvent, transport: WeightTransport) -> None:
+        tensors = await transport.fetch(event)
+        if transport.name == "filesystem":
+            # Views of a read-only file mapping: deltas are applied onto a copy of our own.
+            tensors = await asyncio.to_thread(lambda: {name: t.clone() for name, t in tensors.items()})
+        self.copy, self.version = tensors, event.version
+
+    async def _delta(self, event: WeightVersionEvent, transport: WeightTransport) -> None:
+        assert event.base_version is not None
+        if self.version != event.base_version:
+            raise WeightsRefused(f"v{event.version} applies onto v{event.base_version}, the copy holds v{self.version}")
+        payloads = [await transport.fetch_bytes(shard) for shard in event.shards]
+        try:
+            await asyncio.to_thread(
+                apply_delta, self.copy, payloads, event.manifest, version=event.version, base_version=event.base_version
+            )
+        except WeightsRefused:
+            # All or nothing: the copy is still the base, but it may not be this chain's base.
+            self.copy, self.version = {}, None
+            raise
+        self.version = event.version

@@ -1,0 +1,145 @@
+"""Weight versions broadcast from trainer rank 0 over torch.distributed, with a stored fallback copy.
+
+    trainer  publish: the version stored through `weights.fallback` (object store or files, as
+             without the broadcast) -> the event says `collective`, the rendezvous address
+             (`host:port`) and where the copy is -> announced -> `broadcast`: the live rollout
+             workers (membership) refreshed, `CollectiveSource.publish` in a thread (one
+             broadcast at a time: the next version waits for the one before)
+    worker   fetch: `CollectiveReceiver.receive(into=None)` in a thread (generation goes on; the
+             tensors are views of a staging buffer of its own) -> checked against the manifest
+             -> the engine loads them under the gate. `Missed` (joined late, dropped from the
+             group, the trainer gave up, source gone) -> the fallback copy, fetched as any
+             version of that transport
+
+`engines.collective` holds the protocol (check-in, group epochs, timeouts); docs/weights.md
+("Collective transport") describes both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Collection
+from typing import ClassVar
+
+import torch
+
+from consumers.weights.transport import Stored, WeightsUnavailable, WeightTransport
+from engines.collective import (
+    CollectiveReceiver,
+    CollectiveSettings,
+    CollectiveSource,
+    Missed,
+    Published,
+)
+from engines.weights import verify
+from schemas.config import MIB, WeightsConfig
+from schemas.events import TransportName, WeightShard, WeightVersionEvent
+
+log = logging.getLogger("jetrl.weights.collective")
+
+
+def settings_of(config: WeightsConfig) -> CollectiveSettings:
+    c = config.collective
+    return CollectiveSettings(
+        backend=c.backend, device=c.device, bucket_bytes=c.bucket_mib * MIB, op_timeout_s=c.op_timeout_s,
+        join_timeout_s=c.join_timeout_s, max_attempts=c.max_attempts,
+    )
+
+
+class CollectiveTransport:
+    """The trainer's broadcast (`members`: the live rollout workers' ids) or a worker's receiver
+    (`member_id`: its own id, as `members` names it); `fallback` builds the stored copy's transport."""
+
+    name: ClassVar[TransportName] = "collective"
+
+    def __init__(
+        self, config: WeightsConfig, fallback: Callable[[TransportName], WeightTransport],
+        members: Callable[[], Awaitable[list[str]]] | None = None, member_id: str = "",
+    ) -> None:
+        self.config, self.settings = config, settings_of(config)
+        self.fallback = fallback
+        self.members, self.member_id = members, member_id
+        self.alive: list[str] = []
+        """The members the next broadcast goes to (refreshed before each; read by the source's thread)."""
+        self.source: CollectiveSource | None = None
+        self.receiver: CollectiveReceiver | None = None
+        self.sending: asyncio.Task[Published] | None = None
+
+    # --- trainer ---------------------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        if self.source is None:
+            c = self.config.collective
+            self.source = CollectiveSource(lambda: self.alive, self.settings, c.host, c.port)
+        host, port = self.source.address
+        return f"{host}:{port}"
+
+    async def publish(self, version: int, tensors: dict[str, torch.Tensor], pinned: Collection[str] = ()) -> Stored:
+        """Store the fallback copy; the broadcast itself starts once the event is out (`broadcast`)."""
+        return await self.fallback(self.config.fallback).publish(version, tensors, pinned)
+
+    async def publish_bytes(self, version: int, data: bytes, pinned: Collection[str] = ()) -> Stored:
+        raise WeightsUnavailable("collective broadcasts full versions; delta payloads go through a store")
+
+    def event(self, stored: WeightVersionEvent) -> WeightVersionEvent:
+        """`stored` (the event of the fallback copy) as the collective version's event."""
+        return WeightVersionEvent.model_validate({
+            **stored.model_dump(), "transport": "collective", "location": self.address,
+            "fallback_transport": stored.transport, "fallback_location": stored.location,
+        })
+
+    async def broadcast(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Start broadcasting `version` (announced already: receivers wait for the plan) in a
+        thread, after the broadcast before it ended."""
+        await self.settle()
+        assert self.members is not None, "the trainer's transport lists the members"
+        self.alive = await self.members()
+        self.address  # noqa: B018 - the source exists before its thread runs
+        assert self.source is not None
+        self.sending = asyncio.create_task(asyncio.to_thread(self.source.publish, version, tensors))
+
+    async def settle(self) -> Published | None:
+        """Wait for the broadcast in flight (bounded: every attempt has its timeouts)."""
+        if self.sending is None:
+            return None
+        sending, self.sending = self.sending, None
+        published = await sending
+        if published.reason:
+            log.warning("weights v%d: broadcast to %s: %s", published.version, published.members, published.reason)
+        return published
+
+    async def close(self) -> None:
+        await self.settle()
+        if self.source is not None:
+            self.source.close()
+            self.source = None
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
+
+    # --- worker ----------------------------------------------------------------------------
+
+    async def fetch(self, event: WeightVersionEvent) -> dict[str, torch.Tensor]:
+        host, _, port = event.location.rpartition(":")
+        if self.receiver is None:
+            self.receiver = CollectiveReceiver(self.member_id, self.settings)
+        got = await asyncio.to_thread(self.receiver.receive, (host, int(port)), event.version)
+        if isinstance(got, Missed):
+            return await self.catch_up(event, got.reason)
+        await asyncio.to_thread(verify, got.tensors, event.manifest)
+        return got.tensors
+
+    async def catch_up(self, event: WeightVersionEvent, reason: str) -> dict[str, torch.Tensor]:
+        if event.fallback_transport is None or event.fallback_location is None:
+            raise WeightsUnavailable(f"v{event.version} missed ({reason}) and has no fallback copy")
+        log.info("weights v%d missed by broadcast (%s): from the %s copy", event.version, reason, event.fallback_transport)
+        stored = WeightVersionEvent.model_validate({
+            **event.model_dump(), "transport": event.fallback_transport, "location": event.fallback_location,
+            "fallback_transport": None, "fallback_location": None,
+        })
+        return await self.fallback(event.fallback_transport).fetch(stored)
+
+    async def fetch_bytes(self, shard: WeightShard) -> bytes:
+        raise WeightsUnavailable("collective versions have no delta shards")

@@ -1,0 +1,124 @@
+"""The collective weight transport (`consumers.weights.collective`) over gloo, on a real nats-server.
+
+- Two rollout workers that the membership lists receive a version by broadcast, bit for bit,
+  and the version is also stored through the fallback (the object store).
+- A worker that joined late (not listed when the broadcast was planned) gets `Missed` and
+  fetches the same version, bit for bit, from the fallback copy the event names.
+- A real rollout worker loads a version through the transport the event names (collective),
+  under the gate, by broadcast.
+
+The engine-level failure cases (a receiver SIGKILLed mid-broadcast, a stalled one, rejoining)
+are in tests/test_collective.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import torch
+
+from bus.connection import connect
+from bus.embedded import EmbeddedNats
+from bus.topology import WEIGHTS, Topology
+from consumers.weights import transport_for
+from consumers.weights.chain import Publisher
+from consumers.weights.collective import CollectiveTransport
+from schemas import encode
+from schemas.config import WeightsConfig
+from tests.test_rollout_invariants import eventually, model_dir, rollout_worker
+from tests.test_weight_chain import serves
+
+__all__ = ["model_dir"]
+
+SETTINGS = {"transport": "collective", "collective": {"join_timeout_s": 5, "op_timeout_s": 5, "bucket_mib": 1}}
+
+
+def version(v: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(v)
+    return {"embed": torch.randn(300_000, generator=g), "w": torch.randn(64, 33, generator=g).to(torch.bfloat16),
+            "step": torch.tensor(v)}
+
+
+def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[n].dtype == b[n].dtype and torch.equal(a[n].reshape(-1).view(torch.uint8), b[n].reshape(-1).view(torch.uint8))
+        for n in a
+    )
+
+
+def test_two_workers_get_a_version_by_broadcast_and_a_late_one_from_the_fallback_copy(
+    nats_server: EmbeddedNats, topology: Topology
+) -> None:
+    async def main() -> None:
+        nc = await connect(nats_server.url, "test-weights-collective")
+        js = nc.jetstream()
+        await topology.apply(js)
+        config = WeightsConfig.model_validate(SETTINGS)
+
+        async def listed() -> list[str]:
+            return ["worker-a", "worker-b"]
+
+        trainer = transport_for(config, js, topology.object_bucket, topology.run, members=listed)
+        publisher = Publisher(trainer, config, topology.run, "test")
+        workers = [transport_for(config, js, topology.object_bucket, topology.run, "collective", member_id=m)
+                   for m in ("worker-a", "worker-b", "worker-late")]
+        try:
+            tensors = version(1)
+            event = await publisher.publish(1, tensors)
+            assert (event.transport, event.fallback_transport) == ("collective", "object_store")
+            assert event.location == trainer.address  # type: ignore[attr-defined]
+            # The workers wait for the plan (announced), then the broadcast starts.
+            fetching = [asyncio.create_task(w.fetch(event)) for w in workers[:2]]
+            await publisher.announced(1, tensors)
+            got = await asyncio.gather(*fetching)
+            published = await trainer.settle()  # type: ignore[attr-defined]
+            assert published is not None and published.members == ("worker-a", "worker-b"), published
+            assert all(same_bits(g, tensors) for g in got), "a broadcast version differs from the trainer's"
+
+            late = workers[2]
+            assert isinstance(late, CollectiveTransport)
+            missed: list[str] = []
+            original = late.catch_up
+
+            async def recorded(e, reason):  # type: ignore[no-untyped-def]
+                missed.append(reason)
+                return await original(e, reason)
+
+            late.catch_up = recorded  # type: ignore[method-assign]
+            assert same_bits(await late.fetch(event), tensors), "the fallback copy differs from the trainer's"
+            assert len(missed) == 1 and "not a member" in missed[0], missed
+        finally:
+            for t in (trainer, *workers):
+                await t.close()  # type: ignore[attr-defined]
+            await topology.delete(js)
+            await nc.close()
+
+    asyncio.run(main())
+
+
+def test_a_rollout_worker_loads_a_broadcast_version(
+    nats_server: EmbeddedNats, topology: Topology, model_dir: Path
+) -> None:
+    async def main() -> None:
+        async with rollout_worker(nats_server.url, topology, model_dir, weights=SETTINGS) as w:
+            config = WeightsConfig.model_validate(SETTINGS)
+
+            async def listed() -> list[str]:
+                return [w.rt.source]
+
+            trainer = transport_for(config, w.js, topology.object_bucket, topology.run, members=listed)
+            publisher = Publisher(trainer, config, topology.run, "test")
+            try:
+                tensors = {n: p.detach().clone() + 1e-3 for n, p in w.engine.model.named_parameters()}
+                event = await publisher.publish(1, tensors)
+                await w.js.publish(topology.subject(WEIGHTS), encode(event))
+                await publisher.announced(1, tensors)
+                published = await trainer.settle()  # type: ignore[attr-defined]
+                assert published is not None and published.members == (w.rt.source,), published
+                await eventually(lambda: w.engine.version == 1, "v1 was loaded")
+                assert serves(w.engine.model, tensors)
+            finally:
+                await publisher.close()
+
+    asyncio.run(main())
