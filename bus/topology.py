@@ -40,9 +40,9 @@ from schemas.events import (
     PromptEvent,
     RewardEvent,
     TrajectoryEvent,
-    WeightVersionEvent,
 )
 from schemas.names import check_run_id
+from schemas.weight_event import WeightVersionEvent
 
 E = TypeVar("E", bound=Event)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engines.weights import WeightsRefused
-from schemas.events import TensorSpec
+from schemas.weight_event import TensorSpec
 
 
 @dataclass(frozen=True)

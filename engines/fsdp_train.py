@@ -46,7 +46,13 @@ from torch.distributed.tensor import DTensor
 
 from engines.algorithms.losses import aggregation_count
 from engines.protocols import MicroBatch
-from engines.torch_train import METRIC_SUMS, TorchTrainEngine, _atomic_save, _rng_state, _set_rng_state
+from engines.torch_train import (
+    METRIC_SUMS,
+    TorchTrainEngine,
+    _atomic_save,
+    _rng_state,
+    _set_rng_state,
+)
 
 
 def init_group(store: dist.Store | None, rank: int, world_size: int, device: torch.device, timeout: float) -> None:

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from engines.algorithms.losses import gather_logprobs
-from engines.protocols import SamplingParams, Sample
+from engines.protocols import Sample, SamplingParams
 
 
 class HFRolloutEngine:

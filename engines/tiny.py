@@ -19,7 +19,6 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
 
-
 def build_tokenizer(vocab: Sequence[str]) -> Qwen2Tokenizer:
     """One token per symbol (ids are positions in `vocab`), no ``<bos>``.
 

@@ -6,12 +6,12 @@ sequence) count of the *whole step*, so splitting a batch into micro-batches doe
 change the gradient.
 """
 
+import os
+import random
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-import os
 from pathlib import Path
-import random
 from typing import Any, Literal
 
 import numpy as np

@@ -39,8 +39,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load, save
 
 from engines.weights import ChecksumMismatch, WeightsRefused, dtype_name, tensor_sha256
-from schemas.events import TensorSpec
 from schemas.tensor import DType
+from schemas.weight_event import TensorSpec
 
 FORMAT = "jetrl-delta/1"
 META_KEY = "jetrl.delta"

@@ -16,7 +16,7 @@ import struct
 import torch
 from safetensors.torch import save
 
-from schemas.events import TensorSpec
+from schemas.weight_event import TensorSpec
 
 # safetensors' dtype codes <-> the wire dtype names of `schemas.tensor.DType`.
 _CODES = {

@@ -7,11 +7,10 @@ from schemas.events import (
     PromptEvent,
     RewardEvent,
     SamplingParams,
-    TensorSpec,
     TrajectoryEvent,
-    WeightVersionEvent,
 )
 from schemas.tensor import Tensor
+from schemas.weight_event import TensorSpec, WeightVersionEvent
 
 __all__ = [
     "BatchEvent",

@@ -13,11 +13,14 @@ from typing import Any, TypeVar
 import msgpack
 from pydantic import BaseModel, ValidationError
 
-from schemas.events import EVENT_TYPES, Event
+from schemas.events import BatchEvent, Event, PromptEvent, RewardEvent, TrajectoryEvent
+from schemas.weight_event import WeightVersionEvent
 
 E = TypeVar("E", bound=Event)
 Upgrade = Callable[[dict[str, Any]], dict[str, Any]]
 
+EVENT_TYPES: tuple[type[Event], ...] = (PromptEvent, TrajectoryEvent, RewardEvent, BatchEvent, WeightVersionEvent)
+"""The five events of a run."""
 REGISTRY: dict[str, type[Event]] = {cls.TYPE: cls for cls in EVENT_TYPES}
 # (type, version) -> function turning a map of that version into one of version + 1.
 UPGRADES: dict[tuple[str, int], Upgrade] = {}

@@ -10,10 +10,18 @@ from pathlib import Path
 from typing import Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from schemas.names import check_run_id
-from schemas.events import SamplingParams, TransportName
+from schemas.events import SamplingParams
+from schemas.weight_event import TransportName
 
 
 class Section(BaseModel):

@@ -74,8 +74,8 @@ from schemas import (
     decode,
     encode,
 )
+from schemas.codec import EVENT_TYPES
 from schemas.config import RunConfig
-from schemas.events import EVENT_TYPES
 from tests.golden_events import golden
 from tests.helpers import store_weights, trajectory
 from tests.poison import GOLDEN_MAPS, malformed, one_of_each_kind, undecodable

@@ -54,7 +54,7 @@ from engines.weights import (
 )
 from schemas import WeightVersionEvent
 from schemas.config import ConfigError, parse_config
-from schemas.events import WeightShard
+from schemas.weight_event import WeightShard
 
 ROOT = Path(__file__).resolve().parent.parent
 MB = 1 << 20

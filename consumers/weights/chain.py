@@ -32,7 +32,7 @@ from engines.delta_plan import Chain, assign_shards, next_publication, plan_fetc
 from engines.weight_delta import apply_delta, encode_shard
 from engines.weights import WeightsRefused
 from schemas.config import WeightsConfig
-from schemas.events import WeightShard, WeightVersionEvent
+from schemas.weight_event import WeightShard, WeightVersionEvent
 
 Earlier = Callable[[set[int], int], Awaitable[dict[int, WeightVersionEvent]]]
 """(versions, full version) -> the events of those versions on the chain starting at that

@@ -34,7 +34,7 @@ from engines.collective import (
 )
 from engines.weights import verify
 from schemas.config import MIB, WeightsConfig
-from schemas.events import TransportName, WeightShard, WeightVersionEvent
+from schemas.weight_event import TransportName, WeightShard, WeightVersionEvent
 
 log = logging.getLogger("jetrl.weights.collective")
 

@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 
 from consumers.weights.transport import Stored, WeightsMissing, WeightsUnavailable
 from engines.weights import ChecksumMismatch, WeightsRefused, verify
-from schemas.events import TransportName, WeightShard, WeightVersionEvent
+from schemas.weight_event import TransportName, WeightShard, WeightVersionEvent
 
 VERSION_FILE = re.compile(r"v(\d+)(?:-[0-9a-f]{8})?\.safetensors")
 """The files this transport writes (and prunes); any other file in the directory is left alone."""

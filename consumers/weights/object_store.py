@@ -38,7 +38,7 @@ from bus.objects import (
 )
 from consumers.weights.transport import Stored, WeightsMissing, WeightsUnavailable
 from engines.weights import ChecksumMismatch, Receiver, WeightsRefused, serialize
-from schemas.events import TransportName, WeightShard, WeightVersionEvent
+from schemas.weight_event import TransportName, WeightShard, WeightVersionEvent
 
 VERSION_OBJECT = re.compile(r"v(\d+)(?:-[0-9a-f]{8})?\.safetensors")
 """The objects this transport writes (and prunes); any other object in the bucket is left alone."""

@@ -20,7 +20,7 @@ from bus.connection import JetStream
 from bus.election import ride_out
 from engines.weights import WeightsRefused, manifest_of
 from schemas.config import WeightsConfig
-from schemas.events import TransportName, WeightShard, WeightVersionEvent
+from schemas.weight_event import TransportName, WeightShard, WeightVersionEvent
 
 
 class WeightsMissing(WeightsRefused):
