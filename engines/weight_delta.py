@@ -3,7 +3,7 @@
 One trainer rank encodes one shard (the tensors `engines.delta_plan.assign_shards` gives it)
 into one safetensors payload; a worker applies every shard of a version onto its copy of the
 base version, in place, and checks each result tensor against the sha256 the version's
-manifest gives for it (`engines.weights._sha256`: the full result's raw bytes).
+manifest gives for it (`engines.weights.tensor_sha256`: the full result's raw bytes).
 
 Per tensor, one of four encodings (the header says which):
 - ``same``: no element changed; nothing is stored.
@@ -38,7 +38,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load, save
 
-from engines.weights import ChecksumMismatch, WeightsRefused, _dtype_name, _sha256
+from engines.weights import ChecksumMismatch, WeightsRefused
+from engines.weights import dtype_name as _dtype_name
+from engines.weights import tensor_sha256 as _sha256
 from schemas.events import TensorSpec
 from schemas.tensor import DType
 
