@@ -64,3 +64,24 @@ def test_bench_weight_delta_quick(tmp_path: Path) -> None:
         assert 0 < setup["changed_fraction"] < 0.1 and setup["encodings"].get("sparse", 0) > 0
         assert setup["encode_mb_per_s_world1"] > 0 and setup["decode_mb_per_s"] > 0
     assert json.loads((tmp_path / "weight_delta.json").read_text())["ratio"] == figures["ratio"]
+
+
+@pytest.mark.timeout(400)
+def test_bench_weights_quick(tmp_path: Path) -> None:
+    figures = last_json(["ops.bench.weights", "--quick", "--out", str(tmp_path)], timeout=380)
+    assert figures["quick"] is True and figures["model_mb"] > 50 and figures["workers"] == 4
+    assert figures["ratio"] == round(figures["fetch_mb_per_s"] / figures["baseline_mb_per_s"], 3)
+    # Bytes, not time: issue 11's target for one AdamW step at lr 1e-6 (seeded, so stable).
+    assert 0 < figures["delta_bytes_ratio"] <= 0.1
+    assert set(figures["sizes_mb"]) == set(figures["sweep"]) == {"16", "64"}
+    assert all(seconds > 0 for seconds in figures["sizes_mb"].values())
+    assert set(figures["transports"]) == {"object_store", "filesystem", "collective"}
+    for name, rows in figures["transports"].items():
+        assert set(rows) == {"x1", "x4"}
+        for workers, row in ((1, rows["x1"]), (4, rows["x4"])):
+            assert row["workers"] == workers and row["publish_s"] > 0 and 0 < row["fetch_s"] <= row["fetch_apply_s"]
+            # The stores hold the version once, then each worker reads it; the collective's publish is its delivery.
+            assert row["bytes_moved"] == row["bytes"] * (workers if name == "collective" else workers + 1)
+    assert figures["baseline"]["x1"] > 0 and figures["baseline"]["x4"] > 0
+    assert json.loads((tmp_path / "weights.json").read_text())["ratio"] == figures["ratio"]
+    assert (tmp_path / "weights.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

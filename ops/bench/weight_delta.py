@@ -22,15 +22,28 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors.torch import load
 from transformers import AutoModelForCausalLM
 
 from engines.delta_plan import assign_shards
 from engines.tiny import build_tiny_model
 from engines.weight_delta import apply_delta, encode_shard, read_shard
-from engines.weights import pack, unpack
+from engines.weights import manifest_of, serialize, verify
 from producers.tasks import VOCAB
 
 Weights = dict[str, torch.Tensor]
+
+
+def pack(tensors: Weights) -> tuple[bytes, tuple]:
+    """A full version as the transports publish it: safetensors bytes and the manifest (sha256 per tensor)."""
+    return serialize(tensors), manifest_of(tensors)
+
+
+def unpack(data: bytes, manifest: tuple) -> Weights:
+    """A full version as a reader loads it: parsed and checked against the manifest."""
+    tensors = load(data)
+    verify(tensors, manifest)
+    return tensors
 MODELS = {"quick": {"hidden": 512, "layers": 8, "heads": 8, "kv_heads": 4}, "full": {"hidden": 1024, "layers": 16, "heads": 16, "kv_heads": 8}}
 SETUPS = {"fp32_master_bf16": torch.float32, "bf16": torch.bfloat16}  # name -> dtype trained in; published as bf16
 
