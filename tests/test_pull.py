@@ -127,7 +127,7 @@ def test_a_message_carrying_its_own_status_header_is_handled_not_taken_for_a_sta
     asyncio.run(main())
 
 
-def test_a_worker_refuses_a_context_that_does_not_keep_its_connection() -> None:
+def test_a_worker_and_a_publisher_refuse_a_context_that_does_not_keep_its_connection() -> None:
     topology = Topology(run="refused")
     plain = JetStreamContext(Client())
 
@@ -135,7 +135,9 @@ def test_a_worker_refuses_a_context_that_does_not_keep_its_connection() -> None:
         pass
 
     with pytest.raises(TypeError, match=r"bus\.connection\.connect"):
-        Worker(plain, topology, TRAJECTORIES, handler, Publisher(plain, topology))
+        Worker(plain, topology, TRAJECTORIES, handler, Publisher(JetStream(Client()), topology))
+    with pytest.raises(TypeError, match=r"bus\.connection\.connect"):
+        Publisher(plain, topology)
     assert isinstance(JetStream(Client()), JetStreamContext)
 
 

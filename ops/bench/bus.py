@@ -67,6 +67,7 @@ async def ours(js: JetStreamContext, run: str, evs: list[TrajectoryEvent]) -> fl
     elapsed = time.perf_counter() - start
     stop.set()
     await task
+    await publisher.close()
     await topo.delete(js)
     return len(evs) / elapsed
 
