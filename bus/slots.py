@@ -22,6 +22,9 @@ class Slots(Generic[T]):
     last one returns, so work that never waits runs back to back in one slot. Should it wait,
     the items behind it go on in other slots: whenever items are waiting, one idle slot is
     kept woken to take them.
+
+    Work runs in its slot's context, not a fresh copy per item: work that sets a context
+    variable must reset it (OpenTelemetry's `start_as_current_span` does, on exit).
     """
 
     def __init__(self, name: str, work: Callable[[T], Awaitable[object]], size: int, group: asyncio.TaskGroup) -> None:
