@@ -18,7 +18,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import api
 
-from bus.connection import JetStream
+from bus.connection import JetStream, NatsClient
 
 # Bytes one pull request may bring (its `max_bytes`), well under the 64 MiB the server lets
 # a client fall behind before cutting it off, and over the 8 MiB max payload, so that any
@@ -43,15 +43,28 @@ class Puller:
         self._arrived: deque[Msg] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._need = 0
+        # Times the connection dropped: a request sent before a drop may have died with its
+        # server, and is given up then, not at its deadline (10 s without a worker at each
+        # kill of a cluster node, measured).
+        self._drops = 0
         self._sub: Subscription | None = None
 
     async def open(self) -> None:
         self._sub = await self.client.subscribe(self.inbox, cb=self._on_msg)
+        if isinstance(self.client, NatsClient):
+            self.client.drop_listeners.add(self._dropped)
 
     async def close(self) -> None:
+        if isinstance(self.client, NatsClient):
+            self.client.drop_listeners.discard(self._dropped)
         if self._sub is not None:
             await self._sub.unsubscribe()
             self._sub = None
+
+    def _dropped(self) -> None:
+        self._drops += 1
+        if self._waiter is not None:
+            _wake(self._waiter)
 
     async def _on_msg(self, msg: Msg) -> None:
         self._arrived.append(msg)
@@ -89,16 +102,18 @@ class Puller:
         delivered but never handled, and a worker held ever more messages than its
         concurrency (measured: 18 with 2), which no other worker could then take.
 
-        A request cut short by `timeout` leaves the rest of its delivery in the inbox, where
-        the next request reads it. Raises nats.errors.TimeoutError if nothing came at all.
+        A request cut short by `timeout`, or by the connection dropping, leaves the rest of its
+        delivery in the inbox, where the next request reads it. Raises
+        nats.errors.TimeoutError if nothing came at all.
         """
         body = json.dumps({**request, "max_bytes": FETCH_BYTES_BUDGET}).encode()
+        drops = self._drops
         await self.client.publish(self.subject, body, reply=self.inbox)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         msgs: list[Msg] = []
         while len(msgs) < request["batch"]:
-            if not self._arrived and not await self._arrival(request["batch"] - len(msgs), deadline):
+            if not self._arrived and not await self._arrival(request["batch"] - len(msgs), deadline, drops):
                 if msgs:
                     break
                 raise nats.errors.TimeoutError
@@ -110,9 +125,11 @@ class Puller:
             msgs.append(msg)
         return msgs
 
-    async def _arrival(self, need: int, deadline: float) -> bool:
-        """Wait until `need` messages or a status have arrived, or until `deadline` (loop time);
-        True if anything has."""
+    async def _arrival(self, need: int, deadline: float, drops: int) -> bool:
+        """Wait until `need` messages or a status have arrived, until `deadline` (loop time), or
+        until the connection drops (unless it has since `drops`); True if anything has arrived."""
+        if self._drops != drops:
+            return bool(self._arrived)
         loop = asyncio.get_running_loop()
         self._need = need
         self._waiter = waiter = loop.create_future()
