@@ -23,7 +23,6 @@ import logging
 import math
 from typing import TypeVar
 
-import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -180,13 +179,13 @@ class Publisher:
         self._release(len(data))
         if acked.done():  # the caller gave up on it
             return
-        try:
-            if answer is None:
-                raise nats.errors.TimeoutError
-            acked.set_result(pub_ack(answer))
-            return
-        except Exception as exc:
-            reason = "no ack in time" if answer is None else f"{type(exc).__name__}: {exc}"
+        reason = "no ack in time"
+        if answer is not None:
+            try:
+                acked.set_result(pub_ack(answer))
+                return
+            except Exception as exc:  # an error from the stream, or no stream at all
+                reason = f"{type(exc).__name__}: {exc}"
         log.warning("publish to %s failed (%s); retrying", subject, reason)
         retry = asyncio.create_task(self._retry(subject, data, headers))
         self._retries.add(retry)
