@@ -23,6 +23,7 @@ import logging
 import math
 from typing import TypeVar
 
+import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -181,10 +182,11 @@ class Publisher:
             return
         reason = "no ack in time"
         if answer is not None:
+            # Retried too: an error from the stream, no stream at all, or an answer that is no ack.
             try:
                 acked.set_result(pub_ack(answer))
                 return
-            except Exception as exc:  # an error from the stream, or no stream at all
+            except (nats.errors.Error, ValueError, KeyError, TypeError) as exc:
                 reason = f"{type(exc).__name__}: {exc}"
         log.warning("publish to %s failed (%s); retrying", subject, reason)
         retry = asyncio.create_task(self._retry(subject, data, headers))

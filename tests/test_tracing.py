@@ -133,5 +133,5 @@ def test_without_an_sdk_a_publish_carries_the_trace_it_is_in_and_makes_none_up()
     the message it handles carries that message's traceparent on, and a publish in no trace
     (where the propagators are skipped) gets no traceparent."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    done = subprocess.run([sys.executable, "-c", WITHOUT_SDK], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", WITHOUT_SDK], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
