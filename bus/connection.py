@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import ssl
+from collections.abc import Callable
 
 import nats.errors
 from nats.aio.client import Client
@@ -39,7 +40,14 @@ class JetStream(JetStreamContext):
 
 
 class NatsClient(Client):
-    """nats-py's client, whose `jetstream()` contexts are `JetStream`s."""
+    """nats-py's client, whose `jetstream()` contexts are `JetStream`s, and which tells
+    `drop_listeners` when its connection drops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop_listeners: set[Callable[[], None]] = set()
+        """Called, without arguments, each time the connection drops (`connect` arranges it):
+        an answer to a request sent before may never come, since its server may be gone."""
 
     def jetstream(self, **opts: object) -> JetStream:  # type: ignore[override]
         return JetStream(self, **opts)  # type: ignore[arg-type]
@@ -78,6 +86,8 @@ async def connect(url: str | list[str], name: str, **tls: object) -> NatsClient:
     async def disconnected_cb() -> None:
         if not nc.is_closed:
             log.warning("nats %s: disconnected, reconnecting", name)
+        for listener in list(nc.drop_listeners):
+            listener()
 
     async def reconnected_cb() -> None:
         log.info("nats %s: reconnected to %s", name, nc.connected_url.netloc if nc.connected_url else "?")

@@ -3,9 +3,12 @@
 - `Nats-Msg-Id` = event id, so a re-publish after a crash or a retry is stored once.
 - In-flight bytes stay under `max_inflight_bytes`: the stream's intake queue is ~128 MB
   and thousands of large async publishes got "429 too many requests".
-- Every ack has a timeout: nats-py 2.16 can leave a `publish_async` future pending
-  forever when the server answers with an error. A timed-out or failed publish is retried
-  as a plain request publish, which dedup makes safe.
+- Acks come to the publisher's own inbox (one reply subject per publish), not through
+  nats-py's `publish_async`: that costs as much again as the rest of a small event's
+  publish (a random token from the OS, a semaphore and a dataclass conversion per publish;
+  ops.bench.bus), and nats-py 2.16 left its future pending forever when the server answered
+  with an error. Every ack has a timeout; a timed-out or failed publish is retried as a plain
+  request publish, which dedup makes safe.
 - Retries go on for `retry_for` seconds, not a number of tries: when a clustered stream
   loses its leader, publishes are refused at once ("no response from stream") until a new
   leader is elected, which takes 4-9 s (raft election timeout; measured 4.3-8.3 s, see
@@ -15,14 +18,20 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 from typing import TypeVar
 
+import nats.errors
+import nats.js.errors
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.api import PubAck
+from nats.js.api import Header, PubAck
 
 from bus import tracing
+from bus.connection import JetStream
 from bus.election import ride_out
 from bus.embedded import MAX_PAYLOAD
 from bus.topology import Channel, Topology
@@ -61,6 +70,11 @@ class Publisher:
         retry_for: float = 30.0,
         max_payload: int = MAX_PAYLOAD,
     ) -> None:
+        if not isinstance(js, JetStream):
+            raise TypeError(
+                "Publisher takes its acks on the connection its JetStream context came from: "
+                "make the context with bus.connection.connect(...).jetstream()"
+            )
         self.js = js
         self.topology = topology
         self.max_inflight_bytes = max_inflight_bytes
@@ -69,8 +83,17 @@ class Publisher:
         self.max_payload = max_payload
         self._inflight_bytes = 0
         self._freed = asyncio.Event()
-        # Publishes awaiting their ack, by the tenth of a second their ack_timeout ends in.
-        self._deadlines: dict[int, list[asyncio.Future[PubAck]]] = {}
+        # Acks come to `<inbox>.<n>`, n counting this publisher's publishes; subscribed on the
+        # first send, since subscribing needs the running loop.
+        self._acks: Subscription | None = None
+        self._reply_prefix = ""
+        self._opening = asyncio.Lock()
+        self._sent = 0
+        # Publishes awaiting their ack, by reply subject: what a retry needs, and the
+        # caller's future.
+        self._awaiting: dict[str, tuple[asyncio.Future[PubAck], str, bytes, dict[str, str]]] = {}
+        # Reply subjects of the publishes whose ack_timeout ends in each tenth of a second.
+        self._deadlines: dict[int, list[str]] = {}
         # The loop keeps only weak references to tasks: these keep the retries alive.
         self._retries: set[asyncio.Task[PubAck]] = set()
 
@@ -112,36 +135,68 @@ class Publisher:
         while self._inflight_bytes and self._inflight_bytes + len(data) > self.max_inflight_bytes:
             self._freed.clear()
             await self._freed.wait()
-        self._inflight_bytes += len(data)
-        try:
-            future = await self.js.publish_async(subject, data, headers=headers)
-        except Exception:
-            self._release(len(data))
-            raise
+        if self._acks is None:
+            await self._open()
+        self._sent += 1
+        reply = f"{self._reply_prefix}{self._sent}"
         # Callbacks, not a coroutine per publish: a task and a `wait_for` each cost as much as
         # the server's work on a small event (ops.bench.bus).
         acked: asyncio.Future[PubAck] = asyncio.get_running_loop().create_future()
-        self._expire_later(future)
-
-        def settle(sent: asyncio.Future[PubAck]) -> None:
+        self._awaiting[reply] = (acked, subject, data, headers)
+        self._inflight_bytes += len(data)
+        try:
+            await self.js.client.publish(subject, data, reply=reply, headers=headers)
+        except Exception:
+            del self._awaiting[reply]
             self._release(len(data))
-            if acked.done():  # the caller gave up on it
-                return
-            if not sent.cancelled() and sent.exception() is None:
-                acked.set_result(sent.result())
-                return
-            reason = "no ack in time" if sent.cancelled() else f"{type(sent.exception()).__name__}: {sent.exception()}"
-            log.warning("publish to %s failed (%s); retrying", subject, reason)
-            retry = asyncio.create_task(self._retry(subject, data, headers))
-            self._retries.add(retry)
-            retry.add_done_callback(self._retries.discard)
-            retry.add_done_callback(lambda r: _copy_outcome(r, acked))
-
-        future.add_done_callback(settle)
+            raise
+        self._expire_later(reply)
         return acked
 
-    def _expire_later(self, future: asyncio.Future[PubAck]) -> None:
-        """Cancel `future` (which retries it) if no ack came within ack_timeout, +0.1 s.
+    async def close(self) -> None:
+        """Stop listening for acks; publishes still awaiting theirs are retried as requests."""
+        if self._acks is not None:
+            await self._acks.unsubscribe()
+            self._acks = None
+        for reply in list(self._awaiting):
+            self._settle(reply, None)
+
+    async def _open(self) -> None:
+        async with self._opening:
+            if self._acks is None:
+                inbox = self.js.client.new_inbox()
+                self._acks = await self.js.client.subscribe(f"{inbox}.*", cb=self._on_ack)
+                self._reply_prefix = f"{inbox}."
+
+    async def _on_ack(self, msg: Msg) -> None:
+        self._settle(msg.subject, msg)
+
+    def _settle(self, reply: str, answer: Msg | None) -> None:
+        """Hand the stream's answer to the caller, or retry the publish: no answer in time
+        (None), no stream listening, or an error."""
+        awaiting = self._awaiting.pop(reply, None)
+        if awaiting is None:  # its ack came after its deadline: its retry settles it
+            return
+        acked, subject, data, headers = awaiting
+        self._release(len(data))
+        if acked.done():  # the caller gave up on it
+            return
+        reason = "no ack in time"
+        if answer is not None:
+            # Retried too: an error from the stream, no stream at all, or an answer that is no ack.
+            try:
+                acked.set_result(pub_ack(answer))
+                return
+            except (nats.errors.Error, ValueError, KeyError, TypeError) as exc:
+                reason = f"{type(exc).__name__}: {exc}"
+        log.warning("publish to %s failed (%s); retrying", subject, reason)
+        retry = asyncio.create_task(self._retry(subject, data, headers))
+        self._retries.add(retry)
+        retry.add_done_callback(self._retries.discard)
+        retry.add_done_callback(lambda r: _copy_outcome(r, acked))
+
+    def _expire_later(self, reply: str) -> None:
+        """Retry the publish if no ack came within ack_timeout, +0.1 s.
 
         One timer per tenth of a second of deadlines, not one per publish: with 10k publishes
         in flight each timer cost ~10 Python-level comparisons in asyncio's heap, and a
@@ -152,11 +207,11 @@ class Publisher:
         if slot not in self._deadlines:
             self._deadlines[slot] = []
             loop.call_at(slot / 10, self._expire, slot)
-        self._deadlines[slot].append(future)
+        self._deadlines[slot].append(reply)
 
     def _expire(self, slot: int) -> None:
-        for future in self._deadlines.pop(slot):
-            future.cancel()  # does nothing to one that has its ack
+        for reply in self._deadlines.pop(slot):
+            self._settle(reply, None)  # does nothing for one that has its ack
 
     async def _retry(self, subject: str, data: bytes, headers: dict[str, str]) -> PubAck:
         """Publish as a request until stored or `retry_for` has passed.
@@ -175,6 +230,17 @@ class Publisher:
         # sends a burst instead of one event per ack.
         if self._inflight_bytes <= self.max_inflight_bytes // 2:
             self._freed.set()
+
+
+def pub_ack(answer: Msg) -> PubAck:
+    """The stream's ack, from its answer to a publish: raises what `js.publish` would for an
+    error (APIError) or for no stream listening on the subject (NoStreamResponseError)."""
+    if answer.headers and answer.headers.get(Header.STATUS) == "503":
+        raise nats.js.errors.NoStreamResponseError
+    reply = json.loads(answer.data)
+    if "error" in reply:
+        raise nats.js.errors.APIError.from_error(reply["error"])
+    return PubAck(stream=reply["stream"], seq=reply["seq"], domain=reply.get("domain"), duplicate=reply.get("duplicate"))
 
 
 def _copy_outcome(source: asyncio.Future[PubAck], target: asyncio.Future[PubAck]) -> None:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import deque
 
 import nats.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import api
 
-from bus.connection import JetStream
+from bus.connection import JetStream, NatsClient
 
 # Bytes one pull request may bring (its `max_bytes`), well under the 64 MiB the server lets
 # a client fall behind before cutting it off, and over the 8 MiB max payload, so that any
@@ -35,22 +36,41 @@ class Puller:
         self.client = js.client
         self.subject = f"{js.api_prefix}.CONSUMER.MSG.NEXT.{stream}.{durable}"
         self.inbox = self.client.new_inbox()
-        # Filled by the subscription's callback: nats-py's `next_msg` starts two tasks per
-        # call (~15 µs, as much as the server spends on a message), while the messages of a
-        # request mostly arrive together and are taken from here without waiting.
-        self._queue: asyncio.Queue[Msg] = asyncio.Queue()
+        # Filled by the subscription's callback and read by `pull`, which is woken only when
+        # what it waits for may be there (its batch, or a status that ends it): the messages
+        # of a request come over many reads of the socket, and waking per read cost as much
+        # as the server spends on a message (nats-py's `next_msg` starts two tasks per call).
+        self._arrived: deque[Msg] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._need = 0
+        # Times the connection dropped: a request sent before a drop may have died with its
+        # server, and is given up then, not at its deadline (10 s without a worker at each
+        # kill of a cluster node, measured).
+        self._drops = 0
         self._sub: Subscription | None = None
 
     async def open(self) -> None:
-        self._sub = await self.client.subscribe(self.inbox, cb=self._arrived)
+        self._sub = await self.client.subscribe(self.inbox, cb=self._on_msg)
+        if isinstance(self.client, NatsClient):
+            self.client.drop_listeners.add(self._dropped)
 
     async def close(self) -> None:
+        if isinstance(self.client, NatsClient):
+            self.client.drop_listeners.discard(self._dropped)
         if self._sub is not None:
             await self._sub.unsubscribe()
             self._sub = None
 
-    async def _arrived(self, msg: Msg) -> None:
-        self._queue.put_nowait(msg)
+    def _dropped(self) -> None:
+        self._drops += 1
+        if self._waiter is not None:
+            _wake(self._waiter)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        self._arrived.append(msg)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done() and (len(self._arrived) >= self._need or status(msg) is not None):
+            waiter.set_result(None)
 
     async def fetch(self, want: int, fetch_timeout: float) -> list[Msg]:
         """Up to `want` messages and FETCH_BYTES_BUDGET bytes, returned as soon as any are there.
@@ -82,21 +102,22 @@ class Puller:
         delivered but never handled, and a worker held ever more messages than its
         concurrency (measured: 18 with 2), which no other worker could then take.
 
-        A request cut short by `timeout` leaves the rest of its delivery in the inbox, where
-        the next request reads it. Raises nats.errors.TimeoutError if nothing came at all.
+        A request cut short by `timeout`, or by the connection dropping, leaves the rest of its
+        delivery in the inbox, where the next request reads it. Raises
+        nats.errors.TimeoutError if nothing came at all.
         """
         body = json.dumps({**request, "max_bytes": FETCH_BYTES_BUDGET}).encode()
+        drops = self._drops
         await self.client.publish(self.subject, body, reply=self.inbox)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         msgs: list[Msg] = []
         while len(msgs) < request["batch"]:
-            try:
-                msg = await self._next(max(deadline - loop.time(), 0.001))
-            except nats.errors.TimeoutError:
+            if not self._arrived and not await self._arrival(request["batch"] - len(msgs), deadline, drops):
                 if msgs:
                     break
-                raise
+                raise nats.errors.TimeoutError
+            msg = self._arrived.popleft()
             if status(msg) is not None:
                 if not msgs and description(msg) == "Batch Completed":
                     continue
@@ -104,13 +125,26 @@ class Puller:
             msgs.append(msg)
         return msgs
 
-    async def _next(self, timeout: float) -> Msg:
-        if not self._queue.empty():
-            return self._queue.get_nowait()
+    async def _arrival(self, need: int, deadline: float, drops: int) -> bool:
+        """Wait until `need` messages or a status have arrived, until `deadline` (loop time), or
+        until the connection drops (unless it has since `drops`); True if anything has arrived."""
+        if self._drops != drops:
+            return bool(self._arrived)
+        loop = asyncio.get_running_loop()
+        self._need = need
+        self._waiter = waiter = loop.create_future()
+        timer = loop.call_at(deadline, _wake, waiter)
         try:
-            return await asyncio.wait_for(self._queue.get(), timeout)
-        except TimeoutError:
-            raise nats.errors.TimeoutError from None
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+        return bool(self._arrived)
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def status(msg: Msg) -> str | None:

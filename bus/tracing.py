@@ -119,10 +119,11 @@ def send_headers(
 
     Without an SDK the API's span would be a non-recording copy of its parent's ids, so
     the current context goes into the headers as it is, saving ~5 µs of a ~30 µs publish
-    (ops.bench.bus).
+    (ops.bench.bus); and an empty context (no span, no baggage) gives the propagators
+    nothing to write, so they are not called (~1.5 µs).
     """
     if not enabled():
-        return inject(headers)
+        return inject(headers) if context.get_current() else headers
     with tracer.start_as_current_span(
         f"send {subject}",
         kind=SpanKind.PRODUCER,

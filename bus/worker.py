@@ -29,6 +29,7 @@ from bus.connection import JetStream
 from bus.dead import dead_letter
 from bus.publisher import Publisher
 from bus.pull import Puller
+from bus.slots import Slots
 from bus.topology import Channel, Topology, WorkQueue
 from schemas.codec import DecodeError, decode
 from schemas.events import Event
@@ -106,42 +107,27 @@ class Worker(Generic[E]):
         try:
             async with asyncio.TaskGroup() as group:
                 heartbeat = group.create_task(self._heartbeat(ack_wait))
-                await self._serve(puller, stop)
+                await self._serve(puller, stop, Slots(self.queue.durable, self._handle, self.options.concurrency, group))
                 heartbeat.cancel()
         finally:
             await puller.close()
 
-    async def _serve(self, puller: Puller, stop: asyncio.Event) -> None:
-        tasks: set[asyncio.Task[None]] = set()
-        half = self.options.concurrency // 2
-        room = asyncio.Event()
-
-        def done(task: asyncio.Task[None]) -> None:
-            tasks.discard(task)
-            if len(tasks) <= half:
-                room.set()
-
+    async def _serve(self, puller: Puller, stop: asyncio.Event, slots: Slots[Msg]) -> None:
         while not stop.is_set():
             # Refill when half the slots are free: fetching one message per free slot
             # would make every message pay a request round trip.
-            if len(tasks) > half:
-                room.clear()
-                await room.wait()
+            await slots.half_free()
             try:
-                msgs = await puller.fetch(self.options.concurrency - len(tasks), self.options.fetch_timeout)
+                msgs = await puller.fetch(self.options.concurrency - slots.held, self.options.fetch_timeout)
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 continue
             except nats.errors.Error as exc:  # connection trouble: the client reconnects
                 log.warning("%s fetch failed: %s", self.queue.durable, exc)
                 await asyncio.sleep(0.5)
                 continue
-            for msg in msgs:
-                task = asyncio.create_task(self._handle(msg))
-                tasks.add(task)
-                task.add_done_callback(done)
+            slots.give(msgs)
         # Drain: finish what was fetched; unfetched messages stay in the stream.
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await slots.close()
 
     async def _handle(self, msg: Msg) -> None:
         deliveries = msg.metadata.num_delivered

@@ -25,6 +25,8 @@ _NUMPY: dict[str, np.dtype] = {
 _NUMPY["bfloat16"] = np.dtype("uint16")
 # The same, little endian, made once: building it per call was a fifth of a trajectory's decode.
 _LITTLE: dict[str, np.dtype] = {name: dtype.newbyteorder("<") for name, dtype in _NUMPY.items()}
+ITEMSIZE: dict[str, int] = {name: dtype.itemsize for name, dtype in _NUMPY.items()}
+"""Bytes per element of each wire dtype."""
 DType = Literal["bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
 
 

@@ -128,6 +128,28 @@ def test_publish_the_stream_refuses_fails_after_retry_for(nats_server: EmbeddedN
     run_bus(nats_server, topology, body)
 
 
+def test_a_closed_publisher_retries_what_awaits_its_ack_and_publishes_again(
+    nats_server: EmbeddedNats, topology: Topology
+) -> None:
+    """Closing stops the publisher's ack subscription: a publish still awaiting its ack is
+    retried as a request (stored once), and a later publish subscribes again. The ack timeout
+    is long, so only those two paths can settle them within the 5 s waited."""
+
+    async def body(js: JetStreamContext) -> None:
+        publisher = Publisher(js, topology, ack_timeout=30.0)
+        ack = await publisher.send(TRAJECTORIES, trajectory(topology.run, prompt=0))
+        await publisher.close()
+        done, _ = await asyncio.wait([ack], timeout=5.0)
+        assert done and ack.result().seq == 1, "a publish awaiting its ack at close was not settled"
+        again = await publisher.send(TRAJECTORIES, trajectory(topology.run, prompt=1))
+        done, _ = await asyncio.wait([again], timeout=5.0)
+        assert done and again.result().seq == 2, "no ack for a publish after close"
+        await publisher.close()
+        assert await messages(js, topology, TRAJECTORIES) == 2
+
+    run_bus(nats_server, topology, body)
+
+
 def test_event_over_max_payload_is_refused_before_sending(nats_server: EmbeddedNats, topology: Topology) -> None:
     async def body(js: JetStreamContext) -> None:
         with pytest.raises(EventTooLarge, match="over the 8388608-byte max payload"):

@@ -127,7 +127,38 @@ def test_a_message_carrying_its_own_status_header_is_handled_not_taken_for_a_sta
     asyncio.run(main())
 
 
-def test_a_worker_refuses_a_context_that_does_not_keep_its_connection() -> None:
+def test_a_pull_is_given_up_when_the_connection_drops_not_at_its_deadline(
+    nats_server: EmbeddedNats, topology: Topology
+) -> None:
+    """A request sent just before its server died was lost with it, and the worker waited out
+    the request's 10 s deadline at each kill of a cluster node. Here the connection is dropped
+    (and made again) under a long poll that has 40 s left: the pull must end at once."""
+
+    async def main() -> None:
+        nc = await connect(nats_server.url, "test-pull-drop")
+        js = nc.jetstream()
+        await topology.apply(js)
+        puller = Puller(js, topology.stream(TRAJECTORIES), TRAJECTORIES.work_queue.durable)
+        await puller.open()
+        try:
+            polling = asyncio.create_task(puller.pull({"batch": 1, "expires": 30 * 10**9}, 40.0))
+            await asyncio.sleep(0.5)
+            assert not polling.done()
+            dropped_at = time.monotonic()
+            await nc.force_reconnect()
+            done, _ = await asyncio.wait([polling], timeout=5.0)
+            assert done, "the pull went on waiting after its connection dropped"
+            assert isinstance(polling.exception(), nats.errors.TimeoutError), polling
+            assert time.monotonic() - dropped_at < 5.0
+        finally:
+            await puller.close()
+            await topology.delete(js)
+            await nc.close()
+
+    asyncio.run(main())
+
+
+def test_a_worker_and_a_publisher_refuse_a_context_that_does_not_keep_its_connection() -> None:
     topology = Topology(run="refused")
     plain = JetStreamContext(Client())
 
@@ -135,7 +166,9 @@ def test_a_worker_refuses_a_context_that_does_not_keep_its_connection() -> None:
         pass
 
     with pytest.raises(TypeError, match=r"bus\.connection\.connect"):
-        Worker(plain, topology, TRAJECTORIES, handler, Publisher(plain, topology))
+        Worker(plain, topology, TRAJECTORIES, handler, Publisher(JetStream(Client()), topology))
+    with pytest.raises(TypeError, match=r"bus\.connection\.connect"):
+        Publisher(plain, topology)
     assert isinstance(JetStream(Client()), JetStreamContext)
 
 

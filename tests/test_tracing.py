@@ -111,3 +111,27 @@ def test_trace_ids_do_not_follow_a_seeded_random() -> None:
         random.seed(0)
         ids.add((SystemRandomIds().generate_trace_id(), SystemRandomIds().generate_span_id()))
     assert len(ids) == 2
+
+
+WITHOUT_SDK = """
+from opentelemetry import context
+from bus import tracing
+
+assert not tracing.enabled()
+tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+token = context.attach(tracing.extract({"traceparent": tp}))
+carried = tracing.send_headers("s", "id", {"Nats-Msg-Id": "id"})
+context.detach(token)
+assert carried.get("traceparent") == tp, carried
+alone = tracing.send_headers("s", "id", {"Nats-Msg-Id": "id"})
+assert alone == {"Nats-Msg-Id": "id"}, alone
+"""
+
+
+def test_without_an_sdk_a_publish_carries_the_trace_it_is_in_and_makes_none_up() -> None:
+    """No SDK (a fresh process, no OTLP endpoint): a handler's publish inside the context of
+    the message it handles carries that message's traceparent on, and a publish in no trace
+    (where the propagators are skipped) gets no traceparent."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    done = subprocess.run([sys.executable, "-c", WITHOUT_SDK], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
