@@ -22,7 +22,7 @@ import torch
 from bus.embedded import EmbeddedNats
 from bus.topology import WEIGHTS, Topology
 from consumers.weights import transport_for
-from consumers.weights.chain import Publisher
+from consumers.weights.chain import VersionPublisher
 from schemas import WeightVersionEvent, encode
 from schemas.config import WeightsConfig
 from tests.helpers import dead_letters
@@ -62,7 +62,7 @@ def test_rollout_workers_follow_delta_versions_bit_for_bit_and_a_late_one_catche
         settings = {"transport": transport, "dir": str(tmp_path), "delta": True, "full_every": 8, "keep": 2}
         async with rollout_worker(nats_server.url, topology, model_dir, weights=settings) as w:
             config = WeightsConfig.model_validate(settings)
-            publisher = Publisher(
+            publisher = VersionPublisher(
                 transport_for(config, w.js, topology.object_bucket, topology.run), config, topology.run, "test"
             )
 

@@ -22,7 +22,7 @@ from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.topology import WEIGHTS, Topology
 from consumers.weights import transport_for
-from consumers.weights.chain import Publisher
+from consumers.weights.chain import VersionPublisher
 from consumers.weights.collective import CollectiveTransport
 from schemas import encode
 from schemas.config import WeightsConfig
@@ -60,7 +60,7 @@ def test_two_workers_get_a_version_by_broadcast_and_a_late_one_from_the_fallback
             return ["worker-a", "worker-b"]
 
         trainer = transport_for(config, js, topology.object_bucket, topology.run, members=listed)
-        publisher = Publisher(trainer, config, topology.run, "test")
+        publisher = VersionPublisher(trainer, config, topology.run, "test")
         workers = [transport_for(config, js, topology.object_bucket, topology.run, "collective", member_id=m)
                    for m in ("worker-a", "worker-b", "worker-late")]
         try:
@@ -108,7 +108,7 @@ def test_a_rollout_worker_loads_a_broadcast_version(
                 return [w.rt.source]
 
             trainer = transport_for(config, w.js, topology.object_bucket, topology.run, members=listed)
-            publisher = Publisher(trainer, config, topology.run, "test")
+            publisher = VersionPublisher(trainer, config, topology.run, "test")
             try:
                 tensors = {n: p.detach().clone() + 1e-3 for n, p in w.engine.model.named_parameters()}
                 event = await publisher.publish(1, tensors)
