@@ -258,6 +258,13 @@ class WeightsConfig(Section):
 class RunConfig(Section):
     run: str = "demo"
     """Run id: names every stream, subject and bucket of the run."""
+    mode: Literal["async", "sync"] = "async"
+    """async: rollout runs ahead of the trainer by up to `algorithm.max_staleness` versions.
+    sync: strictly on-policy, the synchronous baseline in the same stages: the gate admits step
+    s's prompts only once version s (the update of step s - 1) is published, and the buffer forms
+    step s only from samples every token of which version s generated. That is exactly
+    `algorithm.max_staleness: 0` with `trainer.sync_every: 1`, which sync sets (left unset) or
+    requires (set to anything else is refused)."""
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
@@ -270,6 +277,34 @@ class RunConfig(Section):
     @classmethod
     def _run(cls, value: str) -> str:
         return check_run_id(value)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sync_is_on_policy(cls, data: object) -> object:
+        """mode sync: max_staleness 0 and sync_every 1, set when left out, refused when set otherwise.
+
+        Why these two and nothing more: the gate admits while issued < (v + max_staleness + 1) *
+        prompts_per_step, so with 0 step s's prompts wait for version s; the buffer drops groups
+        with a token older than step - max_staleness and rejects tokens newer than the step being
+        formed, so every trained token is version s; a version per step keeps the gate moving.
+        """
+        if not isinstance(data, dict) or data.get("mode") != "sync":
+            return data
+        algorithm, trainer = (
+            (section.model_dump(exclude_unset=True) if isinstance(section, BaseModel) else dict(section or {}))
+            for section in (data.get("algorithm"), data.get("trainer"))
+        )
+        if algorithm.setdefault("max_staleness", 0) != 0:
+            raise ValueError(
+                f"mode sync is strictly on-policy: algorithm.max_staleness must be 0 (or left out), not "
+                f"{algorithm['max_staleness']}; use mode async for a staleness bound"
+            )
+        if trainer.get("sync_every", 1) != 1:
+            raise ValueError(
+                f"mode sync publishes a version every step: trainer.sync_every must be 1 (or left out), "
+                f"not {trainer['sync_every']}"
+            )
+        return {**data, "algorithm": algorithm, "trainer": trainer}
 
     @model_validator(mode="after")
     def _can_progress(self) -> RunConfig:
