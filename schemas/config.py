@@ -142,6 +142,10 @@ class TrainerConfig(Section):
     """Rank 0 logs each step's metrics to this Weights & Biases project (needs `pip install wandb`)."""
     tensorboard_dir: str | None = None
     """Rank 0 writes each step's metrics as TensorBoard scalars here (needs `pip install tensorboard`)."""
+    simulated_seconds_per_token: float = Field(0.0, ge=0)
+    """For scheduling studies (with `rollout.engine: simulated`): after each real optimizer step,
+    spend this many more seconds per token the step trained on this rank (attention-mask tokens,
+    prompt and response), as a bigger model would; 0 adds nothing."""
     stall_after: float = Field(30.0, gt=0)
     """Seconds with no completed step after which the run counts as stalled: the producer's progress
     line, its log and `ops.status` then name the stage that holds the work and why (`ops.stall`)."""
@@ -156,9 +160,31 @@ class TrainerConfig(Section):
         return self
 
 
+class SimulatedRolloutConfig(Section):
+    """`rollout.simulated`: the simulated engine's workload (`engines.simulated`), for scheduling
+    studies only: its samples are random tokens."""
+
+    median_tokens: float = Field(64.0, gt=0)
+    """Median response length in tokens (the log-normal's exp(mu)); capped at `data.sampling.max_tokens`,
+    which the rollout still checks against the real model's context (the built-in tiny model: 64)."""
+    sigma: float = Field(1.0, ge=0)
+    """Standard deviation of the log of the response length: 0 makes every response the median,
+    1 or more a long tail (a few responses many times the median)."""
+    seconds_per_token: float = Field(0.001, ge=0)
+    """Simulated decode time of one token in one slot."""
+    slots: int = Field(4, ge=1)
+    """Sequences generated at once, as a continuous-batching engine's slots: a sample waits for
+    the first slot free, and a batch returns when its last sample ends."""
+
+
 class RolloutConfig(Section):
     max_batch_prompts: int = Field(16, ge=1)
     """Most prompts generated together in one batch."""
+    engine: Literal["hf", "simulated"] = "hf"
+    """hf: the reference engine, the run's model generating for real (`engines.hf_rollout`).
+    simulated: for scheduling studies only, random tokens after a simulated time (`simulated`)."""
+    simulated: SimulatedRolloutConfig = SimulatedRolloutConfig()
+    """engine simulated: its length distribution, cost per token and slots."""
 
 
 class RewardConfig(Section):
