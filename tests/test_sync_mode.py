@@ -23,7 +23,7 @@ from bus.embedded import EmbeddedNats
 from bus.topology import BATCHES, PROMPTS, Topology
 from ops.audit import _decoded, _replay
 from schemas import BatchEvent, PromptEvent
-from schemas.config import load_config
+from schemas.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 ROLES = ("trainer", "buffer", "reward", "rollout")
@@ -104,3 +104,28 @@ def test_sync_mode_trains_each_step_on_its_own_version(nats_server: EmbeddedNats
             f"step {batch.step} trained tokens of versions {sorted(set(versions.tolist()))}"
         )
         assert {admitted[pid] for pid in batch.step_prompt_ids} == {batch.step}
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "message"),
+    [
+        ("mode: sync\nalgorithm: {max_staleness: 1}\n",
+         r"run.yaml: mode sync is strictly on-policy: algorithm.max_staleness must be 0 \(or left out\), not 1"),
+        ("mode: sync\ntrainer: {sync_every: 2}\nalgorithm: {max_staleness: 0}\n",
+         r"run.yaml: mode sync publishes a version every step: trainer.sync_every must be 1 \(or left out\), not 2"),
+        ("mode: synchronous\n", r"run.yaml: mode: Input should be 'async' or 'sync'"),
+    ],
+)
+def test_sync_mode_refuses_contradictory_settings(tmp_path: Path, yaml_text: str, message: str) -> None:
+    bad = tmp_path / "run.yaml"
+    bad.write_text(yaml_text)
+    with pytest.raises(ConfigError, match=message) as caught:
+        load_config(bad)
+    assert "\n" not in str(caught.value)
+
+
+def test_async_mode_keeps_its_staleness() -> None:
+    from schemas.config import parse_config
+
+    assert parse_config({"algorithm": {"max_staleness": 3}, "trainer": {"sync_every": 2}}).algorithm.max_staleness == 3
+    assert parse_config({}).mode == "async"
