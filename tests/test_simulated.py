@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from engines.protocols import RolloutEngine, SamplingParams
-from engines.simulated import LOGPROB, SimulatedRolloutEngine, SimulatedSettings, draw_lengths, finish_times
+from engines.simulated import (
+    LOGPROB,
+    SimulatedRolloutEngine,
+    SimulatedSettings,
+    draw_lengths,
+    finish_times,
+)
 from schemas.config import ConfigError, parse_config
 
 VOCAB, EOS = 32, 0  # the random ids must step over eos and still reach the last id
