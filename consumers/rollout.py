@@ -59,6 +59,7 @@ from consumers.weights import (
 from consumers.weights.chain import Follower
 from engines import protocols
 from engines.hf_rollout import HFRolloutEngine
+from engines.simulated import SimulatedRolloutEngine, SimulatedSettings
 from engines.weights import WeightsRefused, check_manifest
 from schemas import (
     DecodeError,
@@ -68,6 +69,7 @@ from schemas import (
     WeightVersionEvent,
     decode,
 )
+from schemas.config import RunConfig
 
 log = logging.getLogger("jetrl.rollout")
 
@@ -83,7 +85,7 @@ class Pending:
 
 
 class Rollout:
-    def __init__(self, rt: Runtime, engine: HFRolloutEngine, tokenizer: object) -> None:
+    def __init__(self, rt: Runtime, engine: HFRolloutEngine | SimulatedRolloutEngine, tokenizer: object) -> None:
         self.rt, self.engine, self.tokenizer = rt, engine, tokenizer
         self.limits = ModelLimits.of(engine.model)
         self.queue: list[Pending] = []
@@ -150,7 +152,7 @@ class Rollout:
                 response_ids=Tensor.from_numpy(response), logprobs=Tensor.from_torch(sample.logprobs.float()),
                 versions=Tensor.from_numpy(np.full(len(response), version, np.int32)),
                 response_text=text,
-                finish_reason=sample.finish_reason, task=prompt.task, engine="hf",
+                finish_reason=sample.finish_reason, task=prompt.task, engine=self.rt.config.rollout.engine,
                 timings={"generate": seconds},
             )
             acks.append(await self.rt.publisher.send(TRAJECTORIES, trajectory))
@@ -197,14 +199,14 @@ class Rollout:
                 if not self.running:
                     self.idle.set()
             seconds = time.perf_counter() - started
-            metrics.GENERATE_SECONDS.record(seconds, {"engine": "hf"})
+            metrics.GENERATE_SECONDS.record(seconds, {"engine": self.rt.config.rollout.engine})
             for p, samples in zip(batch, groups):
                 p.done.set_result((samples, version, seconds))
 
     def span_attributes(self, pending: Pending, version: int, batch_prompts: int) -> dict[str, str | int]:
         """What a prompt's `generate` span says: which prompt, weights, engine, worker, batch."""
         return {
-            "jetrl.prompt_id": pending.prompt.id, "jetrl.policy_version": version, "jetrl.engine": "hf",
+            "jetrl.prompt_id": pending.prompt.id, "jetrl.policy_version": version, "jetrl.engine": self.rt.config.rollout.engine,
             "jetrl.worker": self.rt.source, "jetrl.samples": pending.prompt.n,
             "jetrl.prompt_tokens": len(pending.token_ids), "jetrl.batch_prompts": batch_prompts,
         }
@@ -304,11 +306,22 @@ class Rollout:
         log.info("now serving weights v%d", event.version)
 
 
+def make_engine(cfg: RunConfig, model: Path) -> HFRolloutEngine | SimulatedRolloutEngine:
+    """The engine `rollout.engine` names; the simulated one keeps the real model for its checks only."""
+    hf = HFRolloutEngine(model, seed=cfg.data.seed)
+    if cfg.rollout.engine == "hf":
+        return hf
+    sim = cfg.rollout.simulated
+    settings = SimulatedSettings(sim.median_tokens, sim.sigma, sim.seconds_per_token, sim.slots, cfg.data.seed)
+    vocab = ModelLimits.of(hf.model).vocab_size
+    return SimulatedRolloutEngine(hf.model, vocab, hf.eos_token_ids[0], settings)
+
+
 async def build(rt: Runtime) -> Stage[PromptEvent]:
     """The rollout stage: prompts served by `Rollout.handle`, beside its batcher and weights watcher."""
     model = Path(rt.config.model.path or "")
-    rollout = Rollout(rt, HFRolloutEngine(model, seed=rt.config.data.seed), AutoTokenizer.from_pretrained(model))
-    rt.member.report(engine="hf", weight_version=rollout.engine.version)
+    rollout = Rollout(rt, make_engine(rt.config, model), AutoTokenizer.from_pretrained(model))
+    rt.member.report(engine=rt.config.rollout.engine, weight_version=rollout.engine.version)
     return rollout_stage(rollout)
 
 

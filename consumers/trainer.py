@@ -221,6 +221,8 @@ class Trainer:
         ) as span:
             started = time.perf_counter()
             trained = await asyncio.to_thread(self.engine.train_step, [micro_batch(b) for b in batches])
+            if per_token := self.cfg.trainer.simulated_seconds_per_token:  # on top of the real step
+                await asyncio.sleep(per_token * sum(int(b.attention_mask.numpy().sum()) for b in batches))
             TRAINER_MID_STEP(f"step {step}")
             metrics = step_metrics(step, batches, trained, time.perf_counter() - started)
             # The version this step's update makes; it goes out now, or with a later sync.

@@ -142,6 +142,10 @@ class TrainerConfig(Section):
     """Rank 0 logs each step's metrics to this Weights & Biases project (needs `pip install wandb`)."""
     tensorboard_dir: str | None = None
     """Rank 0 writes each step's metrics as TensorBoard scalars here (needs `pip install tensorboard`)."""
+    simulated_seconds_per_token: float = Field(0.0, ge=0)
+    """For scheduling studies (with `rollout.engine: simulated`): after each real optimizer step,
+    spend this many more seconds per token the step trained on this rank (attention-mask tokens,
+    prompt and response), as a bigger model would; 0 adds nothing."""
     stall_after: float = Field(30.0, gt=0)
     """Seconds with no completed step after which the run counts as stalled: the producer's progress
     line, its log and `ops.status` then name the stage that holds the work and why (`ops.stall`)."""
@@ -156,9 +160,31 @@ class TrainerConfig(Section):
         return self
 
 
+class SimulatedRolloutConfig(Section):
+    """`rollout.simulated`: the simulated engine's workload (`engines.simulated`), for scheduling
+    studies only: its samples are random tokens."""
+
+    median_tokens: float = Field(64.0, gt=0)
+    """Median response length in tokens (the log-normal's exp(mu)); capped at `data.sampling.max_tokens`,
+    which the rollout still checks against the real model's context (the built-in tiny model: 64)."""
+    sigma: float = Field(1.0, ge=0)
+    """Standard deviation of the log of the response length: 0 makes every response the median,
+    1 or more a long tail (a few responses many times the median)."""
+    seconds_per_token: float = Field(0.001, ge=0)
+    """Simulated decode time of one token in one slot."""
+    slots: int = Field(4, ge=1)
+    """Sequences generated at once, as a continuous-batching engine's slots: a sample waits for
+    the first slot free, and a batch returns when its last sample ends."""
+
+
 class RolloutConfig(Section):
     max_batch_prompts: int = Field(16, ge=1)
     """Most prompts generated together in one batch."""
+    engine: Literal["hf", "simulated"] = "hf"
+    """hf: the reference engine, the run's model generating for real (`engines.hf_rollout`).
+    simulated: for scheduling studies only, random tokens after a simulated time (`simulated`)."""
+    simulated: SimulatedRolloutConfig = SimulatedRolloutConfig()
+    """engine simulated: its length distribution, cost per token and slots."""
 
 
 class RewardConfig(Section):
@@ -258,6 +284,13 @@ class WeightsConfig(Section):
 class RunConfig(Section):
     run: str = "demo"
     """Run id: names every stream, subject and bucket of the run."""
+    mode: Literal["async", "sync"] = "async"
+    """async: rollout runs ahead of the trainer by up to `algorithm.max_staleness` versions.
+    sync: strictly on-policy, the synchronous baseline in the same stages: the gate admits step
+    s's prompts only once version s (the update of step s - 1) is published, and the buffer forms
+    step s only from samples every token of which version s generated. That is exactly
+    `algorithm.max_staleness: 0` with `trainer.sync_every: 1`, which sync sets (left unset) or
+    requires (set to anything else is refused)."""
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
@@ -270,6 +303,34 @@ class RunConfig(Section):
     @classmethod
     def _run(cls, value: str) -> str:
         return check_run_id(value)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sync_is_on_policy(cls, data: object) -> object:
+        """mode sync: max_staleness 0 and sync_every 1, set when left out, refused when set otherwise.
+
+        Why these two and nothing more: the gate admits while issued < (v + max_staleness + 1) *
+        prompts_per_step, so with 0 step s's prompts wait for version s; the buffer drops groups
+        with a token older than step - max_staleness and rejects tokens newer than the step being
+        formed, so every trained token is version s; a version per step keeps the gate moving.
+        """
+        if not isinstance(data, dict) or data.get("mode") != "sync":
+            return data
+        algorithm, trainer = (
+            (section.model_dump(exclude_unset=True) if isinstance(section, BaseModel) else dict(section or {}))
+            for section in (data.get("algorithm"), data.get("trainer"))
+        )
+        if algorithm.setdefault("max_staleness", 0) != 0:
+            raise ValueError(
+                f"mode sync is strictly on-policy: algorithm.max_staleness must be 0 (or left out), not "
+                f"{algorithm['max_staleness']}; use mode async for a staleness bound"
+            )
+        if trainer.get("sync_every", 1) != 1:
+            raise ValueError(
+                f"mode sync publishes a version every step: trainer.sync_every must be 1 (or left out), "
+                f"not {trainer['sync_every']}"
+            )
+        return {**data, "algorithm": algorithm, "trainer": trainer}
 
     @model_validator(mode="after")
     def _can_progress(self) -> RunConfig:

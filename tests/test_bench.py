@@ -85,3 +85,14 @@ def test_bench_weights_quick(tmp_path: Path) -> None:
     assert figures["baseline"]["x1"] > 0 and figures["baseline"]["x4"] > 0
     assert json.loads((tmp_path / "weights.json").read_text())["ratio"] == figures["ratio"]
     assert (tmp_path / "weights.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(400)
+def test_bench_async_vs_sync_quick(tmp_path: Path) -> None:
+    figures = last_json(["ops.bench.async_vs_sync", "--quick", "--out", str(tmp_path)], timeout=380)
+    assert figures["quick"] is True and set(figures["runs"]) == {"sync", "async-1", "async-2", "async-4"}
+    samples = {run["samples"] for run in figures["runs"].values()}
+    assert len(samples) == 1, f"the runs trained different numbers of samples: {samples}"
+    assert figures["runs"]["sync"]["staleness_max_seen"] == 0
+    assert json.loads((tmp_path / "async_vs_sync.json").read_text())["ratio"] == figures["ratio"]
+    assert (tmp_path / "async_vs_sync.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

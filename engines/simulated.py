@@ -1,0 +1,92 @@
+"""A simulated rollout engine, for scheduling studies only: it learns nothing and means nothing.
+
+It answers like a continuous-batching engine with `slots` concurrent sequences: each sample's
+response length is drawn from a log-normal (a long tail, as reasoning workloads have), capped
+at `max_tokens`, and costs `seconds_per_token` per token; a sample waits for the first free
+slot, and `generate` returns when its last sample finishes (the batch's makespan). The tokens
+are random ids inside the model's vocabulary with log-prob -1.0, so the bus, reward, buffer
+and trainer downstream run unchanged; the weights it is given are only counted (`version`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engines.protocols import Sample, SamplingParams
+
+LOGPROB = -1.0
+"""The behaviour log-prob of every simulated token."""
+
+
+@dataclass(frozen=True)
+class SimulatedSettings:
+    """What `rollout.simulated` in the run config says (`schemas.config.SimulatedRolloutConfig`)."""
+
+    median_tokens: float = 64.0
+    sigma: float = 1.0
+    seconds_per_token: float = 0.001
+    slots: int = 4
+    seed: int = 0
+
+
+def draw_lengths(rng: np.random.Generator, count: int, median: float, sigma: float, cap: int) -> np.ndarray:
+    """[count] int64 response lengths: log-normal with `median` and `sigma` (of the log), in [1, cap]."""
+    lengths = np.rint(rng.lognormal(np.log(median), sigma, count)).astype(np.int64)
+    return np.clip(lengths, 1, cap)
+
+
+def finish_times(durations: Sequence[float], slots: int) -> list[float]:
+    """When each job ends, run in order on `slots` servers, each job on the first one free
+    (what a continuous-batching engine does with requests queued beyond its slots)."""
+    free = [0.0] * slots  # a heap of the times the slots come free
+    ends = []
+    for duration in durations:
+        start = heapq.heappop(free)
+        ends.append(start + duration)
+        heapq.heappush(free, start + duration)
+    return ends
+
+
+class SimulatedRolloutEngine:
+    """`RolloutEngine` that sleeps for the simulated time instead of computing.
+
+    `model` is the run's real model, kept only for what the worker checks against it (its
+    vocabulary, context and weight manifest); it never runs. Calls of `generate` from
+    several threads share the slots one after the other (one engine, one set of slots).
+    """
+
+    def __init__(self, model: torch.nn.Module, vocab_size: int, eos_token_id: int, settings: SimulatedSettings) -> None:
+        self.model, self.vocab_size, self.eos, self.settings = model, vocab_size, eos_token_id, settings
+        self.rng = np.random.default_rng(settings.seed)
+        self.lock = threading.Lock()
+        self.version = 0
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams) -> list[list[Sample]]:
+        s = self.settings
+        with self.lock:
+            started = time.perf_counter()
+            lengths = draw_lengths(self.rng, len(prompts) * n, s.median_tokens, s.sigma, params.max_tokens)
+            drawn = [self.sample(int(length), params.max_tokens) for length in lengths]
+            ends = finish_times([float(length) * s.seconds_per_token for length in lengths], s.slots)
+            time.sleep(max(0.0, max(ends, default=0.0) - (time.perf_counter() - started)))
+        return [drawn[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def sample(self, length: int, max_tokens: int) -> Sample:
+        """`length` random ids other than eos; one that stopped before the cap ends with eos."""
+        ids = self.rng.integers(0, self.vocab_size - 1, length)
+        ids[ids >= self.eos] += 1  # skip eos: [0, vocab) without it
+        stopped = length < max_tokens
+        if stopped:
+            ids[-1] = self.eos
+        return Sample(torch.from_numpy(ids), torch.full((length,), LOGPROB), "stop" if stopped else "length")
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
+        """Takes the version only: nothing here runs the weights."""
+        self.version = self.version + 1 if version is None else version

@@ -1,0 +1,149 @@
+"""`python -m ops.bench.async_vs_sync [--quick] [--out DIR]`: the async speedup, against our own sync mode.
+
+Runs the same job four times on the same fleet shape (one trainer, buffer, reward worker and
+rollout worker; embedded server): `mode: sync`, then `mode: async` with max_staleness 1, 2
+and 4. Rollout is the simulated engine (`engines.simulated`, scheduling studies only) with
+long-tail log-normal lengths and 4 slots per trainer; the trainer adds a simulated cost per
+token trained (`trainer.simulated_seconds_per_token`) to its real tiny-model step; everything
+between them (bus, reward, buffer, gate, weight versions) is the real machinery.
+
+Per run: wall time from the first generation's start to the last step's end (the same
+number of trained samples in every run; start-up is left out), and the time the rollout
+worker and the trainer each sat idle in it (rollout busy = the union of its generations,
+read back from the trajectory stream; trainer busy = its steps). A timeline PNG shows both.
+Last line: JSON with "ratio" = sync wall / best async wall. The real-model part of issue 13
+is not here yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import tempfile
+from pathlib import Path
+
+from bus.connection import connect
+from bus.embedded import EmbeddedNats
+from bus.topology import TRAJECTORIES, Topology
+from consumers.fleet_config import local_fleet
+from consumers.supervisor import Supervisor
+from ops.audit import _decoded, _replay
+from producers.launcher import prepare, produce
+from schemas import TrajectoryEvent
+from schemas.config import RunConfig, parse_config
+
+SLOTS = 4
+MODES: tuple[tuple[str, int], ...] = (("sync", 0), ("async", 1), ("async", 2), ("async", 4))
+
+
+def bench_config(run: str, mode: str, staleness: int, steps: int) -> RunConfig:
+    """The long-tail workload: 2 prompts x 4 samples a step on 4 slots, lengths log-normal with
+    median 6 and sigma 1.2 capped at 56 (the tiny model's context is 64 with the prompt), 20 ms a
+    token; training 3 ms a token on top of the real step, about a step's generation time."""
+    algorithm: dict = {"prompts_per_step": 2, "drop_equal_reward_groups": False}
+    if mode == "async":
+        algorithm["max_staleness"] = staleness
+    return parse_config({
+        "run": run, "mode": mode, "algorithm": algorithm,
+        "data": {"n": 4, "sampling": {"max_tokens": 56}},
+        "trainer": {"steps": steps, "checkpoint_every": 1000, "simulated_seconds_per_token": 0.003},
+        "rollout": {"engine": "simulated", "simulated": {"median_tokens": 6, "sigma": 1.2,
+                                                         "seconds_per_token": 0.02, "slots": SLOTS}},
+    }, f"bench {run}")
+
+
+async def generations(url: str, run: str) -> list[tuple[float, float]]:
+    """(start, end) of each trajectory's generation, from the trajectory stream."""
+    nc = await connect(url, "bench-async-vs-sync")
+    try:
+        events = _decoded(await _replay(nc.jetstream(), Topology(run=run), TRAJECTORIES), TrajectoryEvent)
+    finally:
+        await nc.close()
+    return sorted({(t.time - t.timings["generate"], t.time) for t in events})
+
+
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def run_one(cfg: RunConfig, out: Path) -> dict:
+    """One job on its own embedded server and local fleet; its figures and busy intervals."""
+    cfg = prepare(cfg, out)
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(EmbeddedNats(out / "nats"))
+        fleet = Supervisor(local_fleet(out / "logs", 1), cfg.run, server.url)
+        fleet.start()
+        stack.callback(fleet.stop)
+        summary = asyncio.run(produce(cfg, server.url, out, fleet))
+        rollout = union(asyncio.run(generations(server.url, cfg.run)))
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trainer = [(m["time"] - m["train_seconds"], m["time"]) for m in steps]
+    start, end = rollout[0][0], max(e for _, e in trainer)
+    wall = end - start
+    return {
+        "wall_seconds": wall, "samples": summary["samples_trained"],
+        "rollout_idle_seconds": wall - sum(e - s for s, e in rollout),
+        "trainer_idle_seconds": wall - sum(e - s for s, e in trainer),
+        "staleness_max_seen": summary["staleness_max_seen"],
+        "timeline": {"start": start, "rollout": rollout, "trainer": trainer},
+    }
+
+
+def plot(results: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(results), 1, figsize=(11, 1.3 * len(results) + 1), sharex=True, squeeze=False)
+    for ax, (name, result) in zip(axes[:, 0], results.items()):
+        t0 = result["timeline"]["start"]
+        for row, (who, colour) in enumerate((("rollout", "tab:blue"), ("trainer", "tab:orange"))):
+            spans = [(s - t0, e - s) for s, e in result["timeline"][who]]
+            ax.broken_barh(spans, (row - 0.4, 0.8), color=colour)
+        ax.set_yticks([0, 1], ["rollout", "trainer"])
+        ax.set_title(f"{name}: {result['wall_seconds']:.1f} s", fontsize=9, loc="left")
+    axes[-1, 0].set_xlabel("seconds since the first generation")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m ops.bench.async_vs_sync", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="4 steps a run instead of 16 (about 2 minutes)")
+    parser.add_argument("--out", type=Path, default=None, help="where async_vs_sync.json and .png go (default: cwd)")
+    args = parser.parse_args()
+    steps = 4 if args.quick else 16
+    out_dir = args.out or Path.cwd()
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode, staleness in MODES:
+            name = "sync" if mode == "sync" else f"async-{staleness}"
+            results[name] = run_one(bench_config(f"bench-{name}", mode, staleness, steps), Path(tmp) / name)
+            shown = {k: round(v, 2) if isinstance(v, float) else v for k, v in results[name].items() if k != "timeline"}
+            print(f"{name}: {json.dumps(shown)}", flush=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plot(results, out_dir / "async_vs_sync.png")
+    best = min((n for n in results if n != "sync"), key=lambda n: results[n]["wall_seconds"])
+    figures = {
+        "bench": "async_vs_sync", "quick": args.quick, "steps": steps, "slots": SLOTS,
+        "runs": {n: {k: round(v, 2) if isinstance(v, float) else v for k, v in r.items() if k != "timeline"}
+                 for n, r in results.items()},
+        "best_async": best,
+        "ratio": round(results["sync"]["wall_seconds"] / results[best]["wall_seconds"], 3),
+    }
+    (out_dir / "async_vs_sync.json").write_text(json.dumps(figures, indent=1))
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""The simulated rollout engine (scheduling studies only): its length distribution, its slots,
+and samples the rest of the pipeline takes as real ones."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from engines.protocols import RolloutEngine, SamplingParams
+from engines.simulated import (
+    LOGPROB,
+    SimulatedRolloutEngine,
+    SimulatedSettings,
+    draw_lengths,
+    finish_times,
+)
+from schemas.config import ConfigError, parse_config
+
+VOCAB, EOS = 32, 0  # the random ids must step over eos and still reach the last id
+
+
+def engine(**settings: object) -> SimulatedRolloutEngine:
+    return SimulatedRolloutEngine(torch.nn.Linear(1, 1), VOCAB, EOS, SimulatedSettings(**settings))  # type: ignore[arg-type]
+
+
+def test_lengths_are_log_normal_with_the_median_and_sigma_asked_and_capped() -> None:
+    lengths = draw_lengths(np.random.default_rng(0), 20_000, median=50, sigma=1.0, cap=10_000)
+    assert np.median(lengths) == pytest.approx(50, rel=0.05)
+    assert np.log(lengths).std() == pytest.approx(1.0, rel=0.05)
+    assert np.percentile(lengths, 99) > 8 * 50  # the long tail: exp(2.33 sigma) ~ 10x the median
+    capped = draw_lengths(np.random.default_rng(0), 20_000, median=50, sigma=1.0, cap=100)
+    assert capped.max() == 100 and capped.min() >= 1 and (capped == 100).mean() == pytest.approx(0.25, abs=0.02)
+
+
+def test_slots_run_jobs_as_a_continuous_batching_engine_would() -> None:
+    assert finish_times([1.0] * 8, slots=4) == [1.0] * 4 + [2.0] * 4
+    # The long job holds one slot; the other three take the short ones as they come free.
+    assert finish_times([10.0, 1, 1, 1, 1, 1, 1], slots=4) == [10.0, 1, 1, 1, 2, 2, 2]
+    assert max(finish_times([10.0, 1, 1, 1, 1, 1, 1], slots=1)) == 16
+
+
+def test_generate_takes_the_makespan_and_returns_valid_samples() -> None:
+    sim = engine(median_tokens=20, sigma=0.0, seconds_per_token=0.005, slots=2)
+    assert isinstance(sim, RolloutEngine)
+    started = time.perf_counter()
+    groups = sim.generate([[1, 2], [3]], n=2, params=SamplingParams(max_tokens=40))
+    seconds = time.perf_counter() - started
+    # 4 samples of 20 tokens on 2 slots: 2 rounds of 20 x 5 ms.
+    assert 0.2 <= seconds < 0.35, seconds
+    assert [len(g) for g in groups] == [2, 2]
+    for sample in (s for g in groups for s in g):
+        ids = sample.token_ids
+        assert len(ids) == 20 and sample.finish_reason == "stop" and ids[-1] == EOS
+        assert int(ids.min()) >= 0 and int(ids.max()) < VOCAB and not (ids[:-1] == EOS).any()
+        assert torch.equal(sample.logprobs, torch.full((20,), LOGPROB))
+    capped = engine(median_tokens=100, sigma=0.0, seconds_per_token=0.0).generate([[1]], 1, SamplingParams(max_tokens=8))
+    assert len(capped[0][0].token_ids) == 8 and capped[0][0].finish_reason == "length"
+    sim.load_state_dict({}, version=7)
+    assert sim.version == 7
+
+
+def test_the_engine_and_its_workload_are_config() -> None:
+    cfg = parse_config({"rollout": {"engine": "simulated", "simulated": {"median_tokens": 200, "sigma": 1.2, "slots": 4}},
+                        "trainer": {"simulated_seconds_per_token": 1e-4}})
+    assert cfg.rollout.simulated.slots == 4 and cfg.trainer.simulated_seconds_per_token == 1e-4
+    with pytest.raises(ConfigError, match="rollout.engine: Input should be 'hf' or 'simulated'"):
+        parse_config({"rollout": {"engine": "vllm"}})
+    with pytest.raises(ConfigError, match="rollout.simulated.slots: Input should be greater than or equal to 1"):
+        parse_config({"rollout": {"simulated": {"slots": 0}}})
