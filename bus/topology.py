@@ -204,6 +204,11 @@ RENDEZVOUS_KEY = RENDEZVOUS.pattern
 _DROP, _METRICS = "drop.", "metrics."
 
 
+REFUSED_PROMPT = "rollout: "
+"""How a drop record's reason starts when the rollout refused the prompt itself (it can never be
+generated: untokenizable, too long for the model), not when a group was dropped for its rewards."""
+
+
 def drop_key(prompt_id: str) -> str:
     return f"{_DROP}{prompt_id}"
 

@@ -40,7 +40,7 @@ from transformers import AutoTokenizer
 
 from bus import metrics, tracing
 from bus.dead import dead_letter
-from bus.topology import PROMPTS, TRAJECTORIES, WEIGHTS, drop_key
+from bus.topology import PROMPTS, REFUSED_PROMPT, TRAJECTORIES, WEIGHTS, drop_key
 from bus.worker import Reject, WorkerOptions
 from consumers.checks import ModelLimits
 from consumers.crashpoints import (
@@ -132,7 +132,7 @@ class Rollout:
         dropped: the gate counts it and issues another in its place. Without the record the gate
         waits for a group that never comes and the run stops short of its last step."""
         with contextlib.suppress(KeyWrongLastSequenceError):  # recorded before a restart
-            await self.rt.kv.create(drop_key(prompt.id), f"rollout: {reason}".encode())
+            await self.rt.kv.create(drop_key(prompt.id), f"{REFUSED_PROMPT}{reason}".encode())
 
     async def handle(self, prompt: PromptEvent, msg: Msg) -> None:
         ids = self.checked_token_ids(prompt)

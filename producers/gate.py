@@ -24,7 +24,7 @@ from nats.js.errors import NotFoundError
 
 from bus import metrics, tracing
 from bus.election import ride_out
-from bus.topology import PROMPTS, WEIGHTS, dropped_prompt, metrics_prefix
+from bus.topology import PROMPTS, REFUSED_PROMPT, WEIGHTS, dropped_prompt, metrics_prefix
 from consumers.crashpoints import PRODUCER_MID_PUBLISH
 from consumers.runtime import Runtime
 from producers.datasets import epoch_size, records
@@ -32,6 +32,18 @@ from schemas import DecodeError, PromptEvent, WeightVersionEvent, decode
 from schemas.config import RunConfig
 
 log = logging.getLogger("jetrl.producer")
+
+
+class PromptsRefused(Exception):
+    """The rollout refuses most prompts: replacing each refused one would only feed the refusal."""
+
+
+def refusals_stop_the_run(refused: int, issued: int, cfg: RunConfig) -> bool:
+    """Whether the rollout refused more than half of the prompts issued, and at least two steps'
+    worth. A refused prompt is replaced like a dropped group; when nearly every prompt is refused
+    (max_tokens leaving no room in the model's context, say) that replacement never ends: a run
+    issued 250k prompts in 5 minutes and trained nothing."""
+    return refused >= 2 * cfg.algorithm.prompts_per_step and 2 * refused > issued
 
 
 def admitted_limit(version: int, dropped: int, cfg: RunConfig) -> int:
@@ -72,6 +84,8 @@ class Producer:
         self.issued = 0
         """Prompts issued so far, this process's and its predecessors' (what the gate counts)."""
         self.dropped: set[str] = set()
+        self.refused: dict[str, str] = {}
+        """Drop records of prompts the rollout refused, with their reasons (a subset of `dropped`)."""
         self.metrics: dict[int, dict] = {}
         """Step -> its metrics, once every trainer rank has recorded it (`merge_ranks`)."""
         self.rank_metrics: dict[int, dict[int, dict]] = {}
@@ -127,6 +141,8 @@ class Producer:
                     continue
                 if dropped_prompt(entry.key) is not None:
                     self.dropped.add(entry.key)
+                    if (reason := entry.value.decode(errors="replace")).startswith(REFUSED_PROMPT):
+                        self.refused[entry.key] = reason
                 elif entry.key.startswith(metrics_prefix()):
                     m = json.loads(entry.value)
                     ranks = self.rank_metrics.setdefault(m["step"], {})
@@ -143,6 +159,11 @@ class Producer:
         self.issued = await self.resume_cursor()
         source = records(self.cfg.data, self.issued)
         for epoch, index, record in source:
+            if refusals_stop_the_run(len(self.refused), self.issued, self.cfg):
+                raise PromptsRefused(
+                    f"the rollout refused {len(self.refused)} of the {self.issued} prompts issued; the last: "
+                    f"{list(self.refused.values())[-1].removeprefix(REFUSED_PROMPT)}"
+                )
             while self.issued >= admitted_limit(self.version, len(self.dropped), self.cfg):
                 self.changed.clear()
                 await self.changed.wait()

@@ -24,6 +24,7 @@ from pathlib import Path
 from bus.connection import ConnectRefused
 from bus.topology import run_id_arg
 from consumers.runtime import CannotAttach
+from producers.gate import PromptsRefused
 from producers.launcher import Stopped, prepare, run, stop_on_sigterm
 from schemas.config import ConfigError, RunConfig, load_config
 
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         where = "while starting" if stopped.steps is None else f"after {stopped.steps} of {cfg.trainer.steps} steps"
         resume = shlex.join(["python", "-m", "producers.prompts", *resume_args(argv, out)])
         sys.exit(f"producers.prompts: stopped by {stopped.signal_name} {where}; every worker stopped. Resume with: {resume}")
-    except (ConnectRefused, CannotAttach) as exc:
+    except (ConnectRefused, CannotAttach, PromptsRefused) as exc:
         sys.exit(f"producers.prompts: {exc}")
     print(json.dumps(summary))
 

@@ -22,7 +22,7 @@ from nats.js.errors import NotFoundError
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.publisher import MSG_ID
-from bus.topology import PROMPTS, WEIGHTS, Topology, drop_key
+from bus.topology import PROMPTS, REFUSED_PROMPT, WEIGHTS, Topology, drop_key
 from schemas import WeightVersionEvent, encode
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,3 +112,49 @@ def test_the_producer_issues_exactly_what_the_gate_admits(nats_server: EmbeddedN
         producer.kill()
         producer.wait()
         log.close()
+
+
+async def refuse_prompts(url: str, topology: Topology, producer: subprocess.Popen[bytes]) -> None:
+    """Play a rollout that refuses every prompt: each refusal opens the gate for a replacement."""
+    nc = await connect(url, "test-gate-refusals")
+    js = nc.jetstream()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                await prompts(js, topology)
+                break
+            except NotFoundError:
+                await asyncio.sleep(0.2)
+        kv = await js.key_value(topology.kv_bucket)
+        refused = 0
+        while producer.poll() is None and time.monotonic() < deadline:
+            for index in range(refused, await prompts(js, topology)):
+                await kv.put(drop_key(f"{topology.run}/0/{index}"), REFUSED_PROMPT.encode() + b"rejected: too long")
+                refused += 1
+            await asyncio.sleep(0.1)
+        assert producer.poll() is not None, f"the producer still replaces refused prompts after {refused} refusals"
+        assert refused <= 4 * PER_STEP, f"{refused} prompts were refused before the producer stopped"
+    finally:
+        await nc.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_rollout_that_refuses_every_prompt_stops_the_run_with_its_reason(
+    nats_server: EmbeddedNats, topology: Topology, tmp_path: Path
+) -> None:
+    """Refused prompts are replaced like dropped groups; when the rollout refuses nearly all of
+    them the producer must stop, saying why, not issue replacements forever."""
+    producer = subprocess.Popen(
+        [sys.executable, "-m", "producers.prompts", "--config", str(gate_config(tmp_path, topology.run)),
+         "--nats", nats_server.url, "--out", str(tmp_path / "run")],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        asyncio.run(refuse_prompts(nats_server.url, topology, producer))
+        lines = (producer.stderr.read() if producer.stderr else "").strip().splitlines()
+        assert producer.returncode != 0 and lines, (producer.returncode, lines)
+        assert lines[-1].startswith("producers.prompts: the rollout refused") and "too long" in lines[-1], lines[-3:]
+    finally:
+        producer.kill()
+        producer.wait()
