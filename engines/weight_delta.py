@@ -39,7 +39,6 @@ from safetensors import SafetensorError
 from safetensors.torch import load, save
 
 from engines.weights import ChecksumMismatch, WeightsRefused, dtype_name, tensor_sha256
-from schemas.tensor import DType
 from schemas.weight_event import TensorSpec
 
 FORMAT = "jetrl-delta/1"
@@ -52,19 +51,10 @@ _UNSIGNED = (np.uint8, np.uint16, np.uint32, np.uint64)
 Encoding = Literal["same", "sparse", "dense", "full"]
 
 
-class TensorDelta(BaseModel):
-    """How one tensor of a shard is stored, and the checksum of the tensor it rebuilds."""
+class TensorDelta(TensorSpec):
+    """How one tensor of a shard is stored: the manifest entry of the tensor it rebuilds (name,
+    dtype, shape and sha256 of the result), then its encoding."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    name: str
-    """Parameter name (the key of its payload tensor, if it has one)."""
-    dtype: DType
-    """Dtype of the result tensor."""
-    shape: tuple[int, ...]
-    """Shape of the result tensor."""
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    """Hex sha256 of the result tensor's raw bytes."""
     encoding: Encoding
     """same | sparse | dense | full (see the module docstring)."""
     count: int = Field(0, ge=0)
