@@ -103,7 +103,8 @@ async def read_chunks(
         seen, since = 0, loop.time()
         while not done.done():
             try:
-                await asyncio.wait_for(asyncio.shield(done), TICK)
+                async with asyncio.timeout(TICK):  # not wait_for, which can swallow a cancel
+                    await asyncio.shield(done)
             except TimeoutError:
                 if chunks != seen:
                     seen, since = chunks, loop.time()

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -127,7 +128,10 @@ class Worker(Generic[E]):
                 continue
             slots.give(msgs)
         # Drain: finish what was fetched; unfetched messages stay in the stream.
+        started = time.monotonic()
+        log.info("%s: stopping, %d messages in hand", self.queue.durable, slots.held)
         await slots.close()
+        log.info("%s: drained in %.1f s", self.queue.durable, time.monotonic() - started)
 
     async def _handle(self, msg: Msg) -> None:
         deliveries = msg.metadata.num_delivered

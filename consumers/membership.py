@@ -102,8 +102,11 @@ class Membership:
     async def beat(self) -> None:
         """Rewrite the entry every `interval` s, or at once after `report`, until cancelled."""
         while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), self.interval)
+            # Not asyncio.wait_for: on 3.11 it swallows a cancel that lands as the event is
+            # set (a `report` just before a stage stops), and this loop then never ended.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.interval):
+                    await self._changed.wait()
             self._changed.clear()
             try:
                 await self._put()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
 from argparse import Namespace
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -132,7 +133,9 @@ async def _run(role: str, args: Namespace, build: Builder) -> None:
             if stage.close is not None:
                 await stage.close()
     finally:
+        started = time.monotonic()
         await rt.close()
+        log.info("left the run in %.1f s", time.monotonic() - started)
 
 
 def run_stage(

@@ -33,6 +33,7 @@ from consumers.crashpoints import (
     FAIL_AT,
     ROLLOUT_MID_WEIGHT_LOAD,
 )
+from consumers.membership import Membership
 from consumers.runtime import publish_config
 from engines.tiny import build_tiny_model
 from producers.tasks import VOCAB
@@ -150,3 +151,39 @@ def test_sigterm_drains_a_stage_and_exits_zero(nats_server: EmbeddedNats, topolo
     left, stored = asyncio.run(outcome())
     assert stored == {t.id for t in slow}, f"scored before exiting: {sorted(stored)} of {count}"
     assert left == 0, f"{left} trajectories left unacked: the worker exited without settling what it held"
+
+
+def test_a_membership_heartbeat_stops_when_cancelled_just_after_a_report(
+    nats_server: EmbeddedNats, topology: Topology
+) -> None:
+    """A stage cancels its helpers when it stops; a rollout reports its weight version at any
+    moment. The heartbeat once waited with `asyncio.wait_for`, which on Python 3.11 swallows a
+    cancel that lands as the event it waits on is set: the beat went on, the stage's TaskGroup
+    waited for it forever, and the fleet SIGKILLed the worker 30 s after SIGTERM."""
+
+    async def run() -> list[int]:
+        nc = await connect(nats_server.url, "test-stage")
+        js = nc.jetstream()
+        await topology.apply(js)
+        member = await Membership.join(js, topology, "rollout", background=False)
+        still_running = []
+        try:
+            for attempt in range(24):
+                beat = asyncio.create_task(member.beat())
+                await asyncio.sleep(0.01)
+                member.report(weight_version=attempt)
+                for _ in range(attempt % 4):  # the cancel lands 0-3 turns of the loop after the report
+                    await asyncio.sleep(0)
+                beat.cancel()
+                done, _ = await asyncio.wait([beat], timeout=2.0)
+                if not done:
+                    still_running.append(attempt)
+                    beat.cancel()
+                    await asyncio.wait([beat], timeout=2.0)
+        finally:
+            await member.leave()
+            await nc.close()
+        return still_running
+
+    still_running = asyncio.run(run())
+    assert not still_running, f"the heartbeat went on after being cancelled, in attempts {still_running}"
