@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import mmap
 import struct
 
 import torch
@@ -97,6 +98,19 @@ def verify(tensors: dict[str, torch.Tensor], manifest: tuple[TensorSpec, ...]) -
             raise ChecksumMismatch(f"tensor {name} does not match its manifest entry (shape, dtype or sha256)")
 
 
+def byte_buffer(size: int) -> mmap.mmap:
+    """`size` zeroed, writable bytes, their pages mapped in one call.
+
+    Not `bytearray(size)`: it zeroes the bytes itself and then its pages fault in one at a
+    time as they are first written; at 512 MiB, 0.33 s of a 0.75 s fetch (this machine),
+    against 0.21 s mapped up front (MAP_POPULATE; Linux, else mapped on first write).
+    Not numpy's huge pages either: 0.09 s alone, but a fetch of a 480 MiB model into them
+    took 1.6 s against 0.8, when the kernel had to compact memory to find them.
+    """
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(-1, max(size, 1), flags=flags)
+
+
 class Receiver:
     """A safetensors payload received in pieces into one preallocated buffer, each tensor's
     sha256 checked as its bytes come in, and the tensors handed out as views of the buffer.
@@ -116,7 +130,7 @@ class Receiver:
     def __init__(self, manifest: tuple[TensorSpec, ...], total_bytes: int) -> None:
         self.manifest = {spec.name: spec for spec in manifest}
         self.total = total_bytes
-        self.buffer = bytearray(total_bytes)
+        self.buffer = byte_buffer(total_bytes)
         self._view = memoryview(self.buffer)
         self.received = 0
         self.hashed = 0
