@@ -58,6 +58,7 @@ from consumers.weights import (
 )
 from consumers.weights.chain import Follower
 from engines import protocols
+from engines.device import resolve_device, torch_dtype
 from engines.hf_rollout import HFRolloutEngine
 from engines.simulated import SimulatedRolloutEngine, SimulatedSettings
 from engines.weights import WeightsRefused, check_manifest
@@ -307,8 +308,9 @@ class Rollout:
 
 
 def make_engine(cfg: RunConfig, model: Path) -> HFRolloutEngine | SimulatedRolloutEngine:
-    """The engine `rollout.engine` names; the simulated one keeps the real model for its checks only."""
-    hf = HFRolloutEngine(model, seed=cfg.data.seed)
+    """The engine `rollout.engine` names, on this worker's device (`engines.device`) in
+    `model.dtype`; the simulated one keeps the real model for its checks only."""
+    hf = HFRolloutEngine(model, device=str(resolve_device()), dtype=torch_dtype(cfg.model.dtype), seed=cfg.data.seed)
     if cfg.rollout.engine == "hf":
         return hf
     sim = cfg.rollout.simulated

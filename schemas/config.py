@@ -46,6 +46,7 @@ class ModelConfig(Section):
     """Compute dtype of the trainer's forward and backward. bfloat16: mixed precision (autocast
     in the torch engine, FSDP2's parameter dtype in the fsdp engine, gradients reduced in
     float32); the master weights, the AdamW moments and the published weights stay float32.
+    The rollout's HF engine holds and runs its model in this dtype (weights cast as loaded).
     Each worker's device is its own (`engines.device`: the GPU CUDA_VISIBLE_DEVICES gives it,
     else the CPU; a fleet role's `device` overrides)."""
 
