@@ -11,8 +11,14 @@ Per run: wall time from the first generation's start to the last step's end (the
 number of trained samples in every run; start-up is left out), and the time the rollout
 worker and the trainer each sat idle in it (rollout busy = the union of its generations,
 read back from the trajectory stream; trainer busy = its steps). A timeline PNG shows both.
-Last line: JSON with "ratio" = sync wall / best async wall. The real-model part of issue 13
-is not here yet.
+Then the real-model part: the built-in job (examples/digits.yaml: the tiny Qwen2, the HF
+engine, the digits task) in the same four modes. Per run, the step rewards smoothed over a
+window of a tenth of the steps; the target is the sync run's final smoothed reward, and each
+run's figure is the wall time at which its smoothed reward first reaches it.
+
+Last line: JSON with "ratio" = sync wall / best async wall (simulated part) and
+"real_ratio" = the sync run's time to the target / the best async run's (null when no async
+run reached it).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import asyncio
 import contextlib
 import json
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from bus.connection import connect
@@ -32,9 +39,10 @@ from consumers.supervisor import Supervisor
 from ops.audit import _decoded, _replay
 from producers.launcher import prepare, produce
 from schemas import TrajectoryEvent
-from schemas.config import RunConfig, parse_config
+from schemas.config import RunConfig, parse_config, read_yaml
 
 SLOTS = 4
+BUILTIN = Path(__file__).resolve().parent.parent.parent / "examples" / "digits.yaml"
 MODES: tuple[tuple[str, int], ...] = (("sync", 0), ("async", 1), ("async", 2), ("async", 4))
 
 
@@ -52,6 +60,30 @@ def bench_config(run: str, mode: str, staleness: int, steps: int) -> RunConfig:
         "rollout": {"engine": "simulated", "simulated": {"median_tokens": 6, "sigma": 1.2,
                                                          "seconds_per_token": 0.02, "slots": SLOTS}},
     }, f"bench {run}")
+
+
+def real_config(run: str, mode: str, staleness: int, steps: int) -> RunConfig:
+    """The built-in job, its model, engine and task, in `mode` for `steps` steps."""
+    data = read_yaml(BUILTIN)
+    data["run"], data["mode"] = run, mode
+    data["trainer"] = {**data.get("trainer", {}), "steps": steps, "checkpoint_every": 100_000}
+    algorithm = {k: v for k, v in data.get("algorithm", {}).items() if k != "max_staleness"}
+    data["algorithm"] = algorithm | ({"max_staleness": staleness} if mode == "async" else {})
+    return parse_config(data, f"bench {run}")
+
+
+def smoothed(rewards: list[float], window: int) -> list[float]:
+    """The mean of the last `window` step rewards at each step (fewer at the start)."""
+    return [sum(rewards[max(0, i + 1 - window):i + 1]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(rewards))]
+
+
+def time_to(result: dict, target: float, window: int) -> float | None:
+    """Seconds from the run's first generation to the end of the first step whose smoothed
+    reward reaches `target`; None if none does."""
+    for end, reward in zip(result["step_ends"], smoothed(result["rewards"], window)):
+        if reward >= target - 1e-9:
+            return end - result["timeline"]["start"]
+    return None
 
 
 async def generations(url: str, run: str) -> list[tuple[float, float]]:
@@ -85,6 +117,7 @@ def run_one(cfg: RunConfig, out: Path) -> dict:
         summary = asyncio.run(produce(cfg, server.url, out, fleet))
         rollout = union(asyncio.run(generations(server.url, cfg.run)))
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps.sort(key=lambda m: m["step"])
     trainer = [(m["time"] - m["train_seconds"], m["time"]) for m in steps]
     start, end = rollout[0][0], max(e for _, e in trainer)
     wall = end - start
@@ -94,6 +127,7 @@ def run_one(cfg: RunConfig, out: Path) -> dict:
         "trainer_idle_seconds": wall - sum(e - s for s, e in trainer),
         "staleness_max_seen": summary["staleness_max_seen"],
         "timeline": {"start": start, "rollout": rollout, "trainer": trainer},
+        "rewards": [m["reward_mean"] for m in steps], "step_ends": [m["time"] for m in steps],
     }
 
 
@@ -117,29 +151,62 @@ def plot(results: dict[str, dict], path: Path) -> None:
     plt.close(fig)
 
 
+def run_modes(config: Callable[[str, str, int, int], RunConfig], part: str, steps: int, tmp: Path) -> dict[str, dict]:
+    """The job `config` makes, once per mode; each run's figures printed as it ends."""
+    results: dict[str, dict] = {}
+    for mode, staleness in MODES:
+        name = "sync" if mode == "sync" else f"async-{staleness}"
+        results[name] = run_one(config(f"bench-{part}-{name}", mode, staleness, steps), tmp / f"{part}-{name}")
+        shown = {k: round(v, 2) if isinstance(v, float) else v for k, v in results[name].items()
+                 if k not in ("timeline", "rewards", "step_ends")}
+        print(f"{part} {name}: {json.dumps(shown)}", flush=True)
+    return results
+
+
+def real_figures(results: dict[str, dict], steps: int) -> dict:
+    """Each run's time to the sync run's final smoothed reward, and real_ratio."""
+    window = max(1, steps // 10)
+    target = smoothed(results["sync"]["rewards"], window)[-1]
+    reached = {name: time_to(result, target, window) for name, result in results.items()}
+    asyncs = [t for name, t in reached.items() if name != "sync" and t is not None]
+    sync_time = reached["sync"]
+    return {
+        "target_reward": round(target, 4), "window_steps": window,
+        "runs": {name: {"wall_seconds": round(r["wall_seconds"], 2),
+                        "final_reward": round(smoothed(r["rewards"], window)[-1], 4),
+                        "seconds_to_target": None if reached[name] is None else round(reached[name], 2)}
+                 for name, r in results.items()},
+        "real_ratio": round(sync_time / min(asyncs), 3) if asyncs and sync_time else None,
+    }
+
+
+def summarize(results: dict[str, dict]) -> dict:
+    return {n: {k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()
+                if k not in ("timeline", "rewards", "step_ends")} for n, r in results.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m ops.bench.async_vs_sync", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="4 steps a run instead of 16 (about 2 minutes)")
+    parser.add_argument("--quick", action="store_true",
+                        help="4 simulated and 60 real steps a run instead of 16 and 300 (about 4 minutes)")
     parser.add_argument("--out", type=Path, default=None, help="where async_vs_sync.json and .png go (default: cwd)")
     args = parser.parse_args()
-    steps = 4 if args.quick else 16
+    steps, real_steps = (4, 60) if args.quick else (16, 300)
     out_dir = args.out or Path.cwd()
-    results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for mode, staleness in MODES:
-            name = "sync" if mode == "sync" else f"async-{staleness}"
-            results[name] = run_one(bench_config(f"bench-{name}", mode, staleness, steps), Path(tmp) / name)
-            shown = {k: round(v, 2) if isinstance(v, float) else v for k, v in results[name].items() if k != "timeline"}
-            print(f"{name}: {json.dumps(shown)}", flush=True)
+        simulated = run_modes(bench_config, "simulated", steps, Path(tmp))
+        real = run_modes(real_config, "real", real_steps, Path(tmp))
     out_dir.mkdir(parents=True, exist_ok=True)
-    plot(results, out_dir / "async_vs_sync.png")
-    best = min((n for n in results if n != "sync"), key=lambda n: results[n]["wall_seconds"])
+    plot(simulated, out_dir / "async_vs_sync.png")
+    plot(real, out_dir / "async_vs_sync_real.png")
+    best = min((n for n in simulated if n != "sync"), key=lambda n: simulated[n]["wall_seconds"])
+    real_part = real_figures(real, real_steps)
     figures = {
         "bench": "async_vs_sync", "quick": args.quick, "steps": steps, "slots": SLOTS,
-        "runs": {n: {k: round(v, 2) if isinstance(v, float) else v for k, v in r.items() if k != "timeline"}
-                 for n, r in results.items()},
-        "best_async": best,
-        "ratio": round(results["sync"]["wall_seconds"] / results[best]["wall_seconds"], 3),
+        "runs": summarize(simulated), "best_async": best,
+        "real": {"steps": real_steps, **real_part, "summary": summarize(real)},
+        "ratio": round(simulated["sync"]["wall_seconds"] / simulated[best]["wall_seconds"], 3),
+        "real_ratio": real_part["real_ratio"],
     }
     (out_dir / "async_vs_sync.json").write_text(json.dumps(figures, indent=1))
     print(json.dumps(figures))
