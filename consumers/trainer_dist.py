@@ -75,7 +75,7 @@ def make_engine(cfg: RunConfig, loss: LossConfig, device: torch.device) -> Torch
     engine = FSDPTrainEngine if cfg.trainer.engine == "fsdp" else TorchTrainEngine
     return engine(
         Path(cfg.model.path or ""), lr=cfg.algorithm.lr, seed=cfg.trainer.seed, loss=loss, device=device,
-        dtype=torch_dtype(cfg.model.dtype),
+        dtype=torch_dtype(cfg.model.dtype), logprob_chunk_tokens=cfg.trainer.logprob_chunk_tokens,
     )
 
 

@@ -80,7 +80,9 @@ class FSDPTrainEngine(TorchTrainEngine):
         if not dist.is_initialized():
             raise RuntimeError("FSDPTrainEngine needs the default process group (engines.fsdp_train.init_group)")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        super().__init__(model_dir, **kwargs)
+        # Full logits: the chunked log-probs read the output projection and call the decoder
+        # outside the root module's forward, where FSDP2 has not gathered their shards.
+        super().__init__(model_dir, **{**kwargs, "logprob_chunk_tokens": 0})
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """Each transformer block a unit of its own (gathered only while it computes), the rest

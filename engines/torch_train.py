@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
+from engines.algorithms.logprobs import chunked_logprobs
 from engines.algorithms.losses import (
     AggregationMode,
     PolicyLoss,
@@ -61,6 +62,11 @@ class LossConfig:
     temperature: float = 1.0
 
 
+def _aligned(per_target: torch.Tensor) -> torch.Tensor:
+    """[B, T - 1] values of the tokens 1..T-1 -> [B, T], 0 at t = 0 (nothing predicts it)."""
+    return torch.nn.functional.pad(per_target, (1, 0))
+
+
 class TorchTrainEngine:
     """Holds the policy, AdamW and the step counter; checkpoints them atomically.
 
@@ -87,9 +93,13 @@ class TorchTrainEngine:
         loss: LossConfig = LossConfig(),
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
+        logprob_chunk_tokens: int = 1024,
     ) -> None:
         """`dtype` is the compute dtype of forward and backward (bfloat16: autocast); the
-        master weights and the AdamW moments stay float32, which they need the precision of."""
+        master weights and the AdamW moments stay float32, which they need the precision of.
+        `logprob_chunk_tokens`: positions projected onto the vocabulary at once when taking
+        log-probs from the final hidden states (`engines.algorithms.logprobs`); 0: the full
+        [B, T, V] logits."""
         _seed_everything(seed)
         self.device = torch.device(device)
         self.compute_dtype = dtype
@@ -98,6 +108,7 @@ class TorchTrainEngine:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
         self.max_grad_norm = max_grad_norm
         self.loss_config = loss
+        self.logprob_chunk_tokens = logprob_chunk_tokens
         self.step = 0
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -106,24 +117,43 @@ class TorchTrainEngine:
     def _autocast(self) -> AbstractContextManager[Any]:
         return autocast(self.device, self.compute_dtype)
 
-    def _token_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """[B, T] ids -> [B, T - 1, V] temperature-scaled logits predicting tokens 1..T-1."""
+    def _token_logprobs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, entropy: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, T] ids -> [B, T] log p(x[t] | x[<t]) at the configured temperature, and [B, T] the
+        entropy of each position's predicting distribution (if `entropy`); 0 at t = 0, which
+        nothing predicts.
+
+        Chunked (`logprob_chunk_tokens` > 0): from the final hidden states [B, T, H] and the
+        output projection [V, H], never holding [B, T, V]; else from the model's logits.
+        """
         # Positions count real tokens, so a row's padding (left or right) does not shift RoPE.
         positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        targets = input_ids[:, 1:]
+        temperature = self.loss_config.temperature
+        head = self.model.get_output_embeddings() if self.logprob_chunk_tokens else None
+        with self._autocast():
+            if head is not None:
+                hidden = self.model.get_decoder()(
+                    input_ids=input_ids, attention_mask=attention_mask, position_ids=positions
+                ).last_hidden_state[:, :-1]  # [B, T - 1, H]: position t predicts token t + 1
+        if head is not None:
+            logprobs, entropies = chunked_logprobs(hidden, head.weight, targets, temperature, self.logprob_chunk_tokens)
+            return _aligned(logprobs), _aligned(entropies) if entropy else None
         with self._autocast():
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions)
-        return out.logits[:, :-1].float() / self.loss_config.temperature
-
-    def _aligned_logprobs(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """[B, T] log p(x[t] | x[<t]) with 0 at t = 0 (nothing predicts the first token)."""
-        return torch.nn.functional.pad(gather_logprobs(logits, input_ids[:, 1:]), (1, 0))
+        logits = out.logits[:, :-1].float()  # [B, T - 1, V]
+        if temperature != 1.0:
+            logits = logits / temperature
+        return (_aligned(gather_logprobs(logits, targets)),
+                _aligned(entropy_from_logits(logits.detach())) if entropy else None)
 
     @torch.no_grad()
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[B, T] float32 log-probs under the current weights at the configured temperature."""
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
-        logits = self._token_logits(input_ids, attention_mask)
-        return self._aligned_logprobs(input_ids, logits).cpu()
+        logprobs, _ = self._token_logprobs(input_ids, attention_mask, entropy=False)
+        return logprobs.cpu()
 
     def _policy_loss(
         self, logprobs: torch.Tensor, batch: MicroBatch, mask: torch.Tensor
@@ -178,13 +208,12 @@ class TorchTrainEngine:
             self._before_backward(last=index == passes - 1)
             input_ids = batch.input_ids.to(self.device)
             mask = batch.loss_mask.to(self.device).float()
-            logits = self._token_logits(input_ids, batch.attention_mask.to(self.device))
-            logprobs = self._aligned_logprobs(input_ids, logits)
+            logprobs, entropy = self._token_logprobs(input_ids, batch.attention_mask.to(self.device))
+            assert entropy is not None
             terms, weight = self._policy_loss(logprobs, batch, mask)
             loss = aggregate(terms.loss, mask, mode, denominator=denominator)
             loss.backward()
             with torch.no_grad():
-                entropy = torch.nn.functional.pad(entropy_from_logits(logits), (1, 0))
                 totals["loss"] += loss.item()
                 totals["clipped"] += (terms.clipped * mask).sum().item()
                 totals["ratio"] += (terms.ratio * mask).sum().item()

@@ -135,6 +135,11 @@ class TrainerConfig(Section):
     fails (exit 1, and the fleet restarts it): a rank that died never leaves the others hanging."""
     micro_batch_tokens: int = Field(4096, ge=64)
     """Most tokens (rows x padded length) in one micro-batch."""
+    logprob_chunk_tokens: int = Field(1024, ge=0)
+    """Positions the trainer projects onto the vocabulary at once when it takes log-probs and
+    entropy from the final hidden states (`engines.algorithms.logprobs`): the [B, T, V] logits
+    are never held, only chunk x V at a time (forward and backward). 0: the model's full
+    logits. The fsdp engine always takes the full logits."""
     seed: int = 0
     """Trainer seed (torch, numpy, python)."""
     checkpoint_dir: str = ""

@@ -103,3 +103,13 @@ def test_bench_async_vs_sync_quick(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "async_vs_sync.json").read_text())["ratio"] == figures["ratio"]
     for png in ("async_vs_sync.png", "async_vs_sync_real.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(300)
+def test_bench_logprobs_quick() -> None:
+    figures = last_json(["ops.bench.logprobs", "--quick"], timeout=280)
+    assert figures["max_logprob_difference"] < 1e-5
+    naive, ours = figures["grad_hidden_sum"]
+    assert ours == pytest.approx(naive, rel=1e-4)
+    # Memory, not time: at 2k tokens in chunks of 1k the chunked path holds about a third.
+    assert figures["ratio"] < 0.6, figures
