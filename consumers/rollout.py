@@ -58,7 +58,7 @@ from consumers.weights import (
 )
 from consumers.weights.chain import Follower
 from engines.hf_rollout import HFRolloutEngine
-from engines.router import Router, make_router
+from engines.router import Router, RouterError, make_router
 from engines.simulated import SimulatedRolloutEngine, SimulatedSettings
 from engines.weights import WeightsRefused, check_manifest
 from schemas import (
@@ -301,7 +301,7 @@ def rollout_stage(rollout: Rollout) -> Stage[PromptEvent]:
 def main() -> None:
     # One thread: the trainer and the other workers share the node's cores with us.
     torch.set_num_threads(1)
-    run_stage("rollout", build, __doc__.splitlines()[0])
+    run_stage("rollout", build, __doc__.splitlines()[0], RouterError)
 
 
 if __name__ == "__main__":

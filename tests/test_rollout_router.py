@@ -12,8 +12,9 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
-import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -47,6 +48,7 @@ from tests.test_rollout_invariants import (
     trajectories_stored,
 )
 
+ROOT = Path(__file__).resolve().parent.parent
 REPLICAS = 2
 LOAD_SECONDS = 0.4
 """Each replica's load: long enough that a generation would start during it if the gate let one."""
@@ -196,8 +198,9 @@ def test_a_weights_load_drains_and_loads_every_replica_and_no_generation_spans_t
                     await eventually(lambda: all(len(e.of("generate")) >= b + 2 for e, b in zip(engines, before)),  # noqa: B023
                                      f"two generations on each replica before v{version}")
                     await w.publish_weights(version)
-                    await eventually(lambda: all(len(e.of("load")) == version for e in engines),  # noqa: B023
-                                     f"v{version} was loaded into every replica")
+                    # The gate reopens once the load is over (checked below: on every replica).
+                    await eventually(lambda: w.engine.version == version and w.rollout.gate.is_set(),  # noqa: B023
+                                     f"v{version} was loaded")
             finally:
                 stop.set()
                 await feeder
@@ -226,3 +229,31 @@ def test_a_weights_load_drains_and_loads_every_replica_and_no_generation_spans_t
                 assert len(versions) == 1, f"{t.id}: tokens from several versions {versions}"
 
     asyncio.run(main())
+
+
+def test_the_worker_refuses_a_router_that_is_not_one_with_one_line_before_loading_a_model(
+    nats_server: EmbeddedNats, topology: Topology, tmp_path: Path
+) -> None:
+    """`rollout.router` names a class without `pick`: `python -m consumers.rollout` exits 1 with one
+    line naming it, before it loads the model (the model path here does not exist)."""
+
+    async def setup() -> None:
+        nc = await connect(nats_server.url, "test-rollout-router")
+        js = nc.jetstream()
+        await topology.apply(js)
+        config = RunConfig.model_validate({
+            "run": topology.run, "model": {"path": str(tmp_path / "no-model")},
+            "rollout": {"replicas": 2, "router": "tests.test_router:NoPick"},
+        })
+        await publish_config(await js.key_value(topology.kv_bucket), config)
+        await nc.close()
+
+    asyncio.run(setup())
+    worker = subprocess.run(
+        [sys.executable, "-m", "consumers.rollout", "--run", topology.run, "--nats", nats_server.url],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert worker.returncode == 1, worker.stderr
+    assert worker.stderr.strip().splitlines()[-1] == (
+        "consumers.rollout: router 'tests.test_router:NoPick': NoPick is not a router (no pick(key, in_flight) method)"
+    ), worker.stderr
