@@ -291,8 +291,9 @@ async def build(rt: Runtime) -> Stage[PromptEvent]:
 def rollout_stage(rollout: Rollout) -> Stage[PromptEvent]:
     """`rollout` as a stage: twice a batch of prompts in flight per replica, so one batch fills
     while the replica generates the other."""
+    per_replica = 2 * rollout.rt.config.rollout.max_batch_prompts
     return Stage(
-        PROMPTS, rollout.handle, WorkerOptions(concurrency=2 * rollout.rt.config.rollout.max_batch_prompts * len(rollout.replicas.replicas)),
+        PROMPTS, rollout.handle, WorkerOptions(concurrency=per_replica * len(rollout.replicas.replicas)),
         helpers={**rollout.batchers(), "weights watcher": rollout.watch_weights},
         on_dead=rollout.dropped,
     )
