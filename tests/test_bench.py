@@ -96,3 +96,10 @@ def test_bench_async_vs_sync_quick(tmp_path: Path) -> None:
     assert figures["runs"]["sync"]["staleness_max_seen"] == 0
     assert json.loads((tmp_path / "async_vs_sync.json").read_text())["ratio"] == figures["ratio"]
     assert (tmp_path / "async_vs_sync.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(300)
+def test_bench_replicas_quick() -> None:
+    figures = last_json(["ops.bench.replicas", "--quick", "--repeats", "1"], timeout=280)
+    assert figures["quick"] is True and figures["prompts"] > figures["max_batch_prompts"]
+    assert figures["tokens_per_s_1"] > 0 and figures["tokens_per_s_2"] > 0
