@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from engines.router import LeastInFlight, Router, RouterError, StickyByKey, make_router
-from schemas.config import ConfigError, parse_config
+from engines.router import BUILT_IN, LeastInFlight, Router, RouterError, StickyByKey, make_router
+from schemas.config import BUILT_IN_ROUTERS, ConfigError, parse_config
 
 
 class LastReplica:
@@ -105,3 +105,7 @@ def test_the_config_takes_replicas_and_a_router_and_refuses_a_malformed_name() -
         parse_config({"rollout": {"router": "mod:not a class"}})
     with pytest.raises(ConfigError, match=r"^config: rollout.replicas: Input should be greater than or equal to 1$"):
         parse_config({"rollout": {"replicas": 0}})
+
+
+def test_the_config_names_exactly_the_built_in_routers() -> None:
+    assert tuple(BUILT_IN) == BUILT_IN_ROUTERS
