@@ -6,7 +6,14 @@ from collections.abc import Sequence
 
 import pytest
 
-from engines.router import BUILT_IN, LeastInFlight, Router, RouterError, StickyByKey, make_router
+from engines.router import (
+    BUILT_IN,
+    LeastInFlight,
+    Router,
+    RouterError,
+    StickyByKey,
+    make_router,
+)
 from schemas.config import BUILT_IN_ROUTERS, ConfigError, parse_config
 
 

@@ -82,8 +82,8 @@ def main() -> None:
         model_dir = build_tiny_model(Path(tmp) / "model", VOCAB)
         asyncio.run(generate_all(model_dir, 1, events[:BATCH]))  # warm-up: first-call costs out of the figures
         for _ in range(args.repeats):
-            for replicas in runs:
-                runs[replicas].append(asyncio.run(generate_all(model_dir, replicas, events)))
+            for replicas, timed in runs.items():
+                timed.append(asyncio.run(generate_all(model_dir, replicas, events)))
     rate = {r: statistics.median(tokens / seconds for seconds, tokens in timed) for r, timed in runs.items()}
     figures = {
         "bench": "replicas", "quick": args.quick, "prompts": len(events), "n": N, "max_batch_prompts": BATCH,
