@@ -1,19 +1,21 @@
 """`python -m consumers.rollout --run R`: prompts in, one trajectory per sample out.
 
-    handler(prompt): queue it -> the batcher generates it with others -> publish its n
-        trajectories -> return (the loop acks the prompt only once all are stored)
+    handler(prompt): tokenize -> the router picks one of the worker's engine replicas
+        (`rollout.replicas`, `rollout.router`; key: `routing_key`) -> that replica's batcher
+        generates it with others -> publish its n trajectories -> return (the loop acks the
+        prompt only once all are stored)
         a prompt it can never generate (untokenizable, too long, failing every delivery):
         recorded as dropped in KV (the gate issues another), then dead-lettered
-    batcher: wait for the gate -> up to max_batch_prompts of equal sampling -> count it
-        running -> generate in a thread (the event loop keeps heartbeating) -> resolve
-        each prompt's future
+    batcher, one per replica (`consumers.rollout_replicas`): wait for the gate -> up to
+        max_batch_prompts of equal sampling -> count it running -> generate in a thread (the
+        event loop keeps heartbeating) -> resolve each prompt's future
     weights watcher: new WeightVersionEvent -> check its manifest against the model,
         fetch + verify bytes with the transport the event names (`consumers.weights`;
         a delta is applied onto the worker's CPU copy of its version, `consumers.weights.chain`;
-        generation goes on meanwhile) -> close the gate (no new generation starts), drain
-        the running ones, load in a thread (the event loop keeps heartbeating), reopen; a
-        version that fails is dead-lettered, never loaded (one whose bytes were pruned
-        because newer versions came is skipped)
+        generation goes on meanwhile) -> close the gate (no new generation starts on any
+        replica), drain the running ones, load into each replica in a thread (the event loop
+        keeps heartbeating), reopen; a version that fails is dead-lettered, never loaded (one
+        whose bytes were pruned because newer versions came is skipped)
 
 Every token of a generation comes from one version: the gate and the drain keep a load
 and a generation from ever running at once.
@@ -23,9 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
 import nats.errors
@@ -38,18 +41,15 @@ from nats.js.errors import KeyWrongLastSequenceError
 from opentelemetry import context
 from transformers import AutoTokenizer
 
-from bus import metrics, tracing
+from bus import metrics
 from bus.dead import dead_letter
 from bus.topology import PROMPTS, REFUSED_PROMPT, TRAJECTORIES, WEIGHTS, drop_key
 from bus.worker import Reject, WorkerOptions
 from consumers.checks import ModelLimits
-from consumers.crashpoints import (
-    ROLLOUT_MID_GENERATION,
-    ROLLOUT_MID_WEIGHT_LOAD,
-    ROLLOUT_STORED_NOT_ACKED,
-)
+from consumers.crashpoints import ROLLOUT_MID_WEIGHT_LOAD, ROLLOUT_STORED_NOT_ACKED
+from consumers.rollout_replicas import Engine, Pending, Replicas
 from consumers.runtime import Runtime
-from consumers.stage import Stage, run_stage
+from consumers.stage import Helper, Stage, run_stage
 from consumers.weights import (
     WeightsMissing,
     WeightsUnavailable,
@@ -57,9 +57,9 @@ from consumers.weights import (
     transport_for,
 )
 from consumers.weights.chain import Follower
-from engines import protocols
 from engines.device import resolve_device, torch_dtype
 from engines.hf_rollout import HFRolloutEngine
+from engines.router import Router, RouterError, make_router
 from engines.simulated import SimulatedRolloutEngine, SimulatedSettings
 from engines.weights import WeightsRefused, check_manifest
 from schemas import (
@@ -75,35 +75,31 @@ from schemas.config import RunConfig
 log = logging.getLogger("jetrl.rollout")
 
 
-@dataclass
-class Pending:
-    prompt: PromptEvent
-    token_ids: list[int]
-    queued_at: float
-    done: asyncio.Future[tuple[list[protocols.Sample], int, float]]
-    trace: context.Context
-    """The handler's context (inside its process span): the batcher's `generate` span goes there."""
-
-
 class Rollout:
-    def __init__(self, rt: Runtime, engine: HFRolloutEngine | SimulatedRolloutEngine, tokenizer: object) -> None:
-        self.rt, self.engine, self.tokenizer = rt, engine, tokenizer
-        self.limits = ModelLimits.of(engine.model)
-        self.queue: list[Pending] = []
-        self.wake = asyncio.Event()
-        # Open (set) unless weights are loading. It starts closed: a worker that joins a
-        # running job must not generate with its base model (v0) while the latest version
-        # loads — those samples would only be dropped as stale. The first weights event
-        # (the trainer publishes v0 at its start) opens it.
-        self.gate = asyncio.Event()
-        # Generations started and not yet returned; a load waits for `idle` (none running).
-        self.running = 0
-        self.idle = asyncio.Event()
-        self.idle.set()
+    def __init__(
+        self, rt: Runtime, engines: Engine | Sequence[Engine], tokenizer: object, router: Router | None = None
+    ) -> None:
+        """`engines`: the replicas (one engine: one replica); `router`: `rollout.router` when None."""
+        self.rt, self.tokenizer = rt, tokenizer
+        engines = [engines] if isinstance(engines, (HFRolloutEngine, SimulatedRolloutEngine)) else list(engines)
+        cfg = rt.config.rollout
+        router = router or make_router(cfg.router, len(engines), cfg.router_options)
+        self.replicas = Replicas(engines, router, cfg.max_batch_prompts, cfg.engine, rt.source)
+        self.limits = ModelLimits.of(self.engine.model)
         self.transports: dict[str, WeightTransport] = {}
         """By name, made when an event first names one: the event says where its bytes are."""
         self.chain = Follower()
         """The CPU copy of the version served, which deltas apply onto (`weights.delta`)."""
+
+    @property
+    def engine(self) -> Engine:
+        """The first replica's engine: all replicas serve the same model and version."""
+        return self.replicas.replicas[0].engine
+
+    @property
+    def gate(self) -> asyncio.Event:
+        """Open unless weights are loading (`Replicas.gate`)."""
+        return self.replicas.gate
 
     def token_ids(self, prompt: PromptEvent) -> list[int]:
         if prompt.token_ids is not None:
@@ -140,9 +136,7 @@ class Rollout:
         pending = Pending(
             prompt, ids, time.perf_counter(), asyncio.get_running_loop().create_future(), context.get_current()
         )
-        self.queue.append(pending)
-        self.wake.set()
-        samples, version, seconds = await pending.done
+        samples, version, seconds = await self.replicas.submit(pending, routing_key(prompt))
         texts = self.tokenizer.batch_decode([s.token_ids.tolist() for s in samples], skip_special_tokens=True)
         acks = []
         for index, (sample, text) in enumerate(zip(samples, texts)):
@@ -161,56 +155,12 @@ class Rollout:
         ROLLOUT_STORED_NOT_ACKED(prompt.id)
         metrics.count_samples("rollout", "generated", len(samples))
 
-    async def batcher(self) -> None:
-        limit = self.rt.config.rollout.max_batch_prompts
-        while True:
-            await self.wake.wait()
-            await asyncio.sleep(0.02)  # let a fetch's worth of prompts arrive together
-            # Checked again on waking: a load may have closed the gate between the set that
-            # woke this task and now. From the check to `running += 1` nothing awaits, so a
-            # load that closes the gate after it sees this generation as running.
-            while not self.gate.is_set():
-                await self.gate.wait()
-            first = self.queue[0]
-            batch = [p for p in self.queue if (p.prompt.n, p.prompt.sampling) == (first.prompt.n, first.prompt.sampling)]
-            batch = batch[:limit]
-            self.queue = [p for p in self.queue if p not in batch]
-            if not self.queue:
-                self.wake.clear()
-            s = first.prompt.sampling
-            params = protocols.SamplingParams(s.temperature, s.top_p, s.max_tokens, s.stop_token_ids)
-            self.running += 1
-            self.idle.clear()
-            version, started = self.engine.version, time.perf_counter()
-            try:
-                parents = [(p.trace, self.span_attributes(p, version, len(batch))) for p in batch]
-                with tracing.spans_in("generate", parents) as spans:
-                    ROLLOUT_MID_GENERATION(f"{len(batch)} prompts from {first.prompt.id}")
-                    groups = await asyncio.to_thread(
-                        self.engine.generate, [p.token_ids for p in batch], first.prompt.n, params
-                    )
-                    for span, samples in zip(spans, groups):
-                        span.set_attribute("jetrl.tokens", sum(len(s.token_ids) for s in samples))
-            except Exception as exc:  # the prompts' handlers fail and are retried
-                for p in batch:
-                    p.done.set_exception(exc)
-                continue
-            finally:
-                self.running -= 1
-                if not self.running:
-                    self.idle.set()
-            seconds = time.perf_counter() - started
-            metrics.GENERATE_SECONDS.record(seconds, {"engine": self.rt.config.rollout.engine})
-            for p, samples in zip(batch, groups):
-                p.done.set_result((samples, version, seconds))
-
-    def span_attributes(self, pending: Pending, version: int, batch_prompts: int) -> dict[str, str | int]:
-        """What a prompt's `generate` span says: which prompt, weights, engine, worker, batch."""
-        return {
-            "jetrl.prompt_id": pending.prompt.id, "jetrl.policy_version": version, "jetrl.engine": self.rt.config.rollout.engine,
-            "jetrl.worker": self.rt.source, "jetrl.samples": pending.prompt.n,
-            "jetrl.prompt_tokens": len(pending.token_ids), "jetrl.batch_prompts": batch_prompts,
-        }
+    def batchers(self) -> dict[str, Helper]:
+        """A batcher per replica, by the name a failure is reported under."""
+        replicas = self.replicas.replicas
+        if len(replicas) == 1:
+            return {"batcher": functools.partial(self.replicas.batcher, replicas[0])}
+        return {f"batcher {r.index}": functools.partial(self.replicas.batcher, r) for r in replicas}
 
     async def watch_weights(self) -> None:
         sub = await self.rt.js.subscribe(
@@ -295,26 +245,37 @@ class Rollout:
         tensors = await self.chain.fetch(
             event, self.transport, lambda versions, full: self.earlier(seq, versions, full)
         )
-        self.gate.clear()  # no new generation starts ...
-        while self.running:  # ... and the running ones finish first
-            await self.idle.wait()
+        await self.replicas.close_and_drain()  # no new generation starts, the running ones finish
         ROLLOUT_MID_WEIGHT_LOAD(f"v{event.version}")
-        # In a thread: a large model takes seconds to load, and the event loop must keep
-        # heartbeating the prompts it holds meanwhile.
-        await asyncio.to_thread(self.engine.load_state_dict, tensors, version=event.version)
+        await self.replicas.load(tensors, event.version)  # into every replica, off the event loop
         self.gate.set()
         self.rt.member.report(weight_version=event.version)
         log.info("now serving weights v%d", event.version)
 
 
-def make_engine(cfg: RunConfig, model: Path) -> HFRolloutEngine | SimulatedRolloutEngine:
+def routing_key(prompt: PromptEvent) -> str:
+    """What `rollout.router` routes a prompt by: its `task.conversation_id` when the producer
+    sets one (the turns of one conversation share a prefix, cached by the replica that served
+    the last turn), else the prompt id (a redelivered prompt goes back to the same replica)."""
+    conversation = prompt.task.get("conversation_id")
+    return prompt.id if conversation is None else str(conversation)
+
+
+def make_engines(cfg: RunConfig, model: Path) -> list[Engine]:
+    """`rollout.replicas` engines of the kind `rollout.engine` names, each its own copy of the
+    model (seeded apart, so that replicas do not draw the same samples)."""
+    return [make_engine(cfg, model, cfg.data.seed + i) for i in range(cfg.rollout.replicas)]
+
+
+def make_engine(cfg: RunConfig, model: Path, seed: int | None = None) -> Engine:
     """The engine `rollout.engine` names, on this worker's device (`engines.device`) in
     `model.dtype`; the simulated one keeps the real model for its checks only."""
-    hf = HFRolloutEngine(model, device=str(resolve_device()), dtype=torch_dtype(cfg.model.dtype), seed=cfg.data.seed)
+    seed = cfg.data.seed if seed is None else seed
+    hf = HFRolloutEngine(model, device=str(resolve_device()), dtype=torch_dtype(cfg.model.dtype), seed=seed)
     if cfg.rollout.engine == "hf":
         return hf
     sim = cfg.rollout.simulated
-    settings = SimulatedSettings(sim.median_tokens, sim.sigma, sim.seconds_per_token, sim.slots, cfg.data.seed)
+    settings = SimulatedSettings(sim.median_tokens, sim.sigma, sim.seconds_per_token, sim.slots, seed)
     vocab = ModelLimits.of(hf.model).vocab_size
     return SimulatedRolloutEngine(hf.model, vocab, hf.eos_token_ids[0], settings)
 
@@ -322,17 +283,20 @@ def make_engine(cfg: RunConfig, model: Path) -> HFRolloutEngine | SimulatedRollo
 async def build(rt: Runtime) -> Stage[PromptEvent]:
     """The rollout stage: prompts served by `Rollout.handle`, beside its batcher and weights watcher."""
     model = Path(rt.config.model.path or "")
-    rollout = Rollout(rt, make_engine(rt.config, model), AutoTokenizer.from_pretrained(model))
+    cfg = rt.config.rollout
+    router = make_router(cfg.router, cfg.replicas, cfg.router_options)  # a bad router fails before a model loads
+    rollout = Rollout(rt, make_engines(rt.config, model), AutoTokenizer.from_pretrained(model), router)
     rt.member.report(engine=rt.config.rollout.engine, weight_version=rollout.engine.version)
     return rollout_stage(rollout)
 
 
 def rollout_stage(rollout: Rollout) -> Stage[PromptEvent]:
-    """`rollout` as a stage: twice a batch of prompts in flight, so one batch fills while the
-    engine generates the other."""
+    """`rollout` as a stage: twice a batch of prompts in flight per replica, so one batch fills
+    while the replica generates the other."""
+    per_replica = 2 * rollout.rt.config.rollout.max_batch_prompts
     return Stage(
-        PROMPTS, rollout.handle, WorkerOptions(concurrency=2 * rollout.rt.config.rollout.max_batch_prompts),
-        helpers={"batcher": rollout.batcher, "weights watcher": rollout.watch_weights},
+        PROMPTS, rollout.handle, WorkerOptions(concurrency=per_replica * len(rollout.replicas.replicas)),
+        helpers={**rollout.batchers(), "weights watcher": rollout.watch_weights},
         on_dead=rollout.dropped,
     )
 
@@ -340,7 +304,7 @@ def rollout_stage(rollout: Rollout) -> Stage[PromptEvent]:
 def main() -> None:
     # One thread: the trainer and the other workers share the node's cores with us.
     torch.set_num_threads(1)
-    run_stage("rollout", build, __doc__.splitlines()[0])
+    run_stage("rollout", build, __doc__.splitlines()[0], RouterError)
 
 
 if __name__ == "__main__":

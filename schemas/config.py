@@ -7,7 +7,7 @@ run, on any node, reads the same settings from `--run R --nats URL` alone.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import (
@@ -183,6 +183,10 @@ class SimulatedRolloutConfig(Section):
     the first slot free, and a batch returns when its last sample ends."""
 
 
+BUILT_IN_ROUTERS = ("least_in_flight", "sticky_by_key")
+"""The routers `rollout.router` names without a module (`engines.router.BUILT_IN`)."""
+
+
 class RolloutConfig(Section):
     max_batch_prompts: int = Field(16, ge=1)
     """Most prompts generated together in one batch."""
@@ -191,6 +195,29 @@ class RolloutConfig(Section):
     simulated: for scheduling studies only, random tokens after a simulated time (`simulated`)."""
     simulated: SimulatedRolloutConfig = SimulatedRolloutConfig()
     """engine simulated: its length distribution, cost per token and slots."""
+    replicas: int = Field(1, ge=1)
+    """Engine replicas in one rollout worker (each a copy of the model with its own batcher:
+    one generation at a time per replica); not the fleet's `replicas` (worker processes)."""
+    router: str = "least_in_flight"
+    """Which replica generates a prompt (`engines.router`): `least_in_flight` (fewest prompts
+    queued or generating, ties to the lowest index), `sticky_by_key` (a prompt's routing key
+    keeps the replica it was first given, for prefix-cache reuse; the key is
+    `task.conversation_id` when the prompt has one, else the prompt id), or `module:Class`
+    (built as `Class(replicas, **router_options)`, with a `pick(key, in_flight)` method; imported
+    when the worker starts)."""
+    router_options: dict[str, Any] = {}
+    """Options of `router`: sticky_by_key takes `max_keys` (keys remembered, least recently
+    used forgotten first; default 100000); least_in_flight none; an unknown one is an error."""
+
+    @field_validator("router")
+    @classmethod
+    def _router(cls, value: str) -> str:
+        if value in BUILT_IN_ROUTERS:
+            return value
+        module, sep, name = value.partition(":")
+        if not sep or not module or not name.isidentifier():
+            raise ValueError(f"{value!r}: expected one of {', '.join(BUILT_IN_ROUTERS)} or 'module:Class'")
+        return value
 
 
 class RewardConfig(Section):

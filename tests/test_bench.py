@@ -113,3 +113,10 @@ def test_bench_logprobs_quick() -> None:
     assert ours == pytest.approx(naive, rel=1e-4)
     # Memory, not time: at 2k tokens in chunks of 1k the chunked path holds about a third.
     assert figures["ratio"] < 0.6, figures
+
+
+@pytest.mark.timeout(300)
+def test_bench_replicas_quick() -> None:
+    figures = last_json(["ops.bench.replicas", "--quick", "--repeats", "1"], timeout=280)
+    assert figures["quick"] is True and figures["prompts"] > figures["max_batch_prompts"]
+    assert figures["tokens_per_s_1"] > 0 and figures["tokens_per_s_2"] > 0
