@@ -333,6 +333,22 @@ def test_filesystem_keeps_the_last_versions_and_a_reader_keeps_what_it_opened(tm
     )
 
 
+def test_each_rank_prunes_by_versions_and_keeps_the_other_ranks_shards_and_temp_files(tmp_path: Path) -> None:
+    """Two trainer ranks write a shard of every version into one directory, each pruning after
+    its own write: the shards of the `keep` versions written last stay, all of them, and a
+    rank removes only its own leftover temporary files (the other's may be mid-write)."""
+    root = tmp_path / "r"
+    ranks = [FilesystemTransport(root, keep=2, writer=w) for w in (0, 1)]
+    root.mkdir()
+    (root / ".v9-0a0b0c0d.safetensors.w1.tmp").write_bytes(b"rank 1 writing")
+    (root / ".v8-0a0b0c0d.safetensors.w0.tmp").write_bytes(b"rank 0 died here")
+    first = Path(asyncio.run(ranks[0].publish(0, weights(0))).location).name
+    assert sorted(p.name for p in root.iterdir()) == sorted([".v9-0a0b0c0d.safetensors.w1.tmp", first])
+    written = {(v, w): Path(asyncio.run(t.publish(v, weights(v))).location).name
+               for v in range(1, 4) for w, t in enumerate(ranks)}
+    assert sorted(p.name for p in root.iterdir()) == sorted(written[v, w] for v in (2, 3) for w in (0, 1))
+
+
 # --- config and event --------------------------------------------------------------------
 
 
