@@ -11,9 +11,10 @@
              the ranks then exchange (location, size, names, manifest entries) of their
              shards (`Exchange`: an all-gather over the trainer's process group), so every
              rank builds the same event and pins every rank's payloads; rank 0 announces it
-    worker   a full version: `fetch_full` (each shard, if any, as a full version of its
-             tensors: streamed and checked by the transport) -> event v -> `plan_fetch` from the version of its CPU copy -> the chain's earlier
-             events (from the `weights` stream, `Earlier`) -> full fetch and/or each delta's
+    worker   event v -> `plan_fetch` from the version of its CPU copy -> the chain's earlier
+             events (from the `weights` stream, `Earlier`) -> full fetch (`fetch_full`: each
+             shard, if any, fetched as a full version of its tensors, streamed and checked by
+             the transport) and/or each delta's
              shards (`fetch_bytes`) applied onto the copy (`apply_delta`, in a thread: all or
              nothing, every result tensor checked against its manifest) -> the copy, for the
              engine to load under the gate
