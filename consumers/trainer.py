@@ -15,8 +15,10 @@ stream sequence of the last batch trained on, and a restart reads from the next 
                 history as a hash chain (constant size: `consumers.update_history`)
 
 With `trainer.engine: fsdp` each of the `dp_size` ranks is one such process, `--rank K`: they
-meet first (`consumers.trainer_dist`), then train, publish (rank 0; the others join the
-gather) and checkpoint together, each on its own `batches.<rank>`.
+meet first (`consumers.trainer_dist`), then train, publish and checkpoint together, each on
+its own `batches.<rank>`. Publishing through the object store or files, each rank stores its
+own shard of a version (its tensors gathered to it alone) and rank 0 announces the version;
+a collective version is gathered to rank 0, which stores and broadcasts it.
 """
 
 from __future__ import annotations
@@ -49,12 +51,14 @@ from consumers.crashpoints import (
 from consumers.membership import member_ids
 from consumers.runtime import CannotAttach, Runtime
 from consumers.stage import Stage, run_stage
-from consumers.trainer_dist import Group, join, leave, make_engine, watch
+from consumers.trainer_dist import Group, exchange, join, leave, make_engine, watch
 from consumers.trainer_loggers import scalars, step_loggers
 from consumers.update_history import UpdateHistory
 from consumers.weights import transport_for
-from consumers.weights.chain import VersionPublisher
+from consumers.weights.chain import VersionPublisher, alone
+from engines.delta_plan import assign_shards
 from engines.device import resolve_device
+from engines.fsdp_train import FSDPTrainEngine
 from engines.protocols import MicroBatch
 from engines.torch_train import LossConfig
 from schemas import BatchEvent, DecodeError, decode
@@ -153,14 +157,21 @@ class Trainer:
         """Stream sequence of the last batch the model holds (trained on, or refused in a trained step)."""
         self.history = UpdateHistory()
         self.batches: JetStreamContext.PushSubscription | None = None
+        self.sharded = (
+            isinstance(self.engine, FSDPTrainEngine) and self.group.world_size > 1
+            and self.cfg.weights.transport != "collective"
+        )
+        """Every rank stores its own shard of each version (object store, files); else rank 0 alone."""
+        world = self.group.world_size if self.sharded else 1
         self.weights = VersionPublisher(
             transport_for(
                 self.cfg.weights, rt.js, rt.topology.object_bucket, rt.topology.run,
-                members=lambda: member_ids(rt.js, rt.topology, "rollout"),
+                members=lambda: member_ids(rt.js, rt.topology, "rollout"), writer=rank,
             ),
-            self.cfg.weights, rt.topology.run, rt.source, rank=rank,
+            self.cfg.weights, rt.topology.run, rt.source, rank=rank, world=world,
+            exchange=exchange if self.sharded else alone,
         )
-        """Full or delta versions (`weights.delta`), or broadcasts; only rank 0 publishes today."""
+        """Full or delta versions (`weights.delta`), in shards when `sharded`, or broadcasts."""
 
     async def setup(self) -> None:
         """Resume from the checkpoint, or publish version 0 (what every rollout worker starts
@@ -233,8 +244,9 @@ class Trainer:
         return metrics
 
     async def sync_weights(self) -> None:
-        """Rank 0 publishes the weights; the other ranks of a collective engine join its gather."""
-        if self.rank == 0:
+        """Sharded: every rank stores its shard, rank 0 announces. Otherwise rank 0 publishes
+        the weights, and the other ranks of a collective engine join its gather."""
+        if self.sharded or self.rank == 0:
             await self.publish_weights()
         elif self.engine.collective:
             await asyncio.to_thread(self.engine.export_weights)
@@ -246,16 +258,23 @@ class Trainer:
     async def publish_weights(self) -> None:
         """The engine's weights as version `engine.step`: bytes through the configured transport
         (`weights.transport`: object store or files; a full version or, with `weights.delta`, the
-        changes since the version published before), then the event that says where they are."""
+        changes since the version published before), then the event that says where they are.
+        Sharded: this rank's tensors only (`assign_shards`: the same layout on every rank), and
+        rank 0 announces the event every rank builds."""
         rt, version = self.rt, self.engine.step
         with tracing.tracer.start_as_current_span(
             "publish weights", attributes={"jetrl.weight_version": version, "jetrl.run": rt.topology.run}
         ):
-            tensors = self.engine.export_weights()
+            if self.sharded and isinstance(self.engine, FSDPTrainEngine):
+                layout = assign_shards(self.engine.weight_sizes(), self.group.world_size)
+                tensors = await asyncio.to_thread(self.engine.export_shard, layout)
+            else:
+                tensors = self.engine.export_weights()
             # An election while storing is ridden out in there rather than restarting the trainer.
             event = await self.weights.publish(version, tensors)
-            await rt.publisher.publish(WEIGHTS, event)
-            await self.weights.announced(version, tensors)  # collective: the broadcast, in a thread
+            if self.rank == 0:
+                await rt.publisher.publish(WEIGHTS, event)
+                await self.weights.announced(version, tensors)  # collective: the broadcast, in a thread
 
     async def record(self, metrics: dict[str, Any]) -> None:
         """The step's metrics to KV (the producer and the audit read them) and the loggers.

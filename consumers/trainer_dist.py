@@ -41,6 +41,7 @@ from nats.js.errors import KeyNotFoundError
 
 from bus.topology import RENDEZVOUS_KEY
 from consumers.runtime import CannotAttach, Runtime
+from consumers.weights.chain import ShardNote
 from engines.device import torch_dtype
 from engines.fsdp_train import FSDPTrainEngine, init_group
 from engines.torch_train import LossConfig, TorchTrainEngine
@@ -191,6 +192,15 @@ async def watch(group: Group, done: Callable[[], bool]) -> None:
             raise RendezvousFailed(f"rank {twice[0]} restarted: the process group is broken, all ranks restart")
         await asyncio.sleep(WATCH_SECONDS)
     await asyncio.Event().wait()
+
+
+async def exchange(note: ShardNote) -> list[ShardNote]:
+    """Every trainer rank's note of the version being published, in rank order: one
+    `all_gather_object` over the default group (gloo on the CPU: each rank's shard location
+    and manifest entries, pickled, about 200 bytes per tensor), in a thread so the event loop keeps serving."""
+    notes: list[ShardNote | None] = [None] * dist.get_world_size()
+    await asyncio.to_thread(dist.all_gather_object, notes, note)
+    return [n for n in notes if n is not None]
 
 
 def leave(group: Group) -> None:

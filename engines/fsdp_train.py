@@ -18,7 +18,13 @@ is the single-process engine's on the union of the ranks' micro-batches:
 
 The default process group must be up before the engine is built (`init_group`; the trainer's
 rendezvous in `consumers.trainer_dist`). Every method that communicates is called by every
-rank in the same order: train_step, export_weights, has_checkpoint, save/load_checkpoint.
+rank in the same order: train_step, export_weights, export_shard, has_checkpoint,
+save/load_checkpoint.
+
+Weights out, two ways: `export_weights` gathers every full tensor to rank 0 (one rank
+publishes, or a collective broadcast); `export_shard` gathers each tensor to the one rank
+that publishes it (`engines.fsdp_shards`), so that every rank stores its own shard of a
+version and none holds the whole model.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from engines.algorithms.losses import aggregation_count
+from engines.fsdp_shards import gather_owned, parameter_sizes
 from engines.protocols import MicroBatch
 from engines.torch_train import (
     METRIC_SUMS,
@@ -80,6 +87,8 @@ class FSDPTrainEngine(TorchTrainEngine):
         if not dist.is_initialized():
             raise RuntimeError("FSDPTrainEngine needs the default process group (engines.fsdp_train.init_group)")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.gathered_bytes = 0
+        """Bytes this rank received in its last `export_shard` (its own tensors' rows, padded)."""
         # Full logits: the chunked log-probs read the output projection and call the decoder
         # outside the root module's forward, where FSDP2 has not gathered their shards.
         super().__init__(model_dir, **{**kwargs, "logprob_chunk_tokens": 0})
@@ -147,6 +156,22 @@ class FSDPTrainEngine(TorchTrainEngine):
         # One rank: the "gathered" tensor can be the parameter's own storage; copy it, so an
         # optimizer step cannot change a version being published.
         return {name: full[name].clone() if self.world_size == 1 else full[name].contiguous() for name in names}
+
+    def weight_sizes(self) -> dict[str, int]:
+        """Bytes of each full parameter as exported (tied weights once): what
+        `engines.delta_plan.assign_shards` balances the ranks' shards by."""
+        return parameter_sizes(dict(self.model.named_parameters()))
+
+    def export_shard(self, layout: Sequence[Sequence[str]]) -> dict[str, torch.Tensor]:
+        """This rank's full CPU tensors, `layout[rank]`, each gathered to this rank alone
+        (the same bits `export_weights` gives for them). Every rank must call it, with the same
+        `layout` (every parameter name in one of its entries); `gathered_bytes` says what this
+        rank received."""
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()  # the root may still hold full parameters after a forward
+        own, self.gathered_bytes = gather_owned(dict(self.model.named_parameters()), layout, self.rank, self.world_size)
+        return own
 
     # --- checkpoints -------------------------------------------------------------------------
     #

@@ -44,15 +44,16 @@ def _check_location(transport: str, location: str) -> None:
 
 
 class WeightShard(BaseModel):
-    """One trainer rank's payload of a delta version (`engines.weight_delta`): where it is, its
-    size, and the tensors it carries (`engines.delta_plan.assign_shards`)."""
+    """One trainer rank's payload of a version: where it is, its size, and the tensors it
+    carries (`engines.delta_plan.assign_shards`). A delta's shard is a `jetrl-delta/1` payload
+    (`engines.weight_delta`); a full version's is a plain safetensors file of its tensors."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     location: str = Field(min_length=1, max_length=4096)
     """Where the payload is, as `WeightVersionEvent.location` says for its transport."""
     total_bytes: int = Field(ge=0)
-    """Size of the payload (a safetensors file in the `jetrl-delta/1` format)."""
+    """Size of the payload (a safetensors file)."""
     tensors: tuple[str, ...]
     """Names of the manifest's tensors this shard carries (rank 0's shard first)."""
 
@@ -92,8 +93,10 @@ class WeightVersionEvent(Event):
     itself for a full version); a worker that lacks `base_version` pulls it first, then every
     delta up to `version`. None: published outside a delta chain."""
     shards: tuple[WeightShard, ...] = ()
-    """A delta's payloads, one per trainer rank (`location` and `total_bytes` name the first and
-    the sum); empty for a full version, whose bytes are at `location`."""
+    """The payloads, one per trainer rank that stored one (`location` and `total_bytes` name the
+    first and the sum). Every delta has them; a full version has them when several trainer
+    ranks stored it (each a safetensors file of its tensors), else none: its bytes are at
+    `location`."""
     fallback_transport: Literal["object_store", "filesystem"] | None = None
     """collective: the transport the version is also stored with, for a worker that misses the
     broadcast (joined late, dropped from the group); `total_bytes` is that copy's size."""
@@ -125,7 +128,9 @@ class WeightVersionEvent(Event):
             self._check_delta(names)
             return self
         if self.shards:
-            raise ValueError("a full version has no delta shards")
+            if self.transport == "collective":
+                raise ValueError("a collective version has no shards")
+            self._check_shards(names)
         if self.full_version is not None and self.full_version != self.version:
             raise ValueError(f"a full version is its own chain's full version, not {self.full_version}")
         data = sum(math.prod(spec.shape) * itemsize(spec.dtype) for spec in self.manifest)
@@ -140,10 +145,14 @@ class WeightVersionEvent(Event):
             raise ValueError(f"a delta on v{self.base_version} needs its chain's full version, at or before its base")
         if not self.shards:
             raise ValueError("a delta needs its shards")
+        self._check_shards(names)
+
+    def _check_shards(self, names: list[str]) -> None:
+        """The shards carry every manifest tensor once; `location` and `total_bytes` say theirs."""
         for shard in self.shards:
             _check_location(self.transport, shard.location)
         carried = [name for shard in self.shards for name in shard.tensors]
         if len(carried) != len(set(carried)) or set(carried) != set(names):
             raise ValueError("the shards do not carry each manifest tensor exactly once")
         if self.location != self.shards[0].location or self.total_bytes != sum(s.total_bytes for s in self.shards):
-            raise ValueError("a delta's location and total_bytes are its first shard's and the shards' sum")
+            raise ValueError("a sharded version's location and total_bytes are its first shard's and the shards' sum")

@@ -333,6 +333,22 @@ def test_filesystem_keeps_the_last_versions_and_a_reader_keeps_what_it_opened(tm
     )
 
 
+def test_each_rank_prunes_by_versions_and_keeps_the_other_ranks_shards_and_temp_files(tmp_path: Path) -> None:
+    """Two trainer ranks write a shard of every version into one directory, each pruning after
+    its own write: the shards of the `keep` versions written last stay, all of them, and a
+    rank removes only its own leftover temporary files (the other's may be mid-write)."""
+    root = tmp_path / "r"
+    ranks = [FilesystemTransport(root, keep=2, writer=w) for w in (0, 1)]
+    root.mkdir()
+    (root / ".v9-0a0b0c0d.safetensors.w1.tmp").write_bytes(b"rank 1 writing")
+    (root / ".v8-0a0b0c0d.safetensors.w0.tmp").write_bytes(b"rank 0 died here")
+    first = Path(asyncio.run(ranks[0].publish(0, weights(0))).location).name
+    assert sorted(p.name for p in root.iterdir()) == sorted([".v9-0a0b0c0d.safetensors.w1.tmp", first])
+    written = {(v, w): Path(asyncio.run(t.publish(v, weights(v))).location).name
+               for v in range(1, 4) for w, t in enumerate(ranks)}
+    assert sorted(p.name for p in root.iterdir()) == sorted(written[v, w] for v in (2, 3) for w in (0, 1))
+
+
 # --- config and event --------------------------------------------------------------------
 
 
@@ -410,8 +426,30 @@ def test_a_delta_event_names_its_chain_and_shards_or_is_refused() -> None:
             WeightVersionEvent(**{**delta, **change})
     with pytest.raises(ValidationError, match="own chain's full version"):
         WeightVersionEvent(**{**base, "total_bytes": 80}, full_version=0)
-    with pytest.raises(ValidationError, match="a full version has no delta shards"):
-        WeightVersionEvent(**{**base, "total_bytes": 80}, shards=(shard,))
+
+
+def test_a_sharded_full_version_carries_each_tensor_once_or_is_refused() -> None:
+    """Several trainer ranks each store their tensors of a full version: the event lists the
+    shards, which must cover its manifest exactly once (no overlap, none missing)."""
+    full = {"id": "r/weights/3", "run": "r", "version": 3, "step": 3, "location": "v3-0a0b0c0d.safetensors",
+            "manifest": manifest_of({"w": torch.zeros(4, 4), "b": torch.zeros(4), "c": torch.zeros(2)}),
+            "full_version": 3, "total_bytes": 200}
+    rank0 = WeightShard(location="v3-0a0b0c0d.safetensors", total_bytes=120, tensors=("w",))
+    rank1 = WeightShard(location="v3-1a1b1c1d.safetensors", total_bytes=80, tensors=("b", "c"))
+    assert WeightVersionEvent(**full, shards=(rank0, rank1)).shards[1].tensors == ("b", "c")
+    assert WeightVersionEvent(**{**full, "full_version": None}, shards=(rank0, rank1)).full_version is None
+    for shards, why in [
+        ((rank0, rank1.model_copy(update={"tensors": ("b",)})), "each manifest tensor exactly once"),  # c missing
+        ((rank0, rank1.model_copy(update={"tensors": ("w", "b", "c")})), "each manifest tensor exactly once"),
+        ((rank0, rank1.model_copy(update={"tensors": ("b", "c", "x")})), "each manifest tensor exactly once"),
+        ((rank1, rank0), "its first shard's and the shards' sum"),
+        ((rank0, rank1.model_copy(update={"total_bytes": 81})), "the shards' sum"),
+        ((rank0, rank1.model_copy(update={"location": "../x"})), "not an object name"),
+    ]:
+        with pytest.raises(ValidationError, match=why):
+            WeightVersionEvent(**full, shards=shards)
+    with pytest.raises(ValidationError, match="collective version has no shards"):
+        WeightVersionEvent(**{**full, "transport": "collective", "location": "h:1"}, shards=(rank0, rank1))
 
 
 # --- a short run over files --------------------------------------------------------------

@@ -6,8 +6,15 @@
              (`encode_shard`, in a thread) -> `publish_bytes` (the chain's versions are
              pinned: never pruned while the chain goes on) -> the event (base, chain's full
              version, shards) -> the published tensors become the next base
+    ranks    with several trainer ranks each rank publishes only its own tensors (its shard):
+             a delta's `encode_shard` payload, or a full version's safetensors file of them;
+             the ranks then exchange (location, size, names, manifest entries) of their
+             shards (`Exchange`: an all-gather over the trainer's process group), so every
+             rank builds the same event and pins every rank's payloads; rank 0 announces it
     worker   event v -> `plan_fetch` from the version of its CPU copy -> the chain's earlier
-             events (from the `weights` stream, `Earlier`) -> full fetch and/or each delta's
+             events (from the `weights` stream, `Earlier`) -> full fetch (`fetch_full`: each
+             shard, if any, fetched as a full version of its tensors, streamed and checked by
+             the transport) and/or each delta's
              shards (`fetch_bytes`) applied onto the copy (`apply_delta`, in a thread: all or
              nothing, every result tensor checked against its manifest) -> the copy, for the
              engine to load under the gate
@@ -22,58 +29,101 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import NamedTuple
 
 import torch
 
 from bus.election import ride_out
 from consumers.weights.collective import CollectiveTransport
-from consumers.weights.transport import WeightsMissing, WeightTransport, publish_version
-from engines.delta_plan import Chain, assign_shards, next_publication, plan_fetch
+from consumers.weights.transport import Stored, WeightsMissing, WeightTransport, publish_version
+from engines.delta_plan import Chain, next_publication, plan_fetch
 from engines.weight_delta import apply_delta, encode_shard
-from engines.weights import WeightsRefused
+from engines.weights import WeightsRefused, manifest_of
 from schemas.config import WeightsConfig
-from schemas.weight_event import WeightShard, WeightVersionEvent
+from schemas.weight_event import TensorSpec, WeightShard, WeightVersionEvent
 
 Earlier = Callable[[set[int], int], Awaitable[dict[int, WeightVersionEvent]]]
 """(versions, full version) -> the events of those versions on the chain starting at that
 full version, published before the event being followed; WeightsMissing for any not found."""
 
 
+class ShardNote(NamedTuple):
+    """What one rank stored of a version: its shard and the manifest entries of its tensors."""
+
+    shard: WeightShard
+    manifest: tuple[TensorSpec, ...]
+
+
+Exchange = Callable[[ShardNote], Awaitable[list[ShardNote]]]
+"""This rank's note -> every rank's, in rank order (the same list on every rank). Every rank
+calls it once per version it publishes."""
+
+
+async def alone(note: ShardNote) -> list[ShardNote]:
+    """The exchange of a single trainer rank."""
+    return [note]
+
+
+async def fetch_full(transport: WeightTransport, event: WeightVersionEvent) -> dict[str, torch.Tensor]:
+    """A full version's tensors: at `location`, or in each of its shards, every shard fetched as
+    a full version of its own tensors (streamed and checked against their manifest entries)."""
+    if not event.shards:
+        return await transport.fetch(event)
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in event.shards:
+        names = set(shard.tensors)
+        part = event.model_copy(update={
+            "location": shard.location, "total_bytes": shard.total_bytes, "shards": (),
+            "manifest": tuple(spec for spec in event.manifest if spec.name in names),
+        })
+        tensors.update(await transport.fetch(part))
+    return tensors
+
+
 class VersionPublisher:
     """Publishes the trainer's versions, full or delta as `weights.delta` and `full_every` say
     (collective: a full version stored through `weights.fallback`, then broadcast).
 
-    `rank` of `world` encodes its own shard of each delta; today rank 0 publishes with world 1
-    (data-parallel ranks would each store a shard and rank 0 announce them all)."""
+    `rank` of `world` stores its own shard of each version (the tensors it is given) and
+    learns the other ranks' through `exchange`; every rank gets the same event, and one (rank
+    0) announces it. Collective versions are published by one rank alone (world 1)."""
 
     def __init__(self, transport: WeightTransport, config: WeightsConfig, run: str, source: str,
-                 rank: int = 0, world: int = 1) -> None:
+                 rank: int = 0, world: int = 1, exchange: Exchange = alone) -> None:
+        if world > 1 and isinstance(transport, CollectiveTransport):
+            raise ValueError("collective versions are published by trainer rank 0 alone, not in shards")
         self.transport, self.config, self.run, self.source = transport, config, run, source
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.exchange = rank, world, exchange
         self.chain: Chain | None = None
         """None until a version is published: a trainer that starts or resumes publishes a full one."""
         self.base: dict[str, torch.Tensor] = {}
         """This rank's tensors of the version published last (the next delta's base)."""
         self.pinned: list[str] = []
-        """Locations of the chain's versions so far: pruning spares them for workers catching up."""
+        """Locations of the chain's versions so far, every rank's: pruning spares them for
+        workers catching up."""
 
     async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> WeightVersionEvent:
-        """Store `version` (`tensors`: CPU copies in the published dtype, not changed after);
-        the event that announces it."""
+        """Store `version` (`tensors`: this rank's tensors of it, all of them with world 1; CPU
+        copies in the published dtype, not changed after); the event that announces it."""
         if isinstance(self.transport, CollectiveTransport):  # the copy stored first, announced with the address
             store = self.transport.fallback(self.config.fallback)
             return self.transport.event(await publish_version(store, self.run, self.source, version, tensors))
         if not self.config.delta:
-            return await publish_version(self.transport, self.run, self.source, version, tensors)
+            if self.world == 1:
+                return await publish_version(self.transport, self.run, self.source, version, tensors)
+            return await self._full(version, None, tensors)
         base_version, chain = next_publication(version, self.chain, self.config.full_every)
         if base_version is None:
-            event = await publish_version(
-                self.transport, self.run, self.source, version, tensors, full_version=version
-            )
-            self.pinned = [event.location]
+            if self.world == 1:
+                event = await publish_version(
+                    self.transport, self.run, self.source, version, tensors, full_version=version
+                )
+            else:
+                event = await self._full(version, version, tensors)
+            self.pinned = [shard.location for shard in event.shards] or [event.location]
         else:
             event = await self._delta(version, base_version, chain.full, tensors)
-            self.pinned.append(event.location)
+            self.pinned.extend(shard.location for shard in event.shards)
         self.chain = chain
         self.base = tensors
         return event
@@ -87,24 +137,43 @@ class VersionPublisher:
         if isinstance(self.transport, CollectiveTransport):
             await self.transport.close()
 
+    async def _full(self, version: int, full_version: int | None, tensors: dict[str, torch.Tensor]) -> WeightVersionEvent:
+        """This rank's shard of a full version: a safetensors file of its tensors (the old chain's
+        versions are no longer pinned), hashed while it is stored."""
+        manifest, stored = await asyncio.gather(
+            asyncio.to_thread(manifest_of, tensors),
+            ride_out(lambda: self.transport.publish(version, tensors), f"storing weights v{version}"),
+        )
+        return await self._announce(version, None, full_version, stored, tuple(tensors), manifest)
+
     async def _delta(
         self, version: int, base_version: int, full_version: int, tensors: dict[str, torch.Tensor]
     ) -> WeightVersionEvent:
-        layout = assign_shards({name: t.nbytes for name, t in tensors.items()}, self.world)
-        names = layout[self.rank]
         payload, manifest = await asyncio.to_thread(
-            encode_shard, self.base, tensors, names,
+            encode_shard, self.base, tensors, list(tensors),
             version=version, base_version=base_version, rank=self.rank, world=self.world,
         )
         pinned = tuple(self.pinned)
         stored = await ride_out(
             lambda: self.transport.publish_bytes(version, payload, pinned), f"storing weights delta v{version}"
         )
+        return await self._announce(version, base_version, full_version, stored, tuple(tensors), manifest)
+
+    async def _announce(
+        self, version: int, base_version: int | None, full_version: int | None, stored: Stored,
+        names: tuple[str, ...], manifest: tuple[TensorSpec, ...],
+    ) -> WeightVersionEvent:
+        """The event of `version` from every rank's stored shard (this rank's: `stored`)."""
         shard = WeightShard(location=stored.location, total_bytes=stored.total_bytes, tensors=names)
+        notes = await self.exchange(ShardNote(shard, manifest))
+        if len(notes) != self.world or notes[self.rank].shard != shard:
+            raise RuntimeError(f"v{version}: the shard exchange gave {len(notes)} notes for {self.world} ranks")
+        shards = tuple(note.shard for note in notes)
         return WeightVersionEvent(
             id=f"{self.run}/weights/{version}", run=self.run, source=self.source, version=version, step=version,
             base_version=base_version, full_version=full_version, transport=self.transport.name,
-            location=stored.location, manifest=manifest, total_bytes=stored.total_bytes, shards=(shard,),
+            location=shards[0].location, manifest=tuple(spec for note in notes for spec in note.manifest),
+            total_bytes=sum(s.total_bytes for s in shards), shards=shards,
         )
 
 
@@ -123,7 +192,7 @@ class Follower:
         chain: the copy, brought to `event.version` (full version and deltas as `plan_fetch`
         says); its tensors are the copy's, to be loaded before the next `fetch`."""
         if event.full_version is None:
-            return await transport_of(event).fetch(event)
+            return await fetch_full(transport_of(event), event)
         if event.base_version is None:
             await self._full(event, transport_of(event))
             return self.copy
@@ -141,7 +210,7 @@ class Follower:
         return self.copy
 
     async def _full(self, event: WeightVersionEvent, transport: WeightTransport) -> None:
-        tensors = await transport.fetch(event)
+        tensors = await fetch_full(transport, event)
         if transport.name == "filesystem":
             # Views of a read-only file mapping: deltas are applied onto a copy of our own.
             tensors = await asyncio.to_thread(lambda: {name: t.clone() for name, t in tensors.items()})

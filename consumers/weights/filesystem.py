@@ -1,8 +1,9 @@
 """Weight versions as safetensors files in a directory the trainer and the rollout workers share.
 
-    publish: <root>/.v<version>-<token>.safetensors.tmp, written and fsynced -> renamed to
-             <root>/v<version>-<token>.safetensors (atomic: a reader sees the whole file or
-             none) -> the directory fsynced -> all but the `keep` files written last deleted
+    publish: <root>/.v<version>-<token>.safetensors.w<rank>.tmp, written and fsynced ->
+             renamed to <root>/v<version>-<token>.safetensors (atomic: a reader sees the whole
+             file or none) -> the directory fsynced -> all but the files of the `keep`
+             versions written last deleted (each trainer rank prunes after its own shard)
     fetch:   the event's path (refused unless it is a file of <root>) opened with safetensors'
              `safe_open`, which maps it (mmap): tensors are views of the page cache, which the
              workers of one node share -> each checked against the manifest (names, dtypes,
@@ -32,7 +33,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from consumers.weights.transport import Stored, WeightsMissing, WeightsUnavailable
+from consumers.weights.transport import Stored, WeightsMissing, WeightsUnavailable, to_delete
 from engines.weights import ChecksumMismatch, WeightsRefused, verify
 from schemas.weight_event import TransportName, WeightShard, WeightVersionEvent
 
@@ -49,9 +50,12 @@ class FilesystemTransport:
 
     name: ClassVar[TransportName] = "filesystem"
 
-    def __init__(self, root: Path, keep: int = 3) -> None:
+    def __init__(self, root: Path, keep: int = 3, writer: int = 0) -> None:
+        """`writer`: the trainer rank writing through this transport (its temporary files'
+        tag: each rank removes only its own leftovers)."""
         self.root = root
         self.keep = keep
+        self._temp_suffix = f".safetensors.w{writer}.tmp"
 
     async def publish(self, version: int, tensors: dict[str, torch.Tensor], pinned: Collection[str] = ()) -> Stored:
         return await asyncio.to_thread(self._write, version, lambda temp: save_file(tensors, temp), pinned)
@@ -62,7 +66,7 @@ class FilesystemTransport:
     def _write(self, version: int, write: Callable[[Path], object], pinned: Collection[str]) -> Stored:
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / file_name(version)
-        temp = self.root / f".{final.name}.tmp"
+        temp = self.root / f".{final.stem}{self._temp_suffix}"
         try:
             write(temp)
             with open(temp, "rb") as f:
@@ -80,17 +84,19 @@ class FilesystemTransport:
         return Stored(str(final), final.stat().st_size)
 
     def _prune(self, written: Path, pinned: set[Path]) -> None:
-        """Keep `written`, `pinned` (a delta chain's versions) and the `keep - 1` files written
-        last before it (by write time, not by version: a trainer resumed from an older
-        checkpoint publishes lower versions, and those are what its events announce); delete
-        the other version files, and temporary files a trainer that died mid-write left (one
-        writer per run: none is being written)."""
-        files = sorted(
-            (p for p in self.root.iterdir() if p != written and p not in pinned and VERSION_FILE.fullmatch(p.name)),
-            key=lambda p: p.stat().st_mtime_ns,
-        )
-        doomed = files[: max(len(files) - (self.keep - 1), 0)]
-        doomed += [p for p in self.root.iterdir() if p.name.startswith(".v") and p.name.endswith(".safetensors.tmp")]
+        """Keep `written`, `pinned` (a delta chain's versions) and the files of the `keep - 1`
+        versions written last before it (`to_delete`: by write time, a version being all its
+        ranks' shards); delete the other version files, and the temporary files this writer
+        left when it died mid-write (another rank's may be being written now)."""
+        version = VERSION_FILE.fullmatch(written.name)
+        assert version is not None, written
+        stored = [
+            (str(p), int(match.group(1)), p.stat().st_mtime_ns)
+            for p in self.root.iterdir()
+            if p != written and p not in pinned and (match := VERSION_FILE.fullmatch(p.name))
+        ]
+        doomed = [Path(p) for p in to_delete(stored, int(version.group(1)), self.keep)]
+        doomed += [p for p in self.root.iterdir() if p.name.startswith(".v") and p.name.endswith(self._temp_suffix)]
         for path in doomed:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()

@@ -1,8 +1,8 @@
 """Weight versions through the run's JetStream object store, streamed in and checked as they come.
 
     publish: safetensors bytes -> object `v<version>-<token>.safetensors` in chunks of
-             `weights.chunk_mib` (`bus.objects.put_object`) -> all but the `keep` objects
-             stored last deleted
+             `weights.chunk_mib` (`bus.objects.put_object`) -> all but the `keep` versions
+             stored last deleted (each trainer rank prunes after its own shard)
     fetch:   the object's metadata (its size must be the event's) -> one buffer of that size
              (`engines.weights.Receiver`) -> every chunk copied in as it arrives
              (`bus.objects.read_chunks`) while a verifier thread hashes what is in, tensor by
@@ -36,7 +36,7 @@ from bus.objects import (
     put_object,
     read_chunks,
 )
-from consumers.weights.transport import Stored, WeightsMissing, WeightsUnavailable
+from consumers.weights.transport import Stored, WeightsMissing, WeightsUnavailable, to_delete
 from engines.weights import ChecksumMismatch, Receiver, WeightsRefused, serialize
 from schemas.weight_event import TransportName, WeightShard, WeightVersionEvent
 
@@ -72,17 +72,18 @@ class ObjectStoreTransport:
         return Stored(name, len(data))
 
     async def prune(self, written: str, pinned: Collection[str] = ()) -> None:
-        """Keep `written`, `pinned` (a delta chain's versions) and the `keep - 1` objects stored
-        last before it (by the time in their metadata, not by version: a trainer resumed from an
-        older checkpoint publishes lower versions, and those are what its events announce);
-        delete the other versions."""
-        objects = sorted(
-            (info for info in await list_objects(self.js, self.bucket)
-             if info.name != written and info.name not in pinned and VERSION_OBJECT.fullmatch(info.name)),
-            key=lambda info: info.mtime or "",
-        )
-        for info in objects[: max(len(objects) - (self.keep - 1), 0)]:
-            await delete_object(self.js, self.bucket, info.name)
+        """Keep `written`, `pinned` (a delta chain's versions) and the objects of the `keep - 1`
+        versions stored last before it (`to_delete`: by the time in their metadata, a version
+        being all its ranks' shards); delete the other versions."""
+        version = VERSION_OBJECT.fullmatch(written)
+        assert version is not None, written
+        stored = [
+            (info.name, int(match.group(1)), info.mtime or "")
+            for info in await list_objects(self.js, self.bucket)
+            if info.name != written and info.name not in pinned and (match := VERSION_OBJECT.fullmatch(info.name))
+        ]
+        for name in to_delete(stored, int(version.group(1)), self.keep):
+            await delete_object(self.js, self.bucket, name)
 
     async def _info(self, location: str, total_bytes: int) -> ObjectInfo:
         try:

@@ -10,7 +10,7 @@ transports (`object_store`, `filesystem`) differ only in where the bytes live; t
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from pathlib import Path
 from typing import ClassVar, NamedTuple, Protocol
 
@@ -37,6 +37,24 @@ class Stored(NamedTuple):
 
     location: str
     total_bytes: int
+
+
+def to_delete(stored: Iterable[tuple[str, int, float | str]], written_version: int, keep: int) -> list[str]:
+    """Of the `stored` payloads (name, version, time stored) other than those just written and
+    those pinned, the ones to delete: all but those of the `keep - 1` versions stored last.
+
+    Counted in versions, not payloads: with several trainer ranks a version is one payload per
+    rank (its shards), each written and pruned by its own rank; counting payloads would let a
+    rank delete the other ranks' shards of versions it keeps of its own. The version just
+    written is kept whole (the other ranks' shards of it, written before this one). Ordered by
+    time, not version: a trainer resumed from an older checkpoint publishes lower versions,
+    and those are what its events announce."""
+    latest: dict[int, float | str] = {}
+    for _, version, when in stored:
+        latest[version] = max(latest.get(version, when), when)
+    latest.pop(written_version, None)
+    kept = set(sorted(latest, key=lambda v: latest[v])[len(latest) - min(keep - 1, len(latest)):])
+    return [name for name, version, _ in stored if version != written_version and version not in kept]
 
 
 class WeightTransport(Protocol):
@@ -67,13 +85,14 @@ class WeightTransport(Protocol):
 
 def transport_for(
     config: WeightsConfig, js: JetStream, bucket: str, run: str, name: TransportName | None = None, *,
-    members: Callable[[], Awaitable[list[str]]] | None = None, member_id: str = "",
+    members: Callable[[], Awaitable[list[str]]] | None = None, member_id: str = "", writer: int = 0,
 ) -> WeightTransport:
     """The transport `name` (default: the configured one) of run `run`, whose object store is `bucket`.
 
     A reader builds the one its event names: the config says what the trainer publishes with.
     collective: `members` (the trainer's: the live rollout workers' ids) or `member_id` (a
     worker's own id); its fallback copies go through the transport the event names.
+    `writer`: the trainer rank that publishes through it (filesystem: its temporary files' tag).
     """
     name = name or config.transport
     if name == "collective":
@@ -98,7 +117,7 @@ def transport_for(
             raise WeightsRefused(
                 f"weights.dir {config.dir!r} is not an absolute path (the producer fills it in; set it in the run config)"
             )
-        return FilesystemTransport(Path(config.dir) / run, config.keep)
+        return FilesystemTransport(Path(config.dir) / run, config.keep, writer)
     raise WeightsRefused(f"unknown weights transport {name}")
 
 
