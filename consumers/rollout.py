@@ -58,8 +58,11 @@ from consumers.weights import (
 )
 from consumers.weights.chain import Follower
 from engines import protocols
+from engines.external_rollout import EngineUnavailable
 from engines.hf_rollout import HFRolloutEngine
+from engines.sglang_rollout import SGLangRolloutEngine, SGLangSettings
 from engines.simulated import SimulatedRolloutEngine, SimulatedSettings
+from engines.vllm_rollout import VLLMRolloutEngine, VLLMSettings
 from engines.weights import WeightsRefused, check_manifest
 from schemas import (
     DecodeError,
@@ -73,6 +76,9 @@ from schemas.config import RunConfig
 
 log = logging.getLogger("jetrl.rollout")
 
+ServingEngine = HFRolloutEngine | SimulatedRolloutEngine | VLLMRolloutEngine | SGLangRolloutEngine
+"""The engines `rollout.engine` names; each holds `model` (real, or a meta-device skeleton) for the checks."""
+
 
 @dataclass
 class Pending:
@@ -85,7 +91,7 @@ class Pending:
 
 
 class Rollout:
-    def __init__(self, rt: Runtime, engine: HFRolloutEngine | SimulatedRolloutEngine, tokenizer: object) -> None:
+    def __init__(self, rt: Runtime, engine: ServingEngine, tokenizer: object) -> None:
         self.rt, self.engine, self.tokenizer = rt, engine, tokenizer
         self.limits = ModelLimits.of(engine.model)
         self.queue: list[Pending] = []
@@ -306,10 +312,19 @@ class Rollout:
         log.info("now serving weights v%d", event.version)
 
 
-def make_engine(cfg: RunConfig, model: Path) -> HFRolloutEngine | SimulatedRolloutEngine:
-    """The engine `rollout.engine` names; the simulated one keeps the real model for its checks only."""
+def make_engine(cfg: RunConfig, model: Path) -> ServingEngine:
+    """The engine `rollout.engine` names; the simulated one keeps the real model for its checks only.
+
+    vllm and sglang are imported by their engine's constructor only: without their extra
+    installed, a one-line `EngineUnavailable` names the pip command.
+    """
+    engine = cfg.rollout.engine
+    if engine == "vllm":
+        return VLLMRolloutEngine(model, VLLMSettings(**cfg.rollout.vllm.model_dump(), seed=cfg.data.seed))
+    if engine == "sglang":
+        return SGLangRolloutEngine(model, SGLangSettings(**cfg.rollout.sglang.model_dump(), seed=cfg.data.seed))
     hf = HFRolloutEngine(model, seed=cfg.data.seed)
-    if cfg.rollout.engine == "hf":
+    if engine == "hf":
         return hf
     sim = cfg.rollout.simulated
     settings = SimulatedSettings(sim.median_tokens, sim.sigma, sim.seconds_per_token, sim.slots, cfg.data.seed)
@@ -338,7 +353,7 @@ def rollout_stage(rollout: Rollout) -> Stage[PromptEvent]:
 def main() -> None:
     # One thread: the trainer and the other workers share the node's cores with us.
     torch.set_num_threads(1)
-    run_stage("rollout", build, __doc__.splitlines()[0])
+    run_stage("rollout", build, __doc__.splitlines()[0], EngineUnavailable)
 
 
 if __name__ == "__main__":
