@@ -18,6 +18,7 @@ import torch
 from engines.protocols import Sample
 from engines.tiny import build_tiny_model
 from engines.torch_train import LossConfig, TorchTrainEngine
+from ops.gpu_external import response_logprobs
 from producers.tasks import VOCAB
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -31,18 +32,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def trainer_logprobs(model_dir: Path, prompts: list[list[int]], groups: list[list[Sample]]) -> torch.Tensor:
-    """[sum of response lengths] what the trainer computes for every response token, at
-    `TEMPERATURE`, in the order of `groups`' samples (rows prompt + response, right-padded)."""
-    rows = [(prompt, s.token_ids.tolist()) for prompt, group in zip(prompts, groups, strict=True) for s in group]
-    width = max(len(p) + len(r) for p, r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, (prompt, response) in enumerate(rows):
-        ids[i, : len(prompt) + len(response)] = torch.tensor(prompt + response)
-        mask[i, : len(prompt) + len(response)] = 1
+    """[sum of response lengths] what the trainer computes for every response token, at `TEMPERATURE`."""
     engine = TorchTrainEngine(model_dir, lr=1e-3, loss=LossConfig(temperature=TEMPERATURE))
-    logprobs = engine.logprobs(ids, mask)  # [B, T]
-    return torch.cat([logprobs[i, len(p) : len(p) + len(r)] for i, (p, r) in enumerate(rows)])
+    return response_logprobs(engine, prompts, groups)
 
 
 def load(name: str) -> dict[str, Any]:

@@ -20,7 +20,14 @@ from engines.sglang_rollout import (
     outputs_to_groups,
     sampling_params,
 )
-from tests.engine_records import TEMPERATURE, as_plain, load, model_dir, sglang_report, trainer_logprobs  # noqa: F401 - a fixture
+from tests.engine_records import (  # noqa: F401 - a fixture
+    TEMPERATURE,
+    as_plain,
+    load,
+    model_dir,
+    sglang_report,
+    trainer_logprobs,
+)
 
 API = load("engine_api.json")["sglang"]
 STOP_IDS = (2, 7)  # the recorded fixture's eos and stop token

@@ -20,7 +20,15 @@ from engines.vllm_rollout import (
     request_to_samples,
     sampling_kwargs,
 )
-from tests.engine_records import TEMPERATURE, as_plain, load, model_dir, trainer_logprobs, vllm_objects, vllm_report  # noqa: F401 - a fixture
+from tests.engine_records import (  # noqa: F401 - a fixture
+    TEMPERATURE,
+    as_plain,
+    load,
+    model_dir,
+    trainer_logprobs,
+    vllm_objects,
+    vllm_report,
+)
 
 API = load("engine_api.json")["vllm"]
 STOP_IDS = (2, 7)  # the recorded fixture's eos and stop token
