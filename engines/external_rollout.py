@@ -33,14 +33,19 @@ def require(module: str, extra: str) -> ModuleType:
         ) from None
 
 
-def skeleton(model_dir: Path) -> torch.nn.Module:
+def skeleton(model_dir: Path, context: int | None = None) -> torch.nn.Module:
     """The model's HF module on the meta device: its parameter names and shapes, no memory.
 
     The engine holds the real weights (on its GPU, maybe in another process); the rollout
     still needs the names and shapes to refuse a wrong manifest before fetching a byte
-    (`engines.weights.check_manifest`) and the vocabulary and context to check prompts.
+    (`engines.weights.check_manifest`) and the vocabulary and context to check prompts. A
+    `context` below the model's (the engine's max_model_len) becomes the context the rollout
+    checks prompts against, so a prompt the engine would refuse is rejected up front.
     """
     config = AutoConfig.from_pretrained(model_dir)
+    model_context = getattr(config, "max_position_embeddings", None)
+    if context is not None and (model_context is None or context < model_context):
+        config.max_position_embeddings = context
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
 

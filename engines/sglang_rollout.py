@@ -129,7 +129,7 @@ class SGLangRolloutEngine:
     def __init__(self, model_dir: Path, settings: SGLangSettings = SGLangSettings()) -> None:
         sglang = require("sglang", "sglang")
         check_logprob_env()
-        self.model = skeleton(model_dir)
+        self.model = skeleton(model_dir, settings.context_length)
         self.eos_token_ids = eos_token_ids(model_dir)
         self.dtype = torch_dtype(settings.dtype)
         self.engine = sglang.Engine(**engine_kwargs(model_dir, settings))

@@ -137,7 +137,7 @@ class VLLMRolloutEngine:
 
     def __init__(self, model_dir: Path, settings: VLLMSettings = VLLMSettings()) -> None:
         vllm = require("vllm", "vllm")
-        self.model = skeleton(model_dir)
+        self.model = skeleton(model_dir, settings.max_model_len)
         self.eos_token_ids = eos_token_ids(model_dir)
         self.dtype = torch_dtype(settings.dtype)
         self._vllm = vllm

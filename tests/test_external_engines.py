@@ -33,6 +33,9 @@ def test_the_skeleton_has_the_models_names_and_shapes_and_no_memory(model_dir: P
     assert {n: p.shape for n, p in meta.named_parameters()} == {n: p.shape for n, p in real.named_parameters()}
     assert {p.device.type for p in meta.parameters()} == {"meta"}
     assert ModelLimits.of(meta) == ModelLimits.of(real)
+    limits = ModelLimits.of(real)
+    assert ModelLimits.of(skeleton(model_dir, context=16)) == ModelLimits(limits.vocab_size, 16)  # the engine's max_model_len
+    assert ModelLimits.of(skeleton(model_dir, context=10**6)) == limits  # never above the model's own
 
 
 def test_named_weights_cast_and_refuse_wrong_names_or_shapes(model_dir: Path) -> None:  # noqa: F811
