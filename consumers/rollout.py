@@ -58,9 +58,12 @@ from consumers.weights import (
 )
 from consumers.weights.chain import Follower
 from engines.device import resolve_device, torch_dtype
+from engines.external_rollout import EngineUnavailable
 from engines.hf_rollout import HFRolloutEngine
 from engines.router import Router, RouterError, make_router
+from engines.sglang_rollout import SGLangRolloutEngine, SGLangSettings
 from engines.simulated import SimulatedRolloutEngine, SimulatedSettings
+from engines.vllm_rollout import VLLMRolloutEngine, VLLMSettings
 from engines.weights import WeightsRefused, check_manifest
 from schemas import (
     DecodeError,
@@ -75,13 +78,14 @@ from schemas.config import RunConfig
 log = logging.getLogger("jetrl.rollout")
 
 
+
 class Rollout:
     def __init__(
         self, rt: Runtime, engines: Engine | Sequence[Engine], tokenizer: object, router: Router | None = None
     ) -> None:
         """`engines`: the replicas (one engine: one replica); `router`: `rollout.router` when None."""
         self.rt, self.tokenizer = rt, tokenizer
-        engines = [engines] if isinstance(engines, (HFRolloutEngine, SimulatedRolloutEngine)) else list(engines)
+        engines = list(engines) if isinstance(engines, Sequence) else [engines]
         cfg = rt.config.rollout
         router = router or make_router(cfg.router, len(engines), cfg.router_options)
         self.replicas = Replicas(engines, router, cfg.max_batch_prompts, cfg.engine, rt.source)
@@ -269,10 +273,19 @@ def make_engines(cfg: RunConfig, model: Path) -> list[Engine]:
 
 def make_engine(cfg: RunConfig, model: Path, seed: int | None = None) -> Engine:
     """The engine `rollout.engine` names, on this worker's device (`engines.device`) in
-    `model.dtype`; the simulated one keeps the real model for its checks only."""
+    `model.dtype`; the simulated one keeps the real model for its checks only.
+
+    vllm and sglang are imported by their engine's constructor only: without their extra
+    installed, a one-line `EngineUnavailable` names the pip command.
+    """
     seed = cfg.data.seed if seed is None else seed
+    engine = cfg.rollout.engine
+    if engine == "vllm":
+        return VLLMRolloutEngine(model, VLLMSettings(**cfg.rollout.vllm.model_dump(), seed=seed))
+    if engine == "sglang":
+        return SGLangRolloutEngine(model, SGLangSettings(**cfg.rollout.sglang.model_dump(), seed=seed))
     hf = HFRolloutEngine(model, device=str(resolve_device()), dtype=torch_dtype(cfg.model.dtype), seed=seed)
-    if cfg.rollout.engine == "hf":
+    if engine == "hf":
         return hf
     sim = cfg.rollout.simulated
     settings = SimulatedSettings(sim.median_tokens, sim.sigma, sim.seconds_per_token, sim.slots, seed)
@@ -304,7 +317,7 @@ def rollout_stage(rollout: Rollout) -> Stage[PromptEvent]:
 def main() -> None:
     # One thread: the trainer and the other workers share the node's cores with us.
     torch.set_num_threads(1)
-    run_stage("rollout", build, __doc__.splitlines()[0], RouterError)
+    run_stage("rollout", build, __doc__.splitlines()[0], RouterError, EngineUnavailable)
 
 
 if __name__ == "__main__":

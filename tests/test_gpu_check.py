@@ -15,7 +15,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = {"env", "engines", "weights", "pipeline"}
+SECTIONS = {"env", "engines", "weights", "pipeline", "external"}
 
 
 def run_check(args: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[dict[str, Any], str]:
@@ -71,6 +71,9 @@ def test_cpu_smoke_measures_every_section(tmp_path: Path) -> None:
 
     summary = sections["pipeline"]["summary"]
     assert summary["steps"] == 4 and summary["samples_per_s"] > 0, summary
+
+    external = sections["external"]  # vllm and sglang need CUDA: on the CPU it says why it skipped
+    assert external["skipped"] in ("none of ('vllm', 'sglang') installed", "needs CUDA, device is cpu"), external
 
 
 def test_section_past_its_budget_is_killed_and_the_next_runs() -> None:

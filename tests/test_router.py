@@ -14,7 +14,8 @@ from engines.router import (
     StickyByKey,
     make_router,
 )
-from schemas.config import BUILT_IN_ROUTERS, ConfigError, parse_config
+from schemas.config import ConfigError, parse_config
+from schemas.rollout_config import BUILT_IN_ROUTERS
 
 
 class LastReplica:

@@ -66,7 +66,7 @@ def test_the_engine_and_its_workload_are_config() -> None:
     cfg = parse_config({"rollout": {"engine": "simulated", "simulated": {"median_tokens": 200, "sigma": 1.2, "slots": 4}},
                         "trainer": {"simulated_seconds_per_token": 1e-4}})
     assert cfg.rollout.simulated.slots == 4 and cfg.trainer.simulated_seconds_per_token == 1e-4
-    with pytest.raises(ConfigError, match="rollout.engine: Input should be 'hf' or 'simulated'"):
-        parse_config({"rollout": {"engine": "vllm"}})
+    with pytest.raises(ConfigError, match="rollout.engine: Input should be 'hf', 'simulated', 'vllm' or 'sglang'"):
+        parse_config({"rollout": {"engine": "trtllm"}})
     with pytest.raises(ConfigError, match="rollout.simulated.slots: Input should be greater than or equal to 1"):
         parse_config({"rollout": {"simulated": {"slots": 0}}})

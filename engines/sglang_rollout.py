@@ -1,0 +1,153 @@
+"""Rollout on SGLang (``pip install 'jetrl[sglang]'``): token ids in, token ids and behaviour log-probs out.
+
+Targets SGLang >= 0.4.6, read from its source: ``python/sglang/srt/sampling/sampling_params.py``
+(the sampling-params dict), ``python/sglang/srt/entrypoints/engine.py`` (`Engine.generate`,
+`Engine.update_weights_from_tensor`), ``python/sglang/srt/managers/tokenizer_manager.py``
+(``meta_info``: ``output_token_logprobs`` as (logprob, token id, text or None) tuples,
+``finish_reason`` as {"type": "stop", "matched": id} / {"type": "length", "length": n}) and
+``python/sglang/srt/layers/sampler.py`` (which log-probs it returns).
+
+Behaviour log-probs. With ``return_logprob=True`` SGLang returns, per output token, the log of
+the temperature-scaled softmax it sampled from, taken before top-k/top-p filtering: ours
+(`engines.hf_rollout`) for any top_p. The environment variable ``SGLANG_RETURN_ORIGINAL_LOGPROB``
+switches that to temperature-1 log-probs; the engine refuses to start with it set. Greedy
+(temperature 0): ``log_softmax(logits)``, as we do.
+
+`n` samples: the prompt is repeated n times in one batch (each with n=1) rather than using
+SGLang's ``n``, so the response order is ours by construction.
+
+Weights: `update_weights_from_tensor` with (HF name, tensor) pairs, which the model's own
+``load_weights`` maps onto its fused layers; ``flush_cache`` drops the radix (prefix) cache the
+old weights computed. The engine is not restarted.
+"""
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engines.external_rollout import (
+    EngineUnavailable,
+    eos_token_ids,
+    make_sample,
+    named_weights,
+    require,
+    skeleton,
+    torch_dtype,
+)
+from engines.protocols import Sample, SamplingParams
+
+ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+"""Set truthy, SGLang returns temperature-1 log-probs: not what the trainer computes."""
+
+
+@dataclass(frozen=True)
+class SGLangSettings:
+    """`rollout.sglang` (schemas/config.py documents each field)."""
+
+    mem_fraction_static: float = 0.5
+    tp_size: int = 1
+    context_length: int | None = None
+    dtype: str = "auto"
+    seed: int = 0
+
+
+def engine_kwargs(model_dir: Path, settings: SGLangSettings) -> dict[str, Any]:
+    """Keyword arguments of `sglang.Engine` (its `ServerArgs` fields). Token ids in and out, so
+    no tokenizer: stop strings are not used, stop token ids are."""
+    return {
+        "model_path": str(model_dir),
+        "dtype": settings.dtype,
+        "mem_fraction_static": settings.mem_fraction_static,
+        "tp_size": settings.tp_size,
+        "context_length": settings.context_length,
+        "random_seed": settings.seed,
+        "skip_tokenizer_init": True,
+    }
+
+
+def sampling_params(params: SamplingParams, eos: Sequence[int]) -> dict[str, Any]:
+    """SGLang's sampling-params dict for one sample of one prompt.
+
+    The eos ids are passed as stop tokens explicitly, so SGLang stops where the HF engine would
+    whatever eos its tokenizer declares; ``skip_special_tokens``/``no_stop_trim`` keep the stop
+    token in the response, which the trainer must see.
+    """
+    return {
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "max_new_tokens": params.max_tokens,
+        "stop_token_ids": list(dict.fromkeys((*eos, *params.stop_token_ids))),
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+    }
+
+
+def output_to_sample(output: dict[str, Any], stop_ids: Sequence[int]) -> Sample:
+    """One element of `Engine.generate`'s list (``output_ids``, ``meta_info``) as a `Sample`."""
+    meta = output.get("meta_info")
+    if not isinstance(meta, dict) or meta.get("output_token_logprobs") is None:
+        raise ValueError("sglang: an output without meta_info.output_token_logprobs (request return_logprob=True)")
+    entries = meta["output_token_logprobs"]  # [L] of (logprob, token id, text or None)
+    token_ids = [int(entry[1]) for entry in entries]
+    logprobs = [float(entry[0]) for entry in entries]
+    if "output_ids" in output and list(output["output_ids"]) != token_ids:
+        raise ValueError("sglang: output_ids and the tokens of output_token_logprobs differ")
+    finish = meta.get("finish_reason")
+    reason = finish.get("type") if isinstance(finish, dict) else finish
+    return make_sample(token_ids, logprobs, reason, stop_ids, "sglang")
+
+
+def outputs_to_groups(outputs: Sequence[dict[str, Any]], prompts: int, n: int, stop_ids: Sequence[int]) -> list[list[Sample]]:
+    """`Engine.generate`'s outputs for each prompt repeated `n` times, grouped per prompt."""
+    if len(outputs) != prompts * n:
+        raise ValueError(f"sglang: {len(outputs)} outputs for {prompts} prompts x n={n}")
+    samples = [output_to_sample(o, stop_ids) for o in outputs]
+    return [samples[i * n : (i + 1) * n] for i in range(prompts)]
+
+
+def check_logprob_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> None:
+    """Refuses an environment that makes SGLang return temperature-1 log-probs."""
+    if environ.get(ORIGINAL_LOGPROB_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+        raise EngineUnavailable(
+            f"{ORIGINAL_LOGPROB_ENV} is set: SGLang would return log-probs before temperature, "
+            "not the behaviour log-probs the trainer computes; unset it"
+        )
+
+
+def load_weights(engine: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Swaps `weights` into a running `sglang.Engine` without a restart."""
+    engine.update_weights_from_tensor(named_tensors=weights, flush_cache=True)
+
+
+class SGLangRolloutEngine:
+    """A `RolloutEngine` over an in-process `sglang.Engine`. Needs CUDA and the sglang extra."""
+
+    def __init__(self, model_dir: Path, settings: SGLangSettings = SGLangSettings()) -> None:
+        sglang = require("sglang", "sglang")
+        check_logprob_env()
+        self.model = skeleton(model_dir, settings.context_length)
+        self.eos_token_ids = eos_token_ids(model_dir)
+        self.dtype = torch_dtype(settings.dtype)
+        self.engine = sglang.Engine(**engine_kwargs(model_dir, settings))
+        self.version = 0
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
+    ) -> list[list[Sample]]:
+        """`n` samples per prompt, grouped per prompt; see the module doc for the log-probs."""
+        if not prompts or min(map(len, prompts)) == 0:
+            raise ValueError("need at least one non-empty prompt")
+        rows = [list(p) for p in prompts for _ in range(n)]
+        outputs = self.engine.generate(
+            input_ids=rows, sampling_params=sampling_params(params, self.eos_token_ids), return_logprob=True
+        )
+        return outputs_to_groups(outputs, len(prompts), n, (*self.eos_token_ids, *params.stop_token_ids))
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
+        """Loads `tensors` (named as `TrainEngine.export_weights`) into the running engine."""
+        load_weights(self.engine, named_weights(tensors, self.model, self.dtype))
+        self.version = self.version + 1 if version is None else version

@@ -1,0 +1,102 @@
+"""`rollout`: which engine generates, and each engine's settings (part of `schemas.config`)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from schemas.section import Section
+
+
+class SimulatedRolloutConfig(Section):
+    """`rollout.simulated`: the simulated engine's workload (`engines.simulated`), for scheduling
+    studies only: its samples are random tokens."""
+
+    median_tokens: float = Field(64.0, gt=0)
+    """Median response length in tokens (the log-normal's exp(mu)); capped at `data.sampling.max_tokens`,
+    which the rollout still checks against the real model's context (the built-in tiny model: 64)."""
+    sigma: float = Field(1.0, ge=0)
+    """Standard deviation of the log of the response length: 0 makes every response the median,
+    1 or more a long tail (a few responses many times the median)."""
+    seconds_per_token: float = Field(0.001, ge=0)
+    """Simulated decode time of one token in one slot."""
+    slots: int = Field(4, ge=1)
+    """Sequences generated at once, as a continuous-batching engine's slots: a sample waits for
+    the first slot free, and a batch returns when its last sample ends."""
+
+
+EngineDtype = Literal["auto", "bfloat16", "float16", "float32"]
+
+
+class VLLMRolloutConfig(Section):
+    """`rollout.vllm`: the in-process `vllm.LLM` of engine vllm (`engines.vllm_rollout`)."""
+
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    """Fraction of the GPU's memory vLLM takes for weights, activations and KV cache; below vLLM's
+    own 0.9 default so a trainer can share the GPU."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs one engine shards the model over."""
+    max_model_len: int | None = Field(None, ge=1)
+    """Longest prompt + response in tokens; None takes the model's context (more KV cache)."""
+    enforce_eager: bool = False
+    """True skips CUDA graph capture: faster start, slower decode."""
+    dtype: EngineDtype = "auto"
+    """Weights and activations dtype in the engine; auto: the checkpoint's. Loaded weights are cast to it."""
+
+
+class SGLangRolloutConfig(Section):
+    """`rollout.sglang`: the in-process `sglang.Engine` of engine sglang (`engines.sglang_rollout`)."""
+
+    mem_fraction_static: float = Field(0.5, gt=0, lt=1)
+    """Fraction of the GPU's memory SGLang takes for weights and KV cache; below SGLang's own
+    default so a trainer can share the GPU."""
+    tp_size: int = Field(1, ge=1)
+    """GPUs one engine shards the model over (tensor parallel)."""
+    context_length: int | None = Field(None, ge=1)
+    """Longest prompt + response in tokens; None takes the model's context."""
+    dtype: EngineDtype = "auto"
+    """Weights and activations dtype in the engine; auto: the checkpoint's. Loaded weights are cast to it."""
+
+
+BUILT_IN_ROUTERS = ("least_in_flight", "sticky_by_key")
+"""The routers `rollout.router` names without a module (`engines.router.BUILT_IN`)."""
+
+
+class RolloutConfig(Section):
+    max_batch_prompts: int = Field(16, ge=1)
+    """Most prompts generated together in one batch."""
+    engine: Literal["hf", "simulated", "vllm", "sglang"] = "hf"
+    """hf: the reference engine, the run's model generating for real (`engines.hf_rollout`).
+    simulated: for scheduling studies only, random tokens after a simulated time (`simulated`).
+    vllm / sglang: the model on vLLM or SGLang (a GPU and `pip install 'jetrl[vllm]'` or
+    `'jetrl[sglang]'`; `engines.vllm_rollout`, `engines.sglang_rollout`); vllm needs top_p 1."""
+    simulated: SimulatedRolloutConfig = SimulatedRolloutConfig()
+    """engine simulated: its length distribution, cost per token and slots."""
+    vllm: VLLMRolloutConfig = VLLMRolloutConfig()
+    """engine vllm: its memory share, parallelism, context and dtype."""
+    sglang: SGLangRolloutConfig = SGLangRolloutConfig()
+    """engine sglang: its memory share, parallelism, context and dtype."""
+    replicas: int = Field(1, ge=1)
+    """Engine replicas in one rollout worker (each a copy of the model with its own batcher:
+    one generation at a time per replica); not the fleet's `replicas` (worker processes)."""
+    router: str = "least_in_flight"
+    """Which replica generates a prompt (`engines.router`): `least_in_flight` (fewest prompts
+    queued or generating, ties to the lowest index), `sticky_by_key` (a prompt's routing key
+    keeps the replica it was first given, for prefix-cache reuse; the key is
+    `task.conversation_id` when the prompt has one, else the prompt id), or `module:Class`
+    (built as `Class(replicas, **router_options)`, with a `pick(key, in_flight)` method; imported
+    when the worker starts)."""
+    router_options: dict[str, Any] = {}
+    """Options of `router`: sticky_by_key takes `max_keys` (keys remembered, least recently
+    used forgotten first; default 100000); least_in_flight none; an unknown one is an error."""
+
+    @field_validator("router")
+    @classmethod
+    def _router(cls, value: str) -> str:
+        if value in BUILT_IN_ROUTERS:
+            return value
+        module, sep, name = value.partition(":")
+        if not sep or not module or not name.isidentifier():
+            raise ValueError(f"{value!r}: expected one of {', '.join(BUILT_IN_ROUTERS)} or 'module:Class'")
+        return value
