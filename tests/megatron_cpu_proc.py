@@ -1,8 +1,13 @@
 """A real megatron-core GPTModel on the CPU, loaded through `engines.megatron_names`, against HF logits.
 
-Run as its own process by `tests/test_megatron.py` (it starts a one-rank gloo group and
+Usage: ``megatron_cpu_proc.py OUT_DIR [cuda]``. Run as its own process by `tests/test_megatron.py` (it starts a one-rank gloo group and
 megatron's parallel state, and patches two CUDA-only spots, none of which a test process
-should keep). Exits 0 and prints "logits match: qwen2 llama" when both models agree.
+should keep). Prints "logits match: qwen2 llama" when both models agree, then checks
+`MegatronTrainEngine` against `TorchTrainEngine` on the tiny model (left-padded rows: the
+same log-probs, two steps with the same losses, grad norms and exported weights; a second
+engine resumed from the checkpoint before step 1 repeats it exactly) and prints
+"engine matches torch"; exits 1 at the first difference. With ``cuda`` only the engine
+check runs, on the GPU, with nothing patched (the GPU test).
 
 megatron-core 0.16 on the CPU, with the local (non Transformer Engine) layer spec: the model
 builds (`use_cpu_initialization`), but its forward reaches for CUDA twice, both patched here:
@@ -16,6 +21,8 @@ import contextlib
 import os
 import socket
 import sys
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,6 +31,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from engines.megatron_config import spec_from_hf
 from engines.megatron_names import hf_to_megatron, megatron_to_hf
+from engines.protocols import MicroBatch
+from engines.tiny import build_tiny_model
+from engines.torch_train import TorchTrainEngine
 
 TOLERANCE = 1e-5
 
@@ -46,6 +56,9 @@ def hf_models() -> dict[str, torch.nn.Module]:
 
 
 def main() -> int:
+    out, device = Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "cpu"
+    if device != "cpu":  # on a GPU: the engine against the torch engine there, nothing patched
+        return engine_matches_torch(out, device)
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment, return-value]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -94,7 +107,64 @@ def main() -> int:
             return 1
         matched.append(name)
     print("logits match:", " ".join(matched))
+    code = engine_matches_torch(out, device)
     dist.destroy_process_group()
+    return code
+
+
+def engine_matches_torch(out: Path, device: str) -> int:
+    from engines.megatron_train import MegatronTrainEngine
+    from producers.tasks import VOCAB
+
+    model_dir = build_tiny_model(out / "tiny", VOCAB, seed=0)
+    args: dict[str, Any] = {"lr": 1e-3, "seed": 0, "device": device}
+    torch_engine, megatron = TorchTrainEngine(model_dir, **args), MegatronTrainEngine(model_dir, **args)
+    ids = torch.randint(1, len(VOCAB), (3, 9))
+    attention = torch.ones_like(ids)
+    attention[1, :3] = 0  # left padding
+    attention[2, 7:] = 0  # right padding
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[:, 5:7] = 1
+    want = torch_engine.logprobs(ids, attention)
+    got = megatron.logprobs(ids, attention)
+    # Compared where token t and its predecessor are real: a first real token after left
+    # padding is predicted from a pad position that sees no key at all, which each
+    # implementation fills its own way (never a loss token).
+    scored = attention * torch.nn.functional.pad(attention[:, :-1], (1, 0))
+    diff = ((got - want) * scored).abs().max().item()
+    print(f"engine: max |log-prob difference| {diff:.3g}")
+    if diff > TOLERANCE:
+        return 1
+    batch = MicroBatch(ids, attention, loss_mask, torch.tensor([1.0, -0.5, 2.0]), (want - 0.05) * loss_mask)
+    checkpoint = out / "checkpoints" / "megatron.pt"
+    for step in range(2):
+        if step == 1:
+            megatron.save_checkpoint(checkpoint, {"last_seq": 7})
+        a, b = torch_engine.train_step([batch]), megatron.train_step([batch])
+        print(f"engine step {step}: loss {a['loss']:.6g} / {b['loss']:.6g}, grad_norm {a['grad_norm']:.6g} / {b['grad_norm']:.6g}")
+        if any(abs(a[k] - b[k]) > TOLERANCE * max(1.0, abs(a[k])) for k in ("loss", "grad_norm", "entropy", "ratio_mean")):
+            return 1
+    theirs, ours = torch_engine.export_weights(), megatron.export_weights()
+    if theirs.keys() != ours.keys():
+        print(f"engine: exported names differ: {sorted(theirs.keys() ^ ours.keys())[:3]}")
+        return 1
+    worst = max((theirs[n] - ours[n]).abs().max().item() for n in theirs)
+    print(f"engine: max |weight difference| after 2 steps {worst:.3g}")
+    # AdamW divides by sqrt(v): a parameter whose gradient is ~0 moves by up to lr on float
+    # noise alone, so the weights agree to a fraction of lr, not to the logits' tolerance.
+    if worst > 0.1 * args["lr"]:
+        return 1
+    # Resume: a new engine from the checkpoint written before step 1 takes step 1 as the first did.
+    resumed = MegatronTrainEngine(model_dir, **args)
+    if not resumed.has_checkpoint(checkpoint) or resumed.load_checkpoint(checkpoint) != {"last_seq": 7}:
+        print("engine: the checkpoint did not load back")
+        return 1
+    resumed.train_step([batch])
+    again = resumed.export_weights()
+    if resumed.step != 2 or not all(torch.equal(again[n], ours[n]) for n in ours):
+        print("engine: the resumed step differs from the uninterrupted one")
+        return 1
+    print("engine matches torch")
     return 0
 
 

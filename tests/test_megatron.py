@@ -204,15 +204,60 @@ def test_sliding_window_qwen2_is_refused() -> None:
 # --- a real GPTModel on the CPU (where megatron-core is installed) ----------------------------
 
 
-def test_megatron_gpt_model_on_cpu_computes_the_hf_logits() -> None:
+def test_megatron_gpt_model_and_engine_on_cpu_compute_what_hf_does(tmp_path: Path) -> None:
     """Our arguments build megatron's GPTModel (local layer spec, CPU init), our mapping loads
     the HF weights into it, and its logits equal the HF model's: Qwen2 (tied, biases) and Llama
-    (untied, head_dim apart). Only this checks the layout against megatron's own attention."""
+    (untied, head_dim apart). Only this checks the layout against megatron's own attention.
+    Then `MegatronTrainEngine` on the tiny model: the torch engine's log-probs on padded rows,
+    its losses and grad norms over two steps, and its exported weights (HF names)."""
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         pytest.skip("megatron-core is not installed (pip install 'jetrl[megatron]')")
     proc = Path(__file__).with_name("megatron_cpu_proc.py")
     root = str(Path(__file__).parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(proc)], capture_output=True, text=True, timeout=240, env=env)
+    done = subprocess.run([sys.executable, str(proc), str(tmp_path)], capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "logits match: qwen2 llama" in done.stdout
+    assert "engine matches torch" in done.stdout
+
+
+def test_megatron_engine_on_a_gpu_trains_as_the_torch_engine(tmp_path: Path) -> None:
+    """The same engine check on CUDA, megatron-core unpatched. Never run yet (no GPU so far)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU: MegatronTrainEngine has never run on CUDA")
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        pytest.skip("megatron-core is not installed (pip install 'jetrl[megatron]')")
+    proc = Path(__file__).with_name("megatron_cpu_proc.py")
+    root = str(Path(__file__).parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(proc), str(tmp_path), "cuda"], capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "engine matches torch" in done.stdout
+
+
+# --- config and the engine's import ---------------------------------------------------------
+
+
+def test_trainer_config_takes_megatron_and_refuses_what_it_cannot_run() -> None:
+    from pydantic import ValidationError
+
+    from schemas.config import RunConfig
+
+    cfg = RunConfig.model_validate({"trainer": {"engine": "megatron"}})
+    assert (cfg.trainer.megatron.tensor_parallel_size, cfg.trainer.megatron.pipeline_parallel_size) == (1, 1)
+    for bad, error in (
+        ({"megatron": {"pipeline_parallel_size": 2}}, "pipeline_parallel_size 2: only 1 is supported yet"),
+        ({"megatron": {"tensor_parallel_size": 2}}, "tensor_parallel_size 2: only 1 runs in the trainer yet"),
+        ({"dp_size": 2}, "dp_size 2 needs engine fsdp: the megatron engine"),
+    ):
+        with pytest.raises(ValidationError, match=error):
+            RunConfig.model_validate({"trainer": {"engine": "megatron", **bad}})
+
+
+def test_engine_without_megatron_core_says_what_to_install(tiny_qwen2: torch.nn.Module, tmp_path: Path) -> None:
+    if importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None:
+        pytest.skip("megatron-core is installed here")
+    from engines.megatron_train import MegatronTrainEngine
+
+    with pytest.raises(RuntimeError, match=r"needs megatron-core: pip install 'jetrl\[megatron\]'"):
+        MegatronTrainEngine(tmp_path, lr=1e-3)
