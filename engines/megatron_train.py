@@ -3,9 +3,9 @@ checkpoint's config, tensor-parallel over the default process group, trained wit
 
 NEVER RUN ON A GPU. Its pieces are tested on the CPU (`tests/test_megatron.py`): the config
 translation and the weight mapping, and, where megatron-core is installed, this engine itself
-against `TorchTrainEngine` in one CPU process, with a checkpoint resume
-(`tests/megatron_cpu_proc.py`, which patches two CUDA-only spots of megatron-core for it). What no test has run: CUDA, NCCL, tensor parallel
-size > 1 (the shard and gather code paths), and the trainer with this engine.
+against `TorchTrainEngine`, with a checkpoint resume, on one CPU rank and on two gloo ranks at
+tensor parallel 2 (`tests/megatron_cpu_proc.py`, which patches two CUDA-only spots of
+megatron-core for it). What no test has run: CUDA, NCCL, and the trainer with this engine.
 
 megatron-core is imported when the engine is built, never at module import: a run without
 `jetrl[megatron]` does not need it. The layer spec is megatron's local one (plain torch

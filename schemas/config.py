@@ -116,7 +116,8 @@ class MegatronConfig(Section):
     """Ranks one model copy's layers are split over (megatron's tensor parallelism: attention by
     query groups, MLP by columns and rows, the vocabulary by slices). Must divide the model's
     num_key_value_heads and intermediate_size. Only 1 runs in the trainer yet: its ranks would
-    all need the same batches, which the trainer does not route (the engine itself takes more)."""
+    all need the same batches, which the trainer does not route (the engine itself takes more:
+    tested at 2 on CPU ranks)."""
     pipeline_parallel_size: int = Field(1, ge=1)
     """Pipeline stages (layers split into consecutive groups); only 1 is supported yet."""
 
