@@ -44,7 +44,7 @@ from bus.topology import RENDEZVOUS_KEY
 from consumers.runtime import CannotAttach, Runtime
 from engines.device import torch_dtype
 from engines.fsdp_train import FSDPTrainEngine, init_group
-from engines.megatron_train import MegatronTrainEngine
+from engines.megatron_train import MegatronNotInstalled, MegatronTrainEngine
 from engines.torch_train import LossConfig, TorchTrainEngine
 from schemas.config import RunConfig
 
@@ -81,10 +81,13 @@ def make_engine(cfg: RunConfig, loss: LossConfig, device: torch.device) -> Torch
     model_dir = Path(cfg.model.path or "")
     if cfg.trainer.engine == "megatron":
         mcfg = cfg.trainer.megatron  # megatron-core is imported inside, only now
-        return MegatronTrainEngine(
-            model_dir, tensor_parallel_size=mcfg.tensor_parallel_size,
-            pipeline_parallel_size=mcfg.pipeline_parallel_size, **args,
-        )
+        try:
+            return MegatronTrainEngine(
+                model_dir, tensor_parallel_size=mcfg.tensor_parallel_size,
+                pipeline_parallel_size=mcfg.pipeline_parallel_size, **args,
+            )
+        except MegatronNotInstalled as exc:
+            raise CannotAttach(str(exc)) from None
     engine = FSDPTrainEngine if cfg.trainer.engine == "fsdp" else TorchTrainEngine
     return engine(model_dir, **args)
 

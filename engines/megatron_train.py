@@ -32,6 +32,10 @@ from engines.megatron_names import hf_to_megatron, megatron_to_hf, merge, shard
 from engines.torch_train import TorchTrainEngine, _atomic_save, _rng_state, _set_rng_state
 
 
+class MegatronNotInstalled(RuntimeError):
+    """`trainer.engine: megatron` on a machine without megatron-core (one line: what to install)."""
+
+
 class MegatronTrainEngine(TorchTrainEngine):
     """`TorchTrainEngine` whose model is megatron-core's GPTModel, cut over `tensor_parallel_size` ranks."""
 
@@ -46,7 +50,7 @@ class MegatronTrainEngine(TorchTrainEngine):
         try:
             from megatron.core import parallel_state
         except ImportError:
-            raise RuntimeError("trainer.engine megatron needs megatron-core: pip install 'jetrl[megatron]'") from None
+            raise MegatronNotInstalled("trainer.engine megatron needs megatron-core: pip install 'jetrl[megatron]'") from None
         if pipeline_parallel_size != 1:
             raise ValueError(f"megatron engine: pipeline_parallel_size {pipeline_parallel_size} is not supported yet (only 1)")
         self.tp = tensor_parallel_size

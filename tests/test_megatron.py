@@ -271,7 +271,12 @@ def test_trainer_config_takes_megatron_and_refuses_what_it_cannot_run() -> None:
 def test_engine_without_megatron_core_says_what_to_install(tiny_qwen2: torch.nn.Module, tmp_path: Path) -> None:
     if importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None:
         pytest.skip("megatron-core is installed here")
-    from engines.megatron_train import MegatronTrainEngine
+    from consumers.runtime import CannotAttach
+    from consumers.trainer_dist import make_engine
+    from engines.torch_train import LossConfig
+    from schemas.config import RunConfig
 
-    with pytest.raises(RuntimeError, match=r"needs megatron-core: pip install 'jetrl\[megatron\]'"):
-        MegatronTrainEngine(tmp_path, lr=1e-3)
+    cfg = RunConfig.model_validate({"trainer": {"engine": "megatron"}, "model": {"path": str(tmp_path)}})
+    # The trainer's one-line start-up error (exit 1, the line said), not a traceback.
+    with pytest.raises(CannotAttach, match=r"^trainer.engine megatron needs megatron-core: pip install 'jetrl\[megatron\]'$"):
+        make_engine(cfg, LossConfig(), torch.device("cpu"))
