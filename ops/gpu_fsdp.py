@@ -16,13 +16,18 @@ import time
 from typing import Any
 
 from ops.gpu_record import Record, say
-from ops.gpu_sections import _peak_gib, _reset_peak, _sync, qwen2_config
+from ops.gpu_sections import (
+    _peak_gib,
+    _reset_peak,
+    _sync,
+    qwen2_config,
+    save_random_model,
+)
 
 
 def fsdp(args: argparse.Namespace, rec: Record) -> None:
     import torch
     import torch.distributed as dist
-    from transformers import Qwen2ForCausalLM
 
     from engines.delta_plan import assign_shards
     from engines.fsdp_train import FSDPTrainEngine, init_group
@@ -33,12 +38,7 @@ def fsdp(args: argparse.Namespace, rec: Record) -> None:
         raise RuntimeError("CUDA not available")
     config = qwen2_config(args.tiny)
     model_dir = args.work / "model"
-    torch.manual_seed(0)
-    with torch.device(device):  # random init on the device: seconds, not a minute of CPU
-        model = Qwen2ForCausalLM(config)
-    params = sum(p.numel() for p in model.parameters())
-    model.to("cpu", torch.bfloat16).save_pretrained(model_dir)
-    del model
+    params = save_random_model(config, args.device, model_dir)
     init_group(dist.FileStore(str(args.work / "store"), 1), 0, 1, device, timeout=120.0)
     try:
         started = time.monotonic()
