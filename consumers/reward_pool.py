@@ -46,6 +46,7 @@ from typing import Any, BinaryIO
 
 import msgpack
 
+from bus.identity import IDENTITY_ENV
 from consumers import reward_sandbox
 from consumers.reward_sandbox import Isolation
 
@@ -245,7 +246,8 @@ class _Child:
             "parent": 1 if sandboxed else os.getpid(),
             "memory": limits.memory_bytes,
             "file": limits.file_bytes,
-            "sandbox": {"tmp": limits.tmp_bytes, "processes": limits.processes} if sandboxed else None,
+            "sandbox": {"tmp": limits.tmp_bytes, "processes": limits.processes, "hide": _identity_dirs()}
+            if sandboxed else None,
         }
         proc.stdin.write(_frame(init))
         return cls(proc, limits, sandboxed)
@@ -294,6 +296,12 @@ class _Child:
             with suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
         await self.proc.wait()
+
+
+def _identity_dirs() -> list[str]:
+    """The directory of the worker's NATS identity file, which a sandbox hides; none if unset."""
+    path = os.environ.get(IDENTITY_ENV)
+    return [os.path.dirname(os.path.realpath(path))] if path else []
 
 
 def _kill_with_worker() -> None:
@@ -350,7 +358,7 @@ def _child_main() -> None:
     if init["sandbox"] is not None:
         sys.dont_write_bytecode = True  # the tree is read-only now
         try:
-            reward_sandbox.enter(init["sandbox"]["tmp"], init["sandbox"]["processes"])
+            reward_sandbox.enter(init["sandbox"]["tmp"], init["sandbox"]["processes"], init["sandbox"]["hide"])
         except OSError as exc:  # a sandbox half made is no sandbox: the pool reports the exit
             print(f"reward sandbox: {exc}", file=sys.stderr)
             os._exit(70)

@@ -6,8 +6,8 @@ new user, network, pid and mount namespaces:
   (or anywhere);
 - pid: a fresh `/proc` that shows only the sandbox's own processes, so no `/proc/<worker>/cmdline`
   or `environ`;
-- mount: a private tmpfs on /tmp and /dev/shm (its working directory), every other mount
-  re-mounted read-only;
+- mount: a private tmpfs on /tmp and /dev/shm (its working directory), an empty one over the
+  directory of the worker's identity file (bus.identity), every other mount re-mounted read-only;
 - user: root inside, mapped to the worker's own uid outside, which is what lets an
   unprivileged worker make the others; RLIMIT_NPROC then counts the sandbox's processes
   only (Linux >= 5.14 counts per user namespace), so a fork bomb stops at `Limits.processes`
@@ -104,8 +104,9 @@ def command(argv: list[str]) -> list[str]:
 # --- inside the sandbox (the reward process, before it serves) --------------------------
 
 
-def enter(tmp_bytes: int, processes: int) -> None:
-    """Private tmpfs dirs, everything else read-only, a process bound; raise OSError if a step fails."""
+def enter(tmp_bytes: int, processes: int, hide: list[str]) -> None:
+    """Private tmpfs dirs, the `hide` directories empty, everything else read-only, a process
+    bound; raise OSError if a step fails."""
     import resource  # noqa: PLC0415 - only the child needs it
 
     libc = ctypes.CDLL(None, use_errno=True)
@@ -128,6 +129,8 @@ def enter(tmp_bytes: int, processes: int) -> None:
     for path in PRIVATE_DIRS:
         if os.path.isdir(path):
             mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={tmp_bytes},mode=1777")
+    for path in hide:  # the worker's identity: an empty read-only tmpfs over its directory
+        mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=755")
     for target, flags in _mounts():
         if target in PRIVATE_DIRS or flags & MS_RDONLY:
             continue

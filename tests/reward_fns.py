@@ -155,3 +155,8 @@ def fork_bomb(response_text: str, task: dict[str, Any]) -> float:
             time.sleep(60)
             os._exit(0)
     return 1.0
+
+
+def read_identity(response_text: str, task: dict[str, Any]) -> float:
+    """Read the worker's seed file, at task["path"]."""
+    return 1.0 if Path(task["path"]).read_bytes() else 0.0

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from bus.embedded import EmbeddedNats
+from bus.identity import IDENTITY_ENV, new_seed, write_private
 from bus.topology import Topology
 from consumers import reward_sandbox
 from consumers.reward_pool import Limits, RewardPool, Score
@@ -70,6 +71,23 @@ def test_reward_code_cannot_write_outside_its_directory() -> None:
         assert after == Score(1.0)
     finally:
         outside.unlink(missing_ok=True)
+
+
+@needs_namespaces
+def test_reward_code_cannot_read_the_workers_identity_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's seed file (outside /tmp, which is private anyway) is hidden from reward code."""
+    directory = ROOT / f".identity-{secrets.token_hex(4)}"
+    seed = directory / "reward.nk"
+    try:
+        directory.mkdir(mode=0o700)
+        write_private(seed, new_seed())
+        monkeypatch.setenv(IDENTITY_ENV, str(seed))
+        score, _, after = score_then_recover(f"{FNS}:read_identity", {"path": str(seed)})
+        assert score == Score.failure(f"raised FileNotFoundError: [Errno 2] No such file or directory: '{seed}'")
+        assert after == Score(1.0)
+    finally:
+        seed.unlink(missing_ok=True)
+        directory.rmdir()
 
 
 @needs_namespaces
