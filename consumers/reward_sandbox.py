@@ -43,7 +43,7 @@ SIGNAL_EXIT = 128
 # mount(2) flags, from <sys/mount.h>; a read-only remount must keep the flags the mount has
 # (a user namespace may not clear nosuid, nodev, noexec or the atime flags of a mount it inherited).
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND = 1, 2, 4, 8, 32, 1024, 2048, 4096
-MS_RELATIME = 1 << 21
+MS_RELATIME, MS_REC = 1 << 21, 16384
 MOUNT_OPTIONS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
                  "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME}
 PID_MAX_MIN = 301
@@ -126,9 +126,16 @@ def enter(tmp_bytes: int, processes: int, hide: list[str]) -> None:
     with suppress(OSError), open("/proc/sys/kernel/pid_max", "w") as pid_max:
         pid_max.write(str(max(PID_MAX_MIN, processes + 1)))
     # /proc goes read-only below: pid_max is written first.
+    # Import paths under a private dir (a checkout in /tmp) are held open and bound back in.
+    kept = {path: os.open(path, os.O_PATH) for path in sys.path
+            if path.startswith(tuple(d + "/" for d in PRIVATE_DIRS)) and os.path.isdir(path)}
     for path in PRIVATE_DIRS:
         if os.path.isdir(path):
             mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={tmp_bytes},mode=1777")
+    for path, fd in kept.items():
+        os.makedirs(path, exist_ok=True)
+        mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+        os.close(fd)
     for path in hide:  # the worker's identity: an empty read-only tmpfs over its directory
         mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=755")
     for target, flags in _mounts():

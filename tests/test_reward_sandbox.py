@@ -157,3 +157,13 @@ def test_required_refuses_without_namespaces(monkeypatch: pytest.MonkeyPatch, tm
         assert asyncio.run(twice()) == [Score(1.0), Score(1.0)]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and warnings[0].startswith("reward isolation: none (no unshare on PATH")
+
+
+@needs_namespaces
+def test_a_reward_module_under_tmp_is_still_importable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sandbox's /tmp is its own, but an import path under the worker's /tmp is bound back in (read-only)."""
+    module = f"tmp_reward_{secrets.token_hex(4)}"
+    (tmp_path / f"{module}.py").write_text("def two(text, task):\n    return 2.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    score, _, _ = score_then_recover(f"{module}:two", {})
+    assert score == Score(2.0)
