@@ -107,7 +107,7 @@ def command(argv: list[str]) -> list[str]:
 def enter(tmp_bytes: int, processes: int, hide: list[str]) -> None:
     """Private tmpfs dirs, the `hide` directories empty, everything else read-only, a process
     bound; raise OSError if a step fails."""
-    import resource  # noqa: PLC0415 - only the child needs it
+    import resource  # only the child needs it
 
     libc = ctypes.CDLL(None, use_errno=True)
 

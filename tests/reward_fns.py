@@ -126,7 +126,7 @@ def length(response_text: str, task: dict[str, Any]) -> float:
 
 def connect_bus(response_text: str, task: dict[str, Any]) -> float:
     """Open a TCP connection to the run's NATS port and read the server's INFO line."""
-    import socket  # noqa: PLC0415
+    import socket
 
     with socket.create_connection(("127.0.0.1", int(task["port"])), timeout=2) as conn:
         return 1.0 if conn.recv(4096).startswith(b"INFO") else 0.0

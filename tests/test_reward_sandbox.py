@@ -24,9 +24,9 @@ from bus.topology import Topology
 from consumers import reward_sandbox
 from consumers.reward_pool import Limits, RewardPool, Score
 from consumers.reward_sandbox import IsolationUnavailable
-from tests.test_reward import FNS, ROOT, reverse_task, run_config, run_reward_worker, score_then_recover
 from schemas.config import RewardConfig
 from tests.helpers import trajectory
+from tests.test_reward import FNS, ROOT, reverse_task, run_config, run_reward_worker, score_then_recover
 
 ISOLATED = asyncio.run(reward_sandbox.choose("auto"))
 FORK_DEADLINE = 20.0
@@ -57,7 +57,8 @@ def test_reward_code_cannot_read_the_workers_cmdline_or_environ() -> None:
         "asyncio.run(main())\n"
     )
     env = {**os.environ, "JETRL_NATS_PASSWORD": secret}
-    out = subprocess.run([sys.executable, "-c", script, secret], cwd=ROOT, env=env, capture_output=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", script, secret], cwd=ROOT, env=env, capture_output=True, timeout=60,
+                         check=False)
     assert json.loads(out.stdout.decode().splitlines()[-1]) == [0.0, False, ""]
 
 
