@@ -246,7 +246,7 @@ class _Child:
             "parent": 1 if sandboxed else os.getpid(),
             "memory": limits.memory_bytes,
             "file": limits.file_bytes,
-            "sandbox": {"tmp": limits.tmp_bytes, "processes": limits.processes, "hide": _identity_dirs()}
+            "sandbox": {"tmp": limits.tmp_bytes, "processes": limits.processes, "hide": _identity_paths()}
             if sandboxed else None,
         }
         proc.stdin.write(_frame(init))
@@ -298,10 +298,19 @@ class _Child:
         await self.proc.wait()
 
 
-def _identity_dirs() -> list[str]:
-    """The directory of the worker's NATS identity file, which a sandbox hides; none if unset."""
+def _identity_paths() -> list[str]:
+    """What a sandbox hides of the worker's NATS identity: the directory of its file, or, where
+    that directory holds import paths (a seed beside the code), every seed and creds file in it."""
     path = os.environ.get(IDENTITY_ENV)
-    return [os.path.dirname(os.path.realpath(path))] if path else []
+    if not path:
+        return []
+    directory = os.path.dirname(os.path.realpath(path))
+    imports = [os.path.realpath(entry) for entry in sys.path if isinstance(entry, str)]
+    if not any(entry == directory or entry.startswith(directory + os.sep) for entry in imports):
+        return [directory]
+    with suppress(OSError):
+        return [os.path.join(directory, name) for name in os.listdir(directory) if name.endswith((".nk", ".creds"))]
+    return []
 
 
 def _kill_with_worker() -> None:

@@ -7,7 +7,8 @@ new user, network, pid and mount namespaces:
 - pid: a fresh `/proc` that shows only the sandbox's own processes, so no `/proc/<worker>/cmdline`
   or `environ`;
 - mount: a private tmpfs on /tmp and /dev/shm (its working directory), an empty one over the
-  directory of the worker's identity file (bus.identity), every other mount re-mounted read-only;
+  directory of the worker's identity file (bus.identity; /dev/null over each seed there if
+  the directory holds code to import), every other mount re-mounted read-only;
 - user: root inside, mapped to the worker's own uid outside, which is what lets an
   unprivileged worker make the others; RLIMIT_NPROC then counts the sandbox's processes
   only (Linux >= 5.14 counts per user namespace), so a fork bomb stops at `Limits.processes`
@@ -136,8 +137,11 @@ def enter(tmp_bytes: int, processes: int, hide: list[str]) -> None:
         os.makedirs(path, exist_ok=True)
         mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
         os.close(fd)
-    for path in hide:  # the worker's identity: an empty read-only tmpfs over its directory
-        mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=755")
+    for path in hide:  # the worker's identity: an empty tmpfs over its directory, /dev/null over a file
+        if os.path.isdir(path):
+            mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=755")
+        else:
+            mount("/dev/null", path, None, MS_BIND)
     for target, flags in _mounts():
         if target in PRIVATE_DIRS or flags & MS_RDONLY:
             continue

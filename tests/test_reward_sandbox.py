@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +90,23 @@ def test_reward_code_cannot_read_the_workers_identity_file(monkeypatch: pytest.M
     finally:
         seed.unlink(missing_ok=True)
         directory.rmdir()
+
+
+@needs_namespaces
+def test_a_seed_beside_the_code_is_hidden_and_the_code_still_imports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An identity in a directory on the import path: its seeds read empty, its modules import."""
+    directory = ROOT / f".identity-{secrets.token_hex(4)}"
+    seed, module = directory / "reward.nk", f"beside_{secrets.token_hex(4)}"
+    try:
+        directory.mkdir(mode=0o700)
+        write_private(seed, new_seed())
+        (directory / f"{module}.py").write_text("from tests.reward_fns import read_identity\n")
+        monkeypatch.setenv(IDENTITY_ENV, str(seed))
+        monkeypatch.syspath_prepend(str(directory))
+        score, _, _ = score_then_recover(f"{module}:read_identity", {"path": str(seed)})
+        assert score == Score(0.0)
+    finally:
+        shutil.rmtree(directory)
 
 
 @needs_namespaces
