@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import json
 import logging
 import os
 import shutil
@@ -59,17 +60,25 @@ class IsolationUnavailable(RuntimeError):
     """`reward.isolation: required` on a machine where the namespaces cannot be made; one line."""
 
 
-async def _unshare_works(unshare: str) -> str:
-    """'' if `unshare` with our flags runs `true`, else why not (one line)."""
+PROBE = (
+    "import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
+    "from consumers.reward_sandbox import enter; enter(1 << 20, 64, [])"
+)
+"""A sandbox made as a reward process makes it: namespaces, mounts and limits, or an error."""
+
+
+async def _unshare_works() -> str:
+    """'' if a sandbox can be made here (`PROBE` in `command`), else why not (one line)."""
+    paths = json.dumps([os.path.abspath(entry) for entry in sys.path if isinstance(entry, str)])
     try:
         proc = await asyncio.create_subprocess_exec(
-            unshare, *UNSHARE_FLAGS, "true", stdin=asyncio.subprocess.DEVNULL,
+            *command([sys.executable, "-c", PROBE, paths]), stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
         )
         _, err = await asyncio.wait_for(proc.communicate(), 10)
     except (OSError, TimeoutError) as exc:
-        return f"{unshare} failed: {exc}"
-    return "" if proc.returncode == 0 else " ".join(err.decode(errors="replace").split())[:200]
+        return f"unshare failed: {exc}"
+    return "" if proc.returncode == 0 else " ".join(err.decode(errors="replace").split()[-30:])[:300]
 
 
 async def choose(isolation: Isolation) -> bool:
@@ -83,7 +92,7 @@ async def choose(isolation: Isolation) -> bool:
         log.info("reward isolation: off (reward processes share the worker's network, /proc and files)")
         return False
     unshare = shutil.which("unshare") if sys.platform == "linux" else None
-    why = "no unshare on PATH (util-linux)" if unshare is None else await _unshare_works(unshare)
+    why = "no unshare on PATH (util-linux)" if unshare is None else await _unshare_works()
     if not why:
         log.info("reward isolation: %s", DESCRIPTION)
         return True
