@@ -1,6 +1,6 @@
 """The reward sandbox: reward code that tries to escape fails, its sample says why, the pool goes on.
 
-These need the namespaces (`unshare` working, as on CI's Linux runners and this machine); where
+These need the namespaces (`unshare` able to make user, network, pid and mount namespaces); where
 they cannot be made they are skipped, and `test_required_refuses_without_namespaces` still runs.
 """
 
