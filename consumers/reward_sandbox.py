@@ -147,6 +147,8 @@ def enter(tmp_bytes: int, processes: int, hide: list[str]) -> None:
         mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
         os.close(fd)
     for path in hide:  # the worker's identity: an empty tmpfs over its directory, /dev/null over a file
+        if not os.path.lexists(path):  # under a private dir: gone already
+            continue
         if os.path.isdir(path):
             mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=755")
         else:

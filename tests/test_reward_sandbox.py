@@ -93,6 +93,18 @@ def test_reward_code_cannot_read_the_workers_identity_file(monkeypatch: pytest.M
 
 
 @needs_namespaces
+def test_an_identity_under_tmp_is_out_of_sight_already(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The local job's identities may sit under /tmp, which the sandbox replaces: nothing to hide, no failure."""
+    seed = tmp_path / "identities" / "reward.nk"
+    seed.parent.mkdir(mode=0o700)
+    write_private(seed, new_seed())
+    monkeypatch.setenv(IDENTITY_ENV, str(seed))
+    score, _, after = score_then_recover(f"{FNS}:read_identity", {"path": str(seed)})
+    assert score == Score.failure(f"raised FileNotFoundError: [Errno 2] No such file or directory: '{seed}'")
+    assert after == Score(1.0)
+
+
+@needs_namespaces
 def test_a_seed_beside_the_code_is_hidden_and_the_code_still_imports(monkeypatch: pytest.MonkeyPatch) -> None:
     """An identity in a directory on the import path: its seeds read empty, its modules import."""
     directory = ROOT / f".identity-{secrets.token_hex(4)}"
