@@ -192,6 +192,10 @@ class RewardConfig(Section):
     """Seconds one reward call may take before the sample is failed."""
     processes: int = Field(2, ge=1)
     """Reward worker pool size."""
+    isolation: Literal["auto", "required", "off"] = "auto"
+    """Namespaces around reward processes (no network, no other process's /proc, a private /tmp,
+    the rest read-only; consumers/reward_sandbox.py): `auto` uses them where `unshare` works and
+    warns once where not, `required` refuses to start without them, `off` never tries."""
 
 
 MIB = 1 << 20
