@@ -32,6 +32,7 @@ from bus.topology import WEIGHTS, Topology
 from consumers.weights import transport_for
 from consumers.weights.chain import VersionPublisher
 from consumers.weights.collective import CollectiveTransport
+from consumers.weights.transport import fetch_full
 from engines.collective_plan import ALIGN
 from engines.tiny import build_tiny_model
 from producers.tasks import VOCAB
@@ -176,15 +177,20 @@ def test_two_fsdp_ranks_broadcast_their_own_shards_to_two_workers(
         workers = [transport_for(config, nc.jetstream(), topology.object_bucket, topology.run, member_id=m)
                    for m in (*fsdp_collective_proc.MEMBERS, "worker-late")]
         try:
-            got = await asyncio.gather(*(w.fetch(event) for w in workers[:2]))
-            return [*got, await workers[2].fetch(event)]  # not listed: Missed, then the sharded copy
+            # As a rollout worker fetches a full version (`Follower.fetch`): `fetch_full`.
+            got = await asyncio.gather(*(fetch_full(w, event) for w in workers[:2]))
+            return [*got, await fetch_full(workers[2], event)]  # not listed: Missed, then the sharded copy
         finally:
             for w in workers:
                 await w.close()  # type: ignore[attr-defined]
             await nc.close()
 
-    got = asyncio.run(receive())
-    ranks.join(timeout=120)
+    try:
+        got = asyncio.run(receive())
+        ranks.join(timeout=120)
+    finally:
+        for p in ranks.processes:  # a failed test leaves no rank behind
+            p.kill()
     seen = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     full = seen[0]["full"]
     for r, tensors in enumerate(got):
