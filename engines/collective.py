@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from engines.collective_plan import ALIGN, Slot, Spec, layout, pieces, sent_by, specs_of
+
 _POLL_S = (0.0001, 0.005)  # polling a key or a broadcast: first and longest sleep (it doubles)
 _ABANDON_CHECK_S = 0.2  # a receiver asks the store whether the attempt was abandoned this often per bucket
 _GRACE_S = 2.0  # our own deadline = the op timeout + this, in case the backend's never fires
