@@ -129,6 +129,9 @@ class CollectiveTransport:
         published = await sending
         if published.reason:
             log.warning("weights v%d: broadcast to %s: %s", published.version, published.members, published.reason)
+        else:
+            log.info("weights v%d: sent %d bytes (this rank's tensors) of %d to %d workers in %.2fs", published.version,
+                     published.sent, published.nbytes, len(published.members), published.seconds)
         return published
 
     async def close(self) -> None:
