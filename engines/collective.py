@@ -26,7 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engines.collective_plan import ALIGN, Slot, Spec, layout, pieces, sent_by, specs_of
+from engines.collective_plan import ALIGN, Into, Spec, layout, misfit, pieces, sent_by, specs_of
 
 _POLL_S = (0.0001, 0.005)  # polling a key or a broadcast: first and longest sleep (it doubles)
 _ABANDON_CHECK_S = 0.2  # a receiver asks the store whether the attempt was abandoned this often per bucket
@@ -292,9 +292,6 @@ class CollectiveSource:
         del self._store
 
 
-Into = torch.nn.Module | Mapping[str, torch.Tensor] | None  # a model (its state_dict) or a dict of tensors
-
-
 class CollectiveReceiver:
     """A rollout worker's side; `member_id` is the id `alive()` names it by on the source."""
 
@@ -353,10 +350,10 @@ class CollectiveReceiver:
             plan = json.loads(raw)
             if self.member_id not in plan["candidates"]:
                 return Missed(version, "not a member of this version's group (alive() did not list it)")
-            misfit = _misfit(plan["slots"], into)
-            store.set(f"{key}/ready/{self.member_id}", "no" if misfit else "yes")
-            if misfit:
-                return Missed(version, misfit)
+            why = misfit(plan["slots"], into)
+            store.set(f"{key}/ready/{self.member_id}", "no" if why else "yes")
+            if why:
+                return Missed(version, why)
             start = json.loads(_poll(store, f"{key}/start", s.join_timeout_s + s.op_timeout_s) or '{"members": []}')
             if self.member_id not in start["members"]:
                 return Missed(version, "checked in too late: the version went out without this worker")
@@ -401,12 +398,3 @@ class CollectiveReceiver:
     def close(self) -> None:
         _drop(self._group)
         self._group, self._store, self._address = None, None, None
-
-
-def _misfit(slots: list[Slot], into: Into) -> str:
-    """Why the version cannot load into `into` (names or shapes differ), or ""."""
-    dest = into.state_dict() if isinstance(into, torch.nn.Module) else into
-    shapes = {name: list(shape) for name, _, shape, _, _ in slots}
-    if dest is not None and (set(shapes) != set(dest) or any(list(dest[n].shape) != shapes[n] for n in shapes)):
-        return f"the version does not match the model: names or shapes differ ({len(set(shapes) ^ set(dest))} names)"
-    return ""

@@ -24,6 +24,7 @@ ALIGN = 64  # byte alignment of every tensor in the stream, so uint8 slices view
 Slot = tuple[str, str, list[int], int, int]  # per tensor: name, dtype, shape, byte offset in the stream, bytes
 Spec = tuple[str, str, Sequence[int]]  # per tensor: name, dtype (torch's name, "float32"), shape
 Bucket = tuple[int, int, int]  # src (the sending rank), stream bytes [lo, hi)
+Into = torch.nn.Module | Mapping[str, torch.Tensor] | None  # a model (its state_dict) or a dict of tensors
 
 
 def specs_of(tensors: Mapping[str, torch.Tensor]) -> list[Spec]:
@@ -65,3 +66,12 @@ def sent_by(buckets: Sequence[Bucket]) -> dict[int, int]:
     for src, lo, hi in buckets:
         out[src] = out.get(src, 0) + hi - lo
     return out
+
+
+def misfit(slots: Sequence[Slot], into: Into) -> str:
+    """Why the version cannot load into `into` (names or shapes differ), or ""."""
+    dest = into.state_dict() if isinstance(into, torch.nn.Module) else into
+    shapes = {name: list(shape) for name, _, shape, _, _ in slots}
+    if dest is not None and (set(shapes) != set(dest) or any(list(dest[n].shape) != shapes[n] for n in shapes)):
+        return f"the version does not match the model: names or shapes differ ({len(set(shapes) ^ set(dest))} names)"
+    return ""
