@@ -7,7 +7,8 @@ receivers get the whole version bit for bit, and each counts the bytes that came
 - every rank sent exactly its own tensors' bytes (with the stream's 64-byte alignment), and no
   rank sent the whole version;
 - a receiver SIGKILLed mid-broadcast, in rank 1's buckets, costs one attempt on both senders;
-  the group is rebuilt without it and the other receiver still gets the version.
+  the group is rebuilt without it and the other receiver still gets the version;
+- a receiver that stops reading there is dropped by both senders after the op timeout.
 """
 
 from __future__ import annotations
@@ -80,3 +81,23 @@ def test_a_receiver_killed_in_rank_1s_buckets_leaves_the_other_with_the_version(
         assert p["members"] == ["a"] and p["attempts"] == 2, p  # the first attempt broke; rebuilt without b
     assert got["by_src"] == {"0": published[0]["sent"], "1": published[1]["sent"]}, (got, published)
     assert torch.tensor([p["sent"] for p in published]).gt(0).all()
+
+
+def test_a_receiver_that_stops_reading_is_dropped_by_both_senders(spawn) -> None:
+    """No socket closes: only the op timeout ends rank 1's bucket, and rank 0, waiting for that
+    bucket from rank 1, times out too; both rebuild the group without the staller."""
+    stall_s = 15.0
+    src, peer, at, (a, b) = start_ranks(spawn, "a", "b")
+    stall_at = -(-own_bytes(1, VERSION_MB)[0] // SETTINGS["bucket_bytes"])  # rank 1's first bucket
+    a.send(cmd="receive", version=1, **at)
+    b.send(cmd="receive", version=1, stall_at=stall_at, stall_s=stall_s, **at)
+    src.send(cmd="publish", version=1, mb=VERSION_MB, alive=["a", "b"])
+    peer.send(cmd="publish", version=1, mb=VERSION_MB, **at)
+    b.expect("stalled", within=DEADLINE_S)
+
+    published = [src.expect("published", within=DEADLINE_S), peer.expect("published", within=DEADLINE_S)]
+    got = a.expect("received", "missed", within=DEADLINE_S)
+    for p in published:
+        assert p["members"] == ["a"] and p["seconds"] < stall_s, p
+    assert got["event"] == "received" and got["digest"] == published[0]["digest"], got
+    assert b.expect("received", "missed", within=stall_s + DEADLINE_S)["event"] == "missed"
