@@ -18,7 +18,8 @@ With `trainer.engine: fsdp` each of the `dp_size` ranks is one such process, `--
 meet first (`consumers.trainer_dist`), then train, publish and checkpoint together, each on
 its own `batches.<rank>`. Publishing through the object store or files, each rank stores its
 own shard of a version (its tensors gathered to it alone) and rank 0 announces the version;
-a collective version is gathered to rank 0, which stores and broadcasts it.
+collective: the same shards are stored as the fallback copy, then every rank broadcasts its
+own tensors to the rollout workers (rank 0 coordinating).
 """
 
 from __future__ import annotations
@@ -158,11 +159,8 @@ class Trainer:
         """Stream sequence of the last batch the model holds (trained on, or refused in a trained step)."""
         self.history = UpdateHistory()
         self.batches: JetStreamContext.PushSubscription | None = None
-        self.sharded = (
-            isinstance(self.engine, FSDPTrainEngine) and self.group.world_size > 1
-            and self.cfg.weights.transport != "collective"
-        )
-        """Every rank stores its own shard of each version (object store, files); else rank 0 alone."""
+        self.sharded = isinstance(self.engine, FSDPTrainEngine) and self.group.world_size > 1
+        """Every rank stores (and, collective, broadcasts) its own shard of each version; else rank 0 alone."""
         world = self.group.world_size if self.sharded else 1
         self.weights = VersionPublisher(
             transport_for(
@@ -275,7 +273,7 @@ class Trainer:
             event = await self.weights.publish(version, tensors)
             if self.rank == 0:
                 await rt.publisher.publish(WEIGHTS, event)
-                await self.weights.announced(version, tensors)  # collective: the broadcast, in a thread
+            await self.weights.announced(version, tensors)  # collective: every rank's broadcast, in a thread
 
     async def record(self, metrics: dict[str, Any]) -> None:
         """The step's metrics to KV (the producer and the audit read them) and the loggers.

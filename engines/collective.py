@@ -2,11 +2,13 @@
 
 The source (trainer rank 0) hosts a TCPStore, the control plane of every broadcast; its `address`
 is what the weights event announces. Per version and attempt the source writes a plan (the
-candidates `alive()` names, the tensor slots), waits at most join_timeout_s for each candidate's
+candidates `alive()` names, the tensor slots, which trainer rank sends which bucket:
+`engines.collective_plan`), waits at most join_timeout_s for each candidate's
 yes/no, writes the start (epoch, members), broadcasts bucket by bucket, and writes the outcome
 (delivered | retry | gave_up). A new epoch (process group) opens whenever the members differ or
 an attempt failed: every broadcast has a timeout and a deadline of our own, so a dead or stalled
-member costs one attempt, never a hang. A worker left out gets `Missed` and catches up from the
+member costs one attempt, never a hang. With several trainer ranks, ranks 1.. join each group
+too (`engines.collective_peer`) and broadcast the buckets of their own tensors (src = their rank). A worker left out gets `Missed` and catches up from the
 object store or filesystem. Loads are all or nothing (`into` is written once every bucket
 arrived). Groups are bare backend objects, not the default group, so the trainer's and a rollout
 engine's own groups stay untouched. The protocol, in full: docs/weights.md, "Collective transport".
@@ -18,13 +20,14 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-_ALIGN = 64  # byte alignment of every tensor in the stream, so uint8 slices view as any dtype
+from engines.collective_plan import ALIGN, Into, Spec, layout, misfit, pieces, sent_by, specs_of
+
 _POLL_S = (0.0001, 0.005)  # polling a key or a broadcast: first and longest sleep (it doubles)
 _ABANDON_CHECK_S = 0.2  # a receiver asks the store whether the attempt was abandoned this often per bucket
 _GRACE_S = 2.0  # our own deadline = the op timeout + this, in case the backend's never fires
@@ -51,7 +54,7 @@ class CollectiveSettings:
     def __post_init__(self) -> None:
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"collective backend must be gloo or nccl, not {self.backend!r}")
-        if self.bucket_bytes < _ALIGN or self.op_timeout_s <= 0 or self.join_timeout_s <= 0 or self.max_attempts < 1:
+        if self.bucket_bytes < ALIGN or self.op_timeout_s <= 0 or self.join_timeout_s <= 0 or self.max_attempts < 1:
             raise ValueError("collective settings: bucket_bytes >= 64, timeouts > 0, max_attempts >= 1")
 
 
@@ -66,6 +69,8 @@ class Published:
     seconds: float
     nbytes: int
     reason: str = ""
+    sent: int = 0
+    """Stream bytes this rank broadcast as src (its own tensors), per attempt that got through."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,8 @@ class Received:
     tensors: dict[str, torch.Tensor]
     seconds: float
     nbytes: int
+    by_src: dict[int, int] = field(default_factory=dict)
+    """Stream bytes received from each sending trainer rank."""
 
 
 @dataclass(frozen=True)
@@ -85,25 +92,6 @@ class Missed:
 
     version: int
     reason: str
-
-
-_Slot = tuple[str, str, list[int], int, int]  # per tensor: name, dtype, shape, byte offset in the stream, bytes
-
-
-def _layout(tensors: Mapping[str, torch.Tensor]) -> tuple[list[_Slot], int]:
-    slots: list[_Slot] = []
-    offset = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        slots.append((name, str(t.dtype).removeprefix("torch."), list(t.shape), offset, nbytes))
-        offset += -(-nbytes // _ALIGN) * _ALIGN
-    return slots, offset
-
-
-def _pieces(slots: list[_Slot], lo: int, hi: int) -> list[tuple[int, int, int, int]]:
-    """(slot index, offset in the tensor's bytes, offset in the bucket, length) for stream bytes [lo, hi)."""
-    spans = ((i, off, max(off, lo), min(off + n, hi)) for i, (_, _, _, off, n) in enumerate(slots))
-    return [(i, a - off, a - lo, b - a) for i, off, a, b in spans if a < b]
 
 
 def _open_group(store: dist.Store, rank: int, size: int, s: CollectiveSettings) -> dist.Backend:
@@ -158,8 +146,8 @@ class _Group:
     backend: dist.Backend
     pending: dist.Work | None = None
 
-    def broadcast(self, buf: torch.Tensor, timeout_s: float) -> dist.Work:
-        self.pending = self.backend.broadcast(buf, 0, timedelta(seconds=timeout_s))
+    def broadcast(self, buf: torch.Tensor, src: int, timeout_s: float) -> dist.Work:
+        self.pending = self.backend.broadcast(buf, src, timedelta(seconds=timeout_s))
         return self.pending
 
     def settled(self) -> bool:
@@ -182,12 +170,45 @@ def _poll(store: dist.Store, key: str, timeout_s: float, gone: Callable[[], bool
     return store.get(key).decode() if store.check([key]) else None
 
 
+def send_buckets(
+    group: _Group, rank: int, plan: dict, tensors: Mapping[str, torch.Tensor], bufs: list[torch.Tensor],
+    s: CollectiveSettings,
+) -> tuple[int, list[torch.Tensor]]:  # fmt: skip
+    """A sender's part of one attempt: every bucket of `plan`, in order. Its own (src == `rank`)
+    packed from `tensors` (bucket k+1 packed while k is on the wire: two buffers); the other
+    senders' buckets received into the same buffers and dropped (a broadcast takes every member
+    of the group). Returns (bytes this rank sent, the buffers, kept for the next version)."""
+    slots, buckets = plan["slots"], [tuple(b) for b in plan["buckets"]]
+    size = max((hi - lo for _, lo, hi in buckets), default=0)
+    if bufs[0].numel() < size:  # kept across versions: fresh pages cost as much as the copy
+        bufs = [torch.empty(size, dtype=torch.uint8, device=s.device) for _ in range(2)]
+    flat = {name: t.detach().contiguous().reshape(-1).view(torch.uint8) for name, t in tensors.items()}
+    sent, work = 0, None
+    for k, (src, lo, hi) in enumerate(buckets):
+        buf = bufs[k % 2][: hi - lo]
+        if src == rank:
+            for i, at, dst, n in pieces(slots, lo, hi):
+                buf[dst : dst + n].copy_(flat[slots[i][0]][at : at + n])
+            sent += hi - lo
+        if work is not None:
+            _wait(work, s.op_timeout_s)
+        work = group.broadcast(buf, src, s.op_timeout_s)
+    if work is not None:
+        _wait(work, s.op_timeout_s)
+    return sent, bufs
+
+
 class CollectiveSource:
-    """Trainer rank 0: broadcasts versions to the members `alive()` names (rollout worker ids)."""
+    """Trainer rank 0: broadcasts versions to the members `alive()` names (rollout worker ids),
+    and coordinates every attempt (plan, check-ins, start, outcome). With `senders` > 1 the
+    trainer ranks 1.. take part as `CollectivePeer`s (group ranks 1..senders-1), each sending
+    the buckets of the tensors it owns; the rollout workers follow as ranks senders, ..."""
 
     def __init__(self, alive: Callable[[], Sequence[str]], settings: CollectiveSettings, host: str = "127.0.0.1",
-                 port: int = 0) -> None:  # fmt: skip
-        self._alive, self._s = alive, settings
+                 port: int = 0, senders: int = 1) -> None:  # fmt: skip
+        if senders < 1:
+            raise ValueError(f"senders must be >= 1, got {senders}")
+        self._alive, self._s, self.senders = alive, settings, senders
         t = timedelta(seconds=settings.join_timeout_s)
         self._store = dist.TCPStore(host, port, None, True, t, wait_for_workers=False)
         self.address = (host, self._store.port)
@@ -201,16 +222,22 @@ class CollectiveSource:
         self._keys.setdefault(version, []).append(key)
         self._store.set(key, value)
 
-    def publish(self, version: int, tensors: Mapping[str, torch.Tensor]) -> Published:
-        """Broadcast `tensors` as `version`; returns once delivered or given up (never hangs)."""
+    def publish(
+        self, version: int, tensors: Mapping[str, torch.Tensor], owned: Sequence[Sequence[Spec]] | None = None
+    ) -> Published:
+        """Broadcast `version`; returns once delivered or given up (never hangs). `tensors`: this
+        rank's own; `owned[r]`: the specs of the tensors sender r owns (default: `tensors`, alone)."""
         started = time.monotonic()
-        slots, total = _layout(tensors)
+        owned = owned if owned is not None else [specs_of(tensors)]
+        if len(owned) != self.senders:
+            raise ValueError(f"v{version}: {len(owned)} senders' tensors, the source has {self.senders} senders")
+        slots, total, buckets = layout(owned, self._s.bucket_bytes)
         self._store.set("latest", str(version))
         reason, attempt = "no attempt", 0
         for attempt in range(self._s.max_attempts):
             key = f"v{version}/a{attempt}"
             candidates = sorted(set(self._alive()))
-            plan = {"candidates": candidates, "slots": slots, "total": total, "bucket_bytes": self._s.bucket_bytes}
+            plan = {"candidates": candidates, "slots": slots, "total": total, "buckets": buckets, "senders": self.senders}
             self._set(version, f"{key}/plan", json.dumps(plan))
             self._keys[version] += [f"{key}/ready/{m}" for m in candidates]  # written by the receivers
             members = self._check_ins(key, candidates)
@@ -225,8 +252,9 @@ class CollectiveSource:
             try:
                 if self._group is None:
                     prefix = dist.PrefixStore(f"epoch{self._epoch}/", self._store)
-                    self._group = _Group(self._epoch, members, _open_group(prefix, 0, 1 + len(members), self._s))
-                self._send(self._group, tensors, slots, total)
+                    size = self.senders + len(members)
+                    self._group = _Group(self._epoch, members, _open_group(prefix, 0, size, self._s))
+                sent, self._bufs = send_buckets(self._group, 0, plan, tensors, self._bufs, self._s)
             except (RuntimeError, TimeoutError) as exc:  # a member died or stalled: rebuild without it
                 _drop(self._group)
                 self._group = None
@@ -235,7 +263,7 @@ class CollectiveSource:
                 continue
             self._set(version, f"{key}/outcome", "delivered")
             self._forget(version)
-            return Published(version, self._epoch, members, attempt + 1, time.monotonic() - started, total)
+            return Published(version, self._epoch, members, attempt + 1, time.monotonic() - started, total, sent=sent)
         self._forget(version)
         return Published(version, self._epoch, (), attempt + 1, time.monotonic() - started, total, reason)
 
@@ -252,24 +280,6 @@ class CollectiveSource:
         _until(all_in, self._s.join_timeout_s)
         return tuple(m for m in candidates if answers.get(m) == "yes")
 
-    def _send(self, group: _Group, tensors: Mapping[str, torch.Tensor], slots: list[_Slot], total: int) -> None:
-        """Pack bucket k+1 while bucket k is on the wire (two bucket buffers)."""
-        size = min(self._s.bucket_bytes, total)
-        if self._bufs[0].numel() < size:  # kept across versions: fresh pages cost as much as the copy
-            self._bufs = [torch.empty(size, dtype=torch.uint8, device=self._s.device) for _ in range(2)]
-        flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()]
-        work: dist.Work | None = None
-        for k, lo in enumerate(range(0, total, self._s.bucket_bytes)):
-            hi = min(lo + self._s.bucket_bytes, total)
-            buf = self._bufs[k % 2][: hi - lo]
-            for i, src, dst, n in _pieces(slots, lo, hi):
-                buf[dst : dst + n].copy_(flat[i][src : src + n])
-            if work is not None:
-                _wait(work, self._s.op_timeout_s)
-            work = group.broadcast(buf, self._s.op_timeout_s)
-        if work is not None:
-            _wait(work, self._s.op_timeout_s)
-
     def _forget(self, version: int) -> None:
         for old in [v for v in self._keys if v <= version - _KEEP_VERSIONS]:
             for key in self._keys.pop(old):
@@ -280,9 +290,6 @@ class CollectiveSource:
         _drop(self._group)
         self._group = None
         del self._store
-
-
-Into = torch.nn.Module | Mapping[str, torch.Tensor] | None  # a model (its state_dict) or a dict of tensors
 
 
 class CollectiveReceiver:
@@ -316,7 +323,8 @@ class CollectiveReceiver:
             return Missed(version, f"source unreachable: {str(exc).splitlines()[0][:200]}")
         if isinstance(got, Missed):
             return got
-        slots, staging = got
+        plan, staging = got
+        slots = plan["slots"]
         tensors = {name: staging[off : off + n].view(getattr(torch, dt)).view(shape) for name, dt, shape, off, n in slots}
         for name, digest in (checksums or {}).items():
             raw = tensors[name].reshape(-1).view(torch.uint8).cpu().numpy() if name in tensors else b""
@@ -327,11 +335,12 @@ class CollectiveReceiver:
             with torch.no_grad():
                 for name, t in tensors.items():
                     dest[name].copy_(t)
-        return Received(version, tensors, time.monotonic() - started, staging.numel())
+        by_src = sent_by([tuple(b) for b in plan["buckets"]])
+        return Received(version, tensors, time.monotonic() - started, staging.numel(), by_src)
 
     def _attempts(
         self, store: dist.TCPStore, version: int, into: Into, on_bucket: Callable[[int, int], None] | None
-    ) -> tuple[list[_Slot], torch.Tensor] | Missed:
+    ) -> tuple[dict, torch.Tensor] | Missed:
         s, superseded = self._s, lambda: int(store.get("latest")) > version
         for attempt in range(s.max_attempts):
             key = f"v{version}/a{attempt}"
@@ -341,17 +350,17 @@ class CollectiveReceiver:
             plan = json.loads(raw)
             if self.member_id not in plan["candidates"]:
                 return Missed(version, "not a member of this version's group (alive() did not list it)")
-            misfit = _misfit(plan["slots"], into)
-            store.set(f"{key}/ready/{self.member_id}", "no" if misfit else "yes")
-            if misfit:
-                return Missed(version, misfit)
+            why = misfit(plan["slots"], into)
+            store.set(f"{key}/ready/{self.member_id}", "no" if why else "yes")
+            if why:
+                return Missed(version, why)
             start = json.loads(_poll(store, f"{key}/start", s.join_timeout_s + s.op_timeout_s) or '{"members": []}')
             if self.member_id not in start["members"]:
                 return Missed(version, "checked in too late: the version went out without this worker")
             if store.check([f"{key}/outcome"]) and store.get(f"{key}/outcome") == b"delivered":
                 return Missed(version, "the version already went out")
             try:
-                return plan["slots"], self._join_and_receive(store, key, plan, start, into is None, on_bucket)
+                return plan, self._join_and_receive(store, key, plan, start, into is None, on_bucket)
             except (RuntimeError, TimeoutError) as exc:
                 _drop(self._group)
                 self._group = None
@@ -369,9 +378,10 @@ class CollectiveReceiver:
             _drop(self._group)
             self._group = None
             prefix = dist.PrefixStore(f"epoch{start['epoch']}/", store)
-            rank = 1 + members.index(self.member_id)
-            self._group = _Group(start["epoch"], members, _open_group(prefix, rank, 1 + len(members), s))
-        total, step = plan["total"], plan["bucket_bytes"]
+            senders = plan["senders"]  # the trainer ranks are group ranks 0..senders-1, the members follow
+            rank = senders + members.index(self.member_id)
+            self._group = _Group(start["epoch"], members, _open_group(prefix, rank, senders + len(members), s))
+        total, buckets = plan["total"], plan["buckets"]
         # A new buffer when the caller keeps the views (into=None), so earlier versions stay intact.
         if fresh or self._staging is None or self._staging.numel() != total:
             self._staging = torch.empty(total, dtype=torch.uint8, device=s.device)
@@ -379,21 +389,12 @@ class CollectiveReceiver:
         def abandoned() -> bool:
             return store.check([f"{key}/outcome"]) and store.get(f"{key}/outcome") != b"delivered"
 
-        for k, lo in enumerate(range(0, total, step)):
-            _wait(self._group.broadcast(self._staging[lo : min(lo + step, total)], s.op_timeout_s), s.op_timeout_s, abandoned)
+        for k, (src, lo, hi) in enumerate(buckets):  # each straight into its slice of the staging buffer
+            _wait(self._group.broadcast(self._staging[lo:hi], src, s.op_timeout_s), s.op_timeout_s, abandoned)
             if on_bucket is not None:
-                on_bucket(k, -(-total // step))
+                on_bucket(k, len(buckets))
         return self._staging
 
     def close(self) -> None:
         _drop(self._group)
         self._group, self._store, self._address = None, None, None
-
-
-def _misfit(slots: list[_Slot], into: Into) -> str:
-    """Why the version cannot load into `into` (names or shapes differ), or ""."""
-    dest = into.state_dict() if isinstance(into, torch.nn.Module) else into
-    shapes = {name: list(shape) for name, _, shape, _, _ in slots}
-    if dest is not None and (set(shapes) != set(dest) or any(list(dest[n].shape) != shapes[n] for n in shapes)):
-        return f"the version does not match the model: names or shapes differ ({len(set(shapes) ^ set(dest))} names)"
-    return ""

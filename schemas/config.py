@@ -202,7 +202,8 @@ MIB = 1 << 20
 
 
 class CollectiveConfig(Section):
-    """`weights.collective`: the broadcast from trainer rank 0 (`engines.collective.CollectiveSettings`)."""
+    """`weights.collective`: the broadcast from the trainer ranks, each its own tensors, rank 0
+    coordinating (`engines.collective.CollectiveSettings`)."""
 
     backend: Literal["gloo", "nccl"] = "gloo"
     """`gloo` (CPU; CI) or `nccl` (GPUs: one per rank, buckets on `device`)."""
@@ -220,8 +221,8 @@ class CollectiveConfig(Section):
     """Attempts per version (each failure rebuilds the group) before the trainer gives up on it;
     workers then catch up from the fallback copy."""
     host: str = "127.0.0.1"
-    """Address the trainer's rendezvous store listens on and announces (one every rollout
-    worker reaches: the trainer node's address on a cluster)."""
+    """Address trainer rank 0's rendezvous store listens on and announces (one every rollout
+    worker and trainer rank reaches: the trainer node's address on a cluster)."""
     port: int = Field(0, ge=0, le=65535)
     """Port of the rendezvous store; 0: any free port (announced in each weights event)."""
 
@@ -238,7 +239,7 @@ class WeightsConfig(Section):
     `weights` says where each version is): `object_store`, the run's JetStream object store,
     streamed in chunks (models up to about 1 GB); `filesystem`, a safetensors file per version
     under `dir`, on a node-local or shared filesystem, read with mmap (any size);
-    `collective`, a torch.distributed broadcast from trainer rank 0 (`collective`), every
+    `collective`, a torch.distributed broadcast from the trainer ranks (`collective`), every
     version also stored through `fallback` for workers that miss it."""
     fallback: Literal["object_store", "filesystem"] = "object_store"
     """collective: where every version is also stored, for a worker that joined late or missed

@@ -96,7 +96,8 @@ class WeightVersionEvent(Event):
     """The payloads, one per trainer rank that stored one (`location` and `total_bytes` name the
     first and the sum). Every delta has them; a full version has them when several trainer
     ranks stored it (each a safetensors file of its tensors), else none: its bytes are at
-    `location`."""
+    `location`. collective: the shards of the fallback copy (`fallback_location` names the first),
+    each rank's tensors, which that rank also broadcasts."""
     fallback_transport: Literal["object_store", "filesystem"] | None = None
     """collective: the transport the version is also stored with, for a worker that misses the
     broadcast (joined late, dropped from the group); `total_bytes` is that copy's size."""
@@ -128,8 +129,8 @@ class WeightVersionEvent(Event):
             self._check_delta(names)
             return self
         if self.shards:
-            if self.transport == "collective":
-                raise ValueError("a collective version has no shards")
+            if self.transport == "collective" and self.fallback_transport is None:
+                raise ValueError("a collective version's shards are those of its fallback copy, and it has none")
             self._check_shards(names)
         if self.full_version is not None and self.full_version != self.version:
             raise ValueError(f"a full version is its own chain's full version, not {self.full_version}")
@@ -149,10 +150,13 @@ class WeightVersionEvent(Event):
 
     def _check_shards(self, names: list[str]) -> None:
         """The shards carry every manifest tensor once; `location` and `total_bytes` say theirs."""
+        stored, where = self.transport, self.location
+        if self.transport == "collective" and self.fallback_transport and self.fallback_location:
+            stored, where = self.fallback_transport, self.fallback_location  # the shards are the copy's
         for shard in self.shards:
-            _check_location(self.transport, shard.location)
+            _check_location(stored, shard.location)
         carried = [name for shard in self.shards for name in shard.tensors]
         if len(carried) != len(set(carried)) or set(carried) != set(names):
             raise ValueError("the shards do not carry each manifest tensor exactly once")
-        if self.location != self.shards[0].location or self.total_bytes != sum(s.total_bytes for s in self.shards):
+        if where != self.shards[0].location or self.total_bytes != sum(s.total_bytes for s in self.shards):
             raise ValueError("a sharded version's location and total_bytes are its first shard's and the shards' sum")

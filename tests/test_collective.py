@@ -38,7 +38,7 @@ class Participant:
     """A collective_proc child; its stdout lines are read by a thread so every wait has a deadline."""
 
     def __init__(self, tmp: Path, settings: dict, *args: str) -> None:
-        self.name = args[1] if args[0] == "receiver" else "source"
+        self.name = "source" if args[0] == "source" else args[1] if args[0] == "receiver" else f"peer{args[1]}"
         self.log = tmp / f"{self.name}.stderr"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.collective_proc", *args, json.dumps(settings)],

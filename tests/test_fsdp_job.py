@@ -4,12 +4,15 @@ The producer's local fleet starts `trainer` (rank 0) and `trainer-rank1`; they m
 the run's KV, each reads its own `batches.<rank>`, and every step's samples are trained
 across the two: the run trains steps x prompts x n samples (the producer merges each step's
 two records), both ranks log the whole step's loss (the same on both), and one checkpoint
-for both ranks is committed at the end.
+for both ranks is committed at the end. With `weights.transport: collective` both ranks
+broadcast their own tensors of every version, and the rollout worker loads each by broadcast
+(v0 excepted: it goes out before the worker is alive, which then loads the stored copy).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,15 +25,18 @@ from schemas.config import load_config
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples" / "digits-dp2.yaml"
 STEPS = 6
+COLLECTIVE = {"transport": "collective", "collective": {"join_timeout_s": 10, "op_timeout_s": 10}}
 
 
 @pytest.mark.timeout(240)
-def test_the_dp2_example_trains_every_sample_once_across_two_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("weights", [None, COLLECTIVE], ids=["object_store", "collective"])
+def test_the_dp2_example_trains_every_sample_once_across_two_ranks(tmp_path: Path, weights: dict | None) -> None:
     cfg = load_config(CONFIG)
     assert (cfg.trainer.engine, cfg.trainer.dp_size) == ("fsdp", 2)
     # The example itself, but for a run id of its own (a rerun resumes nothing of another).
     config = tmp_path / "dp2.yaml"
-    config.write_text(yaml.safe_dump({**yaml.safe_load(CONFIG.read_text()), "run": f"dp2-{tmp_path.name[-12:]}"}))
+    example = {**yaml.safe_load(CONFIG.read_text()), "run": f"dp2-{tmp_path.name[-12:]}"}
+    config.write_text(yaml.safe_dump({**example, "weights": weights} if weights else example))
     out = tmp_path / "run"
     job = subprocess.run(
         [sys.executable, "-m", "producers.prompts", "--config", str(config), "--steps", str(STEPS), "--out", str(out)],
@@ -57,3 +63,15 @@ def test_the_dp2_example_trains_every_sample_once_across_two_ranks(tmp_path: Pat
     checkpoints = out / "checkpoints"
     assert (checkpoints / "fsdp.pt").exists()
     assert {p.name for p in (checkpoints / "fsdp.pt.d" / f"step-{STEPS}").iterdir()} >= {"rank0.pt", "rank1.pt", ".metadata"}
+
+    if weights:  # every version after v0 by broadcast, from both ranks, none from the stored copy
+        rollout = "".join(text for name, text in logs.items() if name.startswith("rollout"))
+        served = [int(line.rsplit("weights v", 1)[1]) for line in rollout.splitlines() if "now serving weights v" in line]
+        assert served and max(served) >= STEPS - 1, served
+        assert "missed by broadcast" not in rollout, [line for line in rollout.splitlines() if "missed" in line]
+        for name in ("trainer-0.log", "trainer-rank1-0.log"):
+            failed = [line for line in logs[name].splitlines() if ": broadcast to" in line and "weights v0:" not in line]
+            assert not failed, failed
+            # Each rank sent its own part of the last version, neither the whole of it.
+            sent = re.findall(rf"weights v{STEPS}: sent (\d+) bytes \(this rank's tensors\) of (\d+)", logs[name])
+            assert len(sent) == 1 and 0 < int(sent[0][0]) < 0.75 * int(sent[0][1]), (name, sent)

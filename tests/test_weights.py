@@ -448,8 +448,13 @@ def test_a_sharded_full_version_carries_each_tensor_once_or_is_refused() -> None
     ]:
         with pytest.raises(ValidationError, match=why):
             WeightVersionEvent(**full, shards=shards)
-    with pytest.raises(ValidationError, match="collective version has no shards"):
+    with pytest.raises(ValidationError, match="shards are those of its fallback copy"):
         WeightVersionEvent(**{**full, "transport": "collective", "location": "h:1"}, shards=(rank0, rank1))
+    # A collective version's shards are its fallback copy's: checked against fallback_location.
+    collective = {**full, "transport": "collective", "location": "h:1", "fallback_transport": "object_store"}
+    assert WeightVersionEvent(**collective, fallback_location=rank0.location, shards=(rank0, rank1)).location == "h:1"
+    with pytest.raises(ValidationError, match="its first shard's"):
+        WeightVersionEvent(**collective, fallback_location=rank1.location, shards=(rank0, rank1))
 
 
 # --- a short run over files --------------------------------------------------------------

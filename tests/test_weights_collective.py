@@ -7,16 +7,24 @@
 - A real rollout worker loads a version through the transport the event names (collective),
   under the gate, by broadcast.
 
+- Two FSDP2 trainer ranks each broadcast only their own tensors (and store their own shard of
+  the fallback copy); two workers get the version bit for bit equal to `export_weights`, a
+  worker not listed gets it from the sharded copy.
+
 The engine-level failure cases (a receiver SIGKILLed mid-broadcast, a stalled one, rejoining)
-are in tests/test_collective.py.
+are in tests/test_collective.py, with two trainer ranks in tests/test_collective_ranks.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 from pathlib import Path
 
+import pytest
 import torch
+import torch.multiprocessing as mp
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
@@ -24,8 +32,16 @@ from bus.topology import WEIGHTS, Topology
 from consumers.weights import transport_for
 from consumers.weights.chain import VersionPublisher
 from consumers.weights.collective import CollectiveTransport
+from consumers.weights.transport import fetch_full
+from engines.collective_plan import ALIGN
+from engines.tiny import build_tiny_model
+from producers.tasks import VOCAB
 from schemas import encode
 from schemas.config import WeightsConfig
+from schemas.weight_event import WeightVersionEvent
+from tests import fsdp_collective_proc
+from tests.fsdp_proc import WORLD
+from tests.test_fsdp import free_port
 from tests.test_rollout_invariants import eventually, model_dir, rollout_worker
 from tests.test_weight_chain import serves
 
@@ -122,3 +138,68 @@ def test_a_rollout_worker_loads_a_broadcast_version(
                 await publisher.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(300)
+def test_two_fsdp_ranks_broadcast_their_own_shards_to_two_workers(
+    nats_server: EmbeddedNats, topology: Topology, tmp_path: Path
+) -> None:
+    """Two FSDP2 trainer ranks (gloo) each store their shard of v1 as the fallback copy and
+    broadcast only their own tensors; two listed workers get v1 by broadcast, bit for bit equal
+    to `export_weights`, and a worker not listed gets the same from the sharded fallback copy."""
+    model = build_tiny_model(tmp_path / "model", VOCAB, seed=0)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    out = tmp_path / "out"
+    out.mkdir()
+
+    async def apply() -> None:
+        nc = await connect(nats_server.url, "collective-topology")
+        await topology.apply(nc.jetstream())
+        await nc.close()
+
+    asyncio.run(apply())
+    ranks = mp.spawn(
+        fsdp_collective_proc.rank_main,
+        args=(free_port(), str(model), str(out), vocab, nats_server.url, topology.run, topology.object_bucket),
+        nprocs=WORLD, join=False,
+    )
+
+    async def receive() -> list[dict[str, torch.Tensor]]:
+        deadline = time.monotonic() + 180
+        while not (out / "event.json").exists():
+            assert time.monotonic() < deadline and all(p.is_alive() for p in ranks.processes), "no event from rank 0"
+            await asyncio.sleep(0.2)
+        event = WeightVersionEvent.model_validate_json((out / "event.json").read_text())
+        assert event.transport == "collective" and len(event.shards) == WORLD, event
+        assert event.fallback_location == event.shards[0].location
+        nc = await connect(nats_server.url, "collective-workers")
+        config = WeightsConfig.model_validate(fsdp_collective_proc.SETTINGS)
+        workers = [transport_for(config, nc.jetstream(), topology.object_bucket, topology.run, member_id=m)
+                   for m in (*fsdp_collective_proc.MEMBERS, "worker-late")]
+        try:
+            # As a rollout worker fetches a full version (`Follower.fetch`): `fetch_full`.
+            got = await asyncio.gather(*(fetch_full(w, event) for w in workers[:2]))
+            return [*got, await fetch_full(workers[2], event)]  # not listed: Missed, then the sharded copy
+        finally:
+            for w in workers:
+                await w.close()  # type: ignore[attr-defined]
+            await nc.close()
+
+    try:
+        got = asyncio.run(receive())
+        ranks.join(timeout=120)
+    finally:
+        for p in ranks.processes:  # a failed test leaves no rank behind
+            p.kill()
+    seen = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    full = seen[0]["full"]
+    for r, tensors in enumerate(got):
+        assert same_bits(tensors, full), f"worker {r}: v1 differs from export_weights"
+    total = sum(-(-t.nbytes // ALIGN) * ALIGN for t in full.values())
+    for r in range(WORLD):
+        published = seen[r]["published"]
+        assert published is not None and published.members == tuple(fsdp_collective_proc.MEMBERS), published
+        own = sum(-(-full[n].nbytes // ALIGN) * ALIGN for n in seen[r]["names"])
+        assert published.sent == own, f"rank {r} sent {published.sent} bytes, its own tensors are {own}"
+        assert 0 < published.sent < 0.75 * total, f"rank {r} sent {published.sent} of {total} bytes"
+    assert set(seen[0]["names"]).isdisjoint(seen[1]["names"])

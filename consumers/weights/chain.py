@@ -35,12 +35,12 @@ import torch
 
 from bus.election import ride_out
 from consumers.weights.collective import CollectiveTransport
-from consumers.weights.transport import Stored, WeightsMissing, WeightTransport, publish_version
+from consumers.weights.transport import Stored, WeightsMissing, WeightTransport, fetch_full, publish_version
 from engines.delta_plan import Chain, next_publication, plan_fetch
 from engines.weight_delta import apply_delta, encode_shard
 from engines.weights import WeightsRefused, manifest_of
 from schemas.config import WeightsConfig
-from schemas.weight_event import TensorSpec, WeightShard, WeightVersionEvent
+from schemas.weight_event import TensorSpec, TransportName, WeightShard, WeightVersionEvent
 
 Earlier = Callable[[set[int], int], Awaitable[dict[int, WeightVersionEvent]]]
 """(versions, full version) -> the events of those versions on the chain starting at that
@@ -52,6 +52,8 @@ class ShardNote(NamedTuple):
 
     shard: WeightShard
     manifest: tuple[TensorSpec, ...]
+    address: str = ""
+    """collective, rank 0: its broadcast's `host:port` (the other ranks join it there)."""
 
 
 Exchange = Callable[[ShardNote], Awaitable[list[ShardNote]]]
@@ -64,34 +66,19 @@ async def alone(note: ShardNote) -> list[ShardNote]:
     return [note]
 
 
-async def fetch_full(transport: WeightTransport, event: WeightVersionEvent) -> dict[str, torch.Tensor]:
-    """A full version's tensors: at `location`, or in each of its shards, every shard fetched as
-    a full version of its own tensors (streamed and checked against their manifest entries)."""
-    if not event.shards:
-        return await transport.fetch(event)
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in event.shards:
-        names = set(shard.tensors)
-        part = event.model_copy(update={
-            "location": shard.location, "total_bytes": shard.total_bytes, "shards": (),
-            "manifest": tuple(spec for spec in event.manifest if spec.name in names),
-        })
-        tensors.update(await transport.fetch(part))
-    return tensors
-
-
 class VersionPublisher:
     """Publishes the trainer's versions, full or delta as `weights.delta` and `full_every` say
     (collective: a full version stored through `weights.fallback`, then broadcast).
 
     `rank` of `world` stores its own shard of each version (the tensors it is given) and
     learns the other ranks' through `exchange`; every rank gets the same event, and one (rank
-    0) announces it. Collective versions are published by one rank alone (world 1)."""
+    0) announces it. Collective: the stored copy as above (its shards), then every rank
+    broadcasts its own tensors (`announced`), rank 0 coordinating."""
 
     def __init__(self, transport: WeightTransport, config: WeightsConfig, run: str, source: str,
                  rank: int = 0, world: int = 1, exchange: Exchange = alone) -> None:
-        if world > 1 and isinstance(transport, CollectiveTransport):
-            raise ValueError("collective versions are published by trainer rank 0 alone, not in shards")
+        if isinstance(transport, CollectiveTransport):
+            transport.senders = world
         self.transport, self.config, self.run, self.source = transport, config, run, source
         self.rank, self.world, self.exchange = rank, world, exchange
         self.chain: Chain | None = None
@@ -101,13 +88,19 @@ class VersionPublisher:
         self.pinned: list[str] = []
         """Locations of the chain's versions so far, every rank's: pruning spares them for
         workers catching up."""
+        self.owned: list[list[tuple[str, str, list[int]]]] | None = None
+        """collective, several ranks: the specs of each rank's tensors of the version published last."""
+        self.source_address = ""
+        """collective, several ranks: rank 0's broadcast address, from the exchange."""
 
     async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> WeightVersionEvent:
         """Store `version` (`tensors`: this rank's tensors of it, all of them with world 1; CPU
         copies in the published dtype, not changed after); the event that announces it."""
         if isinstance(self.transport, CollectiveTransport):  # the copy stored first, announced with the address
             store = self.transport.fallback(self.config.fallback)
-            return self.transport.event(await publish_version(store, self.run, self.source, version, tensors))
+            if self.world == 1:
+                return self.transport.event(await publish_version(store, self.run, self.source, version, tensors))
+            return self.transport.event(await self._full(version, None, tensors, store), self.source_address)
         if not self.config.delta:
             if self.world == 1:
                 return await publish_version(self.transport, self.run, self.source, version, tensors)
@@ -131,20 +124,24 @@ class VersionPublisher:
     async def announced(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """After `version`'s event is out: collective starts its broadcast (workers wait for it)."""
         if isinstance(self.transport, CollectiveTransport):
-            await self.transport.broadcast(version, tensors)
+            await self.transport.broadcast(version, tensors, self.owned, self.source_address)
 
     async def close(self) -> None:
         if isinstance(self.transport, CollectiveTransport):
             await self.transport.close()
 
-    async def _full(self, version: int, full_version: int | None, tensors: dict[str, torch.Tensor]) -> WeightVersionEvent:
+    async def _full(
+        self, version: int, full_version: int | None, tensors: dict[str, torch.Tensor],
+        store: WeightTransport | None = None,
+    ) -> WeightVersionEvent:  # fmt: skip
         """This rank's shard of a full version: a safetensors file of its tensors (the old chain's
-        versions are no longer pinned), hashed while it is stored."""
+        versions are no longer pinned), hashed while it is stored (`store`: collective's fallback)."""
+        store = store or self.transport
         manifest, stored = await asyncio.gather(
             asyncio.to_thread(manifest_of, tensors),
-            ride_out(lambda: self.transport.publish(version, tensors), f"storing weights v{version}"),
+            ride_out(lambda: store.publish(version, tensors), f"storing weights v{version}"),
         )
-        return await self._announce(version, None, full_version, stored, tuple(tensors), manifest)
+        return await self._announce(version, None, full_version, stored, tuple(tensors), manifest, store.name)
 
     async def _delta(
         self, version: int, base_version: int, full_version: int, tensors: dict[str, torch.Tensor]
@@ -161,17 +158,22 @@ class VersionPublisher:
 
     async def _announce(
         self, version: int, base_version: int | None, full_version: int | None, stored: Stored,
-        names: tuple[str, ...], manifest: tuple[TensorSpec, ...],
+        names: tuple[str, ...], manifest: tuple[TensorSpec, ...], transport: TransportName | None = None,
     ) -> WeightVersionEvent:
         """The event of `version` from every rank's stored shard (this rank's: `stored`)."""
         shard = WeightShard(location=stored.location, total_bytes=stored.total_bytes, tensors=names)
-        notes = await self.exchange(ShardNote(shard, manifest))
+        collective = isinstance(self.transport, CollectiveTransport)
+        address = self.transport.address if collective and self.rank == 0 else ""  # type: ignore[attr-defined]
+        notes = await self.exchange(ShardNote(shard, manifest, address))
         if len(notes) != self.world or notes[self.rank].shard != shard:
             raise RuntimeError(f"v{version}: the shard exchange gave {len(notes)} notes for {self.world} ranks")
+        if collective:
+            self.source_address = notes[0].address
+            self.owned = [[(spec.name, spec.dtype, list(spec.shape)) for spec in note.manifest] for note in notes]
         shards = tuple(note.shard for note in notes)
         return WeightVersionEvent(
             id=f"{self.run}/weights/{version}", run=self.run, source=self.source, version=version, step=version,
-            base_version=base_version, full_version=full_version, transport=self.transport.name,
+            base_version=base_version, full_version=full_version, transport=transport or self.transport.name,
             location=shards[0].location, manifest=tuple(spec for note in notes for spec in note.manifest),
             total_bytes=sum(s.total_bytes for s in shards), shards=shards,
         )

@@ -1,10 +1,14 @@
-"""Weight versions broadcast from trainer rank 0 over torch.distributed, with a stored fallback copy.
+"""Weight versions broadcast from the trainer ranks over torch.distributed, with a stored fallback copy.
 
     trainer  publish: the version stored through `weights.fallback` (object store or files, as
              without the broadcast) -> the event says `collective`, the rendezvous address
              (`host:port`) and where the copy is -> announced -> `broadcast`: the live rollout
              workers (membership) refreshed, `CollectiveSource.publish` in a thread (one
              broadcast at a time: the next version waits for the one before)
+    ranks    with several (FSDP) trainer ranks each stores its own shard of the fallback copy
+             (`VersionPublisher`, as without the broadcast) and sends the buckets of its own
+             tensors: rank 0's source coordinates (its address in the event; the other ranks
+             learn it in the shard exchange), ranks 1.. join as `CollectivePeer`s
     worker   fetch: `CollectiveReceiver.receive(into=None)` in a thread (generation goes on; the
              tensors are views of a staging buffer of its own) -> checked against the manifest
              -> the engine loads them under the gate. `Missed` (joined late, dropped from the
@@ -24,7 +28,7 @@ from typing import ClassVar
 
 import torch
 
-from consumers.weights.transport import Stored, WeightsUnavailable, WeightTransport
+from consumers.weights.transport import Stored, WeightsUnavailable, WeightTransport, fetch_full
 from engines.collective import (
     CollectiveReceiver,
     CollectiveSettings,
@@ -32,6 +36,8 @@ from engines.collective import (
     Missed,
     Published,
 )
+from engines.collective_peer import CollectivePeer
+from engines.collective_plan import Spec
 from engines.weights import verify
 from schemas.config import MIB, WeightsConfig
 from schemas.weight_event import TransportName, WeightShard, WeightVersionEvent
@@ -48,18 +54,22 @@ def settings_of(config: WeightsConfig) -> CollectiveSettings:
 
 
 class CollectiveTransport:
-    """The trainer's broadcast (`members`: the live rollout workers' ids) or a worker's receiver
-    (`member_id`: its own id, as `members` names it); `fallback` builds the stored copy's transport."""
+    """The trainer's broadcast (`members`: the live rollout workers' ids; `rank`: this trainer
+    rank) or a worker's receiver (`member_id`: its own id, as `members` names it); `fallback`
+    builds the stored copy's transport."""
 
     name: ClassVar[TransportName] = "collective"
 
     def __init__(
         self, config: WeightsConfig, fallback: Callable[[TransportName], WeightTransport],
-        members: Callable[[], Awaitable[list[str]]] | None = None, member_id: str = "",
+        members: Callable[[], Awaitable[list[str]]] | None = None, member_id: str = "", rank: int = 0,
     ) -> None:
         self.config, self.settings = config, settings_of(config)
         self.fallback = fallback
-        self.members, self.member_id = members, member_id
+        self.members, self.member_id, self.rank = members, member_id, rank
+        self.senders = 1
+        """Trainer ranks that send (each its own tensors); set by the publisher before the first version."""
+        self.peer: CollectivePeer | None = None
         self.alive: list[str] = []
         """The members the next broadcast goes to (refreshed before each; read by the source's thread)."""
         self.source: CollectiveSource | None = None
@@ -72,7 +82,8 @@ class CollectiveTransport:
     def address(self) -> str:
         if self.source is None:
             c = self.config.collective
-            self.source = CollectiveSource(lambda: self.alive, self.settings, c.host, c.port)
+            assert self.rank == 0, "trainer rank 0 hosts the broadcast; the other ranks join it"
+            self.source = CollectiveSource(lambda: self.alive, self.settings, c.host, c.port, self.senders)
         host, port = self.source.address
         return f"{host}:{port}"
 
@@ -83,22 +94,32 @@ class CollectiveTransport:
     async def publish_bytes(self, version: int, data: bytes, pinned: Collection[str] = ()) -> Stored:
         raise WeightsUnavailable("collective broadcasts full versions; delta payloads go through a store")
 
-    def event(self, stored: WeightVersionEvent) -> WeightVersionEvent:
-        """`stored` (the event of the fallback copy) as the collective version's event."""
+    def event(self, stored: WeightVersionEvent, address: str = "") -> WeightVersionEvent:
+        """`stored` (the event of the fallback copy, in shards with several ranks) as the
+        collective version's event; `address`: rank 0's source (default: this rank's own)."""
         return WeightVersionEvent.model_validate({
-            **stored.model_dump(), "transport": "collective", "location": self.address,
+            **stored.model_dump(), "transport": "collective", "location": address or self.address,
             "fallback_transport": stored.transport, "fallback_location": stored.location,
         })
 
-    async def broadcast(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+    async def broadcast(
+        self, version: int, tensors: dict[str, torch.Tensor], owned: list[list[Spec]] | None = None, address: str = ""
+    ) -> None:
         """Start broadcasting `version` (announced already: receivers wait for the plan) in a
-        thread, after the broadcast before it ended."""
+        thread, after the broadcast before it ended. `tensors`: this rank's own; rank 0:
+        `owned[r]`, the specs of rank r's tensors (default: `tensors` alone); ranks 1..: the
+        `address` of rank 0's source."""
         await self.settle()
+        if self.rank > 0:
+            host, _, port = address.rpartition(":")
+            self.peer = self.peer or CollectivePeer(self.rank, self.settings)
+            self.sending = asyncio.create_task(asyncio.to_thread(self.peer.publish, (host, int(port)), version, tensors))
+            return
         assert self.members is not None, "the trainer's transport lists the members"
         self.alive = await self.members()
         self.address  # noqa: B018 - the source exists before its thread runs
         assert self.source is not None
-        self.sending = asyncio.create_task(asyncio.to_thread(self.source.publish, version, tensors))
+        self.sending = asyncio.create_task(asyncio.to_thread(self.source.publish, version, tensors, owned))
 
     async def settle(self) -> Published | None:
         """Wait for the broadcast in flight (bounded: every attempt has its timeouts)."""
@@ -108,6 +129,9 @@ class CollectiveTransport:
         published = await sending
         if published.reason:
             log.warning("weights v%d: broadcast to %s: %s", published.version, published.members, published.reason)
+        else:
+            log.info("weights v%d: sent %d bytes (this rank's tensors) of %d to %d workers in %.2fs", published.version,
+                     published.sent, published.nbytes, len(published.members), published.seconds)
         return published
 
     async def close(self) -> None:
@@ -115,6 +139,9 @@ class CollectiveTransport:
         if self.source is not None:
             self.source.close()
             self.source = None
+        if self.peer is not None:
+            self.peer.close()
+            self.peer = None
         if self.receiver is not None:
             self.receiver.close()
             self.receiver = None
@@ -139,7 +166,7 @@ class CollectiveTransport:
             **event.model_dump(), "transport": event.fallback_transport, "location": event.fallback_location,
             "fallback_transport": None, "fallback_location": None,
         })
-        return await self.fallback(event.fallback_transport).fetch(stored)
+        return await fetch_full(self.fallback(event.fallback_transport), stored)
 
     async def fetch_bytes(self, shard: WeightShard) -> bytes:
         raise WeightsUnavailable("collective versions have no delta shards")

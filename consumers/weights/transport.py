@@ -92,7 +92,8 @@ def transport_for(
     A reader builds the one its event names: the config says what the trainer publishes with.
     collective: `members` (the trainer's: the live rollout workers' ids) or `member_id` (a
     worker's own id); its fallback copies go through the transport the event names.
-    `writer`: the trainer rank that publishes through it (filesystem: its temporary files' tag).
+    `writer`: the trainer rank that publishes through it (filesystem: its temporary files' tag;
+    collective: the rank that hosts the broadcast (0) or joins it).
     """
     name = name or config.transport
     if name == "collective":
@@ -102,10 +103,10 @@ def transport_for(
 
         def fallback(store: TransportName) -> WeightTransport:
             if store not in stores:
-                stores[store] = transport_for(config, js, bucket, run, store)
+                stores[store] = transport_for(config, js, bucket, run, store, writer=writer)
             return stores[store]
 
-        return CollectiveTransport(config, fallback, members, member_id)
+        return CollectiveTransport(config, fallback, members, member_id, writer)
     if name == "object_store":
         from consumers.weights.object_store import ObjectStoreTransport
 
@@ -140,3 +141,19 @@ async def publish_version(
         transport=transport.name, location=stored.location, manifest=manifest, total_bytes=stored.total_bytes,
         full_version=full_version,
     )
+
+
+async def fetch_full(transport: WeightTransport, event: WeightVersionEvent) -> dict[str, torch.Tensor]:
+    """A full version's tensors: at `location`, or in each of its shards, every shard fetched as
+    a full version of its own tensors (streamed and checked against their manifest entries)."""
+    if not event.shards or transport.name == "collective":  # a broadcast carries every shard's tensors
+        return await transport.fetch(event)
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in event.shards:
+        names = set(shard.tensors)
+        part = event.model_copy(update={
+            "location": shard.location, "total_bytes": shard.total_bytes, "shards": (),
+            "manifest": tuple(spec for spec in event.manifest if spec.name in names),
+        })
+        tensors.update(await transport.fetch(part))
+    return tensors
