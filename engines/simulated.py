@@ -95,10 +95,16 @@ class SimulatedRolloutEngine:
             length = int(draw_lengths(self.rng, 1, self.settings.median_tokens, self.settings.sigma, params.max_tokens)[0])
             drawn = self.sample(length, params.max_tokens)
         versions = torch.empty(length, dtype=torch.int32)  # [L]: who computed each token
+        # Each token ends `seconds_per_token` after the last one (plus any pause): a sleep that
+        # overshoots on a busy machine is taken back from the next token, as `generate` does
+        # for its makespan, so a sample costs its length times the token time.
+        due = time.perf_counter()
         for index in range(length):
+            asked = time.perf_counter()
             versions[index] = self.start_token()
+            due += self.settings.seconds_per_token + (time.perf_counter() - asked)  # paused time not charged
             try:
-                self.compute_token()
+                self.compute_token(due)
             finally:
                 self.end_token()
         return Sample(drawn.token_ids, drawn.logprobs, drawn.finish_reason, versions)
@@ -111,9 +117,9 @@ class SimulatedRolloutEngine:
             self.computing += 1
             return self.version
 
-    def compute_token(self) -> None:
-        """One token's decode: the simulated time in a slot."""
-        time.sleep(self.settings.seconds_per_token)
+    def compute_token(self, due: float) -> None:
+        """One token's decode: the simulated time in a slot, until `due` (perf_counter)."""
+        time.sleep(max(0.0, due - time.perf_counter()))
 
     def end_token(self) -> None:
         with self.state:

@@ -94,9 +94,9 @@ class RecordingSimulated(SimulatedRolloutEngine):
         self.spans: list[Span] = []
         self._record = threading.Lock()
 
-    def compute_token(self) -> None:
+    def compute_token(self, due: float) -> None:
         start, version = time.monotonic(), self.version
-        super().compute_token()
+        super().compute_token(due)
         self.add(Span("token", start, time.monotonic(), version, self.version))
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], version: int | None = None) -> None:

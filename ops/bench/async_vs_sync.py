@@ -190,21 +190,24 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="4 simulated and 60 real steps a run instead of 16 and 300 (about 4 minutes)")
     parser.add_argument("--out", type=Path, default=None, help="where async_vs_sync.json and .png go (default: cwd)")
+    parser.add_argument("--simulated-only", action="store_true",
+                        help="leave out the real-model part (real_ratio null): a scheduling study alone")
     args = parser.parse_args()
     steps, real_steps = (4, 60) if args.quick else (16, 300)
     out_dir = args.out or Path.cwd()
     with tempfile.TemporaryDirectory() as tmp:
         simulated = run_modes(bench_config, "simulated", steps, Path(tmp))
-        real = run_modes(real_config, "real", real_steps, Path(tmp))
+        real = {} if args.simulated_only else run_modes(real_config, "real", real_steps, Path(tmp))
     out_dir.mkdir(parents=True, exist_ok=True)
     plot(simulated, out_dir / "async_vs_sync.png")
-    plot(real, out_dir / "async_vs_sync_real.png")
+    if real:
+        plot(real, out_dir / "async_vs_sync_real.png")
     best = min((n for n in simulated if n != "sync"), key=lambda n: simulated[n]["wall_seconds"])
-    real_part = real_figures(real, real_steps)
+    real_part = real_figures(real, real_steps) if real else {"real_ratio": None}
     figures = {
         "bench": "async_vs_sync", "quick": args.quick, "steps": steps, "slots": SLOTS,
         "runs": summarize(simulated), "best_async": best,
-        "real": {"steps": real_steps, **real_part, "summary": summarize(real)},
+        "real": {"steps": real_steps, **real_part, "summary": summarize(real)} if real else None,
         "ratio": round(simulated["sync"]["wall_seconds"] / simulated[best]["wall_seconds"], 3),
         "real_ratio": real_part["real_ratio"],
     }
