@@ -63,6 +63,7 @@ from consumers.weights.chain import Follower
 from engines.device import resolve_device, torch_dtype
 from engines.external_rollout import EngineUnavailable
 from engines.hf_rollout import HFRolloutEngine
+from engines.protocols import Sample
 from engines.router import Router, RouterError, make_router
 from engines.sglang_rollout import SGLangRolloutEngine, SGLangSettings
 from engines.simulated import SimulatedRolloutEngine, SimulatedSettings
@@ -146,23 +147,30 @@ class Rollout:
         )
         acks, count = [], 0
         # Each sample is stored as soon as it ends (continuous admission), or with its batch.
-        async for index, sample, seconds in self.replicas.samples(pending, routing_key(prompt)):
-            response = sample.token_ids.numpy().astype(np.int32)
-            assert sample.versions is not None  # `Replicas.samples` sets them
-            trajectory = TrajectoryEvent(
-                id=f"{prompt.id}/{index}", run=prompt.run, source=self.rt.source, prompt_id=prompt.id,
-                sample_index=index, group_size=prompt.n, prompt_ids=Tensor.from_numpy(np.asarray(ids, np.int32)),
-                response_ids=Tensor.from_numpy(response), logprobs=Tensor.from_torch(sample.logprobs.float()),
-                versions=Tensor.from_numpy(sample.versions.numpy().astype(np.int32)),
-                response_text=self.tokenizer.decode(sample.token_ids.tolist(), skip_special_tokens=True),
-                finish_reason=sample.finish_reason, task=prompt.task, engine=self.rt.config.rollout.engine,
-                timings={"generate": seconds},
-            )
-            acks.append(await self.rt.publisher.send(TRAJECTORIES, trajectory))
-            count += 1
+        generated = self.replicas.samples(pending, routing_key(prompt))
+        async with contextlib.aclosing(generated):  # a failed send cancels the samples still generating
+            async for index, sample, seconds in generated:
+                trajectory = self.trajectory(prompt, ids, index, sample, seconds)
+                acks.append(await self.rt.publisher.send(TRAJECTORIES, trajectory))
+                count += 1
         await asyncio.gather(*acks)
         ROLLOUT_STORED_NOT_ACKED(prompt.id)
         metrics.count_samples("rollout", "generated", count)
+
+    def trajectory(self, prompt: PromptEvent, ids: list[int], index: int, sample: Sample, seconds: float
+                   ) -> TrajectoryEvent:
+        """Sample `index` of `prompt` as the event stored, its tokens' versions as the engine computed them."""
+        assert sample.versions is not None  # `Replicas.samples` sets them
+        return TrajectoryEvent(
+            id=f"{prompt.id}/{index}", run=prompt.run, source=self.rt.source, prompt_id=prompt.id,
+            sample_index=index, group_size=prompt.n, prompt_ids=Tensor.from_numpy(np.asarray(ids, np.int32)),
+            response_ids=Tensor.from_numpy(sample.token_ids.numpy().astype(np.int32)),
+            logprobs=Tensor.from_torch(sample.logprobs.float()),
+            versions=Tensor.from_numpy(sample.versions.numpy().astype(np.int32)),
+            response_text=self.tokenizer.decode(sample.token_ids.tolist(), skip_special_tokens=True),
+            finish_reason=sample.finish_reason, task=prompt.task, engine=self.rt.config.rollout.engine,
+            timings={"generate": seconds},
+        )
 
     def batchers(self) -> dict[str, Helper]:
         """A batcher per replica, by the name a failure is reported under (none with continuous

@@ -285,7 +285,11 @@ class Replicas:
             if not self.running:
                 self.idle.set()
 
-        job.add_done_callback(lambda _: loop.call_soon_threadsafe(ended))
+        def done(_: Future[tuple[protocols.Sample, float]]) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed first: the stage has ended
+                loop.call_soon_threadsafe(ended)
+
+        job.add_done_callback(done)
 
 
 def timed(generate: Callable[[Sequence[int], protocols.SamplingParams], protocols.Sample], prompt: Sequence[int],
