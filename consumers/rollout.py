@@ -321,7 +321,8 @@ async def build(rt: Runtime) -> Stage[PromptEvent]:
 
 def rollout_stage(rollout: Rollout) -> Stage[PromptEvent]:
     """`rollout` as a stage: twice a batch of prompts in flight per replica, so one batch fills
-    while the replica generates the other."""
+    while the replica generates the other (with continuous admission: prompts waiting for a
+    slot, so that a slot that comes free is taken at once)."""
     per_replica = 2 * rollout.rt.config.rollout.max_batch_prompts
     return Stage(
         PROMPTS, rollout.handle, WorkerOptions(concurrency=per_replica * len(rollout.replicas.replicas)),
