@@ -195,8 +195,10 @@ def run_flow(url: str, topology: Topology, model_dir: Path, partial: bool) -> tu
                 prompts += 8
                 before = len(engine.of("token"))
 
-                async def mid_way(before: int = before) -> bool:  # every slot a third into its sample
-                    return len(engine.of("token")) >= before + 4 * TOKENS // 3
+                async def mid_way(before: int = before) -> bool:
+                    # Each slot a sample past the last load (whatever was in flight then has
+                    # ended: a sample meets one load here) and a third into the next.
+                    return len(engine.of("token")) >= before + 4 * (TOKENS + TOKENS // 3)
 
                 await eventually(mid_way, f"samples mid-way before v{version}")
                 await publish_weights(js, topology, engine, version)
