@@ -65,7 +65,9 @@ class SimulatedRolloutEngine:
 
     `model` is the run's real model, kept only for what the worker checks against it (its
     vocabulary, context and weight manifest); it never runs. Calls of `generate` from
-    several threads share the slots one after the other (one engine, one set of slots).
+    several threads share the slots one after the other (one engine, one set of slots);
+    `generate_sample` is for up to `slots` threads at once, the caller keeping that count
+    (`consumers.rollout_replicas`).
     """
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, eos_token_id: int, settings: SimulatedSettings) -> None:
@@ -152,4 +154,4 @@ class SimulatedRolloutEngine:
         with self.state:
             if self.computing:
                 raise RuntimeError(f"weights loaded while {self.computing} tokens are being computed")
-        self.version = self.version + 1 if version is None else version
+            self.version = self.version + 1 if version is None else version
