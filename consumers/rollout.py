@@ -2,8 +2,9 @@
 
     handler(prompt): tokenize -> the router picks one of the worker's engine replicas
         (`rollout.replicas`, `rollout.router`; key: `routing_key`) -> that replica's batcher
-        generates it with others -> publish its n trajectories -> return (the loop acks the
-        prompt only once all are stored)
+        generates it with others, or (continuous admission, `rollout.continuous`) each of its
+        samples takes an engine slot as one comes free -> publish each trajectory -> return
+        (the loop acks the prompt only once all are stored)
         a prompt it can never generate (untokenizable, too long, failing every delivery):
         recorded as dropped in KV (the gate issues another), then dead-lettered
     batcher, one per replica (`consumers.rollout_replicas`): wait for the gate -> up to
@@ -13,12 +14,14 @@
         fetch + verify bytes with the transport the event names (`consumers.weights`;
         a delta is applied onto the worker's CPU copy of its version, `consumers.weights.chain`;
         generation goes on meanwhile) -> close the gate (no new generation starts on any
-        replica), drain the running ones, load into each replica in a thread (the event loop
-        keeps heartbeating), reopen; a version that fails is dead-lettered, never loaded (one
-        whose bytes were pruned because newer versions came is skipped)
+        replica), pause the engines between two tokens (partial rollout, `rollout.partial`)
+        or drain the running generations, load into each replica in a thread (the event loop
+        keeps heartbeating), resume, reopen; a version that fails is dead-lettered, never
+        loaded (one whose bytes were pruned because newer versions came is skipped)
 
-Every token of a generation comes from one version: the gate and the drain keep a load
-and a generation from ever running at once.
+Every token comes from one version: the gate and the pause (or drain) keep a load and a
+token's computation from ever running at once. A trajectory's `versions` say which version
+computed each token; with partial rollout they may step up mid-sample, never down.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from consumers.weights.chain import Follower
 from engines.device import resolve_device, torch_dtype
 from engines.external_rollout import EngineUnavailable
 from engines.hf_rollout import HFRolloutEngine
+from engines.protocols import Sample
 from engines.router import Router, RouterError, make_router
 from engines.sglang_rollout import SGLangRolloutEngine, SGLangSettings
 from engines.simulated import SimulatedRolloutEngine, SimulatedSettings
@@ -88,7 +92,8 @@ class Rollout:
         engines = list(engines) if isinstance(engines, Sequence) else [engines]
         cfg = rt.config.rollout
         router = router or make_router(cfg.router, len(engines), cfg.router_options)
-        self.replicas = Replicas(engines, router, cfg.max_batch_prompts, cfg.engine, rt.source)
+        self.replicas = Replicas(engines, router, cfg.max_batch_prompts, cfg.engine, rt.source, cfg.continuous,
+                                 cfg.partial)
         self.limits = ModelLimits.of(self.engine.model)
         self.transports: dict[str, WeightTransport] = {}
         """By name, made when an event first names one: the event says where its bytes are."""
@@ -140,28 +145,39 @@ class Rollout:
         pending = Pending(
             prompt, ids, time.perf_counter(), asyncio.get_running_loop().create_future(), context.get_current()
         )
-        samples, version, seconds = await self.replicas.submit(pending, routing_key(prompt))
-        texts = self.tokenizer.batch_decode([s.token_ids.tolist() for s in samples], skip_special_tokens=True)
-        acks = []
-        for index, (sample, text) in enumerate(zip(samples, texts)):
-            response = sample.token_ids.numpy().astype(np.int32)
-            trajectory = TrajectoryEvent(
-                id=f"{prompt.id}/{index}", run=prompt.run, source=self.rt.source, prompt_id=prompt.id,
-                sample_index=index, group_size=prompt.n, prompt_ids=Tensor.from_numpy(np.asarray(ids, np.int32)),
-                response_ids=Tensor.from_numpy(response), logprobs=Tensor.from_torch(sample.logprobs.float()),
-                versions=Tensor.from_numpy(np.full(len(response), version, np.int32)),
-                response_text=text,
-                finish_reason=sample.finish_reason, task=prompt.task, engine=self.rt.config.rollout.engine,
-                timings={"generate": seconds},
-            )
-            acks.append(await self.rt.publisher.send(TRAJECTORIES, trajectory))
+        acks, count = [], 0
+        # Each sample is stored as soon as it ends (continuous admission), or with its batch.
+        generated = self.replicas.samples(pending, routing_key(prompt))
+        async with contextlib.aclosing(generated):  # a failed send cancels the samples still generating
+            async for index, sample, seconds in generated:
+                trajectory = self.trajectory(prompt, ids, index, sample, seconds)
+                acks.append(await self.rt.publisher.send(TRAJECTORIES, trajectory))
+                count += 1
         await asyncio.gather(*acks)
         ROLLOUT_STORED_NOT_ACKED(prompt.id)
-        metrics.count_samples("rollout", "generated", len(samples))
+        metrics.count_samples("rollout", "generated", count)
+
+    def trajectory(self, prompt: PromptEvent, ids: list[int], index: int, sample: Sample, seconds: float
+                   ) -> TrajectoryEvent:
+        """Sample `index` of `prompt` as the event stored, its tokens' versions as the engine computed them."""
+        assert sample.versions is not None  # `Replicas.samples` sets them
+        return TrajectoryEvent(
+            id=f"{prompt.id}/{index}", run=prompt.run, source=self.rt.source, prompt_id=prompt.id,
+            sample_index=index, group_size=prompt.n, prompt_ids=Tensor.from_numpy(np.asarray(ids, np.int32)),
+            response_ids=Tensor.from_numpy(sample.token_ids.numpy().astype(np.int32)),
+            logprobs=Tensor.from_torch(sample.logprobs.float()),
+            versions=Tensor.from_numpy(sample.versions.numpy().astype(np.int32)),
+            response_text=self.tokenizer.decode(sample.token_ids.tolist(), skip_special_tokens=True),
+            finish_reason=sample.finish_reason, task=prompt.task, engine=self.rt.config.rollout.engine,
+            timings={"generate": seconds},
+        )
 
     def batchers(self) -> dict[str, Helper]:
-        """A batcher per replica, by the name a failure is reported under."""
+        """A batcher per replica, by the name a failure is reported under (none with continuous
+        admission: samples go to the engine as they come)."""
         replicas = self.replicas.replicas
+        if self.replicas.continuous:
+            return {}
         if len(replicas) == 1:
             return {"batcher": functools.partial(self.replicas.batcher, replicas[0])}
         return {f"batcher {r.index}": functools.partial(self.replicas.batcher, r) for r in replicas}
@@ -249,9 +265,9 @@ class Rollout:
         tensors = await self.chain.fetch(
             event, self.transport, lambda versions, full: self.earlier(seq, versions, full)
         )
-        await self.replicas.close_and_drain()  # no new generation starts, the running ones finish
-        ROLLOUT_MID_WEIGHT_LOAD(f"v{event.version}")
-        await self.replicas.load(tensors, event.version)  # into every replica, off the event loop
+        async with self.replicas.quiesced():  # no token is computed (paused between two, or drained)
+            ROLLOUT_MID_WEIGHT_LOAD(f"v{event.version}")
+            await self.replicas.load(tensors, event.version)  # into every replica, off the event loop
         self.gate.set()
         self.rt.member.report(weight_version=event.version)
         log.info("now serving weights v%d", event.version)
@@ -305,7 +321,8 @@ async def build(rt: Runtime) -> Stage[PromptEvent]:
 
 def rollout_stage(rollout: Rollout) -> Stage[PromptEvent]:
     """`rollout` as a stage: twice a batch of prompts in flight per replica, so one batch fills
-    while the replica generates the other."""
+    while the replica generates the other (with continuous admission: prompts waiting for a
+    slot, so that a slot that comes free is taken at once)."""
     per_replica = 2 * rollout.rt.config.rollout.max_batch_prompts
     return Stage(
         PROMPTS, rollout.handle, WorkerOptions(concurrency=per_replica * len(rollout.replicas.replicas)),

@@ -5,19 +5,31 @@
     batcher(replica), one per replica: wait for the gate -> up to max_batch_prompts of equal
         sampling from its queue -> count it running -> generate in a thread (the event loop
         keeps heartbeating) -> resolve each prompt's future
-    load(tensors, version): close the gate (no generation starts on any replica), drain the
-        running ones on all replicas, copy the one CPU copy of the weights into each replica's
-        model in a thread, reopen
+    samples(pending, key), continuous admission (`rollout.continuous`, engines that are a
+        `ContinuousEngine`: the simulated one): no batcher; each of the prompt's n samples
+        takes one of the replica's `slots` as one comes free -> `generate_sample` in the
+        replica's own threads -> each sample is handed back as soon as it ends
+    quiesced(): close the gate (no generation starts on any replica), then
+        partial rollout (`rollout.partial`, continuous engines): pause every replica's engine
+            between two tokens; the samples in flight go on with the new weights after `load`
+        otherwise: drain the running generations on all replicas
+    load(tensors, version): copy the one CPU copy of the weights into each replica's model in
+        a thread (inside `quiesced`, which then resumes and the caller reopens the gate)
 
-Every token of a generation comes from one version: a replica's engine changes weights only
-inside `load`, which runs while no generation runs on any replica and none can start.
+Every token comes from one version: a replica's engine changes weights only inside
+`quiesced`, while no token is computed on any replica and none can start. Without partial
+rollout every generation comes from one version too; with it, a sample's tokens record the
+versions that computed them (`Sample.versions`), which never go backwards.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -58,14 +70,26 @@ class Replica:
     """Set while `queue` holds prompts."""
     in_flight: int = 0
     """Prompts routed here and not yet generated (queued or generating): what the router sees."""
+    slots: asyncio.Semaphore | None = None
+    """Continuous admission: the engine's free slots (one per sample generating)."""
+    threads: ThreadPoolExecutor | None = None
+    """Continuous admission: one thread per slot, each running one `generate_sample`."""
 
 
 class Replicas:
     def __init__(self, engines: Sequence[Engine], router: Router, max_batch_prompts: int, engine_name: str,
-                 worker: str) -> None:
+                 worker: str, continuous: bool = False, partial: bool = False) -> None:
+        """`continuous`, `partial`: `rollout.continuous` and `rollout.partial`, taken only where
+        every engine is a `ContinuousEngine` (the others are given batches and drained)."""
         if not engines:
             raise ValueError("a rollout worker needs at least one engine replica")
         self.replicas = [Replica(i, engine) for i, engine in enumerate(engines)]
+        self.continuous = continuous and all(isinstance(e, protocols.ContinuousEngine) for e in engines)
+        self.partial = partial and self.continuous
+        for r in self.replicas if self.continuous else ():
+            slots = r.engine.slots  # type: ignore[union-attr]
+            r.slots = asyncio.Semaphore(slots)
+            r.threads = ThreadPoolExecutor(slots, thread_name_prefix=f"rollout-replica-{r.index}")
         self.router, self.max_batch_prompts = router, max_batch_prompts
         self.engine_name, self.worker = engine_name, worker
         # Open (set) unless weights are loading. It starts closed: a worker that joins a
@@ -77,6 +101,8 @@ class Replicas:
         self.running = 0
         self.idle = asyncio.Event()
         self.idle.set()
+        self.quiet = False
+        """True inside `quiesced`: no token is being computed on any replica."""
 
     @property
     def engines(self) -> list[Engine]:
@@ -161,18 +187,115 @@ class Replicas:
             "jetrl.prompt_tokens": len(pending.token_ids), "jetrl.batch_prompts": batch_prompts,
         }
 
-    async def close_and_drain(self) -> None:
-        """Close the gate (no generation starts on any replica) and wait until none runs."""
+    @contextlib.asynccontextmanager
+    async def quiesced(self) -> AsyncIterator[None]:
+        """While inside, no token is computed on any replica: the gate is closed (no generation
+        starts) and either every engine is paused between tokens (partial rollout) or the
+        running generations have drained. The engines resume on the way out; the caller
+        reopens the gate."""
         self.gate.clear()
-        while self.running:
-            await self.idle.wait()
+        if not self.partial:
+            while self.running:
+                await self.idle.wait()
+            self.quiet = True
+            try:
+                yield
+            finally:
+                self.quiet = False
+            return
+        paused: list[protocols.ContinuousEngine] = []
+        try:
+            for engine in self.engines:  # a pause waits for the tokens being computed: a thread
+                paused.append(engine)  # type: ignore[arg-type]
+                await asyncio.to_thread(engine.pause)  # type: ignore[union-attr]
+            self.quiet = True
+            yield
+        finally:
+            self.quiet = False
+            for engine in paused:
+                engine.resume()
 
     async def load(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Copy `tensors` into every replica's model; the gate must be closed and drained.
+        """Copy `tensors` into every replica's model; only inside `quiesced`.
 
         One replica after another, each in a thread (a large model takes seconds, and the
         event loop must keep heartbeating the prompts it holds); the tensors are the one CPU
         copy, read by each `load_state_dict`."""
-        assert not self.gate.is_set() and not self.running, "a load while generation may run"
+        assert self.quiet and not self.gate.is_set(), "a load while generation may run"
         for replica in self.replicas:
             await asyncio.to_thread(replica.engine.load_state_dict, tensors, version=version)
+
+    async def samples(self, pending: Pending, key: str | None) -> AsyncIterator[tuple[int, protocols.Sample, float]]:
+        """`pending`'s samples as each ends, on the replica the router picks: (index, sample,
+        seconds it generated). Batch engines: all at once, when their batch returns."""
+        if not self.continuous:
+            samples, version, seconds = await self.submit(pending, key)
+            for index, sample in enumerate(samples):  # every token from the version the batch ran with
+                yield index, dataclasses.replace(sample, versions=torch.full((len(sample.token_ids),), version,
+                                                                             dtype=torch.int32)), seconds
+            return
+        replica = self.route(key)
+        replica.in_flight += 1
+        tasks = [asyncio.create_task(self.generate_one(replica, pending, i)) for i in range(pending.prompt.n)]
+        try:
+            for done in asyncio.as_completed(tasks):
+                yield await done
+        finally:  # a handler cancelled (or failed) leaves no sample behind it waiting for a slot
+            replica.in_flight -= 1
+            for task in tasks:
+                task.cancel()
+
+    async def generate_one(self, replica: Replica, pending: Pending, index: int) -> tuple[int, protocols.Sample, float]:
+        """Sample `index` of `pending` on one of `replica`'s slots, in one of its threads."""
+        assert replica.slots is not None and replica.threads is not None
+        engine: protocols.ContinuousEngine = replica.engine  # type: ignore[assignment]
+        s = pending.prompt.sampling
+        params = protocols.SamplingParams(s.temperature, s.top_p, s.max_tokens, s.stop_token_ids)
+        await replica.slots.acquire()
+        job: Future[tuple[protocols.Sample, float]] | None = None
+        try:
+            # From the gate's check to `running += 1` nothing awaits: a load that closes the
+            # gate after the check sees this sample as running (drained, or paused mid-way).
+            while not self.gate.is_set():
+                await self.gate.wait()
+            attributes = self.span_attributes(pending, engine.version, 1, replica.index)
+            with tracing.spans_in("generate", [(pending.trace, attributes)]) as spans:
+                ROLLOUT_MID_GENERATION(f"sample {index} of {pending.prompt.id}")
+                job = replica.threads.submit(timed, engine.generate_sample, pending.token_ids, params)
+                self.started(job, replica.slots)
+                sample, seconds = await asyncio.wrap_future(job)
+                spans[0].set_attribute("jetrl.tokens", len(sample.token_ids))
+        except BaseException:
+            if job is None:  # the slot was never handed to a thread (which gives it back when it ends)
+                replica.slots.release()
+            raise
+        metrics.GENERATE_SECONDS.record(seconds, {"engine": self.engine_name})
+        return index, sample, seconds
+
+    def started(self, job: Future[tuple[protocols.Sample, float]], slot: asyncio.Semaphore) -> None:
+        """Count `job` running until its thread ends (or it is cancelled before it starts): a
+        cancelled handler does not stop a thread, and a drain must wait for it."""
+        loop = asyncio.get_running_loop()
+        self.running += 1
+        self.idle.clear()
+
+        def ended() -> None:
+            slot.release()
+            self.running -= 1
+            if not self.running:
+                self.idle.set()
+
+        def done(_: Future[tuple[protocols.Sample, float]]) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed first: the stage has ended
+                loop.call_soon_threadsafe(ended)
+
+        job.add_done_callback(done)
+
+
+def timed(generate: Callable[[Sequence[int], protocols.SamplingParams], protocols.Sample], prompt: Sequence[int],
+          params: protocols.SamplingParams) -> tuple[protocols.Sample, float]:
+    """`generate(prompt, params)` and the seconds it took, measured in its own thread (not the
+    time it waited for one)."""
+    started = time.perf_counter()
+    sample = generate(prompt, params)
+    return sample, time.perf_counter() - started

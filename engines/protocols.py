@@ -33,11 +33,15 @@ class Sample:
         ``finish_reason == "stop"`` (the trainer must see it to learn when to stop).
     logprobs: [L] float32, behaviour log-prob of each token, ``log_softmax(logits / T)``
         (see `engines.hf_rollout`).
+    versions: [L] int32, the weight version that computed each token, from an engine that
+        loads weights mid-generation (`ContinuousEngine`, partial rollout); None: every token
+        from the version the engine served when the generation started.
     """
 
     token_ids: torch.Tensor
     logprobs: torch.Tensor
     finish_reason: FinishReason
+    versions: torch.Tensor | None = None
 
 
 @dataclass
@@ -112,4 +116,32 @@ class TrainEngine(Protocol):
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
         """Restores what `save_checkpoint` wrote and returns its `extra`."""
+        ...
+
+
+@runtime_checkable
+class ContinuousEngine(Protocol):
+    """A rollout engine that takes samples one at a time, concurrently, as a continuous-batching
+    engine does (optional: an engine without it is given batches through `generate`).
+
+    The worker calls `generate_sample` from up to `slots` threads at once; each call returns as
+    soon as its own sample ends, whatever the others do. `pause` returns once no token is being
+    computed and none will start until `resume`; weights load between the two (partial
+    rollout), and the samples in flight go on with the new weights, each token recording the
+    version that computed it (`Sample.versions`).
+    """
+
+    version: int
+    slots: int
+
+    def generate_sample(self, prompt: Sequence[int], params: SamplingParams) -> Sample:
+        """One sample for `prompt` (token ids), with `versions` set."""
+        ...
+
+    def pause(self) -> None:
+        """Stop between tokens: returns when no token is being computed; none starts until `resume`."""
+        ...
+
+    def resume(self) -> None:
+        """Let the paused samples go on (with whatever weights were loaded meanwhile)."""
         ...

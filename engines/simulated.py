@@ -3,7 +3,13 @@
 It answers like a continuous-batching engine with `slots` concurrent sequences: each sample's
 response length is drawn from a log-normal (a long tail, as reasoning workloads have), capped
 at `max_tokens`, and costs `seconds_per_token` per token; a sample waits for the first free
-slot, and `generate` returns when its last sample finishes (the batch's makespan). The tokens
+slot, and `generate` returns when its last sample finishes (the batch's makespan).
+
+It is also a `ContinuousEngine`: `generate_sample` runs one sample token by token (one
+`seconds_per_token` sleep each), called from up to `slots` threads at once, each returning as
+soon as its own sample ends; `pause` stops every sample between two tokens so that weights
+load with no token being computed, and each token records the version it was computed with
+(partial rollout). The tokens
 are random ids inside the model's vocabulary with log-prob -1.0, so the bus, reward, buffer
 and trainer downstream run unchanged; the weights it is given are only counted (`version`).
 """
@@ -59,7 +65,9 @@ class SimulatedRolloutEngine:
 
     `model` is the run's real model, kept only for what the worker checks against it (its
     vocabulary, context and weight manifest); it never runs. Calls of `generate` from
-    several threads share the slots one after the other (one engine, one set of slots).
+    several threads share the slots one after the other (one engine, one set of slots);
+    `generate_sample` is for up to `slots` threads at once, the caller keeping that count
+    (`consumers.rollout_replicas`).
     """
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, eos_token_id: int, settings: SimulatedSettings) -> None:
@@ -67,6 +75,12 @@ class SimulatedRolloutEngine:
         self.rng = np.random.default_rng(settings.seed)
         self.lock = threading.Lock()
         self.version = 0
+        self.slots = settings.slots
+        self.state = threading.Condition()
+        """Guards `paused` and `computing`; notified when either changes."""
+        self.paused = False
+        self.computing = 0
+        """Tokens being computed now, by all `generate_sample` threads."""
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams) -> list[list[Sample]]:
         s = self.settings
@@ -78,6 +92,53 @@ class SimulatedRolloutEngine:
             time.sleep(max(0.0, max(ends, default=0.0) - (time.perf_counter() - started)))
         return [drawn[i * n:(i + 1) * n] for i in range(len(prompts))]
 
+    def generate_sample(self, prompt: Sequence[int], params: SamplingParams) -> Sample:
+        with self.lock:  # the generator is not thread-safe
+            length = int(draw_lengths(self.rng, 1, self.settings.median_tokens, self.settings.sigma, params.max_tokens)[0])
+            drawn = self.sample(length, params.max_tokens)
+        versions = torch.empty(length, dtype=torch.int32)  # [L]: who computed each token
+        # Each token ends `seconds_per_token` after the last one (plus any pause): a sleep that
+        # overshoots on a busy machine is taken back from the next token, as `generate` does
+        # for its makespan, so a sample costs its length times the token time.
+        due = time.perf_counter()
+        for index in range(length):
+            asked = time.perf_counter()
+            versions[index] = self.start_token()
+            due += self.settings.seconds_per_token + (time.perf_counter() - asked)  # paused time not charged
+            try:
+                self.compute_token(due)
+            finally:
+                self.end_token()
+        return Sample(drawn.token_ids, drawn.logprobs, drawn.finish_reason, versions)
+
+    def start_token(self) -> int:
+        """Wait while paused, then count a token as computing; the version it is computed with."""
+        with self.state:
+            while self.paused:
+                self.state.wait()
+            self.computing += 1
+            return self.version
+
+    def compute_token(self, due: float) -> None:
+        """One token's decode: the simulated time in a slot, until `due` (perf_counter)."""
+        time.sleep(max(0.0, due - time.perf_counter()))
+
+    def end_token(self) -> None:
+        with self.state:
+            self.computing -= 1
+            self.state.notify_all()
+
+    def pause(self) -> None:
+        with self.state:
+            self.paused = True
+            while self.computing:
+                self.state.wait()
+
+    def resume(self) -> None:
+        with self.state:
+            self.paused = False
+            self.state.notify_all()
+
     def sample(self, length: int, max_tokens: int) -> Sample:
         """`length` random ids other than eos; one that stopped before the cap ends with eos."""
         ids = self.rng.integers(0, self.vocab_size - 1, length)
@@ -88,5 +149,9 @@ class SimulatedRolloutEngine:
         return Sample(torch.from_numpy(ids), torch.full((length,), LOGPROB), "stop" if stopped else "length")
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
-        """Takes the version only: nothing here runs the weights."""
-        self.version = self.version + 1 if version is None else version
+        """Takes the version only: nothing here runs the weights. Between generations, or
+        between `pause` and `resume`: never while a token is being computed."""
+        with self.state:
+            if self.computing:
+                raise RuntimeError(f"weights loaded while {self.computing} tokens are being computed")
+            self.version = self.version + 1 if version is None else version

@@ -80,6 +80,17 @@ class RolloutConfig(Section):
     replicas: int = Field(1, ge=1)
     """Engine replicas in one rollout worker (each a copy of the model with its own batcher:
     one generation at a time per replica); not the fleet's `replicas` (worker processes)."""
+    continuous: bool = True
+    """Continuous admission, for engines that take samples one at a time (the simulated one):
+    each sample takes an engine slot as one comes free and is stored as soon as it ends, with no
+    batcher and no `max_batch_prompts`. The other engines (hf, vllm, sglang) are given batches of
+    prompts, one generation at a time per replica, whatever this says."""
+    partial: bool = True
+    """Partial rollout, with continuous admission: a new weight version pauses the engine between
+    two tokens, loads, and resumes; the samples in flight go on with the new weights and each
+    token records the version that computed it (the staleness bound applies to a sample's oldest
+    token). False, or an engine without it (hf, vllm, sglang): a load waits for every running
+    generation to end (a drain), so every sample comes from one version."""
     router: str = "least_in_flight"
     """Which replica generates a prompt (`engines.router`): `least_in_flight` (fewest prompts
     queued or generating, ties to the lowest index), `sticky_by_key` (a prompt's routing key

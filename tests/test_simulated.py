@@ -4,6 +4,7 @@ and samples the rest of the pipeline takes as real ones."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -70,3 +71,30 @@ def test_the_engine_and_its_workload_are_config() -> None:
         parse_config({"rollout": {"engine": "trtllm"}})
     with pytest.raises(ConfigError, match="rollout.simulated.slots: Input should be greater than or equal to 1"):
         parse_config({"rollout": {"simulated": {"slots": 0}}})
+
+
+def test_samples_taken_one_at_a_time_end_with_their_own_length_and_pause_between_tokens() -> None:
+    """`generate_sample` (continuous admission): a short sample returns when it ends, not with
+    the long one beside it; `pause` stops every sample between tokens, and a version loaded
+    meanwhile computes the rest of a sample's tokens (partial rollout)."""
+    sim = engine(median_tokens=100, sigma=0.0, seconds_per_token=0.01, slots=2)
+    with ThreadPoolExecutor(2) as pool:
+        started = time.perf_counter()
+        long = pool.submit(sim.generate_sample, [1], SamplingParams(max_tokens=40))
+        short = pool.submit(sim.generate_sample, [1], SamplingParams(max_tokens=4))
+        assert len(short.result().token_ids) == 4
+        short_seconds = time.perf_counter() - started
+        sim.pause()
+        assert sim.computing == 0
+        sim.load_state_dict({}, version=1)
+        time.sleep(0.2)  # paused: not a token of `long` is computed meanwhile
+        sim.resume()
+        sample = long.result()
+        long_seconds = time.perf_counter() - started
+    # 40 tokens of 10 ms, and 0.2 s paused with no token computed.
+    assert long_seconds >= 0.58, f"the long sample went on while paused: {long_seconds:.2f} s"
+    assert short_seconds < 0.25, f"the short sample waited for the long one: {short_seconds:.2f} s"
+    assert sample.versions is not None and len(sample.versions) == 40
+    versions = sample.versions.tolist()
+    assert versions == sorted(versions) and versions[0] == 0 and versions[-1] == 1, versions
+    assert 0 < versions.count(0) < 20, f"the pause did not stop the sample mid-way: {versions}"
