@@ -28,12 +28,12 @@ def test_reinforce_pp_whitens_over_the_whole_step() -> None:
 
 
 def test_step_advantages_whiten_over_the_step_and_group_estimators_stay_per_group() -> None:
-    a, b = torch.tensor([0.0, 1.0]), torch.tensor([0.0, 0.0, 1.0, 1.0])
-    # reinforce_pp_baseline: centred [-.5, .5 | -.5, -.5, .5, .5]; mean 0, sum sq 1.5, unbiased
-    # var 1.5 / 5 = .3, std .547723: +-.5 / .547723 = +-.912871 (GRPO on b alone: +-.866025).
+    a, b = torch.tensor([0.0, 2.0]), torch.tensor([0.0, 1.0, 1.0, 1.0])
+    # reinforce_pp_baseline: centred [-1, 1 | -.75, .25, .25, .25]; mean 0, sum sq 2.75, unbiased
+    # var 2.75 / 5 = .55, std .741620 (the raw rewards' std would be .752773; GRPO on b alone
+    # divides by .5).
     got = advantages.step_advantages("reinforce_pp_baseline", [a, b])
-    s = 0.912871
-    close(torch.cat(got), [-s, s, -s, -s, s, s])
+    close(torch.cat(got), [-1.348400, 1.348400, -1.011300, 0.337100, 0.337100, 0.337100])
     # On one group alone the baseline variant is GRPO; over a step it is not.
     close(advantages.step_advantages("reinforce_pp_baseline", [b])[0], advantages.grpo(b).tolist())
     assert not torch.allclose(got[1], advantages.grpo(b))
@@ -220,6 +220,9 @@ def test_is_weights_token_and_sequence_level_by_hand() -> None:
     # Sequence level: products 2 * 1 * .5 = 1 and 4 * .25 = 1 (the pad ignored).
     w = correction.is_weights(prox, beh, mask, level="sequence", cap=3.0)
     close(w.weight * mask, [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    # Both sequences' r = 1 < 2: masked on every loss token, never on padding.
+    w = correction.is_weights(prox, beh, mask, level="sequence", mask_low=0.5, mask_high=0.9)
+    assert w.masked.tolist() == mask.bool().tolist()
     # Rejection: |log 4| = 1.386 > 1 -> the whole of row 2 is 0; row 1's max |log 2| = .69 stays.
     w = correction.is_weights(prox, beh, mask, reject_log_ratio=1.0)
     assert w.rejected.tolist() == [False, True]
