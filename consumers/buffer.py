@@ -25,9 +25,9 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import nats.errors
 import numpy as np
 import torch
-import nats.errors
 from nats.aio.msg import Msg
 from nats.errors import MsgAlreadyAckdError
 from nats.js.errors import KeyWrongLastSequenceError

@@ -11,7 +11,6 @@ import os
 import random
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +19,18 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engines.algorithms.logprobs import chunked_logprobs
-from engines.algorithms.losses import aggregate, aggregation_count, entropy_from_logits, gather_logprobs
-from engines.algorithms.objective import METRIC_SUMS, LossConfig, TokenObjective, token_objective
+from engines.algorithms.losses import (
+    aggregate,
+    aggregation_count,
+    entropy_from_logits,
+    gather_logprobs,
+)
+from engines.algorithms.objective import (
+    METRIC_SUMS,
+    LossConfig,
+    TokenObjective,
+    token_objective,
+)
 from engines.device import autocast
 from engines.protocols import MicroBatch
 

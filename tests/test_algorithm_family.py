@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from engines.algorithms import advantages, correction, losses, objective, schedule, shaping
+from engines.algorithms import (
+    advantages,
+    correction,
+    losses,
+    objective,
+    schedule,
+    shaping,
+)
 
 
 def close(actual: torch.Tensor, expected: list, atol: float = 1e-5) -> None:

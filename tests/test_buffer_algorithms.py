@@ -13,7 +13,17 @@ from bus.embedded import EmbeddedNats
 from bus.topology import Topology
 from engines.algorithms import advantages
 from schemas import RewardEvent
-from tests.buffer_feed import batches, declare, drop_record, group, publish, run_with_js, start_buffer, stop_buffer, tail
+from tests.buffer_feed import (
+    batches,
+    declare,
+    drop_record,
+    group,
+    publish,
+    run_with_js,
+    start_buffer,
+    stop_buffer,
+    tail,
+)
 from tests.test_buffer_invariants import advantages_by_sample, config, settled
 
 

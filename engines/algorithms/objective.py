@@ -13,7 +13,13 @@ import torch
 
 from engines.algorithms import kl
 from engines.algorithms.correction import is_weights
-from engines.algorithms.losses import AggregationMode, PolicyLoss, cispo_loss, gspo_loss, ppo_clip_loss
+from engines.algorithms.losses import (
+    AggregationMode,
+    PolicyLoss,
+    cispo_loss,
+    gspo_loss,
+    ppo_clip_loss,
+)
 
 KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "k1": kl.kl_k1, "k2": kl.kl_k2, "k3": kl.kl_k3,
