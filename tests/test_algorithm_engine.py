@@ -120,3 +120,16 @@ def test_loss_config_decoupled_by_any_correction() -> None:
     assert not LossConfig().decoupled
     for name, value in (("tis_cap", 2.0), ("is_mask_low", 0.5), ("is_mask_high", 2.0), ("reject_log_ratio", 1.0)):
         assert dataclasses.replace(LossConfig(), **{name: value}).decoupled, name
+
+
+def test_rejected_sequences_train_nothing_and_are_counted_once_per_step(model_dir: Path) -> None:
+    # Every token's behaviour log-prob is 1 below the policy's: |log ratio| 1 > .5 on all rows.
+    eng = TorchTrainEngine(model_dir, lr=1e-2, loss=LossConfig(reject_log_ratio=0.5), ppo_epochs=2)
+    before = weights(eng)
+    stats = eng.train_step([batch(eng, 1.0, log_ratio=1.0)])
+    assert stats["is_rejected"] == ROWS, f"{stats['is_rejected']} sequences rejected, not each of the {ROWS} once"
+    assert stats["is_weight_mean"] == 0.0 and stats["grad_norm"] == 0.0
+    assert stats["logprob_gap"] == pytest.approx(1.0, abs=1e-5)
+    assert all(torch.equal(p, before[n]) for n, p in eng.model.named_parameters()), "a rejected batch moved weights"
+    kept = TorchTrainEngine(model_dir, lr=1e-2, loss=LossConfig(reject_log_ratio=1.5))
+    assert kept.train_step([batch(kept, 1.0, log_ratio=1.0)])["is_rejected"] == 0.0
