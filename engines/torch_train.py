@@ -157,9 +157,9 @@ class TorchTrainEngine:
 
         Returns, over the response tokens of every update: loss (mean over updates), clip_frac
         (clip_frac_low / clip_frac_high: ratio below / above 1; dual_clip_frac), ratio_mean,
-        is_weight_mean, is_weight_std, is_masked_frac, is_rejected (sequences), entropy, kl,
-        logprob_gap (mean |log pi - log pi_behaviour|), log_ratio_clamped (a count: one such
-        token is the signal, and as a fraction of a large step it would read 0.000),
+        is_weight_mean, is_weight_std, is_masked_frac, is_rejected (sequences per pass), entropy,
+        kl, logprob_gap (mean |log pi - log pi_behaviour|), log_ratio_clamped (tokens per pass, a
+        count: one such token is the signal, and as a fraction of a large step it would read 0.000),
         grad_norm (before clipping, mean over updates), lr, updates, tokens (response tokens
         of the step), step (after).
         """
@@ -194,11 +194,11 @@ class TorchTrainEngine:
             "is_weight_mean": mean_weight,
             "is_weight_std": max(totals["is_weight_sq"] / tokens - mean_weight**2, 0.0) ** 0.5,
             "is_masked_frac": totals["is_masked"] / tokens,
-            "is_rejected": totals["is_rejected"],
+            "is_rejected": totals["is_rejected"] / self.ppo_epochs,
             "entropy": totals["entropy"] / tokens,
             "kl": totals["kl"] / tokens,
             "logprob_gap": totals["logprob_gap"] / tokens,
-            "log_ratio_clamped": totals["log_ratio_clamped"],
+            "log_ratio_clamped": totals["log_ratio_clamped"] / self.ppo_epochs,
             "grad_norm": sum(norms) / updates,
             "lr": lr,
             "updates": float(len(norms)),
