@@ -296,3 +296,43 @@ def test_lr_warmup_then_cosine_by_hand() -> None:
                 0.1 + 0.9 * (1 + math.cos(3 * math.pi / 4)) / 2, 0.1, 0.1]
     assert f == pytest.approx(expected)
     assert schedule.lr_factor(5, warmup=0, schedule="constant") == 1.0
+
+
+# ---- the config names each option, and refuses what cannot run ---------------------------
+
+@pytest.mark.parametrize(
+    ("algorithm", "message"),
+    [
+        ({"advantage": "passk", "passk_k": 9}, "passk_k 9 > data.n 8"),
+        ({"overlong_buffer_tokens": 16}, "must be below data.sampling.max_tokens 16"),
+        ({"policy_loss": "gspo", "dual_clip_c": 3.0}, "dual_clip_c applies to policy_loss ppo"),
+        ({"advantage": "passk", "overlong_buffer_tokens": 4}, "passk takes 0/1 rewards"),
+        ({"advantage": "reinforce"}, "reinforce_pp_baseline"),
+        ({"loss_aggregation": "seq-sum"}, "seq-mean-token-sum-norm"),
+        ({"dual_clip_c": 1.0}, "greater than 1"),
+        ({"is_mask_low": 1.5}, "less than 1"),
+        ({"ppo_epoch": 2}, "Extra inputs are not permitted"),
+    ],
+)
+def test_the_config_refuses_what_cannot_run(algorithm: dict, message: str) -> None:
+    from pydantic import ValidationError
+
+    from schemas.config import RunConfig
+
+    with pytest.raises(ValidationError, match=message):
+        RunConfig.model_validate({"algorithm": algorithm})
+
+
+def test_every_name_is_selectable() -> None:
+    from schemas.config import RunConfig
+
+    for key, names in (
+        ("advantage", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "passk"]),
+        ("policy_loss", ["ppo", "gspo", "cispo"]),
+        ("loss_aggregation", list(losses.AggregationMode.__args__)),  # type: ignore[attr-defined]
+        ("kl_estimator", ["k1", "k2", "k3"]),
+        ("lr_schedule", ["constant", "cosine"]),
+        ("is_level", ["token", "sequence"]),
+    ):
+        for name in names:
+            assert getattr(RunConfig.model_validate({"algorithm": {key: name}}).algorithm, key) == name
