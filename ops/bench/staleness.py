@@ -7,8 +7,9 @@ for eta in 0, 2, 4, each without correction (PPO whose old policy is the behavio
 with it (decoupled PPO: the ratio against the proximal policy, the truncated IS weight
 min(pi_prox / pi_behaviour, 2) against the behaviour one; AReaL). Same seed, task and steps for
 all six. Writes the mean reward per step (smoothed) of each to staleness.png and ends with one
-JSON line: each run's final reward (mean over the last tenth of its steps), and `ratio` = the
-corrected eta = 4 run's final reward / the eta = 0 run's (AReaL, Table 3, expects ~1).
+JSON line: each run's final reward (mean over the last tenth of its steps) and its mean
+clip fraction, IS weight and behaviour/current log-prob gap, and `ratio` = the
+corrected eta = 4 run's final reward / the uncorrected eta = 0 run's (AReaL, Table 3, expects ~1).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ STALENESS = (0, 2, 4)
 TIS_CAP = 2.0
 
 
-def train(cfg: RunConfig, steps: int, eta: int, corrected: bool) -> list[float]:
-    """Mean reward of each step of one run whose samples come from weights `eta` steps old."""
+def train(cfg: RunConfig, steps: int, eta: int, corrected: bool) -> tuple[list[float], dict[str, float]]:
+    """Mean reward of each step of one run whose samples come from weights `eta` steps old, and
+    the run's mean of the off-policy metrics (clip_frac, is_weight_mean, logprob_gap)."""
     from transformers import AutoTokenizer
 
     model = Path(cfg.model.path or "")
@@ -56,6 +58,7 @@ def train(cfg: RunConfig, steps: int, eta: int, corrected: bool) -> list[float]:
     # versions[0] is what generates: after step s the deque holds versions max(0, s + 1 - eta) .. s + 1.
     versions = deque([trainer.export_weights()], maxlen=eta + 1)
     rewards_by_step: list[float] = []
+    seen: dict[str, list[float]] = {"clip_frac": [], "is_weight_mean": [], "logprob_gap": []}
     for _ in range(steps):
         rollout.load_state_dict(versions[0])
         batch = [next(source)[2] for _ in range(algo.prompts_per_step)]
@@ -70,14 +73,16 @@ def train(cfg: RunConfig, steps: int, eta: int, corrected: bool) -> list[float]:
                                 np.zeros_like(response), adv, reward, ""))
         rewards_by_step.append(sum(r.reward for r in rows) / len(rows))
         (micro_batches,) = pack_step(rows, 1, cfg.trainer.micro_batch_tokens)
-        trainer.train_step([
+        stats = trainer.train_step([
             MicroBatch(torch.from_numpy(m.input_ids).long(), torch.from_numpy(m.attention_mask).long(),
                        torch.from_numpy(m.loss_mask).float(), torch.from_numpy(m.advantages),
                        torch.from_numpy(m.behaviour_logprobs))
             for m in micro_batches
         ])
+        for key, values in seen.items():
+            values.append(stats[key])
         versions.append(trainer.export_weights())
-    return rewards_by_step
+    return rewards_by_step, {key: round(float(np.mean(values)), 4) for key, values in seen.items()}
 
 
 def plot(curves: dict[str, list[float]], path: Path) -> None:
@@ -110,21 +115,22 @@ def main() -> None:
     if steps < 1:
         parser.error(f"--steps must be >= 1, got {steps}")
     curves: dict[str, list[float]] = {}
+    off_policy: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         prepared = prepare(cfg, Path(tmp) / "run")
         for eta in STALENESS:
             for corrected in (False, True):
                 label = f"eta {eta}, {'corrected' if corrected else 'uncorrected'}"
-                curves[label] = train(prepared, steps, eta, corrected)
+                curves[label], off_policy[label] = train(prepared, steps, eta, corrected)
                 tenth = max(1, steps // 10)
-                print(f"{label}: final reward {np.mean(curves[label][-tenth:]):.3f}", flush=True)
+                print(f"{label}: final reward {np.mean(curves[label][-tenth:]):.3f} {off_policy[label]}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     plot(curves, args.out / "staleness.png")
     tenth = max(1, steps // 10)
     final = {label: round(float(np.mean(r[-tenth:])), 3) for label, r in curves.items()}
     base = final["eta 0, uncorrected"]
     print(json.dumps({
-        "bench": "staleness", "quick": args.quick, "steps": steps, "final_reward": final,
+        "bench": "staleness", "quick": args.quick, "steps": steps, "final_reward": final, "off_policy": off_policy,
         "ratio": round(final["eta 4, corrected"] / base, 3) if base else None,
     }))
 
