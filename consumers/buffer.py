@@ -25,9 +25,9 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import nats.errors
 import numpy as np
 import torch
-import nats.errors
 from nats.aio.msg import Msg
 from nats.errors import MsgAlreadyAckdError
 from nats.js.errors import KeyWrongLastSequenceError
@@ -41,7 +41,8 @@ from consumers.crashpoints import BUFFER_MID_STEP, BUFFER_STEP_STORED, armed
 from consumers.packing import BYTES_PER_TOKEN, Row, pack_step
 from consumers.runtime import Runtime
 from consumers.stage import Stage, run_stage
-from engines.algorithms import advantages
+from engines.algorithms.advantages import step_advantages
+from engines.algorithms.shaping import overlong_penalty
 from schemas import BatchEvent, DecodeError, RewardEvent, Tensor, decode
 
 log = logging.getLogger("jetrl.buffer")
@@ -50,7 +51,6 @@ BUS_TROUBLE = (nats.errors.Error, asyncio.TimeoutError)
 """What forming or dropping a step meets when the bus is unavailable for a while (an election,
 a lost connection): the buffer keeps what it holds and tries again."""
 
-ESTIMATORS = {"grpo": advantages.grpo, "dr_grpo": advantages.dr_grpo, "rloo": advantages.rloo}
 
 
 @dataclass
@@ -197,14 +197,36 @@ class Buffer:
         if tokens * BYTES_PER_TOKEN > self.rt.publisher.max_payload // 2:
             raise Reject(f"a row of {tokens} tokens cannot fit one batch event")
 
-    def advantages(self, group: Group) -> list[float]:
-        """[G] rewards -> [G] advantages, one per sequence of the group, in sample order."""
-        rewards = torch.tensor([group.samples[i][0].reward for i in range(group.size)], dtype=torch.float32)
-        return ESTIMATORS[self.cfg.algorithm.advantage](rewards).tolist()
+    def advantages(self, groups: list[Group]) -> list[list[float]]:
+        """One step's groups -> each group's [G] advantages in sample order (`algorithm.advantage`;
+        the reinforce_pp ones whiten over every group given). Rewards first get the soft overlong
+        penalty; with overlong filtering a truncated response's advantage is 0."""
+        algo = self.cfg.algorithm
+        ordered = [[group.samples[i][0] for i in range(group.size)] for group in groups]
+        rewards = [torch.tensor([r.reward for r in samples], dtype=torch.float32) for samples in ordered]
+        if algo.overlong_buffer_tokens:
+            max_tokens = self.cfg.data.sampling.max_tokens
+            rewards = [
+                r + overlong_penalty(
+                    torch.tensor([s.trajectory.response_ids.shape[0] for s in samples]),
+                    max_tokens, algo.overlong_buffer_tokens, algo.overlong_penalty,
+                )
+                for r, samples in zip(rewards, ordered)
+            ]
+        out = step_advantages(algo.advantage, rewards, passk_k=algo.passk_k)
+        if algo.overlong_filter:
+            cut = [torch.tensor([s.trajectory.finish_reason == "length" for s in samples]) for samples in ordered]
+            out = [adv.masked_fill(c, 0.0) for adv, c in zip(out, cut)]
+        return [adv.tolist() for adv in out]
 
     def advantage_problem(self, group: Group) -> str | None:
-        """Why the group cannot be trained although each reward is finite (huge ones overflow)."""
-        if all(np.isfinite(self.advantages(group))):
+        """Why the group cannot be trained although each reward is finite (huge ones overflow, or
+        the estimator refuses them: passk takes 0/1 rewards only)."""
+        try:
+            (adv,) = self.advantages([group])
+        except ValueError as exc:
+            return f"advantage {self.cfg.algorithm.advantage}: {exc}"
+        if all(np.isfinite(adv)):
             return None
         largest = max(abs(r.reward) for r, _ in group.samples.values())
         return f"advantages not finite (rewards up to {largest:g} in magnitude)"
@@ -299,9 +321,8 @@ class Buffer:
 
     async def publish_step(self, step: int, groups: list[Group]) -> None:
         rows: list[Row] = []
-        for group in groups:
+        for group, adv in zip(groups, self.advantages(groups)):
             ordered = [group.samples[i] for i in range(group.size)]
-            adv = self.advantages(group)
             rows += [Row.of(r, a, self.trace_outcome(r, m, step=step)) for (r, m), a in zip(ordered, adv)]
         tcfg = self.cfg.trainer
         packed = pack_step(rows, tcfg.dp_size, tcfg.micro_batch_tokens)

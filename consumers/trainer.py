@@ -130,12 +130,15 @@ def take_batch(batch: BatchEvent, step: int, rank: int, collected: list[BatchEve
 
 def loss_config(cfg: RunConfig) -> LossConfig:
     """The engine's loss settings from the run config: the policy loss, aggregation, clip
-    range and TIS cap of `algorithm`, and the rollout's sampling temperature (behaviour
-    log-probs were taken at it, so the trainer's must be too)."""
+    range, IS correction and regularisers of `algorithm`, and the rollout's sampling
+    temperature (behaviour log-probs were taken at it, so the trainer's must be too)."""
     algo = cfg.algorithm
     return LossConfig(
-        policy_loss=algo.policy_loss, eps_low=algo.clip_low, eps_high=algo.clip_high,
-        aggregation=algo.loss_aggregation, tis_cap=algo.tis_cap, temperature=cfg.data.sampling.temperature,
+        policy_loss=algo.policy_loss, eps_low=algo.clip_low, eps_high=algo.clip_high, dual_clip_c=algo.dual_clip_c,
+        aggregation=algo.loss_aggregation, norm_tokens=algo.loss_scale_tokens or cfg.data.sampling.max_tokens,
+        tis_cap=algo.tis_cap, is_level=algo.is_level, is_mask_low=algo.is_mask_low, is_mask_high=algo.is_mask_high,
+        reject_log_ratio=algo.reject_log_ratio, entropy_coef=algo.entropy_coef, kl_coef=algo.kl_coef,
+        kl_estimator=algo.kl_estimator, temperature=cfg.data.sampling.temperature,
     )
 
 

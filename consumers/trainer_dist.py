@@ -33,6 +33,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from nats.js.errors import KeyNotFoundError
 from bus.topology import RENDEZVOUS_KEY
 from consumers.runtime import CannotAttach, Runtime
 from consumers.weights.chain import ShardNote
+from engines.algorithms.schedule import lr_factor
 from engines.device import torch_dtype
 from engines.fsdp_train import FSDPTrainEngine, init_group
 from engines.megatron_train import MegatronNotInstalled, MegatronTrainEngine
@@ -75,9 +77,15 @@ class Group:
 
 def make_engine(cfg: RunConfig, loss: LossConfig, device: torch.device) -> TorchTrainEngine:
     """The engine `trainer.engine` names (fsdp: after `join`), in `model.dtype` on `device`."""
+    algo = cfg.algorithm
+    schedule = partial(
+        lr_factor, warmup=algo.lr_warmup_steps, total=cfg.trainer.steps, schedule=algo.lr_schedule,
+        min_ratio=algo.lr_min_ratio,
+    )
     args: dict[str, Any] = {
-        "lr": cfg.algorithm.lr, "seed": cfg.trainer.seed, "loss": loss, "device": device,
+        "lr": algo.lr, "weight_decay": algo.weight_decay, "seed": cfg.trainer.seed, "loss": loss, "device": device,
         "dtype": torch_dtype(cfg.model.dtype), "logprob_chunk_tokens": cfg.trainer.logprob_chunk_tokens,
+        "lr_schedule": schedule, "ppo_epochs": algo.ppo_epochs, "ppo_mini_batches": algo.ppo_mini_batches,
     }
     model_dir = Path(cfg.model.path or "")
     if cfg.trainer.engine == "megatron":

@@ -51,6 +51,8 @@ class MegatronTrainEngine(TorchTrainEngine):
             from megatron.core import parallel_state
         except ImportError:
             raise MegatronNotInstalled("trainer.engine megatron needs megatron-core: pip install 'jetrl[megatron]'") from None
+        if getattr(kwargs.get("loss"), "kl_coef", 0.0):
+            raise ValueError("megatron engine: algorithm.kl_coef needs a reference model, which it does not hold yet (use 0)")
         if pipeline_parallel_size != 1:
             raise ValueError(f"megatron engine: pipeline_parallel_size {pipeline_parallel_size} is not supported yet (only 1)")
         self.tp = tensor_parallel_size
@@ -106,7 +108,9 @@ class MegatronTrainEngine(TorchTrainEngine):
             raise ValueError(f"megatron engine: GPTModel and the mapping disagree: missing {missing[:3]}, unexpected {unexpected[:3]}")
         return gpt.to(self.device)
 
-    def _token_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def _token_logits(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model: torch.nn.Module | None = None
+    ) -> torch.Tensor:
         """[B, T] ids -> [B, T - 1, V] temperature-scaled logits (V: the HF vocabulary, pad cut off)."""
         positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as the torch engine: padding does not shift RoPE
         length = input_ids.shape[1]
@@ -114,7 +118,7 @@ class MegatronTrainEngine(TorchTrainEngine):
         # [B, 1, T, T], True where a query may not look: the future, and padding keys.
         masked = causal[None, None] | (attention_mask[:, None, None, :] == 0)
         with self._autocast():
-            logits = self.model(input_ids, positions, attention_mask=masked)  # [B, T, Vp]
+            logits = (self.model if model is None else model)(input_ids, positions, attention_mask=masked)  # [B, T, Vp]
         return logits[:, :-1, : self.spec.vocab_size].float() / self.loss_config.temperature
 
     def _clip_grad_norm(self) -> torch.Tensor:

@@ -6,13 +6,13 @@ sequence) count of the *whole step*, so splitting a batch into micro-batches doe
 change the gradient.
 """
 
+import copy
 import os
 import random
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,46 +20,21 @@ from transformers import AutoModelForCausalLM
 
 from engines.algorithms.logprobs import chunked_logprobs
 from engines.algorithms.losses import (
-    AggregationMode,
-    PolicyLoss,
     aggregate,
     aggregation_count,
-    clamped_log_ratio,
     entropy_from_logits,
     gather_logprobs,
-    gspo_loss,
-    ppo_clip_loss,
-    truncated_is_weight,
+)
+from engines.algorithms.objective import (
+    METRIC_SUMS,
+    LossConfig,
+    TokenObjective,
+    token_objective,
 )
 from engines.device import autocast
 from engines.protocols import MicroBatch
 
-METRIC_SUMS = ("loss", "clipped", "ratio", "is_weight", "entropy", "log_ratio_clamped", "tokens")
-"""What a step sums over its micro-batches (and, with data-parallel ranks, over the ranks)."""
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """How the policy loss is formed.
-
-    policy_loss: "ppo" (token ratio, clip-higher) or "gspo" (sequence ratio).
-    eps_low / eps_high: clip range (GSPO wants ~3e-4 / 4e-4).
-    aggregation: see `engines.algorithms.losses.aggregate`.
-    tis_cap: None -> the ratio is taken against the behaviour log-probs (PPO whose "old"
-        policy is whatever generated the sample). A float -> decoupled PPO: the ratio is
-        taken against the proximal policy (this engine's weights before the step, so it is
-        1 in value and the clip never binds in a single-step update), and every token is
-        weighted by min(pi_prox / pi_behaviour, tis_cap) to correct for staleness.
-    temperature: must equal the rollout's sampling temperature, since behaviour log-probs
-        are log_softmax(logits / temperature).
-    """
-
-    policy_loss: Literal["ppo", "gspo"] = "ppo"
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    aggregation: AggregationMode = "token-mean"
-    tis_cap: float | None = None
-    temperature: float = 1.0
+__all__ = ["METRIC_SUMS", "LossConfig", "TorchTrainEngine"]
 
 
 def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -100,21 +75,33 @@ class TorchTrainEngine:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         logprob_chunk_tokens: int = 1024,
+        lr_schedule: Callable[[int], float] | None = None,
+        ppo_epochs: int = 1,
+        ppo_mini_batches: int = 1,
     ) -> None:
         """`dtype` is the compute dtype of forward and backward (bfloat16: autocast); the
         master weights and the AdamW moments stay float32, which they need the precision of.
         `logprob_chunk_tokens`: positions projected onto the vocabulary at once when taking
         log-probs from the final hidden states (`engines.algorithms.logprobs`); 0: the full
-        [B, T, V] logits."""
+        [B, T, V] logits. `lr_schedule`: step -> multiplier of `lr` (`engines.algorithms.schedule`).
+        `ppo_epochs` x `ppo_mini_batches` optimizer updates per `train_step` (the step's
+        micro-batches split into that many contiguous mini-batches, each pass over them an
+        epoch); the version still advances by one per step. With `loss.kl_coef` a frozen copy of
+        the initial model is held as the reference policy (on every rank: it is not sharded)."""
         _seed_everything(seed)
         self.device = torch.device(device)
         self.compute_dtype = dtype
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.reference: torch.nn.Module | None = None
+        if loss.kl_coef:
+            self.reference = copy.deepcopy(model).to(self.device).requires_grad_(False)
         self.model = self._wrap(model.to(self.device))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
         self.max_grad_norm = max_grad_norm
         self.loss_config = loss
         self.logprob_chunk_tokens = logprob_chunk_tokens
+        self.base_lr, self.lr_schedule = lr, lr_schedule
+        self.ppo_epochs, self.ppo_mini_batches = ppo_epochs, ppo_mini_batches
         self.step = 0
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -124,35 +111,42 @@ class TorchTrainEngine:
         return autocast(self.device, self.compute_dtype)
 
     def _token_logprobs(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, entropy: bool = True
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, entropy: bool = True,
+        model: torch.nn.Module | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[B, T] ids -> [B, T] log p(x[t] | x[<t]) at the configured temperature, and [B, T] the
         entropy of each position's predicting distribution (if `entropy`); 0 at t = 0, which
         nothing predicts.
 
         Chunked (`logprob_chunk_tokens` > 0): from the final hidden states [B, T, H] and the
-        output projection [V, H], never holding [B, T, V]; else from the model's logits.
+        output projection [V, H], never holding [B, T, V]; else from the model's logits. The
+        entropy carries a gradient when the loss has an entropy bonus. `model`: default the policy.
         """
+        model = self.model if model is None else model
         targets = input_ids[:, 1:]
         if not self.logprob_chunk_tokens:
-            logits = self._token_logits(input_ids, attention_mask)
-            return (_aligned(gather_logprobs(logits, targets)),
-                    _aligned(entropy_from_logits(logits.detach())) if entropy else None)
+            logits = self._token_logits(input_ids, attention_mask, model)
+            # The entropy keeps its graph only when the loss has an entropy bonus.
+            kept = logits if self.loss_config.entropy_coef else logits.detach()
+            return _aligned(gather_logprobs(logits, targets)), _aligned(entropy_from_logits(kept)) if entropy else None
         with self._autocast():
-            hidden = self.model.get_decoder()(
+            hidden = model.get_decoder()(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=_positions(attention_mask)
             ).last_hidden_state[:, :-1]  # [B, T - 1, H]: position t predicts token t + 1
-        head = self.model.get_output_embeddings().weight  # [V, H]
+        head = model.get_output_embeddings().weight  # [V, H]
         logprobs, entropies = chunked_logprobs(
             hidden, head, targets, self.loss_config.temperature, self.logprob_chunk_tokens
         )
         return _aligned(logprobs), _aligned(entropies) if entropy else None
 
-    def _token_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """[B, T] ids -> [B, T - 1, V] float32 logits predicting tokens 1..T-1, divided by the
-        temperature: the full-logits path (`logprob_chunk_tokens` 0)."""
+    def _token_logits(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model: torch.nn.Module | None = None
+    ) -> torch.Tensor:
+        """[B, T] ids -> [B, T - 1, V] float32 logits of `model` (the policy by default) predicting
+        tokens 1..T-1, divided by the temperature: the full-logits path (`logprob_chunk_tokens` 0)."""
+        model = self.model if model is None else model
         with self._autocast():
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=_positions(attention_mask))
+            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=_positions(attention_mask))
         logits = out.logits[:, :-1].float()
         return logits / self.loss_config.temperature if self.loss_config.temperature != 1.0 else logits
 
@@ -163,92 +157,124 @@ class TorchTrainEngine:
         logprobs, _ = self._token_logprobs(input_ids, attention_mask, entropy=False)
         return logprobs.cpu()
 
-    def _policy_loss(
-        self, logprobs: torch.Tensor, batch: MicroBatch, mask: torch.Tensor
-    ) -> tuple[PolicyLoss, torch.Tensor]:
-        """Per-token policy loss [B, T] and the per-token IS weight [B, T] it was scaled by.
-
-        Its `log_ratio_clamped` marks the tokens whose log-ratio against the behaviour policy
-        was clamped: in the ratio, or with `tis_cap` in the IS weight (the ratio is then taken
-        against the proximal policy, 1 in value, and never clamped).
-        """
-        cfg = self.loss_config
-        behaviour = batch.behaviour_logprobs.to(self.device)
-        advantages = batch.advantages.to(self.device).float()
-        if cfg.tis_cap is None:
-            old, weight = behaviour, torch.ones_like(logprobs)
-            tis_clamped = torch.zeros_like(logprobs, dtype=torch.bool)
-        else:
-            old = logprobs.detach()
-            weight = truncated_is_weight(old, behaviour, cfg.tis_cap)
-            _, tis_clamped = clamped_log_ratio(old, behaviour)
-        if cfg.policy_loss == "ppo":
-            terms = ppo_clip_loss(
-                logprobs, old, advantages, eps_low=cfg.eps_low, eps_high=cfg.eps_high
-            )
-        else:
-            terms = gspo_loss(
-                logprobs, old, advantages, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high
-            )
-        clamped = terms.log_ratio_clamped | tis_clamped
-        return PolicyLoss(terms.loss * weight, terms.ratio, terms.clipped, clamped), weight
-
     def train_step(self, micro_batches: Sequence[MicroBatch]) -> dict[str, float]:
-        """Accumulates over `micro_batches`, clips the grad norm, takes one AdamW step.
+        """`ppo_epochs` x `ppo_mini_batches` optimizer updates over `micro_batches`; one step.
 
-        A step whose gradient is not finite leaves the weights as they were (still counted as
-        a step, so versions stay aligned with the batches); its grad_norm says so.
+        Each update accumulates over its mini-batch's micro-batches (the loss normalised by that
+        mini-batch's count over every rank), clips the grad norm and takes one AdamW step at
+        lr x lr_schedule(step). An update whose gradient is not finite leaves the weights as
+        they were. With a decoupled loss and more than one update, the proximal log-probs are
+        recomputed here before the first update, so later updates' ratios move away from 1.
 
-        Returns loss, clip_frac, ratio_mean, is_weight_mean, entropy (all over response
-        tokens), log_ratio_clamped (a count of response tokens whose log-ratio was clamped:
-        one such token is the signal, and as a fraction of a large step it would read 0.000),
-        grad_norm (before clipping), tokens (response tokens), step (after).
+        Returns, over the response tokens of every update: loss (mean over updates), clip_frac
+        (clip_frac_low / clip_frac_high: ratio below / above 1; dual_clip_frac), ratio_mean,
+        is_weight_mean, is_weight_std, is_masked_frac, is_rejected (sequences per pass), entropy,
+        kl, logprob_gap (mean |log pi - log pi_behaviour|), log_ratio_clamped (tokens per pass, a
+        count: one such token is the signal, and as a fraction of a large step it would read 0.000),
+        grad_norm (before clipping, mean over updates), lr, updates, tokens (response tokens
+        of the step), step (after).
         """
+        self.model.train()
+        multi = self.ppo_epochs * self.ppo_mini_batches > 1
+        proximal = self._proximal(micro_batches) if multi and self.loss_config.decoupled else None
+        lr = self.base_lr * (self.lr_schedule(self.step) if self.lr_schedule is not None else 1.0)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        totals = dict.fromkeys(METRIC_SUMS, 0.0)
+        norms: list[float] = []
+        chunks = [list(c) for c in np.array_split(np.arange(len(micro_batches)), self.ppo_mini_batches)]
+        for _ in range(self.ppo_epochs):
+            for chunk in chunks:
+                norm = self._update(
+                    [micro_batches[i] for i in chunk], None if proximal is None else [proximal[i] for i in chunk], totals
+                )
+                if norm is not None:
+                    norms.append(norm)
+        totals = self._reduce(totals)
+        self.step += 1
+        tokens = max(totals["tokens"], 1.0)
+        updates = max(len(norms), 1)
+        mean_weight = totals["is_weight"] / tokens
+        return {
+            "loss": totals["loss"] / updates,
+            "clip_frac": totals["clipped"] / tokens,
+            "clip_frac_low": totals["clipped_low"] / tokens,
+            "clip_frac_high": totals["clipped_high"] / tokens,
+            "dual_clip_frac": totals["dual_clipped"] / tokens,
+            "ratio_mean": totals["ratio"] / tokens,
+            "is_weight_mean": mean_weight,
+            "is_weight_std": max(totals["is_weight_sq"] / tokens - mean_weight**2, 0.0) ** 0.5,
+            "is_masked_frac": totals["is_masked"] / tokens,
+            "is_rejected": totals["is_rejected"] / self.ppo_epochs,
+            "entropy": totals["entropy"] / tokens,
+            "kl": totals["kl"] / tokens,
+            "logprob_gap": totals["logprob_gap"] / tokens,
+            "log_ratio_clamped": totals["log_ratio_clamped"] / self.ppo_epochs,
+            "grad_norm": sum(norms) / updates,
+            "lr": lr,
+            "updates": float(len(norms)),
+            "tokens": totals["tokens"] / self.ppo_epochs,
+            "step": float(self.step),
+        }
+
+    def _update(
+        self, micro_batches: Sequence[MicroBatch], proximal: Sequence[torch.Tensor] | None, totals: dict[str, float]
+    ) -> float | None:
+        """One optimizer update over `micro_batches` (with their proximal log-probs, if any),
+        adding its metric sums to `totals`; its grad norm, or None if no rank had a pass."""
         mode = self.loss_config.aggregation
         denominator, passes = self._step_shape(micro_batches)
-        self.model.train()
+        if passes == 0:
+            return None
         self.optimizer.zero_grad(set_to_none=True)
-        totals = dict.fromkeys(METRIC_SUMS, 0.0)
         for index in range(passes):
             # A rank with fewer micro-batches than the busiest runs empty passes: every rank
             # must join the same collectives (parameter gathers, the last pass's gradient sync).
-            batch = micro_batches[index] if index < len(micro_batches) else _empty_like(micro_batches)
+            real = index < len(micro_batches)
+            batch = micro_batches[index] if real else _empty_like(micro_batches)
             self._before_backward(last=index == passes - 1)
-            input_ids = batch.input_ids.to(self.device)
+            objective = self._objective(batch, proximal[index] if proximal is not None and real else None)
             mask = batch.loss_mask.to(self.device).float()
-            logprobs, entropy = self._token_logprobs(input_ids, batch.attention_mask.to(self.device))
-            assert entropy is not None
-            terms, weight = self._policy_loss(logprobs, batch, mask)
-            loss = aggregate(terms.loss, mask, mode, denominator=denominator)
+            loss = aggregate(objective.loss, mask, mode, denominator=denominator, norm_tokens=self.loss_config.norm_tokens)
             loss.backward()
-            with torch.no_grad():
-                totals["loss"] += loss.item()
-                totals["clipped"] += (terms.clipped * mask).sum().item()
-                totals["ratio"] += (terms.ratio * mask).sum().item()
-                totals["is_weight"] += (weight * mask).sum().item()
-                totals["entropy"] += (entropy * mask).sum().item()
-                totals["log_ratio_clamped"] += (terms.log_ratio_clamped * mask).sum().item()
-                totals["tokens"] += mask.sum().item()
-        totals = self._reduce(totals)
+            totals["loss"] += loss.item()
+            for name, value in objective.sums.items():
+                totals[name] += value
         grad_norm = self._clip_grad_norm()
         # The schemas refuse NaN and inf inputs, but extreme finite ones still overflow (a huge
         # advantage: the log-ratio is clamped, an advantage is not); one NaN update would poison
         # every weight for good.
         if torch.isfinite(grad_norm):
             self.optimizer.step()
-        self.step += 1
-        tokens = max(totals["tokens"], 1.0)
-        return {
-            "loss": totals["loss"],
-            "clip_frac": totals["clipped"] / tokens,
-            "ratio_mean": totals["ratio"] / tokens,
-            "is_weight_mean": totals["is_weight"] / tokens,
-            "entropy": totals["entropy"] / tokens,
-            "log_ratio_clamped": totals["log_ratio_clamped"],
-            "grad_norm": float(grad_norm),
-            "tokens": totals["tokens"],
-            "step": float(self.step),
-        }
+        return float(grad_norm)
+
+    def _objective(self, batch: MicroBatch, proximal: torch.Tensor | None) -> TokenObjective:
+        """The per-token objective of one micro-batch (`engines.algorithms.objective`)."""
+        input_ids, attention = batch.input_ids.to(self.device), batch.attention_mask.to(self.device)
+        logprobs, entropy = self._token_logprobs(input_ids, attention)
+        ref = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref, _ = self._token_logprobs(input_ids, attention, entropy=False, model=self.reference)
+        return token_objective(
+            self.loss_config, logprobs, batch.behaviour_logprobs.to(self.device), batch.advantages.to(self.device).float(),
+            batch.loss_mask.to(self.device).float(), proximal=None if proximal is None else proximal.to(self.device),
+            entropy=entropy, ref_logprobs=ref,
+        )
+
+    @torch.no_grad()
+    def _proximal(self, micro_batches: Sequence[MicroBatch]) -> list[torch.Tensor]:
+        """[B, T] log-probs of each micro-batch under the weights before the step's first update
+        (every rank runs as many forward passes as the busiest: FSDP gathers in forward)."""
+        _, passes = self._step_shape(micro_batches)
+        out = []
+        for index in range(passes):
+            batch = micro_batches[index] if index < len(micro_batches) else _empty_like(micro_batches)
+            logprobs, _ = self._token_logprobs(
+                batch.input_ids.to(self.device), batch.attention_mask.to(self.device), entropy=False
+            )
+            out.append(logprobs)
+        return out[: len(micro_batches)]
 
     def _step_shape(self, micro_batches: Sequence[MicroBatch]) -> tuple[int, int]:
         """The loss denominator of the whole step (tokens or sequences) and the passes to run."""

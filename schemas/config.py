@@ -18,6 +18,7 @@ from pydantic import (
     model_validator,
 )
 
+from schemas.algorithm_config import AlgorithmFamily
 from schemas.events import SamplingParams
 from schemas.names import check_run_id
 from schemas.rollout_config import RolloutConfig
@@ -62,20 +63,14 @@ class DataConfig(Section):
     """Sampling parameters for every prompt."""
 
 
-class AlgorithmConfig(Section):
+class AlgorithmConfig(AlgorithmFamily):
+    """`algorithm`: the step's shape and staleness here; the estimator, loss and regularisers in
+    `schemas.algorithm_config.AlgorithmFamily`."""
+
     prompts_per_step: int = Field(8, ge=1)
     """Groups (prompts) in one optimizer step."""
     max_staleness: int = Field(1, ge=0)
     """A sample trained at version v was generated with weights >= v - max_staleness."""
-    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
-    """Advantage estimator over each group's rewards (`engines.algorithms.advantages`):
-    grpo (minus the mean, over the std), dr_grpo (minus the mean), rloo (minus the others' mean)."""
-    policy_loss: Literal["ppo", "gspo"] = "ppo"
-    """ppo: per-token ratio, clipped to [1 - clip_low, 1 + clip_high]. gspo: one length-normalised
-    ratio per sequence (GSPO wants clip_low/clip_high near 3e-4/4e-4)."""
-    loss_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
-    """How per-token losses become the step's loss: the mean over the step's loss tokens, or the
-    mean over its sequences of each sequence's token sum or token mean."""
     drop_equal_reward_groups: bool = True
     """Dynamic sampling: drop groups whose rewards are all equal (zero advantage)."""
     lr: float = Field(3e-4, gt=0)
@@ -354,6 +349,14 @@ class RunConfig(Section):
             raise ValueError(
                 f"trainer.dp_size {self.trainer.dp_size} > the {rows} rows of a step "
                 "(algorithm.prompts_per_step x data.n): some rank would get nothing to train"
+            )
+        algo, max_tokens = self.algorithm, self.data.sampling.max_tokens
+        if algo.advantage == "passk" and algo.passk_k > self.data.n:
+            raise ValueError(f"algorithm.passk_k {algo.passk_k} > data.n {self.data.n}: a group has no k-subset")
+        if algo.overlong_buffer_tokens >= max_tokens:
+            raise ValueError(
+                f"algorithm.overlong_buffer_tokens {algo.overlong_buffer_tokens} must be below "
+                f"data.sampling.max_tokens {max_tokens}"
             )
         if self.data.n < 2:
             raise ValueError(

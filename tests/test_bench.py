@@ -120,3 +120,14 @@ def test_bench_replicas_quick() -> None:
     figures = last_json(["ops.bench.replicas", "--quick", "--repeats", "1"], timeout=280)
     assert figures["quick"] is True and figures["prompts"] > figures["max_batch_prompts"]
     assert figures["tokens_per_s_1"] > 0 and figures["tokens_per_s_2"] > 0
+
+
+@pytest.mark.timeout(400)
+def test_bench_staleness_runs_every_eta_with_and_without_correction(tmp_path: Path) -> None:
+    # A handful of steps only: the study itself (`--quick`, 100 steps a run) is far too long for a test.
+    figures = last_json(["ops.bench.staleness", "--steps", "5", "--out", str(tmp_path)], timeout=380)
+    final = figures["final_reward"]
+    assert sorted(final) == sorted(f"eta {e}, {c}" for e in (0, 2, 4) for c in ("corrected", "uncorrected")), final
+    # Staler weights generate other samples (the same seed everywhere: without the lag all three match).
+    assert len({final[f"eta {e}, uncorrected"] for e in (0, 2, 4)}) > 1, final
+    assert (tmp_path / "staleness.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -57,8 +57,18 @@ def batch(eng: TorchTrainEngine, advantage: float, log_ratio: float | torch.Tens
 def test_loss_config_carries_each_algorithm_field_to_its_own_place() -> None:
     cfg = run_config(tis_cap=2.5, policy_loss="gspo", loss_aggregation="seq-mean-token-sum")
     assert loss_config(cfg) == LossConfig(policy_loss="gspo", eps_low=0.05, eps_high=0.4,
-                                          aggregation="seq-mean-token-sum", tis_cap=2.5, temperature=0.7)
+                                          aggregation="seq-mean-token-sum", norm_tokens=16, tis_cap=2.5,
+                                          temperature=0.7)
     assert loss_config(run_config()).tis_cap is None  # no cap configured: plain PPO
+    family = run_config(
+        dual_clip_c=3.5, loss_aggregation="seq-mean-token-sum-norm", loss_scale_tokens=9, is_level="sequence",
+        is_mask_low=0.3, is_mask_high=4.5, reject_log_ratio=2.5, entropy_coef=0.01, kl_coef=0.02, kl_estimator="k2",
+    )
+    assert loss_config(family) == LossConfig(
+        eps_low=0.05, eps_high=0.4, dual_clip_c=3.5, aggregation="seq-mean-token-sum-norm", norm_tokens=9,
+        is_level="sequence", is_mask_low=0.3, is_mask_high=4.5, reject_log_ratio=2.5, entropy_coef=0.01,
+        kl_coef=0.02, kl_estimator="k2", temperature=0.7,
+    )
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,8 @@ It returns one advantage per sequence, same shape; the trainer broadcasts it ove
 sequence's response tokens (rewards are outcome rewards, no discounting).
 """
 
+import math
+
 import torch
 
 EPS = 1e-6
@@ -58,3 +60,71 @@ def reinforce_pp_baseline(rewards: torch.Tensor) -> torch.Tensor:
     """
     centred = _centre(rewards)
     return centred / (centred.std() + EPS)
+
+
+def reinforce_pp(rewards: torch.Tensor) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025): the reward whitened over the whole step, no per-group baseline.
+
+    [N, G] -> [N, G]: (r - mean over all N*G) / (unbiased std over all N*G + eps). The batch
+    mean is the only baseline, so a group whose rewards are all equal still gets a signal
+    (how its prompt fared against the rest of the step).
+    """
+    flat = rewards.flatten()
+    if flat.numel() < 2:
+        raise ValueError("whitening over the step needs at least 2 samples")
+    return (rewards - flat.mean()) / (flat.std() + EPS)
+
+
+def passk(rewards: torch.Tensor, k: int) -> torch.Tensor:
+    """Pass@k group baseline (Chen et al. 2025, analytic form) for 0/1 rewards. [..., G] -> [..., G].
+
+    The reward of a k-subset of the group is its best member's; a sample's advantage is the
+    mean reward of the k-subsets holding it minus the mean over all k-subsets, over that
+    subsets' reward std. With c correct of G and w = G - c wrong:
+        R = 1 - C(w, k) / C(G, k),  s = sqrt(R (1 - R))
+        A_correct = (1 - R) / s,    A_wrong = (1 - R - C(w - 1, k - 1) / C(G - 1, k - 1)) / s
+    A group where every k-subset has the same reward (s = 0) gets zeros. k = 1 is GRPO with
+    the population std.
+    """
+    group = rewards.shape[-1]
+    if not 1 <= k <= group:
+        raise ValueError(f"pass@k needs 1 <= k <= group size {group}, not {k}")
+    if not bool(((rewards == 0) | (rewards == 1)).all()):
+        raise ValueError("pass@k advantages need rewards of 0 or 1")
+    wrong = (rewards == 0).sum(-1, keepdim=True).double()  # [..., 1]
+    mean = 1.0 - _choose(wrong, k) / math.comb(group, k)
+    std = (mean * (1.0 - mean)).sqrt()
+    all_wrong_given_wrong = _choose(wrong - 1.0, k - 1) / math.comb(group - 1, k - 1)
+    adv = torch.where(rewards == 1, 1.0 - mean, 1.0 - mean - all_wrong_given_wrong)
+    return torch.where(std > EPS, adv / std.clamp(min=EPS), 0.0).to(rewards.dtype)
+
+
+def _choose(n: torch.Tensor, k: int) -> torch.Tensor:
+    """C(n, k) elementwise for float n >= -1 (0 where n < k), exact for the small ints of a group."""
+    out = torch.ones_like(n)
+    for i in range(k):
+        out = out * (n - i).clamp(min=0) / (i + 1)
+    return out
+
+
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "passk")
+"""Estimators that see one group at a time; the others whiten over the whole step."""
+
+
+def step_advantages(name: str, groups: list[torch.Tensor], *, passk_k: int = 1) -> list[torch.Tensor]:
+    """The advantages of one step's groups ([G_i] rewards each, sizes may differ) by `name`.
+
+    grpo, dr_grpo, rloo and passk see each group alone; reinforce_pp and reinforce_pp_baseline
+    whiten over every sample of the step (after the group mean, for the baseline variant).
+    """
+    if name in GROUP_ESTIMATORS:
+        one = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "passk": lambda r: passk(r, passk_k)}[name]
+        return [one(g) for g in groups]
+    if name == "reinforce_pp":
+        flat = reinforce_pp(torch.cat(groups))
+    elif name == "reinforce_pp_baseline":
+        flat = torch.cat([_centre(g) for g in groups])
+        flat = flat / (flat.std() + EPS)
+    else:
+        raise ValueError(f"unknown advantage estimator {name!r}")
+    return list(flat.split([g.numel() for g in groups]))

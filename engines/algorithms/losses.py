@@ -11,7 +11,9 @@ from typing import Literal
 
 import torch
 
-AggregationMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+AggregationMode = Literal[
+    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+]
 
 LOG_RATIO_BOUND = 20.0
 """|log pi - log pi_old| is clamped to this before exp (as verl's PPO loss does): e^20 ~ 4.9e8 is
@@ -24,14 +26,17 @@ gradient NaN, and the whole step would be skipped."""
 @dataclass(frozen=True)
 class PolicyLoss:
     """loss: [B, T] per-token loss; ratio: [B, T] importance ratio (detached);
-    clipped: [B, T] bool, True where clipping zeroed the token's gradient;
+    clipped: [B, T] bool, True where clipping zeroed the token's gradient (cispo: where the
+    weight was clipped; the gradient stays);
     log_ratio_clamped: [B, T] bool, True where the token's log-ratio was out of
-    [-LOG_RATIO_BOUND, LOG_RATIO_BOUND] and clamped."""
+    [-LOG_RATIO_BOUND, LOG_RATIO_BOUND] and clamped;
+    dual_clipped: [B, T] bool, True where dual-clip bound the loss at -c A (None: no dual clip)."""
 
     loss: torch.Tensor
     ratio: torch.Tensor
     clipped: torch.Tensor
     log_ratio_clamped: torch.Tensor
+    dual_clipped: torch.Tensor | None = None
 
 
 def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -66,18 +71,32 @@ def clamped_log_ratio(
 
 
 def _clipped_surrogate(
-    ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float, log_ratio_clamped: torch.Tensor
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    log_ratio_clamped: torch.Tensor,
+    dual_clip_c: float | None = None,
 ) -> PolicyLoss:
-    """-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A). ratio [B, T], advantages [B]."""
+    """-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), and with dual-clip, where A < 0, at most
+    -c A (Ye et al. 2020). ratio [B, T], advantages [B]."""
     adv = advantages.unsqueeze(-1)  # [B, 1], one advantage per sequence
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
+    loss = -torch.minimum(unclipped, clipped)
+    dual = None
+    if dual_clip_c is not None:
+        bound = -dual_clip_c * adv  # [B, 1], > 0 where A < 0
+        dual = ((adv < 0) & (loss > bound)).detach()
+        # A constant where it binds: a ratio far above 1 on a bad token stops steering the step.
+        loss = torch.where(adv < 0, torch.minimum(loss, bound), loss)
     return PolicyLoss(
-        loss=-torch.minimum(unclipped, clipped),
+        loss=loss,
         ratio=ratio.detach(),
         # The min picks the (constant) clipped branch exactly when it is strictly smaller.
         clipped=(clipped < unclipped).detach(),
         log_ratio_clamped=log_ratio_clamped,
+        dual_clipped=dual,
     )
 
 
@@ -88,16 +107,42 @@ def ppo_clip_loss(
     *,
     eps_low: float = 0.2,
     eps_high: float = 0.28,
+    dual_clip_c: float | None = None,
 ) -> PolicyLoss:
-    """PPO clipped surrogate with asymmetric clip-higher (DAPO).
+    """PPO clipped surrogate with asymmetric clip-higher (DAPO), optionally dual-clip.
 
     logprobs [B, T] (with grad), old_logprobs [B, T], advantages [B]. A larger
     ``eps_high`` lets low-probability tokens with positive advantage grow further before
     clipping, which keeps entropy from collapsing. The log-ratio is clamped before exp
-    (`clamped_log_ratio`).
+    (`clamped_log_ratio`). ``dual_clip_c`` (> 1): for A < 0 the loss is min(PPO loss, -c A).
     """
     log_ratio, clamped = clamped_log_ratio(logprobs, old_logprobs.detach())
-    return _clipped_surrogate(torch.exp(log_ratio), advantages, eps_low, eps_high, clamped)
+    return _clipped_surrogate(torch.exp(log_ratio), advantages, eps_low, eps_high, clamped, dual_clip_c)
+
+
+def cispo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+) -> PolicyLoss:
+    """CISPO (MiniMax-M1, 2025): -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi per token.
+
+    logprobs [B, T] (with grad), old_logprobs [B, T], advantages [B]. The clipped ratio is a
+    detached weight, so unlike PPO no token loses its gradient: a clipped one keeps
+    clip(r) A grad log pi. ``clipped`` marks where the weight was clipped.
+    """
+    log_ratio, clamped = clamped_log_ratio(logprobs.detach(), old_logprobs.detach())
+    ratio = torch.exp(log_ratio)
+    weight = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    return PolicyLoss(
+        loss=-(weight * advantages.unsqueeze(-1)) * logprobs,
+        ratio=ratio,
+        clipped=(weight != ratio),
+        log_ratio_clamped=clamped,
+    )
 
 
 def gspo_loss(
@@ -141,9 +186,12 @@ def truncated_is_weight(
 
 
 def aggregation_count(mask: torch.Tensor, mode: AggregationMode) -> int:
-    """The denominator `aggregate` uses for `mask` [B, T]: loss tokens, or sequences with any."""
+    """The denominator `aggregate` uses for `mask` [B, T]: loss tokens, sequences with any (an
+    empty row is not counted), or 1 (token-sum)."""
     if mode == "token-mean":
         return int(mask.sum().item())
+    if mode == "token-sum":
+        return 1
     return int((mask.sum(-1) > 0).sum().item())
 
 
@@ -152,24 +200,31 @@ def aggregate(
     mask: torch.Tensor,
     mode: AggregationMode,
     denominator: float | None = None,
+    norm_tokens: int | None = None,
 ) -> torch.Tensor:
     """Reduces a per-token loss [B, T] over the masked tokens to a scalar.
 
     - token-mean: sum over all tokens / number of tokens (long answers weigh more).
-    - seq-mean-token-sum: per-sequence sum, averaged over sequences (Dr. GRPO; no length bias).
+    - token-sum: sum over all tokens (scales with the batch; for a constant-size step).
+    - seq-mean-token-sum: per-sequence sum, averaged over sequences (no length bias).
     - seq-mean-token-mean: per-sequence mean, averaged over sequences (original GRPO, GSPO).
+    - seq-mean-token-sum-norm: per-sequence sum / ``norm_tokens`` (a constant such as the
+      generation limit; default T), averaged over sequences (Dr. GRPO's normaliser).
 
-    ``denominator`` overrides the count of tokens/sequences: pass the count over *all*
-    micro-batches of a step (`aggregation_count`) so that accumulating micro-batch losses
-    gives the same gradient as one big batch.
+    Sequences without a loss token count in no sequence mean. ``denominator`` overrides the
+    count of tokens/sequences: pass the count over *all* micro-batches of a step
+    (`aggregation_count`) so that accumulating micro-batch losses gives the same gradient as
+    one big batch.
     """
     masked = loss * mask
-    if mode == "token-mean":
+    if mode in ("token-mean", "token-sum"):
         numerator = masked.sum()
     elif mode == "seq-mean-token-sum":
         numerator = masked.sum(-1).sum()
     elif mode == "seq-mean-token-mean":
         numerator = (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum()
+    elif mode == "seq-mean-token-sum-norm":
+        numerator = masked.sum() / (norm_tokens or mask.shape[-1])
     else:
         raise ValueError(f"unknown aggregation mode {mode!r}")
     count = aggregation_count(mask, mode) if denominator is None else denominator
