@@ -96,6 +96,8 @@ class Publisher:
         self._deadlines: dict[int, list[str]] = {}
         # The loop keeps only weak references to tasks: these keep the retries alive.
         self._retries: set[asyncio.Task[PubAck]] = set()
+        # When a publish last warned that its stream is full (loop time).
+        self._full_said = -math.inf
 
     async def send(
         self, channel: Channel[E], event: E, *tokens: str | int, attributes: dict[str, str | int | float] | None = None
@@ -178,21 +180,27 @@ class Publisher:
         if awaiting is None:  # its ack came after its deadline: its retry settles it
             return
         acked, subject, data, headers = awaiting
-        self._release(len(data))
         if acked.done():  # the caller gave up on it
+            self._release(len(data))
             return
-        reason = "no ack in time"
+        reason, full = "no ack in time", False
         if answer is not None:
             # Retried too: an error from the stream, no stream at all, or an answer that is no ack.
             try:
                 acked.set_result(pub_ack(answer))
+                self._release(len(data))
                 return
             except (nats.errors.Error, ValueError, KeyError, TypeError) as exc:
                 reason = f"{type(exc).__name__}: {exc}"
-        log.warning("publish to %s failed (%s); retrying", subject, reason)
+                full = isinstance(exc, nats.js.errors.APIError) and stream_full(exc)
+        # A full stream is said by the retry, once for all the publishes that wait.
+        (log.debug if full else log.warning)("publish to %s failed (%s); retrying", subject, reason)
         retry = asyncio.create_task(self._retry(subject, data, headers))
         self._retries.add(retry)
         retry.add_done_callback(self._retries.discard)
+        # Its bytes stay in flight until the retry settles: while a stream is full, senders
+        # wait for the budget instead of piling more retries onto it.
+        retry.add_done_callback(lambda _: self._release(len(data)))
         retry.add_done_callback(lambda r: _copy_outcome(r, acked))
 
     def _expire_later(self, reply: str) -> None:
@@ -220,9 +228,29 @@ class Publisher:
         that refuses (its intake queue full, its limits reached) may accept once consumers
         catch up; the caller is told only when `retry_for` is spent."""
         return await ride_out(
-            lambda: self.js.publish(subject, data, timeout=self.ack_timeout, headers=headers),
+            lambda: self._publish_when_room(subject, data, headers),
             f"publish to {subject}", self.retry_for, retry_on=(Exception,),
         )
+
+    async def _publish_when_room(self, subject: str, data: bytes, headers: dict[str, str]) -> PubAck:
+        """Publish as a request; while the stream is full (its limits reached, discard new), wait
+        for its consumers with no deadline: that is backpressure, not a failure."""
+        loop = asyncio.get_running_loop()
+        since = loop.time()
+        while True:
+            try:
+                return await self.js.publish(subject, data, timeout=self.ack_timeout, headers=headers)
+            except nats.js.errors.APIError as exc:
+                if not stream_full(exc):
+                    raise
+                # One warning per FULL_LOG_EVERY for the whole publisher, not one per message.
+                if loop.time() - self._full_said >= FULL_LOG_EVERY:
+                    log.warning(
+                        "stream of %s is full (%s): publishes wait for its consumers to ack (backpressure); "
+                        "this one for %.0f s so far", subject, exc.description, loop.time() - since,
+                    )
+                    self._full_said = loop.time()
+            await asyncio.sleep(FULL_PAUSE)
 
     def _release(self, nbytes: int) -> None:
         self._inflight_bytes -= nbytes
@@ -230,6 +258,20 @@ class Publisher:
         # sends a burst instead of one event per ack.
         if self._inflight_bytes <= self.max_inflight_bytes // 2:
             self._freed.set()
+
+
+STREAM_FULL = 10077
+"""JetStream's error code for a publish refused by a stream's limits (maximum bytes or messages
+exceeded, with discard new); nats-py raises it as a 503."""
+FULL_PAUSE = 0.5
+"""Seconds between tries of a publish to a full stream."""
+FULL_LOG_EVERY = 30.0
+"""Seconds between the warnings of one publish waiting for room."""
+
+
+def stream_full(exc: nats.js.errors.APIError) -> bool:
+    """Whether the stream refused the publish because it is full (not an election, not an error)."""
+    return exc.err_code == STREAM_FULL
 
 
 def pub_ack(answer: Msg) -> PubAck:
