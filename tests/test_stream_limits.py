@@ -10,10 +10,11 @@ import asyncio
 import logging
 import uuid
 
+import nats.errors
 import numpy as np
 import pytest
 from nats.js import JetStreamContext
-from nats.js.api import DiscardPolicy, RetentionPolicy
+from nats.js.api import DiscardPolicy, PubAck, RetentionPolicy
 
 from bus import loss
 from bus.embedded import EmbeddedNats
@@ -57,23 +58,36 @@ def test_a_full_stream_makes_the_publisher_wait_and_loses_nothing(
     count = 40
 
     async def body(js: JetStreamContext) -> None:
-        publisher = Publisher(js, topology, ack_timeout=1.0, retry_for=2.0)
-        acks = [await publisher.send(TRAJECTORIES, big_trajectory(topology.run, i)) for i in range(count)]
+        # The in-flight budget is 12 events: publishes waiting for room keep theirs, so the
+        # sender itself stops instead of piling retries onto the full stream.
+        publisher = Publisher(js, topology, ack_timeout=1.0, retry_for=2.0, max_inflight_bytes=600_000)
+        acks: list[asyncio.Future[PubAck]] = []
+
+        async def send_all() -> None:
+            for i in range(count):
+                acks.append(await publisher.send(TRAJECTORIES, big_trajectory(topology.run, i)))
+
+        sending = asyncio.create_task(send_all())
         await asyncio.sleep(3.0)  # longer than retry_for: a full stream is not a failure
         stored = (await js.stream_info(topology.stream(TRAJECTORIES))).state
-        waiting = [a for a in acks if not a.done()]
         assert stored.messages < count and stored.bytes <= MIB, "the stream took more than its limit"
-        assert len(waiting) == count - stored.messages, "a publish past the limit did not wait"
         assert not any(a.done() and a.exception() for a in acks), "a publish to the full stream failed"
+        assert all(not a.done() for a in acks[stored.messages:]), "a publish past the limit did not wait"
+        assert not sending.done() and len(acks) < count, "the sender did not wait for the in-flight budget"
         assert any("is full" in r.getMessage() and "backpressure" in r.getMessage() for r in caplog.records)
 
         sub = await js.pull_subscribe_bind(TRAJECTORIES.work_queue.durable, stream=topology.stream(TRAJECTORIES))
         got: list[str] = []
         while len(got) < count:
-            for msg in await sub.fetch(5, timeout=10):
+            try:
+                batch = await sub.fetch(5, timeout=5)
+            except nats.errors.TimeoutError:
+                pytest.fail(f"acking freed no room: {len(got)} of {count} events came")
+            for msg in batch:
                 got.append(decode(msg.data, TrajectoryEvent).id)
                 await msg.ack_sync()
         assert got == [big_trajectory(topology.run, i).id for i in range(count)]
+        await asyncio.wait_for(sending, 10.0)
         await asyncio.wait_for(asyncio.gather(*acks), 10.0)  # every publish went through
         assert await loss.lost(js, topology, TRAJECTORIES) == 0
         await publisher.close()
