@@ -19,6 +19,8 @@ from nats.js.api import DiscardPolicy, PubAck, RetentionPolicy
 from bus import loss
 from bus.embedded import EmbeddedNats
 from bus.publisher import Publisher
+from ops import status
+from ops.audit import audit
 from bus.topology import BATCHES, DEAD, REWARDS, TRAJECTORIES, Topology
 from schemas import Tensor, TrajectoryEvent, decode
 from schemas.codec import encode
@@ -122,6 +124,9 @@ def test_the_guard_counts_work_deleted_before_it_was_acked(nats_server: Embedded
             await msg.ack_sync()
         assert await loss.lost(js, topology, TRAJECTORIES) == 0
         assert (await loss.all_lost(js, kv, topology))[TRAJECTORIES.name] == 6
+        page = status.lost_line(await status._lost(js, topology))
+        assert page.startswith("LOST WORK: trajectories 6 message(s)"), page
+        assert (await audit(js, topology, max_staleness=1))["lost"] == {"prompts": 0, "trajectories": 6, "rewards": 0}
         await publisher.close()
 
     run_bus(nats_server, topology, body)
