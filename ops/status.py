@@ -33,7 +33,15 @@ from bus import loss
 from bus.connection import DEFAULT_URL, connect
 from bus.election import or_unknown
 from bus.lag import QueueLag, queue_lag
-from bus.topology import BATCHES, CHANNELS, DEAD, WEIGHTS, WORK_QUEUES, Topology, run_id_arg
+from bus.topology import (
+    BATCHES,
+    CHANNELS,
+    DEAD,
+    WEIGHTS,
+    WORK_QUEUES,
+    Topology,
+    run_id_arg,
+)
 from consumers.membership import Member, live_members
 from ops.stall import stalled_line
 from schemas import BatchEvent, DecodeError, WeightVersionEvent, decode

@@ -15,8 +15,8 @@ import os
 import sys
 from pathlib import Path
 
-from nats.js import JetStreamContext
 import yaml
+from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 
 from bus.connection import DEFAULT_URL, connect

@@ -58,7 +58,7 @@ class StreamsConfig(Section):
     are replaced by the gate), text heavier than 4 bytes per token."""
     max_prompt_tokens: int = Field(2048, ge=1)
     """The longest prompt the bounds assume, in tokens (the response's is `data.sampling.max_tokens`)."""
-    max_bytes: dict[StreamName, int] = {}
+    max_bytes: dict[StreamName, int] = Field(default_factory=dict)
     """Operator overrides, in bytes, by stream (prompts, trajectories, rewards, batches, weights,
     dead). One below the derived need is refused at load with the need and how it was derived;
     one above is used as it is."""
@@ -122,15 +122,19 @@ def _needs(cfg: RunConfig) -> dict[str, tuple[float, str]]:
     return {
         "prompts": (
             cfg.trainer.steps * a.prompts_per_step * prompt,
-            f"every prompt of the run (gate resume, audit): steps {cfg.trainer.steps} x prompts_per_step "
-            f"{a.prompts_per_step} x {prompt:,} B ({prompt_tokens} tokens)",
+            (
+                f"every prompt of the run (gate resume, audit): steps {cfg.trainer.steps} x prompts_per_step "
+                f"{a.prompts_per_step} x {prompt:,} B ({prompt_tokens} tokens)"
+            ),
         ),
         "trajectories": (samples * trajectory, f"{why} x {trajectory:,} B ({tokens})"),
         "rewards": (samples * reward, f"{why} x {reward:,} B (a trajectory and its score)"),
         "batches": (
             cfg.trainer.steps * step,
-            f"every step of the run (trainer restart, buffer replay): steps {cfg.trainer.steps} x "
-            f"{group} rows x ({tokens}) x {BATCH_BYTES_PER_TOKEN} B",
+            (
+                f"every step of the run (trainer restart, buffer replay): steps {cfg.trainer.steps} x "
+                f"{group} rows x ({tokens}) x {BATCH_BYTES_PER_TOKEN} B"
+            ),
         ),
         "weights": (versions * WEIGHTS_EVENT_BYTES, f"{versions} versions x {WEIGHTS_EVENT_BYTES:,} B per event"),
     }

@@ -19,9 +19,9 @@ from nats.js.api import DiscardPolicy, PubAck, RetentionPolicy
 from bus import loss
 from bus.embedded import EmbeddedNats
 from bus.publisher import Publisher
+from bus.topology import BATCHES, DEAD, REWARDS, TRAJECTORIES, Topology
 from ops import status
 from ops.audit import audit
-from bus.topology import BATCHES, DEAD, REWARDS, TRAJECTORIES, Topology
 from schemas import Tensor, TrajectoryEvent, decode
 from schemas.codec import encode
 from schemas.config import ConfigError, RunConfig, parse_config
