@@ -17,9 +17,13 @@ from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, PubAck, RetentionPolicy
 
 from bus import loss
+from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.publisher import Publisher
 from bus.topology import BATCHES, DEAD, REWARDS, TRAJECTORIES, Topology
+from bus.worker import WorkerOptions
+from consumers.runtime import attach, publish_config
+from consumers.stage import Stage, serve
 from ops import status
 from ops.audit import audit
 from schemas import Tensor, TrajectoryEvent, decode
@@ -187,3 +191,44 @@ def test_the_per_token_sizes_cover_the_codec() -> None:
     )
     derived = EVENT_OVERHEAD + prompt * TRAJECTORY_PROMPT_BYTES_PER_TOKEN + response * TRAJECTORY_RESPONSE_BYTES_PER_TOKEN
     assert len(encode(event)) <= derived
+
+
+def test_a_stage_reports_work_its_stream_deleted_unacked(
+    nats_server: EmbeddedNats, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The loss guard runs beside every stage that serves a work queue: with an age limit forced
+    to 1 s and a stage that takes one trajectory at a time, 3 s each, the 3 it has not fetched
+    yet are deleted; the stage says so at ERROR and records the count in the run's KV, where
+    ops.status and ops.audit read it. (The one it holds is deleted too, but the server moves
+    the ack floor past a delivered message it deletes: the worker still has that one's data.)"""
+    run = f"t{uuid.uuid4().hex[:10]}"
+    config = parse_config({"run": run, "streams": {"max_age_s": 1.0, "guard_seconds": 0.3}})
+
+    async def handler(event: TrajectoryEvent, msg: object) -> None:
+        await asyncio.sleep(3.0)  # held past the age limit
+
+    async def body() -> int:
+        nc = await connect(nats_server.url, "test-declare")
+        await Topology(run=run).apply_buckets(nc.jetstream())
+        await publish_config(await nc.jetstream().key_value(Topology(run=run).kv_bucket), config)
+        await nc.close()
+        rt = await attach("reward", run, nats_server.url)
+        try:
+            for i in range(4):
+                await rt.publisher.publish(TRAJECTORIES, trajectory(run, prompt=i))
+            stop = asyncio.Event()
+            stage = Stage(TRAJECTORIES, handler, WorkerOptions(concurrency=1))
+            serving = asyncio.create_task(serve(rt, stage, stop))
+            for _ in range(40):
+                if await loss.recorded(rt.kv, TRAJECTORIES):
+                    break
+                await asyncio.sleep(0.25)
+            stop.set()
+            await asyncio.wait_for(serving, 20.0)
+            return await loss.recorded(rt.kv, TRAJECTORIES)
+        finally:
+            await rt.close()
+
+    with caplog.at_level(logging.ERROR, logger="jetrl.loss"):
+        assert asyncio.run(body()) == 3, "the stage did not record the work its stream deleted"
+    assert any("WORK LOST" in r.getMessage() and "deleted 3 message(s)" in r.getMessage() for r in caplog.records)
