@@ -6,7 +6,10 @@ passes floor + 1, the messages in between were deleted (by a limit: bytes, age) 
 consumer had not acked them: work lost. Streams are made so that this cannot happen (discard
 new, no age limit by default: `bus.topology`); the guard is what tells when it did anyway.
 
-The floor jumps past deleted messages once the consumer fetches again, so the gap shows only
+What the guard sees is work deleted before any worker fetched it. A message deleted while a
+worker holds it moves the floor past it at once (the server drops it from the pending set; the
+worker still has its data, finishes and publishes its result, but a crash would now lose it).
+The floor also jumps past deleted messages once the consumer fetches again, so the gap shows only
 until then: the workers check often (`watch`) and record what they saw in the run's KV
 (`loss.<channel>`), where `ops.status` and `ops.audit` read it besides their own check.
 """
