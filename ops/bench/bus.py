@@ -44,12 +44,19 @@ from schemas import TrajectoryEvent, decode, encode
 from tests.helpers import trajectory
 
 
+def bench_topology(run: str) -> Topology:
+    """A run whose trajectories stream holds every event of a round: both sides publish them all
+    before consuming, and a full stream would make them wait (discard new) for ever."""
+    defaults = Topology(run=run).max_bytes
+    return Topology(run=run, max_bytes={**defaults, TRAJECTORIES.name: 4 << 30})
+
+
 def events(run: str, count: int, tokens: int) -> list[TrajectoryEvent]:
     return [trajectory(run, prompt=i, tokens=tokens) for i in range(count)]
 
 
 async def ours(js: JetStreamContext, run: str, evs: list[TrajectoryEvent]) -> float:
-    topo = Topology(run=run)
+    topo = bench_topology(run)
     await topo.apply(js)
     start = time.perf_counter()
     publisher = Publisher(js, topo)
@@ -76,7 +83,7 @@ async def ours(js: JetStreamContext, run: str, evs: list[TrajectoryEvent]) -> fl
 
 
 async def baseline(js: JetStreamContext, run: str, payloads: list[bytes], ids: list[str] | None) -> float:
-    topo = Topology(run=run)
+    topo = bench_topology(run)
     await topo.apply(js)
     subject = topo.subject(TRAJECTORIES)
     start = time.perf_counter()
