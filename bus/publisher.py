@@ -98,6 +98,8 @@ class Publisher:
         self._retries: set[asyncio.Task[PubAck]] = set()
         # When a publish last warned that its stream is full (loop time).
         self._full_said = -math.inf
+        # Per subject: the publishes waiting for room in its full stream take turns.
+        self._room: dict[str, asyncio.Lock] = {}
 
     async def send(
         self, channel: Channel[E], event: E, *tokens: str | int, attributes: dict[str, str | int | float] | None = None
@@ -144,8 +146,13 @@ class Publisher:
         # Callbacks, not a coroutine per publish: a task and a `wait_for` each cost as much as
         # the server's work on a small event (ops.bench.bus).
         acked: asyncio.Future[PubAck] = asyncio.get_running_loop().create_future()
-        self._awaiting[reply] = (acked, subject, data, headers)
         self._inflight_bytes += len(data)
+        if (room := self._room.get(subject)) is not None and room.locked():
+            # Its stream is full and earlier publishes wait their turn: this one queues behind
+            # them instead of overtaking them when room comes.
+            self._start_retry(acked, subject, data, headers)
+            return acked
+        self._awaiting[reply] = (acked, subject, data, headers)
         try:
             await self.js.client.publish(subject, data, reply=reply, headers=headers)
         except Exception:
@@ -195,6 +202,9 @@ class Publisher:
                 full = isinstance(exc, nats.js.errors.APIError) and stream_full(exc)
         # A full stream is said by the retry, once for all the publishes that wait.
         (log.debug if full else log.warning)("publish to %s failed (%s); retrying", subject, reason)
+        self._start_retry(acked, subject, data, headers)
+
+    def _start_retry(self, acked: asyncio.Future[PubAck], subject: str, data: bytes, headers: dict[str, str]) -> None:
         retry = asyncio.create_task(self._retry(subject, data, headers))
         self._retries.add(retry)
         retry.add_done_callback(self._retries.discard)
@@ -234,23 +244,38 @@ class Publisher:
 
     async def _publish_when_room(self, subject: str, data: bytes, headers: dict[str, str]) -> PubAck:
         """Publish as a request; while the stream is full (its limits reached, discard new), wait
-        for its consumers with no deadline: that is backpressure, not a failure."""
+        for its consumers with no deadline: that is backpressure, not a failure. The publishes
+        waiting for one subject take turns (FIFO), so one of them polls the server, not all."""
+        room = self._room.setdefault(subject, asyncio.Lock())
+        if not room.locked():  # nobody waits for room: try at once
+            try:
+                return await self._request(subject, data, headers)
+            except _StreamFull:
+                pass
         loop = asyncio.get_running_loop()
         since = loop.time()
-        while True:
-            try:
-                return await self.js.publish(subject, data, timeout=self.ack_timeout, headers=headers)
-            except nats.js.errors.APIError as exc:
-                if not stream_full(exc):
-                    raise
-                # One warning per FULL_LOG_EVERY for the whole publisher, not one per message.
-                if loop.time() - self._full_said >= FULL_LOG_EVERY:
-                    log.warning(
-                        "stream of %s is full (%s): publishes wait for its consumers to ack (backpressure); "
-                        "this one for %.0f s so far", subject, exc.description, loop.time() - since,
-                    )
-                    self._full_said = loop.time()
-            await asyncio.sleep(FULL_PAUSE)
+        async with room:
+            while True:
+                try:
+                    return await self._request(subject, data, headers)
+                except _StreamFull as full:
+                    # One warning per FULL_LOG_EVERY for the whole publisher, not one per message.
+                    if loop.time() - self._full_said >= FULL_LOG_EVERY:
+                        log.warning(
+                            "stream of %s is full (%s): publishes wait for its consumers to ack "
+                            "(backpressure); this one for %.0f s so far", subject, full, loop.time() - since,
+                        )
+                        self._full_said = loop.time()
+                await asyncio.sleep(FULL_PAUSE)
+
+    async def _request(self, subject: str, data: bytes, headers: dict[str, str]) -> PubAck:
+        """One request publish; _StreamFull when the stream refused it for its limits."""
+        try:
+            return await self.js.publish(subject, data, timeout=self.ack_timeout, headers=headers)
+        except nats.js.errors.APIError as exc:
+            if stream_full(exc):
+                raise _StreamFull(exc.description) from exc
+            raise
 
     def _release(self, nbytes: int) -> None:
         self._inflight_bytes -= nbytes
@@ -267,6 +292,10 @@ FULL_PAUSE = 0.5
 """Seconds between tries of a publish to a full stream."""
 FULL_LOG_EVERY = 30.0
 """Seconds between the warnings of one publish waiting for room."""
+
+
+class _StreamFull(Exception):
+    """A publish the stream refused for its limits: waited out, never given to the caller."""
 
 
 def stream_full(exc: nats.js.errors.APIError) -> bool:

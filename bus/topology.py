@@ -42,7 +42,7 @@ from schemas.events import (
     TrajectoryEvent,
 )
 from schemas.names import check_run_id
-from schemas.streams_config import DEAD_BYTES, MIN_STREAM_BYTES, stream_needs
+from schemas.streams_config import stream_needs
 from schemas.weight_event import WeightVersionEvent
 
 if TYPE_CHECKING:
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
 E = TypeVar("E", bound=Event)
 
+GiB = 1 << 30
 # Long enough that a redelivery after a restart is still deduplicated by the server
 # (the default is 2 minutes); consumers also drop ids they have already seen.
 DEDUP_WINDOW = 3600.0
@@ -263,10 +264,18 @@ class Topology:
     run: str
     replicas: int = 1
     max_bytes: dict[str, int] = field(
-        default_factory=lambda: {c.name: DEAD_BYTES if c is DEAD else MIN_STREAM_BYTES for c in CHANNELS}
+        default_factory=lambda: {
+            PROMPTS.name: 1 * GiB,
+            TRAJECTORIES.name: 4 * GiB,
+            REWARDS.name: 4 * GiB,
+            BATCHES.name: 8 * GiB,
+            WEIGHTS.name: 64 << 20,
+            DEAD.name: 1 * GiB,
+        }
     )
-    """Per channel name. The defaults only name a run's objects (ops tools that read it); a run's
-    streams are made with the limits its config derives (`for_config`, `schemas.streams_config`)."""
+    """Per channel name. A run's streams are made with the limits its config derives
+    (`for_config`, `schemas.streams_config`); these defaults serve what declares a run without
+    a config (tests, benchmarks) and the ops tools that only need the names."""
     max_age: float = 0.0
     """Seconds a message may live in a stream; 0: no age limit."""
     keep_consumed: bool = False

@@ -74,8 +74,14 @@ def test_a_full_stream_makes_the_publisher_wait_and_loses_nothing(
                 acks.append(await publisher.send(TRAJECTORIES, big_trajectory(topology.run, i)))
 
         sending = asyncio.create_task(send_all())
-        await asyncio.sleep(3.0)  # longer than retry_for: a full stream is not a failure
-        stored = (await js.stream_info(topology.stream(TRAJECTORIES))).state
+        # Until the stream has stopped growing for longer than retry_for (a full stream is not
+        # a failure); polled, not one sleep: on a loaded machine filling it takes a while.
+        stored, still = (await js.stream_info(topology.stream(TRAJECTORIES))).state, 0.0
+        while still < 3.0:
+            await asyncio.sleep(0.5)
+            now = (await js.stream_info(topology.stream(TRAJECTORIES))).state
+            still = still + 0.5 if now.messages == stored.messages and now.messages else 0.0
+            stored = now
         assert stored.messages < count and stored.bytes <= MIB, "the stream took more than its limit"
         assert not any(a.done() and a.exception() for a in acks), "a publish to the full stream failed"
         assert all(not a.done() for a in acks[stored.messages:]), "a publish past the limit did not wait"

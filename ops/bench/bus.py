@@ -44,19 +44,12 @@ from schemas import TrajectoryEvent, decode, encode
 from tests.helpers import trajectory
 
 
-def bench_topology(run: str) -> Topology:
-    """A run whose trajectories stream holds every event of a round: both sides publish them all
-    before consuming, and a full stream would make them wait (discard new) for ever."""
-    defaults = Topology(run=run).max_bytes
-    return Topology(run=run, max_bytes={**defaults, TRAJECTORIES.name: 4 << 30})
-
-
 def events(run: str, count: int, tokens: int) -> list[TrajectoryEvent]:
     return [trajectory(run, prompt=i, tokens=tokens) for i in range(count)]
 
 
 async def ours(js: JetStreamContext, run: str, evs: list[TrajectoryEvent]) -> float:
-    topo = bench_topology(run)
+    topo = Topology(run=run)
     await topo.apply(js)
     start = time.perf_counter()
     publisher = Publisher(js, topo)
@@ -83,7 +76,7 @@ async def ours(js: JetStreamContext, run: str, evs: list[TrajectoryEvent]) -> fl
 
 
 async def baseline(js: JetStreamContext, run: str, payloads: list[bytes], ids: list[str] | None) -> float:
-    topo = bench_topology(run)
+    topo = Topology(run=run)
     await topo.apply(js)
     subject = topo.subject(TRAJECTORIES)
     start = time.perf_counter()
