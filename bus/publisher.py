@@ -13,6 +13,8 @@
   loses its leader, publishes are refused at once ("no response from stream") until a new
   leader is elected, which takes 4-9 s (raft election timeout; measured 4.3-8.3 s, see
   docs/reliability.md). A short pause between tries keeps the stall close to the election.
+- A full stream (discard new: `bus.topology`) is backpressure, not an error: its publishes wait
+  with no deadline, in turn and in order, holding their in-flight bytes (docs/reliability.md).
 """
 
 from __future__ import annotations
