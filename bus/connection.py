@@ -9,10 +9,13 @@ import os
 import socket
 import ssl
 from collections.abc import Callable
+from pathlib import Path
 
 import nats.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext, api
+
+from bus.identity import IdentityError, connect_options
 
 log = logging.getLogger("jetrl.bus")
 
@@ -63,12 +66,17 @@ def _refusal(exc: Exception) -> str | None:
         return f"TLS failed ({exc}); check the CA, certificate and server name"
     text = str(exc).lower()
     if isinstance(exc, nats.errors.AuthorizationError) or "authorization" in text or "authentication" in text:
-        return f"the server refused this client's credentials ({exc}); check the user/password or creds file"
+        return f"the server refused this client's credentials ({exc}); check the identity file"
     return None
 
 
-async def connect(url: str | list[str], name: str, **tls: object) -> NatsClient:
-    """Connect with reconnect-forever; `tls` passes through (tls=ssl.SSLContext, user/password, ...).
+async def connect(
+    url: str | list[str], name: str, *, identity: str | Path | None = None, **tls: object
+) -> NatsClient:
+    """Connect with reconnect-forever; `tls` passes through (tls=ssl.SSLContext, ...).
+
+    `identity` is an nkey seed or creds file readable by its owner only (`bus.identity`);
+    by default `$JETRL_NATS_IDENTITY`'s, or none. An unusable one raises `ConnectRefused`.
 
     Until the first connection, a server that is not up yet is waited for (workers may start
     first), but refused credentials or a failed TLS handshake raise `ConnectRefused` at once:
@@ -76,6 +84,10 @@ async def connect(url: str | list[str], name: str, **tls: object) -> NatsClient:
     says it cannot work. Once connected, every error is logged and reconnected through.
     """
     servers = url.split(",") if isinstance(url, str) else url
+    try:
+        credentials = connect_options(identity)
+    except IdentityError as exc:
+        raise ConnectRefused(str(exc)) from None
     connected = False
 
     async def error_cb(exc: Exception) -> None:
@@ -104,6 +116,7 @@ async def connect(url: str | list[str], name: str, **tls: object) -> NatsClient:
             error_cb=error_cb,
             disconnected_cb=disconnected_cb,
             reconnected_cb=reconnected_cb,
+            **credentials,
             **tls,  # type: ignore[arg-type]
         )
     except ConnectRefused:

@@ -39,6 +39,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--config", type=Path, required=True, help="fleet YAML (see examples/fleet.yaml)")
     parser.add_argument("--nats", help="NATS URL(s), comma separated (default: the YAML's, $JETRL_NATS_URL, localhost)")
     parser.add_argument("--run", type=run_id_arg, help="run id (default: the YAML's run)")
+    parser.add_argument("--identities", type=Path,
+                        help="directory of the run's seeds (ops.streams users --out): each worker gets its role's")
     return parser.parse_args(argv)
 
 
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    return Supervisor(config, run, url).serve(stop)
+    return Supervisor(config, run, url, identities=args.identities).serve(stop)
 
 
 if __name__ == "__main__":

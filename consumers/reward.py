@@ -24,6 +24,7 @@ from bus.topology import REWARDS, TRAJECTORIES
 from bus.worker import Handler, Reject, WorkerOptions
 from consumers.crashpoints import REWARD_MID_SCORING
 from consumers.reward_pool import RewardPool, RewardSpecError
+from consumers.reward_sandbox import IsolationUnavailable
 from consumers.runtime import Runtime
 from consumers.stage import Stage, run_stage
 from schemas import RewardEvent, TrajectoryEvent
@@ -73,7 +74,8 @@ async def build(rt: Runtime) -> Stage[TrajectoryEvent]:
 
     Twice as many messages in hand as pool processes, so a process never waits for the next fetch.
     """
-    pool = await RewardPool(rt.config.reward.processes, rt.config.reward.timeout).__aenter__()
+    reward = rt.config.reward
+    pool = await RewardPool(reward.processes, reward.timeout, isolation=reward.isolation).__aenter__()
     try:
         await pool.resolve(rt.config.data.reward)
     except BaseException:
@@ -85,7 +87,8 @@ async def build(rt: Runtime) -> Stage[TrajectoryEvent]:
 
 
 def main() -> None:
-    run_stage("reward", build, "Score trajectories with the run's reward function.", RewardSpecError)
+    run_stage("reward", build, "Score trajectories with the run's reward function.", RewardSpecError,
+              IsolationUnavailable)
 
 
 if __name__ == "__main__":

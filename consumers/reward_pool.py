@@ -13,7 +13,10 @@ Each pool process is a fresh interpreter (`python -m consumers.reward_pool`) sta
 - limits on address space (MemoryError), file size (the write fails with EFBIG) and core
   size, and a CPU-time limit renewed before each request (SIGXCPU past it);
 - its own session, and (Linux) SIGKILL when the worker dies, so a hung call never outlives
-  the worker and a kill of the whole group takes anything the function started along.
+  the worker and a kill of the whole group takes anything the function started along;
+- where the machine allows it (`isolation`, see consumers/reward_sandbox.py), new user,
+  network, pid and mount namespaces: no network, no other process's /proc, a private /tmp
+  and the rest of the filesystem read-only, and a bound on the processes it may fork.
 
 Requests and replies are length-prefixed msgpack over the child's stdin/stdout (never
 pickle: the parent must not run code on the child's say-so). The child moves the protocol
@@ -42,6 +45,10 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 import msgpack
+
+from bus.identity import IDENTITY_ENV
+from consumers import reward_sandbox
+from consumers.reward_sandbox import Isolation
 
 SCRUBBED_PREFIXES = ("NATS_", "JETRL_", "OTEL_")
 """Environment variables a reward process must not see (connection URLs, credentials)."""
@@ -83,6 +90,11 @@ class Limits:
     """Largest file the process may write (RLIMIT_FSIZE)."""
     cpu_factor: float = 3.0
     """CPU seconds one request may use, as a multiple of its deadline (RLIMIT_CPU)."""
+    processes: int = 64
+    """Processes a sandboxed reward process may have at once, itself included (RLIMIT_NPROC,
+    counted in its own user namespace; without isolation it is not set)."""
+    tmp_bytes: int = 64 << 20
+    """Size of a sandboxed process's private /tmp (and /dev/shm), its only writable directory."""
 
 
 def one_line(text: str) -> str:
@@ -112,7 +124,8 @@ class RewardPool:
     """
 
     def __init__(
-        self, processes: int = 2, timeout: float = 5.0, *, import_timeout: float = 60.0, limits: Limits = Limits()
+        self, processes: int = 2, timeout: float = 5.0, *, import_timeout: float = 60.0, limits: Limits = Limits(),
+        isolation: Isolation = "auto",
     ) -> None:
         if processes < 1 or timeout <= 0 or import_timeout <= 0:
             raise ValueError("a reward pool needs processes >= 1 and positive timeouts")
@@ -120,6 +133,9 @@ class RewardPool:
         self.timeout = timeout
         self.import_timeout = import_timeout
         self.limits = limits
+        self.isolation = isolation
+        self.sandboxed = False
+        """Whether the processes run in namespaces; decided (and logged) on entering the pool."""
         # A slot is None after its process was lost; the next call to take it starts a new one,
         # so the call that lost it returns at once.
         self._idle: asyncio.Queue[_Child | None] = asyncio.Queue()
@@ -127,6 +143,7 @@ class RewardPool:
         self._bad_specs: dict[str, str] = {}
 
     async def __aenter__(self) -> RewardPool:
+        self.sandboxed = await reward_sandbox.choose(self.isolation)
         for child in await asyncio.gather(*(self._spawn() for _ in range(self.processes))):
             self._idle.put_nowait(child)
         return self
@@ -187,7 +204,7 @@ class RewardPool:
                 self._live.discard(child)
 
     async def _spawn(self) -> _Child:
-        child = await _Child.spawn(self.limits)
+        child = await _Child.spawn(self.limits, self.sandboxed)
         self._live.add(child)
         return child
 
@@ -203,28 +220,37 @@ class _BadReply(Exception):
 class _Child:
     """One reward process (parent side) and the functions it has imported."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, limits: Limits) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, limits: Limits, sandboxed: bool) -> None:
         self.proc = proc
         self.limits = limits
+        self.sandboxed = sandboxed
         self.resolved: set[str] = set()
 
     @classmethod
-    async def spawn(cls, limits: Limits) -> _Child:
+    async def spawn(cls, limits: Limits, sandboxed: bool) -> _Child:
+        argv = [sys.executable, "-m", CHILD_MODULE]
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", CHILD_MODULE,
+            *(reward_sandbox.command(argv) if sandboxed else argv),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             env=child_env(), start_new_session=True,
+            # `unshare` is the worker's child then: it must die with the worker too (its
+            # --kill-child takes the namespaces along).
+            preexec_fn=_kill_with_worker if sandboxed else None,
         )
         assert proc.stdin is not None
-        # The child sees the worker's import path, so any function the worker can name, it can import.
+        # The child sees the worker's import path (absolute: its working directory changes),
+        # so any function the worker can name, it can import.
         init = {
-            "sys_path": [entry for entry in sys.path if isinstance(entry, str)],
-            "parent": os.getpid(),
+            "sys_path": [os.path.abspath(entry) for entry in sys.path if isinstance(entry, str)],
+            # In the pid namespace the parent is its init, sh, pid 1.
+            "parent": 1 if sandboxed else os.getpid(),
             "memory": limits.memory_bytes,
             "file": limits.file_bytes,
+            "sandbox": {"tmp": limits.tmp_bytes, "processes": limits.processes, "hide": _identity_paths()}
+            if sandboxed else None,
         }
         proc.stdin.write(_frame(init))
-        return cls(proc, limits)
+        return cls(proc, limits, sandboxed)
 
     @property
     def alive(self) -> bool:
@@ -246,7 +272,7 @@ class _Child:
             await self.kill()
             raise
         await self.kill()
-        raise _ChildLost(reason or _death(self.proc.returncode))
+        raise _ChildLost(reason or _death(self.proc.returncode, self.sandboxed))
 
     async def _roundtrip(self, message: dict[str, Any]) -> dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -272,7 +298,29 @@ class _Child:
         await self.proc.wait()
 
 
-def _death(returncode: int | None) -> str:
+def _identity_paths() -> list[str]:
+    """What a sandbox hides of the worker's NATS identity: the directory of its file, or, where
+    that directory holds import paths (a seed beside the code), every seed and creds file in it."""
+    path = os.environ.get(IDENTITY_ENV)
+    if not path:
+        return []
+    directory = os.path.dirname(os.path.realpath(path))
+    imports = [os.path.realpath(entry) for entry in sys.path if isinstance(entry, str)]
+    if not any(entry == directory or entry.startswith(directory + os.sep) for entry in imports):
+        return [directory]
+    with suppress(OSError):
+        return [os.path.join(directory, name) for name in os.listdir(directory) if name.endswith((".nk", ".creds"))]
+    return []
+
+
+def _kill_with_worker() -> None:
+    """In `unshare` before exec: SIGKILL when the worker dies (kept across exec)."""
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _death(returncode: int | None, sandboxed: bool = False) -> str:
+    if sandboxed and returncode is not None and returncode > reward_sandbox.SIGNAL_EXIT:
+        returncode = reward_sandbox.SIGNAL_EXIT - returncode  # the init sh's 128 + n
     if returncode is not None and returncode < 0:
         try:
             return f"reward process killed by {signal.Signals(-returncode).name}"
@@ -316,13 +364,24 @@ def _child_main() -> None:
         return
     sys.path[:] = init["sys_path"]
     _die_with_parent(init["parent"])
+    if init["sandbox"] is not None:
+        sys.dont_write_bytecode = True  # the tree is read-only now
+        try:
+            reward_sandbox.enter(init["sandbox"]["tmp"], init["sandbox"]["processes"], init["sandbox"]["hide"])
+        except OSError as exc:  # a sandbox half made is no sandbox: the pool reports the exit
+            print(f"reward sandbox: {exc}", file=sys.stderr)
+            os._exit(70)
     _set_limit(resource.RLIMIT_AS, init["memory"])
     _set_limit(resource.RLIMIT_FSIZE, init["file"])
     _set_limit(resource.RLIMIT_CORE, 0)  # a crashing function must not fill the disk with cores
     functions: dict[str, RewardFn] = {}
+    server = os.getpid()
     while (request := _receive(requests)) is not None:
         _renew_cpu_limit(request["cpu_seconds"])
-        replies.write(_frame(_serve(request, functions)))
+        reply = _serve(request, functions)
+        if os.getpid() != server:  # a copy the function forked, back from the call: it must not reply
+            os._exit(0)
+        replies.write(_frame(reply))
         replies.flush()
 
 

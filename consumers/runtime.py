@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import nats.errors
 import yaml
@@ -23,6 +24,7 @@ from nats.js.kv import KeyValue
 from bus import metrics, tracing
 from bus.connection import DEFAULT_URL, ConnectRefused, connect, worker_id
 from bus.election import ride_out
+from bus.identity import IDENTITY_ENV
 from bus.publisher import Publisher
 from bus.topology import CONFIG_KEY, Topology, run_id_arg
 from consumers.membership import Membership
@@ -65,7 +67,7 @@ class Runtime:
 
 async def attach(
     role: str, run: str, url: str, replicas: int = 1, wait: float = 120.0, beat_in_background: bool = True,
-    rank: int = 0,
+    rank: int = 0, identity: str | Path | None = None,
 ) -> Runtime:
     """Connect, apply the run's topology, wait (up to `wait` s) for its config in KV, join the members.
 
@@ -75,7 +77,7 @@ async def attach(
     tracing.setup(f"jetrl-{role}", worker_id(role))
     metrics.setup(f"jetrl-{role}", worker_id(role))
     try:
-        nc = await connect(url, worker_id(role))
+        nc = await connect(url, worker_id(role), identity=identity)
     except ConnectRefused as exc:
         raise CannotAttach(str(exc)) from None
     js = nc.jetstream()
@@ -112,8 +114,11 @@ def worker_args(role: str, description: str, with_rank: bool = False) -> argpars
     parser.add_argument("--run", required=True, type=run_id_arg, help="run id")
     parser.add_argument("--nats", default=os.environ.get("JETRL_NATS_URL", DEFAULT_URL), help="NATS URL(s), comma separated")
     parser.add_argument("--replicas", type=int, choices=[1, 3, 5], default=1, help="stream replicas (3 on a cluster)")
+    parser.add_argument("--identity", help=f"this role's nkey seed or creds file, mode 600 (default ${IDENTITY_ENV})")
     if with_rank:
         parser.add_argument("--rank", type=int, default=0, help="data-parallel rank this trainer trains")
     args = parser.parse_args()
+    if args.identity:  # a path, no secret: every connection of this process uses it
+        os.environ[IDENTITY_ENV] = args.identity
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
     return args

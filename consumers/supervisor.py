@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from bus.identity import IDENTITY_ENV, identity_path
 from consumers.fleet_config import FleetConfig, worker_name
 from engines.device import DEVICE_ENV
 
@@ -91,8 +92,13 @@ class Supervisor:
     worker exits, not the process.
     """
 
-    def __init__(self, config: FleetConfig, run: str, url: str, names: Collection[str] | None = None) -> None:
-        """`names`: the workers (`<role>-<replica>`) of the fleet to run; default every one."""
+    def __init__(
+        self, config: FleetConfig, run: str, url: str, names: Collection[str] | None = None,
+        identities: Path | None = None,
+    ) -> None:
+        """`names`: the workers (`<role>-<replica>`) of the fleet to run; default every one.
+        `identities`: a directory of seeds (`ops.streams users --out`); each worker is given
+        its role's (`<role>.nk`) by path in $JETRL_NATS_IDENTITY, never the secret itself."""
         self.config = config
         self.children: dict[str, Child] = {}
         for role, spec in config.roles.items():
@@ -100,6 +106,8 @@ class Supervisor:
             command = [sys.executable, "-m", module, "--run", run, "--nats", url, *spec.args]
             for replica in range(spec.replicas):
                 env = dict(spec.env)
+                if identities is not None:
+                    env[IDENTITY_ENV] = str(identity_path(role, identities))
                 if spec.devices:
                     env["CUDA_VISIBLE_DEVICES"] = str(spec.devices[replica % len(spec.devices)])
                 if spec.device is not None:

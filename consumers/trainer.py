@@ -148,7 +148,8 @@ class Trainer:
         self.rt, self.rank, self.cfg = rt, rank, rt.config
         self.group = group or Group(rank, 1)
         self.engine = make_engine(self.cfg, loss_config(self.cfg), device or resolve_device())
-        self.limits = ModelLimits.of(self.engine.model)
+        spec = getattr(self.engine, "spec", None)  # megatron: its GPTModel is no HF model; the spec says
+        self.limits = ModelLimits(spec.vocab_size, spec.max_position_embeddings) if spec else ModelLimits.of(self.engine.model)
         # fsdp: one checkpoint of every rank's shards; torch: one file per rank.
         name = f"{self.engine.name}.pt" if self.engine.collective else f"rank{rank}.pt"
         self.checkpoint_path = Path(self.cfg.trainer.checkpoint_dir) / name

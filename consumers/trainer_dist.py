@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,7 @@ from consumers.runtime import CannotAttach, Runtime
 from consumers.weights.chain import ShardNote
 from engines.device import torch_dtype
 from engines.fsdp_train import FSDPTrainEngine, init_group
+from engines.megatron_train import MegatronNotInstalled, MegatronTrainEngine
 from engines.torch_train import LossConfig, TorchTrainEngine
 from schemas.config import RunConfig
 
@@ -73,11 +75,22 @@ class Group:
 
 def make_engine(cfg: RunConfig, loss: LossConfig, device: torch.device) -> TorchTrainEngine:
     """The engine `trainer.engine` names (fsdp: after `join`), in `model.dtype` on `device`."""
+    args: dict[str, Any] = {
+        "lr": cfg.algorithm.lr, "seed": cfg.trainer.seed, "loss": loss, "device": device,
+        "dtype": torch_dtype(cfg.model.dtype), "logprob_chunk_tokens": cfg.trainer.logprob_chunk_tokens,
+    }
+    model_dir = Path(cfg.model.path or "")
+    if cfg.trainer.engine == "megatron":
+        mcfg = cfg.trainer.megatron  # megatron-core is imported inside, only now
+        try:
+            return MegatronTrainEngine(
+                model_dir, tensor_parallel_size=mcfg.tensor_parallel_size,
+                pipeline_parallel_size=mcfg.pipeline_parallel_size, **args,
+            )
+        except MegatronNotInstalled as exc:
+            raise CannotAttach(str(exc)) from None
     engine = FSDPTrainEngine if cfg.trainer.engine == "fsdp" else TorchTrainEngine
-    return engine(
-        Path(cfg.model.path or ""), lr=cfg.algorithm.lr, seed=cfg.trainer.seed, loss=loss, device=device,
-        dtype=torch_dtype(cfg.model.dtype), logprob_chunk_tokens=cfg.trainer.logprob_chunk_tokens,
-    )
+    return engine(model_dir, **args)
 
 
 async def join(rt: Runtime, rank: int, device: torch.device) -> Group:

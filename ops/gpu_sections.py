@@ -12,6 +12,7 @@ import contextlib
 import math
 import time
 from collections.abc import Awaitable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from ops.gpu_record import Record, say
@@ -39,6 +40,19 @@ def qwen2_config(tiny: bool) -> Any:
                        eos_token_id=eos, pad_token_id=eos)
 
 
+def save_random_model(config: Any, device: str, model_dir: Path) -> int:
+    """A random-init Qwen2 of `config` saved in bf16 to `model_dir`; its parameter count."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):  # random init on the device: seconds, not a minute of CPU
+        model = Qwen2ForCausalLM(config)
+    params = sum(p.numel() for p in model.parameters())
+    model.to("cpu", torch.bfloat16).save_pretrained(model_dir)
+    return params
+
+
 def _sync(device: str) -> None:
     import torch
 
@@ -63,7 +77,6 @@ def engines(args: argparse.Namespace, rec: Record) -> None:
     import gc
 
     import torch
-    from transformers import Qwen2ForCausalLM
 
     from engines.hf_rollout import HFRolloutEngine
     from engines.protocols import MicroBatch, SamplingParams
@@ -75,12 +88,7 @@ def engines(args: argparse.Namespace, rec: Record) -> None:
     config = qwen2_config(args.tiny)
     model_dir = args.work / "model"
     started = time.monotonic()
-    torch.manual_seed(0)
-    with torch.device(device):  # random init on the device: seconds, not a minute of CPU
-        model = Qwen2ForCausalLM(config)
-    params = sum(p.numel() for p in model.parameters())
-    model.to("cpu", torch.bfloat16).save_pretrained(model_dir)
-    del model
+    params = save_random_model(config, device, model_dir)
     gc.collect()
     rec.put("model", {"shape": "tiny" if args.tiny else "Qwen2-0.5B", "params": params, "vocab": config.vocab_size,
                       "layers": config.num_hidden_layers, "hidden": config.hidden_size,

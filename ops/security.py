@@ -1,10 +1,12 @@
 """Per-role NATS users of one run: what each role may publish and subscribe to, and why.
 
-    python -m ops.streams users --run R [--out users.conf]
+    python -m ops.streams users --run R --out DIR
 
-writes a nats-server `authorization { users = [...] }` block with a fresh random password
-per role. Include it in every node's config (`include "users.conf"`) and start each worker
-with its own credential in the URL: `--nats nats://rollout:<password>@host:4222`.
+writes DIR/users.conf, a nats-server `authorization { users = [...] }` block that names each
+role by the public key of a fresh nkey (no secret in it), and DIR/<role>.nk, each role's seed,
+readable by its owner only. Include users.conf in every node's config (`include "users.conf"`)
+and start each worker with its own seed file: `--identity DIR/rollout.nk` (bus.identity), so
+no credential is on a command line or in an environment.
 
 How JetStream maps onto permissions: a client never subscribes to a stream's subject; it
 asks the JetStream API (`$JS.API.<verb>.<stream>...`, a publish) to create a consumer or
@@ -31,10 +33,11 @@ Known looseness, each kept because the code needs it today:
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
+from bus.identity import identity_path, new_seed, public_key, write_private
 from bus.topology import BATCHES, CHANNELS, DEAD, KV_KEYS, WEIGHTS, WORK_QUEUES, Channel, Read, Topology
 
 API = "$JS.API"
@@ -266,24 +269,24 @@ def roles(t: Topology) -> tuple[Role, ...]:
 # Rendering -----------------------------------------------------------------------------
 
 
-def new_passwords(t: Topology) -> dict[str, str]:
-    """A random password per role; URL-safe, so it can sit in a nats:// URL as is."""
-    return {role.name: secrets.token_urlsafe(24) for role in roles(t)}
+def new_seeds(t: Topology) -> dict[str, bytes]:
+    """A fresh user nkey seed per role (`bus.identity.new_seed`)."""
+    return {role.name: new_seed() for role in roles(t)}
 
 
 def _allow(rules: tuple[Rule, ...], indent: str) -> str:
     return "".join(f'{indent}"{rule.subject}"  # {rule.why}\n' for rule in rules)
 
 
-def users_config(t: Topology, passwords: Mapping[str, str]) -> str:
-    """The nats-server `authorization` block of run `t.run`, one user per role."""
+def users_config(t: Topology, public_keys: Mapping[str, str]) -> str:
+    """The nats-server `authorization` block of run `t.run`, one user per role, named by its
+    nkey's public key (`public_keys[role]`, `U...`)."""
     users = []
     for role in roles(t):
         users.append(
             f"    # {role.name}: {role.does}\n"
             "    {\n"
-            f'      user: "{role.name}"\n'
-            f'      password: "{passwords[role.name]}"\n'
+            f'      nkey: "{public_keys[role.name]}"\n'
             "      permissions: {\n"
             "        publish: { allow: [\n"
             f"{_allow(role.publish, ' ' * 10)}"
@@ -296,9 +299,9 @@ def users_config(t: Topology, passwords: Mapping[str, str]) -> str:
         )
     return (
         f"# NATS users of jetrl run {t.run}, one per role: `python -m ops.streams users --run {t.run}`.\n"
-        "# Include from every node's config (include \"users.conf\") and connect each worker as\n"
-        "#     --nats nats://<role>:<password>@host:4222\n"
-        "# The passwords are in plain text: keep this file readable by the server's user only.\n"
+        "# Include from every node's config (include \"users.conf\") and start each worker with\n"
+        "#     --identity <role>.nk   (the role's seed file, written beside this one, mode 600)\n"
+        "# Only public keys are here: the seeds never reach a server.\n"
         "# One run per server: a second `authorization` block would replace this one.\n"
         "authorization {\n"
         "  users = [\n"
@@ -306,3 +309,22 @@ def users_config(t: Topology, passwords: Mapping[str, str]) -> str:
         "  ]\n"
         "}\n"
     )
+
+
+USERS_FILE = "users.conf"
+
+
+def write_identities(t: Topology, directory: Path) -> dict[str, Path]:
+    """Both sides of run `t`'s identities in `directory` (made owner-only): each role's seed in
+    `<role>.nk` (mode 600) and the server's `users.conf` with their public keys. Returns the
+    seed files by role."""
+    directory.mkdir(parents=True, exist_ok=True)
+    directory.chmod(0o700)
+    seeds = new_seeds(t)
+    paths = {}
+    for role, seed in seeds.items():
+        paths[role] = identity_path(role, directory)
+        write_private(paths[role], seed + b"\n")
+    # No secret in it, but it decides who may do what: owner-only as well.
+    write_private(directory / USERS_FILE, users_config(t, {r: public_key(s) for r, s in seeds.items()}).encode())
+    return paths

@@ -1,10 +1,12 @@
 """`python -m ops.streams apply|show|delete|users --run R [--nats URL]`: a run's JetStream objects.
 
-`users` needs no server: it writes the run's per-role NATS users (ops.security) to --out
-(readable by its owner only) or prints them. `apply` and `delete` ride out a leader election
-(a node just died); both take the stream limits the run's config in KV derives (the defaults
-before the producer stored one), and `show` prints that derivation (`schemas.streams_config`)
-above each stream's state and limits, `?` for a figure the server cannot give now.
+`users` needs no server: it writes the run's per-role NATS identities (ops.security) to the
+directory --out: users.conf (public keys) and a seed file per role, readable by its owner only.
+The other actions connect as $JETRL_NATS_IDENTITY (the admin seed, on a secured server).
+`apply` and `delete` ride out a leader election (a node just died); both take the stream limits
+the run's config in KV derives (the defaults before the producer stored one), and `show` prints
+that derivation (`schemas.streams_config`) above each stream's state and limits, `?` for a
+figure the server cannot give now.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from bus.connection import DEFAULT_URL, connect
 from bus.election import TRANSIENT, or_unknown, ride_out
 from bus.lag import queue_lag
 from bus.topology import CHANNELS, CONFIG_KEY, WORK_QUEUES, Topology, run_id_arg
-from ops.security import new_passwords, roles, users_config
+from ops.security import USERS_FILE, write_identities
 from schemas.config import ConfigError, RunConfig, parse_config
 from schemas.streams_config import stream_needs
 
@@ -71,22 +73,15 @@ async def show(js: JetStreamContext, topology: Topology, config: RunConfig, orig
         print(f"{name:<34} {messages:>9} {size:>12} {limit:>16} {discard:>7}  {'; '.join(consumers)}")
 
 
-def write_users(topology: Topology, out: str | None) -> None:
-    """Print the run's NATS users block, or write it to `out` readable by its owner only."""
-    text = users_config(topology, new_passwords(topology))
-    if out is None:
-        print(text, end="")
-        return
-    path = Path(out)
+def write_users(topology: Topology, out: str) -> None:
+    """Write the run's identities to directory `out`: users.conf for the servers, a seed per role."""
     try:
-        # Owner-only before the passwords are written: they are in plain text.
-        path.touch(mode=0o600, exist_ok=True)
-        path.chmod(0o600)
-        path.write_text(text)
+        paths = write_identities(topology, Path(out))
     except OSError as exc:
-        sys.exit(f"ops.streams: cannot write {path}: {exc.strerror}")
-    names = ", ".join(role.name for role in roles(topology))
-    print(f"wrote {path}: users {names} for run {topology.run}; include it in each node's config", file=sys.stderr)
+        sys.exit(f"ops.streams: cannot write {out}: {exc.strerror}")
+    print(f"wrote {Path(out) / USERS_FILE} (public keys; include it in each node's config) and the seeds "
+          f"{', '.join(p.name for p in paths.values())} (mode 600; give each worker its own: --identity)",
+          file=sys.stderr)
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -111,13 +106,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--run", required=True, type=run_id_arg, help="run id (letters, digits, _ and -)")
     parser.add_argument("--nats", default=os.environ.get("JETRL_NATS_URL", DEFAULT_URL), help="NATS URL(s), comma separated")
     parser.add_argument("--replicas", type=int, choices=[1, 3, 5], default=1, help="stream replicas (3 on a cluster)")
-    parser.add_argument("--out", help="users: file to write the authorization block to (default: print it)")
+    parser.add_argument("--out", help="users: directory to write users.conf and the seeds <role>.nk to")
     return parser.parse_args(argv)
 
 
 if __name__ == "__main__":
     arguments = parse()
     if arguments.action == "users":
+        if arguments.out is None:
+            sys.exit("ops.streams: users needs --out DIR (the seeds are written there, not printed)")
         write_users(Topology(run=arguments.run), arguments.out)
         sys.exit()
     try:

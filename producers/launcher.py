@@ -26,6 +26,7 @@ from bus.topology import Topology
 from consumers.fleet_config import local_fleet
 from consumers.runtime import Runtime, attach, publish_config
 from consumers.supervisor import Supervisor
+from ops.security import USERS_FILE, write_identities
 from ops.stall import StallWatch
 from producers import report
 from producers.gate import Producer
@@ -84,7 +85,9 @@ async def progress(producer: Producer, started: float, every: float = PROGRESS_S
         )
 
 
-async def produce(cfg: RunConfig, url: str, out: Path, fleet: Supervisor | None, replicas: int = 1) -> dict:
+async def produce(
+    cfg: RunConfig, url: str, out: Path, fleet: Supervisor | None, replicas: int = 1, identity: Path | None = None
+) -> dict:
     """Feed and watch a run until its last step; return the summary. Stopped on SIGINT/SIGTERM.
 
     The progress line runs until the last step's metrics arrive; the gate's loops, the
@@ -96,7 +99,7 @@ async def produce(cfg: RunConfig, url: str, out: Path, fleet: Supervisor | None,
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda name=sig.name: (received.append(name), stop.set()))
-    rt = await attach_bootstrap(cfg, url, replicas)
+    rt = await attach_bootstrap(cfg, url, replicas, identity)
     producer = Producer(rt)
 
     async def stopped() -> None:
@@ -166,16 +169,18 @@ def summarize(cfg: RunConfig, producer: Producer, started: float) -> dict:
     }
 
 
-async def attach_bootstrap(cfg: RunConfig, url: str, replicas: int = 1) -> Runtime:
+async def attach_bootstrap(
+    cfg: RunConfig, url: str, replicas: int = 1, identity: Path | None = None
+) -> Runtime:
     """The producer owns the config: it writes it to KV before attaching like any worker."""
-    nc = await connect(url, "producer-bootstrap")
+    nc = await connect(url, "producer-bootstrap", identity=identity)
     js = nc.jetstream()
     topology = Topology.for_config(cfg, replicas)
     await ride_out(lambda: topology.apply(js), f"declaring run {cfg.run}")
     kv = await ride_out(lambda: js.key_value(topology.kv_bucket), "opening the run's KV bucket")
     await ride_out(lambda: publish_config(kv, cfg), "writing the run config")
     await nc.close()
-    return await attach("producer", cfg.run, url, replicas, beat_in_background=False)
+    return await attach("producer", cfg.run, url, replicas, beat_in_background=False, identity=identity)
 
 
 def prepare(cfg: RunConfig, out: Path) -> RunConfig:
@@ -205,8 +210,13 @@ def run(cfg: RunConfig, out: Path, nats: str | None = None, replicas: int = 1) -
     if nats:
         return asyncio.run(produce(cfg, nats, out, None, replicas))
     with contextlib.ExitStack() as stack:
-        server = stack.enter_context(EmbeddedNats(out / "nats"))
-        fleet = Supervisor(local_fleet(out / "logs", cfg.trainer.dp_size), cfg.run, server.url)
+        # Per-run, per-role identities: the server knows their public keys only, each worker
+        # reads its own seed file, and a local process without one cannot publish into the run.
+        identities = out / "identities"
+        seeds = write_identities(Topology(run=cfg.run), identities)
+        users = (identities / USERS_FILE).read_text()
+        server = stack.enter_context(EmbeddedNats(out / "nats", extra_config=users))
+        fleet = Supervisor(local_fleet(out / "logs", cfg.trainer.dp_size), cfg.run, server.url, identities=identities)
         fleet.start()
         stack.callback(fleet.stop)
-        return asyncio.run(produce(cfg, server.url, out, fleet))
+        return asyncio.run(produce(cfg, server.url, out, fleet, identity=seeds["producer"]))

@@ -105,6 +105,30 @@ class AlgorithmConfig(Section):
         return self.max_group_wait_steps if self.max_group_wait_steps is not None else self.max_staleness + 1
 
 
+class MegatronConfig(Section):
+    """`trainer.megatron`: how `trainer.engine: megatron` cuts the model (`engines.megatron_train`)."""
+
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Ranks one model copy's layers are split over (megatron's tensor parallelism: attention by
+    query groups, MLP by columns and rows, the vocabulary by slices). Must divide the model's
+    num_key_value_heads and intermediate_size. Only 1 runs in the trainer yet: its ranks would
+    all need the same batches, which the trainer does not route (the engine itself takes more:
+    tested at 2 on CPU ranks)."""
+    pipeline_parallel_size: int = Field(1, ge=1)
+    """Pipeline stages (layers split into consecutive groups); only 1 is supported yet."""
+
+    @model_validator(mode="after")
+    def _supported(self) -> MegatronConfig:
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(f"trainer.megatron.pipeline_parallel_size {self.pipeline_parallel_size}: only 1 is supported yet")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"trainer.megatron.tensor_parallel_size {self.tensor_parallel_size}: only 1 runs in the trainer yet "
+                "(tensor-parallel ranks would need the same batches, which the trainer does not route)"
+            )
+        return self
+
+
 class TrainerConfig(Section):
     steps: int = Field(60, ge=1)
     """Optimizer steps in the run."""
@@ -112,9 +136,12 @@ class TrainerConfig(Section):
     """Publish weights every this many steps."""
     checkpoint_every: int = Field(10, ge=1)
     """Checkpoint model, optimizer, RNG and last batch every this many steps."""
-    engine: Literal["torch", "fsdp"] = "torch"
-    """Train engine: torch (one process, CPU or one GPU) or fsdp (FSDP2, one process per rank,
-    `dp_size` ranks that shard the model and take each optimizer step together)."""
+    engine: Literal["torch", "fsdp", "megatron"] = "torch"
+    """Train engine: torch (one process, CPU or one GPU), fsdp (FSDP2, one process per rank,
+    `dp_size` ranks that shard the model and take each optimizer step together) or megatron
+    (megatron-core's GPTModel, `pip install 'jetrl[megatron]'`, see `megatron`; never run on a GPU)."""
+    megatron: MegatronConfig = MegatronConfig()
+    """engine megatron: its parallel sizes."""
     dp_size: int = Field(1, ge=1)
     """Data-parallel trainer ranks (`--rank 0 .. dp_size-1`); the buffer balances each step's tokens
     across them on `batches.<rank>`. More than 1 needs engine fsdp."""
@@ -155,7 +182,7 @@ class TrainerConfig(Section):
     def _ranks_need_fsdp(self) -> TrainerConfig:
         if self.dp_size > 1 and self.engine != "fsdp":
             raise ValueError(
-                f"dp_size {self.dp_size} needs engine fsdp: the torch engine has no gradient "
+                f"dp_size {self.dp_size} needs engine fsdp: the {self.engine} engine has no gradient "
                 "all-reduce, so each rank would train its own diverging copy"
             )
         return self
@@ -166,6 +193,10 @@ class RewardConfig(Section):
     """Seconds one reward call may take before the sample is failed."""
     processes: int = Field(2, ge=1)
     """Reward worker pool size."""
+    isolation: Literal["auto", "required", "off"] = "auto"
+    """Namespaces around reward processes (no network, no other process's /proc, a private /tmp,
+    the rest read-only; consumers/reward_sandbox.py): `auto` uses them where `unshare` works and
+    warns once where not, `required` refuses to start without them, `off` never tries."""
 
 
 MIB = 1 << 20

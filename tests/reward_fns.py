@@ -14,6 +14,7 @@ import resource
 import signal
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,7 @@ def string(response_text: str, task: dict[str, Any]) -> str:
 
 def huge_file(response_text: str, task: dict[str, Any]) -> float:
     chunk = b"x" * (1 << 20)
+    Path(task["dir"]).mkdir(parents=True, exist_ok=True)  # a sandboxed process has its own /tmp
     with open(Path(task["dir"]) / "huge.bin", "wb") as out:
         while True:
             out.write(chunk)
@@ -117,3 +119,44 @@ def length(response_text: str, task: dict[str, Any]) -> float:
     """The response's length: sampled responses differ in length, so a group's rewards are
     rarely all equal and few groups are dropped; a run's work is about known in advance."""
     return float(len(response_text))
+
+
+# --- escapes: what code a reward executes might try. Each returns 1.0 when it got out. ----
+
+
+def connect_bus(response_text: str, task: dict[str, Any]) -> float:
+    """Open a TCP connection to the run's NATS port and read the server's INFO line."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", int(task["port"])), timeout=2) as conn:
+        return 1.0 if conn.recv(4096).startswith(b"INFO") else 0.0
+
+
+def read_worker_proc(response_text: str, task: dict[str, Any]) -> float:
+    """Look for task["secret"] in the cmdline and environ of the parent and of task["pids"]."""
+    seen = b""
+    for pid in (os.getppid(), *task["pids"]):
+        for name in ("cmdline", "environ"):
+            with suppress(OSError):
+                seen += Path(f"/proc/{pid}/{name}").read_bytes()
+    return 1.0 if task["secret"].encode() in seen else 0.0
+
+
+def write_outside(response_text: str, task: dict[str, Any]) -> float:
+    """Write task["path"], a file outside any temporary directory."""
+    Path(task["path"]).write_text("escaped")
+    return 1.0
+
+
+def fork_bomb(response_text: str, task: dict[str, Any]) -> float:
+    """Fork task["count"] children that sleep (a bounded bomb: the test machine is shared)."""
+    for _ in range(int(task["count"])):
+        if os.fork() == 0:
+            time.sleep(60)
+            os._exit(0)
+    return 1.0
+
+
+def read_identity(response_text: str, task: dict[str, Any]) -> float:
+    """Read the worker's seed file, at task["path"]."""
+    return 1.0 if Path(task["path"]).read_bytes() else 0.0

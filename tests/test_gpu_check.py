@@ -15,7 +15,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = {"env", "engines", "weights", "pipeline", "external"}
+SECTIONS = {"env", "engines", "fsdp", "weights", "pipeline", "external"}
 
 
 def run_check(args: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[dict[str, Any], str]:
@@ -63,6 +63,11 @@ def test_cpu_smoke_measures_every_section(tmp_path: Path) -> None:
     assert train["param_dtype"] == "float32", train
     for variant in ("float32", "tf32_matmul", "autocast_bf16"):
         assert train[variant]["tokens_per_s"] > 0 and train[variant]["loss_finite"], (variant, train)
+
+    fsdp = sections["fsdp"]
+    assert fsdp["setup"]["world_size"] == 1 and fsdp["setup"]["backend"] == "gloo", fsdp
+    assert fsdp["train"]["tokens_per_s"] > 0 and fsdp["train"]["loss_finite"], fsdp
+    assert fsdp["export"]["same_bytes"] and fsdp["export"]["tensors"] > 0, fsdp
 
     weights = sections["weights"]
     assert [r["mb"] for r in weights["runs"]] == [1, 4, 8], weights

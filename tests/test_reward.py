@@ -20,6 +20,7 @@ from bus.publisher import Publisher
 from bus.topology import REWARDS, TRAJECTORIES, Topology
 from consumers import reward as reward_stage
 from consumers.reward_pool import Limits, RewardPool, RewardSpecError, Score
+from consumers.reward_sandbox import Isolation
 from consumers.runtime import attach, publish_config
 from consumers.stage import serve
 from schemas import RewardEvent, TrajectoryEvent, decode
@@ -40,14 +41,16 @@ def reverse_task(target: str, **extra: Any) -> dict[str, Any]:
 # --- the pool ---------------------------------------------------------------------------
 
 
-def score_then_recover(fn: str, task: dict[str, Any], limits: Limits = Limits()) -> tuple[Score, float, Score]:
-    """Score with `fn` on a one-process pool (timeout 0.5 s), then a good call on the same pool.
+def score_then_recover(
+    fn: str, task: dict[str, Any], limits: Limits = Limits(), isolation: Isolation = "auto", timeout: float = 0.5
+) -> tuple[Score, float, Score]:
+    """Score with `fn` on a one-process pool (`timeout`), then a good call on the same pool.
 
     Returns the first score, how long it took, and the good call's score.
     """
 
     async def main() -> tuple[Score, float, Score]:
-        async with RewardPool(processes=1, timeout=0.5, limits=limits) as pool:
+        async with RewardPool(processes=1, timeout=timeout, limits=limits, isolation=isolation) as pool:
             await pool.resolve(fn)  # the import is not what is being timed
             start = time.monotonic()
             first = await pool.score(fn, "321", task)
@@ -80,7 +83,8 @@ def test_misbehaving_function_fails_with_reason_and_pool_recovers(name: str, rea
 
 
 def test_huge_file_is_cut_at_the_file_size_limit(tmp_path: Path) -> None:
-    score_then_recover(f"{FNS}:huge_file", {"dir": str(tmp_path)}, Limits(file_bytes=1 << 20))
+    # Without isolation: a sandboxed process writes into its own /tmp, which the test cannot see.
+    score_then_recover(f"{FNS}:huge_file", {"dir": str(tmp_path)}, Limits(file_bytes=1 << 20), "off")
     assert (tmp_path / "huge.bin").stat().st_size == 1 << 20
 
 
@@ -123,22 +127,47 @@ def test_bad_specs_are_refused_with_one_line() -> None:
     asyncio.run(main())
 
 
-def test_reward_process_dies_with_its_worker(tmp_path: Path) -> None:
-    """A worker killed mid-call must not leave its reward process hanging on."""
+@pytest.mark.parametrize("isolation", ["off", "auto"])
+def test_reward_process_dies_with_its_worker(isolation: str) -> None:
+    """A worker killed mid-call must not leave its reward process (or its sandbox) hanging on."""
     script = (
         "import asyncio, sys\n"
         "from consumers.reward_pool import RewardPool\n"
         "async def main():\n"
-        "    async with RewardPool(1, 3600) as pool:\n"
-        f"        await pool.score('{FNS}:hang', '', {{'pid_file': sys.argv[1]}})\n"
+        f"    async with RewardPool(1, 3600, isolation={isolation!r}) as pool:\n"
+        f"        await pool.score('{FNS}:hang', '', {{}})\n"
         "asyncio.run(main())\n"
     )
-    pid_file = tmp_path / "pid"
-    worker = subprocess.Popen([sys.executable, "-c", script, str(pid_file)], cwd=ROOT)
-    wait_for(lambda: pid_file.exists() and bool(pid_file.read_text()))
+    worker = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
+    wait_for(lambda: any(b"consumers.reward_pool" in cmdline(pid) for pid in descendants(worker.pid)))
+    started = descendants(worker.pid)
+    time.sleep(0.5)  # into the call
     worker.kill()
     worker.wait()
-    wait_for(lambda: not running(int(pid_file.read_text())))
+    wait_for(lambda: not any(running(pid) for pid in started))
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def descendants(root: int) -> set[int]:
+    """Every live process below `root` (from each /proc/<pid>/stat's parent field)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = set(), {root}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
 
 
 def running(pid: int) -> bool:

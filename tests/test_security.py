@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import shutil
 import ssl
@@ -30,6 +31,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from bus.connection import ConnectRefused, connect
 from bus.embedded import EmbeddedNats
+from bus.identity import IDENTITY_ENV, identity_path, new_seed, public_key, write_private
 from bus.lag import queue_lag
 from bus.objects import list_objects
 from bus.publisher import Publisher
@@ -48,6 +50,7 @@ from bus.worker import Worker, WorkerOptions
 from consumers.runtime import Runtime, attach, publish_config
 from consumers.weights import publish_version
 from consumers.weights.object_store import ObjectStoreTransport
+from ops.security import USERS_FILE, roles
 from ops.stall import read_view
 from schemas import Event, PromptEvent, RewardEvent, TrajectoryEvent
 from schemas.config import RunConfig
@@ -63,27 +66,29 @@ VIOLATION = "permissions violation"
 class Secured:
     server: EmbeddedNats
     topology: Topology
-    passwords: dict[str, str]
+    identities: Path
 
-    def url(self, role: str) -> str:
-        return self.server.url.replace("nats://", f"nats://{role}:{self.passwords[role]}@")
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def identity(self, role: str) -> Path:
+        return identity_path(role, self.identities)
 
 
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
-    """A server whose config includes the users block the CLI wrote for a fresh run."""
+    """A server whose config includes the users block the CLI wrote for a fresh run; the
+    roles' seed files beside it."""
     topology = Topology(run=f"s{uuid.uuid4().hex[:10]}")
     store = tmp_path_factory.mktemp("secured")
-    users = store / "users.conf"
     subprocess.run(
-        [sys.executable, "-m", "ops.streams", "users", "--run", topology.run, "--out", str(users)],
+        [sys.executable, "-m", "ops.streams", "users", "--run", topology.run, "--out", str(store)],
         cwd=ROOT, check=True, capture_output=True, timeout=60,
     )
-    assert users.stat().st_mode & 0o777 == 0o600
-    passwords = dict(re.findall(r'user: "(\w+)"\s+password: "([^"]+)"', users.read_text()))
     # `include` paths are relative to the including file: the server's config sits in `store`.
     with EmbeddedNats(store, extra_config='include "users.conf"\n') as server:
-        yield Secured(server, topology, passwords)
+        yield Secured(server, topology, store)
 
 
 def violations(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -119,11 +124,11 @@ def test_every_role_does_its_job_with_its_own_credential(secured: Secured, caplo
 
     async def scenario() -> None:
         # Producer: creates the run, writes the config and a prompt, resumes, watches.
-        nc = await connect(secured.url("producer"), "producer-bootstrap")
+        nc = await connect(secured.url, "producer-bootstrap", identity=secured.identity("producer"))
         await t.apply(nc.jetstream())
         await publish_config(await nc.jetstream().key_value(t.kv_bucket), RunConfig(run=run))
         await nc.close()
-        producer = await attach("producer", run, secured.url("producer"))
+        producer = await attach("producer", run, secured.url, identity=secured.identity("producer"))
         await producer.publisher.publish(PROMPTS, prompt(run, 0))
         assert (await producer.js.get_last_msg(t.stream(PROMPTS), t.subject(PROMPTS))).data
         lags = await queue_lag(producer.js, t)  # the progress line's figures
@@ -131,7 +136,7 @@ def test_every_role_does_its_job_with_its_own_credential(secured: Secured, caplo
 
         # Trainer: weight bytes to the object store in chunks, older versions pruned, the
         # version announced (as bytes: what a reader does with them is not the point here).
-        trainer = await attach("trainer", run, secured.url("trainer"))
+        trainer = await attach("trainer", run, secured.url, identity=secured.identity("trainer"))
         publishing = ObjectStoreTransport(trainer.js, t.object_bucket, chunk_bytes=64 << 10, keep=1)
         tensors = {"w": torch.arange(100_000, dtype=torch.float32)}  # several chunks
         await publish_version(publishing, run, trainer.source, 0, {"w": torch.zeros(10)})
@@ -140,7 +145,7 @@ def test_every_role_does_its_job_with_its_own_credential(secured: Secured, caplo
         await trainer.js.publish(t.subject(WEIGHTS), b"version 0")
 
         # Rollout: a prompt from its queue -> a trajectory; follows weights and reads their bytes.
-        rollout = await attach("rollout", run, secured.url("rollout"))
+        rollout = await attach("rollout", run, secured.url, identity=secured.identity("rollout"))
 
         async def generate(event: PromptEvent) -> None:
             await rollout.publisher.publish(TRAJECTORIES, trajectory(run, event.index))
@@ -152,7 +157,7 @@ def test_every_role_does_its_job_with_its_own_credential(secured: Secured, caplo
         assert (await rollout.js.get_last_msg(t.stream(WEIGHTS), t.subject(WEIGHTS))).data == b"version 0"
 
         # Reward: a trajectory from its queue -> a reward.
-        scorer = await attach("reward", run, secured.url("reward"))
+        scorer = await attach("reward", run, secured.url, identity=secured.identity("reward"))
 
         async def score(event: TrajectoryEvent) -> None:
             await scorer.publisher.publish(REWARDS, reward(run, 0))
@@ -160,7 +165,7 @@ def test_every_role_does_its_job_with_its_own_credential(secured: Secured, caplo
         await work_one(scorer, TRAJECTORIES, score)
 
         # Buffer: a reward from its queue -> a batch and a drop record; replays the batches.
-        buffer = await attach("buffer", run, secured.url("buffer"))
+        buffer = await attach("buffer", run, secured.url, identity=secured.identity("buffer"))
 
         async def batch(event: RewardEvent) -> None:
             await buffer.kv.create(drop_key(f"{run}/0/1"), b"all rewards equal")
@@ -191,8 +196,9 @@ def test_every_role_does_its_job_with_its_own_credential(secured: Secured, caplo
     assert violations(caplog) == []
     # The operator inspects the run with its own credential.
     shown = subprocess.run(
-        [sys.executable, "-m", "ops.streams", "show", "--run", run, "--nats", secured.url("admin")],
+        [sys.executable, "-m", "ops.streams", "show", "--run", run, "--nats", secured.url],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
+        env={**os.environ, IDENTITY_ENV: str(secured.identity("admin"))},
     )
     assert "rollout: pending 0, in flight 0" in shown.stdout, shown.stderr
 
@@ -207,17 +213,17 @@ def test_roles_cannot_write_what_is_not_theirs(secured: Secured, caplog: pytest.
             await js.publish(subject, b"forged", timeout=1.0)
 
     async def scenario() -> dict[str, int]:
-        admin = await connect(secured.url("admin"), "admin")
+        admin = await connect(secured.url, "admin", identity=secured.identity("admin"))
         admin_js = admin.jetstream()
         await t.apply(admin_js)
         before = {c: await messages(admin_js, t, c) for c in (PROMPTS, TRAJECTORIES, WEIGHTS, BATCHES)}
 
-        rollout = await connect(secured.url("rollout"), "rollout")
+        rollout = await connect(secured.url, "rollout", identity=secured.identity("rollout"))
         rollout_js = rollout.jetstream()
         assert (await Publisher(rollout_js, t).publish(TRAJECTORIES, trajectory(run, 99))).seq
         await refused(rollout_js, t.subject(WEIGHTS))
         await refused(rollout_js, t.subject(BATCHES, 0))
-        reward_nc = await connect(secured.url("reward"), "reward")
+        reward_nc = await connect(secured.url, "reward", identity=secured.identity("reward"))
         await refused(reward_nc.jetstream(), t.subject(PROMPTS))
 
         after = {c: await messages(admin_js, t, c) for c in before}
@@ -234,29 +240,49 @@ def test_roles_cannot_write_what_is_not_theirs(secured: Secured, caplog: pytest.
     )
 
 
-def test_wrong_credentials_fail_at_once_with_one_line(secured: Secured) -> None:
-    """A refused password is not retried forever: connect raises, and a CLI says why in one line."""
-    wrong = secured.server.url.replace("nats://", "nats://rollout:not-the-password@")
+def test_identities_are_files_only_their_owner_reads_and_keys_the_server_knows(secured: Secured) -> None:
+    """`ops.streams users` wrote public keys for the server and a seed per role, each mode 600."""
+    users = (secured.identities / USERS_FILE).read_text()
+    for role in roles(secured.topology):
+        seed = secured.identity(role.name)
+        assert seed.stat().st_mode & 0o777 == 0o600
+        assert f'nkey: "{public_key(seed.read_bytes().strip())}"' in users
+        assert seed.read_text().strip() not in users
+    assert "password" not in users and not re.search(r"\bSU[A-Z2-7]{50,}", users)  # no seed, no password
+
+
+def test_wrong_credentials_fail_at_once_with_one_line(secured: Secured, tmp_path: Path) -> None:
+    """No identity, one the server does not know, or one others may read: refused at once in one line."""
+    stranger = tmp_path / "stranger.nk"
+    write_private(stranger, new_seed())
+    shared = tmp_path / "shared.nk"
+    shared.write_bytes(secured.identity("rollout").read_bytes())
+    shared.chmod(0o644)
 
     async def scenario() -> None:
-        with pytest.raises(ConnectRefused, match="refused this client's credentials.*check the user/password"):
-            await asyncio.wait_for(connect(wrong, "wrong"), 10)
+        for identity in (None, stranger):
+            with pytest.raises(ConnectRefused, match="refused this client's credentials.*check the identity file"):
+                await asyncio.wait_for(connect(secured.url, "wrong", identity=identity), 10)
+        with pytest.raises(ConnectRefused) as refused:
+            await connect(secured.url, "shared", identity=shared)
+        assert str(refused.value) == f"identity file {shared}: mode 644 lets others read it; chmod 600 {shared}"
 
     asyncio.run(scenario())
     cli = subprocess.run(
-        [sys.executable, "-m", "ops.streams", "show", "--run", secured.topology.run, "--nats", wrong],
-        cwd=ROOT, capture_output=True, text=True, timeout=30,
+        [sys.executable, "-m", "ops.streams", "show", "--run", secured.topology.run, "--nats", secured.url],
+        cwd=ROOT, capture_output=True, text=True, timeout=30, env={**os.environ, IDENTITY_ENV: str(stranger)},
     )
     assert cli.returncode == 1
-    assert cli.stderr.strip().splitlines()[-1].startswith("ops.streams: cannot reach NATS: nats://rollout:")
+    assert cli.stderr.strip().splitlines()[-1].startswith(f"ops.streams: cannot reach NATS: {secured.url}:")
     assert "refused this client's credentials" in cli.stderr
     worker = subprocess.run(
-        [sys.executable, "-m", "consumers.buffer", "--run", secured.topology.run, "--nats", wrong],
+        [sys.executable, "-m", "consumers.buffer", "--run", secured.topology.run, "--nats", secured.url,
+         "--identity", str(stranger)],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )
     assert worker.returncode == 1
     last = worker.stderr.strip().splitlines()[-1]
-    assert last.startswith("consumers.buffer: nats://rollout:") and "refused this client's credentials" in last
+    assert last.startswith(f"consumers.buffer: {secured.url}:") and "refused this client's credentials" in last
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a test certificate")

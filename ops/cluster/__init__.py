@@ -33,10 +33,11 @@ HEADER = """\
 
 SECURITY = """\
 # --- Credentials ------------------------------------------------------------------------
-# Per-role users with publish/subscribe permissions for one run:
-#     python -m ops.streams users --run R --out users.conf
-# then uncomment (the path is relative to this file) and give each worker its URL,
-# e.g. --nats nats://rollout:<password>@host:4222.
+# Per-role users (nkeys) with publish/subscribe permissions for one run:
+#     python -m ops.streams users --run R --out DIR
+# writes DIR/users.conf (public keys only) and a seed per role, DIR/<role>.nk (mode 600).
+# Put users.conf beside this file, uncomment (the path is relative to this file), and give
+# each worker its own seed file, e.g. --identity DIR/rollout.nk (never a password in a URL).
 # include "users.conf"
 #
 # --- TLS (on any network you do not trust) ----------------------------------------------

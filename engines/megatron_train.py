@@ -1,0 +1,193 @@
+"""Megatron-core train engine (`trainer.engine: megatron`): megatron's GPTModel built from the HF
+checkpoint's config, tensor-parallel over the default process group, trained with our loss.
+
+NEVER RUN ON A GPU. Its pieces are tested on the CPU (`tests/test_megatron.py`): the config
+translation and the weight mapping, and, where megatron-core is installed, this engine itself
+against `TorchTrainEngine`, with a checkpoint resume, on one CPU rank and on two gloo ranks at
+tensor parallel 2 (`tests/megatron_cpu_proc.py`, which patches two CUDA-only spots of
+megatron-core for it). What no test has run: CUDA, NCCL, and the trainer with this engine.
+
+megatron-core is imported when the engine is built, never at module import: a run without
+`jetrl[megatron]` does not need it. The layer spec is megatron's local one (plain torch
+modules, no Transformer Engine, no fusions): it takes our [B, 1, T, T] masks, which rows with
+padding on either side need.
+
+One step is `TorchTrainEngine.train_step` (the same loss, accumulation and metrics): every
+tensor-parallel rank takes the same micro-batches, so nothing but the logits (gathered over
+the vocabulary: `parallel_output=False`) and the grad norm crosses ranks.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engines.megatron_config import MegatronModelSpec, spec_from_hf
+from engines.megatron_names import hf_to_megatron, megatron_to_hf, merge, shard
+from engines.torch_train import TorchTrainEngine, _atomic_save, _rng_state, _set_rng_state
+
+
+class MegatronNotInstalled(RuntimeError):
+    """`trainer.engine: megatron` on a machine without megatron-core (one line: what to install)."""
+
+
+class MegatronTrainEngine(TorchTrainEngine):
+    """`TorchTrainEngine` whose model is megatron-core's GPTModel, cut over `tensor_parallel_size` ranks."""
+
+    name = "megatron"
+    collective = True
+
+    def __init__(
+        self, model_dir: Path, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, **kwargs: Any
+    ) -> None:
+        """The default process group must hold exactly the tensor-parallel ranks (one model
+        copy); with size 1 and no group, a one-rank group is made here."""
+        try:
+            from megatron.core import parallel_state
+        except ImportError:
+            raise MegatronNotInstalled("trainer.engine megatron needs megatron-core: pip install 'jetrl[megatron]'") from None
+        if pipeline_parallel_size != 1:
+            raise ValueError(f"megatron engine: pipeline_parallel_size {pipeline_parallel_size} is not supported yet (only 1)")
+        self.tp = tensor_parallel_size
+        device = torch.device(kwargs.get("device", "cpu"))
+        if not dist.is_initialized():
+            if self.tp != 1:
+                raise RuntimeError(f"megatron engine: tensor_parallel_size {self.tp} needs the default process group up")
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        if dist.get_world_size() != self.tp:
+            raise ValueError(f"megatron engine: {dist.get_world_size()} ranks, tensor_parallel_size is {self.tp} (no data parallel yet)")
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=1)
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        if device.type == "cuda":
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            # Megatron's dropout RNG states (dropout is 0 here, but its attention forks them).
+            model_parallel_cuda_manual_seed(kwargs.get("seed", 0))
+        self.spec: MegatronModelSpec  # set by _wrap, which the base __init__ calls
+        # Full logits (`_token_logits` below): GPTModel has no HF decoder / output-embedding split.
+        super().__init__(model_dir, **{**kwargs, "logprob_chunk_tokens": 0})
+
+    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The HF model -> a GPTModel of the same shape holding this rank's cut of its weights."""
+        import torch.nn.functional as F
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer import TransformerConfig
+
+        self.spec = spec_from_hf(model.config, tensor_parallel_size=self.tp)
+        config = TransformerConfig(
+            **self.spec.transformer_config_kwargs(),
+            activation_func=F.silu,
+            params_dtype=torch.float32,  # master weights float32; bfloat16 compute is autocast's
+            use_cpu_initialization=True,  # random init is overwritten below; CPU init needs no CUDA RNG
+            # The fused kernels need CUDA extensions (apex, TE) and some take no arbitrary mask.
+            bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+            masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        )
+        gpt = GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            parallel_output=False,  # logits gathered over the vocabulary: our loss takes all of it
+            **self.spec.gpt_model_kwargs(),
+        )
+        full = hf_to_megatron({n: p.detach().cpu() for n, p in model.named_parameters()}, self.spec)
+        mine = {name: shard(name, tensor, self.tp_rank, self.tp) for name, tensor in full.items()}
+        missing, unexpected = gpt.load_state_dict(mine, strict=False)
+        missing = [n for n in missing if not n.endswith("._extra_state")]
+        if missing or unexpected:
+            raise ValueError(f"megatron engine: GPTModel and the mapping disagree: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        return gpt.to(self.device)
+
+    def _token_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """[B, T] ids -> [B, T - 1, V] temperature-scaled logits (V: the HF vocabulary, pad cut off)."""
+        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as the torch engine: padding does not shift RoPE
+        length = input_ids.shape[1]
+        causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).triu(1)
+        # [B, 1, T, T], True where a query may not look: the future, and padding keys.
+        masked = causal[None, None] | (attention_mask[:, None, None, :] == 0)
+        with self._autocast():
+            logits = self.model(input_ids, positions, attention_mask=masked)  # [B, T, Vp]
+        return logits[:, :-1, : self.spec.vocab_size].float() / self.loss_config.temperature
+
+    def _clip_grad_norm(self) -> torch.Tensor:
+        """Norm over the whole model: each rank's cut tensors summed over ranks, the norms (whole
+        on every rank, with equal gradients) counted once."""
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
+            return torch.zeros(())
+        squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        for p in params:
+            if param_is_not_tensor_parallel_duplicate(p):
+                squares += p.grad.detach().float().pow(2).sum()  # type: ignore[union-attr]
+        if self.tp > 1:
+            dist.all_reduce(squares, group=self.tp_group)
+        norm = squares.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)
+        return norm.cpu()
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """On rank 0, HF name -> full CPU tensor (tied weights once); {} on the others.
+
+        Every rank must call it: each parameter's cuts are gathered, one parameter at a time."""
+        full: dict[str, torch.Tensor] = {}
+        for name, param in self.model.named_parameters():
+            local = param.detach()
+            if self.tp > 1:
+                parts = [torch.empty_like(local) for _ in range(self.tp)]
+                dist.all_gather(parts, local.contiguous(), group=self.tp_group)
+                if self.tp_rank == 0:
+                    full[name] = merge(name, [p.cpu() for p in parts])
+            else:
+                full[name] = local.to("cpu", copy=True)
+        return megatron_to_hf(full, self.spec) if self.tp_rank == 0 else {}
+
+    # --- checkpoints: one file per rank in a step directory, then rank 0's pointer (the commit) --
+
+    def has_checkpoint(self, path: Path) -> bool:
+        seen = torch.tensor([int(path.exists())], dtype=torch.int64, device=self.device)
+        dist.all_reduce(seen)
+        if int(seen.item()) not in (0, self.tp):
+            raise ValueError(f"{path}: {int(seen.item())} of {self.tp} ranks see a checkpoint; the directory must be shared")
+        return bool(seen.item())
+
+    def save_checkpoint(
+        self, path: Path, extra: dict[str, Any] | None = None, before_replace: Callable[[], None] | None = None
+    ) -> None:
+        step_dir = path.with_name(f"{path.name}.d") / f"step-{self.step}"
+        if self.tp_rank == 0 and step_dir.exists():
+            shutil.rmtree(step_dir)  # a save of this step that was killed before its commit
+        dist.barrier()
+        own = {
+            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
+            "rng": _rng_state(), "extra": extra or {},
+        }
+        _atomic_save(own, step_dir / f"rank{self.tp_rank}.pt")
+        if before_replace is not None:
+            before_replace()
+        dist.barrier()
+        if self.tp_rank == 0:
+            _atomic_save({"dir": step_dir.name, "step": self.step, "tensor_parallel_size": self.tp}, path)
+            for old in step_dir.parent.iterdir():
+                if old.name != step_dir.name:
+                    shutil.rmtree(old, ignore_errors=True)
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        pointer = torch.load(path, weights_only=True)
+        if pointer["tensor_parallel_size"] != self.tp:
+            raise ValueError(f"{path}: written with tensor_parallel_size {pointer['tensor_parallel_size']}, this run has {self.tp}")
+        own = torch.load(path.with_name(f"{path.name}.d") / pointer["dir"] / f"rank{self.tp_rank}.pt", map_location=self.device, weights_only=True)
+        self.model.load_state_dict(own["model"])
+        self.optimizer.load_state_dict(own["optimizer"])
+        self.step = own["step"]
+        _set_rng_state(own["rng"])
+        return own["extra"]
