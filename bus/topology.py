@@ -381,12 +381,19 @@ class Topology:
         `ops.streams apply`): every worker applies at start-up, and one started with other
         settings (say `--replicas 1` on a 3-replica run) must not reconfigure the run.
         """
+        interest_later = []
         for channel in CHANNELS:
             config = self.stream_config(channel)
             try:
                 await js.stream_info(config.name)  # type: ignore[arg-type]
             except NotFoundError:
-                await js.add_stream(config)
+                if config.retention is RetentionPolicy.INTEREST:
+                    # An interest stream deletes at once a message stored while no consumer
+                    # exists: it keeps everything until its work queue is made, then switches.
+                    await js.add_stream(dataclasses.replace(config, retention=RetentionPolicy.LIMITS))
+                    interest_later.append(config)
+                else:
+                    await js.add_stream(config)
             else:
                 if update:
                     await js.update_stream(config)
@@ -398,6 +405,8 @@ class Topology:
             else:
                 if update:
                     await js.add_consumer(self.stream(channel), self.consumer_config(channel))
+        for config in interest_later:
+            await js.update_stream(config)
         await self.apply_buckets(js)
 
     async def apply_buckets(self, js: JetStreamContext) -> None:
