@@ -13,6 +13,8 @@
   loses its leader, publishes are refused at once ("no response from stream") until a new
   leader is elected, which takes 4-9 s (raft election timeout; measured 4.3-8.3 s, see
   docs/reliability.md). A short pause between tries keeps the stall close to the election.
+- A full stream (discard new: `bus.topology`) is backpressure, not an error: its publishes wait
+  with no deadline, in turn and in order, holding their in-flight bytes (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -96,6 +98,10 @@ class Publisher:
         self._deadlines: dict[int, list[str]] = {}
         # The loop keeps only weak references to tasks: these keep the retries alive.
         self._retries: set[asyncio.Task[PubAck]] = set()
+        # When a publish last warned that its stream is full (loop time).
+        self._full_said = -math.inf
+        # Per subject: the publishes waiting for room in its full stream take turns.
+        self._room: dict[str, asyncio.Lock] = {}
 
     async def send(
         self, channel: Channel[E], event: E, *tokens: str | int, attributes: dict[str, str | int | float] | None = None
@@ -142,8 +148,13 @@ class Publisher:
         # Callbacks, not a coroutine per publish: a task and a `wait_for` each cost as much as
         # the server's work on a small event (ops.bench.bus).
         acked: asyncio.Future[PubAck] = asyncio.get_running_loop().create_future()
-        self._awaiting[reply] = (acked, subject, data, headers)
         self._inflight_bytes += len(data)
+        if (room := self._room.get(subject)) is not None and room.locked():
+            # Its stream is full and earlier publishes wait their turn: this one queues behind
+            # them instead of overtaking them when room comes.
+            self._start_retry(acked, subject, data, headers)
+            return acked
+        self._awaiting[reply] = (acked, subject, data, headers)
         try:
             await self.js.client.publish(subject, data, reply=reply, headers=headers)
         except Exception:
@@ -178,21 +189,30 @@ class Publisher:
         if awaiting is None:  # its ack came after its deadline: its retry settles it
             return
         acked, subject, data, headers = awaiting
-        self._release(len(data))
         if acked.done():  # the caller gave up on it
+            self._release(len(data))
             return
-        reason = "no ack in time"
+        reason, full = "no ack in time", False
         if answer is not None:
             # Retried too: an error from the stream, no stream at all, or an answer that is no ack.
             try:
                 acked.set_result(pub_ack(answer))
+                self._release(len(data))
                 return
             except (nats.errors.Error, ValueError, KeyError, TypeError) as exc:
                 reason = f"{type(exc).__name__}: {exc}"
-        log.warning("publish to %s failed (%s); retrying", subject, reason)
+                full = isinstance(exc, nats.js.errors.APIError) and stream_full(exc)
+        # A full stream is said by the retry, once for all the publishes that wait.
+        (log.debug if full else log.warning)("publish to %s failed (%s); retrying", subject, reason)
+        self._start_retry(acked, subject, data, headers)
+
+    def _start_retry(self, acked: asyncio.Future[PubAck], subject: str, data: bytes, headers: dict[str, str]) -> None:
         retry = asyncio.create_task(self._retry(subject, data, headers))
         self._retries.add(retry)
         retry.add_done_callback(self._retries.discard)
+        # Its bytes stay in flight until the retry settles: while a stream is full, senders
+        # wait for the budget instead of piling more retries onto it.
+        retry.add_done_callback(lambda _: self._release(len(data)))
         retry.add_done_callback(lambda r: _copy_outcome(r, acked))
 
     def _expire_later(self, reply: str) -> None:
@@ -220,9 +240,44 @@ class Publisher:
         that refuses (its intake queue full, its limits reached) may accept once consumers
         catch up; the caller is told only when `retry_for` is spent."""
         return await ride_out(
-            lambda: self.js.publish(subject, data, timeout=self.ack_timeout, headers=headers),
+            lambda: self._publish_when_room(subject, data, headers),
             f"publish to {subject}", self.retry_for, retry_on=(Exception,),
         )
+
+    async def _publish_when_room(self, subject: str, data: bytes, headers: dict[str, str]) -> PubAck:
+        """Publish as a request; while the stream is full (its limits reached, discard new), wait
+        for its consumers with no deadline: that is backpressure, not a failure. The publishes
+        waiting for one subject take turns (FIFO), so one of them polls the server, not all."""
+        room = self._room.setdefault(subject, asyncio.Lock())
+        if not room.locked():  # nobody waits for room: try at once
+            try:
+                return await self._request(subject, data, headers)
+            except _StreamFull:
+                pass
+        loop = asyncio.get_running_loop()
+        since = loop.time()
+        async with room:
+            while True:
+                try:
+                    return await self._request(subject, data, headers)
+                except _StreamFull as full:
+                    # One warning per FULL_LOG_EVERY for the whole publisher, not one per message.
+                    if loop.time() - self._full_said >= FULL_LOG_EVERY:
+                        log.warning(
+                            "stream of %s is full (%s): publishes wait for its consumers to ack "
+                            "(backpressure); this one for %.0f s so far", subject, full, loop.time() - since,
+                        )
+                        self._full_said = loop.time()
+                await asyncio.sleep(FULL_PAUSE)
+
+    async def _request(self, subject: str, data: bytes, headers: dict[str, str]) -> PubAck:
+        """One request publish; _StreamFull when the stream refused it for its limits."""
+        try:
+            return await self.js.publish(subject, data, timeout=self.ack_timeout, headers=headers)
+        except nats.js.errors.APIError as exc:
+            if stream_full(exc):
+                raise _StreamFull(exc.description) from exc
+            raise
 
     def _release(self, nbytes: int) -> None:
         self._inflight_bytes -= nbytes
@@ -230,6 +285,24 @@ class Publisher:
         # sends a burst instead of one event per ack.
         if self._inflight_bytes <= self.max_inflight_bytes // 2:
             self._freed.set()
+
+
+STREAM_FULL = 10077
+"""JetStream's error code for a publish refused by a stream's limits (maximum bytes or messages
+exceeded, with discard new); nats-py raises it as a 503."""
+FULL_PAUSE = 0.5
+"""Seconds between tries of a publish to a full stream."""
+FULL_LOG_EVERY = 30.0
+"""Seconds between the warnings of one publish waiting for room."""
+
+
+class _StreamFull(Exception):
+    """A publish the stream refused for its limits: waited out, never given to the caller."""
+
+
+def stream_full(exc: nats.js.errors.APIError) -> bool:
+    """Whether the stream refused the publish because it is full (not an election, not an error)."""
+    return exc.err_code == STREAM_FULL
 
 
 def pub_ack(answer: Msg) -> PubAck:

@@ -18,7 +18,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -42,12 +42,15 @@ from schemas.events import (
     TrajectoryEvent,
 )
 from schemas.names import check_run_id
+from schemas.streams_config import stream_needs
 from schemas.weight_event import WeightVersionEvent
+
+if TYPE_CHECKING:
+    from schemas.config import RunConfig
 
 E = TypeVar("E", bound=Event)
 
 GiB = 1 << 30
-DAY = 24 * 3600.0
 # Long enough that a redelivery after a restart is still deduplicated by the server
 # (the default is 2 minutes); consumers also drop ids they have already seen.
 DEDUP_WINDOW = 3600.0
@@ -197,7 +200,11 @@ RENDEZVOUS = KvKey(
     "trainer.rendezvous", "trainer.rendezvous", ("trainer",),
     "fsdp rank 0's store address and group generation: the other ranks join it",
 )
-KV_KEYS: tuple[KvKey, ...] = (CONFIG, DROPS, METRICS, RENDEZVOUS)
+LOSS = KvKey(
+    "loss.<channel>", "loss.>", tuple(c.work_queue.durable for c in WORK_QUEUES),
+    "messages a work queue's stream deleted before they were acked (`bus.loss`): should never exist",
+)
+KV_KEYS: tuple[KvKey, ...] = (CONFIG, DROPS, METRICS, RENDEZVOUS, LOSS)
 
 CONFIG_KEY = CONFIG.pattern
 RENDEZVOUS_KEY = RENDEZVOUS.pattern
@@ -216,6 +223,10 @@ def drop_key(prompt_id: str) -> str:
 def dropped_prompt(key: str) -> str | None:
     """The prompt id of a drop key, None for another key."""
     return key.removeprefix(_DROP) if key.startswith(_DROP) else None
+
+
+def loss_key(channel: str) -> str:
+    return f"loss.{channel}"
 
 
 def metrics_key(rank: int, step: int) -> str:
@@ -262,10 +273,25 @@ class Topology:
             DEAD.name: 1 * GiB,
         }
     )
-    """Per channel name."""
-    max_age: float = 7 * DAY
+    """Per channel name. A run's streams are made with the limits its config derives
+    (`for_config`, `schemas.streams_config`); these defaults serve what declares a run without
+    a config (tests, benchmarks) and the ops tools that only need the names."""
+    max_age: float = 0.0
+    """Seconds a message may live in a stream; 0: no age limit."""
+    keep_consumed: bool = False
+    """False: trajectories and rewards are removed once their work queue acked them (interest
+    retention). True: they stay, for replay (limits retention)."""
     member_ttl: float = 15.0
     """Seconds a worker's membership entry lives without a heartbeat (set when the bucket is created)."""
+
+    @classmethod
+    def for_config(cls, config: RunConfig, replicas: int = 1) -> Topology:
+        """The run's objects with the limits its config derives (`schemas.streams_config.stream_needs`)."""
+        return cls(
+            run=config.run, replicas=replicas,
+            max_bytes={name: need.limit for name, need in stream_needs(config).items()},
+            max_age=config.streams.max_age_s, keep_consumed=config.streams.consumed == "keep",
+        )
 
     def __post_init__(self) -> None:
         check_run_id(self.run)
@@ -310,17 +336,24 @@ class Topology:
         return f"rl_{self.run}_weights"
 
     def stream_config(self, channel: Channel) -> StreamConfig:
+        """Work never dropped: a full stream refuses a publish (discard new) and the publisher
+        waits until its consumers catch up (`bus.publisher`), instead of the server deleting
+        the oldest messages whether or not anyone received them. Trajectories and rewards are
+        deleted once acked (interest retention) unless `keep_consumed`; prompts, batches and
+        weights are kept (gate resume, audit, trainer restart). Only `dead` discards its oldest."""
+        deleted_once_acked = channel in (TRAJECTORIES, REWARDS) and not self.keep_consumed
         return StreamConfig(
             name=self.stream(channel),
             subjects=[self.subjects(channel)],
-            retention=RetentionPolicy.LIMITS,
-            discard=DiscardPolicy.OLD,
+            retention=RetentionPolicy.INTEREST if deleted_once_acked else RetentionPolicy.LIMITS,
+            discard=DiscardPolicy.OLD if channel is DEAD else DiscardPolicy.NEW,
             max_bytes=self.max_bytes[channel.name],
             max_age=self.max_age,
             max_msg_size=MAX_PAYLOAD,
             storage=StorageType.FILE,
             num_replicas=self.replicas,
-            duplicate_window=DEDUP_WINDOW,
+            # The server refuses a dedup window longer than the age limit.
+            duplicate_window=min(DEDUP_WINDOW, self.max_age) if self.max_age else DEDUP_WINDOW,
             allow_direct=True,
         )
 
@@ -348,12 +381,19 @@ class Topology:
         `ops.streams apply`): every worker applies at start-up, and one started with other
         settings (say `--replicas 1` on a 3-replica run) must not reconfigure the run.
         """
+        interest_later = []
         for channel in CHANNELS:
             config = self.stream_config(channel)
             try:
                 await js.stream_info(config.name)  # type: ignore[arg-type]
             except NotFoundError:
-                await js.add_stream(config)
+                if config.retention is RetentionPolicy.INTEREST:
+                    # An interest stream deletes at once a message stored while no consumer
+                    # exists: it keeps everything until its work queue is made, then switches.
+                    await js.add_stream(dataclasses.replace(config, retention=RetentionPolicy.LIMITS))
+                    interest_later.append(config)
+                else:
+                    await js.add_stream(config)
             else:
                 if update:
                     await js.update_stream(config)
@@ -365,6 +405,13 @@ class Topology:
             else:
                 if update:
                     await js.add_consumer(self.stream(channel), self.consumer_config(channel))
+        for config in interest_later:
+            await js.update_stream(config)
+        await self.apply_buckets(js)
+
+    async def apply_buckets(self, js: JetStreamContext) -> None:
+        """Create the KV buckets and object store if missing: a worker opens the run's KV to read
+        its config, and only then makes streams with the limits the config derives."""
         for bucket, ttl in ((self.kv_bucket, None), (self.members_bucket, self.member_ttl)):
             try:
                 await js.key_value(bucket)

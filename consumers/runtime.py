@@ -83,7 +83,8 @@ async def attach(
     js = nc.jetstream()
     topology = Topology(run=run, replicas=replicas)
     # A worker (or the producer) started while a node is down meets the election that follows.
-    await ride_out(lambda: topology.apply(js), f"declaring run {run}")
+    # Streams only once the config is read: their limits derive from it.
+    await ride_out(lambda: topology.apply_buckets(js), f"declaring run {run}")
     kv = await ride_out(lambda: js.key_value(topology.kv_bucket), "opening the run's KV bucket")
     deadline = asyncio.get_running_loop().time() + wait
     while True:
@@ -95,6 +96,8 @@ async def attach(
                 raise CannotAttach(f"run {run}: no config in KV after {wait:.0f}s; is the producer running?") from None
             await asyncio.sleep(0.5)
     config = parse_config(yaml.safe_load(entry.value or b""), f"run {run} config in KV")
+    topology = Topology.for_config(config, replicas)
+    await ride_out(lambda: topology.apply(js), f"declaring run {run}")
     member = await ride_out(
         lambda: Membership.join(js, topology, role, background=beat_in_background), "joining the run's members"
     )

@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from bus import loss
 from bus.topology import Channel
 from bus.worker import Handler, OnDead, Worker, WorkerOptions, stop_on_signals
 from consumers.runtime import CannotAttach, Runtime, attach, worker_args
@@ -41,6 +42,9 @@ E = TypeVar("E", bound=Event)
 
 MEMBERSHIP = "membership heartbeat"
 """The helper every stage runs: its entry in the run's members bucket."""
+
+LOSS_GUARD = "loss guard"
+"""The helper of every stage that serves a work queue: reports work its stream deleted unacked (`bus.loss`)."""
 
 Helper = Callable[[], Coroutine[Any, Any, None]]
 MainLoop = Callable[[asyncio.Event], Coroutine[Any, Any, None]]
@@ -77,6 +81,9 @@ async def serve(rt: Runtime, stage: Stage[Any], stop: asyncio.Event) -> None:
     helpers = dict(stage.helpers)
     if not rt.member.background:
         helpers[MEMBERSHIP] = rt.member.beat
+    if (channel := stage.channel) is not None:
+        every = rt.config.streams.guard_seconds
+        helpers[LOSS_GUARD] = lambda: loss.watch(rt.js, rt.kv, rt.topology, channel, every)
     try:
         async with asyncio.TaskGroup() as group:
             running = [group.create_task(_watched(name, helper), name=name) for name, helper in helpers.items()]

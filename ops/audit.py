@@ -6,7 +6,8 @@ left out), and reports: issued prompts; prompts whose group was trained (stored 
 dropped (with reasons; a record without one is listed), or neither (in flight at shutdown);
 samples stored in a batch that no metrics record says the trainer trained (a micro-batch it
 refused, dead-lettered with the reason); sample ids trained more than once; tokens trained
-at a staleness beyond the bound. Last line: one JSON object. A read the server refuses
+at a staleness beyond the bound; work streams' messages deleted before they were acked
+(`lost`, `bus.loss`). Last line: one JSON object. A read the server refuses
 while a node's streams elect new leaders is retried, the whole audit over (it only reads).
 """
 
@@ -24,6 +25,7 @@ import numpy as np
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from bus import loss
 from bus.connection import DEFAULT_URL, connect
 from bus.election import TRANSIENT, ride_out
 from bus.topology import (
@@ -102,6 +104,9 @@ async def audit(js: JetStreamContext, topology: Topology, max_staleness: int) ->
         "drop_reasons": dict(Counter(r.split(":")[0].split(" (")[0] for r in dropped.values())),
         "max_staleness_seen": max((int(b.step - b.versions.numpy()[b.loss_mask.numpy() == 1].min()) for b in batches), default=0),
         "reward_by_step": [float(np.mean(b.rewards.numpy())) for b in sorted(batches, key=lambda b: b.step)],
+        # Per work stream, messages deleted before their work queue acked them (`bus.loss`):
+        # 0 in a run whose limits hold; None where the server could not say.
+        "lost": await loss.all_lost(js, kv, topology),
     }
 
 

@@ -181,8 +181,8 @@ class ChaosRun:
         return path
 
     async def declare(self) -> None:
-        """Declare the run before any of its processes does, with the default settings."""
-        await self.topology.apply(self.js)
+        """Declare the run before any of its processes does, with the limits its config derives."""
+        await Topology.for_config(load_config(self.out / "config.yaml")).apply(self.js)
 
     def supervisor(self) -> Supervisor:
         """The run's fleet, each role's first process armed with its first point."""

@@ -38,7 +38,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bus.identity import identity_path, new_seed, public_key, write_private
-from bus.topology import BATCHES, CHANNELS, DEAD, KV_KEYS, WEIGHTS, WORK_QUEUES, Channel, Read, Topology
+from bus.topology import (
+    BATCHES,
+    CHANNELS,
+    DEAD,
+    KV_KEYS,
+    REWARDS,
+    TRAJECTORIES,
+    WEIGHTS,
+    WORK_QUEUES,
+    Channel,
+    Read,
+    Topology,
+)
 
 API = "$JS.API"
 
@@ -111,7 +123,10 @@ def declare_rules(t: Topology) -> list[Rule]:
 
 def create_rules(t: Topology) -> list[Rule]:
     """`Topology.apply` on a new run: create every stream, bucket and the object store."""
-    return [Rule(f"{API}.STREAM.CREATE.{s}", "create the run (Topology.apply)") for s in run_streams(t)]
+    return [Rule(f"{API}.STREAM.CREATE.{s}", "create the run (Topology.apply)") for s in run_streams(t)] + [
+        Rule(f"{API}.STREAM.UPDATE.{t.stream(c)}", "switch a new work stream to interest retention once its work queue exists")
+        for c in (TRAJECTORIES, REWARDS)
+    ]
 
 
 def work_queue_rules(t: Topology, channel: Channel) -> list[Rule]:

@@ -4,6 +4,7 @@
     queues   per work queue: pending, in flight (ack pending), redelivered, done per second
              (taken and no longer in flight: acked or terminated)
     dead     dead letters by the worker that wrote them
+    lost     work a stream deleted before its work queue acked it (`bus.loss`): should be none
     trainer  the step of the live trainer(s), the latest weight version
     staleness  step - version over the loss tokens of the last batches in the stream
     stalled  when no step completed for the run's `trainer.stall_after`: who holds the work and why
@@ -28,10 +29,19 @@ from dataclasses import dataclass
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from bus import loss
 from bus.connection import DEFAULT_URL, connect
 from bus.election import or_unknown
 from bus.lag import QueueLag, queue_lag
-from bus.topology import BATCHES, CHANNELS, DEAD, WEIGHTS, WORK_QUEUES, Topology, run_id_arg
+from bus.topology import (
+    BATCHES,
+    CHANNELS,
+    DEAD,
+    WEIGHTS,
+    WORK_QUEUES,
+    Topology,
+    run_id_arg,
+)
 from consumers.membership import Member, live_members
 from ops.stall import stalled_line
 from schemas import BatchEvent, DecodeError, WeightVersionEvent, decode
@@ -84,6 +94,8 @@ class Details:
     """The figures above the server could not give now ("weights" among them)."""
     stalled: str | None = None
     """Who holds the work, when no step completed for the run's `trainer.stall_after`."""
+    lost: dict[str, int | None] | None = None
+    """Per work stream, messages deleted before their work queue acked them (`bus.loss`); None: unknown."""
 
 
 async def sample(js: JetStreamContext, topology: Topology) -> Sample:
@@ -120,6 +132,26 @@ async def details(js: JetStreamContext, topology: Topology, batches: int) -> Det
         await or_unknown(lambda: recent_batches(js, topology, batches), "recent batches"),
         frozenset(unknown),
         await or_unknown(lambda: stalled_line(js, topology), "the stall diagnosis"),
+        await or_unknown(lambda: _lost(js, topology), "the loss guard"),
+    )
+
+
+async def _lost(js: JetStreamContext, topology: Topology) -> dict[str, int | None]:
+    return await loss.all_lost(js, await js.key_value(topology.kv_bucket), topology)
+
+
+def lost_line(lost: dict[str, int | None] | None) -> str:
+    """`lost work: none`, or loudly which streams deleted how many messages nobody acked."""
+    if lost is None:
+        return "lost work: ?"
+    found = {name: n for name, n in lost.items() if n}
+    if not found:
+        unknown = ", ".join(name for name, n in lost.items() if n is None)
+        return f"lost work: none (unknown: {unknown})" if unknown else "lost work: none"
+    counts = ", ".join(f"{name} {n}" for name, n in found.items())
+    return (
+        f"LOST WORK: {counts} message(s) deleted before their work queue acked them "
+        "(a stream limit too low: streams.max_bytes / streams.max_age_s)"
     )
 
 
@@ -187,7 +219,7 @@ def render(topology: Topology, before: Sample, now: Sample, info: Details) -> st
         rate = "?" if was_q is None else f"{(q.done - was_q.done) / seconds:.1f}"
         lines.append(f"{role:<9} {stage:<13} {q.pending:>8} {q.in_flight:>10} {q.redelivered:>12} {rate:>8}")
     dead = "?" if now.dead is None else ", ".join(f"{stage} {n}" for stage, n in sorted(now.dead.items())) or "none"
-    lines += ["", f"dead letters: {dead}"]
+    lines += ["", f"dead letters: {dead}", lost_line(info.lost)]
     members = info.members
     trainer_steps = [m.weight_version for m in members or [] if m.role == "trainer" and m.weight_version is not None]
     trainer = (

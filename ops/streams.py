@@ -2,8 +2,11 @@
 
 `users` needs no server: it writes the run's per-role NATS identities (ops.security) to the
 directory --out: users.conf (public keys) and a seed file per role, readable by its owner only.
-The other actions connect as $JETRL_NATS_IDENTITY (the admin seed, on a secured server). `apply` and `delete` ride out a leader election
-(a node just died); `show` prints `?` for a figure the server cannot give now.
+The other actions connect as $JETRL_NATS_IDENTITY (the admin seed, on a secured server).
+`apply` and `delete` ride out a leader election (a node just died); both take the stream limits
+the run's config in KV derives (the defaults before the producer stored one), and `show` prints
+that derivation (`schemas.streams_config`) above each stream's state and limits, `?` for a
+figure the server cannot give now.
 """
 
 from __future__ import annotations
@@ -14,18 +17,43 @@ import os
 import sys
 from pathlib import Path
 
+import yaml
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 
 from bus.connection import DEFAULT_URL, connect
 from bus.election import TRANSIENT, or_unknown, ride_out
 from bus.lag import queue_lag
-from bus.topology import CHANNELS, WORK_QUEUES, Topology, run_id_arg
+from bus.topology import CHANNELS, CONFIG_KEY, WORK_QUEUES, Topology, run_id_arg
 from ops.security import USERS_FILE, write_identities
+from schemas.config import ConfigError, RunConfig, parse_config
+from schemas.streams_config import stream_needs
 
 
-async def show(js: JetStreamContext, topology: Topology) -> None:
-    print(f"{'stream':<34} {'messages':>9} {'bytes':>12}  consumers")
+async def stored_config(js: JetStreamContext, run: str) -> tuple[RunConfig, str]:
+    """The run's config from its KV (the producer stores it), else the defaults; and which it is."""
+    try:
+        kv = await js.key_value(Topology(run=run).kv_bucket)
+        entry = await kv.get(CONFIG_KEY)
+    except (BucketNotFoundError, KeyNotFoundError, NotFoundError):
+        return RunConfig(run=run), "no config stored yet: the defaults"
+    return parse_config(yaml.safe_load(entry.value or b""), f"run {run} config in KV"), "the run's config in KV"
+
+
+def limits(config: RunConfig, origin: str) -> list[str]:
+    """How each stream's limit follows from the run's bounds (`schemas.streams_config`)."""
+    age = f"{config.streams.max_age_s:g} s" if config.streams.max_age_s else "none"
+    lines = [f"limits from {origin} (age limit: {age}; consumed work: {config.streams.consumed}):"]
+    for need in stream_needs(config).values():
+        override = f", override {need.limit:,}" if need.limit != need.need else ""
+        lines.append(f"  {need.stream:<13} need {need.need:>16,} B{override}: {need.how}")
+    return lines
+
+
+async def show(js: JetStreamContext, topology: Topology, config: RunConfig, origin: str) -> None:
+    print("\n".join(limits(config, origin)))
+    print()
+    print(f"{'stream':<34} {'messages':>9} {'bytes':>12} {'max bytes':>16} {'discard':>7}  consumers")
     lags = await queue_lag(js, topology)
     for channel in CHANNELS:
         name = topology.stream(channel)
@@ -40,7 +68,9 @@ async def show(js: JetStreamContext, topology: Topology) -> None:
             figures = "?" if lag is None else f"pending {lag.pending}, in flight {lag.in_flight}"
             consumers.append(f"{channel.queue.durable}: {figures}")
         messages, size = ("?", "?") if info is None else (info.state.messages, info.state.bytes)
-        print(f"{name:<34} {messages:>9} {size:>12}  {'; '.join(consumers)}")
+        # nats-py gives the server's discard policy as a plain string ("new", "old").
+        limit, discard = ("?", "?") if info is None else (f"{info.config.max_bytes:,}", str(info.config.discard))
+        print(f"{name:<34} {messages:>9} {size:>12} {limit:>16} {discard:>7}  {'; '.join(consumers)}")
 
 
 def write_users(topology: Topology, out: str) -> None:
@@ -57,7 +87,8 @@ def write_users(topology: Topology, out: str) -> None:
 async def main(args: argparse.Namespace) -> None:
     nc = await connect(args.nats, "ops-streams")
     js = nc.jetstream()
-    topology = Topology(run=args.run, replicas=args.replicas)
+    config, origin = await ride_out(lambda: stored_config(js, args.run), "reading the run config")
+    topology = Topology.for_config(config, args.replicas)
     if args.action == "apply":
         await ride_out(lambda: topology.apply(js, update=True), f"applying run {args.run}")
         print(f"applied run {args.run}: {len(CHANNELS)} streams, {len(WORK_QUEUES)} consumers, KV and object store")
@@ -65,7 +96,7 @@ async def main(args: argparse.Namespace) -> None:
         await ride_out(lambda: topology.delete(js), f"deleting run {args.run}")
         print(f"deleted run {args.run}")
     else:
-        await show(js, topology)
+        await show(js, topology, config, origin)
     await nc.close()
 
 
@@ -90,3 +121,5 @@ if __name__ == "__main__":
         asyncio.run(main(arguments))
     except (OSError, *TRANSIENT) as exc:
         sys.exit(f"ops.streams: cannot reach NATS: {exc or type(exc).__name__}")
+    except ConfigError as exc:
+        sys.exit(f"ops.streams: {exc}")

@@ -175,7 +175,7 @@ async def attach_bootstrap(
     """The producer owns the config: it writes it to KV before attaching like any worker."""
     nc = await connect(url, "producer-bootstrap", identity=identity)
     js = nc.jetstream()
-    topology = Topology(run=cfg.run, replicas=replicas)
+    topology = Topology.for_config(cfg, replicas)
     await ride_out(lambda: topology.apply(js), f"declaring run {cfg.run}")
     kv = await ride_out(lambda: js.key_value(topology.kv_bucket), "opening the run's KV bucket")
     await ride_out(lambda: publish_config(kv, cfg), "writing the run config")

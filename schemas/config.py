@@ -23,6 +23,7 @@ from schemas.events import SamplingParams
 from schemas.names import check_run_id
 from schemas.rollout_config import RolloutConfig
 from schemas.section import Section
+from schemas.streams_config import StreamsConfig, stream_needs
 from schemas.weight_event import TransportName
 
 S = TypeVar("S", bound=Section)
@@ -298,6 +299,8 @@ class RunConfig(Section):
     rollout: RolloutConfig = RolloutConfig()
     reward: RewardConfig = RewardConfig()
     weights: WeightsConfig = WeightsConfig()
+    streams: StreamsConfig = StreamsConfig()
+    """Stream limits derived from the run's bounds, overrides, age limit, loss guard (`schemas.streams_config`)."""
 
     @field_validator("run")
     @classmethod
@@ -370,6 +373,7 @@ class RunConfig(Section):
                 "log-probs are renormalised over the top-p nucleus and would not match the trainer's; "
                 "use engine hf or sglang for top_p < 1"
             )
+        stream_needs(self)  # an override below a stream's need: refused, with the derivation
         return self
 
 

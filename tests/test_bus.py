@@ -348,6 +348,7 @@ def test_streams_cli_applies_shows_and_deletes(nats_server: EmbeddedNats, topolo
     assert "applied run" in cli("apply").stdout
     shown = cli("show").stdout
     assert f"RL_{topology.run}_PROMPTS" in shown and "rollout: pending 0, in flight 0" in shown
+    assert "limits from no config stored yet" in shown and "gate bound (max_staleness 1 + 1)" in shown
     assert "deleted run" in cli("delete").stdout
     assert "(missing)" in cli("show").stdout
     bad = subprocess.run([sys.executable, "-m", "ops.streams", "show", "--run", "a.b"], cwd=ROOT, capture_output=True, text=True)

@@ -61,6 +61,8 @@ def bench_config(run: str, mode: str, staleness: int, steps: int) -> RunConfig:
         "trainer": {"steps": steps, "checkpoint_every": 1000, "simulated_seconds_per_token": 0.003},
         "rollout": {"engine": "simulated", "simulated": {"median_tokens": 3, "sigma": 1.8,
                                                          "seconds_per_token": 0.02, "slots": SLOTS}},
+        # The bench replays the run's trajectories afterwards: keep them once scored.
+        "streams": {"consumed": "keep"},
     }, f"bench {run}")
 
 
@@ -71,6 +73,7 @@ def real_config(run: str, mode: str, staleness: int, steps: int) -> RunConfig:
     data["trainer"] = {**data.get("trainer", {}), "steps": steps, "checkpoint_every": 100_000}
     algorithm = {k: v for k, v in data.get("algorithm", {}).items() if k != "max_staleness"}
     data["algorithm"] = algorithm | ({"max_staleness": staleness} if mode == "async" else {})
+    data["streams"] = {**data.get("streams", {}), "consumed": "keep"}  # replayed afterwards
     return parse_config(data, f"bench {run}")
 
 

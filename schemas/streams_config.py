@@ -1,0 +1,160 @@
+"""`streams`: how much each stream of a run may hold, derived from the run's own bounds.
+
+A work stream holds what its consumer has not acked yet. The admission gate bounds the samples
+in flight at (max_staleness + 1) x prompts_per_step x n, and the config bounds each sample's
+size (prompt tokens `streams.max_prompt_tokens`, response tokens `data.sampling.max_tokens`);
+their product times `safety_factor` is what a stream must be able to hold (`stream_needs`).
+A full stream makes its publishers wait (discard new, `bus.topology`); it never drops unconsumed
+work. `ops.streams show` prints the derivation; docs/reliability.md states it for an example.
+
+This module knows nothing of NATS: it works in bytes and seconds only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field
+
+from schemas.section import Section
+
+if TYPE_CHECKING:
+    from schemas.config import RunConfig
+
+MIB = 1 << 20
+STREAM_NAMES = ("prompts", "trajectories", "rewards", "batches", "weights", "dead")
+StreamName = Literal["prompts", "trajectories", "rewards", "batches", "weights", "dead"]
+
+# Wire bytes per token of each event, from the event schemas (`schemas.events`): ids, versions
+# and log-probs are int32/float32 (4 B each); text is counted at 4 B per token (about 4 characters
+# per token of English BPE; the safety factor covers heavier text). Checked against the codec's
+# real encoding in tests/test_stream_limits.py.
+PROMPT_BYTES_PER_TOKEN = 8
+"""Prompt text (4) plus its optional token ids (4)."""
+TRAJECTORY_PROMPT_BYTES_PER_TOKEN = 4
+"""`prompt_ids` (int32)."""
+TRAJECTORY_RESPONSE_BYTES_PER_TOKEN = 16
+"""`response_ids`, `logprobs`, `versions` (4 each) and `response_text` (4)."""
+BATCH_BYTES_PER_TOKEN = 20
+"""Per row and padded position: input_ids, advantages, behaviour_logprobs, versions (4 each),
+attention_mask and loss_mask (1 each), rounded up."""
+EVENT_OVERHEAD = 4096
+"""Ids, task dict, timings, headers of one event."""
+WEIGHTS_EVENT_BYTES = 64 * 1024
+"""One `WeightVersionEvent`: where a version is and its manifest (no tensor bytes: those go
+through the weights transport)."""
+MIN_STREAM_BYTES = 64 * MIB
+"""No stream is made smaller than this: a tiny run's need is a few KB, and a few MB cost nothing."""
+DEAD_BYTES = 1 << 30
+"""The dead-letter stream is not bounded by the gate: what the stages refuse, kept for the operator."""
+
+
+class StreamsConfig(Section):
+    """`streams`: the run's stream limits (`stream_needs`) and the loss guard."""
+
+    safety_factor: float = Field(2.0, ge=1.0)
+    """Each derived need is multiplied by this: messages redelivered or replaced (dropped groups
+    are replaced by the gate), text heavier than 4 bytes per token."""
+    max_prompt_tokens: int = Field(2048, ge=1)
+    """The longest prompt the bounds assume, in tokens (the response's is `data.sampling.max_tokens`)."""
+    max_bytes: dict[StreamName, int] = Field(default_factory=dict)
+    """Operator overrides, in bytes, by stream (prompts, trajectories, rewards, batches, weights,
+    dead). One below the derived need is refused at load with the need and how it was derived;
+    one above is used as it is."""
+    max_age_s: float = Field(0.0, ge=0)
+    """Seconds a message may live in any stream of the run; 0: no age limit. The default keeps
+    every batch and weights event a restart from a checkpoint could still need, however long the
+    run; a non-zero age can delete unconsumed work, which the loss guard then reports."""
+    consumed: Literal["delete", "keep"] = "delete"
+    """What happens to a trajectory or reward once its work queue acked it. delete: the server
+    removes it (interest retention), so those streams hold only unconsumed work and their need is
+    the gate's bound. keep: it stays (limits retention) for replay and audit, so the need covers
+    every sample of the run (trainer.steps x prompts_per_step x n)."""
+    guard_seconds: float = Field(10.0, gt=0)
+    """How often each worker checks its work queue for loss: the stream's first sequence past the
+    durable consumer's ack floor (`bus.loss`)."""
+
+
+@dataclass(frozen=True)
+class Need:
+    """What one stream must hold, and how that was derived (shown by `ops.streams show`)."""
+
+    stream: str
+    need: int
+    """Bytes the run's bounds require (after the safety factor and the floor)."""
+    limit: int
+    """Bytes the stream is made with: the operator's override, else the need."""
+    how: str
+    """The derivation, in words and numbers."""
+
+
+def _mib(value: float) -> str:
+    return f"{value / MIB:,.1f} MiB"
+
+
+def _needs(cfg: RunConfig) -> dict[str, tuple[float, str]]:
+    """Raw need (before safety factor and floor) of every stream, with its derivation."""
+    s, a = cfg.streams, cfg.algorithm
+    prompt_tokens, response_tokens = s.max_prompt_tokens, cfg.data.sampling.max_tokens
+    group = a.prompts_per_step * cfg.data.n
+    in_flight = (a.max_staleness + 1) * group
+    run_samples = cfg.trainer.steps * group
+    prompt = EVENT_OVERHEAD + prompt_tokens * PROMPT_BYTES_PER_TOKEN
+    trajectory = (
+        EVENT_OVERHEAD + prompt_tokens * TRAJECTORY_PROMPT_BYTES_PER_TOKEN
+        + response_tokens * TRAJECTORY_RESPONSE_BYTES_PER_TOKEN
+    )
+    reward = trajectory + EVENT_OVERHEAD
+    step = group * (prompt_tokens + response_tokens) * BATCH_BYTES_PER_TOKEN + EVENT_OVERHEAD
+    versions = cfg.trainer.steps // cfg.trainer.sync_every + 1
+    if s.consumed == "delete":
+        samples, why = in_flight, (
+            f"gate bound (max_staleness {a.max_staleness} + 1) x prompts_per_step {a.prompts_per_step} "
+            f"x n {cfg.data.n} = {in_flight} samples"
+        )
+    else:
+        samples, why = run_samples, (
+            f"consumed: keep, every sample of the run: steps {cfg.trainer.steps} x prompts_per_step "
+            f"{a.prompts_per_step} x n {cfg.data.n} = {run_samples} samples"
+        )
+    tokens = f"{prompt_tokens} prompt + {response_tokens} response tokens"
+    return {
+        "prompts": (
+            cfg.trainer.steps * a.prompts_per_step * prompt,
+            (
+                f"every prompt of the run (gate resume, audit): steps {cfg.trainer.steps} x prompts_per_step "
+                f"{a.prompts_per_step} x {prompt:,} B ({prompt_tokens} tokens)"
+            ),
+        ),
+        "trajectories": (samples * trajectory, f"{why} x {trajectory:,} B ({tokens})"),
+        "rewards": (samples * reward, f"{why} x {reward:,} B (a trajectory and its score)"),
+        "batches": (
+            cfg.trainer.steps * step,
+            (
+                f"every step of the run (trainer restart, buffer replay): steps {cfg.trainer.steps} x "
+                f"{group} rows x ({tokens}) x {BATCH_BYTES_PER_TOKEN} B"
+            ),
+        ),
+        "weights": (versions * WEIGHTS_EVENT_BYTES, f"{versions} versions x {WEIGHTS_EVENT_BYTES:,} B per event"),
+    }
+
+
+def stream_needs(cfg: RunConfig) -> dict[str, Need]:
+    """Every stream's need and limit; ValueError naming the key for an override below its need."""
+    s = cfg.streams
+    dead = s.max_bytes.get("dead", DEAD_BYTES)
+    found = {"dead": Need("dead", DEAD_BYTES, dead, "fixed: dead letters are not bounded by the gate (discard old)")}
+    for name, (raw, how) in _needs(cfg).items():
+        need = max(int(raw * s.safety_factor), MIN_STREAM_BYTES)
+        how = f"{how} = {_mib(raw)}, x safety_factor {s.safety_factor:g} = {_mib(raw * s.safety_factor)}"
+        if raw * s.safety_factor < MIN_STREAM_BYTES:
+            how += f", at least {_mib(MIN_STREAM_BYTES)}"
+        override = s.max_bytes.get(name)  # type: ignore[call-overload]
+        if override is not None and override < need:
+            raise ValueError(
+                f"streams.max_bytes.{name} {override:,} is below the run's need of {need:,} bytes "
+                f"({how}); a smaller stream would make its publishers wait for ever or lose work"
+            )
+        found[name] = Need(name, need, override if override is not None else need, how)
+    return {name: found[name] for name in STREAM_NAMES}
