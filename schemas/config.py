@@ -165,6 +165,9 @@ class RewardConfig(Section):
     """Seconds one reward call may take before the sample is failed."""
     processes: int = Field(2, ge=1)
     """Reward worker pool size."""
+    batch: int = Field(16, ge=1)
+    """Most trajectories scored in one round trip to a pool process (`consumers.reward_batch`):
+    queued items travel together, each still under its own `timeout`; 1 scores one per trip."""
 
 
 MIB = 1 << 20

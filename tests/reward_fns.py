@@ -117,3 +117,13 @@ def length(response_text: str, task: dict[str, Any]) -> float:
     """The response's length: sampled responses differ in length, so a group's rewards are
     rarely all equal and few groups are dropped; a run's work is about known in advance."""
     return float(len(response_text))
+
+
+def logged(response_text: str, task: dict[str, Any]) -> object:
+    """The response's length, each call logged as a line in task["log"]; misbehaves like
+    `reverse_or_misbehave` when the task says so (and logs nothing then)."""
+    if "misbehave" in task:
+        return globals()[task["misbehave"]](response_text, task)
+    with open(task["log"], "a") as log:
+        log.write(response_text + "\n")
+    return float(len(response_text))
