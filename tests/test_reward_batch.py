@@ -67,3 +67,16 @@ def test_a_lone_call_is_sent_at_once_and_a_bad_spec_reaches_every_caller() -> No
             assert [type(r).__name__ for r in results] == ["RewardSpecError"] * 3
 
     asyncio.run(main())
+
+
+def test_a_small_queue_is_spread_over_the_free_processes(tmp_path: Path) -> None:
+    """Six queued on two free processes go three and three, not six behind one slow call."""
+
+    async def main() -> int:
+        async with RewardPool(processes=2, timeout=5.0) as pool:
+            await pool.resolve(LOGGED)
+            scorer = BatchScorer(pool, LOGGED, batch=16)
+            await asyncio.gather(*(scorer.score("x", {"log": str(tmp_path / "calls")}) for _ in range(6)))
+            return scorer.round_trips
+
+    assert asyncio.run(main()) == 2
