@@ -34,6 +34,7 @@ class BatchScorer:
         self._queued: list[Item] = []
         self._senders: set[asyncio.Task[None]] = set()
         self._busy = 0  # senders in a round trip
+        self._running = 0  # senders started and not yet past their loop
         self.round_trips = 0
         """Requests sent so far (for tests and metrics)."""
 
@@ -41,13 +42,23 @@ class BatchScorer:
         """Score one response; what `RewardPool.score` would return for it."""
         future: asyncio.Future[Score] = asyncio.get_running_loop().create_future()
         self._queued.append((response_text, task, future))
-        if len(self._senders) < self.pool.processes:
+        if self._running < self.pool.processes:
+            # Counted here and uncounted by the sender itself as its loop ends, with no await
+            # between: a done callback would run a turn late, after the handlers its last
+            # batch woke may have queued items that no sender would then take.
+            self._running += 1
             sender = asyncio.create_task(self._send())
             self._senders.add(sender)
             sender.add_done_callback(self._senders.discard)
         return await future
 
     async def _send(self) -> None:
+        try:
+            await self._send_queued()
+        finally:
+            self._running -= 1
+
+    async def _send_queued(self) -> None:
         # Yield once first so the handlers started in the same loop turn queue their items too.
         await asyncio.sleep(0)
         while self._queued:

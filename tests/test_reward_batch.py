@@ -80,3 +80,23 @@ def test_a_small_queue_is_spread_over_the_free_processes(tmp_path: Path) -> None
             return scorer.round_trips
 
     assert asyncio.run(main()) == 2
+
+
+def test_a_call_made_as_the_last_sender_finishes_is_still_sent() -> None:
+    """A handler woken by a sender's last batch scores its next item at once; it must not be
+    left queued with no sender to take it."""
+    task = {"name": "reverse", "target": "321"}
+
+    async def main() -> None:
+        async with RewardPool(processes=1, timeout=5.0) as pool:
+            scorer = BatchScorer(pool, "producers.tasks:score_reverse", batch=1)
+
+            async def one_after_another() -> list[Score]:
+                return [await scorer.score("321", task) for _ in range(3)]
+
+            calls = asyncio.create_task(one_after_another())
+            _, pending = await asyncio.wait([calls], timeout=10)
+            assert not pending, "a call was left queued with no sender"
+            assert calls.result() == [Score(1.0)] * 3
+
+    asyncio.run(main())
