@@ -23,6 +23,7 @@ from bus.publisher import EventTooLarge
 from bus.topology import REWARDS, TRAJECTORIES
 from bus.worker import Handler, Reject, WorkerOptions
 from consumers.crashpoints import REWARD_MID_SCORING
+from consumers.reward_batch import BatchScorer
 from consumers.reward_pool import RewardPool, RewardSpecError
 from consumers.reward_sandbox import IsolationUnavailable
 from consumers.runtime import Runtime
@@ -33,8 +34,9 @@ log = logging.getLogger("jetrl.reward")
 
 
 def reward_handler(rt: Runtime, pool: RewardPool) -> Handler[TrajectoryEvent]:
-    """Score one trajectory with the run's reward function and store its RewardEvent."""
-    fn = rt.config.data.reward
+    """Score one trajectory with the run's reward function and store its RewardEvent; the
+    handlers running at once share round trips to the pool (`consumers.reward_batch`)."""
+    scorer = BatchScorer(pool, rt.config.data.reward, rt.config.reward.batch)
 
     async def handle(event: TrajectoryEvent, _msg: Msg) -> None:
         with tracing.tracer.start_as_current_span(
@@ -42,7 +44,7 @@ def reward_handler(rt: Runtime, pool: RewardPool) -> Handler[TrajectoryEvent]:
                                   "jetrl.worker": rt.source},
         ) as span:
             REWARD_MID_SCORING(event.id)
-            score = await pool.score(fn, event.response_text, event.task)
+            score = await scorer.score(event.response_text, event.task)
             span.set_attributes({"jetrl.reward": score.reward, "jetrl.failed": score.failed})
             if score.failed:  # shown as an error in Jaeger; the sample still flows, scored 0
                 span.set_attribute("jetrl.reason", score.reason)
@@ -72,7 +74,8 @@ async def build(rt: Runtime) -> Stage[TrajectoryEvent]:
     """The reward stage: trajectories scored in a process pool. A function that cannot be
     imported would fail every sample: RewardSpecError refuses to start instead.
 
-    Twice as many messages in hand as pool processes, so a process never waits for the next fetch.
+    Twice as many messages in hand as a round of full batches needs (`reward.batch` per pool
+    process), so a process never waits for the next fetch.
     """
     reward = rt.config.reward
     pool = await RewardPool(reward.processes, reward.timeout, isolation=reward.isolation).__aenter__()
@@ -82,7 +85,7 @@ async def build(rt: Runtime) -> Stage[TrajectoryEvent]:
         await pool.close()
         raise
     log.info("scoring run %s with %s in %d processes", rt.topology.run, rt.config.data.reward, pool.processes)
-    options = WorkerOptions(concurrency=2 * pool.processes)
+    options = WorkerOptions(concurrency=2 * pool.processes * rt.config.reward.batch)
     return Stage(TRAJECTORIES, reward_handler(rt, pool), options, close=pool.close)
 
 

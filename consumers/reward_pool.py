@@ -175,6 +175,27 @@ class RewardPool:
                 return Score.failure(str(exc))
         return _score_from(reply)
 
+    async def score_many(self, fn: str, items: list[tuple[str, dict[str, Any]]]) -> list[Score]:
+        """Score `items` (response_text, task) in one round trip to one process, each item under
+        its own `timeout` as if scored alone. The process answers item by item, so when one item
+        hangs or kills its process, the items before it keep their scores, that item fails with
+        the reason, and the items after it are scored again on a fresh lease."""
+        scores: list[Score] = []
+        while len(scores) < len(items):
+            rest = items[len(scores):]
+            async with self._lease() as child:
+                try:
+                    await self._resolve_in(child, fn)
+                except _ChildLost as exc:  # the import killed it: fail one item, as `score` does
+                    scores.append(Score.failure(str(exc)))
+                    continue
+                request = {"op": "score_batch", "fn": fn, "items": [[text, task] for text, task in rest]}
+                replies, lost = await child.request_many(request, len(rest), self.timeout)
+                scores.extend(_score_from(reply) for reply in replies)
+                if lost is not None:
+                    scores.append(Score.failure(lost))
+        return scores
+
     async def _resolve_in(self, child: _Child, fn: str) -> None:
         """Make `child` import `fn` once; a spec that cannot work is remembered and refused."""
         if fn in self._bad_specs:
@@ -274,10 +295,41 @@ class _Child:
         await self.kill()
         raise _ChildLost(reason or _death(self.proc.returncode, self.sandboxed))
 
+    async def request_many(
+        self, message: dict[str, Any], count: int, deadline: float
+    ) -> tuple[list[dict[str, Any]], str | None]:
+        """Send one request that `count` replies answer; each reply must come within `deadline` of
+        the one before (one item's deadline, as in `request`). Returns the replies that came and
+        None, or, when the process was lost at the next one (and killed), the reason."""
+        assert self.proc.stdin is not None
+        replies: list[dict[str, Any]] = []
+        self.proc.stdin.write(_frame({**message, "cpu_seconds": math.ceil(deadline * self.limits.cpu_factor)}))
+        try:
+            await self.proc.stdin.drain()
+            for _ in range(count):
+                async with asyncio.timeout(deadline):
+                    replies.append(await self._read_reply())
+            return replies, None
+        except TimeoutError:
+            reason = f"timed out after {deadline:g}s"
+        except (asyncio.IncompleteReadError, ConnectionError):
+            reason = ""
+        except _BadReply as exc:
+            reason = f"bad reply from the reward process: {exc}"
+        except BaseException:
+            await self.kill()
+            raise
+        await self.kill()
+        return replies, reason or _death(self.proc.returncode)
+
     async def _roundtrip(self, message: dict[str, Any]) -> dict[str, Any]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
+        assert self.proc.stdin is not None
         self.proc.stdin.write(_frame(message))
         await self.proc.stdin.drain()
+        return await self._read_reply()
+
+    async def _read_reply(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
         (size,) = HEADER.unpack(await self.proc.stdout.readexactly(HEADER.size))
         if size > MAX_REPLY_BYTES:
             raise _BadReply(f"{size} bytes is over the {MAX_REPLY_BYTES}-byte limit")
@@ -377,12 +429,22 @@ def _child_main() -> None:
     functions: dict[str, RewardFn] = {}
     server = os.getpid()
     while (request := _receive(requests)) is not None:
-        _renew_cpu_limit(request["cpu_seconds"])
-        reply = _serve(request, functions)
-        if os.getpid() != server:  # a copy the function forked, back from the call: it must not reply
-            os._exit(0)
-        replies.write(_frame(reply))
-        replies.flush()
+        # A batch is answered item by item, each under its own CPU limit, so the parent knows
+        # which item a hang or crash belongs to.
+        for one in _items(request):
+            _renew_cpu_limit(request["cpu_seconds"])
+            reply = _serve(one, functions)
+            if os.getpid() != server:  # a copy the function forked, back from the call: it must not reply
+                os._exit(0)
+            replies.write(_frame(reply))
+            replies.flush()
+
+
+def _items(request: dict[str, Any]) -> list[dict[str, Any]]:
+    """A "score_batch" request as one "score" request per item; any other request as itself."""
+    if request["op"] != "score_batch":
+        return [request]
+    return [{"op": "score", "fn": request["fn"], "text": text, "task": task} for text, task in request["items"]]
 
 
 def _claim_protocol_fds() -> tuple[BinaryIO, BinaryIO]:

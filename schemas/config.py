@@ -192,6 +192,9 @@ class RewardConfig(Section):
     """Namespaces around reward processes (no network, no other process's /proc, a private /tmp,
     the rest read-only; consumers/reward_sandbox.py): `auto` uses them where `unshare` works and
     warns once where not, `required` refuses to start without them, `off` never tries."""
+    batch: int = Field(16, ge=1)
+    """Most trajectories scored in one round trip to a pool process (`consumers.reward_batch`):
+    queued items travel together, each still under its own `timeout`; 1 scores one per trip."""
 
 
 MIB = 1 << 20

@@ -160,3 +160,13 @@ def fork_bomb(response_text: str, task: dict[str, Any]) -> float:
 def read_identity(response_text: str, task: dict[str, Any]) -> float:
     """Read the worker's seed file, at task["path"]."""
     return 1.0 if Path(task["path"]).read_bytes() else 0.0
+
+
+def logged(response_text: str, task: dict[str, Any]) -> object:
+    """The response's length, each call logged as a line in task["log"]; misbehaves like
+    `reverse_or_misbehave` when the task says so (and logs nothing then)."""
+    if "misbehave" in task:
+        return globals()[task["misbehave"]](response_text, task)
+    with open(task["log"], "a") as log:
+        log.write(response_text + "\n")
+    return float(len(response_text))
