@@ -1,4 +1,8 @@
-"""Many samples per reward-pool round trip: each item still scored once, under its own deadline."""
+"""Many samples per reward-pool round trip: each item still scored once, under its own deadline.
+
+The pools run without isolation: the reward functions log their calls into the test's
+directory, which a sandboxed process (its own /tmp) cannot see; tests/test_reward_sandbox.py
+covers the sandbox, batches included (the real reward worker there scores through them)."""
 
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ def test_a_batch_keeps_the_scores_before_a_bad_item_and_scores_the_rest_once(tmp
     ]
 
     async def main() -> list[Score]:
-        async with RewardPool(processes=1, timeout=0.5) as pool:
+        async with RewardPool(processes=1, timeout=0.5, isolation="off") as pool:
             await pool.resolve(LOGGED)
             return await pool.score_many(LOGGED, items)
 
@@ -45,7 +49,7 @@ def test_concurrent_calls_share_round_trips_and_each_gets_its_own_score(tmp_path
     texts = ["x" * n for n in range(64)]
 
     async def main() -> tuple[list[Score], int]:
-        async with RewardPool(processes=2, timeout=5.0) as pool:
+        async with RewardPool(processes=2, timeout=5.0, isolation="off") as pool:
             await pool.resolve(LOGGED)
             scorer = BatchScorer(pool, LOGGED, batch=16)
             scores = await asyncio.gather(*(scorer.score(text, {"log": str(tmp_path / "calls")}) for text in texts))
@@ -58,7 +62,7 @@ def test_concurrent_calls_share_round_trips_and_each_gets_its_own_score(tmp_path
 
 def test_a_lone_call_is_sent_at_once_and_a_bad_spec_reaches_every_caller() -> None:
     async def main() -> None:
-        async with RewardPool(processes=2, timeout=5.0) as pool:
+        async with RewardPool(processes=2, timeout=5.0, isolation="off") as pool:
             scorer = BatchScorer(pool, "producers.tasks:score_reverse", batch=16)
             assert await scorer.score("321", {"name": "reverse", "target": "321"}) == Score(1.0)
             assert scorer.round_trips == 1
@@ -73,7 +77,7 @@ def test_a_small_queue_is_spread_over_the_free_processes(tmp_path: Path) -> None
     """Six queued on two free processes go three and three, not six behind one slow call."""
 
     async def main() -> int:
-        async with RewardPool(processes=2, timeout=5.0) as pool:
+        async with RewardPool(processes=2, timeout=5.0, isolation="off") as pool:
             await pool.resolve(LOGGED)
             scorer = BatchScorer(pool, LOGGED, batch=16)
             await asyncio.gather(*(scorer.score("x", {"log": str(tmp_path / "calls")}) for _ in range(6)))
@@ -88,7 +92,7 @@ def test_a_call_made_as_the_last_sender_finishes_is_still_sent() -> None:
     task = {"name": "reverse", "target": "321"}
 
     async def main() -> None:
-        async with RewardPool(processes=1, timeout=5.0) as pool:
+        async with RewardPool(processes=1, timeout=5.0, isolation="off") as pool:
             scorer = BatchScorer(pool, "producers.tasks:score_reverse", batch=1)
 
             async def one_after_another() -> list[Score]:
