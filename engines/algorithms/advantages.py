@@ -109,6 +109,8 @@ def _choose(n: torch.Tensor, k: int) -> torch.Tensor:
 
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "passk")
 """Estimators that see one group at a time; the others whiten over the whole step."""
+ESTIMATORS = (*GROUP_ESTIMATORS, "reinforce_pp", "reinforce_pp_baseline")
+"""Every name `step_advantages` takes (`algorithm.advantage`)."""
 
 
 def step_advantages(name: str, groups: list[torch.Tensor], *, passk_k: int = 1) -> list[torch.Tensor]:
