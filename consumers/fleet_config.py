@@ -100,11 +100,12 @@ def load_fleet(path: Path) -> FleetConfig:
     return validate(FleetConfig, read_yaml(path), str(path))
 
 
-def local_fleet(logs: Path, dp_size: int = 1) -> FleetConfig:
-    """The one-machine job's fleet: one worker of each role, and a trainer per data-parallel rank
-    (`trainer` is rank 0, `trainer-rank<K>` runs `--rank K`)."""
+def local_fleet(logs: Path, trainer_ranks: int = 1) -> FleetConfig:
+    """The one-machine job's fleet: one worker of each role, and a trainer process per rank
+    (`trainer.ranks`: data parallel x tensor parallel; `trainer` is rank 0, `trainer-rank<K>`
+    runs `--rank K`)."""
     roles = {role: RoleConfig() for role in ROLES}
-    for rank in range(1, dp_size):
+    for rank in range(1, trainer_ranks):
         roles[f"trainer-rank{rank}"] = RoleConfig(module="consumers.trainer", args=["--rank", str(rank)])
     return FleetConfig(roles=roles, logs=logs)
 

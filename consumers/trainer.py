@@ -16,7 +16,8 @@ stream sequence of the last batch trained on, and a restart reads from the next 
 
 With `trainer.engine: fsdp` each of the `dp_size` ranks is one such process, `--rank K`: they
 meet first (`consumers.trainer_dist`), then train, publish and checkpoint together, each on
-its own `batches.<rank>`. Publishing through the object store or files, each rank stores its
+its own `batches.<rank>`. With megatron at tensor parallel tp, the tp ranks meet the same way
+and all read `batches.0` (one model copy cut in tp); rank 0 gathers and publishes each version. Publishing through the object store or files, each rank stores its
 own shard of a version (its tensors gathered to it alone) and rank 0 announces the version;
 collective: the same shards are stored as the fallback copy, then every rank broadcasts its
 own tensors to the rollout workers (rank 0 coordinating).
@@ -150,6 +151,10 @@ class Trainer:
         """`group`: this rank's process group (`consumers.trainer_dist.join`; fsdp); `device`:
         where the engine computes (default `engines.device.resolve_device()`)."""
         self.rt, self.rank, self.cfg = rt, rank, rt.config
+        self.dp_rank = rank // self.cfg.trainer.tp_size
+        """Which `batches.<dp_rank>` this rank reads: the tensor-parallel ranks of one model copy
+        (megatron) read the same micro-batches; the first of them records the step's metrics."""
+        self.records = rank % self.cfg.trainer.tp_size == 0
         self.group = group or Group(rank, 1)
         self.engine = make_engine(self.cfg, loss_config(self.cfg), device or resolve_device())
         spec = getattr(self.engine, "spec", None)  # megatron: its GPTModel is no HF model; the spec says
@@ -186,7 +191,7 @@ class Trainer:
         log.info("rank %d starts at step %d, batch sequence %d", self.rank, self.engine.step, self.last_seq + 1)
         self.rt.member.report(engine=self.engine.name, weight_version=self.engine.step)
         self.batches = await self.rt.js.subscribe(
-            self.rt.topology.subject(BATCHES, self.rank), ordered_consumer=True,
+            self.rt.topology.subject(BATCHES, self.dp_rank), ordered_consumer=True,
             config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.last_seq + 1),
         )
 
@@ -206,7 +211,7 @@ class Trainer:
             except TimeoutError:
                 continue
             try:
-                batch = take_batch(decode(msg.data, BatchEvent), self.engine.step, self.rank, [*taken, *refused])
+                batch = take_batch(decode(msg.data, BatchEvent), self.engine.step, self.dp_rank, [*taken, *refused])
             except (DecodeError, Reject) as exc:  # reading by position: record it, skip it, go on
                 await self.skip(msg, exc)
                 continue
@@ -286,8 +291,9 @@ class Trainer:
         the producer waits for every step's metrics. Put before, a kill makes the restarted
         trainer retrain the step and put them again (the same batches, so the same ids)."""
         self.rt.member.report(weight_version=self.engine.step)
-        await self.rt.kv.put(metrics_key(self.rank, metrics["step"]), json.dumps(metrics).encode())
-        TRAINER_METRICS_WRITTEN(f"step {metrics['step']}")
+        if self.records:
+            await self.rt.kv.put(metrics_key(self.dp_rank, metrics["step"]), json.dumps(metrics).encode())
+            TRAINER_METRICS_WRITTEN(f"step {metrics['step']}")
         for logger in self.loggers:
             logger.log(metrics["step"], scalars(metrics))
         log.info("step %d: reward %.3f loss %.4f", metrics["step"], metrics["reward_mean"], metrics["loss"])

@@ -102,22 +102,23 @@ def make_engine(cfg: RunConfig, loss: LossConfig, device: torch.device) -> Torch
 
 
 async def join(rt: Runtime, rank: int, device: torch.device) -> Group:
-    """Meet the run's other trainer ranks in a process group (fsdp), or stand alone (torch)."""
+    """Meet the run's other trainer ranks in a process group (fsdp; megatron above tensor parallel
+    1), or stand alone (torch; megatron at 1)."""
     tcfg = rt.config.trainer
-    if tcfg.engine != "fsdp":
+    world = tcfg.ranks
+    if tcfg.engine == "torch" or world == 1 and tcfg.engine == "megatron":
         return Group(rank, 1)
-    world = tcfg.dp_size
     if tcfg.dist_init == "env":
         try:
             rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         except (KeyError, ValueError):
             raise RendezvousFailed("trainer.dist_init env: RANK and WORLD_SIZE must be set (start it with torchrun)") from None
         if size != world:
-            raise RendezvousFailed(f"torchrun started {size} ranks, trainer.dp_size is {world}")
+            raise RendezvousFailed(f"torchrun started {size} ranks, the trainer has {world} (trainer.dp_size x tensor parallel)")
         await asyncio.to_thread(init_group, None, rank, world, device, tcfg.dist_timeout)
         return Group(rank, world)
     if not 0 <= rank < world:
-        raise RendezvousFailed(f"--rank {rank}: trainer.dp_size is {world}, so ranks are 0..{world - 1}")
+        raise RendezvousFailed(f"--rank {rank}: the trainer has {world} ranks (dp_size x tensor parallel), so 0..{world - 1}")
     group = await (_host(rt, world) if rank == 0 else _claim(rt, rank, world))
     assert group.store is not None
     await asyncio.to_thread(init_group, group.store, rank, world, device, tcfg.dist_timeout)
@@ -158,7 +159,7 @@ async def _claim(rt: Runtime, rank: int, world: int) -> Group:
             continue
         generation, address = announce["generation"], (announce["host"], announce["port"])
         if announce["world_size"] != world:
-            raise RendezvousFailed(f"rank 0 announced {announce['world_size']} ranks, trainer.dp_size is {world}")
+            raise RendezvousFailed(f"rank 0 announced {announce['world_size']} ranks, this rank's config has {world}")
         store = await asyncio.to_thread(_connect, address, world, timeout)
         if store is None:
             log.info("generation %s: rank 0 at %s:%d is gone; waiting for the next", generation, *address)

@@ -4,8 +4,9 @@ checkpoint's config, tensor-parallel over the default process group, trained wit
 NEVER RUN ON A GPU. Its pieces are tested on the CPU (`tests/test_megatron.py`): the config
 translation and the weight mapping, and, where megatron-core is installed, this engine itself
 against `TorchTrainEngine`, with a checkpoint resume, on one CPU rank and on two gloo ranks at
-tensor parallel 2 (`tests/megatron_cpu_proc.py`, which patches two CUDA-only spots of
-megatron-core for it). What no test has run: CUDA, NCCL, and the trainer with this engine.
+tensor parallel 2 (`tests/megatron_cpu_proc.py`), and the built-in job with two trainer ranks
+at tensor parallel 2 (`tests/test_megatron_job.py`). On the CPU `cpu_workarounds` patches two
+CUDA-only spots of megatron-core. What no test has run: CUDA, NCCL.
 
 megatron-core is imported when the engine is built, never at module import: a run without
 `jetrl[megatron]` does not need it. The layer spec is megatron's local one (plain torch
@@ -30,6 +31,22 @@ import torch.distributed as dist
 from engines.megatron_config import MegatronModelSpec, spec_from_hf
 from engines.megatron_names import hf_to_megatron, megatron_to_hf, merge, shard
 from engines.torch_train import TorchTrainEngine, _atomic_save, _rng_state, _set_rng_state
+
+
+def cpu_workarounds() -> None:
+    """Let megatron-core 0.16's forward run on a CPU model (development and CI; no GPU run needs it).
+
+    With the local layer spec and `use_cpu_initialization` the model builds on the CPU, but its
+    forward reaches for CUDA in two places: the rotary embedding moves its frequencies to
+    `torch.cuda.current_device()` (here: "cpu"), and the attention forks the model-parallel CUDA
+    RNG state around dropout (dropout is 0 in this engine, so the fork is a no-op context). Both
+    are process-wide patches, applied only in a process whose engine runs on the CPU."""
+    import contextlib
+
+    from megatron.core import tensor_parallel
+
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment, return-value]
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
 
 
 class MegatronNotInstalled(RuntimeError):
@@ -68,6 +85,8 @@ class MegatronTrainEngine(TorchTrainEngine):
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=1)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        if device.type == "cpu":
+            cpu_workarounds()
         if device.type == "cuda":
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 

@@ -216,7 +216,7 @@ def run(cfg: RunConfig, out: Path, nats: str | None = None, replicas: int = 1) -
         seeds = write_identities(Topology(run=cfg.run), identities)
         users = (identities / USERS_FILE).read_text()
         server = stack.enter_context(EmbeddedNats(out / "nats", extra_config=users))
-        fleet = Supervisor(local_fleet(out / "logs", cfg.trainer.dp_size), cfg.run, server.url, identities=identities)
+        fleet = Supervisor(local_fleet(out / "logs", cfg.trainer.ranks), cfg.run, server.url, identities=identities)
         fleet.start()
         stack.callback(fleet.stop)
         return asyncio.run(produce(cfg, server.url, out, fleet, identity=seeds["producer"]))

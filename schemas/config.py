@@ -24,6 +24,7 @@ from schemas.names import check_run_id
 from schemas.rollout_config import RolloutConfig
 from schemas.section import Section
 from schemas.streams_config import StreamsConfig, stream_needs
+from schemas.trainer_config import MegatronConfig, TrainerConfig
 from schemas.weight_event import TransportName
 
 S = TypeVar("S", bound=Section)
@@ -98,89 +99,6 @@ class AlgorithmConfig(AlgorithmFamily):
     def group_wait_steps(self) -> int:
         """`max_group_wait_steps`, or its default when None."""
         return self.max_group_wait_steps if self.max_group_wait_steps is not None else self.max_staleness + 1
-
-
-class MegatronConfig(Section):
-    """`trainer.megatron`: how `trainer.engine: megatron` cuts the model (`engines.megatron_train`)."""
-
-    tensor_parallel_size: int = Field(1, ge=1)
-    """Ranks one model copy's layers are split over (megatron's tensor parallelism: attention by
-    query groups, MLP by columns and rows, the vocabulary by slices). Must divide the model's
-    num_key_value_heads and intermediate_size. Only 1 runs in the trainer yet: its ranks would
-    all need the same batches, which the trainer does not route (the engine itself takes more:
-    tested at 2 on CPU ranks)."""
-    pipeline_parallel_size: int = Field(1, ge=1)
-    """Pipeline stages (layers split into consecutive groups); only 1 is supported yet."""
-
-    @model_validator(mode="after")
-    def _supported(self) -> MegatronConfig:
-        if self.pipeline_parallel_size != 1:
-            raise ValueError(f"trainer.megatron.pipeline_parallel_size {self.pipeline_parallel_size}: only 1 is supported yet")
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"trainer.megatron.tensor_parallel_size {self.tensor_parallel_size}: only 1 runs in the trainer yet "
-                "(tensor-parallel ranks would need the same batches, which the trainer does not route)"
-            )
-        return self
-
-
-class TrainerConfig(Section):
-    steps: int = Field(60, ge=1)
-    """Optimizer steps in the run."""
-    sync_every: int = Field(1, ge=1)
-    """Publish weights every this many steps."""
-    checkpoint_every: int = Field(10, ge=1)
-    """Checkpoint model, optimizer, RNG and last batch every this many steps."""
-    engine: Literal["torch", "fsdp", "megatron"] = "torch"
-    """Train engine: torch (one process, CPU or one GPU), fsdp (FSDP2, one process per rank,
-    `dp_size` ranks that shard the model and take each optimizer step together) or megatron
-    (megatron-core's GPTModel, `pip install 'jetrl[megatron]'`, see `megatron`; never run on a GPU)."""
-    megatron: MegatronConfig = MegatronConfig()
-    """engine megatron: its parallel sizes."""
-    dp_size: int = Field(1, ge=1)
-    """Data-parallel trainer ranks (`--rank 0 .. dp_size-1`); the buffer balances each step's tokens
-    across them on `batches.<rank>`. More than 1 needs engine fsdp."""
-    dist_init: Literal["kv", "env"] = "kv"
-    """How the fsdp ranks find each other. kv: rank 0 listens on a free port and publishes its
-    address in the run's KV (`trainer.rendezvous`), the others read it (workers need only --run
-    and --nats). env: torchrun's variables (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)."""
-    dist_host: str | None = None
-    """kv: the address rank 0 listens on and publishes; None: its address on the route to the
-    NATS server (127.0.0.1 when NATS is on loopback)."""
-    dist_timeout: float = Field(300.0, gt=0)
-    """Seconds an fsdp rank waits in one collective, or for its peers at the rendezvous, before it
-    fails (exit 1, and the fleet restarts it): a rank that died never leaves the others hanging."""
-    micro_batch_tokens: int = Field(4096, ge=64)
-    """Most tokens (rows x padded length) in one micro-batch."""
-    logprob_chunk_tokens: int = Field(1024, ge=0)
-    """Positions the trainer projects onto the vocabulary at once when it takes log-probs and
-    entropy from the final hidden states (`engines.algorithms.logprobs`): the [B, T, V] logits
-    are never held, only chunk x V at a time (forward and backward). 0: the model's full
-    logits. The fsdp engine always takes the full logits."""
-    seed: int = 0
-    """Trainer seed (torch, numpy, python)."""
-    checkpoint_dir: str = ""
-    """Where rank checkpoints go; empty means runs/<run>/checkpoints under the producer's directory."""
-    wandb_project: str | None = None
-    """Rank 0 logs each step's metrics to this Weights & Biases project (needs `pip install wandb`)."""
-    tensorboard_dir: str | None = None
-    """Rank 0 writes each step's metrics as TensorBoard scalars here (needs `pip install tensorboard`)."""
-    simulated_seconds_per_token: float = Field(0.0, ge=0)
-    """For scheduling studies (with `rollout.engine: simulated`): after each real optimizer step,
-    spend this many more seconds per token the step trained on this rank (attention-mask tokens,
-    prompt and response), as a bigger model would; 0 adds nothing."""
-    stall_after: float = Field(30.0, gt=0)
-    """Seconds with no completed step after which the run counts as stalled: the producer's progress
-    line, its log and `ops.status` then name the stage that holds the work and why (`ops.stall`)."""
-
-    @model_validator(mode="after")
-    def _ranks_need_fsdp(self) -> TrainerConfig:
-        if self.dp_size > 1 and self.engine != "fsdp":
-            raise ValueError(
-                f"dp_size {self.dp_size} needs engine fsdp: the {self.engine} engine has no gradient "
-                "all-reduce, so each rank would train its own diverging copy"
-            )
-        return self
 
 
 class RewardConfig(Section):

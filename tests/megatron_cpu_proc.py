@@ -10,15 +10,13 @@ engine resumed from the checkpoint before step 1 repeats it exactly) and prints
 check runs, on the GPU, with nothing patched (the GPU test); with ``tp2`` it runs on two gloo
 ranks with tensor_parallel_size 2, each against its own torch engine.
 
-megatron-core 0.16 on the CPU, with the local (non Transformer Engine) layer spec: the model
-builds (`use_cpu_initialization`), but its forward reaches for CUDA twice, both patched here:
-the rotary embedding moves its frequencies to ``torch.cuda.current_device()``, and the
-attention forks the model-parallel CUDA RNG state around dropout (dropout is 0 here).
+megatron-core 0.16 on the CPU: its forward reaches for CUDA twice, both patched by
+`engines.megatron_train.cpu_workarounds` (the engine applies it itself on the CPU; the raw
+GPTModel check here applies it first).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import sys
@@ -32,6 +30,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from engines.megatron_config import spec_from_hf
 from engines.megatron_names import hf_to_megatron, megatron_to_hf
+from engines.megatron_train import cpu_workarounds
 from engines.protocols import MicroBatch
 from engines.tiny import build_tiny_model
 from engines.torch_train import TorchTrainEngine
@@ -66,7 +65,7 @@ def main() -> int:
         return 0
     if device != "cpu":  # on a GPU: the engine against the torch engine there, nothing patched
         return engine_matches_torch(out, device)
-    patch_cuda_only_spots()
+    cpu_workarounds()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     from megatron.core import parallel_state
@@ -121,16 +120,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def patch_cuda_only_spots() -> None:
-    """The two places megatron-core 0.16's forward calls CUDA on a CPU model (see the module doc)."""
-    from megatron.core import tensor_parallel
-
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment, return-value]
-    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
-
-
 def tp_rank_main(rank: int, port: int, out: str) -> None:
-    patch_cuda_only_spots()
+    cpu_workarounds()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     code = engine_matches_torch(Path(out), "cpu", tp=2)

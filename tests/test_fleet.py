@@ -186,7 +186,7 @@ def test_a_role_device_reaches_its_workers_and_the_local_job_starts_a_trainer_pe
     children = Supervisor(config, "r", "nats://127.0.0.1:4222").children
     assert children["trainer-0"].env == {"CUDA_VISIBLE_DEVICES": "2", "JETRL_DEVICE": "cuda:1"}
     assert children["reward-0"].env == {}
-    fleet = local_fleet(tmp_path, dp_size=3)
+    fleet = local_fleet(tmp_path, trainer_ranks=3)
     assert [r for r in fleet.roles if r.startswith("trainer")] == ["trainer", "trainer-rank1", "trainer-rank2"]
     commands = {name: child.command for name, child in Supervisor(fleet, "r", "u").children.items()}
     assert commands["trainer-rank2-0"][1:] == ["-m", "consumers.trainer", "--run", "r", "--nats", "u", "--rank", "2"]

@@ -259,9 +259,10 @@ def test_trainer_config_takes_megatron_and_refuses_what_it_cannot_run() -> None:
 
     cfg = RunConfig.model_validate({"trainer": {"engine": "megatron"}})
     assert (cfg.trainer.megatron.tensor_parallel_size, cfg.trainer.megatron.pipeline_parallel_size) == (1, 1)
+    tp2 = RunConfig.model_validate({"trainer": {"engine": "megatron", "megatron": {"tensor_parallel_size": 2}}})
+    assert tp2.trainer.ranks == 2  # tensor-parallel ranks are trainer processes (tests/test_megatron_job.py)
     for bad, error in (
         ({"megatron": {"pipeline_parallel_size": 2}}, "pipeline_parallel_size 2: only 1 is supported yet"),
-        ({"megatron": {"tensor_parallel_size": 2}}, "tensor_parallel_size 2: only 1 runs in the trainer yet"),
         ({"dp_size": 2}, "dp_size 2 needs engine fsdp: the megatron engine"),
     ):
         with pytest.raises(ValidationError, match=error):
