@@ -63,6 +63,7 @@ from consumers.weights.chain import Follower
 from engines.device import resolve_device, torch_dtype
 from engines.external_rollout import EngineUnavailable
 from engines.hf_rollout import HFRolloutEngine
+from engines.model_source import ModelNotFound, resolve_model_path
 from engines.protocols import Sample
 from engines.router import Router, RouterError, make_router
 from engines.sglang_rollout import SGLangRolloutEngine, SGLangSettings
@@ -114,7 +115,9 @@ class Rollout:
         if prompt.token_ids is not None:
             return prompt.token_ids.numpy().astype(int).tolist()
         if prompt.messages is not None:
-            return list(self.tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True))
+            # return_dict=False: transformers 5 returns a BatchEncoding dict when tokenizing otherwise.
+            return list(self.tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True,
+                                                           tokenize=True, return_dict=False))
         return list(self.tokenizer.encode(prompt.prompt, add_special_tokens=False))
 
     def checked_token_ids(self, prompt: PromptEvent) -> list[int]:
@@ -311,9 +314,10 @@ def make_engine(cfg: RunConfig, model: Path, seed: int | None = None) -> Engine:
 
 async def build(rt: Runtime) -> Stage[PromptEvent]:
     """The rollout stage: prompts served by `Rollout.handle`, beside its batcher and weights watcher."""
-    model = Path(rt.config.model.path or "")
     cfg = rt.config.rollout
     router = make_router(cfg.router, cfg.replicas, cfg.router_options)  # a bad router fails before a model loads
+    model = resolve_model_path(rt.config.model.path, rt.config.model.revision)  # a hub id: fetched or cached
+    log.info("model %s loads from %s", rt.config.model.path, model)
     rollout = Rollout(rt, make_engines(rt.config, model), AutoTokenizer.from_pretrained(model), router)
     rt.member.report(engine=rt.config.rollout.engine, weight_version=rollout.engine.version)
     return rollout_stage(rollout)
@@ -334,7 +338,7 @@ def rollout_stage(rollout: Rollout) -> Stage[PromptEvent]:
 def main() -> None:
     # One thread: the trainer and the other workers share the node's cores with us.
     torch.set_num_threads(1)
-    run_stage("rollout", build, __doc__.splitlines()[0], RouterError, EngineUnavailable)
+    run_stage("rollout", build, __doc__.splitlines()[0], RouterError, EngineUnavailable, ModelNotFound)
 
 
 if __name__ == "__main__":

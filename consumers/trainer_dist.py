@@ -34,7 +34,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,6 +47,7 @@ from engines.algorithms.schedule import lr_factor
 from engines.device import torch_dtype
 from engines.fsdp_train import FSDPTrainEngine, init_group
 from engines.megatron_train import MegatronNotInstalled, MegatronTrainEngine
+from engines.model_source import ModelNotFound, resolve_model_path
 from engines.torch_train import LossConfig, TorchTrainEngine
 from schemas.config import RunConfig
 
@@ -87,7 +87,10 @@ def make_engine(cfg: RunConfig, loss: LossConfig, device: torch.device) -> Torch
         "dtype": torch_dtype(cfg.model.dtype), "logprob_chunk_tokens": cfg.trainer.logprob_chunk_tokens,
         "lr_schedule": schedule, "ppo_epochs": algo.ppo_epochs, "ppo_mini_batches": algo.ppo_mini_batches,
     }
-    model_dir = Path(cfg.model.path or "")
+    try:
+        model_dir = resolve_model_path(cfg.model.path, cfg.model.revision)  # a hub id: fetched or cached
+    except ModelNotFound as exc:
+        raise CannotAttach(str(exc)) from None
     if cfg.trainer.engine == "megatron":
         mcfg = cfg.trainer.megatron  # megatron-core is imported inside, only now
         try:

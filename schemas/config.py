@@ -32,7 +32,13 @@ S = TypeVar("S", bound=Section)
 
 class ModelConfig(Section):
     path: str | None = None
-    """Local HF causal-LM directory; None builds the tiny built-in model into the run directory."""
+    """A local Hugging Face causal-LM directory, or a hub id (``org/name``) that each worker
+    fetches into its hub cache (``HF_HUB_CACHE`` / ``HF_HOME``; with ``HF_HUB_OFFLINE=1`` it must
+    already be there; `engines.model_source`). None builds the tiny built-in model into the run
+    directory."""
+    revision: str | None = None
+    """The hub revision of a hub-id `path` (branch, tag or commit; None: the default branch).
+    Pin a commit: every worker of a run must load the same weights."""
     hidden: int = Field(64, ge=8)
     """Hidden size of the built-in tiny model."""
     layers: int = Field(2, ge=1)
