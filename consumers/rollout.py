@@ -66,8 +66,10 @@ from engines.hf_rollout import HFRolloutEngine
 from engines.model_source import ModelNotFound, resolve_model_path
 from engines.protocols import Sample
 from engines.router import Router, RouterError, make_router
+from engines.sglang_continuous import SGLangContinuousEngine
 from engines.sglang_rollout import SGLangRolloutEngine, SGLangSettings
 from engines.simulated import SimulatedRolloutEngine, SimulatedSettings
+from engines.vllm_continuous import VLLMContinuousEngine
 from engines.vllm_rollout import VLLMRolloutEngine, VLLMSettings
 from engines.weights import WeightsRefused, check_manifest
 from schemas import (
@@ -284,6 +286,10 @@ def routing_key(prompt: PromptEvent) -> str:
     return prompt.id if conversation is None else str(conversation)
 
 
+CONTINUOUS_KEYS = {"slots", "partial_mode"}
+"""Keys of `rollout.vllm` / `rollout.sglang` for the continuous adapters, not the engine's settings."""
+
+
 def make_engines(cfg: RunConfig, model: Path) -> list[Engine]:
     """`rollout.replicas` engines of the kind `rollout.engine` names, each its own copy of the
     model (seeded apart, so that replicas do not draw the same samples)."""
@@ -295,14 +301,19 @@ def make_engine(cfg: RunConfig, model: Path, seed: int | None = None) -> Engine:
     `model.dtype`; the simulated one keeps the real model for its checks only.
 
     vllm and sglang are imported by their engine's constructor only: without their extra
-    installed, a one-line `EngineUnavailable` names the pip command.
+    installed, a one-line `EngineUnavailable` names the pip command. With `rollout.continuous`
+    they are their continuous adapters (async engines, samples submitted one at a time).
     """
     seed = cfg.data.seed if seed is None else seed
-    engine = cfg.rollout.engine
+    engine, continuous = cfg.rollout.engine, cfg.rollout.continuous
     if engine == "vllm":
-        return VLLMRolloutEngine(model, VLLMSettings(**cfg.rollout.vllm.model_dump(), seed=seed))
+        v = cfg.rollout.vllm
+        settings = VLLMSettings(**v.model_dump(exclude=CONTINUOUS_KEYS), seed=seed)
+        return VLLMContinuousEngine(model, settings, v.slots, v.partial_mode) if continuous else VLLMRolloutEngine(model, settings)
     if engine == "sglang":
-        return SGLangRolloutEngine(model, SGLangSettings(**cfg.rollout.sglang.model_dump(), seed=seed))
+        g = cfg.rollout.sglang
+        settings = SGLangSettings(**g.model_dump(exclude=CONTINUOUS_KEYS), seed=seed)
+        return SGLangContinuousEngine(model, settings, g.slots, g.partial_mode) if continuous else SGLangRolloutEngine(model, settings)
     hf = HFRolloutEngine(model, device=str(resolve_device()), dtype=torch_dtype(cfg.model.dtype), seed=seed)
     if engine == "hf":
         return hf
