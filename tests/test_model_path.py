@@ -21,11 +21,16 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from bus.connection import connect
+from bus.embedded import EmbeddedNats
+from bus.topology import Topology
 from consumers.rollout import Rollout
+from consumers.runtime import publish_config
 from engines.model_source import ModelNotFound, resolve_model_path
 from engines.tiny import build_tiny_model
 from producers.tasks import VOCAB
 from schemas import PromptEvent
+from schemas.config import parse_config
 
 ROOT = Path(__file__).resolve().parent.parent
 REPO = "jetrl-test/tiny-digits"
@@ -145,3 +150,31 @@ def test_the_built_in_job_runs_on_an_hf_directory_and_on_a_hub_id_from_the_cache
     assert f"model {REPO} loads from {snapshot}" in rollout, rollout[-2000:]
     served = [int(line.rsplit("weights v", 1)[1]) for line in rollout.splitlines() if "now serving weights v" in line]
     assert served and max(served) >= STEPS - 1, f"weights did not come back to rollout: {served}"
+
+
+@pytest.mark.parametrize("role", ["rollout", "trainer"])
+def test_a_worker_whose_hub_model_is_not_cached_offline_stops_with_one_line(
+    nats_server: EmbeddedNats, topology: Topology, tmp_path: Path, role: str
+) -> None:
+    import asyncio
+    import os
+
+    async def setup() -> None:
+        nc = await connect(nats_server.url, "test")
+        js = nc.jetstream()
+        await topology.apply(js)
+        config = parse_config({"run": topology.run, "model": {"path": "jetrl-test/not-cached", "revision": "main"},
+                               "trainer": {"checkpoint_dir": str(tmp_path / "ckpt")}})
+        await publish_config(await js.key_value(topology.kv_bucket), config)
+        await nc.close()
+
+    asyncio.run(setup())
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "empty-cache"), "HF_HUB_OFFLINE": "1"}
+    worker = subprocess.run(
+        [sys.executable, "-m", f"consumers.{role}", "--run", topology.run, "--nats", nats_server.url],
+        check=False, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env,
+    )
+    last = worker.stderr.strip().splitlines()[-1] if worker.stderr.strip() else ""
+    assert worker.returncode == 1, worker.stderr[-2000:]
+    assert last.startswith(f"consumers.{role}: model jetrl-test/not-cached@main is not in the hub cache"), last
+    assert "HF_HUB_OFFLINE" in last and "Traceback" not in worker.stderr, worker.stderr[-2000:]
