@@ -337,8 +337,11 @@ async def build(rt: Runtime) -> Stage[PromptEvent]:
 def rollout_stage(rollout: Rollout) -> Stage[PromptEvent]:
     """`rollout` as a stage: twice a batch of prompts in flight per replica, so one batch fills
     while the replica generates the other (with continuous admission: prompts waiting for a
-    slot, so that a slot that comes free is taken at once)."""
+    slot, so that a slot that comes free is taken at once -- at least twice the engine's slots,
+    a prompt holding one sample or more)."""
     per_replica = 2 * rollout.rt.config.rollout.max_batch_prompts
+    if rollout.replicas.continuous:
+        per_replica = max(per_replica, 2 * max(getattr(e, "slots", 0) for e in rollout.replicas.engines))
     return Stage(
         PROMPTS, rollout.handle, WorkerOptions(concurrency=per_replica * len(rollout.replicas.replicas)),
         helpers={**rollout.batchers(), "weights watcher": rollout.watch_weights},

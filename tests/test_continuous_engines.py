@@ -205,7 +205,7 @@ def test_the_rollout_worker_drives_the_vllm_adapter_through_a_version_change(
     trainer = TorchTrainEngine(model_dir, lr=1e-3, loss=LossConfig(temperature=TEMPERATURE))
     old = trainer.export_weights()
     new = {k: v + 0.05 * torch.randn(v.shape, generator=torch.Generator().manual_seed(2)) for k, v in old.items()}
-    core = FakeCore(model_dir, seconds_per_token=0.01)
+    core = FakeCore(model_dir, seconds_per_token=0.03)  # ~1 s a sample: longer than a load takes here
     engine = adapter("vllm", model_dir, core, slots=8)
     group, count = 2, 4
 
@@ -231,7 +231,7 @@ def test_the_rollout_worker_drives_the_vllm_adapter_through_a_version_change(
                 )
                 await js.publish(topology.subject(PROMPTS), encode(event))
             deadline = time.monotonic() + 60
-            while not tokens_in(core, 4) or len(core.active) < count * group:
+            while len(core.submitted) < count * group or not tokens_in(core, 4):  # all started, all mid-way
                 assert time.monotonic() < deadline and not loop.done(), f"samples not mid-way: {core.active}"
                 await asyncio.sleep(0.005)
             await js.publish(topology.subject(WEIGHTS), encode(await store_weights(js, topology, 1, new)))
