@@ -107,14 +107,15 @@ def check_continuous(name: str, model_dir: Path, mode: str = "resubmit", dtype: 
     gen = torch.Generator().manual_seed(0)
     vocab = trainer.model.get_input_embeddings().num_embeddings
     prompts = torch.randint(1, vocab - 1, (samples, 12), generator=gen).tolist()
-    params = SamplingParams(temperature=TEMPERATURE, max_tokens=128)
+    params = SamplingParams(temperature=TEMPERATURE, max_tokens=200)
     old = trainer.export_weights()
     new = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in old.items()}
     try:
         t0 = time.monotonic()
         with ThreadPoolExecutor(slots) as pool:
             futures = [pool.submit(engine.generate_sample, p, params) for p in prompts]
-            time.sleep(0.5)  # mid-way through the first samples
+            while sum(f.done() for f in futures) < samples // 4 and time.monotonic() - t0 < 60:
+                time.sleep(0.001)  # the first ones ended: the samples after them are mid-way
             t1 = time.monotonic()
             engine.pause()
             t2 = time.monotonic()
