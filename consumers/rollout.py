@@ -309,11 +309,15 @@ def make_engine(cfg: RunConfig, model: Path, seed: int | None = None) -> Engine:
     if engine == "vllm":
         v = cfg.rollout.vllm
         settings = VLLMSettings(**v.model_dump(exclude=CONTINUOUS_KEYS), seed=seed)
-        return VLLMContinuousEngine(model, settings, v.slots, v.partial_mode) if continuous else VLLMRolloutEngine(model, settings)
+        if continuous:
+            return VLLMContinuousEngine(model, settings, v.slots, v.partial_mode)
+        return VLLMRolloutEngine(model, settings)
     if engine == "sglang":
         g = cfg.rollout.sglang
         settings = SGLangSettings(**g.model_dump(exclude=CONTINUOUS_KEYS), seed=seed)
-        return SGLangContinuousEngine(model, settings, g.slots, g.partial_mode) if continuous else SGLangRolloutEngine(model, settings)
+        if continuous:
+            return SGLangContinuousEngine(model, settings, g.slots, g.partial_mode)
+        return SGLangRolloutEngine(model, settings)
     hf = HFRolloutEngine(model, device=str(resolve_device()), dtype=torch_dtype(cfg.model.dtype), seed=seed)
     if engine == "hf":
         return hf

@@ -138,7 +138,8 @@ class ContinuousAdapter:
         self.check(params)
         with self._count:
             if self.in_flight >= self.slots:
-                raise RuntimeError(f"{self.name}: a sample beyond the engine's {self.slots} slots (the caller keeps that count)")
+                raise RuntimeError(
+                    f"{self.name}: a sample beyond the engine's {self.slots} slots (the caller keeps that count)")
             self.in_flight += 1
         try:
             return self.loop.run(self._sample(list(prompt), params))
@@ -197,7 +198,8 @@ class ContinuousAdapter:
                 break
             request_id = f"{self.name}-{next(self._ids)}"
             rest = replace(params, max_tokens=params.max_tokens - len(tokens))
-            attempt = asyncio.ensure_future(self._attempt(request_id, prompt + tokens, rest, tokens, logprobs, versions))
+            attempt = asyncio.ensure_future(
+                self._attempt(request_id, prompt + tokens, rest, tokens, logprobs, versions))
             self._attempts[request_id] = attempt
             try:
                 await asyncio.wait({attempt})
@@ -223,7 +225,8 @@ class ContinuousAdapter:
         """One request's stream into the sample's lists; its finish reason."""
         async for chunk in self.stream(request_id, ids, params):
             if len(chunk.token_ids) != len(chunk.logprobs):
-                raise ValueError(f"{self.name}: {len(chunk.token_ids)} tokens but {len(chunk.logprobs)} log-probs in one chunk")
+                raise ValueError(
+                    f"{self.name}: {len(chunk.token_ids)} tokens but {len(chunk.logprobs)} log-probs in one chunk")
             tokens.extend(chunk.token_ids)
             logprobs.extend(chunk.logprobs)
             versions.extend([self.computing] * len(chunk.token_ids))

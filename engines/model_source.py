@@ -40,7 +40,8 @@ def resolve_model_path(path: str | Path | None, revision: str | None = None) -> 
     local = Path(path).expanduser()
     if local.is_dir():
         if not (local / "config.json").is_file():
-            raise ModelNotFound(f"model.path {str(path)!r} is a directory without config.json: not a Hugging Face model")
+            raise ModelNotFound(
+                f"model.path {str(path)!r} is a directory without config.json: not a Hugging Face model")
         if revision is not None:
             raise ModelNotFound(f"model.revision {revision!r} is set but model.path {str(path)!r} is a local directory")
         return local.resolve()
@@ -68,7 +69,12 @@ def hub_offline() -> bool:
 def _snapshot(repo_id: str, revision: str | None) -> Path:
     """`repo_id` at `revision` from the hub cache, downloading what is missing unless offline."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.errors import (
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     at = f"{repo_id}@{revision}" if revision else repo_id
     where, offline = hub_cache(), hub_offline()

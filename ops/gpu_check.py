@@ -7,8 +7,8 @@ after every measurement, so the figures taken before a kill survive. Sections, i
 order: env (versions, optional engines), engines (HF rollout and train on a Qwen2-0.5B-shaped
 random-init model), weights (object-store transport, does fetch time grow with the square of
 the size?), pipeline (the built-in job's samples/s), external (the vLLM and SGLang adapters,
-batch and continuous with partial rollout, against the trainer, when installed; seconds when not). The last stdout line is one JSON object
-with everything; it is also written to $OUT/gpu_check.json when OUT is set.
+batch and continuous with partial rollout, against the trainer, when installed; seconds when
+not). The last stdout line is one JSON object with everything; it is also written to $OUT/gpu_check.json when OUT is set.
 
 `--cpu-smoke` runs the same code paths with tiny sizes on the CPU, to prove the imports and
 paths before the GPU run.

@@ -104,8 +104,8 @@ class FakeAsyncLLM:
         ):
             if finish and self.finish_override:
                 finish = self.finish_override
-            completion = SimpleNamespace(index=0, token_ids=[token], finish_reason=finish,
-                                         logprobs=[{token: SimpleNamespace(logprob=logprob, rank=1, decoded_token=None)}])
+            ranked = {token: SimpleNamespace(logprob=logprob, rank=1, decoded_token=None)}
+            completion = SimpleNamespace(index=0, token_ids=[token], finish_reason=finish, logprobs=[ranked])
             yield SimpleNamespace(request_id=request_id, finished=finish is not None, outputs=[completion])
 
     async def abort(self, request_ids: list[str]) -> None:
@@ -172,8 +172,8 @@ class FakeSGLangEngine:
                                                             sampling_params["max_new_tokens"],
                                                             sampling_params["stop_token_ids"]):
                 entries.append([logprob, token, None])
-                reason = None if finish is None else (
-                    {"type": "stop", "matched": token} if finish == "stop" else {"type": "length", "length": len(entries)})
+                reason = None if finish is None else ({"type": "stop", "matched": token} if finish == "stop"
+                                                      else {"type": "length", "length": len(entries)})
                 yield {"output_ids": [e[1] for e in entries], "meta_info": {
                     "output_token_logprobs": [list(e) for e in entries], "completion_tokens": len(entries),
                     "finish_reason": reason}}

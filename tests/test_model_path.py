@@ -104,7 +104,8 @@ def test_chat_messages_are_token_ids_through_the_chat_template(model_dir: Path, 
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                               "{% if add_generation_prompt %}={% endif %}")
     prompt = PromptEvent(id="r/0/0", run="r", epoch=0, index=0, messages=({"role": "user", "content": "A1234"},))
     ids = Rollout.token_ids(SimpleNamespace(tokenizer=tokenizer), prompt)  # type: ignore[arg-type]
     assert ids == tokenizer.encode("A1234=", add_special_tokens=False), ids
