@@ -179,3 +179,16 @@ def test_a_worker_whose_hub_model_is_not_cached_offline_stops_with_one_line(
     assert worker.returncode == 1, worker.stderr[-2000:]
     assert last.startswith(f"consumers.{role}: model jetrl-test/not-cached@main is not in the hub cache"), last
     assert "HF_HUB_OFFLINE" in last and "Traceback" not in worker.stderr, worker.stderr[-2000:]
+
+
+def test_the_local_job_makes_a_relative_model_directory_absolute_and_leaves_a_hub_id(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from producers.launcher import prepare
+    from schemas.config import RunConfig
+
+    monkeypatch.chdir(model_dir.parent)
+    relative = prepare(RunConfig.model_validate({"model": {"path": model_dir.name}}), tmp_path / "run")
+    assert relative.model.path == str(model_dir.resolve())  # workers may start in another directory
+    hub = prepare(RunConfig.model_validate({"model": {"path": REPO}}), tmp_path / "run")
+    assert hub.model.path == REPO
