@@ -5,6 +5,7 @@ and the run config's checks."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -199,6 +200,21 @@ def test_the_policy_trains_on_the_critics_whitened_gae(model_dir: Path) -> None:
     torch.testing.assert_close(targets.returns, ret)
     torch.testing.assert_close(targets.old_values, values)
     assert stats["value_mean"] == pytest.approx(float(values.sum() / batch.loss_mask.sum()), rel=1e-5)
+
+
+def test_the_policy_step_takes_the_gae_advantages_in_place_of_the_scores(model_dir: Path) -> None:
+    # The head starts at zero, so the first step's advantages are whiten(GAE(R, V = 0)): a plain
+    # engine given those [B, T] advantages must make the very same policy update.
+    with_critic = TorchTrainEngine(model_dir, lr=1e-2, critic=CriticConfig(lr=1e-2, gamma=0.9, lam=0.8))
+    plain = TorchTrainEngine(model_dir, lr=1e-2)
+    batch = fixed_batch(with_critic)
+    rewards = gae.outcome_rewards(batch.advantages, batch.loss_mask)
+    adv, _ = gae.gae_advantages(rewards, torch.zeros(ROWS, WIDTH), batch.loss_mask, 0.9, 0.8)
+    (token_adv,) = gae.whiten_step([adv], [batch.loss_mask])
+    with_critic.train_step([batch])
+    plain.train_step([dataclasses.replace(batch, advantages=token_adv)])
+    for (name, p), q in zip(with_critic.model.named_parameters(), plain.model.parameters()):
+        torch.testing.assert_close(p, q, msg=name)
 
 
 def test_value_clipping_binds_over_several_updates_and_the_critic_updates_with_each(model_dir: Path) -> None:
