@@ -13,7 +13,7 @@ from schemas.section import Section
 
 AdvantageName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "passk", "gae"]
 GAE_KNOBS = ("gamma", "gae_lambda", "value_clip", "critic_lr")
-"""Keys that apply to advantage gae only (set with another estimator: refused at load)."""
+"""Keys that apply to advantage gae only (off their defaults with another estimator: refused at load)."""
 PolicyLossName = Literal["ppo", "gspo", "cispo"]
 AggregationName = Literal[
     "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
@@ -100,7 +100,9 @@ class AlgorithmFamily(Section):
     def _consistent(self) -> AlgorithmFamily:
         if self.dual_clip_c is not None and self.policy_loss != "ppo":
             raise ValueError(f"algorithm.dual_clip_c applies to policy_loss ppo, not {self.policy_loss}")
-        if self.advantage != "gae" and (knobs := [k for k in GAE_KNOBS if k in self.model_fields_set]):
+        # Off their defaults rather than "set": a config read back from the run's KV has every key set.
+        defaults = {name: type(self).model_fields[name].default for name in GAE_KNOBS}
+        if self.advantage != "gae" and (knobs := [k for k in GAE_KNOBS if getattr(self, k) != defaults[k]]):
             raise ValueError(f"algorithm.{knobs[0]} applies to advantage gae, not {self.advantage}")
         if self.advantage == "gae" and self.overlong_filter:
             raise ValueError(
