@@ -69,7 +69,9 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
         """Position t holds V(s_t), the value of the state that chose token t (from the hidden
         state at t - 1, as log p(x[t] | x[<t]) is); 0 at t = 0. [B, T] float32."""
         hidden = self.backbone(

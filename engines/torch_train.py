@@ -37,7 +37,9 @@ from engines.critic import Critic, CriticConfig, Targets
 from engines.device import autocast
 from engines.protocols import MicroBatch
 
-__all__ = ["METRIC_SUMS", "CriticConfig", "LossConfig", "TorchTrainEngine", "_atomic_save", "_rng_state", "_set_rng_state"]
+__all__ = [
+    "METRIC_SUMS", "CriticConfig", "LossConfig", "TorchTrainEngine", "_atomic_save", "_rng_state", "_set_rng_state",
+]
 
 
 def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -200,8 +202,8 @@ class TorchTrainEngine:
         for _ in range(self.ppo_epochs):
             for chunk in chunks:
                 norm = self._update(
-                    [micro_batches[i] for i in chunk], None if proximal is None else [proximal[i] for i in chunk], totals,
-                    None if targets is None else [targets[i] for i in chunk],
+                    [micro_batches[i] for i in chunk], None if proximal is None else [proximal[i] for i in chunk],
+                    totals, None if targets is None else [targets[i] for i in chunk],
                 )
                 if norm is not None:
                     norms.append(norm)

@@ -18,7 +18,9 @@ from schemas.config import parse_config
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 4
-CRITIC_METRICS = ("value_loss", "value_clip_frac", "explained_variance", "value_mean", "return_mean", "critic_grad_norm")
+CRITIC_METRICS = (
+    "value_loss", "value_clip_frac", "explained_variance", "value_mean", "return_mean", "critic_grad_norm",
+)
 
 
 def config(run: str) -> dict:
