@@ -277,3 +277,15 @@ def test_the_config_builds_the_critic(model_dir: Path) -> None:
         {"algorithm": {"advantage": "gae", "drop_equal_reward_groups": False}, "data": {"n": 1}}
     )
     assert one.data.n == 1
+
+
+def test_the_sharded_engines_refuse_a_critic(model_dir: Path) -> None:
+    from engines.fsdp_train import FSDPTrainEngine
+
+    with pytest.raises(ValueError, match="fsdp engine: algorithm.advantage gae needs a value model"):
+        FSDPTrainEngine(model_dir, lr=1e-3, critic=CriticConfig(lr=1e-3))
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from engines.megatron_train import MegatronTrainEngine
+
+    with pytest.raises(ValueError, match="megatron engine: algorithm.advantage gae needs a value model"):
+        MegatronTrainEngine(model_dir, lr=1e-3, critic=CriticConfig(lr=1e-3))
