@@ -48,7 +48,7 @@ from engines.device import torch_dtype
 from engines.fsdp_train import FSDPTrainEngine, init_group
 from engines.megatron_train import MegatronNotInstalled, MegatronTrainEngine
 from engines.model_source import ModelNotFound, resolve_model_path
-from engines.torch_train import LossConfig, TorchTrainEngine
+from engines.torch_train import CriticConfig, LossConfig, TorchTrainEngine
 from schemas.config import RunConfig
 
 log = logging.getLogger("jetrl.trainer")
@@ -100,8 +100,20 @@ def make_engine(cfg: RunConfig, loss: LossConfig, device: torch.device) -> Torch
             )
         except MegatronNotInstalled as exc:
             raise CannotAttach(str(exc)) from None
-    engine = FSDPTrainEngine if cfg.trainer.engine == "fsdp" else TorchTrainEngine
-    return engine(model_dir, **args)
+    if cfg.trainer.engine == "fsdp":
+        return FSDPTrainEngine(model_dir, **args)
+    return TorchTrainEngine(model_dir, critic=critic_config(cfg), **args)
+
+
+def critic_config(cfg: RunConfig) -> CriticConfig | None:
+    """The value model's settings for `algorithm.advantage: gae` (the torch engine's), else None."""
+    algo = cfg.algorithm
+    if algo.advantage != "gae":
+        return None
+    return CriticConfig(
+        lr=algo.critic_lr or algo.lr, gamma=algo.gamma, lam=algo.gae_lambda, value_clip=algo.value_clip,
+        weight_decay=algo.weight_decay,
+    )
 
 
 async def join(rt: Runtime, rank: int, device: torch.device) -> Group:

@@ -288,7 +288,17 @@ class RunConfig(Section):
                 f"algorithm.overlong_buffer_tokens {algo.overlong_buffer_tokens} must be below "
                 f"data.sampling.max_tokens {max_tokens}"
             )
-        if self.data.n < 2:
+        if algo.advantage == "gae" and self.trainer.engine != "torch":
+            raise ValueError(
+                f"algorithm.advantage gae needs trainer.engine torch: the {self.trainer.engine} engine holds no "
+                "value model (critic)"
+            )
+        if algo.advantage == "gae" and self.data.n == 1 and algo.drop_equal_reward_groups:
+            raise ValueError(
+                "algorithm.advantage gae with data.n 1 needs algorithm.drop_equal_reward_groups false: a group "
+                "of one sample always has equal rewards, so every group would be dropped"
+            )
+        if self.data.n < 2 and algo.advantage != "gae":
             raise ValueError(
                 f"data.n {self.data.n}: group-relative advantages need at least 2 samples per prompt "
                 "(a group of 1 has no baseline)"
