@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from bus import loss
+from bus.tasks import cancel_until_done
 from bus.topology import Channel
 from bus.worker import Handler, OnDead, Worker, WorkerOptions, stop_on_signals
 from consumers.runtime import CannotAttach, Runtime, attach, worker_args
@@ -96,8 +97,7 @@ async def serve(rt: Runtime, stage: Stage[Any], stop: asyncio.Event) -> None:
                 await worker.run(stop)
             else:
                 await stop.wait()
-            for task in running:
-                task.cancel()
+            await cancel_until_done(running)  # a helper mid-request can swallow one cancel
     except ExceptionGroup as failed:
         raise StageFailed("; ".join(_describe(exc) for exc in _leaves(failed))) from failed
 
