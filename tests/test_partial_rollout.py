@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 from nats.js import JetStreamContext
 from transformers import AutoTokenizer
@@ -40,8 +39,6 @@ from consumers.runtime import attach, publish_config
 from consumers.stage import serve
 from engines.hf_rollout import HFRolloutEngine
 from engines.simulated import SimulatedRolloutEngine, SimulatedSettings
-from engines.tiny import build_tiny_model
-from producers.tasks import VOCAB
 from schemas import PromptEvent, RewardEvent, Tensor, TrajectoryEvent, decode, encode
 from schemas import SamplingParams as PromptSampling
 from schemas.config import AlgorithmConfig, RunConfig, TrainerConfig
@@ -112,11 +109,6 @@ class RecordingSimulated(SimulatedRolloutEngine):
     def of(self, kind: str) -> list[Span]:
         with self._record:
             return [s for s in self.spans if s.kind == kind]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("model"), VOCAB)
 
 
 @asynccontextmanager

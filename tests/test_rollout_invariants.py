@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 from nats.aio.client import Client
 from nats.js import JetStreamContext
@@ -44,8 +43,6 @@ from consumers.weights import publish_version
 from consumers.weights.filesystem import FilesystemTransport
 from engines.hf_rollout import HFRolloutEngine
 from engines.protocols import Sample, SamplingParams
-from engines.tiny import build_tiny_model
-from producers.tasks import VOCAB
 from schemas import PromptEvent, Tensor, TrajectoryEvent, WeightVersionEvent, decode, encode
 from schemas import SamplingParams as PromptSampling
 from schemas.config import RunConfig
@@ -106,11 +103,6 @@ class RecordingEngine(HFRolloutEngine):
     def of(self, kind: str) -> list[Call]:
         with self._lock:
             return [call for call in self.calls if call.kind == kind]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("model"), VOCAB)
 
 
 @dataclass

@@ -20,7 +20,6 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import numpy as np
-import pytest
 from transformers import AutoTokenizer
 
 from bus.connection import connect
@@ -31,8 +30,6 @@ from consumers.rollout import Rollout, rollout_stage
 from consumers.runtime import attach, publish_config
 from consumers.stage import serve
 from engines.protocols import Sample, SamplingParams
-from engines.tiny import build_tiny_model
-from producers.tasks import VOCAB
 from schemas import PromptEvent, Tensor, encode
 from schemas import SamplingParams as PromptSampling
 from schemas.config import RunConfig
@@ -67,11 +64,6 @@ class PromptRecordingEngine(RecordingEngine):
         with self._prompts_lock:
             self.prompts.extend(tuple(p) for p in prompts)
         return super().generate(prompts, n, params)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("model"), VOCAB)
 
 
 @asynccontextmanager

@@ -26,14 +26,7 @@ from consumers.weights.chain import VersionPublisher
 from schemas import WeightVersionEvent, encode
 from schemas.config import WeightsConfig
 from tests.helpers import dead_letters
-from tests.test_rollout_invariants import (
-    dead_stored,
-    eventually,
-    model_dir,
-    rollout_worker,
-)
-
-__all__ = ["model_dir"]  # the fixture, shared with the rollout invariants
+from tests.test_rollout_invariants import dead_stored, eventually, rollout_worker
 
 PROMPTS_TO_REACH_BOTH = 20
 """Prompts sent at most, one at a time, until each of two competing workers has taken one."""
