@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from nats.js.errors import BucketNotFoundError
 from transformers import AutoModelForCausalLM
 
 from bus.connection import connect
@@ -246,3 +247,34 @@ def test_a_stage_stops_while_its_helpers_are_mid_request(nats_server: EmbeddedNa
 
     hung = asyncio.run(stop_repeatedly())
     assert not hung, f"the stage was still running {STOP_SECONDS:.0f} s after its stop, in attempt {hung[0]}"
+
+
+def test_sigterm_while_a_worker_waits_to_join_its_run_ends_it_cleanly(
+    nats_server: EmbeddedNats, topology: Topology
+) -> None:
+    """A worker joins its run before it builds its stage, and joining waits (up to minutes) for
+    the run's config. SIGTERM then, as a fleet sends it to a worker it stops at any moment, must
+    end it at once with exit 0, not kill it by the signal's default action mid-join."""
+
+    async def bucket_declared() -> bool:
+        nc = await connect(nats_server.url, "test-stage")
+        try:
+            await nc.jetstream().key_value(topology.kv_bucket)
+            return True
+        except BucketNotFoundError:
+            return False
+        finally:
+            await nc.close()
+
+    proc = worker("buffer", topology, nats_server.url)  # no config in KV: it waits for one
+    deadline = time.monotonic() + EXIT_SECONDS
+    while not asyncio.run(bucket_declared()):
+        assert proc.poll() is None, f"the worker exited before waiting for its config:\n{proc.communicate()[1]}"
+        assert time.monotonic() < deadline, "the worker never declared its run's buckets"
+        time.sleep(0.1)
+    time.sleep(1.0)  # into the wait for the config
+    assert proc.poll() is None, f"the worker stopped waiting for its config:\n{proc.communicate()[1]}"
+    proc.send_signal(signal.SIGTERM)
+    status, stderr = exited(proc, 10, "the worker after SIGTERM while waiting to join")
+    assert status == 0, f"exit status {status} after SIGTERM while joining:\n{stderr[-3000:]}"
+    assert "stopped before it joined the run" in stderr, stderr[-3000:]
