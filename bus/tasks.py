@@ -6,7 +6,7 @@ call returns normally and the task goes on as if never cancelled. (nats-py's for
 full publish buffer swallows a cancel outright.) A stage's helper loop that was mid-request
 when the stage stopped then ran forever, and so did the TaskGroup waiting for it: the fleet
 SIGKILLed the worker 30 s after SIGTERM. Measured here: a loop of back-to-back requests, cancelled
-once, went on in 36 of 60 tries; under load every request is slower, so a helper that requests
+once, went on in 39 of 60 tries; under load every request is slower, so a helper that requests
 now and then (a heartbeat) is more often caught mid-request.
 
 `cancel_until_done` cancels again, every `RECANCEL_SECONDS`, until each task has ended.
