@@ -7,6 +7,12 @@ in, so it has trained steps beyond it that die with it), gets the rest, and is r
 Both runs' per-step losses (KV `metrics.0.<step>`) must match to float tolerance: the
 restarted trainer retrained from the checkpoint on exactly the batches after it, with the
 same model, optimizer and RNG state. Deterministic: same seeds, one torch thread, no rollout.
+
+Retention (issue 15): after each committed checkpoint the trainer deletes the batches no restart
+can need. At B's kill and at both runs' end the batch stream must hold exactly the checkpoint's
+last step and what follows it: every batch after the checkpoint's last sequence (what B's
+restart reads, and it then resumes exactly), and the last step whole (what a restarted buffer
+learns its next step from).
 """
 
 from __future__ import annotations
@@ -28,19 +34,27 @@ from nats.js.errors import KeyNotFoundError
 
 from bus.embedded import EmbeddedNats
 from bus.topology import metrics_key
-from consumers.buffer import BatchedSoFar, Buffer, Group
+from bus.topology import BATCHES
+from consumers.buffer import BatchedSoFar, Buffer, Group, read_batches
 from consumers.runtime import Runtime
 from consumers.update_history import UpdateHistory
 from engines.tiny import build_tiny_model
 from producers.tasks import VOCAB
 from producers.launcher import attach_bootstrap
-from schemas import RewardEvent, Tensor, TrajectoryEvent
+from schemas import BatchEvent, RewardEvent, Tensor, TrajectoryEvent, decode
 from schemas.config import RunConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, CHECKPOINT_EVERY, KILL_AFTER = 8, 3, 5
 """B is killed after step index 4: its checkpoint holds 3 steps, steps 3 and 4 are retrained."""
 PROMPTS_PER_STEP, GROUP = 2, 4
+MICRO = 2
+"""Micro-batches a step (64 tokens each at most): step s is stored at sequences 2s+1 and 2s+2."""
+
+
+def steps_of(first: int, last: int) -> list[tuple[int, int]]:
+    """(sequence, step) of every micro-batch of steps first .. last, as `record` stores them."""
+    return [(MICRO * step + i + 1, step) for step in range(first, last + 1) for i in range(MICRO)]
 
 
 def run_config(run: str, model: Path, checkpoints: Path) -> RunConfig:
@@ -78,6 +92,17 @@ async def record(rt: Runtime, steps: range, vocab: int) -> None:
     for step in steps:
         rng = np.random.default_rng(step)
         await buffer.publish_step(step, [scored_group(rt.topology.run, step, p, rng, vocab) for p in range(PROMPTS_PER_STEP)])
+
+
+async def stored(rt: Runtime) -> list[tuple[int, int]]:
+    """(sequence, step) of every batch still in the run's stream, in order."""
+    count = (await rt.js.stream_info(rt.topology.stream(BATCHES))).state.messages
+    sub = await rt.js.subscribe(rt.topology.subject(BATCHES, ">"), ordered_consumer=True)
+    try:
+        msgs = [await sub.next_msg(timeout=10) for _ in range(count)]
+    finally:
+        await sub.unsubscribe()
+    return [(m.metadata.sequence.stream, decode(m.data, BatchEvent).step) for m in msgs]
 
 
 def trainer(url: str, run: str, log: Path) -> subprocess.Popen[bytes]:
@@ -119,6 +144,11 @@ def test_restarted_trainer_continues_from_the_next_batch(nats_server: EmbeddedNa
             procs["b"].send_signal(signal.SIGKILL)
             procs["b"].wait()
             killed_at = time.time()
+            # B's checkpoint (3 steps: its last sequence is step 2's last) is in force: steps 0
+            # and 1 are gone; step 2 stays for the buffer, steps 3 and 4 for B's restart.
+            checkpoint = torch.load(tmp_path / "b" / "rank0.pt", weights_only=True)
+            assert checkpoint["extra"]["last_seq"] == steps_of(0, CHECKPOINT_EVERY - 1)[-1][0]
+            at_kill = await stored(rts["b"])
             await record(rts["b"], range(KILL_AFTER, STEPS), vocab)
             procs["b"] = trainer(nats_server.url, runs["b"], tmp_path / "b.log")
             for name, proc in procs.items():
@@ -129,11 +159,21 @@ def test_restarted_trainer_continues_from_the_next_batch(nats_server: EmbeddedNa
                     proc.kill()
         curves = {name: [await metrics(rt, step) for step in range(STEPS)] for name, rt in rts.items()}
         history = torch.load(tmp_path / "b" / "rank0.pt", weights_only=True)["extra"]["history"]
+        at_end = {name: await stored(rt) for name, rt in rts.items()}
+        replayed = await read_batches(rts["a"])
         for rt in rts.values():
             await rt.close()
-        return curves, killed_at, history
+        return curves, killed_at, history, at_kill, at_end, replayed
 
-    curves, killed_at, history = asyncio.run(scenario())
+    curves, killed_at, history, at_kill, at_end, replayed = asyncio.run(scenario())
+    assert at_kill == steps_of(CHECKPOINT_EVERY - 1, KILL_AFTER - 1), (
+        f"at B's kill the stream held (sequence, step) {at_kill}: the checkpoint's last step and every batch after it must stay, nothing before"
+    )
+    # The last checkpoint (the run's end, 8 steps) keeps its last step only, in both runs.
+    for name, kept in at_end.items():
+        assert kept == steps_of(STEPS - 1, STEPS - 1), f"{name}: at the end the stream held {kept}"
+    # A buffer restarted now learns the next step from what is left, not step 0, and no step half stored.
+    assert (replayed.next_step, replayed.partial) == (STEPS, None), (replayed.next_step, replayed.partial)
     a, b = curves["a"], curves["b"]
     # Steps inside B's checkpoint were trained once, before the kill; the rest after it.
     assert [m["time"] < killed_at for m in b] == [step < CHECKPOINT_EVERY for step in range(STEPS)]
