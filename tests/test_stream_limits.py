@@ -259,7 +259,7 @@ def test_batches_are_bounded_by_the_checkpoint_interval_and_prompts_count_replac
     needs = stream_needs(config)
     step = 512 * 16 * (1024 + 16384) * BATCH_BYTES_PER_TOKEN + EVENT_OVERHEAD
     assert batch_steps_kept(config) == 10 + 4 + 2
-    assert needs["batches"].need == int(16 * step * 2)  # 85 GiB, not the run's 5.3 TiB
+    assert needs["batches"].need == int(16 * step * 2)  # 85 GiB, not the run's 5.2 TiB
     issued = 1000 * 512 * 2  # max_dropped_share 0.5: as many replacements as prompts trained
     assert needs["prompts"].need == int(issued * (EVENT_OVERHEAD + 1024 * PROMPT_BYTES_PER_TOKEN) * 2)
     fewer = parse_config({**large, "streams": {**large["streams"], "max_dropped_share": 0.0}})
