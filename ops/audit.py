@@ -47,10 +47,19 @@ AUDIT_SECONDS = 120.0
 
 
 async def _replay(js: JetStreamContext, topology: Topology, channel: Channel) -> list[bytes]:
-    count = (await js.stream_info(topology.stream(channel))).state.messages
+    """Every message stored, up to the last sequence stored now (not a count: a trainer may trim
+    the batch stream's start while it is read, never its end)."""
+    state = (await js.stream_info(topology.stream(channel))).state
+    if not state.messages:
+        return []
     sub = await js.subscribe(topology.subjects(channel), ordered_consumer=True)
+    data, seq = [], 0
     try:
-        return [(await sub.next_msg(timeout=10)).data for _ in range(count)]
+        while seq < state.last_seq:
+            msg = await sub.next_msg(timeout=10)
+            data.append(msg.data)
+            seq = msg.metadata.sequence.stream
+        return data
     finally:
         await sub.unsubscribe()
 
