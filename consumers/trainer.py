@@ -316,7 +316,10 @@ class Trainer:
         await asyncio.to_thread(
             self.engine.save_checkpoint, self.checkpoint_path, state, lambda: TRAINER_MID_CHECKPOINT(f"after step {step - 1}")
         )
-        if self.records:  # the tensor-parallel ranks of one copy share batches.<dp_rank>: one trims
+        # The run's last checkpoint trims nothing: the stream grows no more, and its last
+        # interval stays for audit and replay. The tensor-parallel ranks of one copy share
+        # batches.<dp_rank>: one of them trims.
+        if self.records and not self.done():
             await self.trim(batches_kept_from(before_last_step))
 
     async def trim(self, keep_from: int) -> None:

@@ -8,9 +8,9 @@ Both runs' per-step losses (KV `metrics.0.<step>`) must match to float tolerance
 restarted trainer retrained from the checkpoint on exactly the batches after it, with the
 same model, optimizer and RNG state. Deterministic: same seeds, one torch thread, no rollout.
 
-Retention (issue 15): after each committed checkpoint the trainer deletes the batches no restart
-can need. At B's kill and at both runs' end the batch stream must hold exactly the checkpoint's
-last step and what follows it: every batch after the checkpoint's last sequence (what B's
+Retention (issue 15): after each committed checkpoint but the run's last, the trainer deletes
+the batches no restart can need. At B's kill and at both runs' end the batch stream must hold
+exactly the last trimming checkpoint's last step and what follows it: every batch after the checkpoint's last sequence (what B's
 restart reads, and it then resumes exactly), and the last step whole (what a restarted buffer
 learns its next step from).
 """
@@ -169,9 +169,10 @@ def test_restarted_trainer_continues_from_the_next_batch(nats_server: EmbeddedNa
     assert at_kill == steps_of(CHECKPOINT_EVERY - 1, KILL_AFTER - 1), (
         f"at B's kill the stream held (sequence, step) {at_kill}: the checkpoint's last step and every batch after it must stay, nothing before"
     )
-    # The last checkpoint (the run's end, 8 steps) keeps its last step only, in both runs.
+    # The run's end trims nothing: what the last checkpoint before it (6 steps) kept stays, in both runs.
+    last_trim = (STEPS - 1) // CHECKPOINT_EVERY * CHECKPOINT_EVERY  # 6
     for name, kept in at_end.items():
-        assert kept == steps_of(STEPS - 1, STEPS - 1), f"{name}: at the end the stream held {kept}"
+        assert kept == steps_of(last_trim - 1, STEPS - 1), f"{name}: at the end the stream held {kept}"
     # A buffer restarted now learns the next step from what is left, not step 0, and no step half stored.
     assert (replayed.next_step, replayed.partial) == (STEPS, None), (replayed.next_step, replayed.partial)
     a, b = curves["a"], curves["b"]
