@@ -70,6 +70,8 @@ class MegatronTrainEngine(TorchTrainEngine):
             raise MegatronNotInstalled("trainer.engine megatron needs megatron-core: pip install 'jetrl[megatron]'") from None
         if getattr(kwargs.get("loss"), "kl_coef", 0.0):
             raise ValueError("megatron engine: algorithm.kl_coef needs a reference model, which it does not hold yet (use 0)")
+        if kwargs.get("critic") is not None:
+            raise ValueError("megatron engine: algorithm.advantage gae needs a value model, which it does not hold (use torch)")
         if pipeline_parallel_size != 1:
             raise ValueError(f"megatron engine: pipeline_parallel_size {pipeline_parallel_size} is not supported yet (only 1)")
         self.tp = tensor_parallel_size

@@ -327,7 +327,7 @@ def test_every_name_is_selectable() -> None:
     from schemas.config import RunConfig
 
     for key, names in (
-        ("advantage", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "passk"]),
+        ("advantage", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "passk", "gae"]),
         ("policy_loss", ["ppo", "gspo", "cispo"]),
         ("loss_aggregation", list(losses.AggregationMode.__args__)),  # type: ignore[attr-defined]
         ("kl_estimator", ["k1", "k2", "k3"]),
