@@ -336,7 +336,9 @@ class Trainer:
                 f"trimming batches.{self.dp_rank}",
             )
         except TRANSIENT as exc:
-            log.warning("batches.%d before sequence %d not trimmed now (%r): the next checkpoint does", self.dp_rank, keep_from, exc)
+            log.warning(
+                "batches.%d before sequence %d not trimmed now (%r): the next checkpoint does", self.dp_rank, keep_from, exc
+            )
             return
         log.info("batches.%d: deleted what is stored before sequence %d (no restart needs it)", self.dp_rank, keep_from)
 

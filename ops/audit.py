@@ -103,7 +103,8 @@ async def audit(js: JetStreamContext, topology: Topology, max_staleness: int) ->
         versions = b.versions.numpy()[b.loss_mask.numpy() == 1]
         violations += int((versions < b.step - max_staleness).sum())
     seen_staleness = [int(r.get("staleness_max", 0)) for r in step_records] + [
-        int(b.step - b.versions.numpy()[b.loss_mask.numpy() == 1].min()) for b in unrecorded if b.loss_mask.numpy().any()
+        int(b.step - b.versions.numpy()[b.loss_mask.numpy() == 1].min())
+        for b in unrecorded if b.loss_mask.numpy().any()
     ]
     rewards = {int(r["step"]): float(r["reward_mean"]) for r in step_records if "step" in r and r.get("samples")}
     for b in sorted(unrecorded, key=lambda b: b.step):

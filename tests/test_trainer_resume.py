@@ -135,7 +135,9 @@ def test_restarted_trainer_continues_from_the_next_batch(nats_server: EmbeddedNa
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     runs = {name: f"resume-{name}-{uuid.uuid4().hex[:8]}" for name in ("a", "b")}
 
-    async def scenario() -> tuple[dict[str, list[dict]], float, dict, list[tuple[int, int]], dict[str, list[tuple[int, int]]], BatchedSoFar]:
+    Stored = list[tuple[int, int]]
+
+    async def scenario() -> tuple[dict[str, list[dict]], float, dict, Stored, dict[str, Stored], BatchedSoFar]:
         # Declared and configured as the producer does it; the runtime publishes the batches.
         rts = {name: await attach_bootstrap(run_config(run, model, tmp_path / name, advantage), nats_server.url)
                for name, run in runs.items()}
@@ -170,7 +172,8 @@ def test_restarted_trainer_continues_from_the_next_batch(nats_server: EmbeddedNa
 
     curves, killed_at, history, at_kill, at_end, replayed = asyncio.run(scenario())
     assert at_kill == steps_of(CHECKPOINT_EVERY - 1, KILL_AFTER - 1), (
-        f"at B's kill the stream held (sequence, step) {at_kill}: the checkpoint's last step and every batch after it must stay, nothing before"
+        f"at B's kill the stream held (sequence, step) {at_kill}: the checkpoint's last step and every batch "
+        "after it must stay, nothing before"
     )
     # The run's end trims nothing: what the last checkpoint before it (6 steps) kept stays, in both runs.
     last_trim = (STEPS - 1) // CHECKPOINT_EVERY * CHECKPOINT_EVERY  # 6
