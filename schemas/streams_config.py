@@ -69,8 +69,9 @@ class StreamsConfig(Section):
     """The share of the prompts issued whose groups the prompts bound allows to be dropped (all
     rewards equal, too stale, refused by the rollout) and replaced by new prompts through the gate:
     a run that trains steps x prompts_per_step prompts issues up to that / (1 - share). A run
-    dropping more fills its prompt stream, and the producer then waits (its log says the stream
-    is full) instead of a prompt being lost: raise this for such a run."""
+    dropping more fills its prompt stream (prompts are kept for the run), and the producer then
+    waits for good (its log says the stream is full) instead of a prompt being lost: give such a
+    run a higher share from the start."""
     max_age_s: float = Field(0.0, ge=0)
     """Seconds a message may live in any stream of the run; 0: no age limit. The default keeps
     every batch and weights event a restart from a checkpoint could still need, however long the
