@@ -102,6 +102,8 @@ class Rollout:
         """By name, made when an event first names one: the event says where its bytes are."""
         self.chain = Follower()
         """The CPU copy of the version served, which deltas apply onto (`weights.delta`)."""
+        self.served: str | None = None
+        """Id of the weight event served; None: the weights the worker started with (version 0)."""
 
     @property
     def engine(self) -> Engine:
@@ -263,9 +265,13 @@ class Rollout:
         the worker's CPU copy then too; `seq`: the event's stream sequence, from which the
         events of its chain are looked up); only then is the gate closed, the running
         generations drained and the tensors copied in. A fetch that fails leaves the model as
-        it was."""
-        if event.version <= self.engine.version:
-            return
+        it was.
+
+        A trainer resumed from a checkpoint publishes versions again, with other bytes: the
+        version served is loaded again from such an event (another id), one below it is not
+        (a newer one follows)."""
+        if event.version < self.engine.version or (event.version == self.engine.version and self.served in (None, event.id)):
+            return  # a version served already; the same number from another event is a resumed trainer's
         check_manifest(event.manifest, self.engine.model)  # before a byte is fetched
         tensors = await self.chain.fetch(
             event, self.transport, lambda versions, full: self.earlier(seq, versions, full)
@@ -273,6 +279,7 @@ class Rollout:
         async with self.replicas.quiesced():  # no token is computed (paused between two, or drained)
             ROLLOUT_MID_WEIGHT_LOAD(f"v{event.version}")
             await self.replicas.load(tensors, event.version)  # into every replica, off the event loop
+            self.served = event.id
         self.gate.set()
         self.rt.member.report(weight_version=event.version)
         log.info("now serving weights v%d", event.version)

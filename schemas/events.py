@@ -5,7 +5,7 @@ every publish idempotent (so a retry or a redelivery is stored once):
     prompt      <run>/<epoch>/<index>
     trajectory  <prompt id>/<sample index>     (its RewardEvent reuses the same id)
     batch       <run>/step/<step>/<dp rank>/<micro index>
-    weights     <run>/weights/<version>
+    weights     <run>/weights/<version>/<content digest>   (a resumed trainer's versions are new)
 
 The weight event, with its manifest and shards, is in `schemas.weight_event`; `EVENT_TYPES`
 (all five) in `schemas.codec`.

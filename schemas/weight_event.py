@@ -3,6 +3,8 @@ manifest (name, dtype, shape, sha256 per tensor) a loader checks them against.""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import re
 from pathlib import PurePosixPath
@@ -59,7 +61,11 @@ class WeightShard(BaseModel):
 
 
 class WeightVersionEvent(Event):
-    """Announces that the weights of `version` can be loaded from `location` by `transport`."""
+    """Announces that the weights of `version` can be loaded from `location` by `transport`.
+
+    Its id is `<run>/weights/<version>/<digest>` (`announce`): a trainer resumed from a
+    checkpoint publishes its versions again, with other bytes at other locations, within the
+    stream's dedup window; a version number alone as `Nats-Msg-Id` made the server drop them."""
 
     TYPE: ClassVar[str] = "jetrl.weights"
     VERSION: ClassVar[int] = 1
@@ -103,6 +109,12 @@ class WeightVersionEvent(Event):
     broadcast (joined late, dropped from the group); `total_bytes` is that copy's size."""
     fallback_location: str | None = Field(None, min_length=1, max_length=4096)
     """collective: where that copy is, as `location` says for `fallback_transport`."""
+
+    @classmethod
+    def announce(cls, **fields: Any) -> WeightVersionEvent:
+        """The event of `fields` (all but `id`), its id naming its content (`content_digest`)."""
+        draft = cls(id="-", **fields)
+        return draft.model_copy(update={"id": f"{draft.run}/weights/{draft.version}/{content_digest(draft)}"})
 
     @model_validator(mode="before")
     @classmethod
@@ -160,3 +172,18 @@ class WeightVersionEvent(Event):
             raise ValueError("the shards do not carry each manifest tensor exactly once")
         if where != self.shards[0].location or self.total_bytes != sum(s.total_bytes for s in self.shards):
             raise ValueError("a sharded version's location and total_bytes are its first shard's and the shards' sum")
+
+
+DIGEST_CHARS = 16
+"""Hex digits of the content digest in a weight event's id (64 bits)."""
+
+
+def content_digest(event: WeightVersionEvent) -> str:
+    """sha256 of what `event` announces: every field but `id`, `time` and `source`. The same
+    announcement (a publisher's retry: the same event) has the same digest, so the server
+    stores it once; another chain's version (other base, manifest checksums or location) has
+    another, so it is stored. Locations are part of it: a payload stored again (a restarted
+    trainer's, even of equal bytes) is announced where it is, never deduplicated onto an
+    event naming a payload the restarted trainer does not keep."""
+    fields = event.model_dump(mode="json", exclude={"id", "time", "source"})
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:DIGEST_CHARS]

@@ -171,8 +171,8 @@ class VersionPublisher:
             self.source_address = notes[0].address
             self.owned = [[(spec.name, spec.dtype, list(spec.shape)) for spec in note.manifest] for note in notes]
         shards = tuple(note.shard for note in notes)
-        return WeightVersionEvent(
-            id=f"{self.run}/weights/{version}", run=self.run, source=self.source, version=version, step=version,
+        return WeightVersionEvent.announce(
+            run=self.run, source=self.source, version=version, step=version,
             base_version=base_version, full_version=full_version, transport=transport or self.transport.name,
             location=shards[0].location, manifest=tuple(spec for note in notes for spec in note.manifest),
             total_bytes=sum(s.total_bytes for s in shards), shards=shards,
@@ -186,6 +186,9 @@ class Follower:
         self.copy: dict[str, torch.Tensor] = {}
         self.version: int | None = None
         """The version `copy` holds; None: no copy (none yet, or dropped after a failed delta)."""
+        self.event_id: str | None = None
+        """Id of the event of the version `copy` holds: a resumed trainer's event of that version
+        (another id) announces other bytes."""
 
     async def fetch(
         self, event: WeightVersionEvent, transport_of: Callable[[WeightVersionEvent], WeightTransport], earlier: Earlier
@@ -195,6 +198,8 @@ class Follower:
         says); its tensors are the copy's, to be loaded before the next `fetch`."""
         if event.full_version is None:
             return await fetch_full(transport_of(event), event)
+        if self.version == event.version and self.event_id != event.id:
+            self.copy, self.version = {}, None  # the copy is another chain's version of that number
         if event.base_version is None:
             await self._full(event, transport_of(event))
             return self.copy
@@ -216,7 +221,7 @@ class Follower:
         if transport.name == "filesystem":
             # Views of a read-only file mapping: deltas are applied onto a copy of our own.
             tensors = await asyncio.to_thread(lambda: {name: t.clone() for name, t in tensors.items()})
-        self.copy, self.version = tensors, event.version
+        self.copy, self.version, self.event_id = tensors, event.version, event.id
 
     async def _delta(self, event: WeightVersionEvent, transport: WeightTransport) -> None:
         assert event.base_version is not None
@@ -231,4 +236,4 @@ class Follower:
             # All or nothing: the copy is still the base, but it may not be this chain's base.
             self.copy, self.version = {}, None
             raise
-        self.version = event.version
+        self.version, self.event_id = event.version, event.id

@@ -97,8 +97,8 @@ class CollectiveTransport:
     def event(self, stored: WeightVersionEvent, address: str = "") -> WeightVersionEvent:
         """`stored` (the event of the fallback copy, in shards with several ranks) as the
         collective version's event; `address`: rank 0's source (default: this rank's own)."""
-        return WeightVersionEvent.model_validate({
-            **stored.model_dump(), "transport": "collective", "location": address or self.address,
+        return WeightVersionEvent.announce(**{
+            **stored.model_dump(exclude={"id"}), "transport": "collective", "location": address or self.address,
             "fallback_transport": stored.transport, "fallback_location": stored.location,
         })
 

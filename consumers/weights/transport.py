@@ -136,8 +136,8 @@ async def publish_version(
         asyncio.to_thread(manifest_of, tensors),
         ride_out(lambda: transport.publish(version, tensors), f"storing weights v{version}"),
     )
-    return WeightVersionEvent(
-        id=f"{run}/weights/{version}", run=run, source=source, version=version, step=version,
+    return WeightVersionEvent.announce(
+        run=run, source=source, version=version, step=version,
         transport=transport.name, location=stored.location, manifest=manifest, total_bytes=stored.total_bytes,
         full_version=full_version,
     )
