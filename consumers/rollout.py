@@ -270,7 +270,8 @@ class Rollout:
         A trainer resumed from a checkpoint publishes versions again, with other bytes: the
         version served is loaded again from such an event (another id), one below it is not
         (a newer one follows)."""
-        if event.version < self.engine.version or (event.version == self.engine.version and self.served in (None, event.id)):
+        current = self.engine.version
+        if event.version < current or (event.version == current and self.served in (None, event.id)):
             return  # a version served already; the same number from another event is a resumed trainer's
         check_manifest(event.manifest, self.engine.model)  # before a byte is fetched
         tensors = await self.chain.fetch(

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from nats.js import JetStreamContext
 
 from bus.embedded import EmbeddedNats
 from bus.topology import WEIGHTS, Topology
@@ -64,7 +65,7 @@ def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(a[name].view(torch.int32), b[name].to(a[name].dtype).view(torch.int32)) for name in a)
 
 
-async def weight_events(js, topology: Topology) -> list[WeightVersionEvent]:  # type: ignore[no-untyped-def]
+async def weight_events(js: JetStreamContext, topology: Topology) -> list[WeightVersionEvent]:
     count = (await js.stream_info(topology.stream(WEIGHTS))).state.messages
     sub = await js.subscribe(topology.subject(WEIGHTS), ordered_consumer=True)
     try:
