@@ -78,6 +78,7 @@ class TorchTrainEngine:
         lr_schedule: Callable[[int], float] | None = None,
         ppo_epochs: int = 1,
         ppo_mini_batches: int = 1,
+        own_reference: bool = True,
     ) -> None:
         """`dtype` is the compute dtype of forward and backward (bfloat16: autocast); the
         master weights and the AdamW moments stay float32, which they need the precision of.
@@ -86,14 +87,15 @@ class TorchTrainEngine:
         [B, T, V] logits. `lr_schedule`: step -> multiplier of `lr` (`engines.algorithms.schedule`).
         `ppo_epochs` x `ppo_mini_batches` optimizer updates per `train_step` (the step's
         micro-batches split into that many contiguous mini-batches, each pass over them an
-        epoch); the version still advances by one per step. With `loss.kl_coef` a frozen copy of
-        the initial model is held as the reference policy (on every rank: it is not sharded)."""
+        epoch); the version still advances by one per step. With `loss.kl_coef` and `own_reference`
+        a frozen copy of the initial model is held as the reference policy (on every rank: it is
+        not sharded); without `own_reference` the batches bring the reference log-probs."""
         _seed_everything(seed)
         self.device = torch.device(device)
         self.compute_dtype = dtype
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.reference: torch.nn.Module | None = None
-        if loss.kl_coef:
+        if loss.kl_coef and own_reference:
             self.reference = copy.deepcopy(model).to(self.device).requires_grad_(False)
         self.model = self._wrap(model.to(self.device))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
@@ -252,8 +254,8 @@ class TorchTrainEngine:
         """The per-token objective of one micro-batch (`engines.algorithms.objective`)."""
         input_ids, attention = batch.input_ids.to(self.device), batch.attention_mask.to(self.device)
         logprobs, entropy = self._token_logprobs(input_ids, attention)
-        ref = None
-        if self.reference is not None:
+        ref = None if batch.ref_logprobs is None else batch.ref_logprobs.to(self.device).float()
+        if ref is None and self.reference is not None:
             with torch.no_grad():
                 ref, _ = self._token_logprobs(input_ids, attention, entropy=False, model=self.reference)
         return token_objective(

@@ -38,6 +38,7 @@ from bus.topology import (
     run_id_arg,
 )
 from consumers.membership import stored_keys
+from ops.streams import as_stored
 from schemas import BatchEvent, DecodeError, Event, PromptEvent, decode
 
 E = TypeVar("E", bound=Event)
@@ -114,6 +115,7 @@ async def main(args: argparse.Namespace) -> None:
     nc = await connect(args.nats, "ops-audit")
     js, topology = nc.jetstream(), Topology(run=args.run)
     try:
+        topology = await ride_out(lambda: as_stored(js, topology), f"reading run {args.run}'s config")
         result = await ride_out(lambda: audit(js, topology, args.max_staleness), f"auditing run {args.run}", AUDIT_SECONDS)
     finally:
         await nc.close()
