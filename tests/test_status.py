@@ -117,7 +117,7 @@ def test_status_prints_the_run_as_the_bus_holds_it(nats_server: EmbeddedNats, to
 
     out = asyncio.run(scenario())
     stored = {stage: int(row[0]) for stage, row in table(out, "stage").items()}
-    assert stored == {"prompts": 5, "trajectories": 3, "rewards": 2, "batches": 2, "weights": 1, "dead": 3}
+    assert stored == {"prompts": 5, "trajectories": 3, "rewards": 2, "scored": 0, "batches": 2, "weights": 1, "dead": 3}
     queues = table(out, "queue")  # stream read, pending, in flight, redelivered, done/s
     assert queues["rollout"][:4] == ["prompts", "3", "2", "1"]
     assert queues["reward"][:4] == ["trajectories", "3", "0", "0"]
