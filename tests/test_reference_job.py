@@ -108,7 +108,8 @@ def test_reference_stage_survives_kill_9_and_the_trainer_gets_its_frozen_copys_l
     # Nothing lost, nothing twice: every prompt trained or dropped; every reward scored exactly once.
     assert result["in_flight"] == 0 and result["duplicates"] == 0 and result["batched_not_trained"] == 0, result
     assert result["issued"] == result["trained"] + result["dropped"], result
-    assert all(not n for n in result["lost"].values()), result["lost"]
+    assert all(not n for n in result["lost"].values()) and set(result["lost"]) >= {"rewards", "scored"}, result
+    assert result["without_reference"] == 0, result
     assert "reference" not in dead_stages, dead_stages
     assert len({s.id for s in scored}) == len(scored), "a scored sample stored twice"
     assert {s.id for s in scored} == {r.id for r in rewards}, "a reward never scored, or a scored sample from nowhere"
