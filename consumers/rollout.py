@@ -63,10 +63,13 @@ from consumers.weights.chain import Follower
 from engines.device import resolve_device, torch_dtype
 from engines.external_rollout import EngineUnavailable
 from engines.hf_rollout import HFRolloutEngine
+from engines.model_source import ModelNotFound, resolve_model_path
 from engines.protocols import Sample
 from engines.router import Router, RouterError, make_router
+from engines.sglang_continuous import SGLangContinuousEngine
 from engines.sglang_rollout import SGLangRolloutEngine, SGLangSettings
 from engines.simulated import SimulatedRolloutEngine, SimulatedSettings
+from engines.vllm_continuous import VLLMContinuousEngine
 from engines.vllm_rollout import VLLMRolloutEngine, VLLMSettings
 from engines.weights import WeightsRefused, check_manifest
 from schemas import (
@@ -114,7 +117,9 @@ class Rollout:
         if prompt.token_ids is not None:
             return prompt.token_ids.numpy().astype(int).tolist()
         if prompt.messages is not None:
-            return list(self.tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True))
+            # return_dict=False: transformers 5 returns a BatchEncoding dict when tokenizing otherwise.
+            return list(self.tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True,
+                                                           tokenize=True, return_dict=False))
         return list(self.tokenizer.encode(prompt.prompt, add_special_tokens=False))
 
     def checked_token_ids(self, prompt: PromptEvent) -> list[int]:
@@ -281,6 +286,10 @@ def routing_key(prompt: PromptEvent) -> str:
     return prompt.id if conversation is None else str(conversation)
 
 
+CONTINUOUS_KEYS = {"slots", "partial_mode"}
+"""Keys of `rollout.vllm` / `rollout.sglang` for the continuous adapters, not the engine's settings."""
+
+
 def make_engines(cfg: RunConfig, model: Path) -> list[Engine]:
     """`rollout.replicas` engines of the kind `rollout.engine` names, each its own copy of the
     model (seeded apart, so that replicas do not draw the same samples)."""
@@ -292,14 +301,23 @@ def make_engine(cfg: RunConfig, model: Path, seed: int | None = None) -> Engine:
     `model.dtype`; the simulated one keeps the real model for its checks only.
 
     vllm and sglang are imported by their engine's constructor only: without their extra
-    installed, a one-line `EngineUnavailable` names the pip command.
+    installed, a one-line `EngineUnavailable` names the pip command. With `rollout.continuous`
+    they are their continuous adapters (async engines, samples submitted one at a time).
     """
     seed = cfg.data.seed if seed is None else seed
-    engine = cfg.rollout.engine
+    engine, continuous = cfg.rollout.engine, cfg.rollout.continuous
     if engine == "vllm":
-        return VLLMRolloutEngine(model, VLLMSettings(**cfg.rollout.vllm.model_dump(), seed=seed))
+        v = cfg.rollout.vllm
+        settings = VLLMSettings(**v.model_dump(exclude=CONTINUOUS_KEYS), seed=seed)
+        if continuous:
+            return VLLMContinuousEngine(model, settings, v.slots, v.partial_mode)
+        return VLLMRolloutEngine(model, settings)
     if engine == "sglang":
-        return SGLangRolloutEngine(model, SGLangSettings(**cfg.rollout.sglang.model_dump(), seed=seed))
+        g = cfg.rollout.sglang
+        settings = SGLangSettings(**g.model_dump(exclude=CONTINUOUS_KEYS), seed=seed)
+        if continuous:
+            return SGLangContinuousEngine(model, settings, g.slots, g.partial_mode)
+        return SGLangRolloutEngine(model, settings)
     hf = HFRolloutEngine(model, device=str(resolve_device()), dtype=torch_dtype(cfg.model.dtype), seed=seed)
     if engine == "hf":
         return hf
@@ -311,9 +329,10 @@ def make_engine(cfg: RunConfig, model: Path, seed: int | None = None) -> Engine:
 
 async def build(rt: Runtime) -> Stage[PromptEvent]:
     """The rollout stage: prompts served by `Rollout.handle`, beside its batcher and weights watcher."""
-    model = Path(rt.config.model.path or "")
     cfg = rt.config.rollout
     router = make_router(cfg.router, cfg.replicas, cfg.router_options)  # a bad router fails before a model loads
+    model = resolve_model_path(rt.config.model.path, rt.config.model.revision)  # a hub id: fetched or cached
+    log.info("model %s loads from %s", rt.config.model.path, model)
     rollout = Rollout(rt, make_engines(rt.config, model), AutoTokenizer.from_pretrained(model), router)
     rt.member.report(engine=rt.config.rollout.engine, weight_version=rollout.engine.version)
     return rollout_stage(rollout)
@@ -322,8 +341,11 @@ async def build(rt: Runtime) -> Stage[PromptEvent]:
 def rollout_stage(rollout: Rollout) -> Stage[PromptEvent]:
     """`rollout` as a stage: twice a batch of prompts in flight per replica, so one batch fills
     while the replica generates the other (with continuous admission: prompts waiting for a
-    slot, so that a slot that comes free is taken at once)."""
+    slot, so that a slot that comes free is taken at once -- at least twice the engine's slots,
+    a prompt holding one sample or more)."""
     per_replica = 2 * rollout.rt.config.rollout.max_batch_prompts
+    if rollout.replicas.continuous:
+        per_replica = max(per_replica, 2 * max(getattr(e, "slots", 0) for e in rollout.replicas.engines))
     return Stage(
         PROMPTS, rollout.handle, WorkerOptions(concurrency=per_replica * len(rollout.replicas.replicas)),
         helpers={**rollout.batchers(), "weights watcher": rollout.watch_weights},
@@ -334,7 +356,7 @@ def rollout_stage(rollout: Rollout) -> Stage[PromptEvent]:
 def main() -> None:
     # One thread: the trainer and the other workers share the node's cores with us.
     torch.set_num_threads(1)
-    run_stage("rollout", build, __doc__.splitlines()[0], RouterError, EngineUnavailable)
+    run_stage("rollout", build, __doc__.splitlines()[0], RouterError, EngineUnavailable, ModelNotFound)
 
 
 if __name__ == "__main__":

@@ -40,12 +40,15 @@ from consumers.crashpoints import ROLLOUT_MID_GENERATION
 from engines import protocols
 from engines.hf_rollout import HFRolloutEngine
 from engines.router import Router, RouterError
+from engines.sglang_continuous import SGLangContinuousEngine
 from engines.sglang_rollout import SGLangRolloutEngine
 from engines.simulated import SimulatedRolloutEngine
+from engines.vllm_continuous import VLLMContinuousEngine
 from engines.vllm_rollout import VLLMRolloutEngine
 from schemas import PromptEvent
 
-Engine = HFRolloutEngine | SimulatedRolloutEngine | VLLMRolloutEngine | SGLangRolloutEngine
+Engine = (HFRolloutEngine | SimulatedRolloutEngine | VLLMRolloutEngine | SGLangRolloutEngine | VLLMContinuousEngine
+          | SGLangContinuousEngine)
 """The engines `rollout.engine` names; each holds `model` (real, or a meta-device skeleton) for the checks."""
 
 

@@ -34,7 +34,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,7 +47,8 @@ from engines.algorithms.schedule import lr_factor
 from engines.device import torch_dtype
 from engines.fsdp_train import FSDPTrainEngine, init_group
 from engines.megatron_train import MegatronNotInstalled, MegatronTrainEngine
-from engines.torch_train import LossConfig, TorchTrainEngine
+from engines.model_source import ModelNotFound, resolve_model_path
+from engines.torch_train import CriticConfig, LossConfig, TorchTrainEngine
 from schemas.config import RunConfig
 
 log = logging.getLogger("jetrl.trainer")
@@ -89,7 +89,10 @@ def make_engine(cfg: RunConfig, loss: LossConfig, device: torch.device) -> Torch
     }
     if cfg.reference.enabled:  # the reference stage scores it: no frozen copy here
         args["own_reference"] = False
-    model_dir = Path(cfg.model.path or "")
+    try:
+        model_dir = resolve_model_path(cfg.model.path, cfg.model.revision)  # a hub id: fetched or cached
+    except ModelNotFound as exc:
+        raise CannotAttach(str(exc)) from None
     if cfg.trainer.engine == "megatron":
         mcfg = cfg.trainer.megatron  # megatron-core is imported inside, only now
         try:
@@ -99,8 +102,20 @@ def make_engine(cfg: RunConfig, loss: LossConfig, device: torch.device) -> Torch
             )
         except MegatronNotInstalled as exc:
             raise CannotAttach(str(exc)) from None
-    engine = FSDPTrainEngine if cfg.trainer.engine == "fsdp" else TorchTrainEngine
-    return engine(model_dir, **args)
+    if cfg.trainer.engine == "fsdp":
+        return FSDPTrainEngine(model_dir, **args)
+    return TorchTrainEngine(model_dir, critic=critic_config(cfg), **args)
+
+
+def critic_config(cfg: RunConfig) -> CriticConfig | None:
+    """The value model's settings for `algorithm.advantage: gae` (the torch engine's), else None."""
+    algo = cfg.algorithm
+    if algo.advantage != "gae":
+        return None
+    return CriticConfig(
+        lr=algo.critic_lr or algo.lr, gamma=algo.gamma, lam=algo.gae_lambda, value_clip=algo.value_clip,
+        weight_decay=algo.weight_decay,
+    )
 
 
 async def join(rt: Runtime, rank: int, device: torch.device) -> Group:

@@ -84,6 +84,8 @@ class FSDPTrainEngine(TorchTrainEngine):
     collective = True
 
     def __init__(self, model_dir: Path, **kwargs: Any) -> None:
+        if kwargs.get("critic") is not None:
+            raise ValueError("fsdp engine: algorithm.advantage gae needs a value model, which it does not shard yet (use torch)")
         if not dist.is_initialized():
             raise RuntimeError("FSDPTrainEngine needs the default process group (engines.fsdp_train.init_group)")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()

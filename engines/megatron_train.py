@@ -73,6 +73,8 @@ class MegatronTrainEngine(TorchTrainEngine):
                 "megatron engine: a KL loss term needs reference log-probs: enable the reference stage "
                 "(reference.enabled), since this engine holds no frozen copy"
             )
+        if kwargs.get("critic") is not None:
+            raise ValueError("megatron engine: algorithm.advantage gae needs a value model, which it does not hold (use torch)")
         if pipeline_parallel_size != 1:
             raise ValueError(f"megatron engine: pipeline_parallel_size {pipeline_parallel_size} is not supported yet (only 1)")
         self.tp = tensor_parallel_size

@@ -54,7 +54,8 @@ class MicroBatch:
     input_ids: [B, T] int64, prompt + response (+ padding).
     attention_mask: [B, T] 0/1, 1 on real tokens.
     loss_mask: [B, T] 0/1, 1 on response tokens (those the policy chose).
-    advantages: [B] float32, one per sequence (broadcast over its tokens).
+    advantages: [B] float32, one per sequence (broadcast over its tokens); with a critic (GAE)
+        the [B] outcome scores, which the engine turns into [B, T] token advantages.
     behaviour_logprobs: [B, T] float32, log p_behaviour(x[t] | x[<t]), 0 where loss_mask is 0.
     ref_logprobs: [B, T] float32, log p_ref(x[t] | x[<t]) from the reference stage, 0 where
         loss_mask is 0; None: an engine that needs them scores its own frozen copy.

@@ -7,8 +7,6 @@ change the gradient.
 """
 
 import copy
-import os
-import random
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -31,10 +29,17 @@ from engines.algorithms.objective import (
     TokenObjective,
     token_objective,
 )
+from engines.checkpoint_io import atomic_save as _atomic_save
+from engines.checkpoint_io import rng_state as _rng_state
+from engines.checkpoint_io import seed_everything as _seed_everything
+from engines.checkpoint_io import set_rng_state as _set_rng_state
+from engines.critic import Critic, CriticConfig, Targets
 from engines.device import autocast
 from engines.protocols import MicroBatch
 
-__all__ = ["METRIC_SUMS", "LossConfig", "TorchTrainEngine"]
+__all__ = [
+    "METRIC_SUMS", "CriticConfig", "LossConfig", "TorchTrainEngine", "_atomic_save", "_rng_state", "_set_rng_state",
+]
 
 
 def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -79,6 +84,7 @@ class TorchTrainEngine:
         ppo_epochs: int = 1,
         ppo_mini_batches: int = 1,
         own_reference: bool = True,
+        critic: CriticConfig | None = None,
     ) -> None:
         """`dtype` is the compute dtype of forward and backward (bfloat16: autocast); the
         master weights and the AdamW moments stay float32, which they need the precision of.
@@ -89,7 +95,9 @@ class TorchTrainEngine:
         micro-batches split into that many contiguous mini-batches, each pass over them an
         epoch); the version still advances by one per step. With `loss.kl_coef` and `own_reference`
         a frozen copy of the initial model is held as the reference policy (on every rank: it is
-        not sharded); without `own_reference` the batches bring the reference log-probs."""
+        not sharded); without `own_reference` the batches bring the reference log-probs.
+        `critic`: GAE with a value model (`engines.critic`), copied from the initial policy and
+        trained in the same updates; the micro-batches' advantages are then outcome scores."""
         _seed_everything(seed)
         self.device = torch.device(device)
         self.compute_dtype = dtype
@@ -97,6 +105,7 @@ class TorchTrainEngine:
         self.reference: torch.nn.Module | None = None
         if loss.kl_coef and own_reference:
             self.reference = copy.deepcopy(model).to(self.device).requires_grad_(False)
+        self.critic = Critic(model, critic, self.device, self._autocast, _positions) if critic is not None else None
         self.model = self._wrap(model.to(self.device))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
         self.max_grad_norm = max_grad_norm
@@ -174,12 +183,19 @@ class TorchTrainEngine:
         kl, logprob_gap (mean |log pi - log pi_behaviour|), log_ratio_clamped (tokens per pass, a
         count: one such token is the signal, and as a fraction of a large step it would read 0.000),
         grad_norm (before clipping, mean over updates), lr, updates, tokens (response tokens
-        of the step), step (after).
+        of the step), step (after). With a critic also value_loss (mean over updates),
+        value_clip_frac, critic_grad_norm, and before the step's updates value_mean, return_mean,
+        explained_variance.
         """
         self.model.train()
         multi = self.ppo_epochs * self.ppo_mini_batches > 1
         proximal = self._proximal(micro_batches) if multi and self.loss_config.decoupled else None
-        lr = self.base_lr * (self.lr_schedule(self.step) if self.lr_schedule is not None else 1.0)
+        factor = self.lr_schedule(self.step) if self.lr_schedule is not None else 1.0
+        lr = self.base_lr * factor
+        targets: list[Targets] | None = None
+        critic_stats: dict[str, float] = {}
+        if self.critic is not None:  # the rows' outcome scores become GAE token advantages
+            micro_batches, targets, critic_stats = self.critic.prepare(micro_batches, factor)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         totals = dict.fromkeys(METRIC_SUMS, 0.0)
@@ -188,7 +204,8 @@ class TorchTrainEngine:
         for _ in range(self.ppo_epochs):
             for chunk in chunks:
                 norm = self._update(
-                    [micro_batches[i] for i in chunk], None if proximal is None else [proximal[i] for i in chunk], totals
+                    [micro_batches[i] for i in chunk], None if proximal is None else [proximal[i] for i in chunk],
+                    totals, None if targets is None else [targets[i] for i in chunk],
                 )
                 if norm is not None:
                     norms.append(norm)
@@ -197,6 +214,12 @@ class TorchTrainEngine:
         tokens = max(totals["tokens"], 1.0)
         updates = max(len(norms), 1)
         mean_weight = totals["is_weight"] / tokens
+        if self.critic is not None:
+            critic_stats |= {
+                "value_loss": totals.get("value_loss", 0.0) / updates,
+                "value_clip_frac": totals.get("value_clipped", 0.0) / tokens,
+                "critic_grad_norm": totals.get("critic_grad_norm", 0.0) / updates,
+            }
         return {
             "loss": totals["loss"] / updates,
             "clip_frac": totals["clipped"] / tokens,
@@ -217,18 +240,23 @@ class TorchTrainEngine:
             "updates": float(len(norms)),
             "tokens": totals["tokens"] / self.ppo_epochs,
             "step": float(self.step),
+            **critic_stats,
         }
 
     def _update(
-        self, micro_batches: Sequence[MicroBatch], proximal: Sequence[torch.Tensor] | None, totals: dict[str, float]
+        self, micro_batches: Sequence[MicroBatch], proximal: Sequence[torch.Tensor] | None, totals: dict[str, float],
+        targets: Sequence[Targets] | None = None,
     ) -> float | None:
         """One optimizer update over `micro_batches` (with their proximal log-probs, if any),
-        adding its metric sums to `totals`; its grad norm, or None if no rank had a pass."""
+        adding its metric sums to `totals`; its grad norm, or None if no rank had a pass. With a
+        critic, its update over the same micro-batches (value `targets`) too."""
         mode = self.loss_config.aggregation
         denominator, passes = self._step_shape(micro_batches)
         if passes == 0:
             return None
         self.optimizer.zero_grad(set_to_none=True)
+        if self.critic is not None:
+            self.critic.zero_grad()
         for index in range(passes):
             # A rank with fewer micro-batches than the busiest runs empty passes: every rank
             # must join the same collectives (parameter gathers, the last pass's gradient sync).
@@ -242,12 +270,18 @@ class TorchTrainEngine:
             totals["loss"] += loss.item()
             for name, value in objective.sums.items():
                 totals[name] += value
+            if self.critic is not None and targets is not None and real:
+                sums = self.critic.accumulate(batch, targets[index], mode, denominator, self.loss_config.norm_tokens)
+                for name, value in sums.items():
+                    totals[name] = totals.get(name, 0.0) + value
         grad_norm = self._clip_grad_norm()
         # The schemas refuse NaN and inf inputs, but extreme finite ones still overflow (a huge
         # advantage: the log-ratio is clamped, an advantage is not); one NaN update would poison
         # every weight for good.
         if torch.isfinite(grad_norm):
             self.optimizer.step()
+        if self.critic is not None:
+            totals["critic_grad_norm"] = totals.get("critic_grad_norm", 0.0) + self.critic.update()
         return float(grad_norm)
 
     def _objective(self, batch: MicroBatch, proximal: torch.Tensor | None) -> TokenObjective:
@@ -311,7 +345,8 @@ class TorchTrainEngine:
     def save_checkpoint(
         self, path: Path, extra: dict[str, Any] | None = None, before_replace: Callable[[], None] | None = None
     ) -> None:
-        """Writes model, optimizer, step, RNG states and `extra` to `path` atomically.
+        """Writes model, optimizer, step, RNG states, the critic (and its optimizer) if any, and
+        `extra` to `path` atomically.
 
         `before_replace` is called once the new checkpoint is written and synced, before it
         replaces the last one (the moment a kill leaves both: the trainer names it a crash point).
@@ -326,6 +361,8 @@ class TorchTrainEngine:
             "rng": _rng_state(),
             "extra": extra or {},
         }
+        if self.critic is not None:
+            state["critic"] = self.critic.state_dict()
         _atomic_save(state, path, before_replace)
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
@@ -333,6 +370,10 @@ class TorchTrainEngine:
         state = torch.load(path, map_location=self.device, weights_only=True)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.critic is not None:
+            if "critic" not in state:
+                raise ValueError(f"{path} holds no critic: a run without GAE cannot resume as algorithm.advantage gae")
+            self.critic.load_state_dict(state["critic"])
         self.step = state["step"]
         _set_rng_state(state["rng"])
         return state["extra"]
@@ -350,63 +391,3 @@ def _empty_like(micro_batches: Sequence[MicroBatch]) -> MicroBatch:
         input_ids=ids, attention_mask=attention, loss_mask=torch.zeros(ids.shape), advantages=torch.zeros(1),
         behaviour_logprobs=torch.zeros(ids.shape),
     )
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def _rng_state() -> dict[str, Any]:
-    """Torch, numpy and Python RNG states as plain data (loadable with weights_only=True)."""
-    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
-    return {
-        "torch": torch.get_rng_state(),
-        "numpy": {
-            "kind": kind,
-            "keys": torch.from_numpy(keys.astype(np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached_gaussian),
-        },
-        "python": random.getstate(),
-    }
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    np_state = state["numpy"]
-    np.random.set_state(
-        (
-            np_state["kind"],
-            np_state["keys"].numpy().astype(np.uint32),
-            np_state["pos"],
-            np_state["has_gauss"],
-            np_state["cached_gaussian"],
-        )
-    )
-    random.setstate(state["python"])
-
-
-def _atomic_save(state: dict[str, Any], path: Path, before_replace: Callable[[], None] | None = None) -> None:
-    """torch.save to a temporary sibling, fsync, then rename over `path`.
-
-    A crash mid-write leaves the previous checkpoint intact: readers see the old file or
-    the new one, never half of one. The temporary's name is fixed, so the half-written one
-    a killed trainer leaves is overwritten by its successor's next save, not kept forever.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    if before_replace is not None:
-        before_replace()
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)

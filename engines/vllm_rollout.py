@@ -120,7 +120,7 @@ def request_to_samples(request: Any, n: int, stop_ids: Sequence[int]) -> list[Sa
     return [completion_to_sample(c, stop_ids) for c in completions]
 
 
-def _load_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+def load_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
     """Runs in each vLLM worker (`collective_rpc` passes the worker first): the model's own
     loader copies each HF-named tensor into its (possibly fused, sharded) parameter."""
     worker.model_runner.model.load_weights(weights=iter(weights))
@@ -128,7 +128,7 @@ def _load_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> Non
 
 def load_weights(llm: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
     """Swaps `weights` into a running `vllm.LLM` without a restart."""
-    llm.collective_rpc(_load_on_worker, args=(weights,))
+    llm.collective_rpc(load_on_worker, args=(weights,))
     llm.reset_prefix_cache()  # cached KV was computed by the old weights
 
 

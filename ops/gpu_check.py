@@ -6,9 +6,9 @@ at its hard time budget, so a hang costs that section only; a child writes its r
 after every measurement, so the figures taken before a kill survive. Sections, in priority
 order: env (versions, optional engines), engines (HF rollout and train on a Qwen2-0.5B-shaped
 random-init model), weights (object-store transport, does fetch time grow with the square of
-the size?), pipeline (the built-in job's samples/s), external (the vLLM and SGLang adapters
-against the trainer, when installed; seconds when not). The last stdout line is one JSON object
-with everything; it is also written to $OUT/gpu_check.json when OUT is set.
+the size?), pipeline (the built-in job's samples/s), external (the vLLM and SGLang adapters,
+batch and continuous with partial rollout, against the trainer, when installed; seconds when
+not). The last stdout line is one JSON object with everything; it is also written to $OUT/gpu_check.json when OUT is set.
 
 `--cpu-smoke` runs the same code paths with tiny sizes on the CPU, to prove the imports and
 paths before the GPU run.
@@ -183,7 +183,7 @@ def section_external(args: argparse.Namespace, rec: Record) -> None:
         rec.put("skipped", f"none of {ENGINES} installed" if not found else f"needs CUDA, device is {args.device}")
         return
     from engines.tiny import build_tiny_model
-    from ops.gpu_external import check, verdict
+    from ops.gpu_external import check, check_continuous, verdict, verdict_continuous
     from producers.tasks import VOCAB
 
     model_dir = build_tiny_model(args.work / "model", VOCAB, hidden=256, heads=4, kv_heads=2, max_positions=256)
@@ -194,6 +194,13 @@ def section_external(args: argparse.Namespace, rec: Record) -> None:
         except Exception as exc:  # noqa: BLE001 - one engine's failure must not hide the other's figures
             rec.put(name, {"error": one_line(exc)})
         say("external", f"{name}: {rec.data[name]}")
+        key = f"{name}_continuous_resubmit"  # continuous admission + partial rollout (abort, load, resubmit)
+        try:
+            report = check_continuous(name, model_dir, "resubmit", put=rec.put)
+            rec.put(key, {**report, "failures": verdict_continuous(report)})
+        except Exception as exc:  # noqa: BLE001 - as above
+            rec.put(key, {"error": one_line(exc)})
+        say("external", f"{key}: {rec.data[key]}")
 
 
 def section_weights(args: argparse.Namespace, rec: Record) -> None:

@@ -6,6 +6,13 @@ trainer (`TorchTrainEngine`, same weights, same temperature) recomputes every re
 token's log-prob; then new weights go into the running engine (`load_state_dict`) and into
 the trainer, and the comparison is repeated -- against the old weights too, which must now
 disagree, or the load did nothing.
+
+And one continuous check per engine and partial mode (`check_continuous`): the continuous
+adapter (`engines.vllm_continuous`, `engines.sglang_continuous`) generates samples one request
+each from several threads; while they are mid-way it is paused, given new weights and resumed
+(partial rollout); every token's log-prob is compared with the trainer's under the version
+the token is tagged with, and the versions must step up once, in the samples that spanned
+the load.
 """
 
 from __future__ import annotations
@@ -60,11 +67,99 @@ def make(name: str, model_dir: Path, dtype: str) -> RolloutEngine:
 
 def close(engine: Any) -> None:
     """Frees the engine's GPU memory before the next one starts."""
-    if hasattr(engine, "engine"):  # sglang.Engine runs a scheduler process
+    if hasattr(engine, "slots"):  # a continuous adapter: its engine and its loop thread
+        engine.close()
+    elif hasattr(engine, "engine"):  # sglang.Engine runs a scheduler process
         engine.engine.shutdown()
     del engine
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def make_continuous(name: str, model_dir: Path, dtype: str, mode: str, slots: int) -> Any:
+    """The continuous adapter `name` with a small memory share, eager, a short context."""
+    if name == "vllm":
+        from engines.vllm_continuous import VLLMContinuousEngine
+        from engines.vllm_rollout import VLLMSettings
+
+        settings = VLLMSettings(gpu_memory_utilization=0.25, max_model_len=256, enforce_eager=True, dtype=dtype)
+        return VLLMContinuousEngine(model_dir, settings, slots=slots, partial_mode=mode)  # type: ignore[arg-type]
+    from engines.sglang_continuous import SGLangContinuousEngine
+    from engines.sglang_rollout import SGLangSettings
+
+    settings = SGLangSettings(mem_fraction_static=0.25, context_length=256, dtype=dtype)
+    return SGLangContinuousEngine(model_dir, settings, slots=slots, partial_mode=mode)  # type: ignore[arg-type]
+
+
+def check_continuous(name: str, model_dir: Path, mode: str = "resubmit", dtype: str = "float32",
+                     put: Callable[[str, Any], None] | None = None) -> dict[str, Any]:
+    """Partial rollout on the continuous adapter `name` (see the module doc); its figures."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    key = f"{name}_continuous_{mode}"
+    report: dict[str, Any] = {"dtype": dtype, "mode": mode}
+    record = put or (lambda key, value: None)
+    slots, samples = 16, 32
+    started = time.monotonic()
+    engine = make_continuous(name, model_dir, dtype, mode, slots)
+    report["start_s"] = round(time.monotonic() - started, 1)
+    trainer = TorchTrainEngine(model_dir, lr=1e-3, loss=LossConfig(temperature=TEMPERATURE), device="cuda")
+    gen = torch.Generator().manual_seed(0)
+    vocab = trainer.model.get_input_embeddings().num_embeddings
+    prompts = torch.randint(1, vocab - 1, (samples, 12), generator=gen).tolist()
+    params = SamplingParams(temperature=TEMPERATURE, max_tokens=200)
+    old = trainer.export_weights()
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in old.items()}
+    try:
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(slots) as pool:
+            futures = [pool.submit(engine.generate_sample, p, params) for p in prompts]
+            while sum(f.done() for f in futures) < samples // 4 and time.monotonic() - t0 < 60:
+                time.sleep(0.001)  # the first ones ended: the samples after them are mid-way
+            t1 = time.monotonic()
+            engine.pause()
+            t2 = time.monotonic()
+            engine.load_state_dict(new, version=1)
+            t3 = time.monotonic()
+            engine.resume()
+            report["pause_s"], report["load_s"], report["resume_s"] = (
+                round(t2 - t1, 3), round(t3 - t2, 3), round(time.monotonic() - t3, 3))
+            done = [f.result(timeout=120) for f in futures]
+        seconds = time.monotonic() - t0
+        tokens = sum(len(s.token_ids) for s in done)
+        report["generate"] = {"samples": len(done), "tokens": tokens, "seconds": round(seconds, 3),
+                              "tokens_per_s": round(tokens / seconds, 1)}
+        versions = [s.versions.tolist() for s in done]
+        report["spanning"] = sum(1 for v in versions if {0, 1} <= set(v))
+        report["monotone"] = all(v == sorted(v) for v in versions)
+        groups = [[s] for s in done]
+        under_old = response_logprobs(trainer, prompts, groups)
+        with torch.no_grad():
+            for k, param in trainer.model.named_parameters():
+                param.copy_(new[k])
+        under_new = response_logprobs(trainer, prompts, groups)
+        tagged = torch.cat([s.versions for s in done]) == 1
+        got = torch.cat([s.logprobs for s in done])
+        report["logprob_diff"] = _diff(got, torch.where(tagged, under_new, under_old))
+        record(key, report)
+    finally:
+        close(engine)
+    return report
+
+
+def verdict_continuous(report: dict[str, Any]) -> list[str]:
+    """What failed in a `check_continuous` report, as lines; empty when it passed."""
+    worst, mean = TOLERANCE[report["dtype"]]
+    failures = []
+    diff = report["logprob_diff"]
+    if diff["max"] > worst or diff["mean"] > mean:
+        failures.append(
+            f"logprob_diff {diff} exceeds (max {worst}, mean {mean}): tokens tagged with the wrong version?")
+    if not report["monotone"]:
+        failures.append("a sample's versions went back")
+    if not report["spanning"]:
+        failures.append("no sample spanned the load: the pause drained instead of interrupting")
+    return failures
 
 
 def _diff(got: torch.Tensor, want: torch.Tensor) -> dict[str, float]:

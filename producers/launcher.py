@@ -184,8 +184,9 @@ async def attach_bootstrap(
 
 
 def prepare(cfg: RunConfig, out: Path) -> RunConfig:
-    """Resolve what the local job fills in: the built-in model, the checkpoint directory and
-    the weights directory (`weights.dir`, absolute: workers may run from another directory)."""
+    """Resolve what the local job fills in: the built-in model (or a relative model directory,
+    made absolute), the checkpoint directory and the weights directory (`weights.dir`,
+    absolute: workers may run from another directory)."""
     updates: dict = {}
     if cfg.model.path is None:
         # Imported here: torch and transformers take seconds, and a cluster's producer never needs them.
@@ -196,6 +197,9 @@ def prepare(cfg: RunConfig, out: Path) -> RunConfig:
         if not (model_dir / "config.json").exists():
             build_tiny_model(model_dir, VOCAB, hidden=cfg.model.hidden, layers=cfg.model.layers, seed=cfg.model.seed)
         updates["model"] = cfg.model.model_copy(update={"path": str(model_dir.resolve())})
+    elif Path(cfg.model.path).is_dir() and not Path(cfg.model.path).is_absolute():
+        # A relative directory here, absolute for the workers (a hub id is left for each to resolve).
+        updates["model"] = cfg.model.model_copy(update={"path": str(Path(cfg.model.path).resolve())})
     if not cfg.trainer.checkpoint_dir:
         updates["trainer"] = cfg.trainer.model_copy(update={"checkpoint_dir": str((out / "checkpoints").resolve())})
     if not Path(cfg.weights.dir).is_absolute():

@@ -11,7 +11,9 @@ from pydantic import Field, model_validator
 
 from schemas.section import Section
 
-AdvantageName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "passk"]
+AdvantageName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "passk", "gae"]
+GAE_KNOBS = ("gamma", "gae_lambda", "value_clip", "critic_lr")
+"""Keys that apply to advantage gae only (off their defaults with another estimator: refused at load)."""
 PolicyLossName = Literal["ppo", "gspo", "cispo"]
 AggregationName = Literal[
     "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
@@ -23,7 +25,19 @@ class AlgorithmFamily(Section):
     """Advantage estimator (`engines.algorithms.advantages`): grpo (minus the group mean, over the
     group std), dr_grpo (minus the group mean), rloo (minus the others' mean), reinforce_pp (minus
     the step mean, over the step std), reinforce_pp_baseline (minus the group mean, over the step
-    std), passk (pass@k group baseline for 0/1 rewards, `passk_k`)."""
+    std), passk (pass@k group baseline for 0/1 rewards, `passk_k`), gae (per-token GAE against a
+    value model the trainer holds and trains alongside the policy: `gamma`, `gae_lambda`,
+    `value_clip`, `critic_lr`; torch engine only)."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """gae: discount per token (1: the outcome reward reaches every token undiscounted)."""
+    gae_lambda: float = Field(0.95, ge=0, le=1)
+    """gae: lambda of GAE (1: Monte Carlo returns minus the value; 0: one-step TD errors)."""
+    value_clip: float | None = Field(0.2, gt=0)
+    """gae: eps of the clipped value loss, 0.5 max((V - R)^2, (clip(V, V_old +- eps) - R)^2); None:
+    plain 0.5 (V - R)^2."""
+    critic_lr: float | None = Field(None, gt=0)
+    """gae: the critic's own AdamW learning rate (its own optimizer, as verl's and OpenRLHF's
+    critics have; the lr schedule applies to it too); None: `lr`."""
     passk_k: int = Field(1, ge=1)
     """k of the passk estimator (at most `data.n`); 1 is GRPO with the population std."""
     policy_loss: PolicyLossName = "ppo"
@@ -104,6 +118,20 @@ class AlgorithmFamily(Section):
             raise ValueError("algorithm.kl_target (adaptive KL) applies to kl_placement reward, as verl's controller does")
         if self.kl_placement == "reward" and not self.kl_coef:
             raise ValueError("algorithm.kl_placement reward needs kl_coef > 0 (the starting coefficient with kl_target)")
+        if self.kl_placement == "reward" and self.advantage == "gae":
+            raise ValueError(
+                "algorithm.kl_placement reward does not apply to advantage gae yet: its critic takes the outcome "
+                "reward on the last token, and a per-token KL penalty does not ride in the batch (use kl_placement loss)"
+            )
+        # Off their defaults rather than "set": a config read back from the run's KV has every key set.
+        defaults = {name: type(self).model_fields[name].default for name in GAE_KNOBS}
+        if self.advantage != "gae" and (knobs := [k for k in GAE_KNOBS if getattr(self, k) != defaults[k]]):
+            raise ValueError(f"algorithm.{knobs[0]} applies to advantage gae, not {self.advantage}")
+        if self.advantage == "gae" and self.overlong_filter:
+            raise ValueError(
+                "algorithm.overlong_filter does not apply to advantage gae: a zero reward still trains against "
+                "the critic's values (use overlong_buffer_tokens to penalise long responses)"
+            )
         if self.advantage == "passk" and self.overlong_buffer_tokens:
             raise ValueError("algorithm.advantage passk takes 0/1 rewards: the overlong penalty would change them")
         return self

@@ -32,7 +32,13 @@ S = TypeVar("S", bound=Section)
 
 class ModelConfig(Section):
     path: str | None = None
-    """Local HF causal-LM directory; None builds the tiny built-in model into the run directory."""
+    """A local Hugging Face causal-LM directory, or a hub id (``org/name``) that each worker
+    fetches into its hub cache (``HF_HUB_CACHE`` / ``HF_HOME``; with ``HF_HUB_OFFLINE=1`` it must
+    already be there; `engines.model_source`). None builds the tiny built-in model into the run
+    directory."""
+    revision: str | None = None
+    """The hub revision of a hub-id `path` (branch, tag or commit; None: the default branch).
+    Pin a commit: every worker of a run must load the same weights."""
     hidden: int = Field(64, ge=8)
     """Hidden size of the built-in tiny model."""
     layers: int = Field(2, ge=1)
@@ -304,7 +310,17 @@ class RunConfig(Section):
                 "algorithm.kl_placement reward needs reference.enabled: the buffer takes the reference "
                 "log-probs from the reference stage"
             )
-        if self.data.n < 2:
+        if algo.advantage == "gae" and self.trainer.engine != "torch":
+            raise ValueError(
+                f"algorithm.advantage gae needs trainer.engine torch: the {self.trainer.engine} engine holds no "
+                "value model (critic)"
+            )
+        if algo.advantage == "gae" and self.data.n == 1 and algo.drop_equal_reward_groups:
+            raise ValueError(
+                "algorithm.advantage gae with data.n 1 needs algorithm.drop_equal_reward_groups false: a group "
+                "of one sample always has equal rewards, so every group would be dropped"
+            )
+        if self.data.n < 2 and algo.advantage != "gae":
             raise ValueError(
                 f"data.n {self.data.n}: group-relative advantages need at least 2 samples per prompt "
                 "(a group of 1 has no baseline)"

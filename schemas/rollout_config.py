@@ -27,6 +27,7 @@ class SimulatedRolloutConfig(Section):
 
 
 EngineDtype = Literal["auto", "bfloat16", "float16", "float32"]
+PartialMode = Literal["resubmit", "keep"]
 
 
 class VLLMRolloutConfig(Section):
@@ -43,6 +44,14 @@ class VLLMRolloutConfig(Section):
     """True skips CUDA graph capture: faster start, slower decode."""
     dtype: EngineDtype = "auto"
     """Weights and activations dtype in the engine; auto: the checkpoint's. Loaded weights are cast to it."""
+    slots: int = Field(64, ge=1)
+    """With `rollout.continuous`: samples generating at once in one engine (vLLM's `max_num_seqs`);
+    the worker submits a sample as soon as one of them is free (`engines.vllm_continuous`)."""
+    partial_mode: PartialMode = "resubmit"
+    """With `rollout.partial`, how a weight load interrupts the samples in flight: resubmit (abort
+    them, load, resubmit each as prompt + its tokens so far: exact per-token versions, their KV
+    recomputed with the new weights) or keep (vLLM's `pause_generation(mode="keep")`: requests
+    frozen in the engine and resumed with their old KV cache; needs a vLLM that has it)."""
 
 
 class SGLangRolloutConfig(Section):
@@ -57,6 +66,13 @@ class SGLangRolloutConfig(Section):
     """Longest prompt + response in tokens; None takes the model's context."""
     dtype: EngineDtype = "auto"
     """Weights and activations dtype in the engine; auto: the checkpoint's. Loaded weights are cast to it."""
+    slots: int = Field(64, ge=1)
+    """With `rollout.continuous`: samples generating at once in one engine (SGLang's
+    `max_running_requests`); the worker submits a sample as soon as one is free (`engines.sglang_continuous`)."""
+    partial_mode: PartialMode = "resubmit"
+    """With `rollout.partial`, how a weight load interrupts the samples in flight: resubmit (abort
+    them, load, resubmit each as prompt + its tokens so far: exact per-token versions) or keep
+    (SGLang's `pause_generation` in retract mode, then `continue_generation`; needs an SGLang that has it)."""
 
 
 BUILT_IN_ROUTERS = ("least_in_flight", "sticky_by_key")
@@ -81,15 +97,17 @@ class RolloutConfig(Section):
     """Engine replicas in one rollout worker (each a copy of the model with its own batcher:
     one generation at a time per replica); not the fleet's `replicas` (worker processes)."""
     continuous: bool = True
-    """Continuous admission, for engines that take samples one at a time (the simulated one):
+    """Continuous admission, for engines that take samples one at a time (simulated; vllm and
+    sglang through their async engines, `rollout.vllm.slots` / `rollout.sglang.slots` at once):
     each sample takes an engine slot as one comes free and is stored as soon as it ends, with no
-    batcher and no `max_batch_prompts`. The other engines (hf, vllm, sglang) are given batches of
-    prompts, one generation at a time per replica, whatever this says."""
+    batcher and no `max_batch_prompts`. False, and always for hf: batches of prompts, one
+    generation at a time per replica (vllm and sglang through their batch `generate`)."""
     partial: bool = True
     """Partial rollout, with continuous admission: a new weight version pauses the engine between
     two tokens, loads, and resumes; the samples in flight go on with the new weights and each
     token records the version that computed it (the staleness bound applies to a sample's oldest
-    token). False, or an engine without it (hf, vllm, sglang): a load waits for every running
+    token; vllm and sglang: `partial_mode` says how). False, or an engine without continuous
+    admission (hf; vllm and sglang with continuous false): a load waits for every running
     generation to end (a drain), so every sample comes from one version."""
     router: str = "least_in_flight"
     """Which replica generates a prompt (`engines.router`): `least_in_flight` (fewest prompts

@@ -95,7 +95,7 @@ def ids(rewards: list[RewardEvent]) -> list[str]:
     return [r.id for r in rewards]
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "gae"])
 def test_batched_advantages_are_the_configured_estimators(
     nats_server: EmbeddedNats, topology: Topology, tmp_path: Path, estimator: str
 ) -> None:

@@ -7,6 +7,8 @@ in, so it has trained steps beyond it that die with it), gets the rest, and is r
 Both runs' per-step losses (KV `metrics.0.<step>`) must match to float tolerance: the
 restarted trainer retrained from the checkpoint on exactly the batches after it, with the
 same model, optimizer and RNG state. Deterministic: same seeds, one torch thread, no rollout.
+With `algorithm.advantage: gae` the critic and its optimizer must come back too: the policy's
+advantages and the value loss of every retrained step depend on them.
 """
 
 from __future__ import annotations
@@ -43,10 +45,10 @@ STEPS, CHECKPOINT_EVERY, KILL_AFTER = 8, 3, 5
 PROMPTS_PER_STEP, GROUP = 2, 4
 
 
-def run_config(run: str, model: Path, checkpoints: Path) -> RunConfig:
+def run_config(run: str, model: Path, checkpoints: Path, advantage: str = "grpo") -> RunConfig:
     return RunConfig.model_validate({
         "run": run, "model": {"path": str(model)}, "data": {"n": GROUP},
-        "algorithm": {"prompts_per_step": PROMPTS_PER_STEP},
+        "algorithm": {"prompts_per_step": PROMPTS_PER_STEP, "advantage": advantage},
         # 64 tokens: two micro-batches a step, so the restart also re-assembles steps.
         "trainer": {"steps": STEPS, "checkpoint_every": CHECKPOINT_EVERY, "micro_batch_tokens": 64,
                     "checkpoint_dir": str(checkpoints)},
@@ -102,14 +104,15 @@ async def wait_for_step(rt: Runtime, step: int, proc: subprocess.Popen[bytes], t
 
 
 @pytest.mark.timeout(120)
-def test_restarted_trainer_continues_from_the_next_batch(nats_server: EmbeddedNats, tmp_path: Path) -> None:
+@pytest.mark.parametrize("advantage", ["grpo", "gae"])
+def test_restarted_trainer_continues_from_the_next_batch(nats_server: EmbeddedNats, tmp_path: Path, advantage: str) -> None:
     model = build_tiny_model(tmp_path / "model", VOCAB, seed=0)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     runs = {name: f"resume-{name}-{uuid.uuid4().hex[:8]}" for name in ("a", "b")}
 
     async def scenario() -> tuple[dict[str, list[dict]], float, list[str]]:
         # Declared and configured as the producer does it; the runtime publishes the batches.
-        rts = {name: await attach_bootstrap(run_config(run, model, tmp_path / name), nats_server.url)
+        rts = {name: await attach_bootstrap(run_config(run, model, tmp_path / name, advantage), nats_server.url)
                for name, run in runs.items()}
         await record(rts["a"], range(STEPS), vocab)
         await record(rts["b"], range(KILL_AFTER), vocab)
@@ -139,6 +142,10 @@ def test_restarted_trainer_continues_from_the_next_batch(nats_server: EmbeddedNa
     assert [m["time"] < killed_at for m in b] == [step < CHECKPOINT_EVERY for step in range(STEPS)]
     np.testing.assert_allclose([m["loss"] for m in b], [m["loss"] for m in a], rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose([m["grad_norm"] for m in b], [m["grad_norm"] for m in a], rtol=1e-5)
+    if advantage == "gae":
+        for name in ("value_loss", "value_mean", "critic_grad_norm"):
+            np.testing.assert_allclose([m[name] for m in b], [m[name] for m in a], rtol=1e-5, atol=1e-7, err_msg=name)
+        assert b[-1]["value_mean"] != 0.0, "the critic trained"
     # The final model's update history holds every sample of the stream once, in order: the
     # checkpoint's hash chain is that of the steps' own records, and those hold no repeat.
     assert UpdateHistory.from_dict(history) == UpdateHistory.of_steps([m["sample_ids"] for m in b])

@@ -109,7 +109,10 @@ def _choose(n: torch.Tensor, k: int) -> torch.Tensor:
 
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "passk")
 """Estimators that see one group at a time; the others whiten over the whole step."""
-ESTIMATORS = (*GROUP_ESTIMATORS, "reinforce_pp", "reinforce_pp_baseline")
+CRITIC_ESTIMATORS = ("gae",)
+"""Estimators the trainer forms per token against its value model (`engines.algorithms.gae`): the
+buffer hands it each sample's outcome reward in place of an advantage."""
+ESTIMATORS = (*GROUP_ESTIMATORS, "reinforce_pp", "reinforce_pp_baseline", *CRITIC_ESTIMATORS)
 """Every name `step_advantages` takes (`algorithm.advantage`)."""
 
 
@@ -117,8 +120,11 @@ def step_advantages(name: str, groups: list[torch.Tensor], *, passk_k: int = 1) 
     """The advantages of one step's groups ([G_i] rewards each, sizes may differ) by `name`.
 
     grpo, dr_grpo, rloo and passk see each group alone; reinforce_pp and reinforce_pp_baseline
-    whiten over every sample of the step (after the group mean, for the baseline variant).
+    whiten over every sample of the step (after the group mean, for the baseline variant). gae
+    returns the rewards as they are: the trainer turns them into token advantages with its critic.
     """
+    if name in CRITIC_ESTIMATORS:
+        return [g.clone() for g in groups]
     if name in GROUP_ESTIMATORS:
         one = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "passk": lambda r: passk(r, passk_k)}[name]
         return [one(g) for g in groups]

@@ -57,6 +57,12 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
 
 
+def per_token(advantages: torch.Tensor) -> torch.Tensor:
+    """[B] one advantage per sequence -> [B, 1] (broadcast over its tokens); [B, T] per-token
+    advantages (GAE) as they are."""
+    return advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+
+
 def clamped_log_ratio(
     logprobs: torch.Tensor, old_logprobs: torch.Tensor, bound: float = LOG_RATIO_BOUND
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,14 +85,14 @@ def _clipped_surrogate(
     dual_clip_c: float | None = None,
 ) -> PolicyLoss:
     """-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), and with dual-clip, where A < 0, at most
-    -c A (Ye et al. 2020). ratio [B, T], advantages [B]."""
-    adv = advantages.unsqueeze(-1)  # [B, 1], one advantage per sequence
+    -c A (Ye et al. 2020). ratio [B, T], advantages [B] or [B, T]."""
+    adv = per_token(advantages)  # [B, 1] (one per sequence) or [B, T]
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
     loss = -torch.minimum(unclipped, clipped)
     dual = None
     if dual_clip_c is not None:
-        bound = -dual_clip_c * adv  # [B, 1], > 0 where A < 0
+        bound = -dual_clip_c * adv  # > 0 where A < 0
         dual = ((adv < 0) & (loss > bound)).detach()
         # A constant where it binds: a ratio far above 1 on a bad token stops steering the step.
         loss = torch.where(adv < 0, torch.minimum(loss, bound), loss)
@@ -111,7 +117,7 @@ def ppo_clip_loss(
 ) -> PolicyLoss:
     """PPO clipped surrogate with asymmetric clip-higher (DAPO), optionally dual-clip.
 
-    logprobs [B, T] (with grad), old_logprobs [B, T], advantages [B]. A larger
+    logprobs [B, T] (with grad), old_logprobs [B, T], advantages [B] (or [B, T] per token). A larger
     ``eps_high`` lets low-probability tokens with positive advantage grow further before
     clipping, which keeps entropy from collapsing. The log-ratio is clamped before exp
     (`clamped_log_ratio`). ``dual_clip_c`` (> 1): for A < 0 the loss is min(PPO loss, -c A).
@@ -130,7 +136,7 @@ def cispo_loss(
 ) -> PolicyLoss:
     """CISPO (MiniMax-M1, 2025): -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi per token.
 
-    logprobs [B, T] (with grad), old_logprobs [B, T], advantages [B]. The clipped ratio is a
+    logprobs [B, T] (with grad), old_logprobs [B, T], advantages [B] (or [B, T] per token). The clipped ratio is a
     detached weight, so unlike PPO no token loses its gradient: a clipped one keeps
     clip(r) A grad log pi. ``clipped`` marks where the weight was clipped.
     """
@@ -138,7 +144,7 @@ def cispo_loss(
     ratio = torch.exp(log_ratio)
     weight = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     return PolicyLoss(
-        loss=-(weight * advantages.unsqueeze(-1)) * logprobs,
+        loss=-(weight * per_token(advantages)) * logprobs,
         ratio=ratio,
         clipped=(weight != ratio),
         log_ratio_clamped=clamped,

@@ -47,7 +47,9 @@ def sync_loop(cfg: RunConfig, steps: int) -> dict:
     """The synchronous baseline: every stage waits for the one before it."""
     from transformers import AutoTokenizer
 
-    model = Path(cfg.model.path or "")
+    from engines.model_source import resolve_model_path
+
+    model = resolve_model_path(cfg.model.path, cfg.model.revision)
     tokenizer = AutoTokenizer.from_pretrained(model)
     rollout = HFRolloutEngine(model, seed=cfg.data.seed)
     algo, s = cfg.algorithm, cfg.data.sampling

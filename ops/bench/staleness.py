@@ -44,7 +44,9 @@ def train(cfg: RunConfig, steps: int, eta: int, corrected: bool) -> tuple[list[f
     the run's mean of the off-policy metrics (clip_frac, is_weight_mean, logprob_gap)."""
     from transformers import AutoTokenizer
 
-    model = Path(cfg.model.path or "")
+    from engines.model_source import resolve_model_path
+
+    model = resolve_model_path(cfg.model.path, cfg.model.revision)
     tokenizer = AutoTokenizer.from_pretrained(model)
     rollout = HFRolloutEngine(model, seed=cfg.data.seed)
     algo, s = cfg.algorithm, cfg.data.sampling

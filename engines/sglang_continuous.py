@@ -1,0 +1,136 @@
+"""Continuous batching and partial rollout on SGLang's `Engine` (``pip install 'jetrl[sglang]'``).
+
+Read from SGLang's source (``python/sglang/srt/entrypoints/engine.py``: `Engine.async_generate`
+with ``stream=True`` and ``rid``; ``managers/tokenizer_manager.py``: `abort_request`,
+`pause_generation`, `continue_generation`, `update_weights_from_tensor`;
+``managers/io_struct.py``: `PauseGenerationReqInput(mode=...)`, `ContinueGenerationReqInput`,
+`UpdateWeightsFromTensorReqInput`); never run here (no GPU). The shared logic is
+`engines.continuous`; requests and log-probs are those of the batch adapter
+(`engines.sglang_rollout`: temperature-scaled, before top-p), one sample per request.
+
+- The `Engine` is built on the adapter's loop (its tokenizer manager binds to the loop it was
+  made on), so every call goes through the async tokenizer manager there: `Engine`'s own
+  synchronous methods run the loop themselves and cannot while it runs in our thread.
+- Streams: a chunk's ``meta_info.output_token_logprobs`` holds every token so far, or only
+  the new ones when the server streams incrementally; `stream_delta` tells them apart by
+  ``completion_tokens`` (the tokens so far, in both).
+- ``resubmit`` (default): a pause cancels the streams and `abort_request`s each request; after
+  the load each is resubmitted as prompt + the tokens it has. ``keep``: the tokenizer manager's
+  ``pause_generation`` in ``retract`` mode (running requests go back to the waiting queue; the
+  cache is flushed by the load, so their KV is recomputed with the new weights) and
+  ``continue_generation``.
+- Weights: ``update_weights_from_tensor`` with the (HF name, tensor) pairs serialized once per
+  tensor-parallel rank, as `Engine.update_weights_from_tensor` does, ``flush_cache=True``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from engines.continuous import Chunk, ContinuousAdapter, EngineLoop, PartialMode
+from engines.external_rollout import EngineUnavailable, eos_token_ids, require, skeleton, torch_dtype
+from engines.protocols import SamplingParams
+from engines.sglang_rollout import SGLangSettings, check_logprob_env, engine_kwargs, sampling_params
+
+
+def continuous_engine_kwargs(model_dir: Path, settings: SGLangSettings, slots: int) -> dict[str, Any]:
+    """Keyword arguments of `sglang.Engine`: the batch adapter's, the running requests capped at `slots`."""
+    return {**engine_kwargs(model_dir, settings), "max_running_requests": slots}
+
+
+def stream_delta(output: dict[str, Any], seen: int) -> tuple[Chunk, int]:
+    """One streamed output of a request as the `Chunk` of tokens after the first `seen`, and
+    how many the request has now. Cumulative and incremental streams both carry
+    ``completion_tokens`` (the tokens so far), which tells them apart."""
+    meta = output.get("meta_info")
+    if not isinstance(meta, dict) or meta.get("output_token_logprobs") is None:
+        raise ValueError("sglang: an output without meta_info.output_token_logprobs (request return_logprob=True)")
+    entries = list(meta["output_token_logprobs"])  # of (logprob, token id, text or None)
+    total = int(meta.get("completion_tokens", seen + len(entries)))
+    if len(entries) == total:  # cumulative: everything so far
+        new = entries[seen:]
+    elif len(entries) == total - seen:  # incremental: only what came since
+        new = entries
+    else:
+        raise ValueError(f"sglang: {len(entries)} log-probs in a chunk, {total} tokens so far, {seen} seen before")
+    finish = meta.get("finish_reason")
+    reason = finish.get("type") if isinstance(finish, dict) else finish
+    chunk = Chunk(tuple(int(e[1]) for e in new), tuple(float(e[0]) for e in new), reason)
+    return chunk, total
+
+
+def sglang_io() -> SimpleNamespace:
+    """The SGLang request types and serializer the adapter builds its control calls from."""
+    io = require("sglang.srt.managers.io_struct", "sglang")
+    utils = importlib.import_module("sglang.srt.utils")
+    return SimpleNamespace(
+        pause=getattr(io, "PauseGenerationReqInput", None), resume=getattr(io, "ContinueGenerationReqInput", None),
+        update=io.UpdateWeightsFromTensorReqInput, serialize=utils.MultiprocessingSerializer.serialize,
+    )
+
+
+class SGLangContinuousEngine(ContinuousAdapter):
+    """A `ContinuousEngine` over an in-process `sglang.Engine`. Needs CUDA and the sglang extra."""
+
+    name = "sglang"
+
+    def __init__(self, model_dir: Path, settings: SGLangSettings = SGLangSettings(), slots: int = 64,
+                 partial_mode: PartialMode = "resubmit") -> None:
+        sglang = require("sglang", "sglang")
+        check_logprob_env()
+        super().__init__(slots, eos_token_ids(model_dir), partial_mode, EngineLoop("sglang-engine"))
+        self.model = skeleton(model_dir, settings.context_length)
+        self.dtype = torch_dtype(settings.dtype)
+        self.tp_size = settings.tp_size
+        self.io = sglang_io()
+        if partial_mode == "keep" and (self.io.pause is None or self.io.resume is None):
+            raise EngineUnavailable(
+                "rollout.sglang.partial_mode keep needs SGLang's PauseGenerationReqInput (a newer SGLang); "
+                "use partial_mode resubmit"
+            )
+        kwargs = continuous_engine_kwargs(model_dir, settings, slots)
+        self.engine = self.loop.run(self._start(sglang, kwargs))
+
+    @staticmethod
+    async def _start(sglang: Any, kwargs: dict[str, Any]) -> Any:
+        return sglang.Engine(**kwargs)  # inside the loop: the engine takes it as its own
+
+    async def stream(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
+        outputs = await self.engine.async_generate(
+            input_ids=prompt, sampling_params=sampling_params(params, self.eos_token_ids), return_logprob=True,
+            stream=True, rid=request_id,
+        )
+        seen = 0
+        async for output in outputs:
+            chunk, seen = stream_delta(output, seen)
+            yield chunk
+
+    async def engine_abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.engine.tokenizer_manager.abort_request(request_id)
+
+    async def engine_pause(self) -> None:
+        await self.engine.tokenizer_manager.pause_generation(self.io.pause(mode="retract"))
+
+    async def engine_resume(self) -> None:
+        await self.engine.tokenizer_manager.continue_generation(self.io.resume())
+
+    async def engine_load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        request = self.io.update(serialized_named_tensors=[self.io.serialize(weights) for _ in range(self.tp_size)],
+                                 load_format=None, flush_cache=True)
+        result = await self.engine.tokenizer_manager.update_weights_from_tensor(request, None)
+        success, message = (result[0], result[1]) if isinstance(result, Sequence) and len(result) >= 2 else (True, "")
+        if not success:
+            raise RuntimeError(f"sglang: update_weights_from_tensor failed: {message}")
+
+    def close(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+        super().close()
