@@ -31,6 +31,7 @@ from bus.dead import dead_letter
 from bus.publisher import Publisher
 from bus.pull import Puller
 from bus.slots import Slots
+from bus.tasks import cancel_until_done
 from bus.topology import Channel, Topology, WorkQueue
 from schemas.codec import DecodeError, decode
 from schemas.events import Event
@@ -109,7 +110,7 @@ class Worker(Generic[E]):
             async with asyncio.TaskGroup() as group:
                 heartbeat = group.create_task(self._heartbeat(ack_wait))
                 await self._serve(puller, stop, Slots(self.queue.durable, self._handle, self.options.concurrency, group))
-                heartbeat.cancel()
+                await cancel_until_done([heartbeat])  # its `in_progress` can swallow one cancel
         finally:
             await puller.close()
 

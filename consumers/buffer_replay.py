@@ -45,9 +45,14 @@ async def read_batches(rt: Runtime) -> BatchedSoFar:
     sample_ids: dict[int, set[str]] = {}  # step -> the samples its stored micro-batches hold
     kl: dict[int, tuple[float | None, float | None]] = {}  # step -> (its KL coefficient, its KL)
     sub = await rt.js.subscribe(rt.topology.subject(BATCHES, ">"), ordered_consumer=True)
-    for _ in range(info.state.messages):
+    # Up to the last sequence stored now, not a count of messages: the trainer may trim the
+    # stream's start meanwhile (never its last step), and a count would then wait for ever.
+    seq = 0
+    while seq < info.state.last_seq:
+        msg = await sub.next_msg(timeout=10)
+        seq = msg.metadata.sequence.stream
         try:
-            batch = decode((await sub.next_msg(timeout=10)).data, BatchEvent)
+            batch = decode(msg.data, BatchEvent)
         except DecodeError:
             continue  # the trainer dead-letters unreadable batches; nothing of ours is in them
         sample_ids.setdefault(batch.step, set()).update(batch.sample_ids)

@@ -28,6 +28,7 @@ from nats.js.kv import KeyValue
 from pydantic import BaseModel, ConfigDict
 
 from bus.connection import worker_id
+from bus.tasks import cancel_until_done
 from bus.topology import Topology
 
 log = logging.getLogger("jetrl.membership")
@@ -120,9 +121,7 @@ class Membership:
     async def leave(self) -> None:
         """Stop heartbeating and delete the entry (should that fail, it expires after the TTL)."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_until_done([self._task])  # mid-put, the beat can swallow one cancel
         try:
             await self.kv.delete(self.key)
         except nats.errors.Error as exc:

@@ -6,7 +6,7 @@ instead — hang, raise, `sys.exit`, segfault, allocate without bound, write a h
 return NaN or a string — the call ends in a failed `Score` with a one-line reason, and the
 pool replaces a process it lost and keeps serving (invariant 4 in docs/architecture.md).
 
-Each pool process is a fresh interpreter (`python -m consumers.reward_pool`) started with:
+Each pool process is a fresh interpreter (`python -m consumers.reward_child`) started with:
 - an environment without the worker's NATS_/JETRL_/OTEL_ variables: they are left out when
   the process is exec'ed, so they are not in `/proc/self/environ` either; and none of the
   worker's open descriptors (its NATS socket);
@@ -19,8 +19,7 @@ Each pool process is a fresh interpreter (`python -m consumers.reward_pool`) sta
   and the rest of the filesystem read-only, and a bound on the processes it may fork.
 
 Requests and replies are length-prefixed msgpack over the child's stdin/stdout (never
-pickle: the parent must not run code on the child's say-so). The child moves the protocol
-to private descriptors first, so a function that prints cannot corrupt it.
+pickle); the child's side, and the protocol, are consumers/reward_child.py.
 
 Why not `pebble` or `multiprocessing`: their spawned processes inherit the parent's
 environment with no per-pool override, so the credentials could only be deleted after
@@ -31,39 +30,30 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import importlib
 import math
-import numbers
 import os
-import resource
 import signal
-import struct
 import sys
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any
 
 import msgpack
 
 from bus.identity import IDENTITY_ENV
 from consumers import reward_sandbox
+from consumers.reward_child import HEADER, PR_SET_PDEATHSIG, RewardSpecError, frame, parse_spec
 from consumers.reward_sandbox import Isolation
 
 SCRUBBED_PREFIXES = ("NATS_", "JETRL_", "OTEL_")
 """Environment variables a reward process must not see (connection URLs, credentials)."""
-CHILD_MODULE = "consumers.reward_pool"
+CHILD_MODULE = "consumers.reward_child"
 MAX_REPLY_BYTES = 64 << 10
 """A reply is a float and a few components; a bigger one would not fit a RewardEvent anyway."""
 MAX_REASON_CHARS = 500
-HEADER = struct.Struct(">I")
-PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
-RewardFn = Callable[[str, dict[str, Any]], object]
-
-
-class RewardSpecError(ValueError):
-    """A `module:function` that cannot be used; the message is one line."""
+__all__ = ["Limits", "RewardPool", "RewardSpecError", "Score", "child_env", "one_line", "parse_spec"]
 
 
 @dataclass(frozen=True)
@@ -100,14 +90,6 @@ class Limits:
 def one_line(text: str) -> str:
     """`text` on one line, cut to MAX_REASON_CHARS (reasons travel in events and headers)."""
     return " ".join(text.split())[:MAX_REASON_CHARS]
-
-
-def parse_spec(spec: str) -> tuple[str, str]:
-    """`"module:function"` -> (module, function)."""
-    module, colon, name = spec.partition(":")
-    if not (module and colon and name):
-        raise RewardSpecError(f"reward function {spec!r} must be 'module:function'")
-    return module, name
 
 
 def child_env() -> dict[str, str]:
@@ -270,7 +252,7 @@ class _Child:
             "sandbox": {"tmp": limits.tmp_bytes, "processes": limits.processes, "hide": _identity_paths()}
             if sandboxed else None,
         }
-        proc.stdin.write(_frame(init))
+        proc.stdin.write(frame(init))
         return cls(proc, limits, sandboxed)
 
     @property
@@ -303,7 +285,7 @@ class _Child:
         None, or, when the process was lost at the next one (and killed), the reason."""
         assert self.proc.stdin is not None
         replies: list[dict[str, Any]] = []
-        self.proc.stdin.write(_frame({**message, "cpu_seconds": math.ceil(deadline * self.limits.cpu_factor)}))
+        self.proc.stdin.write(frame({**message, "cpu_seconds": math.ceil(deadline * self.limits.cpu_factor)}))
         try:
             await self.proc.stdin.drain()
             for _ in range(count):
@@ -324,7 +306,7 @@ class _Child:
 
     async def _roundtrip(self, message: dict[str, Any]) -> dict[str, Any]:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(_frame(message))
+        self.proc.stdin.write(frame(message))
         await self.proc.stdin.drain()
         return await self._read_reply()
 
@@ -394,159 +376,3 @@ def _score_from(reply: dict[str, Any]) -> Score:
         if not math.isfinite(value):
             return Score.failure(f"returned a non-finite {name}: {value}")
     return Score(reward, components)
-
-
-def _frame(message: object) -> bytes:
-    body = msgpack.packb(message, use_bin_type=True)
-    return HEADER.pack(len(body)) + body
-
-
-# --- the child process ------------------------------------------------------------------
-
-
-class _BadReturn(Exception):
-    """A reward function's return value that is not a reward."""
-
-
-def _child_main() -> None:
-    """Serve requests until the worker closes the pipe (or kills this process)."""
-    requests, replies = _claim_protocol_fds()
-    init = _receive(requests)
-    if init is None:
-        return
-    sys.path[:] = init["sys_path"]
-    _die_with_parent(init["parent"])
-    if init["sandbox"] is not None:
-        sys.dont_write_bytecode = True  # the tree is read-only now
-        try:
-            reward_sandbox.enter(init["sandbox"]["tmp"], init["sandbox"]["processes"], init["sandbox"]["hide"])
-        except OSError as exc:  # a sandbox half made is no sandbox: the pool reports the exit
-            print(f"reward sandbox: {exc}", file=sys.stderr)
-            os._exit(70)
-    _set_limit(resource.RLIMIT_AS, init["memory"])
-    _set_limit(resource.RLIMIT_FSIZE, init["file"])
-    _set_limit(resource.RLIMIT_CORE, 0)  # a crashing function must not fill the disk with cores
-    functions: dict[str, RewardFn] = {}
-    server = os.getpid()
-    while (request := _receive(requests)) is not None:
-        # A batch is answered item by item, each under its own CPU limit, so the parent knows
-        # which item a hang or crash belongs to.
-        for one in _items(request):
-            _renew_cpu_limit(request["cpu_seconds"])
-            reply = _serve(one, functions)
-            if os.getpid() != server:  # a copy the function forked, back from the call: it must not reply
-                os._exit(0)
-            replies.write(_frame(reply))
-            replies.flush()
-
-
-def _items(request: dict[str, Any]) -> list[dict[str, Any]]:
-    """A "score_batch" request as one "score" request per item; any other request as itself."""
-    if request["op"] != "score_batch":
-        return [request]
-    return [{"op": "score", "fn": request["fn"], "text": text, "task": task} for text, task in request["items"]]
-
-
-def _claim_protocol_fds() -> tuple[BinaryIO, BinaryIO]:
-    """Keep stdin/stdout for the protocol on private descriptors; fd 0 becomes /dev/null, fd 1 stderr."""
-    requests = os.fdopen(os.dup(0), "rb")
-    replies = os.fdopen(os.dup(1), "wb")
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
-    os.dup2(2, 1)
-    return requests, replies
-
-
-def _receive(stream: BinaryIO) -> Any:
-    """The next framed message, or None when the worker has closed the pipe."""
-    header = stream.read(HEADER.size)
-    if len(header) < HEADER.size:
-        return None
-    (size,) = HEADER.unpack(header)
-    return msgpack.unpackb(stream.read(size), raw=False)
-
-
-def _die_with_parent(parent: int) -> None:
-    """Ask Linux for SIGKILL when the worker dies: a hung call must not outlive it."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the worker died before the request above took effect
-        os._exit(0)
-
-
-def _set_limit(kind: int, soft: int, keep_hard: bool = False) -> None:
-    """Set a soft limit, never above the inherited hard one, and lower the hard one to it
-    unless `keep_hard` (so the function cannot raise the limit again)."""
-    _, hard = resource.getrlimit(kind)
-    if hard != resource.RLIM_INFINITY:
-        soft = min(soft, hard)
-    resource.setrlimit(kind, (soft, hard if keep_hard else soft))
-
-
-def _renew_cpu_limit(seconds: int) -> None:
-    """Allow `seconds` more CPU time: RLIMIT_CPU counts the process's whole life, not one call."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    # The hard limit stays where it was: a lowered one could not be raised for the next call.
-    _set_limit(resource.RLIMIT_CPU, math.ceil(usage.ru_utime + usage.ru_stime) + seconds, keep_hard=True)
-
-
-def _serve(request: dict[str, Any], functions: dict[str, RewardFn]) -> dict[str, Any]:
-    """Run one request ("resolve": import a function; "score": call it) and make its reply."""
-    fn = request["fn"]
-    if request["op"] == "resolve":
-        try:
-            functions[fn] = _load(fn)
-        except RewardSpecError as exc:
-            return {"error": str(exc)}
-        return {}
-    try:
-        value = functions[fn](request["text"], request["task"])
-    except SystemExit as exc:
-        return {"error": f"called sys.exit({exc.code!r})"}
-    except BaseException as exc:  # the function's failure is the call's result, whatever it is
-        return {"error": f"raised {_describe(exc)}"}
-    try:
-        reward, components = _interpret(value)
-    except _BadReturn as exc:
-        return {"error": str(exc)}
-    return {"reward": reward, "components": components}
-
-
-def _load(spec: str) -> RewardFn:
-    module_name, name = parse_spec(spec)
-    try:
-        module = importlib.import_module(module_name)
-    except BaseException as exc:  # an import runs arbitrary code: any failure means the spec is unusable
-        raise RewardSpecError(f"reward function {spec!r}: cannot import {module_name!r}: {_describe(exc)}") from None
-    fn = getattr(module, name, None)
-    if fn is None:
-        raise RewardSpecError(f"reward function {spec!r}: module {module_name!r} has no attribute {name!r}")
-    if not callable(fn):
-        raise RewardSpecError(f"reward function {spec!r}: {name!r} is not callable (it is {type(fn).__name__})")
-    return fn
-
-
-def _interpret(value: object) -> tuple[float, dict[str, float]]:
-    """A number, or a dict with "reward" and named numbers -> (reward, components)."""
-    if isinstance(value, Mapping):
-        if "reward" not in value:
-            raise _BadReturn(f"returned a dict without 'reward' (keys: {sorted(map(str, value))[:10]})")
-        components = {str(key): _as_float(part, f"component {key!r}") for key, part in value.items() if key != "reward"}
-        return _as_float(value["reward"], "reward"), components
-    return _as_float(value, "reward"), {}
-
-
-def _as_float(value: object, what: str) -> float:
-    # numbers.Real covers int, float, bool and numpy scalars; str, None, lists are not rewards.
-    if not isinstance(value, numbers.Real):
-        raise _BadReturn(f"returned a {type(value).__name__} as {what}, expected a number")
-    return float(value)
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-
-
-if __name__ == "__main__":
-    _child_main()

@@ -2,12 +2,14 @@
 
     build(rt) -> Stage      the channel and handler it serves, its WorkerOptions, its helpers
     run_stage(role, build)  attach -> build -> serve -> close; `main` of a worker is this call
+        SIGTERM/SIGINT during attach or build -> that step is cancelled, exit 0
 
     serve(rt, stage, stop): one asyncio.TaskGroup holds the stage's loop and every helper
         (the membership heartbeat too); the loop is the worker loop over the channel's work
         queue, or the stage's own `main` (the trainer's steps, read by position)
         SIGTERM/SIGINT -> stop: the loop stops fetching and drains its handlers, then the
-            helpers are cancelled, then the stage closes and the process exits 0
+            helpers are cancelled (again until they end: `bus.tasks`), then the stage
+            closes and the process exits 0
         `main` returns (the run's last step is trained) -> helpers cancelled, exit 0
         a helper raises, or returns while the stage runs -> the group cancels everything:
             one log line names the helper and its error, the process exits 1, and the fleet
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from bus import loss
+from bus.tasks import cancel_until_done
 from bus.topology import Channel
 from bus.worker import Handler, OnDead, Worker, WorkerOptions, stop_on_signals
 from consumers.runtime import CannotAttach, Runtime, attach, worker_args
@@ -39,6 +42,7 @@ from schemas.events import Event
 log = logging.getLogger("jetrl.stage")
 
 E = TypeVar("E", bound=Event)
+T = TypeVar("T")
 
 MEMBERSHIP = "membership heartbeat"
 """The helper every stage runs: its entry in the run's members bucket."""
@@ -96,8 +100,7 @@ async def serve(rt: Runtime, stage: Stage[Any], stop: asyncio.Event) -> None:
                 await worker.run(stop)
             else:
                 await stop.wait()
-            for task in running:
-                task.cancel()
+            await cancel_until_done(running)  # a helper mid-request can swallow one cancel
     except ExceptionGroup as failed:
         raise StageFailed("; ".join(_describe(exc) for exc in _leaves(failed))) from failed
 
@@ -129,11 +132,20 @@ def _describe(exc: BaseException) -> str:
 
 
 async def _run(role: str, args: Namespace, build: Builder) -> None:
-    rt = await attach(role, args.run, args.nats, args.replicas, beat_in_background=False, rank=getattr(args, "rank", 0))
+    # Signals first: SIGTERM while the worker joins the run (which waits for the run's config)
+    # or builds its stage ends it with nothing to drain, exit 0, not killed mid-join.
     stop = asyncio.Event()
     stop_on_signals(stop)
+    rank = getattr(args, "rank", 0)
+    rt = await _unless_stopped(attach(role, args.run, args.nats, args.replicas, beat_in_background=False, rank=rank), stop)
+    if rt is None:
+        log.info("stopped before it joined the run")
+        return
     try:
-        stage = await build(rt)
+        stage = await _unless_stopped(build(rt), stop)
+        if stage is None:
+            log.info("stopped while building its stage")
+            return
         try:
             await serve(rt, stage, stop)
         finally:
@@ -143,6 +155,19 @@ async def _run(role: str, args: Namespace, build: Builder) -> None:
         started = time.monotonic()
         await rt.close()
         log.info("left the run in %.1f s", time.monotonic() - started)
+
+
+async def _unless_stopped(step: Coroutine[Any, Any, T], stop: asyncio.Event) -> T | None:
+    """`step`'s result, or None when `stop` is set before it ends (it is cancelled then)."""
+    task = asyncio.create_task(step)
+    stopped = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if not task.done():
+        await cancel_until_done([task])
+    return None if task.cancelled() else task.result()
 
 
 def run_stage(

@@ -12,7 +12,9 @@ stream sequence of the last batch trained on, and a restart reads from the next 
                 WeightVersionEvent (in the step's trace)
       record    KV metrics.<rank>.<s> (the step's sample ids with them), step loggers
       checkpoint  every checkpoint_every: model, optimizer, RNG, last sequence, and the update
-                history as a hash chain (constant size: `consumers.update_history`)
+                history as a hash chain (constant size: `consumers.update_history`); once it is
+                committed (every rank's part), the batches of batches.<rank> before the
+                checkpoint's last step are deleted (`trim`): no restart can need them
 
 With `trainer.engine: fsdp` each of the `dp_size` ranks is one such process, `--rank K`: they
 meet first (`consumers.trainer_dist`), then train, publish and checkpoint together, each on
@@ -41,6 +43,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from bus import tracing
 from bus.dead import dead_letter
+from bus.election import TRANSIENT, ride_out
 from bus.metrics import STALENESS, TRAIN_STEP_SECONDS, count_samples
 from bus.topology import BATCHES, WEIGHTS, metrics_key
 from bus.worker import Reject
@@ -65,6 +68,7 @@ from engines.protocols import MicroBatch
 from engines.torch_train import LossConfig
 from schemas import BatchEvent, DecodeError, decode
 from schemas.config import RunConfig
+from schemas.streams_config import batches_kept_from
 
 log = logging.getLogger("jetrl.trainer")
 
@@ -305,15 +309,44 @@ class Trainer:
         log.info("step %d: reward %.3f loss %.4f", metrics["step"], metrics["reward_mean"], metrics["loss"])
 
     async def checkpoint(self, last_seq: int, sample_ids: list[str]) -> None:
-        """Note the step in the resume state; write it if a checkpoint is due (or the run ends)."""
+        """Note the step in the resume state; write it if a checkpoint is due (or the run ends),
+        then trim the batches no restart from it can need."""
+        before_last_step = self.last_seq
         self.last_seq, self.history = last_seq, self.history.after_step(sample_ids)
         step = self.engine.step
         if step % self.cfg.trainer.checkpoint_every and step != self.cfg.trainer.steps:
             return
         state = {"last_seq": self.last_seq, "history": self.history.as_dict()}
+        # Returns on every rank once the checkpoint is committed (collective engines: rank 0's
+        # commit, then a barrier), so no rank trims what the checkpoint before still needs.
         await asyncio.to_thread(
             self.engine.save_checkpoint, self.checkpoint_path, state, lambda: TRAINER_MID_CHECKPOINT(f"after step {step - 1}")
         )
+        # The run's last checkpoint trims nothing: the stream grows no more, and its last
+        # interval stays for audit and replay. The tensor-parallel ranks of one copy share
+        # batches.<dp_rank>: one of them trims.
+        if self.records and not self.done():
+            await self.trim(batches_kept_from(before_last_step))
+
+    async def trim(self, keep_from: int) -> None:
+        """Delete the messages of this rank's batch subject stored before sequence `keep_from`.
+        Not done now (the bus is away past an election): the next checkpoint's trim covers it."""
+        if keep_from <= 1:
+            return
+        topology = self.rt.topology
+        try:
+            await ride_out(
+                lambda: self.rt.js.purge_stream(
+                    topology.stream(BATCHES), subject=topology.subject(BATCHES, self.dp_rank), seq=keep_from
+                ),
+                f"trimming batches.{self.dp_rank}",
+            )
+        except TRANSIENT as exc:
+            log.warning(
+                "batches.%d before sequence %d not trimmed now (%r): the next checkpoint does", self.dp_rank, keep_from, exc
+            )
+            return
+        log.info("batches.%d: deleted what is stored before sequence %d (no restart needs it)", self.dp_rank, keep_from)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Set up, then train step after step until the run's last step or `stop`."""

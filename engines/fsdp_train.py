@@ -203,7 +203,9 @@ class FSDPTrainEngine(TorchTrainEngine):
         """Model and optimizer shards (DCP), each rank's step, RNG and `extra`, then the commit.
 
         `before_replace` is called on every rank once its part is written and synced, before
-        rank 0 commits (a kill there leaves the previous checkpoint in force)."""
+        rank 0 commits (a kill there leaves the previous checkpoint in force). Every rank returns
+        only once rank 0 has committed: what a rank then deletes (the batches the previous
+        checkpoint needed) is no longer needed by any checkpoint in force."""
         step_dir = _steps(path) / f"step-{self.step}"
         if self.rank == 0 and step_dir.exists():
             shutil.rmtree(step_dir)  # a save of this step that was killed before its commit
@@ -219,6 +221,7 @@ class FSDPTrainEngine(TorchTrainEngine):
             for old in _steps(path).iterdir():
                 if old.name != step_dir.name:
                     shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()  # committed
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
         """Restores the committed step; returns this rank's `extra`."""

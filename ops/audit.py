@@ -2,7 +2,8 @@
 
 Reads the prompt stream, the batch streams, the KV drop records and the trainer's per-step
 metrics records (messages that do not decode are poison the workers dead-lettered, and are
-left out), and reports: issued prompts; prompts whose group was trained (stored in a batch),
+left out), and reports: issued prompts; prompts whose group was trained (in a step the trainer
+recorded, or in a batch still stored: the trainer deletes batches its checkpoints no longer need),
 dropped (with reasons; a record without one is listed), or neither (in flight at shutdown);
 samples stored in a batch that no metrics record says the trainer trained (a micro-batch it
 refused, dead-lettered with the reason); sample ids trained more than once; tokens trained
@@ -49,10 +50,19 @@ AUDIT_SECONDS = 120.0
 
 
 async def _replay(js: JetStreamContext, topology: Topology, channel: Channel) -> list[bytes]:
-    count = (await js.stream_info(topology.stream(channel))).state.messages
+    """Every message stored, up to the last sequence stored now (not a count: a trainer may trim
+    the batch stream's start while it is read, never its end)."""
+    state = (await js.stream_info(topology.stream(channel))).state
+    if not state.messages:
+        return []
     sub = await js.subscribe(topology.subjects(channel), ordered_consumer=True)
+    data, seq = [], 0
     try:
-        return [(await sub.next_msg(timeout=10)).data for _ in range(count)]
+        while seq < state.last_seq:
+            msg = await sub.next_msg(timeout=10)
+            data.append(msg.data)
+            seq = msg.metadata.sequence.stream
+        return data
     finally:
         await sub.unsubscribe()
 
@@ -79,15 +89,29 @@ async def audit(js: JetStreamContext, topology: Topology, max_staleness: int) ->
     # An empty record reads back as None: kept, as a drop without a reason.
     dropped = {pid: ((await kv.get(k)).value or b"").decode() for pid, k in drop_keys.items()}
     # What the trainer says it trained: each step's record lists the ids of the micro-batches
-    # it took (a refused one is in the batch stream but not here).
+    # it took (a refused one is in the batch stream but not here). The records cover the whole
+    # run; the batch stream only what the trainer's checkpoints still need (it trims the rest),
+    # so the accounts are the records' and the kept batches' together.
     step_records = [json.loads((await kv.get(k)).value or b"{}") for k in keys if k.startswith(metrics_prefix())]
     trainer_ids = {sid for record in step_records for sid in record.get("sample_ids", [])}
-    trained = Counter(sid for b in batches for sid in b.sample_ids)
+    batched = Counter(sid for b in batches for sid in b.sample_ids)
+    recorded = Counter(sid for record in step_records for sid in record.get("sample_ids", []))
+    trained = batched | recorded  # per sample, the larger count: a repeat in either shows
     trained_prompts = {sid.rsplit("/", 1)[0] for sid in trained}
-    violations = 0
-    for b in batches:
+    # Staleness of the trained tokens from the records' histograms (step - version per loss
+    # token); of kept batches no record covers yet (batched, not trained yet) from the batch.
+    unrecorded = [b for b in batches if not set(b.sample_ids) <= trainer_ids]
+    violations = sum(sum(r.get("staleness_hist", [])[max_staleness + 1:]) for r in step_records)
+    for b in unrecorded:
         versions = b.versions.numpy()[b.loss_mask.numpy() == 1]
         violations += int((versions < b.step - max_staleness).sum())
+    seen_staleness = [int(r.get("staleness_max", 0)) for r in step_records] + [
+        int(b.step - b.versions.numpy()[b.loss_mask.numpy() == 1].min())
+        for b in unrecorded if b.loss_mask.numpy().any()
+    ]
+    rewards = {int(r["step"]): float(r["reward_mean"]) for r in step_records if "step" in r and r.get("samples")}
+    for b in sorted(unrecorded, key=lambda b: b.step):
+        rewards.setdefault(b.step, float(np.mean(b.rewards.numpy())))
     issued = set(prompts)
     return {
         "issued": len(issued),
@@ -99,19 +123,19 @@ async def audit(js: JetStreamContext, topology: Topology, max_staleness: int) ->
         "in_flight_ids": sorted(issued - trained_prompts - set(dropped)),
         "unknown_trained": len(trained_prompts - issued),
         "samples_trained": sum(trained.values()),
-        "batched_not_trained": len(set(trained) - trainer_ids),
+        "batched_not_trained": len(set(batched) - trainer_ids),
         "duplicates": sum(c - 1 for c in trained.values() if c > 1),
         "trained_and_dropped": len(trained_prompts & set(dropped)),
         "staleness_violations": violations,
-        "steps": len({b.step for b in batches}),
+        "steps": len({int(r["step"]) for r in step_records if "step" in r} | {b.step for b in batches}),
         "drop_reasons": dict(Counter(r.split(":")[0].split(" (")[0] for r in dropped.values())),
-        "max_staleness_seen": max((int(b.step - b.versions.numpy()[b.loss_mask.numpy() == 1].min()) for b in batches), default=0),
-        "reward_by_step": [float(np.mean(b.rewards.numpy())) for b in sorted(batches, key=lambda b: b.step)],
+        "max_staleness_seen": max(seen_staleness, default=0),
+        "reward_by_step": [rewards[step] for step in sorted(rewards)],
         # Per work stream, messages deleted before their work queue acked them (`bus.loss`):
         # 0 in a run whose limits hold; None where the server could not say.
         "lost": await loss.all_lost(js, kv, topology),
-        # With the reference stage, every batched sample must have passed it (its batch carries
-        # reference log-probs); None for a run without the stage.
+        # With the reference stage, every sample of the kept batches must have passed it (its
+        # batch carries reference log-probs); None for a run without the stage.
         "without_reference": sum(len(b.sample_ids) for b in batches if b.ref_logprobs is None)
         if topology.reference else None,
     }

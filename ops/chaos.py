@@ -83,6 +83,7 @@ from nats.aio.client import Client
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.lag import queue_lag
+from bus.tasks import cancel_until_done
 from bus.topology import (
     ACK_WAIT,
     PROMPTS,
@@ -215,8 +216,7 @@ class ChaosRun:
         except RuntimeError as exc:  # a worker given up on: the reason's first line says which
             finished, error = False, str(exc).splitlines()[0]
         finally:
-            for task in self.measuring:
-                task.cancel()
+            await cancel_until_done(self.measuring)  # one mid-request can swallow one cancel
             for result in await asyncio.gather(*self.measuring, return_exceptions=True):
                 if isinstance(result, Exception):
                     raise result  # a measurement's own failure

@@ -215,6 +215,8 @@ def extra_rules(t: Topology, role: str) -> list[Rule]:
         ],
         "trainer": [
             *object_write_rules(t),
+            Rule(f"{API}.STREAM.PURGE.{t.stream(BATCHES)}",
+                 "delete the batches no restart from its committed checkpoint can need (its own rank's subject)"),
             Rule(f"{API}.STREAM.MSG.GET.{kv_stream(t.members_bucket)}",
                  "collective weights: the live rollout workers a version is broadcast to"),
         ],

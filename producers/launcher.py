@@ -22,6 +22,7 @@ from bus.connection import connect
 from bus.election import ride_out
 from bus.embedded import EmbeddedNats
 from bus.lag import queue_lag
+from bus.tasks import cancel_until_done
 from bus.topology import Topology
 from consumers.fleet_config import local_fleet
 from consumers.runtime import Runtime, attach, publish_config
@@ -114,8 +115,7 @@ async def produce(
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(coro, name=name) for name, coro in beside.items()]
             await progress(producer, started)
-            for task in tasks:
-                task.cancel()
+            await cancel_until_done(tasks)  # one mid-request can swallow one cancel
     except BaseExceptionGroup as failed:
         raise first_cause(failed) from None
     finally:

@@ -5,13 +5,16 @@ in flight at (max_staleness + 1) x prompts_per_step x n, and the config bounds e
 size (prompt tokens `streams.max_prompt_tokens`, response tokens `data.sampling.max_tokens`);
 their product times `safety_factor` is what a stream must be able to hold (`stream_needs`).
 A full stream makes its publishers wait (discard new, `bus.topology`); it never drops unconsumed
-work. `ops.streams show` prints the derivation; docs/reliability.md states it for an example.
+work. Batches are trimmed behind the trainer's checkpoints (`batches_kept_from`), so their
+need is the steps between two checkpoints plus what the gate lets the buffer run ahead, not the
+whole run. `ops.streams show` prints the derivation; docs/reliability.md states it for an example.
 
 This module knows nothing of NATS: it works in bytes and seconds only.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -65,6 +68,13 @@ class StreamsConfig(Section):
     """Operator overrides, in bytes, by stream (prompts, trajectories, rewards, scored, batches,
     weights, dead). One below the derived need is refused at load with the need and how it was derived;
     one above is used as it is."""
+    max_dropped_share: float = Field(0.5, ge=0, lt=1)
+    """The share of the prompts issued whose groups the prompts bound allows to be dropped (all
+    rewards equal, too stale, refused by the rollout) and replaced by new prompts through the gate:
+    a run that trains steps x prompts_per_step prompts issues up to that / (1 - share). A run
+    dropping more fills its prompt stream (prompts are kept for the run), and the producer then
+    waits for good (its log says the stream is full) instead of a prompt being lost: give such a
+    run a higher share from the start."""
     max_age_s: float = Field(0.0, ge=0)
     """Seconds a message may live in any stream of the run; 0: no age limit. The default keeps
     every batch and weights event a restart from a checkpoint could still need, however long the
@@ -113,6 +123,9 @@ def _needs(cfg: RunConfig) -> dict[str, tuple[float, str]]:
     per_position = BATCH_BYTES_PER_TOKEN + (REFERENCE_BYTES_PER_TOKEN if cfg.reference.enabled else 0)
     step = group * (prompt_tokens + response_tokens) * per_position + EVENT_OVERHEAD
     versions = cfg.trainer.steps // cfg.trainer.sync_every + 1
+    trained_prompts = cfg.trainer.steps * a.prompts_per_step
+    issued = math.ceil(trained_prompts / (1 - s.max_dropped_share))
+    kept_steps = batch_steps_kept(cfg)
     if s.consumed == "delete":
         samples, why = in_flight, (
             f"gate bound (max_staleness {a.max_staleness} + 1) x prompts_per_step {a.prompts_per_step} "
@@ -126,10 +139,12 @@ def _needs(cfg: RunConfig) -> dict[str, tuple[float, str]]:
     tokens = f"{prompt_tokens} prompt + {response_tokens} response tokens"
     return {
         "prompts": (
-            cfg.trainer.steps * a.prompts_per_step * prompt,
+            issued * prompt,
             (
-                f"every prompt of the run (gate resume, audit): steps {cfg.trainer.steps} x prompts_per_step "
-                f"{a.prompts_per_step} x {prompt:,} B ({prompt_tokens} tokens)"
+                f"every prompt of the run (gate resume, audit), replacements of dropped groups included: "
+                f"steps {cfg.trainer.steps} x prompts_per_step {a.prompts_per_step} = {trained_prompts} trained "
+                f"/ (1 - max_dropped_share {s.max_dropped_share:g}) = {issued} issued x {prompt:,} B "
+                f"({prompt_tokens} tokens)"
             ),
         ),
         "trajectories": (samples * trajectory, f"{why} x {trajectory:,} B ({tokens})"),
@@ -140,14 +155,49 @@ def _needs(cfg: RunConfig) -> dict[str, tuple[float, str]]:
             else "reference.enabled false: nothing is written to it",
         ),
         "batches": (
-            cfg.trainer.steps * step,
+            kept_steps * step,
             (
-                f"every step of the run (trainer restart, buffer replay): steps {cfg.trainer.steps} x "
-                f"{group} rows x ({tokens}) x {per_position} B"
+                f"the steps a restart can need (trimmed at each checkpoint): min(checkpoint_every "
+                f"{cfg.trainer.checkpoint_every} + gate bound (max_staleness {a.max_staleness} + 1) + the "
+                f"checkpoint's last step 1, steps {cfg.trainer.steps}) = {kept_steps} steps x {group} rows x "
+                f"({tokens}) x {per_position} B"
             ),
         ),
-        "weights": (versions * WEIGHTS_EVENT_BYTES, f"{versions} versions x {WEIGHTS_EVENT_BYTES:,} B per event"),
+        "weights": (
+            versions * WEIGHTS_EVENT_BYTES,
+            (
+                f"every version's event of the run (small; audit and the delta chains' earlier events): "
+                f"{versions} versions x {WEIGHTS_EVENT_BYTES:,} B per event (the bytes themselves: weights.keep "
+                f"{cfg.weights.keep} versions + a delta chain of up to full_every {cfg.weights.full_every} "
+                "in the object store)"
+            ),
+        ),
     }
+
+
+def batch_steps_kept(cfg: RunConfig) -> int:
+    """The most steps of batches the batch stream holds at once (every rank's together).
+
+    After a checkpoint at step C (steps 0 .. C-1 trained) the trainer deletes every batch before
+    step C-1 (`batches_kept_from`). Until the next checkpoint, at C + checkpoint_every, it trains
+    on; the gate admits prompts for at most max_staleness + 1 steps past the latest weight
+    version (<= the trainer's step), so the buffer stores at most that many steps ahead. Held at
+    once: step C-1, the checkpoint_every steps to the next checkpoint, and the gate's steps ahead."""
+    t, a = cfg.trainer, cfg.algorithm
+    return min(1 + t.checkpoint_every + a.max_staleness + 1, t.steps)
+
+
+def batches_kept_from(before_last_step: int) -> int:
+    """The first sequence of `batches.<rank>` to keep once a checkpoint is committed, given
+    `before_last_step`: the sequence of the last batch of the step before the checkpoint's last
+    (the rank's resume position one step earlier; 0 if none).
+
+    A trainer restarted from the checkpoint reads from the sequence after its last batch, which
+    is later; the checkpoint's last step itself is kept for the buffer: a restarted buffer
+    learns from the batch stream which step comes next and which samples are batched already
+    (`consumers.buffer.read_batches`), and a stream trimmed to nothing would send it back to
+    step 0. Everything before this sequence on the rank's subject is deleted."""
+    return before_last_step + 1
 
 
 def stream_needs(cfg: RunConfig) -> dict[str, Need]:

@@ -1,4 +1,4 @@
-"""Fixtures: a real JetStream nats-server on a free loopback port, a fresh run per test."""
+"""Fixtures: a real JetStream nats-server on a free loopback port, a fresh run per test, a tiny model."""
 
 from __future__ import annotations
 
@@ -29,3 +29,14 @@ def own_nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
 @pytest.fixture
 def topology() -> Topology:
     return Topology(run=f"t{uuid.uuid4().hex[:10]}")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-init Qwen2 (seed 0) over the built-in tasks' vocabulary, with its tokenizer;
+    built once per test module."""
+    # Imported here: torch and transformers take seconds, and most test modules never need them.
+    from engines.tiny import build_tiny_model
+    from producers.tasks import VOCAB
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"), VOCAB)

@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import pytest
+import yaml
 from nats.js import JetStreamContext
 
 from bus.connection import connect
@@ -22,6 +29,7 @@ from consumers.runtime import publish_config
 from schemas import PromptEvent, RewardEvent, Tensor, TrajectoryEvent, WeightVersionEvent
 from schemas.config import RunConfig
 
+ROOT = Path(__file__).resolve().parent.parent
 
 def trajectory(run: str, prompt: int = 0, sample: int = 0, tokens: int = 8, group: int = 4) -> TrajectoryEvent:
     return TrajectoryEvent(
@@ -116,3 +124,49 @@ async def store_weights(
 
     transport = ObjectStoreTransport(js, topology.object_bucket)  # type: ignore[arg-type]
     return await publish_version(transport, topology.run, source, version, tensors)
+
+
+@dataclass(frozen=True)
+class LocalJob:
+    """What a local job that ran to its end left behind."""
+
+    out: Path
+    """Its `--out` directory."""
+    summary: dict[str, Any]
+    """The summary it printed last (steps, samples trained, ...)."""
+    logs: dict[str, str]
+    """Each worker's log, by file name (`trainer-0.log`, `trainer-rank1-0.log`, `rollout-0.log`, ...)."""
+
+    def merged_metrics(self) -> list[dict[str, Any]]:
+        """Each step's metrics as the producer merged them (`metrics.jsonl`)."""
+        return [json.loads(line) for line in (self.out / "metrics.jsonl").read_text().splitlines()]
+
+    def losses(self, log: str) -> list[str]:
+        """The loss of each step, as the trainer log `log` prints it."""
+        return [line.rsplit("loss ", 1)[1] for line in self.logs[log].splitlines() if ": reward " in line]
+
+    def rollout_log(self) -> str:
+        """Every rollout worker's log, one after another."""
+        return "".join(text for name, text in self.logs.items() if name.startswith("rollout"))
+
+    def served_versions(self) -> list[int]:
+        """The weight versions the rollout workers said they serve, in the order they said it."""
+        lines = self.rollout_log().splitlines()
+        return [int(line.rsplit("weights v", 1)[1]) for line in lines if "now serving weights v" in line]
+
+
+def run_local_job(
+    config: dict[str, Any], tmp_path: Path, steps: int, timeout: float, env: dict[str, str] | None = None
+) -> LocalJob:
+    """`python -m producers.prompts --config <config> --steps <steps> --out <tmp_path>/run`: the
+    whole local job (embedded server, a fleet of every role) run to its end; fails the test with
+    its stderr and the tail of each worker's log when it exits with an error."""
+    path, out = tmp_path / "job.yaml", tmp_path / "run"
+    path.write_text(yaml.safe_dump(config))
+    job = subprocess.run(
+        [sys.executable, "-m", "producers.prompts", "--config", str(path), "--steps", str(steps), "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False,
+    )
+    logs = {p.name: p.read_text() for p in (out / "logs").glob("*.log")} if (out / "logs").exists() else {}
+    assert job.returncode == 0, job.stderr[-2000:] + "".join(text[-1500:] for text in logs.values())
+    return LocalJob(out, json.loads(job.stdout.strip().splitlines()[-1]), logs)

@@ -14,17 +14,10 @@ import torch
 from consumers.trainer import loss_config
 from consumers.trainer_dist import make_engine
 from engines.protocols import MicroBatch
-from engines.tiny import build_tiny_model
 from engines.torch_train import LossConfig, TorchTrainEngine
-from producers.tasks import VOCAB
 from schemas.config import RunConfig
 
 ROWS, WIDTH, RESPONSE = 4, 10, 6
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"), VOCAB, seed=0)
 
 
 def batch(eng: TorchTrainEngine, advantage: float, seed: int = 0, log_ratio: float = 0.0) -> MicroBatch:

@@ -13,17 +13,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from engines.device import DEVICE_ENV, resolve_device
 from engines.hf_rollout import HFRolloutEngine, _top_p_filter
 from engines.protocols import MicroBatch, RolloutEngine, Sample, SamplingParams, TrainEngine
-from engines.tiny import build_tiny_model
-from producers.tasks import VOCAB
 from engines.torch_train import LossConfig, TorchTrainEngine
 from producers import tasks
 
 TEMPERATURE = 0.7  # not 1, so that both engines must apply it the same way
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"), VOCAB, seed=0)
 
 
 @pytest.fixture(scope="module")

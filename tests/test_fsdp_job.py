@@ -11,18 +11,15 @@ broadcast their own tensors of every version, and the rollout worker loads each 
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from schemas.config import load_config
+from tests.helpers import ROOT, run_local_job
 
-ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples" / "digits-dp2.yaml"
 STEPS = 6
 COLLECTIVE = {"transport": "collective", "collective": {"join_timeout_s": 10, "op_timeout_s": 10}}
@@ -34,17 +31,9 @@ def test_the_dp2_example_trains_every_sample_once_across_two_ranks(tmp_path: Pat
     cfg = load_config(CONFIG)
     assert (cfg.trainer.engine, cfg.trainer.dp_size) == ("fsdp", 2)
     # The example itself, but for a run id of its own (a rerun resumes nothing of another).
-    config = tmp_path / "dp2.yaml"
     example = {**yaml.safe_load(CONFIG.read_text()), "run": f"dp2-{tmp_path.name[-12:]}"}
-    config.write_text(yaml.safe_dump({**example, "weights": weights} if weights else example))
-    out = tmp_path / "run"
-    job = subprocess.run(
-        [sys.executable, "-m", "producers.prompts", "--config", str(config), "--steps", str(STEPS), "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=220, check=False,
-    )
-    logs = {p.name: p.read_text() for p in (out / "logs").glob("*.log")} if (out / "logs").exists() else {}
-    assert job.returncode == 0, job.stderr[-2000:] + "".join(text[-1500:] for text in logs.values())
-    summary = json.loads(job.stdout.strip().splitlines()[-1])
+    job = run_local_job({**example, "weights": weights} if weights else example, tmp_path, STEPS, timeout=220)
+    summary, logs = job.summary, job.logs
     per_step = cfg.algorithm.prompts_per_step * cfg.data.n
     assert summary["steps"] == STEPS and summary["samples_trained"] == STEPS * per_step
 
@@ -54,19 +43,16 @@ def test_the_dp2_example_trains_every_sample_once_across_two_ranks(tmp_path: Pat
 
     # The KV is gone with the embedded server: metrics.jsonl holds the steps as the producer
     # merged them, each rank's log its own line per step.
-    merged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [(m["step"], m["samples"]) for m in merged] == [(step, per_step) for step in range(STEPS)]
-    losses = {name: [line.rsplit("loss ", 1)[1] for line in logs[name].splitlines() if ": reward " in line]
-              for name in ("trainer-0.log", "trainer-rank1-0.log")}
+    assert [(m["step"], m["samples"]) for m in job.merged_metrics()] == [(step, per_step) for step in range(STEPS)]
+    losses = {name: job.losses(name) for name in ("trainer-0.log", "trainer-rank1-0.log")}
     assert losses["trainer-0.log"] == losses["trainer-rank1-0.log"] and len(losses["trainer-0.log"]) == STEPS
 
-    checkpoints = out / "checkpoints"
+    checkpoints = job.out / "checkpoints"
     assert (checkpoints / "fsdp.pt").exists()
     assert {p.name for p in (checkpoints / "fsdp.pt.d" / f"step-{STEPS}").iterdir()} >= {"rank0.pt", "rank1.pt", ".metadata"}
 
     if weights:  # every version after v0 by broadcast, from both ranks, none from the stored copy
-        rollout = "".join(text for name, text in logs.items() if name.startswith("rollout"))
-        served = [int(line.rsplit("weights v", 1)[1]) for line in rollout.splitlines() if "now serving weights v" in line]
+        rollout, served = job.rollout_log(), job.served_versions()
         assert served and max(served) >= STEPS - 1, served
         assert "missed by broadcast" not in rollout, [line for line in rollout.splitlines() if "missed" in line]
         for name in ("trainer-0.log", "trainer-rank1-0.log"):

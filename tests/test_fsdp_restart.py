@@ -7,7 +7,8 @@ sits idle waiting for the next step's batches. Rank 0 must notice by itself (its
 sees rank 1 claimed twice) and exit 1 with one line; started again, it hosts a new generation
 that the waiting rank 1 joins; both load the checkpoint, retrain the steps after it and
 finish the run. Every step's loss on both ranks then equals the single-process engine's on the
-union of the step's micro-batches, and the update history holds every sample once.
+union of the step's micro-batches, and the update history holds every sample once. Each rank
+trims its batch subject after each committed checkpoint: at the end, step 5 on is stored.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from nats.aio.msg import Msg
 from nats.js.errors import KeyNotFoundError
 
 from bus.embedded import EmbeddedNats
@@ -96,8 +98,15 @@ def test_a_killed_rank_breaks_the_group_and_both_resume(nats_server: EmbeddedNat
     cfg = run_config(run, model, tmp_path / "checkpoints")
     logs = [tmp_path / f"rank{r}.log" for r in range(2)]
 
-    async def scenario() -> tuple[list[list[dict]], float, dict[int, list[BatchEvent]]]:
+    async def scenario() -> tuple[list[list[dict]], float, dict[int, list[BatchEvent]], dict[int, list[BatchEvent]]]:
         rt = await attach_bootstrap(cfg, nats_server.url)
+        sent: dict[int, list[BatchEvent]] = {}
+
+        async def keep(msg: Msg) -> None:  # every batch as it is stored: the ranks trim the stream
+            batch = decode(msg.data, BatchEvent)
+            sent.setdefault(batch.step, []).append(batch)
+
+        watching = await rt.nc.subscribe(rt.topology.subject(BATCHES, ">"), cb=keep)
         await record(rt, range(KILL_AFTER), vocab)
         procs = [trainer(nats_server.url, run, r, logs[r]) for r in range(2)]
         try:
@@ -121,11 +130,16 @@ def test_a_killed_rank_breaks_the_group_and_both_resume(nats_server: EmbeddedNat
                 if proc.poll() is None:
                     proc.kill()
         records = [[await recorded(rt, r, s) for s in range(STEPS)] for r in range(2)]
-        stream = await steps_of_stream(rt)
+        kept = await steps_of_stream(rt)
+        await watching.unsubscribe()
         await rt.close()
-        return records, noticed, stream
+        stream = {step: sorted(bs, key=lambda b: (b.dp_rank, b.micro_index)) for step, bs in sent.items()}
+        return records, noticed, stream, kept
 
-    records, noticed, stream = asyncio.run(scenario())
+    records, noticed, stream, kept = asyncio.run(scenario())
+    # Each rank trimmed its own subject once the checkpoint at 6 steps was committed on both: step 5
+    # on stay (the run's end trims nothing).
+    assert {step: {b.dp_rank for b in bs} for step, bs in kept.items()} == {5: {0, 1}, 6: {0, 1}}, sorted(kept)
     print(f"rank 0 left the broken group {noticed:.1f}s after rank 1's replacement started")
     # The steps after the checkpoint were trained twice (before the kill and after); the final
     # records are those of the resumed group, equal to one process on each step's union.

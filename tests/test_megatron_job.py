@@ -9,9 +9,6 @@ loaded by the rollout worker under HF names. Needs megatron-core (the dev extra 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,10 +16,10 @@ import yaml
 
 from consumers.fleet_config import local_fleet
 from schemas.config import parse_config
+from tests.helpers import ROOT, run_local_job
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'jetrl[megatron]')")
 
-ROOT = Path(__file__).resolve().parent.parent
 STEPS = 4
 
 
@@ -42,16 +39,8 @@ def test_tensor_parallel_ranks_are_trainer_processes_reading_one_batch_stream(tm
 
 @pytest.mark.timeout(300)
 def test_the_job_trains_on_two_tensor_parallel_megatron_ranks(tmp_path: Path) -> None:
-    path = tmp_path / "tp2.yaml"
-    path.write_text(yaml.safe_dump(config(f"tp2-{tmp_path.name[-12:]}")))
-    out = tmp_path / "run"
-    job = subprocess.run(
-        [sys.executable, "-m", "producers.prompts", "--config", str(path), "--steps", str(STEPS), "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=280, check=False,
-    )
-    logs = {p.name: p.read_text() for p in (out / "logs").glob("*.log")} if (out / "logs").exists() else {}
-    assert job.returncode == 0, job.stderr[-2000:] + "".join(text[-1500:] for text in logs.values())
-    summary = json.loads(job.stdout.strip().splitlines()[-1])
+    job = run_local_job(config(f"tp2-{tmp_path.name[-12:]}"), tmp_path, STEPS, timeout=280)
+    summary, logs = job.summary, job.logs
     cfg = parse_config(config("tp2"), "tp2")
     per_step = cfg.algorithm.prompts_per_step * cfg.data.n
     assert summary["steps"] == STEPS and summary["samples_trained"] == STEPS * per_step
@@ -60,15 +49,13 @@ def test_the_job_trains_on_two_tensor_parallel_megatron_ranks(tmp_path: Path) ->
     for rank, name in enumerate(names):
         assert f"rank {rank} of 2 joined the process group" in logs[name]
     # One model copy: both cuts take every step on the same micro-batches, so the same loss.
-    losses = {name: [line.rsplit("loss ", 1)[1] for line in logs[name].splitlines() if ": reward " in line] for name in names}
+    losses = {name: job.losses(name) for name in names}
     assert losses[names[0]] == losses[names[1]] and len(losses[names[0]]) == STEPS, losses
-    merged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [(m["step"], m["samples"]) for m in merged] == [(step, per_step) for step in range(STEPS)]
+    assert [(m["step"], m["samples"]) for m in job.merged_metrics()] == [(step, per_step) for step in range(STEPS)]
 
-    checkpoints = out / "checkpoints"
+    checkpoints = job.out / "checkpoints"
     assert (checkpoints / "megatron.pt").exists()
     assert {p.name for p in (checkpoints / "megatron.pt.d" / f"step-{STEPS}").iterdir()} == {"rank0.pt", "rank1.pt"}
     # Each version is gathered to rank 0 under HF names: the rollout worker's HF model loads it.
-    rollout = "".join(text for name, text in logs.items() if name.startswith("rollout"))
-    served = [int(line.rsplit("weights v", 1)[1]) for line in rollout.splitlines() if "now serving weights v" in line]
+    served = job.served_versions()
     assert served and max(served) >= STEPS - 1, served

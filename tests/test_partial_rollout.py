@@ -25,23 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 from nats.js import JetStreamContext
-from transformers import AutoTokenizer
 
-from bus.connection import connect
 from bus.embedded import EmbeddedNats
-from bus.publisher import Publisher
 from bus.topology import PROMPTS, TRAJECTORIES, WEIGHTS, Topology
 from consumers.checks import ModelLimits
-from consumers.rollout import Rollout, rollout_stage
-from consumers.runtime import attach, publish_config
-from consumers.stage import serve
 from engines.hf_rollout import HFRolloutEngine
 from engines.simulated import SimulatedRolloutEngine, SimulatedSettings
-from engines.tiny import build_tiny_model
-from producers.tasks import VOCAB
 from schemas import PromptEvent, RewardEvent, Tensor, TrajectoryEvent, decode, encode
 from schemas import SamplingParams as PromptSampling
 from schemas.config import AlgorithmConfig, RunConfig, TrainerConfig
@@ -62,6 +53,7 @@ from tests.buffer_feed import (
     until,
 )
 from tests.helpers import store_weights
+from tests.test_rollout_invariants import served_rollout
 
 GROUP = 2
 TOKENS = 30
@@ -114,40 +106,14 @@ class RecordingSimulated(SimulatedRolloutEngine):
             return [s for s in self.spans if s.kind == kind]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("model"), VOCAB)
-
-
 @asynccontextmanager
 async def worker(url: str, topology: Topology, model_dir: Path, partial: bool) -> AsyncIterator[
         tuple[JetStreamContext, RecordingSimulated]]:
-    nc = await connect(url, "test-partial-rollout")
-    js = nc.jetstream()
-    await topology.apply(js)
-    config = RunConfig.model_validate({"run": topology.run, "model": {"path": str(model_dir)},
-                                       "rollout": {"engine": "simulated", "partial": partial}})
-    await publish_config(await js.key_value(topology.kv_bucket), config)
-    rt = await attach("rollout", topology.run, url)
-    rt.publisher = Publisher(rt.js, rt.topology, ack_timeout=10.0)
     engine = RecordingSimulated(model_dir)
-    rollout = Rollout(rt, engine, AutoTokenizer.from_pretrained(model_dir))
-    assert rollout.replicas.continuous and rollout.replicas.partial == partial
-    stop = asyncio.Event()
-    loop = asyncio.create_task(serve(rt, rollout_stage(rollout), stop))
-    try:
+    rollout = {"engine": "simulated", "partial": partial}
+    async with served_rollout(url, topology, model_dir, engine, rollout) as (_, js, _, served):
+        assert served.replicas.continuous and served.replicas.partial == partial
         yield js, engine
-        assert not loop.done(), f"the stage ended: {loop.exception() if loop.done() else ''}"
-    finally:
-        stop.set()
-        try:
-            await asyncio.wait_for(asyncio.shield(loop), 10)
-        except Exception:  # teardown: whatever the stage ended with, clean up
-            loop.cancel()
-        await asyncio.gather(loop, return_exceptions=True)
-        await rt.close()
-        await topology.delete(js)
-        await nc.close()
 
 
 async def publish_prompts(js: JetStreamContext, topology: Topology, first: int, count: int) -> None:

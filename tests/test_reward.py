@@ -139,7 +139,7 @@ def test_reward_process_dies_with_its_worker(isolation: str) -> None:
         "asyncio.run(main())\n"
     )
     worker = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
-    wait_for(lambda: any(b"consumers.reward_pool" in cmdline(pid) for pid in descendants(worker.pid)))
+    wait_for(lambda: any(b"consumers.reward_child" in cmdline(pid) for pid in descendants(worker.pid)))
     started = descendants(worker.pid)
     time.sleep(0.5)  # into the call
     worker.kill()

@@ -23,9 +23,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-import pytest
 import torch
 from nats.aio.client import Client
 from nats.js import JetStreamContext
@@ -38,14 +38,13 @@ from bus.embedded import EmbeddedNats
 from bus.publisher import Publisher
 from bus.topology import DEAD, PROMPTS, TRAJECTORIES, WEIGHTS, Topology, drop_key
 from consumers.rollout import Rollout, rollout_stage
+from consumers.rollout_replicas import Engine
 from consumers.runtime import Runtime, attach, publish_config
 from consumers.stage import serve
 from consumers.weights import publish_version
 from consumers.weights.filesystem import FilesystemTransport
 from engines.hf_rollout import HFRolloutEngine
 from engines.protocols import Sample, SamplingParams
-from engines.tiny import build_tiny_model
-from producers.tasks import VOCAB
 from schemas import PromptEvent, Tensor, TrajectoryEvent, WeightVersionEvent, decode, encode
 from schemas import SamplingParams as PromptSampling
 from schemas.config import RunConfig
@@ -108,11 +107,6 @@ class RecordingEngine(HFRolloutEngine):
             return [call for call in self.calls if call.kind == kind]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("model"), VOCAB)
-
-
 @dataclass
 class RolloutUnderTest:
     """One real rollout worker (batcher, weights watcher, worker loop) in this event loop."""
@@ -155,27 +149,27 @@ class RolloutUnderTest:
 
 
 @asynccontextmanager
-async def rollout_worker(
-    url: str, topology: Topology, model_dir: Path, load_seconds: float = 0.0, ack_timeout: float = 10.0,
-    weights: dict | None = None,
-) -> AsyncIterator[RolloutUnderTest]:
-    """A rollout stage built as `consumers.rollout.build` builds it (production options), on a
-    recording engine; its publisher waits `ack_timeout` s for an ack; `weights` is the run
-    config's `weights` section."""
-    nc = await connect(url, "test-rollout-invariants")
+async def served_rollout(
+    url: str, topology: Topology, model_dir: Path, engines: Engine | Sequence[Engine], rollout: dict[str, Any],
+    *, weights: dict[str, Any] | None = None, ack_timeout: float = 10.0,
+) -> AsyncIterator[tuple[Client, JetStreamContext, Runtime, Rollout]]:
+    """A rollout stage built as `consumers.rollout.build` builds it (production options) over
+    `engines`, served in this event loop until the block ends: the run's config has `rollout`
+    and `weights` as its sections; its publisher waits `ack_timeout` s for an ack. Yields the
+    test's own connection, its JetStream context, the stage's runtime and the `Rollout`."""
+    nc = await connect(url, "test-rollout")
     js = nc.jetstream()
     await topology.apply(js)
     config = RunConfig.model_validate({"run": topology.run, "model": {"path": str(model_dir)},
-                                       "rollout": {"max_batch_prompts": 2}, "weights": weights or {}})
+                                       "rollout": rollout, "weights": weights or {}})
     await publish_config(await js.key_value(topology.kv_bucket), config)
     rt = await attach("rollout", topology.run, url)
     rt.publisher = Publisher(rt.js, rt.topology, ack_timeout=ack_timeout)
-    engine = RecordingEngine(model_dir, load_seconds)
-    rollout = Rollout(rt, engine, AutoTokenizer.from_pretrained(model_dir))
+    worker = Rollout(rt, engines, AutoTokenizer.from_pretrained(model_dir))
     stop = asyncio.Event()
-    loop = asyncio.create_task(serve(rt, rollout_stage(rollout), stop))
+    loop = asyncio.create_task(serve(rt, rollout_stage(worker), stop))
     try:
-        yield RolloutUnderTest(nc, js, topology, rt, engine, rollout)
+        yield nc, js, rt, worker
         assert not loop.done(), f"the stage ended: {loop.exception() if loop.done() else ''}"
     finally:
         stop.set()
@@ -187,6 +181,20 @@ async def rollout_worker(
         await rt.close()
         await topology.delete(js)
         await nc.close()
+
+
+@asynccontextmanager
+async def rollout_worker(
+    url: str, topology: Topology, model_dir: Path, load_seconds: float = 0.0, ack_timeout: float = 10.0,
+    weights: dict | None = None,
+) -> AsyncIterator[RolloutUnderTest]:
+    """`served_rollout` on one recording engine, two prompts a batch; `weights` is the run
+    config's `weights` section."""
+    engine = RecordingEngine(model_dir, load_seconds)
+    async with served_rollout(
+        url, topology, model_dir, engine, {"max_batch_prompts": 2}, weights=weights, ack_timeout=ack_timeout
+    ) as (nc, js, rt, rollout):
+        yield RolloutUnderTest(nc, js, topology, rt, engine, rollout)
 
 
 async def eventually(check: Callable[[], bool | Awaitable[bool]], what: str, timeout: float = 30.0) -> None:

@@ -20,19 +20,12 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import numpy as np
-import pytest
-from transformers import AutoTokenizer
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
-from bus.publisher import Publisher
 from bus.topology import PROMPTS, Topology
-from consumers.rollout import Rollout, rollout_stage
-from consumers.runtime import attach, publish_config
-from consumers.stage import serve
+from consumers.runtime import publish_config
 from engines.protocols import Sample, SamplingParams
-from engines.tiny import build_tiny_model
-from producers.tasks import VOCAB
 from schemas import PromptEvent, Tensor, encode
 from schemas import SamplingParams as PromptSampling
 from schemas.config import RunConfig
@@ -45,6 +38,7 @@ from tests.test_rollout_invariants import (
     eventually,
     feed,
     overlaps,
+    served_rollout,
     trajectories_stored,
 )
 
@@ -69,44 +63,15 @@ class PromptRecordingEngine(RecordingEngine):
         return super().generate(prompts, n, params)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("model"), VOCAB)
-
-
 @asynccontextmanager
 async def replicated_worker(
     url: str, topology: Topology, model_dir: Path, router: str, load_seconds: float = 0.0
 ) -> AsyncIterator[tuple[RolloutUnderTest, list[PromptRecordingEngine]]]:
-    """A rollout stage as `consumers.rollout.build` builds it (production options; the router
-    from the run config) over REPLICAS recording engines."""
-    nc = await connect(url, "test-rollout-router")
-    js = nc.jetstream()
-    await topology.apply(js)
-    config = RunConfig.model_validate({
-        "run": topology.run, "model": {"path": str(model_dir)},
-        "rollout": {"max_batch_prompts": 2, "replicas": REPLICAS, "router": router},
-    })
-    await publish_config(await js.key_value(topology.kv_bucket), config)
-    rt = await attach("rollout", topology.run, url)
-    rt.publisher = Publisher(rt.js, rt.topology, ack_timeout=10.0)
+    """`served_rollout` over REPLICAS recording engines, `router` from the run config."""
     engines = [PromptRecordingEngine(model_dir, load_seconds) for _ in range(REPLICAS)]
-    rollout = Rollout(rt, engines, AutoTokenizer.from_pretrained(model_dir))
-    stop = asyncio.Event()
-    loop = asyncio.create_task(serve(rt, rollout_stage(rollout), stop))
-    try:
-        yield RolloutUnderTest(nc, js, topology, rt, engines[0], rollout), engines
-        assert not loop.done(), f"the stage ended: {loop.exception() if loop.done() else ''}"
-    finally:
-        stop.set()
-        try:  # a failed test may leave handlers waiting on a generation that never comes
-            await asyncio.wait_for(asyncio.shield(loop), 10)
-        except Exception:  # teardown: whatever the stage ended with, clean up
-            loop.cancel()
-        await asyncio.gather(loop, return_exceptions=True)
-        await rt.close()
-        await topology.delete(js)
-        await nc.close()
+    rollout = {"max_batch_prompts": 2, "replicas": REPLICAS, "router": router}
+    async with served_rollout(url, topology, model_dir, engines, rollout) as (nc, js, rt, worker):
+        yield RolloutUnderTest(nc, js, topology, rt, engines[0], worker), engines
 
 
 def generated(engines: list[PromptRecordingEngine]) -> int:

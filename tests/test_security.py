@@ -189,6 +189,10 @@ def test_every_role_does_its_job_with_its_own_credential(secured: Secured, caplo
         assert stall.live is not None and stall.live["buffer"] == 1, f"the members as the producer reads them: {stall.live}"
         assert None not in stall.queues.values(), f"the work queues as the producer reads them: {stall.queues}"
 
+        # Trainer: deletes the batches its committed checkpoint no longer needs (`Trainer.trim`).
+        await trainer.js.purge_stream(t.stream(BATCHES), subject=t.subject(BATCHES, 0), seq=2)
+        assert (await trainer.js.stream_info(t.stream(BATCHES))).state.messages == 0
+
         for rt in (producer, trainer, rollout, scorer, buffer):
             await rt.close()
 

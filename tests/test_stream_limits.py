@@ -25,15 +25,19 @@ from bus.worker import WorkerOptions
 from consumers.runtime import attach, publish_config
 from consumers.stage import Stage, serve
 from ops import status
+from ops import streams as streams_cli
 from ops.audit import audit
 from schemas import Tensor, TrajectoryEvent, decode
 from schemas.codec import encode
 from schemas.config import ConfigError, RunConfig, parse_config
 from schemas.streams_config import (
+    BATCH_BYTES_PER_TOKEN,
     EVENT_OVERHEAD,
     MIN_STREAM_BYTES,
+    PROMPT_BYTES_PER_TOKEN,
     TRAJECTORY_PROMPT_BYTES_PER_TOKEN,
     TRAJECTORY_RESPONSE_BYTES_PER_TOKEN,
+    batch_steps_kept,
     stream_needs,
 )
 from tests.helpers import trajectory
@@ -238,3 +242,33 @@ def test_a_stage_reports_work_its_stream_deleted_unacked(
     with caplog.at_level(logging.ERROR, logger="jetrl.loss"):
         assert asyncio.run(body()) == 3, "the stage did not record the work its stream deleted"
     assert any("WORK LOST" in r.getMessage() and "deleted 3 message(s)" in r.getMessage() for r in caplog.records)
+
+
+def test_batches_are_bounded_by_the_checkpoint_interval_and_prompts_count_replacements() -> None:
+    """Batches are trimmed at each checkpoint, so their need is the steps between two checkpoints
+    plus the gate's steps ahead and the checkpoint's last step, not the run; the prompts need
+    covers the replacements of dropped groups (`streams.max_dropped_share`). `ops.streams show`
+    prints both derivations."""
+    large = {
+        "algorithm": {"max_staleness": 4, "prompts_per_step": 512},
+        "data": {"n": 16, "sampling": {"max_tokens": 16384}},
+        "streams": {"max_prompt_tokens": 1024},
+        "trainer": {"steps": 1000, "checkpoint_every": 10},
+    }
+    config = parse_config(large)
+    needs = stream_needs(config)
+    step = 512 * 16 * (1024 + 16384) * BATCH_BYTES_PER_TOKEN + EVENT_OVERHEAD
+    assert batch_steps_kept(config) == 10 + 4 + 2
+    assert needs["batches"].need == int(16 * step * 2)  # 85 GiB, not the run's 5.2 TiB
+    issued = 1000 * 512 * 2  # max_dropped_share 0.5: as many replacements as prompts trained
+    assert needs["prompts"].need == int(issued * (EVENT_OVERHEAD + 1024 * PROMPT_BYTES_PER_TOKEN) * 2)
+    fewer = parse_config({**large, "streams": {**large["streams"], "max_dropped_share": 0.0}})
+    assert stream_needs(fewer)["prompts"].need * 2 == needs["prompts"].need
+    # A short run holds no more steps than it has.
+    assert batch_steps_kept(parse_config({"trainer": {"steps": 5, "checkpoint_every": 10}})) == 5
+    shown = "\n".join(streams_cli.limits(config, "the test's config"))
+    derived = "min(checkpoint_every 10 + gate bound (max_staleness 4 + 1) + the checkpoint's last step 1, steps 1000)"
+    assert f"{derived} = 16 steps" in shown, shown
+    assert "= 512000 trained / (1 - max_dropped_share 0.5) = 1024000 issued" in shown, shown
+    with pytest.raises(ConfigError, match="max_dropped_share"):
+        parse_config({"streams": {"max_dropped_share": 1.0}})

@@ -15,17 +15,10 @@ import torch
 
 from consumers.trainer import loss_config
 from engines.protocols import MicroBatch
-from engines.tiny import build_tiny_model
-from producers.tasks import VOCAB
 from engines.torch_train import LossConfig, TorchTrainEngine
 from schemas.config import RunConfig
 
 ROWS, WIDTH, RESPONSE = 4, 10, 6  # each row: 4 prompt tokens, then 6 response tokens
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"), VOCAB, seed=0)
 
 
 def run_config(**algorithm: object) -> RunConfig:

@@ -9,6 +9,12 @@ restarted trainer retrained from the checkpoint on exactly the batches after it,
 same model, optimizer and RNG state. Deterministic: same seeds, one torch thread, no rollout.
 With `algorithm.advantage: gae` the critic and its optimizer must come back too: the policy's
 advantages and the value loss of every retrained step depend on them.
+
+Retention (issue 15): after each committed checkpoint but the run's last, the trainer deletes
+the batches no restart can need. At B's kill and at both runs' end the batch stream must hold
+exactly the last trimming checkpoint's last step and what follows it: every batch after the
+checkpoint's last sequence (what B's restart reads, and it then resumes exactly), and the
+last step whole (what a restarted buffer learns its next step from).
 """
 
 from __future__ import annotations
@@ -30,19 +36,27 @@ from nats.js.errors import KeyNotFoundError
 
 from bus.embedded import EmbeddedNats
 from bus.topology import metrics_key
-from consumers.buffer import BatchedSoFar, Buffer, Group
+from bus.topology import BATCHES
+from consumers.buffer import BatchedSoFar, Buffer, Group, read_batches
 from consumers.runtime import Runtime
 from consumers.update_history import UpdateHistory
 from engines.tiny import build_tiny_model
 from producers.tasks import VOCAB
 from producers.launcher import attach_bootstrap
-from schemas import RewardEvent, Tensor, TrajectoryEvent
+from schemas import BatchEvent, RewardEvent, Tensor, TrajectoryEvent, decode
 from schemas.config import RunConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, CHECKPOINT_EVERY, KILL_AFTER = 8, 3, 5
 """B is killed after step index 4: its checkpoint holds 3 steps, steps 3 and 4 are retrained."""
 PROMPTS_PER_STEP, GROUP = 2, 4
+MICRO = 2
+"""Micro-batches a step (64 tokens each at most): step s is stored at sequences 2s+1 and 2s+2."""
+
+
+def steps_of(first: int, last: int) -> list[tuple[int, int]]:
+    """(sequence, step) of every micro-batch of steps first .. last, as `record` stores them."""
+    return [(MICRO * step + i + 1, step) for step in range(first, last + 1) for i in range(MICRO)]
 
 
 def run_config(run: str, model: Path, checkpoints: Path, advantage: str = "grpo") -> RunConfig:
@@ -82,6 +96,17 @@ async def record(rt: Runtime, steps: range, vocab: int) -> None:
         await buffer.publish_step(step, [scored_group(rt.topology.run, step, p, rng, vocab) for p in range(PROMPTS_PER_STEP)])
 
 
+async def stored(rt: Runtime) -> list[tuple[int, int]]:
+    """(sequence, step) of every batch still in the run's stream, in order."""
+    count = (await rt.js.stream_info(rt.topology.stream(BATCHES))).state.messages
+    sub = await rt.js.subscribe(rt.topology.subject(BATCHES, ">"), ordered_consumer=True)
+    try:
+        msgs = [await sub.next_msg(timeout=10) for _ in range(count)]
+    finally:
+        await sub.unsubscribe()
+    return [(m.metadata.sequence.stream, decode(m.data, BatchEvent).step) for m in msgs]
+
+
 def trainer(url: str, run: str, log: Path) -> subprocess.Popen[bytes]:
     with open(log, "ab") as out:
         return subprocess.Popen([sys.executable, "-m", "consumers.trainer", "--run", run, "--nats", url],
@@ -110,7 +135,9 @@ def test_restarted_trainer_continues_from_the_next_batch(nats_server: EmbeddedNa
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     runs = {name: f"resume-{name}-{uuid.uuid4().hex[:8]}" for name in ("a", "b")}
 
-    async def scenario() -> tuple[dict[str, list[dict]], float, list[str]]:
+    Stored = list[tuple[int, int]]
+
+    async def scenario() -> tuple[dict[str, list[dict]], float, dict, Stored, dict[str, Stored], BatchedSoFar]:
         # Declared and configured as the producer does it; the runtime publishes the batches.
         rts = {name: await attach_bootstrap(run_config(run, model, tmp_path / name, advantage), nats_server.url)
                for name, run in runs.items()}
@@ -122,6 +149,11 @@ def test_restarted_trainer_continues_from_the_next_batch(nats_server: EmbeddedNa
             procs["b"].send_signal(signal.SIGKILL)
             procs["b"].wait()
             killed_at = time.time()
+            # B's checkpoint (3 steps: its last sequence is step 2's last) is in force: steps 0
+            # and 1 are gone; step 2 stays for the buffer, steps 3 and 4 for B's restart.
+            checkpoint = torch.load(tmp_path / "b" / "rank0.pt", weights_only=True)
+            assert checkpoint["extra"]["last_seq"] == steps_of(0, CHECKPOINT_EVERY - 1)[-1][0]
+            at_kill = await stored(rts["b"])
             await record(rts["b"], range(KILL_AFTER, STEPS), vocab)
             procs["b"] = trainer(nats_server.url, runs["b"], tmp_path / "b.log")
             for name, proc in procs.items():
@@ -132,11 +164,23 @@ def test_restarted_trainer_continues_from_the_next_batch(nats_server: EmbeddedNa
                     proc.kill()
         curves = {name: [await metrics(rt, step) for step in range(STEPS)] for name, rt in rts.items()}
         history = torch.load(tmp_path / "b" / "rank0.pt", weights_only=True)["extra"]["history"]
+        at_end = {name: await stored(rt) for name, rt in rts.items()}
+        replayed = await read_batches(rts["a"])
         for rt in rts.values():
             await rt.close()
-        return curves, killed_at, history
+        return curves, killed_at, history, at_kill, at_end, replayed
 
-    curves, killed_at, history = asyncio.run(scenario())
+    curves, killed_at, history, at_kill, at_end, replayed = asyncio.run(scenario())
+    assert at_kill == steps_of(CHECKPOINT_EVERY - 1, KILL_AFTER - 1), (
+        f"at B's kill the stream held (sequence, step) {at_kill}: the checkpoint's last step and every batch "
+        "after it must stay, nothing before"
+    )
+    # The run's end trims nothing: what the last checkpoint before it (6 steps) kept stays, in both runs.
+    last_trim = (STEPS - 1) // CHECKPOINT_EVERY * CHECKPOINT_EVERY  # 6
+    for name, kept in at_end.items():
+        assert kept == steps_of(last_trim - 1, STEPS - 1), f"{name}: at the end the stream held {kept}"
+    # A buffer restarted now learns the next step from what is left, not step 0, and no step half stored.
+    assert (replayed.next_step, replayed.partial) == (STEPS, None), (replayed.next_step, replayed.partial)
     a, b = curves["a"], curves["b"]
     # Steps inside B's checkpoint were trained once, before the kill; the rest after it.
     assert [m["time"] < killed_at for m in b] == [step < CHECKPOINT_EVERY for step in range(STEPS)]

@@ -6,7 +6,7 @@ real transport, real rollout workers (real nats-server, real tiny HF engine) loa
 - A worker that starts late (its first event a delta) pulls the chain's full version, then
   every delta up to the event's version, and serves the same bits.
 - A delta whose result does not match its checksum (encoded against another base) is
-  refused, dead-lettered, and the worker keeps serving (and generating with) the version it had.
+  refused, dead-lettered, and both workers keep serving (and generating with) the version they had.
 
 Run with either transport that stores bytes (object store, filesystem).
 """
@@ -26,14 +26,10 @@ from consumers.weights.chain import VersionPublisher
 from schemas import WeightVersionEvent, encode
 from schemas.config import WeightsConfig
 from tests.helpers import dead_letters
-from tests.test_rollout_invariants import (
-    dead_stored,
-    eventually,
-    model_dir,
-    rollout_worker,
-)
+from tests.test_rollout_invariants import dead_stored, eventually, rollout_worker
 
-__all__ = ["model_dir"]  # the fixture, shared with the rollout invariants
+PROMPTS_TO_REACH_BOTH = 20
+"""Prompts sent at most, one at a time, until each of two competing workers has taken one."""
 
 
 def step(tensors: dict[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
@@ -102,10 +98,27 @@ def test_rollout_workers_follow_delta_versions_bit_for_bit_and_a_late_one_catche
                 reasons = [reason for _, reason in await dead_letters(w.js, topology)]
                 # One dead letter: the message id is the event's, so both workers' letters are one.
                 assert len(reasons) == 1 and "checksum" in reasons[0], reasons
-                before = len(w.engine.of("generate"))
-                await w.publish_prompt()
-                await eventually(lambda: len(w.engine.of("generate")) > before, "a prompt was generated after v4")
-                assert w.engine.of("generate")[-1].version_at_start == 3
-                assert w.rollout.gate.is_set()
+                # Both workers keep generating with v3. They compete for prompts, so prompts go
+                # out one at a time until each worker has generated one (which takes a prompt is
+                # the server's choice).
+                workers = {"w": w, "late": late}
+
+                def generated() -> dict[str, int]:
+                    return {name: len(x.engine.of("generate")) for name, x in workers.items()}
+
+                before = generated()
+                for _ in range(PROMPTS_TO_REACH_BOTH):
+                    now = generated()
+                    if all(now[name] > before[name] for name in workers):
+                        break
+                    await w.publish_prompt()
+                    await eventually(
+                        lambda t=sum(now.values()): sum(generated().values()) > t, "a prompt was generated after v4"
+                    )
+                for name, x in workers.items():
+                    after = x.engine.of("generate")[before[name]:]
+                    assert after, f"{name} generated nothing in {PROMPTS_TO_REACH_BOTH} prompts after v4"
+                    assert [g.version_at_start for g in after] == [3] * len(after), f"{name} left v3"
+                    assert x.rollout.gate.is_set(), f"{name}'s gate stayed closed"
 
     asyncio.run(main())

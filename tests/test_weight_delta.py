@@ -15,7 +15,6 @@ from safetensors.torch import save
 from transformers import AutoModelForCausalLM
 
 from engines.delta_plan import Chain, Fetch, ShardLayout, assign_shards, next_publication, plan_fetch
-from engines.tiny import build_tiny_model
 from engines.weight_delta import META_KEY, apply_delta, encode_shard, read_shard
 from engines.weights import ChecksumMismatch, WeightsRefused
 from producers.tasks import VOCAB
@@ -25,11 +24,6 @@ Weights = dict[str, torch.Tensor]
 # Bit patterns a float comparison would hide, and moves across zero (ordered-int changes).
 SPECIALS = [-0.0, 0.0, float("nan"), float("inf"), -float("inf"), 1e-40, -1e-40, 3.0]
 MOVED = [0.0, -0.0, -float("nan"), -float("inf"), 1.0, -1e-40, 1e-40, -3.0]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"), VOCAB, seed=0)
 
 
 def snapshot(model: torch.nn.Module, dtype: torch.dtype) -> Weights:

@@ -18,8 +18,6 @@ from __future__ import annotations
 import asyncio
 import os
 import statistics
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -27,7 +25,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from nats.js import JetStreamContext
 from pydantic import ValidationError
 
@@ -55,8 +52,8 @@ from engines.weights import (
 from schemas import WeightVersionEvent
 from schemas.config import ConfigError, parse_config
 from schemas.weight_event import WeightShard
+from tests.helpers import run_local_job
 
-ROOT = Path(__file__).resolve().parent.parent
 MB = 1 << 20
 # Bit patterns a float comparison would hide: -0.0, NaN (NaN != NaN), infinities, subnormals.
 SPECIALS = [-0.0, float("nan"), float("inf"), -float("inf"), 1e-40]
@@ -469,15 +466,8 @@ def short_run(tmp_path: Path, weights: dict, steps: int) -> tuple[str, Path]:
         "algorithm": {"prompts_per_step": 2}, "reward": {"processes": 1},
         "weights": weights,
     }
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
-    out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "JETRL_"))}
-    done = subprocess.run(
-        [sys.executable, "-m", "producers.prompts", "--config", str(tmp_path / "run.yaml"), "--steps", str(steps),
-         "--out", str(out)],
-        cwd=ROOT, env=env, timeout=200, capture_output=True, text=True, check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    out = run_local_job(config, tmp_path, steps, timeout=200, env=env).out
     assert (out / "weights" / run).is_dir(), f"no weights directory for run {run} under {out}"
     return run, out
 

@@ -42,10 +42,8 @@ from schemas.weight_event import WeightVersionEvent
 from tests import fsdp_collective_proc
 from tests.fsdp_proc import WORLD
 from tests.test_fsdp import free_port
-from tests.test_rollout_invariants import eventually, model_dir, rollout_worker
+from tests.test_rollout_invariants import eventually, rollout_worker
 from tests.test_weight_chain import serves
-
-__all__ = ["model_dir"]
 
 SETTINGS = {"transport": "collective", "collective": {"join_timeout_s": 5, "op_timeout_s": 5, "bucket_mib": 1}}
 
