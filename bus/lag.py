@@ -1,7 +1,7 @@
 """How far behind each work queue of a run is, read one way by everything that shows it.
 
 The producer's progress line (and the queue-depth gauge), `ops.status`, `ops.streams` and
-`ops.chaos` all read the durables of `bus.topology.WORK_QUEUES` through `queue_lag`.
+`ops.chaos` all read the durables of the run's work queues (`Topology.work_queues`) through `queue_lag`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import nats.errors
 from nats.js import JetStreamContext
 
-from bus.topology import WORK_QUEUES, Channel, Topology
+from bus.topology import Channel, Topology
 
 log = logging.getLogger("jetrl.lag")
 
@@ -42,7 +42,7 @@ async def queue_lag(js: JetStreamContext, topology: Topology) -> dict[str, Queue
     cannot describe now (its stream electing a leader, the consumer deleted): a display shows
     that one as unknown and goes on."""
     found: dict[str, QueueLag | None] = {}
-    for channel in WORK_QUEUES:
+    for channel in topology.work_queues:
         durable = channel.work_queue.durable
         try:
             info = await js.consumer_info(topology.stream(channel), durable)

@@ -24,7 +24,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
-from bus.topology import WORK_QUEUES, Channel, Topology, loss_key
+from bus.topology import Channel, Topology, loss_key
 
 log = logging.getLogger("jetrl.loss")
 
@@ -87,7 +87,7 @@ async def watch(js: JetStreamContext, kv: KeyValue, topology: Topology, channel:
 async def all_lost(js: JetStreamContext, kv: KeyValue, topology: Topology) -> dict[str, int | None]:
     """Every work queue's loss: the larger of the gap now and what workers recorded."""
     found: dict[str, int | None] = {}
-    for channel in WORK_QUEUES:
+    for channel in topology.work_queues:
         now = await lost(js, topology, channel)
         seen = await recorded(kv, channel)
         found[channel.name] = None if now is None and not seen else max(now or 0, seen)

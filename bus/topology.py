@@ -1,12 +1,5 @@
-"""The streams, durable consumers, KV buckets and object store of one run, declared once.
-
-Every data flow between processes is a `Channel` in the `CHANNELS` table below: its stream,
-the event it carries, whether its subject has a per-rank or per-stage token, its durable
-work queue (when competing workers share it), which roles publish it and which read it, and
-how. Publishing takes a channel and an event (`Publisher.publish`), serving takes a channel
-and a handler (`bus.worker.Worker`); permissions (`ops.security`), `ops.status`, `ops.chaos`,
-the audit and the architecture page derive from the table instead of restating it. Roles
-appear here as plain names only: `bus` knows no stage's code.
+"""The streams, durable consumers, KV buckets and object store of one run, made from the channel
+table (`bus.channels`, re-exported here).
 
 Applying is idempotent: what is missing is created, so every process may call `apply` at
 start-up; only an explicit update changes what exists.
@@ -17,8 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING
 
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -33,22 +25,58 @@ from nats.js.api import (
 )
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
-from bus.embedded import MAX_PAYLOAD
-from schemas.events import (
-    BatchEvent,
-    Event,
-    PromptEvent,
-    RewardEvent,
-    TrajectoryEvent,
+from bus.channels import (
+    ACK_WAIT,
+    BATCHES,
+    CHANNELS,
+    CONFIG,
+    CONFIG_KEY,
+    DEAD,
+    DECLARED,
+    DROPS,
+    EVERY_WORK_QUEUE,
+    KV_KEYS,
+    LOSS,
+    METRICS,
+    PROMPTS,
+    RENDEZVOUS,
+    RENDEZVOUS_KEY,
+    REWARDS,
+    REWARDS_TO_REFERENCE,
+    SCORED,
+    TRAJECTORIES,
+    WEIGHTS,
+    WORK_QUEUES,
+    Channel,
+    KvKey,
+    Read,
+    Reader,
+    WorkQueue,
+    channels_of,
+    drop_key,
+    dropped_prompt,
+    loss_key,
+    markdown_tables,
+    metrics_key,
+    metrics_prefix,
+    served_by,
+    work_queues,
+    REFUSED_PROMPT,
 )
+from bus.embedded import MAX_PAYLOAD
 from schemas.names import check_run_id
 from schemas.streams_config import stream_needs
-from schemas.weight_event import WeightVersionEvent
 
 if TYPE_CHECKING:
     from schemas.config import RunConfig
 
-E = TypeVar("E", bound=Event)
+__all__ = [
+    "ACK_WAIT", "BATCHES", "CHANNELS", "CONFIG", "CONFIG_KEY", "DEAD", "DECLARED", "DROPS", "EVERY_WORK_QUEUE", "KV_KEYS", "LOSS",
+    "METRICS", "PROMPTS", "REFUSED_PROMPT", "RENDEZVOUS", "RENDEZVOUS_KEY", "REWARDS", "REWARDS_TO_REFERENCE",
+    "SCORED", "TRAJECTORIES", "WEIGHTS", "WORK_QUEUES", "Channel", "KvKey", "Read", "Reader", "Topology", "WorkQueue",
+    "channels_of", "drop_key", "dropped_prompt", "loss_key", "markdown_tables", "metrics_key", "metrics_prefix",
+    "run_id_arg", "served_by", "work_queues",
+]
 
 GiB = 1 << 30
 # Long enough that a redelivery after a restart is still deduplicated by the server
@@ -63,195 +91,6 @@ def run_id_arg(value: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
-
-# Channels -------------------------------------------------------------------------------
-
-
-class Read(Enum):
-    """How a role reads a channel; each way needs its own permissions (`ops.security`)."""
-
-    WORK_QUEUE = "work queue"
-    """Competing workers share the channel's durable consumer: each message goes to one, acked."""
-    BY_POSITION = "by position"
-    """An ordered consumer from a stream sequence the reader keeps (the trainer's checkpoint)."""
-    BROADCAST = "broadcast"
-    """An ordered consumer from the last message on: every reader sees every new value."""
-    REPLAY = "replay"
-    """The whole stream once, in order, at start-up."""
-    LAST_STORED = "last stored"
-    """Single messages by sequence, from the end back (a producer resuming after its last)."""
-
-
-@dataclass(frozen=True)
-class Reader:
-    role: str
-    read: Read
-
-
-@dataclass(frozen=True)
-class WorkQueue:
-    """A durable pull consumer shared by the competing workers of one channel."""
-
-    durable: str
-    """Consumer name, the role of its workers."""
-    ack_wait: float
-    """Seconds before an unacked message is redelivered (workers heartbeat with in_progress)."""
-    max_ack_pending: int
-    """Most messages handed out and not yet acked, over all workers."""
-
-
-@dataclass(frozen=True)
-class Channel(Generic[E]):
-    """One data flow between processes: a stream, its subject and event, who writes and reads it."""
-
-    name: str
-    """The stream stage: `rl.<run>.<name>` is its subject, `RL_<run>_<NAME>` its stream."""
-    event: type[E] | None
-    """The event class every message is; None for `dead`, which keeps the original bytes."""
-    token: str | None
-    """What the one extra subject token names (`batches.<rank>`), None for a plain subject."""
-    publishers: tuple[str, ...]
-    readers: tuple[Reader, ...]
-    queue: WorkQueue | None = None
-    """The durable work queue, when competing workers share the channel."""
-
-    @property
-    def consumers(self) -> tuple[str, ...]:
-        """The roles that read the channel, in any way."""
-        return tuple(dict.fromkeys(reader.role for reader in self.readers))
-
-    @property
-    def work_queue(self) -> WorkQueue:
-        """The channel's work queue; ValueError for a channel that is not one."""
-        if self.queue is None:
-            raise ValueError(f"channel {self.name} has no work queue")
-        return self.queue
-
-    def with_queue(self, **changes: object) -> Channel[E]:
-        """This channel with its work queue's settings changed: a test's short ack_wait, or an
-        operator's (what the server has wins over the table: `bus.worker.consumer_ack_wait`)."""
-        return dataclasses.replace(self, queue=dataclasses.replace(self.work_queue, **changes))  # type: ignore[arg-type]
-
-
-ACK_WAIT = 10.0
-"""Seconds a work queue's consumer waits for an ack before it redelivers. Short, so recovery is
-bounded by liveness: a live worker heartbeats `in_progress` every ack_wait / 3 for every message
-it runs or holds (`bus.worker`), however long the work takes, and a killed worker's messages come
-back to the others within ack_wait. (At 60-120 s, one kill of the buffer stopped training for
-up to 115 s.)"""
-
-PROMPTS: Channel[PromptEvent] = Channel(
-    "prompts", PromptEvent, None, publishers=("producer",),
-    readers=(Reader("rollout", Read.WORK_QUEUE), Reader("producer", Read.LAST_STORED)),
-    queue=WorkQueue("rollout", ack_wait=ACK_WAIT, max_ack_pending=1024),
-)
-TRAJECTORIES: Channel[TrajectoryEvent] = Channel(
-    "trajectories", TrajectoryEvent, None, publishers=("rollout",), readers=(Reader("reward", Read.WORK_QUEUE),),
-    queue=WorkQueue("reward", ack_wait=ACK_WAIT, max_ack_pending=4096),
-)
-REWARDS: Channel[RewardEvent] = Channel(
-    "rewards", RewardEvent, None, publishers=("reward",), readers=(Reader("buffer", Read.WORK_QUEUE),),
-    # The buffer holds scored samples unacked until they are inside a stored batch, so its
-    # pending window must hold several steps of samples.
-    queue=WorkQueue("buffer", ack_wait=ACK_WAIT, max_ack_pending=65536),
-)
-BATCHES: Channel[BatchEvent] = Channel(
-    "batches", BatchEvent, "rank", publishers=("buffer",),
-    readers=(Reader("trainer", Read.BY_POSITION), Reader("buffer", Read.REPLAY)),
-)
-WEIGHTS: Channel[WeightVersionEvent] = Channel(
-    "weights", WeightVersionEvent, None, publishers=("trainer",),
-    readers=(Reader("rollout", Read.BROADCAST), Reader("producer", Read.BROADCAST)),
-)
-DEAD: Channel[Event] = Channel(
-    "dead", None, "stage", publishers=("rollout", "reward", "buffer", "trainer"), readers=(),
-)
-"""What a stage cannot use, with the reason, under the stage that refused it (read by the operator)."""
-
-CHANNELS: tuple[Channel, ...] = (PROMPTS, TRAJECTORIES, REWARDS, BATCHES, WEIGHTS, DEAD)
-WORK_QUEUES: tuple[Channel, ...] = tuple(c for c in CHANNELS if c.queue is not None)
-"""The channels that competing workers share through a durable consumer."""
-
-
-def served_by(role: str) -> Channel | None:
-    """The channel whose work queue `role`'s workers share, if any."""
-    return next((c for c in WORK_QUEUES if c.work_queue.durable == role), None)
-
-
-# KV keys ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class KvKey:
-    """A family of keys in the run's KV bucket that crosses processes."""
-
-    pattern: str
-    """Its keys, as the docs write them."""
-    filter: str
-    """The subject filter of its keys under `$KV.<bucket>.` (for watches and permissions)."""
-    writers: tuple[str, ...]
-    why: str
-
-
-CONFIG = KvKey("config", "config", ("producer",), "the run's config, read by every worker at start-up")
-DROPS = KvKey("drop.<prompt id>", "drop.>", ("buffer",), "a dropped group and why: the gate replaces it")
-METRICS = KvKey("metrics.<rank>.<step>", "metrics.>", ("trainer",), "a trained step's numbers")
-RENDEZVOUS = KvKey(
-    "trainer.rendezvous", "trainer.rendezvous", ("trainer",),
-    "fsdp rank 0's store address and group generation: the other ranks join it",
-)
-LOSS = KvKey(
-    "loss.<channel>", "loss.>", tuple(c.work_queue.durable for c in WORK_QUEUES),
-    "messages a work queue's stream deleted before they were acked (`bus.loss`): should never exist",
-)
-KV_KEYS: tuple[KvKey, ...] = (CONFIG, DROPS, METRICS, RENDEZVOUS, LOSS)
-
-CONFIG_KEY = CONFIG.pattern
-RENDEZVOUS_KEY = RENDEZVOUS.pattern
-_DROP, _METRICS = "drop.", "metrics."
-
-
-REFUSED_PROMPT = "rollout: "
-"""How a drop record's reason starts when the rollout refused the prompt itself (it can never be
-generated: untokenizable, too long for the model), not when a group was dropped for its rewards."""
-
-
-def drop_key(prompt_id: str) -> str:
-    return f"{_DROP}{prompt_id}"
-
-
-def dropped_prompt(key: str) -> str | None:
-    """The prompt id of a drop key, None for another key."""
-    return key.removeprefix(_DROP) if key.startswith(_DROP) else None
-
-
-def loss_key(channel: str) -> str:
-    return f"loss.{channel}"
-
-
-def metrics_key(rank: int, step: int) -> str:
-    return f"{_METRICS}{rank}.{step}"
-
-
-def metrics_prefix(rank: int | None = None) -> str:
-    """`metrics.` or, for one rank, `metrics.<rank>.`: what its keys start with."""
-    return _METRICS if rank is None else f"{_METRICS}{rank}."
-
-
-def markdown_tables() -> str:
-    """The channel and KV key tables as the architecture page shows them (a test keeps it so)."""
-    rows = ["| channel | subject | event | work queue | published by | read by (how) |", "| --- " * 6 + "|"]
-    for c in CHANNELS:
-        subject = f"`rl.<run>.{c.name}{f'.<{c.token}>' if c.token else ''}`"
-        event = f"`{c.event.__name__}`" if c.event else "the original bytes, reason in headers"
-        queue = "-" if c.queue is None else (
-            f"`{c.queue.durable}`: ack_wait {c.queue.ack_wait:g} s, at most {c.queue.max_ack_pending} unacked"
-        )
-        readers = ", ".join(f"{r.role} ({r.read.value})" for r in c.readers) or "the operator (`ops.status`)"
-        rows.append(f"| `{c.name}` | {subject} | {event} | {queue} | {', '.join(c.publishers)} | {readers} |")
-    rows += ["", "| KV key (bucket `rl_<run>`) | written by | what |", "| --- | --- | --- |"]
-    rows += [f"| `{k.pattern}` | {', '.join(k.writers)} | {k.why} |" for k in KV_KEYS]
-    return "\n".join(rows) + "\n"
 
 
 # The run's objects ------------------------------------------------------------------------
@@ -268,6 +107,7 @@ class Topology:
             PROMPTS.name: 1 * GiB,
             TRAJECTORIES.name: 4 * GiB,
             REWARDS.name: 4 * GiB,
+            SCORED.name: 4 * GiB,
             BATCHES.name: 8 * GiB,
             WEIGHTS.name: 64 << 20,
             DEAD.name: 1 * GiB,
@@ -283,6 +123,8 @@ class Topology:
     retention). True: they stay, for replay (limits retention)."""
     member_ttl: float = 15.0
     """Seconds a worker's membership entry lives without a heartbeat (set when the bucket is created)."""
+    reference: bool = False
+    """The run has the reference stage (`reference.enabled`): it reads `rewards`, the buffer `scored`."""
 
     @classmethod
     def for_config(cls, config: RunConfig, replicas: int = 1) -> Topology:
@@ -291,7 +133,27 @@ class Topology:
             run=config.run, replicas=replicas,
             max_bytes={name: need.limit for name, need in stream_needs(config).items()},
             max_age=config.streams.max_age_s, keep_consumed=config.streams.consumed == "keep",
+            reference=config.reference.enabled,
         )
+
+    @property
+    def channels(self) -> tuple[Channel, ...]:
+        """Every channel of the run, `rewards` as this run reads it (`bus.channels.channels_of`)."""
+        return channels_of(self.reference)
+
+    @property
+    def work_queues(self) -> tuple[Channel, ...]:
+        """The channels this run's competing workers share (`bus.channels.work_queues`)."""
+        return work_queues(self.reference)
+
+    @property
+    def buffer_input(self) -> Channel:
+        """What the buffer reads: `scored` behind the reference stage, else `rewards`."""
+        return SCORED if self.reference else REWARDS
+
+    def served_by(self, role: str) -> Channel | None:
+        """The channel whose work queue `role`'s workers share in this run, if any."""
+        return served_by(role, self.reference)
 
     def __post_init__(self) -> None:
         check_run_id(self.run)
@@ -338,10 +200,10 @@ class Topology:
     def stream_config(self, channel: Channel) -> StreamConfig:
         """Work never dropped: a full stream refuses a publish (discard new) and the publisher
         waits until its consumers catch up (`bus.publisher`), instead of the server deleting
-        the oldest messages whether or not anyone received them. Trajectories and rewards are
+        the oldest messages whether or not anyone received them. Trajectories, rewards and scored are
         deleted once acked (interest retention) unless `keep_consumed`; prompts, batches and
         weights are kept (gate resume, audit, trainer restart). Only `dead` discards its oldest."""
-        deleted_once_acked = channel in (TRAJECTORIES, REWARDS) and not self.keep_consumed
+        deleted_once_acked = channel.name in (TRAJECTORIES.name, REWARDS.name, SCORED.name) and not self.keep_consumed
         return StreamConfig(
             name=self.stream(channel),
             subjects=[self.subjects(channel)],
@@ -397,7 +259,7 @@ class Topology:
             else:
                 if update:
                     await js.update_stream(config)
-        for channel in WORK_QUEUES:
+        for channel in self.work_queues:
             try:
                 await js.consumer_info(self.stream(channel), channel.work_queue.durable)
             except NotFoundError:

@@ -9,12 +9,18 @@ stream is the state: a buffer that dies loses nothing, its inputs are redelivere
         `drop.<prompt id>` = reason), ack
         else -> ready
         incomplete for more than max_group_wait_steps formed steps -> drop (KV), to dead
-    ready groups >= prompts_per_step -> drop the too-stale ones, advantages, pack
-        -> publish BatchEvents for step s -> ack the step's samples -> s + 1
+    ready groups >= prompts_per_step -> drop the too-stale ones, advantages (KL in reward:
+        score - beta_s * sum KL per sample first), pack
+        -> publish BatchEvents for step s (with beta_s and the step's KL) -> ack the step's
+        samples -> s + 1, beta_{s+1} (adaptive KL: from beta_s and the step's KL)
+
+It reads `rewards`, or `scored` when the run has the reference stage (`reference.enabled`):
+then every sample carries its reference log-probs, which ride on into the batch.
 
 A restarted buffer first reads the batch stream: sample ids already batched are acked and
 skipped when redelivered, and a step it had only partly stored is re-formed from the
-same groups (the batch events list them) and re-published (dedup absorbs the repeats).
+same groups (the batch events list them) and re-published (dedup absorbs the repeats);
+the KL coefficient goes on from the last stored step's (`next_kl_coef`).
 """
 
 from __future__ import annotations
@@ -35,15 +41,17 @@ from opentelemetry.context import Context
 
 from bus import metrics, tracing
 from bus.dead import dead_letter
-from bus.topology import BATCHES, REWARDS, drop_key
+from bus.topology import BATCHES, drop_key
 from bus.worker import HOLD, Hold, Reject, WorkerOptions, consumer_ack_wait
+from consumers.buffer_replay import BatchedSoFar, next_kl_coef, read_batches
 from consumers.crashpoints import BUFFER_MID_STEP, BUFFER_STEP_STORED, armed
-from consumers.packing import BYTES_PER_TOKEN, Row, pack_step
+from consumers.packing import BYTES_PER_TOKEN, REF_BYTES_PER_TOKEN, Row, pack_step
 from consumers.runtime import Runtime
 from consumers.stage import Stage, run_stage
 from engines.algorithms.advantages import step_advantages
+from engines.algorithms.kl import ESTIMATORS, kl_in_reward, mean_sequence_kl
 from engines.algorithms.shaping import overlong_penalty
-from schemas import BatchEvent, DecodeError, RewardEvent, Tensor, decode
+from schemas import BatchEvent, RewardEvent, Tensor
 
 log = logging.getLogger("jetrl.buffer")
 
@@ -86,54 +94,6 @@ class Group:
         return None
 
 
-@dataclass
-class BatchedSoFar:
-    """What the batch stream says: sample ids in whole stored steps, the next step, a half-stored step."""
-
-    sample_ids: set[str] = field(default_factory=set)
-    next_step: int = 0
-    partial: tuple[int, tuple[str, ...]] | None = None
-
-
-async def read_batches(rt: Runtime) -> BatchedSoFar:
-    """Replay the batch stream once at start-up (an ordered consumer from the first message)."""
-    seen = BatchedSoFar()
-    info = await rt.js.stream_info(rt.topology.stream(BATCHES))
-    if info.state.messages == 0:
-        return seen
-    counts: dict[tuple[int, int], tuple[int, int]] = {}  # (step, rank) -> (stored, micro_count)
-    groups: dict[int, tuple[str, ...]] = {}
-    sample_ids: dict[int, set[str]] = {}  # step -> the samples its stored micro-batches hold
-    sub = await rt.js.subscribe(rt.topology.subject(BATCHES, ">"), ordered_consumer=True)
-    # Up to the last sequence stored now, not a count of messages: the trainer may trim the
-    # stream's start meanwhile (never its last step), and a count would then wait for ever.
-    seq = 0
-    while seq < info.state.last_seq:
-        msg = await sub.next_msg(timeout=10)
-        seq = msg.metadata.sequence.stream
-        try:
-            batch = decode(msg.data, BatchEvent)
-        except DecodeError:
-            continue  # the trainer dead-letters unreadable batches; nothing of ours is in them
-        sample_ids.setdefault(batch.step, set()).update(batch.sample_ids)
-        stored, _ = counts.get((batch.step, batch.dp_rank), (0, batch.micro_count))
-        counts[(batch.step, batch.dp_rank)] = (stored + 1, batch.micro_count)
-        groups[batch.step] = batch.step_prompt_ids
-    await sub.unsubscribe()
-    if not counts:
-        return seen
-    last = max(step for step, _ in counts)
-    seen.next_step = last + 1
-    dp_size = rt.config.trainer.dp_size
-    if any(counts.get((last, r), (0, 1))[0] < counts.get((last, r), (0, 1))[1] for r in range(dp_size)):
-        seen.partial, seen.next_step = (last, groups[last]), last
-        # Its samples come back unacked and must be held again to re-form it: skipped as
-        # batched already, their groups would never complete and no step would form again.
-        del sample_ids[last]
-    seen.sample_ids = set().union(*sample_ids.values())
-    return seen
-
-
 class Buffer:
     def __init__(self, rt: Runtime, batched: BatchedSoFar) -> None:
         self.rt = rt
@@ -145,6 +105,8 @@ class Buffer:
         is rejected, not held as the start of a group that can never complete either."""
         self.lock = asyncio.Lock()
         self.unsettled = False
+        self.step_kl: float | None = None
+        """The KL of the step last formed (KL in reward), whence the next step's coefficient."""
         self.dropping: set[str] = set()
         """Groups whose drop began and did not finish (the bus failed): kept out of every step."""
         """A handler could not finish forming or dropping (the bus failed); `retry_unsettled` retries."""
@@ -197,15 +159,24 @@ class Buffer:
         newest = int(t.versions.numpy().max(initial=0))
         if newest > (limit := self.batched.next_step + (self.batched.partial is not None)):
             raise Reject(f"generated by weights v{newest}, but no version past v{limit} can exist yet")
+        if self.rt.topology.reference and reward.ref_logprobs is None:
+            raise Reject("no reference log-probs: the run has the reference stage, and this sample did not pass it")
         # Half the max payload: the other half is for the ids a batch event carries.
         tokens = t.prompt_ids.shape[0] + t.response_ids.shape[0]
-        if tokens * BYTES_PER_TOKEN > self.rt.publisher.max_payload // 2:
+        per_token = BYTES_PER_TOKEN + (REF_BYTES_PER_TOKEN if self.rt.topology.reference else 0)
+        if tokens * per_token > self.rt.publisher.max_payload // 2:
             raise Reject(f"a row of {tokens} tokens cannot fit one batch event")
 
     def advantages(self, groups: list[Group]) -> list[list[float]]:
+        """One step's groups -> each group's [G] advantages in sample order (`step_advantages`)."""
+        return self.step_advantages(groups)[0]
+
+    def step_advantages(self, groups: list[Group]) -> tuple[list[list[float]], float | None]:
         """One step's groups -> each group's [G] advantages in sample order (`algorithm.advantage`;
-        the reinforce_pp ones whiten over every group given). Rewards first get the soft overlong
-        penalty; with overlong filtering a truncated response's advantage is 0."""
+        the reinforce_pp ones whiten over every group given), and the step's KL when the KL is in
+        the reward (else None). Rewards first get the soft overlong penalty, then the KL penalty
+        (each sample's score - beta x its summed per-token KL, `kl_in_reward`); with overlong
+        filtering a truncated response's advantage is 0."""
         algo = self.cfg.algorithm
         ordered = [[group.samples[i][0] for i in range(group.size)] for group in groups]
         rewards = [torch.tensor([r.reward for r in samples], dtype=torch.float32) for samples in ordered]
@@ -218,11 +189,32 @@ class Buffer:
                 )
                 for r, samples in zip(rewards, ordered)
             ]
+        kl_mean = None
+        if algo.kl_placement == "reward":
+            rewards, kl_mean = self.kl_penalised(ordered, rewards)
         out = step_advantages(algo.advantage, rewards, passk_k=algo.passk_k)
         if algo.overlong_filter:
             cut = [torch.tensor([s.trajectory.finish_reason == "length" for s in samples]) for samples in ordered]
             out = [adv.masked_fill(c, 0.0) for adv, c in zip(out, cut)]
-        return [adv.tolist() for adv in out]
+        return [adv.tolist() for adv in out], kl_mean
+
+    def kl_penalised(
+        self, ordered: list[list[RewardEvent]], rewards: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], float]:
+        """Each group's [G] rewards minus beta x each sample's summed KL(pi_behaviour || pi_ref) per
+        response token (`algorithm.kl_estimator` on the behaviour and reference log-probs), and the
+        step's KL (`mean_sequence_kl`). Samples padded to [N, R] together, mask 1 on real tokens."""
+        flat = [s for samples in ordered for s in samples]
+        longest = max([s.trajectory.response_ids.shape[0] for s in flat] + [1])
+        logp, ref, mask = (torch.zeros(len(flat), longest) for _ in range(3))
+        for i, s in enumerate(flat):
+            n = s.trajectory.response_ids.shape[0]
+            if s.ref_logprobs is None:  # `check` refuses these when the run has the reference stage
+                raise ValueError(f"sample {s.id} has no reference log-probs for the KL in the reward")
+            logp[i, :n], ref[i, :n], mask[i, :n] = s.trajectory.logprobs.torch(), s.ref_logprobs.torch(), 1.0
+        kl_tokens = ESTIMATORS[self.cfg.algorithm.kl_estimator](logp, ref)  # [N, R]
+        _, totals = kl_in_reward(torch.cat(rewards), kl_tokens, mask, self.batched.kl_coef)
+        return list(totals.split([len(r) for r in rewards])), mean_sequence_kl(kl_tokens, mask)
 
     def advantage_problem(self, group: Group) -> str | None:
         """Why the group cannot be trained although each reward is finite (huge ones overflow, or
@@ -244,7 +236,7 @@ class Buffer:
         except KeyWrongLastSequenceError:
             pass  # dropped before a restart: recorded once
         del self.groups[group.prompt_id]
-        stage = REWARDS.work_queue.durable  # the name the worker dead-letters under
+        stage = self.rt.topology.buffer_input.work_queue.durable  # the name the worker dead-letters under
         for reward, msg in group.samples.values():
             self.trace_outcome(reward, msg, reason=reason)
             if dead:
@@ -316,6 +308,9 @@ class Buffer:
                 del self.groups[group.prompt_id]
                 self.batched.sample_ids.update(reward.id for reward, _ in group.samples.values())
             self.batched.partial, self.batched.next_step = None, step + 1
+            self.batched.kl_coef = next_kl_coef(
+                self.cfg.algorithm, self.batched.kl_coef, self.step_kl, sum(g.size for g in chosen)
+            )
             # Acked once the step is settled here: a redelivery of one not acked (a failed ack,
             # a kill) is then recognised as batched and acked.
             for group in chosen:
@@ -326,7 +321,9 @@ class Buffer:
 
     async def publish_step(self, step: int, groups: list[Group]) -> None:
         rows: list[Row] = []
-        for group, adv in zip(groups, self.advantages(groups)):
+        advantages, self.step_kl = self.step_advantages(groups)
+        in_reward = self.cfg.algorithm.kl_placement == "reward"
+        for group, adv in zip(groups, advantages):
             ordered = [group.samples[i] for i in range(group.size)]
             rows += [Row.of(r, a, self.trace_outcome(r, m, step=step)) for (r, m), a in zip(ordered, adv)]
         tcfg = self.cfg.trainer
@@ -351,6 +348,8 @@ class Buffer:
                         versions=Tensor.from_numpy(mb.versions), rewards=Tensor.from_numpy(mb.rewards),
                         sample_ids=tuple(r.sample_id for r in mb.rows),
                         traceparents=tuple(r.traceparent for r in mb.rows), step_prompt_ids=step_groups,
+                        ref_logprobs=None if mb.ref_logprobs is None else Tensor.from_numpy(mb.ref_logprobs),
+                        kl_coef=self.batched.kl_coef if in_reward else None, kl_mean=self.step_kl,
                     )
                     acks.append(await self.rt.publisher.send(BATCHES, event, rank))
                     if len(acks) == 1 and BUFFER_MID_STEP in armed():
@@ -363,7 +362,7 @@ class Buffer:
     async def retry_unsettled(self) -> None:
         """Settle what the bus did not let a handler settle (its samples stay held meanwhile:
         the worker's heartbeat keeps every HOLD message in progress)."""
-        ack_wait = await consumer_ack_wait(self.rt.js, self.rt.topology, REWARDS)
+        ack_wait = await consumer_ack_wait(self.rt.js, self.rt.topology, self.rt.topology.buffer_input)
         while True:
             await asyncio.sleep(ack_wait / 3)
             if self.unsettled:
@@ -381,7 +380,9 @@ async def build(rt: Runtime) -> Stage[RewardEvent]:
     buffer = Buffer(rt, await read_batches(rt))
     # Samples of several steps wait here unacked, so let many handlers be "in flight".
     options = WorkerOptions(concurrency=256, max_deliver=20)
-    return Stage(REWARDS, buffer.handle, options, helpers={"retry unsettled steps": buffer.retry_unsettled})
+    return Stage(
+        rt.topology.buffer_input, buffer.handle, options, helpers={"retry unsettled steps": buffer.retry_unsettled}
+    )
 
 
 def main() -> None:

@@ -91,6 +91,12 @@ ROLLOUT_MID_WEIGHT_LOAD = _declare(
 REWARD_MID_SCORING = _declare(
     "reward", "mid_scoring", "a trajectory is being scored; its reward is not published, the trajectory not acked"
 )
+REFERENCE_MID_SCORING = _declare(
+    "reference", "mid_scoring", "a sample is being scored by the reference model; nothing is published, its reward not acked"
+)
+REFERENCE_STORED_NOT_ACKED = _declare(
+    "reference", "stored_not_acked", "a scored sample is stored; the reward it came from is not acked"
+)
 BUFFER_MID_STEP = _declare(
     "buffer", "mid_step", "the first micro-batch of a step is stored; the step's other micro-batches are not"
 )

@@ -12,8 +12,9 @@ from pydantic import Field, field_validator
 from schemas.config import Section, read_yaml, validate
 from schemas.names import check_run_id
 
-ROLES = ("trainer", "buffer", "reward", "rollout")
-"""The workers of a run, in the order the local job starts them."""
+ROLES = ("trainer", "buffer", "reference", "reward", "rollout")
+"""The workers of a run, in the order the local job starts them (`reference` only with
+`reference.enabled`)."""
 
 
 class RestartPolicy(Section):
@@ -100,11 +101,14 @@ def load_fleet(path: Path) -> FleetConfig:
     return validate(FleetConfig, read_yaml(path), str(path))
 
 
-def local_fleet(logs: Path, trainer_ranks: int = 1) -> FleetConfig:
-    """The one-machine job's fleet: one worker of each role, and a trainer process per rank
-    (`trainer.ranks`: data parallel x tensor parallel; `trainer` is rank 0, `trainer-rank<K>`
-    runs `--rank K`)."""
-    roles = {role: RoleConfig() for role in ROLES}
+def local_fleet(logs: Path, trainer_ranks: int = 1, reference_workers: int = 0) -> FleetConfig:
+    """The one-machine job's fleet: one worker of each role, `reference_workers` reference
+    workers (`reference.workers` when the run has the stage, else none), and a trainer process
+    per rank (`trainer.ranks`: data parallel x tensor parallel; `trainer` is rank 0,
+    `trainer-rank<K>` runs `--rank K`)."""
+    roles = {role: RoleConfig() for role in ROLES if role != "reference"}
+    if reference_workers:
+        roles["reference"] = RoleConfig(replicas=reference_workers)
     for rank in range(1, trainer_ranks):
         roles[f"trainer-rank{rank}"] = RoleConfig(module="consumers.trainer", args=["--rank", str(rank)])
     return FleetConfig(roles=roles, logs=logs)

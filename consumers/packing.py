@@ -14,6 +14,8 @@ from schemas.events import RewardEvent
 BYTES_PER_TOKEN = 14
 """What one token takes in a BatchEvent: int32 id, uint8 attention and loss masks, float32
 behaviour log-prob, int32 version."""
+REF_BYTES_PER_TOKEN = 4
+"""And the float32 reference log-prob, when the run has the reference stage."""
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,7 @@ class Row:
     advantage: float
     reward: float
     traceparent: str
+    ref_logprobs: np.ndarray | None = None  # float32 [R], from the reference stage
 
     @property
     def tokens(self) -> int:
@@ -39,6 +42,7 @@ class Row:
         return cls(
             t.id, t.prompt_ids.numpy(), t.response_ids.numpy(), t.logprobs.numpy(), t.versions.numpy(),
             advantage, reward.reward, traceparent,
+            None if reward.ref_logprobs is None else reward.ref_logprobs.numpy(),
         )
 
 
@@ -54,6 +58,7 @@ class MicroBatchArrays:
     advantages: np.ndarray  # float32 [B]
     rewards: np.ndarray  # float32 [B]
     rows: tuple[Row, ...]
+    ref_logprobs: np.ndarray | None = None  # float32 [B, T], 0 off the loss mask; None unless every row has them
 
 
 def balance(rows: list[Row], ranks: int) -> list[list[Row]]:
@@ -93,6 +98,8 @@ def arrays(rows: list[Row]) -> MicroBatchArrays:
     loss = np.zeros((b, t), np.uint8)
     logprobs = np.zeros((b, t), np.float32)
     versions = np.full((b, t), -1, np.int32)
+    with_ref = all(row.ref_logprobs is not None for row in rows)
+    ref = np.zeros((b, t), np.float32) if with_ref else None
     for i, row in enumerate(rows):
         p, n = len(row.prompt), row.tokens
         input_ids[i, :p], input_ids[i, p:n] = row.prompt, row.response
@@ -100,9 +107,12 @@ def arrays(rows: list[Row]) -> MicroBatchArrays:
         loss[i, p:n] = 1
         logprobs[i, p:n] = row.logprobs
         versions[i, p:n] = row.versions
+        if ref is not None:
+            ref[i, p:n] = row.ref_logprobs
     return MicroBatchArrays(
         input_ids, attention, loss, logprobs, versions,
         np.array([r.advantage for r in rows], np.float32), np.array([r.reward for r in rows], np.float32), tuple(rows),
+        ref,
     )
 
 

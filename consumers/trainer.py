@@ -80,6 +80,7 @@ def micro_batch(batch: BatchEvent) -> MicroBatch:
         loss_mask=batch.loss_mask.torch().float(),
         advantages=batch.advantages.torch(),
         behaviour_logprobs=batch.behaviour_logprobs.torch(),
+        ref_logprobs=None if batch.ref_logprobs is None else batch.ref_logprobs.torch(),
     )
 
 
@@ -101,6 +102,9 @@ def step_metrics(step: int, batches: list[BatchEvent], trained: dict[str, float]
         # Not the engine's "step" (the float count *after* the step): it overwrote the index
         # above, so the KV key read `metrics.0.1.0` for step 0 and every reader was off by one.
         **{name: value for name, value in trained.items() if name != "step"},
+        # KL in the reward: the coefficient the buffer penalised the step with, and the KL it measured.
+        **({"kl_coef": batches[0].kl_coef, "kl_reward": batches[0].kl_mean}
+           if batches and batches[0].kl_coef is not None else {}),
     }
 
 
@@ -136,13 +140,15 @@ def take_batch(batch: BatchEvent, step: int, rank: int, collected: list[BatchEve
 def loss_config(cfg: RunConfig) -> LossConfig:
     """The engine's loss settings from the run config: the policy loss, aggregation, clip
     range, IS correction and regularisers of `algorithm`, and the rollout's sampling
-    temperature (behaviour log-probs were taken at it, so the trainer's must be too)."""
+    temperature (behaviour log-probs were taken at it, so the trainer's must be too). A KL in the
+    reward is the buffer's: the loss then has no KL term."""
     algo = cfg.algorithm
     return LossConfig(
         policy_loss=algo.policy_loss, eps_low=algo.clip_low, eps_high=algo.clip_high, dual_clip_c=algo.dual_clip_c,
         aggregation=algo.loss_aggregation, norm_tokens=algo.loss_scale_tokens or cfg.data.sampling.max_tokens,
         tis_cap=algo.tis_cap, is_level=algo.is_level, is_mask_low=algo.is_mask_low, is_mask_high=algo.is_mask_high,
-        reject_log_ratio=algo.reject_log_ratio, entropy_coef=algo.entropy_coef, kl_coef=algo.kl_coef,
+        reject_log_ratio=algo.reject_log_ratio, entropy_coef=algo.entropy_coef,
+        kl_coef=algo.kl_coef if algo.kl_placement == "loss" else 0.0,
         kl_estimator=algo.kl_estimator, temperature=cfg.data.sampling.temperature,
     )
 

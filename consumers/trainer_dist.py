@@ -87,6 +87,8 @@ def make_engine(cfg: RunConfig, loss: LossConfig, device: torch.device) -> Torch
         "dtype": torch_dtype(cfg.model.dtype), "logprob_chunk_tokens": cfg.trainer.logprob_chunk_tokens,
         "lr_schedule": schedule, "ppo_epochs": algo.ppo_epochs, "ppo_mini_batches": algo.ppo_mini_batches,
     }
+    if cfg.reference.enabled:  # the reference stage scores it: no frozen copy here
+        args["own_reference"] = False
     try:
         model_dir = resolve_model_path(cfg.model.path, cfg.model.revision)  # a hub id: fetched or cached
     except ModelNotFound as exc:

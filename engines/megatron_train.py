@@ -68,8 +68,11 @@ class MegatronTrainEngine(TorchTrainEngine):
             from megatron.core import parallel_state
         except ImportError:
             raise MegatronNotInstalled("trainer.engine megatron needs megatron-core: pip install 'jetrl[megatron]'") from None
-        if getattr(kwargs.get("loss"), "kl_coef", 0.0):
-            raise ValueError("megatron engine: algorithm.kl_coef needs a reference model, which it does not hold yet (use 0)")
+        if getattr(kwargs.get("loss"), "kl_coef", 0.0) and kwargs.get("own_reference", True):
+            raise ValueError(
+                "megatron engine: a KL loss term needs reference log-probs: enable the reference stage "
+                "(reference.enabled), since this engine holds no frozen copy"
+            )
         if kwargs.get("critic") is not None:
             raise ValueError("megatron engine: algorithm.advantage gae needs a value model, which it does not hold (use torch)")
         if pipeline_parallel_size != 1:

@@ -57,6 +57,8 @@ class MicroBatch:
     advantages: [B] float32, one per sequence (broadcast over its tokens); with a critic (GAE)
         the [B] outcome scores, which the engine turns into [B, T] token advantages.
     behaviour_logprobs: [B, T] float32, log p_behaviour(x[t] | x[<t]), 0 where loss_mask is 0.
+    ref_logprobs: [B, T] float32, log p_ref(x[t] | x[<t]) from the reference stage, 0 where
+        loss_mask is 0; None: an engine that needs them scores its own frozen copy.
     """
 
     input_ids: torch.Tensor
@@ -64,6 +66,7 @@ class MicroBatch:
     loss_mask: torch.Tensor
     advantages: torch.Tensor
     behaviour_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor | None = None
 
 
 @runtime_checkable

@@ -83,6 +83,7 @@ class TorchTrainEngine:
         lr_schedule: Callable[[int], float] | None = None,
         ppo_epochs: int = 1,
         ppo_mini_batches: int = 1,
+        own_reference: bool = True,
         critic: CriticConfig | None = None,
     ) -> None:
         """`dtype` is the compute dtype of forward and backward (bfloat16: autocast); the
@@ -92,8 +93,9 @@ class TorchTrainEngine:
         [B, T, V] logits. `lr_schedule`: step -> multiplier of `lr` (`engines.algorithms.schedule`).
         `ppo_epochs` x `ppo_mini_batches` optimizer updates per `train_step` (the step's
         micro-batches split into that many contiguous mini-batches, each pass over them an
-        epoch); the version still advances by one per step. With `loss.kl_coef` a frozen copy of
-        the initial model is held as the reference policy (on every rank: it is not sharded).
+        epoch); the version still advances by one per step. With `loss.kl_coef` and `own_reference`
+        a frozen copy of the initial model is held as the reference policy (on every rank: it is
+        not sharded); without `own_reference` the batches bring the reference log-probs.
         `critic`: GAE with a value model (`engines.critic`), copied from the initial policy and
         trained in the same updates; the micro-batches' advantages are then outcome scores."""
         _seed_everything(seed)
@@ -101,7 +103,7 @@ class TorchTrainEngine:
         self.compute_dtype = dtype
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.reference: torch.nn.Module | None = None
-        if loss.kl_coef:
+        if loss.kl_coef and own_reference:
             self.reference = copy.deepcopy(model).to(self.device).requires_grad_(False)
         self.critic = Critic(model, critic, self.device, self._autocast, _positions) if critic is not None else None
         self.model = self._wrap(model.to(self.device))
@@ -286,8 +288,8 @@ class TorchTrainEngine:
         """The per-token objective of one micro-batch (`engines.algorithms.objective`)."""
         input_ids, attention = batch.input_ids.to(self.device), batch.attention_mask.to(self.device)
         logprobs, entropy = self._token_logprobs(input_ids, attention)
-        ref = None
-        if self.reference is not None:
+        ref = None if batch.ref_logprobs is None else batch.ref_logprobs.to(self.device).float()
+        if ref is None and self.reference is not None:
             with torch.no_grad():
                 ref, _ = self._token_logprobs(input_ids, attention, entropy=False, model=self.reference)
         return token_objective(

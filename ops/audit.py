@@ -8,8 +8,10 @@ dropped (with reasons; a record without one is listed), or neither (in flight at
 samples stored in a batch that no metrics record says the trainer trained (a micro-batch it
 refused, dead-lettered with the reason); sample ids trained more than once; tokens trained
 at a staleness beyond the bound; work streams' messages deleted before they were acked
-(`lost`, `bus.loss`). Last line: one JSON object. A read the server refuses
-while a node's streams elect new leaders is retried, the whole audit over (it only reads).
+(`lost`, `bus.loss`, the reference stage's queue among them when the run has one); with the
+reference stage, samples batched without reference log-probs (`without_reference`). Last
+line: one JSON object. A read the server refuses while a node's streams elect new leaders is
+retried, the whole audit over (it only reads).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from bus.topology import (
     run_id_arg,
 )
 from consumers.membership import stored_keys
+from ops.streams import as_stored
 from schemas import BatchEvent, DecodeError, Event, PromptEvent, decode
 
 E = TypeVar("E", bound=Event)
@@ -131,6 +134,10 @@ async def audit(js: JetStreamContext, topology: Topology, max_staleness: int) ->
         # Per work stream, messages deleted before their work queue acked them (`bus.loss`):
         # 0 in a run whose limits hold; None where the server could not say.
         "lost": await loss.all_lost(js, kv, topology),
+        # With the reference stage, every sample of the kept batches must have passed it (its
+        # batch carries reference log-probs); None for a run without the stage.
+        "without_reference": sum(len(b.sample_ids) for b in batches if b.ref_logprobs is None)
+        if topology.reference else None,
     }
 
 
@@ -138,6 +145,7 @@ async def main(args: argparse.Namespace) -> None:
     nc = await connect(args.nats, "ops-audit")
     js, topology = nc.jetstream(), Topology(run=args.run)
     try:
+        topology = await ride_out(lambda: as_stored(js, topology), f"reading run {args.run}'s config")
         result = await ride_out(lambda: audit(js, topology, args.max_staleness), f"auditing run {args.run}", AUDIT_SECONDS)
     finally:
         await nc.close()

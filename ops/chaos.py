@@ -87,10 +87,8 @@ from bus.tasks import cancel_until_done
 from bus.topology import (
     ACK_WAIT,
     PROMPTS,
-    WORK_QUEUES,
     Topology,
     metrics_key,
-    served_by,
 )
 from consumers import crashpoints
 from consumers.crashpoints import (
@@ -188,7 +186,7 @@ class ChaosRun:
     def supervisor(self) -> Supervisor:
         """The run's fleet, each role's first process armed with its first point."""
         producer = ["--config", str(self.out / "config.yaml"), "--out", str(self.out)]
-        roles = {"producer": RoleConfig(module="producers.prompts", args=producer), **{r: RoleConfig() for r in ROLES}}
+        roles = {"producer": RoleConfig(module="producers.prompts", args=producer), **{r: RoleConfig() for r in ROLES if r != "reference"}}
         roles = {name: role.model_copy(update={"env": self.arm(name, None)}) for name, role in roles.items()}
         return Supervisor(FleetConfig(roles=roles, logs=self.out / "logs"), self.topology.run, self.url)
 
@@ -268,7 +266,7 @@ class ChaosRun:
         kind = OUTPUT[kill.point.role]
         output = self.monitor.next(kind, first_output(kind, kill.pid, kill.step))
         notes = [kill.note, self.evidence(kill.point)]
-        if served_by(kill.point.role) is not None:  # what it held stays unacked until ack_wait: look now
+        if self.topology.served_by(kill.point.role) is not None:  # what it held stays unacked until ack_wait: look now
             notes.append(await self.holding(kill.point.role))
         kill.note = ", ".join(filter(None, notes))
         joined = await self.rejoined(kill.worker, kill.pid)
@@ -335,7 +333,7 @@ class ChaosRun:
         delivered, after ack_wait if a worker held it when it stopped. Ours are left unacked.
         """
         found: set[str] = set()
-        for channel in WORK_QUEUES:
+        for channel in self.topology.work_queues:
             sub = await self.js.pull_subscribe_bind(channel.work_queue.durable, stream=self.topology.stream(channel))
             info = await sub.consumer_info()
             unacked = (info.num_pending or 0) + (info.num_ack_pending or 0)

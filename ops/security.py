@@ -42,11 +42,13 @@ from bus.topology import (
     BATCHES,
     CHANNELS,
     DEAD,
+    DECLARED,
+    EVERY_WORK_QUEUE,
     KV_KEYS,
     REWARDS,
+    SCORED,
     TRAJECTORIES,
     WEIGHTS,
-    WORK_QUEUES,
     Channel,
     Read,
     Topology,
@@ -115,9 +117,9 @@ def declare_rules(t: Topology) -> list[Rule]:
     """
     return [
         *(Rule(f"{API}.CONSUMER.INFO.{t.stream(c)}.{c.work_queue.durable}",
-               "see whether the work queue exists, and its lag") for c in WORK_QUEUES),
+               "see whether the work queue exists, and its lag") for c in EVERY_WORK_QUEUE),
         *(Rule(f"{API}.CONSUMER.DURABLE.CREATE.{t.stream(c)}.{c.work_queue.durable}",
-               "declare the work queue if it is missing (Topology.apply at start-up)") for c in WORK_QUEUES),
+               "declare the work queue if it is missing (Topology.apply at start-up)") for c in EVERY_WORK_QUEUE),
     ]
 
 
@@ -125,7 +127,7 @@ def create_rules(t: Topology) -> list[Rule]:
     """`Topology.apply` on a new run: create every stream, bucket and the object store."""
     return [Rule(f"{API}.STREAM.CREATE.{s}", "create the run (Topology.apply)") for s in run_streams(t)] + [
         Rule(f"{API}.STREAM.UPDATE.{t.stream(c)}", "switch a new work stream to interest retention once its work queue exists")
-        for c in (TRAJECTORIES, REWARDS)
+        for c in (TRAJECTORIES, REWARDS, SCORED)
     ]
 
 
@@ -176,7 +178,7 @@ def publish_rules(t: Topology, role: str) -> list[Rule]:
     """The channels `role` publishes, one subject per rank or stage where the channel has a token
     (dead letters under the role's own stage only), and the KV keys it writes."""
     rules = []
-    for channel in CHANNELS:
+    for channel in CHANNELS:  # both readings of `rewards` have the same publishers
         if role not in channel.publishers:
             continue
         if channel is DEAD:
@@ -191,7 +193,7 @@ def publish_rules(t: Topology, role: str) -> list[Rule]:
 def read_rules(t: Topology, role: str) -> list[Rule]:
     """How `role` reads each channel it reads, as the table says."""
     rules: list[Rule] = []
-    for channel in CHANNELS:
+    for channel in DECLARED:
         for reader in (r for r in channel.readers if r.role == role):
             what = f"{channel.name} ({reader.read.value})"
             if reader.read is Read.WORK_QUEUE:
@@ -233,13 +235,13 @@ def extra_rules(t: Topology, role: str) -> list[Rule]:
 
 def table_roles() -> tuple[str, ...]:
     """Every role the channel and KV tables name, in the order they first appear."""
-    names = [r for c in CHANNELS for r in (*c.publishers, *c.consumers)] + [w for k in KV_KEYS for w in k.writers]
+    names = [r for c in DECLARED for r in (*c.publishers, *c.consumers)] + [w for k in KV_KEYS for w in k.writers]
     return tuple(dict.fromkeys(names))
 
 
 def does(role: str) -> str:
     """One line, from the table: what the role reads (and how) and writes."""
-    reads = [f"{c.name} ({r.read.value})" for c in CHANNELS for r in c.readers if r.role == role]
+    reads = list(dict.fromkeys(f"{c.name} ({r.read.value})" for c in DECLARED for r in c.readers if r.role == role))
     writes = [c.name for c in CHANNELS if role in c.publishers and c is not DEAD]
     writes += [f"KV {k.pattern}" for k in KV_KEYS if role in k.writers]
     return f"reads {', '.join(reads) or 'nothing'}; writes {', '.join(writes) or 'nothing'}"

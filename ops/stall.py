@@ -35,7 +35,7 @@ import yaml
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from bus.topology import BATCHES, CONFIG_KEY, DROPS, PROMPTS, WEIGHTS, WORK_QUEUES, Topology, metrics_key, metrics_prefix, served_by
+from bus.topology import BATCHES, CONFIG_KEY, DROPS, PROMPTS, WEIGHTS, Topology, metrics_key, metrics_prefix
 from consumers.membership import live_members, stored_keys
 from producers.gate import Producer, admitted_limit
 from schemas import BatchEvent, DecodeError, WeightVersionEvent, decode
@@ -45,9 +45,10 @@ log = logging.getLogger("jetrl.stall")
 T = TypeVar("T")
 
 ROLES = {"producer": "producer", "rollout": "rollout worker", "reward": "reward worker", "buffer": "buffer",
-         "trainer": "trainer"}
-"""Every role a run needs, and how a line names one worker of it."""
-ITEMS = {"prompts": "prompts", "trajectories": "trajectories", "rewards": "scored samples"}
+         "trainer": "trainer", "reference": "reference worker"}
+"""Every role a run may need, and how a line names one worker of it (`needed`: those of this run)."""
+ITEMS = {"prompts": "prompts", "trajectories": "trajectories", "rewards": "scored samples",
+         "scored": "samples with reference log-probs"}
 """What a message of each work queue's stream is, in words."""
 SCAN_BATCHES = 256
 """Most batch-stream messages read back to find the micro-batches of the trainer's next step."""
@@ -105,6 +106,8 @@ def diagnose(view: RunView) -> list[str]:
     lines = []
     if live is not None:
         for role, noun in ROLES.items():
+            if role == "reference" and not cfg.reference.enabled:
+                continue
             if not live[role]:
                 queue = view.queues.get(role)
                 waiting = f" ({queue.pending} {ITEMS[queue.stage]} wait in its queue)" if queue and queue.pending else ""
@@ -185,7 +188,7 @@ async def read_view(
         last = await _read(last_step(js, topology))
         next_step = None if last is None else last[0] + 1
     live = await _read(_live_roles(js, topology))
-    queues = {c.work_queue.durable: await _read(_queue(js, topology, c.work_queue.durable)) for c in WORK_QUEUES}
+    queues = {c.work_queue.durable: await _read(_queue(js, topology, c.work_queue.durable)) for c in topology.work_queues}
     stored: dict[int, StoredStep | None] = {}
     if next_step is not None:
         for rank in range(cfg.trainer.dp_size):
@@ -213,7 +216,7 @@ async def _live_roles(js: JetStreamContext, topology: Topology) -> Counter[str]:
 
 
 async def _queue(js: JetStreamContext, topology: Topology, role: str) -> QueueView:
-    channel = served_by(role)
+    channel = topology.served_by(role)
     assert channel is not None, f"{role} serves no work queue"
     queue = channel.work_queue
     info = await js.consumer_info(topology.stream(channel), queue.durable)

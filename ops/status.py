@@ -38,17 +38,15 @@ from bus.topology import (
     CHANNELS,
     DEAD,
     WEIGHTS,
-    WORK_QUEUES,
     Topology,
     run_id_arg,
 )
 from consumers.membership import Member, live_members
 from ops.stall import stalled_line
+from ops.streams import as_stored
 from schemas import BatchEvent, DecodeError, WeightVersionEvent, decode
 
 CLEAR = "\033[H\033[J"
-READS = {channel.work_queue.durable: channel.name for channel in WORK_QUEUES}
-"""The stream each work queue reads, by its durable."""
 WATCH_SECONDS = 2.0
 CONNECT_SECONDS = 10.0
 CLOSE_SECONDS = 2.0
@@ -211,7 +209,7 @@ def render(topology: Topology, before: Sample, now: Sample, info: Details) -> st
         lines.append(f"{stage:<13} {s.messages:>9} {_size(s.bytes):>10} {rate:>8}")
     lines += ["", f"{'queue':<9} {'reads':<13} {'pending':>8} {'in flight':>10} {'redelivered':>12} {'done/s':>8}"]
     for role, q in now.queues.items():
-        stage = READS[role]
+        stage = next(c.name for c in topology.work_queues if c.work_queue.durable == role)
         if q is None:
             lines.append(f"{role:<9} {stage:<13} {'?':>8} {'?':>10} {'?':>12} {'?':>8}")
             continue
@@ -267,6 +265,7 @@ async def _draw(url: str, topology: Topology, watch: bool, batches: int, stop: a
     nc = await asyncio.wait_for(connect(url, "ops-status"), CONNECT_SECONDS)
     js = nc.jetstream()
     try:
+        topology = await as_stored(js, topology)
         before = await sample(js, topology)
         while not stop.is_set():
             await asyncio.sleep(WATCH_SECONDS if watch else 1.0)

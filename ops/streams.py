@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 from bus.connection import DEFAULT_URL, connect
 from bus.election import TRANSIENT, or_unknown, ride_out
 from bus.lag import queue_lag
-from bus.topology import CHANNELS, CONFIG_KEY, WORK_QUEUES, Topology, run_id_arg
+from bus.topology import CHANNELS, CONFIG_KEY, Topology, run_id_arg
 from ops.security import USERS_FILE, write_identities
 from schemas.config import ConfigError, RunConfig, parse_config
 from schemas.streams_config import stream_needs
@@ -38,6 +39,13 @@ async def stored_config(js: JetStreamContext, run: str) -> tuple[RunConfig, str]
     except (BucketNotFoundError, KeyNotFoundError, NotFoundError):
         return RunConfig(run=run), "no config stored yet: the defaults"
     return parse_config(yaml.safe_load(entry.value or b""), f"run {run} config in KV"), "the run's config in KV"
+
+
+async def as_stored(js: JetStreamContext, topology: Topology) -> Topology:
+    """`topology` with the work queues its run's stored config gives it (the reference stage's or
+    not): what an operator tool that starts from a run id reads the queues of."""
+    config, _ = await stored_config(js, topology.run)
+    return dataclasses.replace(topology, reference=config.reference.enabled)
 
 
 def limits(config: RunConfig, origin: str) -> list[str]:
@@ -55,7 +63,7 @@ async def show(js: JetStreamContext, topology: Topology, config: RunConfig, orig
     print()
     print(f"{'stream':<34} {'messages':>9} {'bytes':>12} {'max bytes':>16} {'discard':>7}  consumers")
     lags = await queue_lag(js, topology)
-    for channel in CHANNELS:
+    for channel in topology.channels:
         name = topology.stream(channel)
         try:
             info = await or_unknown(lambda: js.stream_info(name), f"stream {name}")  # noqa: B023
@@ -64,7 +72,7 @@ async def show(js: JetStreamContext, topology: Topology, config: RunConfig, orig
             continue
         consumers = []
         if channel.queue is not None:
-            lag = lags[channel.queue.durable]
+            lag = lags.get(channel.queue.durable)
             figures = "?" if lag is None else f"pending {lag.pending}, in flight {lag.in_flight}"
             consumers.append(f"{channel.queue.durable}: {figures}")
         messages, size = ("?", "?") if info is None else (info.state.messages, info.state.bytes)
@@ -91,7 +99,7 @@ async def main(args: argparse.Namespace) -> None:
     topology = Topology.for_config(config, args.replicas)
     if args.action == "apply":
         await ride_out(lambda: topology.apply(js, update=True), f"applying run {args.run}")
-        print(f"applied run {args.run}: {len(CHANNELS)} streams, {len(WORK_QUEUES)} consumers, KV and object store")
+        print(f"applied run {args.run}: {len(CHANNELS)} streams, {len(topology.work_queues)} consumers, KV and object store")
     elif args.action == "delete":
         await ride_out(lambda: topology.delete(js), f"deleting run {args.run}")
         print(f"deleted run {args.run}")

@@ -1,7 +1,7 @@
 """The main job around the gate: an embedded server and a local fleet (or a cluster's URL), the
 live progress line, stopping on a signal, and the summary and report at the end.
 
-    run:      [embedded nats-server + local fleet of trainer, buffer, reward, rollout] -> produce
+    run:      [embedded nats-server + local fleet of trainer, buffer, (reference,) reward, rollout] -> produce
     produce:  config to KV -> one TaskGroup: gate.Producer watch + feed, membership heartbeat,
               fleet check, signals; a progress line every 2 s until the trainer's last step
               (or SIGINT/SIGTERM: Stopped; a loop beside it fails: its error) -> summary, plots
@@ -220,7 +220,10 @@ def run(cfg: RunConfig, out: Path, nats: str | None = None, replicas: int = 1) -
         seeds = write_identities(Topology(run=cfg.run), identities)
         users = (identities / USERS_FILE).read_text()
         server = stack.enter_context(EmbeddedNats(out / "nats", extra_config=users))
-        fleet = Supervisor(local_fleet(out / "logs", cfg.trainer.ranks), cfg.run, server.url, identities=identities)
+        reference = cfg.reference.workers if cfg.reference.enabled else 0
+        fleet = Supervisor(
+            local_fleet(out / "logs", cfg.trainer.ranks, reference), cfg.run, server.url, identities=identities
+        )
         fleet.start()
         stack.callback(fleet.stop)
         return asyncio.run(produce(cfg, server.url, out, fleet, identity=seeds["producer"]))

@@ -67,10 +67,24 @@ class AlgorithmFamily(Section):
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus: the loss gets -coef * H per token (aggregated like the policy loss)."""
     kl_coef: float = Field(0.0, ge=0)
-    """KL to the frozen initial policy as a loss term (+coef * KL per token); 0: no reference model
-    is held. The trainer keeps a frozen copy of the initial weights to score it."""
+    """Coefficient of the KL to the frozen initial policy (with `kl_target`: its starting value);
+    0: no KL, no reference model. Where the reference log-probs come from: the `reference` stage
+    when `reference.enabled`, else a frozen copy of the initial weights the trainer holds."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """The per-token KL estimator (`engines.algorithms.kl`)."""
+    kl_placement: Literal["loss", "reward"] = "loss"
+    """loss: +kl_coef * KL per token in the trainer's loss, against the current policy. reward:
+    the buffer subtracts kl_coef * KL(pi_behaviour || pi_ref) per token from the reward before
+    advantages (`engines.algorithms.kl.kl_in_reward`, verl's use_kl_in_reward); needs
+    `reference.enabled` (the buffer takes the reference log-probs from the `scored` stream)."""
+    kl_target: float | None = Field(None, gt=0)
+    """Adaptive KL coefficient (Ziegler et al.; `engines.algorithms.kl.adaptive_kl_coef`): after
+    each step the coefficient moves toward the value at which the step's mean KL is this. None:
+    fixed at kl_coef. kl_placement reward only (as verl); the coefficient of every step rides in
+    its batch events, so a restarted buffer goes on from the stream."""
+    kl_horizon: int = Field(10_000, ge=1)
+    """The adaptive controller's horizon, in samples: coef *= 1 + clip(kl / target - 1, +-0.2) x
+    samples in the step / horizon."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW decoupled weight decay."""
     lr_warmup_steps: int = Field(0, ge=0)
@@ -100,6 +114,15 @@ class AlgorithmFamily(Section):
     def _consistent(self) -> AlgorithmFamily:
         if self.dual_clip_c is not None and self.policy_loss != "ppo":
             raise ValueError(f"algorithm.dual_clip_c applies to policy_loss ppo, not {self.policy_loss}")
+        if self.kl_target is not None and self.kl_placement != "reward":
+            raise ValueError("algorithm.kl_target (adaptive KL) applies to kl_placement reward, as verl's controller does")
+        if self.kl_placement == "reward" and not self.kl_coef:
+            raise ValueError("algorithm.kl_placement reward needs kl_coef > 0 (the starting coefficient with kl_target)")
+        if self.kl_placement == "reward" and self.advantage == "gae":
+            raise ValueError(
+                "algorithm.kl_placement reward does not apply to advantage gae yet: its critic takes the outcome "
+                "reward on the last token, and a per-token KL penalty does not ride in the batch (use kl_placement loss)"
+            )
         # Off their defaults rather than "set": a config read back from the run's KV has every key set.
         defaults = {name: type(self).model_fields[name].default for name in GAE_KNOBS}
         if self.advantage != "gae" and (knobs := [k for k in GAE_KNOBS if getattr(self, k) != defaults[k]]):

@@ -121,6 +121,22 @@ class RewardConfig(Section):
     queued items travel together, each still under its own `timeout`; 1 scores one per trip."""
 
 
+class ReferenceConfig(Section):
+    """`reference`: the stage between reward and buffer that scores each sampled response under the
+    frozen initial model (`consumers.reference`), as verl's reference workers do."""
+
+    enabled: bool = False
+    """Run the stage: rewards go to it, and the buffer reads the `scored` stream it writes (each
+    sample with its reference log-probs) instead of `rewards`; the trainer then holds no reference
+    copy of its own. False: with a KL in the loss, the trainer scores the reference itself."""
+    workers: int = Field(1, ge=1)
+    """Reference processes the one-machine job's fleet starts (a cluster's fleet YAML says its own)."""
+    concurrency: int = Field(8, ge=1)
+    """Samples one reference worker holds at once; those waiting together share one forward pass."""
+    batch: int = Field(8, ge=1)
+    """Most samples in one forward pass of the reference model (right-padded together)."""
+
+
 MIB = 1 << 20
 
 
@@ -225,6 +241,7 @@ class RunConfig(Section):
     trainer: TrainerConfig = TrainerConfig()
     rollout: RolloutConfig = RolloutConfig()
     reward: RewardConfig = RewardConfig()
+    reference: ReferenceConfig = ReferenceConfig()
     weights: WeightsConfig = WeightsConfig()
     streams: StreamsConfig = StreamsConfig()
     """Stream limits derived from the run's bounds, overrides, age limit, loss guard (`schemas.streams_config`)."""
@@ -287,6 +304,11 @@ class RunConfig(Section):
             raise ValueError(
                 f"algorithm.overlong_buffer_tokens {algo.overlong_buffer_tokens} must be below "
                 f"data.sampling.max_tokens {max_tokens}"
+            )
+        if algo.kl_placement == "reward" and not self.reference.enabled:
+            raise ValueError(
+                "algorithm.kl_placement reward needs reference.enabled: the buffer takes the reference "
+                "log-probs from the reference stage"
             )
         if algo.advantage == "gae" and self.trainer.engine != "torch":
             raise ValueError(

@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from schemas.config import RunConfig
 
 MIB = 1 << 20
-STREAM_NAMES = ("prompts", "trajectories", "rewards", "batches", "weights", "dead")
-StreamName = Literal["prompts", "trajectories", "rewards", "batches", "weights", "dead"]
+STREAM_NAMES = ("prompts", "trajectories", "rewards", "scored", "batches", "weights", "dead")
+StreamName = Literal["prompts", "trajectories", "rewards", "scored", "batches", "weights", "dead"]
 
 # Wire bytes per token of each event, from the event schemas (`schemas.events`): ids, versions
 # and log-probs are int32/float32 (4 B each); text is counted at 4 B per token (about 4 characters
@@ -42,6 +42,9 @@ TRAJECTORY_RESPONSE_BYTES_PER_TOKEN = 16
 BATCH_BYTES_PER_TOKEN = 20
 """Per row and padded position: input_ids, advantages, behaviour_logprobs, versions (4 each),
 attention_mask and loss_mask (1 each), rounded up."""
+REFERENCE_BYTES_PER_TOKEN = 4
+"""The reference log-prob (float32) a scored sample carries per response token, and a batch per
+position when the run has the reference stage."""
 EVENT_OVERHEAD = 4096
 """Ids, task dict, timings, headers of one event."""
 WEIGHTS_EVENT_BYTES = 64 * 1024
@@ -62,8 +65,8 @@ class StreamsConfig(Section):
     max_prompt_tokens: int = Field(2048, ge=1)
     """The longest prompt the bounds assume, in tokens (the response's is `data.sampling.max_tokens`)."""
     max_bytes: dict[StreamName, int] = Field(default_factory=dict)
-    """Operator overrides, in bytes, by stream (prompts, trajectories, rewards, batches, weights,
-    dead). One below the derived need is refused at load with the need and how it was derived;
+    """Operator overrides, in bytes, by stream (prompts, trajectories, rewards, scored, batches,
+    weights, dead). One below the derived need is refused at load with the need and how it was derived;
     one above is used as it is."""
     max_dropped_share: float = Field(0.5, ge=0, lt=1)
     """The share of the prompts issued whose groups the prompts bound allows to be dropped (all
@@ -77,7 +80,7 @@ class StreamsConfig(Section):
     every batch and weights event a restart from a checkpoint could still need, however long the
     run; a non-zero age can delete unconsumed work, which the loss guard then reports."""
     consumed: Literal["delete", "keep"] = "delete"
-    """What happens to a trajectory or reward once its work queue acked it. delete: the server
+    """What happens to a trajectory, reward or scored sample once its work queue acked it. delete: the server
     removes it (interest retention), so those streams hold only unconsumed work and their need is
     the gate's bound. keep: it stays (limits retention) for replay and audit, so the need covers
     every sample of the run (trainer.steps x prompts_per_step x n)."""
@@ -116,7 +119,9 @@ def _needs(cfg: RunConfig) -> dict[str, tuple[float, str]]:
         + response_tokens * TRAJECTORY_RESPONSE_BYTES_PER_TOKEN
     )
     reward = trajectory + EVENT_OVERHEAD
-    step = group * (prompt_tokens + response_tokens) * BATCH_BYTES_PER_TOKEN + EVENT_OVERHEAD
+    scored = reward + response_tokens * REFERENCE_BYTES_PER_TOKEN
+    per_position = BATCH_BYTES_PER_TOKEN + (REFERENCE_BYTES_PER_TOKEN if cfg.reference.enabled else 0)
+    step = group * (prompt_tokens + response_tokens) * per_position + EVENT_OVERHEAD
     versions = cfg.trainer.steps // cfg.trainer.sync_every + 1
     trained_prompts = cfg.trainer.steps * a.prompts_per_step
     issued = math.ceil(trained_prompts / (1 - s.max_dropped_share))
@@ -144,13 +149,18 @@ def _needs(cfg: RunConfig) -> dict[str, tuple[float, str]]:
         ),
         "trajectories": (samples * trajectory, f"{why} x {trajectory:,} B ({tokens})"),
         "rewards": (samples * reward, f"{why} x {reward:,} B (a trajectory and its score)"),
+        "scored": (
+            samples * scored if cfg.reference.enabled else 0.0,
+            f"{why} x {scored:,} B (a reward and its reference log-probs)" if cfg.reference.enabled
+            else "reference.enabled false: nothing is written to it",
+        ),
         "batches": (
             kept_steps * step,
             (
                 f"the steps a restart can need (trimmed at each checkpoint): min(checkpoint_every "
                 f"{cfg.trainer.checkpoint_every} + gate bound (max_staleness {a.max_staleness} + 1) + the "
                 f"checkpoint's last step 1, steps {cfg.trainer.steps}) = {kept_steps} steps x {group} rows x "
-                f"({tokens}) x {BATCH_BYTES_PER_TOKEN} B"
+                f"({tokens}) x {per_position} B"
             ),
         ),
         "weights": (

@@ -312,6 +312,11 @@ def test_lr_warmup_then_cosine_by_hand() -> None:
         ({"dual_clip_c": 1.0}, "greater than 1"),
         ({"is_mask_low": 1.5}, "less than 1"),
         ({"ppo_epoch": 2}, "Extra inputs are not permitted"),
+        ({"kl_coef": 0.1, "kl_placement": "reward"}, "needs reference.enabled"),
+        ({"kl_placement": "reward"}, "needs kl_coef > 0"),
+        ({"kl_coef": 0.1, "kl_target": 0.05}, "kl_target .* applies to kl_placement reward"),
+        ({"kl_coef": 0.1, "kl_placement": "reward", "advantage": "gae"}, "does not apply to advantage gae"),
+        ({"kl_placement": "in-reward"}, "'loss' or 'reward'"),
     ],
 )
 def test_the_config_refuses_what_cannot_run(algorithm: dict, message: str) -> None:
@@ -333,6 +338,10 @@ def test_every_name_is_selectable() -> None:
         ("kl_estimator", ["k1", "k2", "k3"]),
         ("lr_schedule", ["constant", "cosine"]),
         ("is_level", ["token", "sequence"]),
+        ("kl_placement", ["loss", "reward"]),
     ):
         for name in names:
-            assert getattr(RunConfig.model_validate({"algorithm": {key: name}}).algorithm, key) == name
+            # kl_placement reward needs a coefficient and the reference stage
+            extra = {"kl_coef": 0.1, "kl_target": 0.05} if name == "reward" else {}
+            config = RunConfig.model_validate({"algorithm": {key: name, **extra}, "reference": {"enabled": bool(extra)}})
+            assert getattr(config.algorithm, key) == name

@@ -11,6 +11,9 @@ no worker stops, and the valid events behind it still flow.
   weights, each followed by valid events whose outputs are waited for (trajectories;
   rewards, a failed one among them; a batch, a train step and the new weights served).
   Token ids and lengths the model cannot take are refused where the model is.
+- With the reference stage (`reference.enabled`): the same kinds of poison into `rewards` (read
+  by the reference stage) and `scored` (read by the buffer), plus samples each must refuse,
+  then a valid group that comes out as a batch with reference log-probs.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgpack
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -47,6 +51,7 @@ from bus.topology import (
     DEAD,
     PROMPTS,
     REWARDS,
+    SCORED,
     TRAJECTORIES,
     WEIGHTS,
     Channel,
@@ -54,6 +59,7 @@ from bus.topology import (
 )
 from bus.worker import Worker, WorkerOptions
 from consumers import buffer as buffer_stage
+from consumers import reference as reference_stage
 from consumers import reward as reward_stage
 from consumers import rollout as rollout_stage
 from consumers.checks import ModelLimits
@@ -91,8 +97,9 @@ VOCAB_SIZE, CONTEXT = len(VOCAB), 64
 MAX_TOKENS = 4
 FAR_VERSION = 10**6
 """A weight version no trainer reaches in these tests: offered, it is always newer."""
-CHANNEL = {channel.name: channel for channel in CHANNELS if channel.event is not None}
-"""Every channel that carries events, by name (the tests' parameter)."""
+CHANNEL = {channel.name: channel for channel in CHANNELS if channel.event is not None and channel is not SCORED}
+"""Every channel that carries events in a run without the reference stage, by name (the tests'
+parameter); `scored`, and `rewards` read by the reference stage: `test_reference_stage_poison`."""
 STREAMS = tuple(CHANNEL)
 READER = {name: channel.readers[0].role for name, channel in CHANNEL.items()}
 """The stage that consumes each stream, and so dead-letters what it cannot use."""
@@ -667,3 +674,111 @@ def test_ids_or_lengths_the_model_cannot_take_are_refused_by_the_trainer(fleet: 
     assert "outside the model's vocabulary" in reason or "the model's context is" in reason, reason
     fleet.call(fleet.valid_group())
     fleet.assert_alive()
+
+
+# --- the reference stage's streams ------------------------------------------------------
+
+
+async def _until(check: Callable[[], Awaitable[bool]], what: str, tasks: list[asyncio.Task[Any]], timeout: float = 60) -> None:
+    """Wait for `check`, failing at once if a stage stopped meanwhile."""
+    deadline = time.monotonic() + timeout
+    while not await check():
+        stopped = [t for t in tasks if t.done()]
+        assert not stopped, [t.exception() for t in stopped if not t.cancelled()]
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.timeout(300)
+def test_reference_stage_poison(nats_server: EmbeddedNats, tmp_path: Path) -> None:
+    """Poison into `rewards` goes dead under the reference stage, into `scored` under the buffer,
+    with a reason and at once (never retried to the limit); so do samples each must refuse: ids
+    past the vocabulary or longer than the context (reference), a sample with no reference
+    log-probs or ref_logprobs that are not log-probs (buffer). Then a valid group is scored,
+    batched with its reference log-probs and its KL coefficient, and no stage stopped."""
+    run = f"refpoison{int(time.time() * 1000) % 10**8}"
+    model_dir = build_tiny_model(tmp_path / "model", VOCAB)
+    config = RunConfig.model_validate({
+        "run": run, "model": {"path": str(model_dir)},
+        "data": {"n": 2, "sampling": {"max_tokens": MAX_TOKENS}},
+        "algorithm": {"prompts_per_step": 1, "max_staleness": 10**6, "kl_coef": 0.1, "kl_placement": "reward"},
+        "trainer": {"steps": 10**6},
+        "reference": {"enabled": True, "batch": 2},
+    })
+    topology = Topology.for_config(config)
+
+    def refused_by_reference() -> list[bytes]:
+        past_vocab = scored(f"{run}/v", 0, 2, [TOKEN["1"], VOCAB_SIZE + 5], 1.0)
+        too_long = scored(f"{run}/l", 0, 2, [TOKEN["1"]] * CONTEXT, 1.0)
+        return [encode(past_vocab), encode(too_long)]
+
+    def refused_by_buffer() -> list[bytes]:
+        bare = scored(f"{run}/b", 0, 2, [TOKEN["1"]], 1.0)  # never passed the reference stage
+        fields = msgpack.unpackb(encode(bare))
+        positive = {**fields, "ref_logprobs": {"dtype": "float32", "shape": [1], "data": np.float32([0.5]).tobytes()}}
+        short = {**fields, "ref_logprobs": {"dtype": "float32", "shape": [2], "data": np.float32([-1, -1]).tobytes()}}
+        return [encode(bare), msgpack.packb(positive, use_bin_type=True), msgpack.packb(short, use_bin_type=True)]
+
+    async def scenario() -> tuple[dict[str, list[Dead]], BatchEvent]:
+        nc = await connect(nats_server.url, "test-reference-poison")
+        js = nc.jetstream()
+        await topology.apply(js)
+        await publish_config(await js.key_value(topology.kv_bucket), config)
+        stop, tasks, stages, runtimes = asyncio.Event(), [], [], []
+        for role, build in (("reference", reference_stage.build), ("buffer", buffer_stage.build)):
+            rt = await attach(role, run, nats_server.url)
+            stage = await build(rt)
+            runtimes.append(rt)
+            stages.append(stage)
+            tasks.append(asyncio.create_task(serve(rt, stage, stop)))
+        try:
+            dead: dict[str, list[Dead]] = {}
+            for channel, refused in ((REWARDS, refused_by_reference()), (SCORED, refused_by_buffer())):
+                poison = one_of_each_kind("reward.v1", MAX_PAYLOAD) + refused
+                keys = [(topology.subject(channel), (await js.publish(topology.subject(channel), data)).seq)
+                        for data in poison]
+                found: dict[Key, Dead] = {}
+
+                async def all_dead(keys: list[Key] = keys, found: dict[Key, Dead] = found) -> bool:
+                    found.update(await dead_letters(js, topology))
+                    return all(key in found for key in keys)
+
+                await _until(all_dead, f"the poison in {channel.name} is dead", tasks)
+                dead[channel.name] = [found[key] for key in keys]
+            group = [scored(f"{run}/good", i, 2, [TOKEN["1"], TOKEN["2"]][: 2 - i], 1.0 - i) for i in range(2)]
+            for event in group:
+                await js.publish(topology.subject(REWARDS), encode(event))
+
+            async def batched() -> bool:
+                return (await js.stream_info(topology.stream(BATCHES))).state.messages > 0
+
+            await _until(batched, "the valid group is batched", tasks)
+            sub = await js.subscribe(topology.subjects(BATCHES), ordered_consumer=True)
+            batch = decode((await sub.next_msg(timeout=10)).data, BatchEvent)
+            await sub.unsubscribe()
+            assert not [t for t in tasks if t.done()], "a stage stopped"
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for stage in stages:
+                if stage.close is not None:
+                    await stage.close()
+            for rt in runtimes:
+                await rt.close()
+            await topology.delete(js)
+            await nc.close()
+        return dead, batch
+
+    dead, batch = asyncio.run(scenario())
+    for stream, stage in (("rewards", "reference"), ("scored", "buffer")):
+        for letter in dead[stream]:
+            assert letter.stage == stage and letter.reason, (stream, letter.stage, letter.reason)
+            assert not letter.reason.startswith(("failed ", "gave up")), (stream, letter.reason)
+    reasons = [d.reason for d in dead["rewards"][-2:]] + [d.reason for d in dead["scored"][-3:]]
+    assert "outside the model's vocabulary" in reasons[0] and "the model's context is" in reasons[1], reasons
+    assert "no reference log-probs" in reasons[2], reasons
+    assert "ref_logprobs" in reasons[3] and "ref_logprobs" in reasons[4], reasons
+    assert set(batch.sample_ids) == {f"{run}/good/0", f"{run}/good/1"}
+    assert batch.ref_logprobs is not None and batch.kl_coef == pytest.approx(0.1)
+    ref, loss = batch.ref_logprobs.numpy(), batch.loss_mask.numpy() == 1
+    assert (ref[loss] < 0).all() and (ref[~loss] == 0).all()

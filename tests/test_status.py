@@ -22,6 +22,7 @@ from bus.topology import (
     DEAD,
     PROMPTS,
     REWARDS,
+    SCORED,
     TRAJECTORIES,
     WEIGHTS,
     Topology,
@@ -117,7 +118,7 @@ def test_status_prints_the_run_as_the_bus_holds_it(nats_server: EmbeddedNats, to
 
     out = asyncio.run(scenario())
     stored = {stage: int(row[0]) for stage, row in table(out, "stage").items()}
-    assert stored == {"prompts": 5, "trajectories": 3, "rewards": 2, "batches": 2, "weights": 1, "dead": 3}
+    assert stored == {"prompts": 5, "trajectories": 3, "rewards": 2, "scored": 0, "batches": 2, "weights": 1, "dead": 3}
     queues = table(out, "queue")  # stream read, pending, in flight, redelivered, done/s
     assert queues["rollout"][:4] == ["prompts", "3", "2", "1"]
     assert queues["reward"][:4] == ["trajectories", "3", "0", "0"]
@@ -182,3 +183,38 @@ def test_watch_redraws_and_a_missing_run_is_one_line(nats_server: EmbeddedNats, 
     )
     assert missing.returncode == 1
     assert missing.stderr.strip() == f"ops.status: run nosuchrun has no streams on {url}; is the run id right?"
+
+
+def test_a_run_with_the_reference_stage_shows_its_queues(nats_server: EmbeddedNats) -> None:
+    """With `reference.enabled` the stored config decides the queues: the reference stage reads
+    `rewards`, the buffer `scored`; a live reference worker is listed."""
+    config = RunConfig.model_validate({"run": f"statusref{os.getpid()}", "reference": {"enabled": True}})
+    topology = Topology.for_config(config)
+
+    async def scenario() -> str:
+        nc = await connect(nats_server.url, "test")
+        js = nc.jetstream()
+        await topology.apply(js)
+        await publish_config(await js.key_value(topology.kv_bucket), config)
+        publisher = Publisher(js, topology)
+        for i in range(3):
+            await publisher.publish(REWARDS, reward(topology.run, prompt_index=i))
+        await publisher.publish(SCORED, reward(topology.run, prompt_index=0))
+        member = await Membership.join(js, topology, "reference")
+        member.report(engine="reference")
+        status = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "ops.status", "--run", topology.run, "--nats", nats_server.url,
+            cwd=ROOT, stdout=subprocess.PIPE,
+        )
+        out, _ = await status.communicate()
+        assert status.returncode == 0
+        await member.leave()
+        await topology.delete(js)
+        await nc.close()
+        return out.decode()
+
+    out = asyncio.run(scenario())
+    queues = table(out, "queue")
+    assert queues["reference"][:2] == ["rewards", "3"] and queues["buffer"][:2] == ["scored", "1"], out
+    assert {stage: int(row[0]) for stage, row in table(out, "stage").items()}["scored"] == 1
+    assert re.search(rf"^reference +\S+ +{os.getpid()} +reference ", out, re.M), out

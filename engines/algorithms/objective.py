@@ -21,9 +21,7 @@ from engines.algorithms.losses import (
     ppo_clip_loss,
 )
 
-KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "k1": kl.kl_k1, "k2": kl.kl_k2, "k3": kl.kl_k3,
-}
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = kl.ESTIMATORS
 
 METRIC_SUMS = (
     "loss", "clipped", "clipped_low", "clipped_high", "dual_clipped", "ratio", "is_weight", "is_weight_sq",
@@ -130,11 +128,12 @@ def token_objective(
         if entropy is None:
             raise ValueError("entropy_coef needs the per-token entropy")
         loss = loss - cfg.entropy_coef * entropy
-    if cfg.kl_coef:
-        if ref_logprobs is None:
-            raise ValueError("kl_coef needs the reference policy's log-probs")
+    if cfg.kl_coef and ref_logprobs is None:
+        raise ValueError("kl_coef needs the reference policy's log-probs")
+    if ref_logprobs is not None:  # measured whenever known (KL in the reward too), a loss term with kl_coef
         kl_tokens = KL_ESTIMATORS[cfg.kl_estimator](logprobs, ref_logprobs.detach())
-        loss = loss + cfg.kl_coef * kl_tokens
+        if cfg.kl_coef:
+            loss = loss + cfg.kl_coef * kl_tokens
     clamped = terms.log_ratio_clamped | is_clamped
     dual = terms.dual_clipped if terms.dual_clipped is not None else torch.zeros_like(clamped)
     with torch.no_grad():
