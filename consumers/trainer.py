@@ -161,10 +161,11 @@ class Trainer:
         """`group`: this rank's process group (`consumers.trainer_dist.join`; fsdp); `device`:
         where the engine computes (default `engines.device.resolve_device()`)."""
         self.rt, self.rank, self.cfg = rt, rank, rt.config
-        self.dp_rank = rank // self.cfg.trainer.tp_size
-        """Which `batches.<dp_rank>` this rank reads: the tensor-parallel ranks of one model copy
-        (megatron) read the same micro-batches; the first of them records the step's metrics."""
-        self.records = rank % self.cfg.trainer.tp_size == 0
+        self.dp_rank = rank // self.cfg.trainer.copy_size
+        """Which `batches.<dp_rank>` this rank reads: the tensor- and pipeline-parallel ranks of one
+        model copy (megatron) read the same micro-batches; the first of them records the step's
+        metrics (at pipeline parallel the engine hands it the last stage's, which hold the loss)."""
+        self.records = rank % self.cfg.trainer.copy_size == 0
         self.group = group or Group(rank, 1)
         self.engine = make_engine(self.cfg, loss_config(self.cfg), device or resolve_device())
         spec = getattr(self.engine, "spec", None)  # megatron: its GPTModel is no HF model; the spec says

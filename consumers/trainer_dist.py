@@ -119,8 +119,8 @@ def critic_config(cfg: RunConfig) -> CriticConfig | None:
 
 
 async def join(rt: Runtime, rank: int, device: torch.device) -> Group:
-    """Meet the run's other trainer ranks in a process group (fsdp; megatron above tensor parallel
-    1), or stand alone (torch; megatron at 1)."""
+    """Meet the run's other trainer ranks in a process group (fsdp; megatron above one rank per
+    copy), or stand alone (torch; megatron at tensor and pipeline parallel 1)."""
     tcfg = rt.config.trainer
     world = tcfg.ranks
     if tcfg.engine == "torch" or world == 1 and tcfg.engine == "megatron":
@@ -131,11 +131,11 @@ async def join(rt: Runtime, rank: int, device: torch.device) -> Group:
         except (KeyError, ValueError):
             raise RendezvousFailed("trainer.dist_init env: RANK and WORLD_SIZE must be set (start it with torchrun)") from None
         if size != world:
-            raise RendezvousFailed(f"torchrun started {size} ranks, the trainer has {world} (trainer.dp_size x tensor parallel)")
+            raise RendezvousFailed(f"torchrun started {size} ranks, the trainer has {world} (trainer.dp_size x tensor x pipeline parallel)")
         await asyncio.to_thread(init_group, None, rank, world, device, tcfg.dist_timeout)
         return Group(rank, world)
     if not 0 <= rank < world:
-        raise RendezvousFailed(f"--rank {rank}: the trainer has {world} ranks (dp_size x tensor parallel), so 0..{world - 1}")
+        raise RendezvousFailed(f"--rank {rank}: the trainer has {world} ranks (dp_size x tensor x pipeline parallel), so 0..{world - 1}")
     group = await (_host(rt, world) if rank == 0 else _claim(rt, rank, world))
     assert group.store is not None
     await asyncio.to_thread(init_group, group.store, rank, world, device, tcfg.dist_timeout)

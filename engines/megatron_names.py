@@ -205,3 +205,45 @@ def merge(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
     if kind == "row":
         return torch.cat(shards, dim=1)
     return shards[0].clone()
+
+
+# --- pipeline stages (rank r of p holds layers [r L/p, (r+1) L/p), renumbered from 0) ---------
+
+
+def stage_params(full: dict[str, torch.Tensor], spec: MegatronModelSpec, rank: int) -> dict[str, torch.Tensor]:
+    """GPTModel's full parameters -> pipeline stage `rank`'s, under the names its GPTModel (built
+    with pre_process on the first stage, post_process on the last) gives them: its layers
+    renumbered from 0; the embedding on the first stage; the final norm and the output layer on
+    the last. A tied model's last stage (when it is not also the first) holds its own copy of
+    the embedding as `output_layer.weight`, which megatron keeps equal by summing the two grads."""
+    size = spec.pipeline_parallel_size
+    per, first, last = spec.num_layers // size, rank == 0, rank == size - 1
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in full.items():
+        match = _MC_LAYER.fullmatch(name)
+        if match:
+            index = int(match.group(1)) - rank * per
+            if 0 <= index < per:
+                out[f"decoder.layers.{index}.{match.group(2)}"] = tensor
+        elif name == "embedding.word_embeddings.weight":
+            if first:
+                out[name] = tensor
+            if last and not first and spec.tie_word_embeddings:
+                out["output_layer.weight"] = tensor.clone()
+        elif last:
+            out[name] = tensor  # decoder.final_layernorm.weight, output_layer.weight
+    return out
+
+
+def unstage_params(stages: list[dict[str, torch.Tensor]], spec: MegatronModelSpec) -> dict[str, torch.Tensor]:
+    """The inverse of `stage_params`: every stage's parameters, in stage order -> the full model's
+    (a tied model's last-stage output layer dropped: the embedding is the weight)."""
+    per, out = spec.num_layers // len(stages), {}
+    for rank, stage in enumerate(stages):
+        for name, tensor in stage.items():
+            match = _MC_LAYER.fullmatch(name)
+            if match:
+                out[f"decoder.layers.{int(match.group(1)) + rank * per}.{match.group(2)}"] = tensor
+            elif not (name == "output_layer.weight" and spec.tie_word_embeddings):
+                out[name] = tensor
+    return out

@@ -21,7 +21,8 @@ the vocabulary: `parallel_output=False`) and the grad norm crosses ranks.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,14 @@ import torch
 import torch.distributed as dist
 
 from engines.megatron_config import MegatronModelSpec, spec_from_hf
-from engines.megatron_names import hf_to_megatron, megatron_to_hf, merge, shard
+from engines.megatron_names import hf_to_megatron, megatron_to_hf, merge, shard, stage_params, unstage_params
+from engines.megatron_pipeline import (
+    broadcast_from_last,
+    pipeline_update_passes,
+    reduce_totals,
+    stage_logprobs,
+)
+from engines.protocols import MicroBatch
 from engines.torch_train import TorchTrainEngine, _atomic_save, _rng_state, _set_rng_state
 
 
@@ -39,14 +47,46 @@ def cpu_workarounds() -> None:
     With the local layer spec and `use_cpu_initialization` the model builds on the CPU, but its
     forward reaches for CUDA in two places: the rotary embedding moves its frequencies to
     `torch.cuda.current_device()` (here: "cpu"), and the attention forks the model-parallel CUDA
-    RNG state around dropout (dropout is 0 in this engine, so the fork is a no-op context). Both
-    are process-wide patches, applied only in a process whose engine runs on the CPU."""
-    import contextlib
-
+    RNG state around dropout (dropout is 0 in this engine, so the fork is a no-op context); at
+    pipeline parallel, two more (below). All are process-wide patches, applied only in a process whose engine runs on the CPU."""
     from megatron.core import tensor_parallel
 
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment, return-value]
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
+    # Pipeline parallel: the p2p shape exchange synchronizes the CUDA device, and the 1F1B
+    # schedule counts tokens in a tensor made on "cuda".
+    from megatron.core.pipeline_parallel import schedules
+
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    schedules.torch = _CpuTorch()  # type: ignore[assignment]
+
+
+class _CpuTorch:
+    """`torch` as megatron's schedules module sees it on the CPU: a tensor asked for on "cuda" is made on the CPU."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("device") == "cuda":
+            kwargs["device"] = "cpu"
+        return torch.zeros(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _no_cuda_copy(active: bool) -> Iterator[None]:
+    """While building a CPU GPTModel: `Tensor.cuda()` returns the tensor. A tied model cut into
+    pipeline stages moves its embedding to CUDA to sum it over the first and last stage."""
+    if not active:
+        yield
+        return
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original  # type: ignore[method-assign]
 
 
 class MegatronNotInstalled(RuntimeError):
@@ -75,21 +115,26 @@ class MegatronTrainEngine(TorchTrainEngine):
             )
         if kwargs.get("critic") is not None:
             raise ValueError("megatron engine: algorithm.advantage gae needs a value model, which it does not hold (use torch)")
-        if pipeline_parallel_size != 1:
-            raise ValueError(f"megatron engine: pipeline_parallel_size {pipeline_parallel_size} is not supported yet (only 1)")
-        self.tp = tensor_parallel_size
+        self.tp, self.pp = tensor_parallel_size, pipeline_parallel_size
+        copy = self.tp * self.pp
         device = torch.device(kwargs.get("device", "cpu"))
         if not dist.is_initialized():
-            if self.tp != 1:
-                raise RuntimeError(f"megatron engine: tensor_parallel_size {self.tp} needs the default process group up")
+            if copy != 1:
+                raise RuntimeError(f"megatron engine: {self.tp} x {self.pp} model-parallel ranks need the default process group up")
             backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        if dist.get_world_size() != self.tp:
-            raise ValueError(f"megatron engine: {dist.get_world_size()} ranks, tensor_parallel_size is {self.tp} (no data parallel yet)")
+        if dist.get_world_size() != copy:
+            raise ValueError(
+                f"megatron engine: {dist.get_world_size()} ranks, tensor x pipeline parallel is {self.tp} x {self.pp} "
+                "(no data parallel yet)"
+            )
         if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=1)
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self.rank = dist.get_rank()  # within the copy: its checkpoint file; 0 exports the weights
         if device.type == "cpu":
             cpu_workarounds()
         if device.type == "cuda":
@@ -108,7 +153,14 @@ class MegatronTrainEngine(TorchTrainEngine):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer import TransformerConfig
 
-        self.spec = spec_from_hf(model.config, tensor_parallel_size=self.tp)
+        self.spec = spec_from_hf(model.config, tensor_parallel_size=self.tp, pipeline_parallel_size=self.pp)
+        first, last = self.pp_rank == 0, self.pp_rank == self.pp - 1
+        # Pipeline: activations of any [T, B] cross stages (their shape sent first), float32;
+        # our loss is already the step's mean, which megatron must not divide again.
+        piped = {"variable_seq_lengths": True, "batch_p2p_comm": False, "calculate_per_token_loss": True,
+                 "pipeline_dtype": torch.float32,
+                 # No experts here; megatron's check of the default MoE dispatcher refuses variable lengths.
+                 "moe_token_dispatcher_type": "alltoall"} if self.pp > 1 else {}
         config = TransformerConfig(
             **self.spec.transformer_config_kwargs(),
             activation_func=F.silu,
@@ -117,15 +169,19 @@ class MegatronTrainEngine(TorchTrainEngine):
             # The fused kernels need CUDA extensions (apex, TE) and some take no arbitrary mask.
             bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
             masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+            **piped,
         )
-        gpt = GPTModel(
-            config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-            parallel_output=False,  # logits gathered over the vocabulary: our loss takes all of it
-            **self.spec.gpt_model_kwargs(),
-        )
+        with _no_cuda_copy(self.device.type == "cpu"):
+            gpt = GPTModel(
+                config=config,
+                transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                parallel_output=False,  # logits gathered over the vocabulary: our loss takes all of it
+                pre_process=first, post_process=last,
+                **self.spec.gpt_model_kwargs(),
+            )
         full = hf_to_megatron({n: p.detach().cpu() for n, p in model.named_parameters()}, self.spec)
-        mine = {name: shard(name, tensor, self.tp_rank, self.tp) for name, tensor in full.items()}
+        staged = stage_params(full, self.spec, self.pp_rank)
+        mine = {name: shard(name, tensor, self.tp_rank, self.tp) for name, tensor in staged.items()}
         missing, unexpected = gpt.load_state_dict(mine, strict=False)
         missing = [n for n in missing if not n.endswith("._extra_state")]
         if missing or unexpected:
@@ -136,37 +192,98 @@ class MegatronTrainEngine(TorchTrainEngine):
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model: torch.nn.Module | None = None
     ) -> torch.Tensor:
         """[B, T] ids -> [B, T - 1, V] temperature-scaled logits (V: the HF vocabulary, pad cut off)."""
+        logits = self._stage_forward(input_ids, attention_mask, model)  # [B, T, Vp]
+        return logits[:, :-1, : self.spec.vocab_size].float() / self.loss_config.temperature
+
+    def _stage_forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model: torch.nn.Module | None = None
+    ) -> torch.Tensor:
+        """This stage's forward of [B, T] ids: [B, T, Vp] logits on the last stage, [T, B, H]
+        activations on the others (a later stage takes its input from `set_input_tensor`)."""
         positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as the torch engine: padding does not shift RoPE
         length = input_ids.shape[1]
         causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).triu(1)
         # [B, 1, T, T], True where a query may not look: the future, and padding keys.
         masked = causal[None, None] | (attention_mask[:, None, None, :] == 0)
         with self._autocast():
-            logits = (self.model if model is None else model)(input_ids, positions, attention_mask=masked)  # [B, T, Vp]
-        return logits[:, :-1, : self.spec.vocab_size].float() / self.loss_config.temperature
+            return (self.model if model is None else model)(input_ids, positions, attention_mask=masked)
 
     def _clip_grad_norm(self) -> torch.Tensor:
-        """Norm over the whole model: each rank's cut tensors summed over ranks, the norms (whole
-        on every rank, with equal gradients) counted once."""
+        """Norm over the whole model: each rank's cut tensors summed over the tensor- and
+        pipeline-parallel ranks, the norms (whole on every tensor rank, with equal gradients)
+        and a tied embedding's last-stage copy counted once."""
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
+        self._sync_tied_embedding()
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if not params:
-            return torch.zeros(())
         squares = torch.zeros((), dtype=torch.float32, device=self.device)
         for p in params:
-            if param_is_not_tensor_parallel_duplicate(p):
+            if param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False):
                 squares += p.grad.detach().float().pow(2).sum()  # type: ignore[union-attr]
         if self.tp > 1:
             dist.all_reduce(squares, group=self.tp_group)
+        if self.pp > 1:
+            dist.all_reduce(squares, group=self.pp_group)
         norm = squares.sqrt()
-        torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)
+        if params:
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)
         return norm.cpu()
 
-    def export_weights(self) -> dict[str, torch.Tensor]:
-        """On rank 0, HF name -> full CPU tensor (tied weights once); {} on the others.
+    def _sync_tied_embedding(self) -> None:
+        """A tied model cut into stages holds the embedding twice (first stage: input, last:
+        output layer); both take the sum of the two gradients, so they stay equal."""
+        if self.pp == 1 or not self.spec.tie_word_embeddings:
+            return
+        from megatron.core import parallel_state
 
-        Every rank must call it: each parameter's cuts are gathered, one parameter at a time."""
+        if not parallel_state.is_rank_in_embedding_group():
+            return
+        weight = self.model.shared_embedding_or_output_weight()
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
+
+    # --- pipeline parallel: the torch engine's passes, run through megatron's schedule ------------
+
+    @torch.no_grad()
+    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        if self.pp == 1:
+            return super().logprobs(input_ids, attention_mask)
+        mine = stage_logprobs(self, [(input_ids.to(self.device), attention_mask.to(self.device))])
+        return broadcast_from_last(self, mine[0] if mine else None, input_ids.shape).cpu()
+
+    @torch.no_grad()
+    def _proximal(self, micro_batches: Sequence[MicroBatch]) -> list[torch.Tensor]:
+        if self.pp == 1:
+            return super()._proximal(micro_batches)
+        # Used by the loss only, which runs on the last stage: the others keep placeholders.
+        batches = [(b.input_ids.to(self.device), b.attention_mask.to(self.device)) for b in micro_batches]
+        return stage_logprobs(self, batches) or [torch.zeros(b.input_ids.shape) for b in micro_batches]
+
+    def _update(
+        self, micro_batches: Sequence[MicroBatch], proximal: Sequence[torch.Tensor] | None, totals: dict[str, float],
+        targets: Sequence[Any] | None = None,
+    ) -> float | None:
+        if self.pp == 1:
+            return super()._update(micro_batches, proximal, totals, targets)
+        denominator, passes = self._step_shape(micro_batches)
+        if passes == 0:
+            return None
+        self.optimizer.zero_grad(set_to_none=True)
+        pipeline_update_passes(self, micro_batches, proximal, totals, denominator)
+        grad_norm = self._clip_grad_norm()
+        if torch.isfinite(grad_norm):  # as the torch engine: a non-finite update is skipped
+            self.optimizer.step()
+        return float(grad_norm)
+
+    def _reduce(self, totals: dict[str, float]) -> dict[str, float]:
+        return reduce_totals(self, totals) if self.pp > 1 else totals
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """On the copy's rank 0, HF name -> full CPU tensor (tied weights once); {} on the others.
+
+        Every rank must call it: each parameter's tensor-parallel cuts are gathered, one
+        parameter at a time, then each stage's tensor rank 0 sends its stage to stage 0."""
         full: dict[str, torch.Tensor] = {}
         for name, param in self.model.named_parameters():
             local = param.detach()
@@ -177,43 +294,50 @@ class MegatronTrainEngine(TorchTrainEngine):
                     full[name] = merge(name, [p.cpu() for p in parts])
             else:
                 full[name] = local.to("cpu", copy=True)
-        return megatron_to_hf(full, self.spec) if self.tp_rank == 0 else {}
+        if self.pp > 1:
+            stages: list[Any] = [None] * self.pp
+            dist.all_gather_object(stages, full if self.tp_rank == 0 else {}, group=self.pp_group)
+            full = unstage_params(stages, self.spec)
+        return megatron_to_hf(full, self.spec) if self.rank == 0 else {}
 
     # --- checkpoints: one file per rank in a step directory, then rank 0's pointer (the commit) --
 
     def has_checkpoint(self, path: Path) -> bool:
         seen = torch.tensor([int(path.exists())], dtype=torch.int64, device=self.device)
         dist.all_reduce(seen)
-        if int(seen.item()) not in (0, self.tp):
-            raise ValueError(f"{path}: {int(seen.item())} of {self.tp} ranks see a checkpoint; the directory must be shared")
+        ranks = dist.get_world_size()
+        if int(seen.item()) not in (0, ranks):
+            raise ValueError(f"{path}: {int(seen.item())} of {ranks} ranks see a checkpoint; the directory must be shared")
         return bool(seen.item())
 
     def save_checkpoint(
         self, path: Path, extra: dict[str, Any] | None = None, before_replace: Callable[[], None] | None = None
     ) -> None:
         step_dir = path.with_name(f"{path.name}.d") / f"step-{self.step}"
-        if self.tp_rank == 0 and step_dir.exists():
+        if self.rank == 0 and step_dir.exists():
             shutil.rmtree(step_dir)  # a save of this step that was killed before its commit
         dist.barrier()
         own = {
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
             "rng": _rng_state(), "extra": extra or {},
         }
-        _atomic_save(own, step_dir / f"rank{self.tp_rank}.pt")
+        _atomic_save(own, step_dir / f"rank{self.rank}.pt")
         if before_replace is not None:
             before_replace()
         dist.barrier()
-        if self.tp_rank == 0:
-            _atomic_save({"dir": step_dir.name, "step": self.step, "tensor_parallel_size": self.tp}, path)
+        if self.rank == 0:
+            _atomic_save({"dir": step_dir.name, "step": self.step, "tensor_parallel_size": self.tp,
+                          "pipeline_parallel_size": self.pp}, path)
             for old in step_dir.parent.iterdir():
                 if old.name != step_dir.name:
                     shutil.rmtree(old, ignore_errors=True)
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
         pointer = torch.load(path, weights_only=True)
-        if pointer["tensor_parallel_size"] != self.tp:
-            raise ValueError(f"{path}: written with tensor_parallel_size {pointer['tensor_parallel_size']}, this run has {self.tp}")
-        own = torch.load(path.with_name(f"{path.name}.d") / pointer["dir"] / f"rank{self.tp_rank}.pt", map_location=self.device, weights_only=True)
+        written = (pointer["tensor_parallel_size"], pointer.get("pipeline_parallel_size", 1))
+        if written != (self.tp, self.pp):
+            raise ValueError(f"{path}: written at tensor x pipeline parallel {written[0]} x {written[1]}, this run has {self.tp} x {self.pp}")
+        own = torch.load(path.with_name(f"{path.name}.d") / pointer["dir"] / f"rank{self.rank}.pt", map_location=self.device, weights_only=True)
         self.model.load_state_dict(own["model"])
         self.optimizer.load_state_dict(own["optimizer"])
         self.step = own["step"]

@@ -19,16 +19,13 @@ class MegatronConfig(Section):
     tensor_parallel_size: int = Field(1, ge=1)
     """Ranks one model copy's layers are split over (megatron's tensor parallelism: attention by
     query groups, MLP by columns and rows, the vocabulary by slices). Must divide the model's
-    num_key_value_heads and intermediate_size. The trainer then runs this many ranks (`--rank 0
-    .. tp-1`, the local job starts them), which meet as fsdp ranks do and all read `batches.0`."""
+    num_key_value_heads and intermediate_size. The trainer then runs tp x pp ranks (`--rank 0
+    .. tp*pp-1`, the local job starts them), which meet as fsdp ranks do and all read `batches.0`."""
     pipeline_parallel_size: int = Field(1, ge=1)
-    """Pipeline stages (layers split into consecutive groups); only 1 is supported yet."""
-
-    @model_validator(mode="after")
-    def _supported(self) -> MegatronConfig:
-        if self.pipeline_parallel_size != 1:
-            raise ValueError(f"trainer.megatron.pipeline_parallel_size {self.pipeline_parallel_size}: only 1 is supported yet")
-        return self
+    """Pipeline stages one model copy's layers are split over (consecutive layers per stage, the
+    embedding on the first, the final norm and output layer on the last; megatron's 1F1B
+    schedule over the step's micro-batches). Must divide num_hidden_layers. Each stage is
+    `tensor_parallel_size` ranks."""
 
 
 class TrainerConfig(Section):
@@ -91,11 +88,16 @@ class TrainerConfig(Section):
 
     @property
     def tp_size(self) -> int:
-        """Tensor-parallel ranks per model copy: megatron's, else 1."""
+        """Tensor-parallel ranks per pipeline stage: megatron's, else 1."""
         return self.megatron.tensor_parallel_size if self.engine == "megatron" else 1
 
     @property
+    def copy_size(self) -> int:
+        """Ranks holding one model copy: megatron's tensor x pipeline parallel sizes, else 1."""
+        return self.tp_size * self.megatron.pipeline_parallel_size if self.engine == "megatron" else 1
+
+    @property
     def ranks(self) -> int:
-        """Trainer processes of the run: dp_size x tp_size (`--rank 0 .. ranks-1`). Rank k reads
-        `batches.<k // tp_size>`; the ranks of one model copy read the same batches."""
-        return self.dp_size * self.tp_size
+        """Trainer processes of the run: dp_size x copy_size (`--rank 0 .. ranks-1`). Rank k reads
+        `batches.<k // copy_size>`; the ranks of one model copy read the same batches."""
+        return self.dp_size * self.copy_size

@@ -1,6 +1,6 @@
 """A real megatron-core GPTModel on the CPU, loaded through `engines.megatron_names`, against HF logits.
 
-Usage: ``megatron_cpu_proc.py OUT_DIR [cuda | tp2]``. Run as its own process by `tests/test_megatron.py` (it starts a one-rank gloo group and
+Usage: ``megatron_cpu_proc.py OUT_DIR [cuda | tp2 | pp2]``. Run as its own process by `tests/test_megatron.py` (it starts a one-rank gloo group and
 megatron's parallel state, and patches two CUDA-only spots, none of which a test process
 should keep). Prints "logits match: qwen2 llama" when both models agree, then checks
 `MegatronTrainEngine` against `TorchTrainEngine` on the tiny model (left-padded rows: the
@@ -8,7 +8,8 @@ same log-probs, two steps with the same losses, grad norms and exported weights;
 engine resumed from the checkpoint before step 1 repeats it exactly) and prints
 "engine matches torch"; exits 1 at the first difference. With ``cuda`` only the engine
 check runs, on the GPU, with nothing patched (the GPU test); with ``tp2`` it runs on two gloo
-ranks with tensor_parallel_size 2, each against its own torch engine.
+ranks with tensor_parallel_size 2, with ``pp2`` on two with pipeline_parallel_size 2 (one
+stage each), each rank against its own torch engine.
 
 megatron-core 0.16 on the CPU: its forward reaches for CUDA twice, both patched by
 `engines.megatron_train.cpu_workarounds` (the engine applies it itself on the CPU; the raw
@@ -57,11 +58,12 @@ def hf_models() -> dict[str, torch.nn.Module]:
 
 def main() -> int:
     out, device = Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "cpu"
-    if device == "tp2":  # two gloo ranks, one model cut in two
+    if device in ("tp2", "pp2"):  # two gloo ranks, one model cut in two (tensor or pipeline parallel)
         import torch.multiprocessing as mp
 
-        mp.spawn(tp_rank_main, args=(free_port(), str(out)), nprocs=2, join=True)  # raises if a rank fails
-        print("tp2 engine matches torch")
+        sizes = (2, 1) if device == "tp2" else (1, 2)
+        mp.spawn(tp_rank_main, args=(free_port(), str(out), *sizes), nprocs=2, join=True)  # raises if a rank fails
+        print(f"{device} engine matches torch")
         return 0
     if device != "cpu":  # on a GPU: the engine against the torch engine there, nothing patched
         return engine_matches_torch(out, device)
@@ -120,29 +122,29 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def tp_rank_main(rank: int, port: int, out: str) -> None:
+def tp_rank_main(rank: int, port: int, out: str, tp: int, pp: int) -> None:
     cpu_workarounds()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    code = engine_matches_torch(Path(out), "cpu", tp=2)
+    dist.init_process_group("gloo", rank=rank, world_size=tp * pp)
+    code = engine_matches_torch(Path(out), "cpu", tp=tp, pp=pp)
     dist.destroy_process_group()
     if code:
-        raise SystemExit(f"tp rank {rank}: the engine differs from the torch engine")
+        raise SystemExit(f"rank {rank} (tp {tp}, pp {pp}): the engine differs from the torch engine")
 
 
-def engine_matches_torch(out: Path, device: str, tp: int = 1) -> int:
+def engine_matches_torch(out: Path, device: str, tp: int = 1, pp: int = 1) -> int:
     from engines.megatron_train import MegatronTrainEngine
     from producers.tasks import VOCAB
 
     model_dir = out / "tiny"
-    if not (tp > 1 and dist.get_rank() != 0):
+    if tp * pp == 1 or dist.get_rank() == 0:
         build_tiny_model(model_dir, VOCAB, seed=0)
-    if tp > 1:
+    if tp * pp > 1:
         dist.barrier()  # rank 0 wrote the model
     args: dict[str, Any] = {"lr": 1e-4, "seed": 0, "device": device}
     torch_engine = TorchTrainEngine(model_dir, **args)
-    megatron = MegatronTrainEngine(model_dir, tensor_parallel_size=tp, **args)
-    lead = megatron.tp_rank == 0  # the rank export_weights returns the weights on
+    megatron = MegatronTrainEngine(model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, **args)
+    lead = megatron.rank == 0  # the rank export_weights returns the weights on
     # Its own generator: the engines' inits draw from the global one differently per tp size.
     ids = torch.randint(1, len(VOCAB), (3, 9), generator=torch.Generator().manual_seed(3))
     attention = torch.ones_like(ids)
@@ -161,11 +163,14 @@ def engine_matches_torch(out: Path, device: str, tp: int = 1) -> int:
     if diff > TOLERANCE:
         return 1
     batch = MicroBatch(ids, attention, loss_mask, torch.tensor([1.0, -0.5, 2.0]), (want - 0.02) * loss_mask)
+    # A second micro-batch of another [B, T]: the step accumulates over both (at pipeline
+    # parallel they pass the stages in megatron's schedule, each activation's shape sent first).
+    short = MicroBatch(ids[:2, :7], attention[:2, :7], loss_mask[:2, :7], torch.tensor([-1.0, 0.5]), (want[:2, :7] + 0.01) * loss_mask[:2, :7])
     checkpoint = out / "checkpoints" / "megatron.pt"
     for step in range(2):
         if step == 1:
             megatron.save_checkpoint(checkpoint, {"last_seq": 7})
-        a, b = torch_engine.train_step([batch]), megatron.train_step([batch])
+        a, b = torch_engine.train_step([batch, short]), megatron.train_step([batch, short])
         print(f"engine step {step}: loss {a['loss']:.6g} / {b['loss']:.6g}, grad_norm {a['grad_norm']:.6g} / {b['grad_norm']:.6g}")
         if any(abs(a[k] - b[k]) > TOLERANCE * max(1.0, abs(a[k])) for k in ("loss", "grad_norm", "entropy", "ratio_mean")):
             return 1
@@ -185,11 +190,11 @@ def engine_matches_torch(out: Path, device: str, tp: int = 1) -> int:
     if worst > 0.1 * args["lr"]:
         return 1
     # Resume: a new engine from the checkpoint written before step 1 takes step 1 as the first did.
-    resumed = MegatronTrainEngine(model_dir, tensor_parallel_size=tp, **args)
+    resumed = MegatronTrainEngine(model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, **args)
     if not resumed.has_checkpoint(checkpoint) or resumed.load_checkpoint(checkpoint) != {"last_seq": 7}:
         print("engine: the checkpoint did not load back")
         return 1
-    resumed.train_step([batch])
+    resumed.train_step([batch, short])
     again = resumed.export_weights()
     if resumed.step != 2 or not all(torch.equal(again[n], ours[n]) for n in ours):
         print("engine: the resumed step differs from the uninterrupted one")

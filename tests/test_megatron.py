@@ -20,7 +20,16 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config
 
 from engines.megatron_config import spec_from_hf
-from engines.megatron_names import fuse_qkv, hf_to_megatron, megatron_to_hf, merge, shard, split_qkv
+from engines.megatron_names import (
+    fuse_qkv,
+    hf_to_megatron,
+    megatron_to_hf,
+    merge,
+    shard,
+    split_qkv,
+    stage_params,
+    unstage_params,
+)
 from engines.tiny import build_tiny_model
 from producers.tasks import VOCAB
 
@@ -139,6 +148,29 @@ def test_tp2_shards_are_megatrons_cuts_and_merge_back_exactly(tiny_qwen2: torch.
     assert torch.equal(shard("decoder.layers.0.input_layernorm.weight", norm, 1, 2), norm)
 
 
+@pytest.mark.parametrize("tie", [False, True])
+def test_pipeline_stages_hold_their_layers_renumbered_and_merge_back(tie: bool) -> None:
+    """4 layers over 2 stages: stage 1 holds layers 2, 3 as 0, 1, the final norm and the output
+    layer (tied: its own copy of the embedding); stage 0 the embedding and layers 0, 1."""
+    torch.manual_seed(2)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=15, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie,
+    ))
+    spec = spec_from_hf(model.config, pipeline_parallel_size=2)
+    full = hf_to_megatron(hf_params(model), spec)
+    first, last = stage_params(full, spec, 0), stage_params(full, spec, 1)
+    assert "embedding.word_embeddings.weight" in first and "decoder.final_layernorm.weight" not in first
+    assert {n.split(".")[2] for n in first if n.startswith("decoder.layers.")} == {"0", "1"}
+    assert torch.equal(last["decoder.layers.0.mlp.linear_fc2.weight"], full["decoder.layers.2.mlp.linear_fc2.weight"])
+    assert torch.equal(last["decoder.layers.1.input_layernorm.weight"], full["decoder.layers.3.input_layernorm.weight"])
+    assert "embedding.word_embeddings.weight" not in last
+    want_output = full["embedding.word_embeddings.weight"] if tie else full["output_layer.weight"]
+    assert torch.equal(last["output_layer.weight"], want_output)
+    back = unstage_params([first, last], spec)
+    assert back.keys() == full.keys() and all(torch.equal(back[n], t) for n, t in full.items())
+
+
 def test_odd_vocab_is_padded_for_tp_and_cut_back() -> None:
     model = tiny_llama()
     spec = spec_from_hf(model.config, tensor_parallel_size=2)
@@ -235,6 +267,22 @@ def test_megatron_engine_cut_over_two_cpu_ranks_trains_as_the_torch_engine(tmp_p
     assert "tp2 engine matches torch" in done.stdout
 
 
+def test_megatron_engine_in_two_pipeline_stages_trains_as_the_torch_engine(tmp_path: Path) -> None:
+    """Pipeline parallel 2 over gloo, one layer per stage: megatron's 1F1B schedule over two
+    micro-batches of different shapes, the loss on the last stage, the tied embedding's two
+    copies (first stage's input, last stage's output layer) summing their gradients, the grad
+    norm over both stages, the export gathered from both stages under HF names, a checkpoint
+    per rank: against the one-process torch engine, to float tolerance."""
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        pytest.skip("megatron-core is not installed (pip install 'jetrl[megatron]')")
+    proc = Path(__file__).with_name("megatron_cpu_proc.py")
+    root = str(Path(__file__).parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(proc), str(tmp_path), "pp2"], capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "pp2 engine matches torch" in done.stdout
+
+
 def test_megatron_engine_on_a_gpu_trains_as_the_torch_engine(tmp_path: Path) -> None:
     """The same engine check on CUDA, megatron-core unpatched. Never run yet (no GPU so far)."""
     if not torch.cuda.is_available():
@@ -261,8 +309,12 @@ def test_trainer_config_takes_megatron_and_refuses_what_it_cannot_run() -> None:
     assert (cfg.trainer.megatron.tensor_parallel_size, cfg.trainer.megatron.pipeline_parallel_size) == (1, 1)
     tp2 = RunConfig.model_validate({"trainer": {"engine": "megatron", "megatron": {"tensor_parallel_size": 2}}})
     assert tp2.trainer.ranks == 2  # tensor-parallel ranks are trainer processes (tests/test_megatron_job.py)
+    both = RunConfig.model_validate(
+        {"trainer": {"engine": "megatron", "megatron": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}}}
+    )
+    assert (both.trainer.copy_size, both.trainer.ranks) == (4, 4)  # one copy: tp x pp ranks, all on batches.0
     for bad, error in (
-        ({"megatron": {"pipeline_parallel_size": 2}}, "pipeline_parallel_size 2: only 1 is supported yet"),
+        ({"megatron": {"pipeline_parallel_size": 0}}, "pipeline_parallel_size"),
         ({"dp_size": 2}, "dp_size 2 needs engine fsdp: the megatron engine"),
     ):
         with pytest.raises(ValidationError, match=error):
