@@ -1,10 +1,10 @@
 """Megatron-core train engine (`trainer.engine: megatron`): megatron's GPTModel built from the HF
-checkpoint's config, tensor-parallel over the default process group, trained with our loss.
+checkpoint's config, tensor- and pipeline-parallel over the default process group, trained with our loss.
 
 NEVER RUN ON A GPU. Its pieces are tested on the CPU (`tests/test_megatron.py`): the config
 translation and the weight mapping, and, where megatron-core is installed, this engine itself
 against `TorchTrainEngine`, with a checkpoint resume, on one CPU rank and on two gloo ranks at
-tensor parallel 2 (`tests/megatron_cpu_proc.py`), and the built-in job with two trainer ranks
+tensor parallel 2 and on two at pipeline parallel 2 (`tests/megatron_cpu_proc.py`), and the built-in job with two trainer ranks
 at tensor parallel 2 (`tests/test_megatron_job.py`). On the CPU `cpu_workarounds` patches two
 CUDA-only spots of megatron-core. What no test has run: CUDA, NCCL.
 
@@ -15,7 +15,9 @@ padding on either side need.
 
 One step is `TorchTrainEngine.train_step` (the same loss, accumulation and metrics): every
 tensor-parallel rank takes the same micro-batches, so nothing but the logits (gathered over
-the vocabulary: `parallel_output=False`) and the grad norm crosses ranks.
+the vocabulary: `parallel_output=False`) and the grad norm crosses ranks. At pipeline parallel
+each rank holds one stage and an update's passes run through megatron's schedule
+(`engines.megatron_pipeline`), the loss on the last stage.
 """
 
 from __future__ import annotations
@@ -94,7 +96,8 @@ class MegatronNotInstalled(RuntimeError):
 
 
 class MegatronTrainEngine(TorchTrainEngine):
-    """`TorchTrainEngine` whose model is megatron-core's GPTModel, cut over `tensor_parallel_size` ranks."""
+    """`TorchTrainEngine` whose model is megatron-core's GPTModel, cut over `tensor_parallel_size` x
+    `pipeline_parallel_size` ranks (rank = pp_rank x tp + tp_rank, megatron's default order)."""
 
     name = "megatron"
     collective = True
@@ -102,8 +105,8 @@ class MegatronTrainEngine(TorchTrainEngine):
     def __init__(
         self, model_dir: Path, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, **kwargs: Any
     ) -> None:
-        """The default process group must hold exactly the tensor-parallel ranks (one model
-        copy); with size 1 and no group, a one-rank group is made here."""
+        """The default process group must hold exactly the tensor x pipeline parallel ranks (one
+        model copy); with size 1 and no group, a one-rank group is made here."""
         try:
             from megatron.core import parallel_state
         except ImportError:
