@@ -1,9 +1,11 @@
-"""The built-in job with `trainer.engine: megatron` at tensor parallel 2, on CPU ranks (gloo).
+"""The built-in job with `trainer.engine: megatron` at tensor parallel 2 and at pipeline
+parallel 2, on CPU ranks (gloo).
 
 The local job starts `trainer` (rank 0) and `trainer-rank1`: `trainer.ranks` is dp_size x
-tensor parallel. They meet through the run's KV as fsdp ranks do, both read `batches.0` (one
-model copy, cut in two), and take each step together: the same loss on both, each step's
-samples trained once, one checkpoint of both cuts, and every version gathered to rank 0 and
+tensor x pipeline parallel. They meet through the run's KV as fsdp ranks do, both read `batches.0` (one
+model copy, cut in two: by tensor slices or by layer stages), and take each step together: the
+same loss on both (at pipeline parallel the last stage's, handed to the first), each step's
+samples trained once, one checkpoint of both parts, and every version gathered to rank 0 and
 loaded by the rollout worker under HF names. Needs megatron-core (the dev extra has it).
 """
 
@@ -23,9 +25,12 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 STEPS = 4
 
 
-def config(run: str) -> dict:
+SIZES = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
+
+
+def config(run: str, sizes: str = "tp2") -> dict:
     example = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
-    trainer = {**example["trainer"], "engine": "megatron", "megatron": {"tensor_parallel_size": 2}, "checkpoint_every": 2}
+    trainer = {**example["trainer"], "engine": "megatron", "megatron": SIZES[sizes], "checkpoint_every": 2}
     return {**example, "run": run, "trainer": trainer}
 
 
@@ -38,17 +43,19 @@ def test_tensor_parallel_ranks_are_trainer_processes_reading_one_batch_stream(tm
 
 
 @pytest.mark.timeout(300)
-def test_the_job_trains_on_two_tensor_parallel_megatron_ranks(tmp_path: Path) -> None:
-    job = run_local_job(config(f"tp2-{tmp_path.name[-12:]}"), tmp_path, STEPS, timeout=280)
+@pytest.mark.parametrize("sizes", ["tp2", "pp2"])
+def test_the_job_trains_on_two_model_parallel_megatron_ranks(tmp_path: Path, sizes: str) -> None:
+    job = run_local_job(config(f"{sizes}-{tmp_path.name[-12:]}", sizes), tmp_path, STEPS, timeout=280)
     summary, logs = job.summary, job.logs
-    cfg = parse_config(config("tp2"), "tp2")
+    cfg = parse_config(config(sizes, sizes), sizes)
+    assert (cfg.trainer.copy_size, cfg.trainer.ranks) == (2, 2)
     per_step = cfg.algorithm.prompts_per_step * cfg.data.n
     assert summary["steps"] == STEPS and summary["samples_trained"] == STEPS * per_step
 
     names = ("trainer-0.log", "trainer-rank1-0.log")
     for rank, name in enumerate(names):
         assert f"rank {rank} of 2 joined the process group" in logs[name]
-    # One model copy: both cuts take every step on the same micro-batches, so the same loss.
+    # One model copy: both parts take every step on the same micro-batches, so the same loss.
     losses = {name: job.losses(name) for name in names}
     assert losses[names[0]] == losses[names[1]] and len(losses[names[0]]) == STEPS, losses
     assert [(m["step"], m["samples"]) for m in job.merged_metrics()] == [(step, per_step) for step in range(STEPS)]
