@@ -4,10 +4,10 @@ checkpoint's config, tensor- and pipeline-parallel over the default process grou
 NEVER RUN ON A GPU. Its pieces are tested on the CPU (`tests/test_megatron.py`): the config
 translation and the weight mapping, and, where megatron-core is installed, this engine itself
 against `TorchTrainEngine`, with a checkpoint resume, on one CPU rank and on two gloo ranks at
-tensor parallel 2 and on two at pipeline parallel 2 (`tests/megatron_cpu_proc.py`), and the
+tensor parallel 2, on two at pipeline parallel 2 and on four at both (`tests/megatron_cpu_proc.py`), and the
 built-in job with two trainer ranks at tensor parallel 2 and at pipeline parallel 2
 (`tests/test_megatron_job.py`). On the CPU `cpu_workarounds` patches megatron-core's CUDA-only
-spots. What no test has run: CUDA, NCCL, tensor and pipeline parallel together.
+spots. What no test has run: CUDA, NCCL.
 
 megatron-core is imported when the engine is built, never at module import: a run without
 `jetrl[megatron]` does not need it. The layer spec is megatron's local one (plain torch

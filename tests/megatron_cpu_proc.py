@@ -1,6 +1,6 @@
 """A real megatron-core GPTModel on the CPU, loaded through `engines.megatron_names`, against HF logits.
 
-Usage: ``megatron_cpu_proc.py OUT_DIR [cuda | tp2 | pp2]``. Run as its own process by `tests/test_megatron.py` (it starts a one-rank gloo group and
+Usage: ``megatron_cpu_proc.py OUT_DIR [cuda | tp2 | pp2 | tp2pp2]``. Run as its own process by `tests/test_megatron.py` (it starts a one-rank gloo group and
 megatron's parallel state, and patches two CUDA-only spots, none of which a test process
 should keep). Prints "logits match: qwen2 llama" when both models agree, then checks
 `MegatronTrainEngine` against `TorchTrainEngine` on the tiny model (left-padded rows: the
@@ -9,7 +9,8 @@ engine resumed from the checkpoint before step 1 repeats it exactly) and prints
 "engine matches torch"; exits 1 at the first difference. With ``cuda`` only the engine
 check runs, on the GPU, with nothing patched (the GPU test); with ``tp2`` it runs on two gloo
 ranks with tensor_parallel_size 2, with ``pp2`` on two with pipeline_parallel_size 2 (one
-stage each), each rank against its own torch engine.
+stage each), with ``tp2pp2`` on four (two stages, each cut in two), each rank against its
+own torch engine.
 
 megatron-core 0.16 on the CPU: its forward reaches for CUDA twice, both patched by
 `engines.megatron_train.cpu_workarounds` (the engine applies it itself on the CPU; the raw
@@ -58,11 +59,12 @@ def hf_models() -> dict[str, torch.nn.Module]:
 
 def main() -> int:
     out, device = Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "cpu"
-    if device in ("tp2", "pp2"):  # two gloo ranks, one model cut in two (tensor or pipeline parallel)
+    layouts = {"tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}  # (tensor, pipeline) parallel sizes
+    if device in layouts:  # gloo ranks, one model cut over them
         import torch.multiprocessing as mp
 
-        sizes = (2, 1) if device == "tp2" else (1, 2)
-        mp.spawn(tp_rank_main, args=(free_port(), str(out), *sizes), nprocs=2, join=True)  # raises if a rank fails
+        tp, pp = layouts[device]
+        mp.spawn(tp_rank_main, args=(free_port(), str(out), tp, pp), nprocs=tp * pp, join=True)  # raises if a rank fails
         print(f"{device} engine matches torch")
         return 0
     if device != "cpu":  # on a GPU: the engine against the torch engine there, nothing patched

@@ -267,20 +267,22 @@ def test_megatron_engine_cut_over_two_cpu_ranks_trains_as_the_torch_engine(tmp_p
     assert "tp2 engine matches torch" in done.stdout
 
 
-def test_megatron_engine_in_two_pipeline_stages_trains_as_the_torch_engine(tmp_path: Path) -> None:
-    """Pipeline parallel 2 over gloo, one layer per stage: megatron's 1F1B schedule over two
-    micro-batches of different shapes, the loss on the last stage, the tied embedding's two
-    copies (first stage's input, last stage's output layer) summing their gradients, the grad
-    norm over both stages, the export gathered from both stages under HF names, a checkpoint
-    per rank: against the one-process torch engine, to float tolerance."""
+@pytest.mark.parametrize("layout", ["pp2", "tp2pp2"])
+def test_megatron_engine_in_two_pipeline_stages_trains_as_the_torch_engine(tmp_path: Path, layout: str) -> None:
+    """Pipeline parallel 2 over gloo (2 ranks; and 4, each stage also at tensor parallel 2), one
+    layer per stage: megatron's 1F1B schedule over two micro-batches of different shapes, the
+    loss on the last stage, the tied embedding's two copies (first stage's input, last stage's
+    output layer) summing their gradients, the grad norm over both stages, the export gathered
+    from both stages under HF names, a checkpoint per rank: against the one-process torch
+    engine, to float tolerance."""
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         pytest.skip("megatron-core is not installed (pip install 'jetrl[megatron]')")
     proc = Path(__file__).with_name("megatron_cpu_proc.py")
     root = str(Path(__file__).parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(proc), str(tmp_path), "pp2"], capture_output=True, text=True, timeout=240, env=env)
+    done = subprocess.run([sys.executable, str(proc), str(tmp_path), layout], capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert "pp2 engine matches torch" in done.stdout
+    assert f"{layout} engine matches torch" in done.stdout
 
 
 def test_megatron_engine_on_a_gpu_trains_as_the_torch_engine(tmp_path: Path) -> None:
