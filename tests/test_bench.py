@@ -51,6 +51,7 @@ def test_bench_learn_quick() -> None:
     figures = last_json(["ops.bench.learn", "--quick"], timeout=580)
     assert figures["quick"] is True
     assert figures["steps"] > 0 and figures["samples_per_s"] > 0 and figures["sync_samples_per_s"] > 0
+    assert figures["steady_samples_per_s"] > 0 and figures["sync_steady_samples_per_s"] > 0
     assert 0.0 <= figures["reward_start"] <= 1.0 and 0.0 <= figures["reward_end"] <= 1.0
 
 
