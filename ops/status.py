@@ -26,6 +26,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+import nats.errors
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
@@ -265,7 +266,12 @@ async def _draw(url: str, topology: Topology, watch: bool, batches: int, stop: a
     nc = await asyncio.wait_for(connect(url, "ops-status"), CONNECT_SECONDS)
     js = nc.jetstream()
     try:
-        topology = await as_stored(js, topology)
+        try:
+            topology = await as_stored(js, topology)
+        except nats.errors.Error as e:
+            # No quorum for the run's KV (or no server answering): draw the default pipeline's
+            # queues, each `?` where it cannot be read, rather than nothing.
+            print(f"ops.status: run {topology.run}'s config unreadable ({e or type(e).__name__}): default queues shown", file=sys.stderr)
         before = await sample(js, topology)
         while not stop.is_set():
             await asyncio.sleep(WATCH_SECONDS if watch else 1.0)
