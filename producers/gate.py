@@ -16,9 +16,11 @@ producer issues no prompt twice and skips none.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 
+import nats.errors
 from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
@@ -152,7 +154,15 @@ class Producer:
                         del self.rank_metrics[m["step"]]
                 self.changed.set()
 
-        await asyncio.gather(follow_weights(), follow_kv())
+        try:
+            await asyncio.gather(follow_weights(), follow_kv())
+        finally:
+            # Once nobody reads them, their messages pile up unprocessed, and the connection's
+            # drain at exit would wait on those queues until it gave up (a logged traceback).
+            with contextlib.suppress(nats.errors.Error):
+                await weights.unsubscribe()
+            with contextlib.suppress(nats.errors.Error):
+                await kv_watch.stop()
 
     async def feed(self) -> None:
         """Publish prompts as the gate allows, until the trainer has its last step."""
