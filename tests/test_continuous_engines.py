@@ -91,6 +91,15 @@ def trainer_logprobs(trainer: TorchTrainEngine, prompt: list[int], response: lis
     return trainer.logprobs(ids, torch.ones_like(ids))[0, len(prompt):]
 
 
+def logprobs_under(trainer: TorchTrainEngine, weights: dict[str, torch.Tensor], prompt: list[int],
+                   response: list[int]) -> torch.Tensor:
+    """The trainer's log-probs of `response` after `prompt` with its parameters set to `weights`."""
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            p.copy_(weights[name])
+    return trainer_logprobs(trainer, prompt, response)
+
+
 def tokens_in(core: FakeCore, least: int) -> bool:
     """Every request in the engine has computed `least` tokens (and some are there)."""
     active = dict(core.active)
@@ -131,13 +140,8 @@ def test_samples_in_flight_go_on_with_the_new_weights_each_token_tagged_and_alig
         assert versions == sorted(versions) and set(versions) <= {0, 1}, versions
         spanning += {0, 1} <= set(versions)
         response = sample.token_ids.tolist()
-        with torch.no_grad():
-            for name, p in trainer.model.named_parameters():
-                p.copy_(old[name])
-            under_old = trainer_logprobs(trainer, prompt, response)
-            for name, p in trainer.model.named_parameters():
-                p.copy_(new[name])
-            under_new = trainer_logprobs(trainer, prompt, response)
+        under_old = logprobs_under(trainer, old, prompt, response)
+        under_new = logprobs_under(trainer, new, prompt, response)
         # Each token's log-prob is the trainer's under the version it is tagged with.
         expected = torch.where(sample.versions == 1, under_new, under_old)
         torch.testing.assert_close(sample.logprobs, expected, atol=1e-5, rtol=0)
@@ -260,13 +264,8 @@ def test_the_rollout_worker_drives_the_vllm_adapter_through_a_version_change(
         assert versions.tolist() == sorted(versions.tolist()), f"{t.id}: versions go back: {versions.tolist()}"
         spanning += {0, 1} <= set(versions.tolist())
         prompt, response = t.prompt_ids.numpy().tolist(), t.response_ids.numpy().tolist()
-        with torch.no_grad():
-            for name, p in trainer.model.named_parameters():
-                p.copy_(old[name])
-            under_old = trainer_logprobs(trainer, prompt, response)
-            for name, p in trainer.model.named_parameters():
-                p.copy_(new[name])
-            under_new = trainer_logprobs(trainer, prompt, response)
+        under_old = logprobs_under(trainer, old, prompt, response)
+        under_new = logprobs_under(trainer, new, prompt, response)
         got = torch.from_numpy(t.logprobs.numpy().copy())
         torch.testing.assert_close(got, torch.where(versions == 1, under_new, under_old), atol=1e-5, rtol=0,
                                    msg=lambda m, t=t: f"{t.id}: {m}")
