@@ -61,6 +61,8 @@ TOKENS = 30
 SECONDS_PER_TOKEN = 0.01
 LOAD_SECONDS = 0.3
 LOADS = 2
+HOLD_SECONDS = 10.0
+"""How long a held sample waits for the load it is held for (see `RecordingSimulated.hold`)."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,13 @@ class Span:
 class RecordingSimulated(SimulatedRolloutEngine):
     """The simulated engine, recording every token computed and every load; a load takes
     LOAD_SECONDS and, unlike the engine's own, does not refuse to run beside a token (so that
-    the worker's pause, not the engine's guard, is what is checked)."""
+    the worker's pause, not the engine's guard, is what is checked).
+
+    `hold()` makes every sample wait before its next token until a load starts (at most
+    HOLD_SECONDS), so the samples in flight are still in flight when the version arrives,
+    however long its fetch takes on a loaded machine. The held tokens are not yet computing,
+    so the worker's pause goes through; they go on as the load starts and meet the pause, not
+    the hold, while it runs: a worker that does not pause still computes them beside the load."""
 
     def __init__(self, model_dir: Path) -> None:
         hf = HFRolloutEngine(model_dir, seed=0)  # the real model, for the worker's checks only
@@ -85,6 +93,16 @@ class RecordingSimulated(SimulatedRolloutEngine):
         super().__init__(hf.model, ModelLimits.of(hf.model).vocab_size, hf.eos_token_ids[0], settings)
         self.spans: list[Span] = []
         self._record = threading.Lock()
+        self._released = threading.Event()
+        self._released.set()
+
+    def hold(self) -> None:
+        self._released.clear()
+
+    def start_token(self) -> int:
+        if not self._released.wait(HOLD_SECONDS):
+            self._released.set()  # no load came: the hold ends for every sample
+        return super().start_token()
 
     def compute_token(self, due: float) -> None:
         start, version = time.monotonic(), self.version
@@ -93,6 +111,7 @@ class RecordingSimulated(SimulatedRolloutEngine):
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
         start, before = time.monotonic(), self.version
+        self._released.set()
         time.sleep(LOAD_SECONDS)
         self.version = self.version + 1 if version is None else version
         self.add(Span("load", start, time.monotonic(), before, self.version))
@@ -167,6 +186,8 @@ def run_flow(url: str, topology: Topology, model_dir: Path, partial: bool) -> tu
                     return len(engine.of("token")) >= before + 4 * (TOKENS + TOKENS // 3)
 
                 await eventually(mid_way, f"samples mid-way before v{version}")
+                if partial:  # a drain would wait out the hold
+                    engine.hold()
                 await publish_weights(js, topology, engine, version)
 
                 async def loaded(version: int = version) -> bool:
