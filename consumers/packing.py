@@ -83,11 +83,14 @@ def split(rows: list[Row], max_tokens: int) -> list[list[Row]]:
     than max_tokens still gets a micro-batch of its own.
     """
     batches: list[list[Row]] = []
+    longest = 0  # of the last micro-batch, kept as it grows: a step of n rows costs O(n), not O(n^2)
     for row in rows:
-        if batches and (len(batches[-1]) + 1) * max(r.tokens for r in batches[-1]) <= max_tokens:
+        if batches and (len(batches[-1]) + 1) * longest <= max_tokens:
             batches[-1].append(row)
+            longest = max(longest, row.tokens)
         else:
             batches.append([row])
+            longest = row.tokens
     return batches
 
 

@@ -73,6 +73,29 @@ def test_split_keeps_padded_micro_batches_under_the_token_budget() -> None:
     assert split([row(300)], 128)[0][0].tokens == 300  # an over-long row still travels, alone
 
 
+class CountedRow(Row):
+    """A row that counts how often its length is read (`reads`, shared by every instance)."""
+
+    reads = 0
+
+    @property
+    def tokens(self) -> int:
+        CountedRow.reads += 1
+        return super().tokens
+
+
+def test_split_reads_each_rows_length_a_bounded_number_of_times() -> None:
+    """Linear in the rows of a step: a large run's step (8,192 rows into few micro-batches) took
+    seconds of the buffer's time when each row re-read the lengths of the whole micro-batch."""
+    base = row(8)
+    rows = [CountedRow(f"s{i}", base.prompt, base.response, base.logprobs, base.versions, 1.0, 0.5, "")
+            for i in range(2000)]
+    CountedRow.reads = 0
+    batches = split(rows, max_tokens=8 * 1000)
+    assert [len(b) for b in batches] == [1000, 1000]
+    assert CountedRow.reads <= 2 * len(rows), f"{CountedRow.reads} length reads for {len(rows)} rows"
+
+
 def test_pack_step_pads_right_and_masks_responses_only() -> None:
     (micro,), = pack_step([row(5, "a"), row(3, "b")], ranks=1, max_tokens=64)
     assert micro.input_ids.shape == (2, 5)
