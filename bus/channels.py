@@ -5,7 +5,7 @@ Each flow between processes is a `Channel` in the tables below: its stream, the 
 whether its subject has a per-rank or per-stage token, its durable work queue (when competing
 workers share it), which roles publish it and which read it, and how. Publishing takes a channel
 and an event (`bus.publisher.Publisher.publish`), serving takes a channel and a handler
-(`bus.worker.Worker`); permissions (`ops.security`), `ops.status`, `ops.chaos`, the audit and the
+(`bus.worker.Worker`); permissions (`bus.security`), `ops.status`, `ops.chaos`, the audit and the
 architecture page derive from the tables instead of restating them. Roles appear here as plain
 names only. `bus.topology` makes the JetStream objects of one run from them.
 
@@ -36,7 +36,7 @@ E = TypeVar("E", bound=Event)
 
 
 class Read(Enum):
-    """How a role reads a channel; each way needs its own permissions (`ops.security`)."""
+    """How a role reads a channel; each way needs its own permissions (`bus.security`)."""
 
     WORK_QUEUE = "work queue"
     """Competing workers share the channel's durable consumer: each message goes to one, acked."""

@@ -44,10 +44,10 @@ from bus.dead import dead_letter
 from bus.topology import BATCHES, drop_key
 from bus.worker import HOLD, Hold, Reject, WorkerOptions, consumer_ack_wait
 from consumers.buffer_replay import BatchedSoFar, next_kl_coef, read_batches
-from consumers.crashpoints import BUFFER_MID_STEP, BUFFER_STEP_STORED, armed
+from bus.crashpoints import BUFFER_MID_STEP, BUFFER_STEP_STORED, armed
 from consumers.packing import BYTES_PER_TOKEN, REF_BYTES_PER_TOKEN, Row, pack_step
-from consumers.runtime import Runtime
-from consumers.stage import Stage, run_stage
+from bus.runtime import Runtime
+from bus.stage import Stage, run_stage
 from engines.algorithms.advantages import step_advantages
 from engines.algorithms.kl import ESTIMATORS, kl_in_reward, mean_sequence_kl
 from engines.algorithms.shaping import overlong_penalty

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from bus.topology import BATCHES
-from consumers.runtime import Runtime
+from bus.runtime import Runtime
 from engines.algorithms.kl import adaptive_kl_coef
 from schemas import BatchEvent, DecodeError, decode
 from schemas.config import AlgorithmConfig

@@ -49,10 +49,10 @@ from bus.dead import dead_letter
 from bus.topology import PROMPTS, REFUSED_PROMPT, TRAJECTORIES, WEIGHTS, drop_key
 from bus.worker import Reject, WorkerOptions
 from consumers.checks import ModelLimits
-from consumers.crashpoints import ROLLOUT_MID_WEIGHT_LOAD, ROLLOUT_STORED_NOT_ACKED
+from bus.crashpoints import ROLLOUT_MID_WEIGHT_LOAD, ROLLOUT_STORED_NOT_ACKED
 from consumers.rollout_replicas import Engine, Pending, Replicas
-from consumers.runtime import Runtime
-from consumers.stage import Helper, Stage, run_stage
+from bus.runtime import Runtime
+from bus.stage import Helper, Stage, run_stage
 from consumers.weights import (
     WeightsMissing,
     WeightsUnavailable,

@@ -36,7 +36,7 @@ import torch
 from opentelemetry import context
 
 from bus import metrics, tracing
-from consumers.crashpoints import ROLLOUT_MID_GENERATION
+from bus.crashpoints import ROLLOUT_MID_GENERATION
 from engines import protocols
 from engines.hf_rollout import HFRolloutEngine
 from engines.router import Router, RouterError

@@ -48,14 +48,14 @@ from bus.metrics import STALENESS, TRAIN_STEP_SECONDS, count_samples
 from bus.topology import BATCHES, WEIGHTS, metrics_key
 from bus.worker import Reject
 from consumers.checks import ModelLimits
-from consumers.crashpoints import (
+from bus.crashpoints import (
     TRAINER_METRICS_WRITTEN,
     TRAINER_MID_CHECKPOINT,
     TRAINER_MID_STEP,
 )
-from consumers.membership import member_ids
-from consumers.runtime import CannotAttach, Runtime
-from consumers.stage import Stage, run_stage
+from bus.membership import member_ids
+from bus.runtime import CannotAttach, Runtime
+from bus.stage import Stage, run_stage
 from consumers.trainer_dist import Group, exchange, join, leave, make_engine, watch
 from consumers.trainer_loggers import scalars, step_loggers
 from consumers.update_history import UpdateHistory

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from nats.js.errors import KeyNotFoundError
 
 from bus.topology import RENDEZVOUS_KEY
-from consumers.runtime import CannotAttach, Runtime
+from bus.runtime import CannotAttach, Runtime
 from consumers.weights.chain import ShardNote
 from engines.algorithms.schedule import lr_factor
 from engines.device import torch_dtype

@@ -40,7 +40,7 @@ from bus.topology import (
     metrics_prefix,
     run_id_arg,
 )
-from consumers.membership import stored_keys
+from bus.membership import stored_keys
 from ops.streams import as_stored
 from schemas import BatchEvent, DecodeError, Event, PromptEvent, decode
 

@@ -3,7 +3,7 @@
 Each run is the built-in job (`examples/digits.yaml`, shortened) against an embedded
 nats-server this tool owns, every process of it — the producer too, with `--nats URL --out
 DIR` — supervised by `consumers.supervisor.Supervisor`, which restarts what dies. Every fault is
-a crash point of `consumers.crashpoints` (its `moment` says what has happened and what has
+a crash point of `bus.crashpoints` (its `moment` says what has happened and what has
 not): the process kills itself with SIGKILL at that very moment, not at one guessed from
 outside. A full run fires all ten; --quick six (one per role, the trainer's twice):
 producer.mid_publish, rollout.mid_generation, reward.mid_scoring, buffer.mid_step (one
@@ -90,8 +90,8 @@ from bus.topology import (
     Topology,
     metrics_key,
 )
-from consumers import crashpoints
-from consumers.crashpoints import (
+from bus import crashpoints
+from bus.crashpoints import (
     BUFFER_MID_STEP,
     BUFFER_STEP_STORED,
     PRODUCER_MID_PUBLISH,
@@ -102,7 +102,7 @@ from consumers.crashpoints import (
     CrashPoint,
 )
 from consumers.fleet_config import ROLES, FleetConfig, RoleConfig
-from consumers.membership import live_members
+from bus.membership import live_members
 from consumers.supervisor import POLL_SECONDS, Supervisor
 from consumers.update_history import UpdateHistory
 from ops.audit import audit

@@ -1,7 +1,7 @@
 """The kills of a chaos run: which crash points fire, near which trainer step, and the pass that arms each.
 
 A crash point kills the process armed with `JETRL_CRASH_AT=<point>@k` on its k-th pass,
-counted from the process start (`consumers.crashpoints`). A run's points are spread over
+counted from the process start (`bus.crashpoints`). A run's points are spread over
 its steps: the steps from `first` to `last` are cut into one slot per point, each point (in
 a seeded random order) gets a random step inside its slot, its *target*. k is the number
 of passes the process will have made by the target, estimated from the run's shape: how
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bus.topology import BATCHES, METRICS, PROMPTS, REWARDS, TRAJECTORIES
-from consumers.crashpoints import (
+from bus.crashpoints import (
     BUFFER_MID_STEP,
     BUFFER_STEP_STORED,
     PRODUCER_MID_PUBLISH,

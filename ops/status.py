@@ -42,8 +42,8 @@ from bus.topology import (
     Topology,
     run_id_arg,
 )
-from consumers.membership import Member, live_members
-from ops.stall import stalled_line
+from bus.membership import Member, live_members
+from producers.stall import stalled_line
 from ops.streams import as_stored
 from schemas import BatchEvent, DecodeError, WeightVersionEvent, decode
 

@@ -1,6 +1,6 @@
 """`python -m ops.streams apply|show|delete|users --run R [--nats URL]`: a run's JetStream objects.
 
-`users` needs no server: it writes the run's per-role NATS identities (ops.security) to the
+`users` needs no server: it writes the run's per-role NATS identities (bus.security) to the
 directory --out: users.conf (public keys) and a seed file per role, readable by its owner only.
 The other actions connect as $JETRL_NATS_IDENTITY (the admin seed, on a secured server).
 `apply` and `delete` ride out a leader election (a node just died); both take the stream limits
@@ -26,7 +26,7 @@ from bus.connection import DEFAULT_URL, connect
 from bus.election import TRANSIENT, or_unknown, ride_out
 from bus.lag import queue_lag
 from bus.topology import CHANNELS, CONFIG_KEY, Topology, run_id_arg
-from ops.security import USERS_FILE, write_identities
+from bus.security import USERS_FILE, write_identities
 from schemas.config import ConfigError, RunConfig, parse_config
 from schemas.streams_config import stream_needs
 

@@ -27,8 +27,8 @@ from nats.js.errors import NotFoundError
 from bus import metrics, tracing
 from bus.election import ride_out
 from bus.topology import PROMPTS, REFUSED_PROMPT, WEIGHTS, dropped_prompt, metrics_prefix
-from consumers.crashpoints import PRODUCER_MID_PUBLISH
-from consumers.runtime import Runtime
+from bus.crashpoints import PRODUCER_MID_PUBLISH
+from bus.runtime import Runtime
 from producers.datasets import epoch_size, records
 from schemas import DecodeError, PromptEvent, WeightVersionEvent, decode
 from schemas.config import RunConfig

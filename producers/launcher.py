@@ -25,10 +25,10 @@ from bus.lag import queue_lag
 from bus.tasks import cancel_until_done
 from bus.topology import Topology
 from consumers.fleet_config import local_fleet
-from consumers.runtime import Runtime, attach, publish_config
+from bus.runtime import Runtime, attach, publish_config
 from consumers.supervisor import Supervisor
-from ops.security import USERS_FILE, write_identities
-from ops.stall import StallWatch
+from bus.security import USERS_FILE, write_identities
+from producers.stall import StallWatch
 from producers import report
 from producers.gate import Producer
 from schemas.config import RunConfig
@@ -67,7 +67,7 @@ async def lag(rt: Runtime) -> str:
 
 async def progress(producer: Producer, started: float, every: float = PROGRESS_SECONDS) -> None:
     """One line every `every` seconds until the last step's metrics arrive; once no step came for
-    `trainer.stall_after` seconds, it ends with who holds the work and why (`ops.stall`)."""
+    `trainer.stall_after` seconds, it ends with who holds the work and why (`producers.stall`)."""
     steps = producer.cfg.trainer.steps
     stall = StallWatch(producer.cfg.trainer.stall_after, since=started)
     while len(producer.metrics) < steps:

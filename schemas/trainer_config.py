@@ -75,7 +75,7 @@ class TrainerConfig(Section):
     prompt and response), as a bigger model would; 0 adds nothing."""
     stall_after: float = Field(30.0, gt=0)
     """Seconds with no completed step after which the run counts as stalled: the producer's progress
-    line, its log and `ops.status` then name the stage that holds the work and why (`ops.stall`)."""
+    line, its log and `ops.status` then name the stage that holds the work and why (`producers.stall`)."""
 
     @model_validator(mode="after")
     def _ranks_need_fsdp(self) -> TrainerConfig:

@@ -25,8 +25,8 @@ from nats.js.errors import KeyNotFoundError
 from bus.connection import connect
 from bus.publisher import Publisher
 from bus.topology import BATCHES, REWARDS, Topology, drop_key
-from consumers.crashpoints import CRASH_AT, CRASH_RECORD, arm
-from consumers.runtime import publish_config
+from bus.crashpoints import CRASH_AT, CRASH_RECORD, arm
+from bus.runtime import publish_config
 from schemas import BatchEvent, RewardEvent, Tensor, TrajectoryEvent, decode
 from schemas.config import RunConfig
 

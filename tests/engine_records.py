@@ -18,7 +18,7 @@ import torch
 from engines.protocols import Sample
 from engines.tiny import build_tiny_model
 from engines.torch_train import LossConfig, TorchTrainEngine
-from ops.gpu_external import response_logprobs
+from ops.gpu.external import response_logprobs
 from producers.tasks import VOCAB
 
 GOLDEN = Path(__file__).parent / "golden"

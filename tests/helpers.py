@@ -23,8 +23,8 @@ from nats.js import JetStreamContext
 from bus.connection import connect
 from bus.dead import REASON
 from bus.topology import DEAD, Channel, Topology
-from consumers.membership import Member, live_members
-from consumers.runtime import publish_config
+from bus.membership import Member, live_members
+from bus.runtime import publish_config
 
 from schemas import PromptEvent, RewardEvent, Tensor, TrajectoryEvent, WeightVersionEvent
 from schemas.config import RunConfig

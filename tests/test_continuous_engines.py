@@ -22,8 +22,8 @@ from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.topology import PROMPTS, TRAJECTORIES, WEIGHTS, Topology
 from consumers.rollout import Rollout, rollout_stage
-from consumers.runtime import attach, publish_config
-from consumers.stage import serve
+from bus.runtime import attach, publish_config
+from bus.stage import serve
 from engines.continuous import ContinuousAdapter
 from engines.protocols import ContinuousEngine, SamplingParams
 from engines.sglang_continuous import continuous_engine_kwargs, stream_delta

@@ -17,7 +17,7 @@ from bus.embedded import EmbeddedNats
 from bus.topology import Topology
 from consumers.checks import ModelLimits
 from consumers.rollout import make_engine
-from consumers.runtime import publish_config
+from bus.runtime import publish_config
 from engines.external_rollout import EngineUnavailable, named_weights, require, skeleton
 from engines.hf_rollout import HFRolloutEngine
 from schemas.config import ConfigError, parse_config

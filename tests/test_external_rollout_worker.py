@@ -25,8 +25,8 @@ from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.topology import PROMPTS, TRAJECTORIES, WEIGHTS, Topology
 from consumers.rollout import Rollout, rollout_stage
-from consumers.runtime import attach, publish_config
-from consumers.stage import serve
+from bus.runtime import attach, publish_config
+from bus.stage import serve
 from engines.external_rollout import skeleton
 from engines.hf_rollout import HFRolloutEngine
 from engines.protocols import SamplingParams

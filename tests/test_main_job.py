@@ -17,7 +17,7 @@ import pytest
 
 from bus.embedded import EmbeddedNats
 from bus.topology import TRAJECTORIES, Topology
-from consumers.runtime import attach
+from bus.runtime import attach
 from producers.launcher import lag
 from tests.helpers import declare_run
 

@@ -326,7 +326,7 @@ def test_trainer_config_takes_megatron_and_refuses_what_it_cannot_run() -> None:
 def test_engine_without_megatron_core_says_what_to_install(tiny_qwen2: torch.nn.Module, tmp_path: Path) -> None:
     if importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None:
         pytest.skip("megatron-core is installed here")
-    from consumers.runtime import CannotAttach
+    from bus.runtime import CannotAttach
     from consumers.trainer_dist import make_engine
     from engines.torch_train import LossConfig
     from schemas.config import RunConfig

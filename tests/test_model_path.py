@@ -25,7 +25,7 @@ from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.topology import Topology
 from consumers.rollout import Rollout
-from consumers.runtime import publish_config
+from bus.runtime import publish_config
 from engines.model_source import ModelNotFound, resolve_model_path
 from engines.tiny import build_tiny_model
 from producers.tasks import VOCAB

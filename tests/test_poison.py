@@ -63,8 +63,8 @@ from consumers import reference as reference_stage
 from consumers import reward as reward_stage
 from consumers import rollout as rollout_stage
 from consumers.checks import ModelLimits
-from consumers.runtime import Runtime, attach, publish_config
-from consumers.stage import Builder, Stage, serve
+from bus.runtime import Runtime, attach, publish_config
+from bus.stage import Builder, Stage, serve
 from engines.tiny import build_tiny_model
 from producers.tasks import VOCAB
 from schemas import (

@@ -39,8 +39,8 @@ from bus.publisher import Publisher
 from bus.topology import DEAD, PROMPTS, TRAJECTORIES, WEIGHTS, Topology, drop_key
 from consumers.rollout import Rollout, rollout_stage
 from consumers.rollout_replicas import Engine
-from consumers.runtime import Runtime, attach, publish_config
-from consumers.stage import serve
+from bus.runtime import Runtime, attach, publish_config
+from bus.stage import serve
 from consumers.weights import publish_version
 from consumers.weights.filesystem import FilesystemTransport
 from engines.hf_rollout import HFRolloutEngine

@@ -1,8 +1,8 @@
-"""Per-role NATS users (ops.security) on a real server, and TLS through `bus.connection.connect`.
+"""Per-role NATS users (bus.security) on a real server, and TLS through `bus.connection.connect`.
 
 The users block is written by the CLI (`python -m ops.streams users`) and included by the
 server's config, as the cluster example configs tell users to do. Each role then does what
-its code does on the bus, through the same calls (`consumers.runtime.attach` itself for the
+its code does on the bus, through the same calls (`bus.runtime.attach` itself for the
 start-up), and must meet no permissions violation; then the forbidden writes are refused.
 """
 
@@ -47,11 +47,11 @@ from bus.topology import (
     metrics_key,
 )
 from bus.worker import Worker, WorkerOptions
-from consumers.runtime import Runtime, attach, publish_config
+from bus.runtime import Runtime, attach, publish_config
 from consumers.weights import publish_version
 from consumers.weights.object_store import ObjectStoreTransport
-from ops.security import USERS_FILE, roles
-from ops.stall import read_view
+from bus.security import USERS_FILE, roles
+from producers.stall import read_view
 from schemas import Event, PromptEvent, RewardEvent, TrajectoryEvent
 from schemas.config import RunConfig
 from tests.helpers import messages, prompt, reward, trajectory

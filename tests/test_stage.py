@@ -1,4 +1,4 @@
-"""One stage shape (`consumers.stage`): worker processes run by `run_stage`, as a fleet runs them.
+"""One stage shape (`bus.stage`): worker processes run by `run_stage`, as a fleet runs them.
 
 - A helper that raises takes its process down: the rollout's weights watcher fails while it
   loads a version (the gate closed, so no prompt would ever be generated again), and the
@@ -30,15 +30,15 @@ from bus.publisher import Publisher
 from bus.tasks import cancel_until_done
 from bus.topology import REWARDS, TRAJECTORIES, WEIGHTS, Topology
 from bus.worker import WorkerOptions
-from consumers.crashpoints import (
+from bus.crashpoints import (
     CRASH_AT,
     CRASH_RECORD,
     FAIL_AT,
     ROLLOUT_MID_WEIGHT_LOAD,
 )
-from consumers.membership import Membership
-from consumers.runtime import attach, publish_config
-from consumers.stage import LOSS_GUARD, MEMBERSHIP, Stage, serve
+from bus.membership import Membership
+from bus.runtime import attach, publish_config
+from bus.stage import LOSS_GUARD, MEMBERSHIP, Stage, serve
 from engines.tiny import build_tiny_model
 from producers.tasks import VOCAB
 from schemas import RewardEvent, decode

@@ -24,9 +24,9 @@ from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.publisher import Publisher
 from bus.topology import BATCHES, PROMPTS, REWARDS, TRAJECTORIES, WEIGHTS, Topology, drop_key, metrics_key
-from consumers.membership import Membership, live_members
-from consumers.runtime import publish_config
-from ops.stall import stalled_line
+from bus.membership import Membership, live_members
+from bus.runtime import publish_config
+from producers.stall import stalled_line
 from producers.gate import Producer
 from producers.launcher import attach_bootstrap, progress
 from schemas import BatchEvent, Tensor, WeightVersionEvent

@@ -27,8 +27,8 @@ from bus.topology import (
     WEIGHTS,
     Topology,
 )
-from consumers.membership import Membership, live_members
-from consumers.runtime import publish_config
+from bus.membership import Membership, live_members
+from bus.runtime import publish_config
 from ops.status import details, render, sample
 from schemas import BatchEvent, Tensor, WeightVersionEvent
 from schemas.config import RunConfig

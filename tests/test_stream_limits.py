@@ -22,8 +22,8 @@ from bus.embedded import EmbeddedNats
 from bus.publisher import Publisher
 from bus.topology import BATCHES, DEAD, REWARDS, TRAJECTORIES, Topology
 from bus.worker import WorkerOptions
-from consumers.runtime import attach, publish_config
-from consumers.stage import Stage, serve
+from bus.runtime import attach, publish_config
+from bus.stage import Stage, serve
 from ops import status
 from ops import streams as streams_cli
 from ops.audit import audit

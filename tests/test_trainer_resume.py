@@ -38,7 +38,7 @@ from bus.embedded import EmbeddedNats
 from bus.topology import metrics_key
 from bus.topology import BATCHES
 from consumers.buffer import BatchedSoFar, Buffer, Group, read_batches
-from consumers.runtime import Runtime
+from bus.runtime import Runtime
 from consumers.update_history import UpdateHistory
 from engines.tiny import build_tiny_model
 from producers.tasks import VOCAB

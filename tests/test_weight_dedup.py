@@ -29,7 +29,7 @@ from nats.js import JetStreamContext
 
 from bus.embedded import EmbeddedNats
 from bus.topology import WEIGHTS, Topology
-from consumers.crashpoints import CRASH_AT
+from bus.crashpoints import CRASH_AT
 from producers.launcher import attach_bootstrap
 from schemas import WeightVersionEvent, decode
 from schemas.config import RunConfig

@@ -15,7 +15,7 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ops.gpu_record import Record, say
+from ops.gpu.record import Record, say
 
 BF16_DENSE_PEAK = 989e12  # H100/H200 bf16 dense tensor-core FLOP/s, the usual MFU denominator
 MB = 1 << 20

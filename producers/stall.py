@@ -36,7 +36,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from bus.topology import BATCHES, CONFIG_KEY, DROPS, PROMPTS, WEIGHTS, Topology, metrics_key, metrics_prefix
-from consumers.membership import live_members, stored_keys
+from bus.membership import live_members, stored_keys
 from producers.gate import Producer, admitted_limit
 from schemas import BatchEvent, DecodeError, WeightVersionEvent, decode
 from schemas.config import ConfigError, RunConfig, parse_config

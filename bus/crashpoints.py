@@ -23,7 +23,7 @@ and the record says which point each kill hit and when.
 
 makes the point raise `InjectedFailure` on that pass instead: an error the code there does
 not expect, to check that it takes its process down rather than leaving it up and idle
-(`consumers.stage`).
+(`bus.stage`).
 
 (In the spirit of FoundationDB's fault injection: the code names its dangerous moments, and
 the tests hit those moments exactly instead of killing at a random time.)

@@ -23,7 +23,7 @@ producer's KV watch) is written out per role below.
 
 Known looseness, each kept because the code needs it today:
 - Every role may update the run's streams and re-declare its work queues, because every
-  worker applies the topology at start-up (`consumers.runtime.attach`). Once an operator
+  worker applies the topology at start-up (`bus.runtime.attach`). Once an operator
   applies it instead, drop `declare_rules` from the workers.
 - `_INBOX.>` is shared: a role could listen to another client's replies. nats-py's
   `inbox_prefix` option would let each role have its own prefix.
@@ -226,9 +226,9 @@ def extra_rules(t: Topology, role: str) -> list[Rule]:
             Rule(f"{API}.CONSUMER.INFO.{kv_stream(t.kv_bucket)}.*",
                  "kv.watch asks its own watcher how many entries are pending"),
             Rule(f"{API}.STREAM.MSG.GET.{kv_stream(t.members_bucket)}",
-                 "a stalled run: name the roles with no live worker (ops.stall)"),
+                 "a stalled run: name the roles with no live worker (producers.stall)"),
             Rule(f"{API}.STREAM.MSG.GET.{t.stream(BATCHES)}",
-                 "a stalled run: name the micro-batches the trainer waits for (ops.stall)"),
+                 "a stalled run: name the micro-batches the trainer waits for (producers.stall)"),
         ],
     }.get(role, [])
 

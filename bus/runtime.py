@@ -2,7 +2,7 @@
 
 Workers are started with `--run R --nats URL` only; the run's config comes from the KV
 bucket, where the producer put it (key `config`, the YAML of `RunConfig`). Once attached, a
-worker heartbeats its membership entry (`consumers.membership`) until it closes.
+worker heartbeats its membership entry (`bus.membership`) until it closes.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from bus.election import ride_out
 from bus.identity import IDENTITY_ENV
 from bus.publisher import Publisher
 from bus.topology import CONFIG_KEY, Topology, run_id_arg
-from consumers.membership import Membership
+from bus.membership import Membership
 from schemas.config import RunConfig, parse_config
 
 
@@ -72,7 +72,7 @@ async def attach(
     """Connect, apply the run's topology, wait (up to `wait` s) for its config in KV, join the members.
 
     The membership heartbeat runs as a task of its own unless not `beat_in_background`: a
-    stage (`consumers.stage`) runs `rt.member.beat()` under its TaskGroup instead."""
+    stage (`bus.stage`) runs `rt.member.beat()` under its TaskGroup instead."""
     # Spans and metrics name the service (role) and the process (worker id) that made them.
     tracing.setup(f"jetrl-{role}", worker_id(role))
     metrics.setup(f"jetrl-{role}", worker_id(role))

@@ -36,7 +36,7 @@ from bus import loss
 from bus.tasks import cancel_until_done
 from bus.topology import Channel
 from bus.worker import Handler, OnDead, Worker, WorkerOptions, stop_on_signals
-from consumers.runtime import CannotAttach, Runtime, attach, worker_args
+from bus.runtime import CannotAttach, Runtime, attach, worker_args
 from schemas.events import Event
 
 log = logging.getLogger("jetrl.stage")

@@ -15,8 +15,8 @@ import math
 import time
 from typing import Any
 
-from ops.gpu_record import Record, say
-from ops.gpu_sections import (
+from ops.gpu.record import Record, say
+from ops.gpu.sections import (
     _peak_gib,
     _reset_peak,
     _sync,
