@@ -1,7 +1,8 @@
 """How far behind each work queue of a run is, read one way by everything that shows it.
 
 The producer's progress line (and the queue-depth gauge), `ops.status`, `ops.streams` and
-`ops.chaos` all read the durables of the run's work queues (`Topology.work_queues`) through `queue_lag`.
+`ops.chaos` all read the durables of the run's work queues (`Topology.work_queues`) through `queue_lag`;
+`queue_info` is one durable's whole description (its ack_wait, when it was created).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 import nats.errors
 from nats.js import JetStreamContext
+from nats.js.api import ConsumerInfo
 
 from bus.topology import Channel, Topology
 
@@ -37,6 +39,12 @@ class QueueLag:
         return self.delivered - self.in_flight
 
 
+async def queue_info(js: JetStreamContext, topology: Topology, channel: Channel) -> ConsumerInfo:
+    """The durable consumer of `channel`'s work queue as the server describes it now (raises
+    what the bus raises when it cannot say)."""
+    return await js.consumer_info(topology.stream(channel), channel.work_queue.durable)
+
+
 async def queue_lag(js: JetStreamContext, topology: Topology) -> dict[str, QueueLag | None]:
     """Every work queue by its durable (the role of its workers), None for one the server
     cannot describe now (its stream electing a leader, the consumer deleted): a display shows
@@ -45,7 +53,7 @@ async def queue_lag(js: JetStreamContext, topology: Topology) -> dict[str, Queue
     for channel in topology.work_queues:
         durable = channel.work_queue.durable
         try:
-            info = await js.consumer_info(topology.stream(channel), durable)
+            info = await queue_info(js, topology, channel)
         except (nats.errors.Error, TimeoutError) as exc:
             log.info("queue %s: no consumer info now: %s", durable, exc)
             found[durable] = None

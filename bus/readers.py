@@ -16,7 +16,8 @@ The first three are ordered push consumers (ephemeral, no acks; nats-py recreate
 server dies); each is an async context manager that unsubscribes when its block ends: a
 subscription nobody reads keeps its queue, and the connection's drain at exit waits on it
 (commit b70a872). The server's flow control on ordered consumers bounds what is in flight
-to the client. `LastStored` reads by sequence (`get_msg`) and holds nothing open.
+to the client. `LastStored` reads by sequence (`get_msg`) and holds nothing open. `Tap` is
+no read of a stream: core subscriptions that see messages as they are sent (`ops.chaos`).
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from types import TracebackType
 from typing import Generic, TypeVar
 
 import nats.errors
+from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy, RawStreamMsg
 from nats.js.errors import NotFoundError
@@ -171,8 +175,12 @@ class _Ordered(Generic[E]):
         return self._forever()
 
     async def _forever(self) -> AsyncIterator[Stored[E]]:
-        while True:
-            yield await self.next()
+        """Every event until the subscription ends (closed, or its connection closed)."""
+        assert self._sub is not None, "open the reader first (async with)"
+        async for msg in self._sub.messages:
+            stored = await self._decoded(msg)
+            if stored is not None:
+                yield stored
 
     async def refuse(self, stored: Stored[E], reason: str) -> None:
         """An event the caller cannot use: handled as poison is (logged, dead-lettered)."""
@@ -211,7 +219,9 @@ class Replay(_Ordered[E]):
     """REPLAY: the whole stream once, in order, ending at the last sequence stored when it opened.
 
     Up to that sequence, not a count of messages: a stream's start may be trimmed meanwhile
-    (never its end), and a count would then wait for ever. `timeout` bounds each wait."""
+    (never its end), and a count would then wait for ever. It also ends where the server says
+    nothing more is pending (the rest deleted, or on other subjects than the reader's token).
+    `timeout` bounds each wait."""
 
     def __init__(
         self,
@@ -230,7 +240,8 @@ class Replay(_Ordered[E]):
         return ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
 
     async def open(self) -> None:
-        self.end = (await self.js.stream_info(self.stream)).state.last_seq
+        state = (await self.js.stream_info(self.stream)).state
+        self.end = state.last_seq if state.messages else 0
         if self.end:  # an empty stream has nothing to replay: no consumer
             await super().open()
 
@@ -241,7 +252,8 @@ class Replay(_Ordered[E]):
             stored = await self._decoded(msg)
             if stored is not None:
                 yield stored
-            if msg.metadata.sequence.stream >= self.end:
+            meta = msg.metadata
+            if meta.sequence.stream >= self.end or meta.num_pending == 0:
                 return
 
 
@@ -293,11 +305,22 @@ class LastStored(Generic[E]):
             return None
         return await self._decoded(raw)
 
-    async def last_seq(self) -> tuple[int, int]:
+    async def last_seq(self, *tokens: str | int) -> int:
+        """The sequence of the last message on the channel's subject (with its token), whatever
+        it holds; 0 when there is none."""
+        subject = self.topology.subject(self.channel, *tokens)
+        try:
+            raw = await self._call(
+                lambda: self.js.get_last_msg(self.stream, subject), f"reading {subject}"
+            )
+        except NotFoundError:
+            return 0
+        return raw.seq or 0
+
+    async def bounds(self) -> tuple[int, int]:
         """The stream's (first, last) sequence now; (0, 0) when it is empty."""
-        state = (
-            await self._call(lambda: self.js.stream_info(self.stream), f"reading {self.stream}")
-        ).state
+        info = await self._call(lambda: self.js.stream_info(self.stream), f"reading {self.stream}")
+        state = info.state
         return (state.first_seq, state.last_seq) if state.messages else (0, 0)
 
     async def back(
@@ -307,10 +330,31 @@ class LastStored(Generic[E]):
         over at most `limit` sequences; deleted messages and poison are stepped over."""
         first = 1
         if start is None or limit is None:  # only then is the stream's state needed
-            first, last = await self.last_seq()
+            first, last = await self.bounds()
             start = last if start is None else start
         end = first if limit is None else start - limit + 1
         for seq in range(start, max(end, 1) - 1, -1):
             stored = await self.at(seq)
             if stored is not None:
                 yield stored
+
+
+class Tap:
+    """Not a read mode: core subscriptions that see each message on some subjects as it is
+    sent, before (or whether) a stream stores it, undecoded: `ops.chaos` times when a replaced
+    process's first output goes out. `seen(kind, msg)` is called for each; `open` / `close`."""
+
+    def __init__(
+        self, nc: Client, subjects: dict[str, str], seen: Callable[[str, Msg], Awaitable[None]]
+    ) -> None:
+        self.nc, self.subjects, self.seen = nc, subjects, seen
+        self._subs: list[Subscription] = []
+
+    async def open(self) -> None:
+        for kind, subject in self.subjects.items():
+            self._subs.append(await self.nc.subscribe(subject, cb=partial(self.seen, kind)))
+
+    async def close(self) -> None:
+        subs, self._subs = self._subs, []
+        for sub in subs:
+            await sub.unsubscribe()

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bus.topology import BATCHES
+from bus.readers import Poison, Replay
 from bus.runtime import Runtime
+from bus.topology import BATCHES
 from engines.algorithms.kl import adaptive_kl_coef
-from schemas import BatchEvent, DecodeError, decode
+from schemas import BatchEvent
 from schemas.config import AlgorithmConfig
+
 
 def next_kl_coef(algo: AlgorithmConfig, coef: float | None, kl_mean: float | None, samples: int) -> float:
     """The KL-in-reward coefficient of the step after one formed with `coef` and KL `kl_mean` over
@@ -35,32 +37,24 @@ class BatchedSoFar:
 
 
 async def read_batches(rt: Runtime) -> BatchedSoFar:
-    """Replay the batch stream once at start-up (an ordered consumer from the first message)."""
+    """Replay the batch stream once at start-up, up to its last sequence now (the trainer may
+    trim its start meanwhile, never its last step)."""
     seen = BatchedSoFar(kl_coef=rt.config.algorithm.kl_coef)
-    info = await rt.js.stream_info(rt.topology.stream(BATCHES))
-    if info.state.messages == 0:
-        return seen
     counts: dict[tuple[int, int], tuple[int, int]] = {}  # (step, rank) -> (stored, micro_count)
     groups: dict[int, tuple[str, ...]] = {}
     sample_ids: dict[int, set[str]] = {}  # step -> the samples its stored micro-batches hold
     kl: dict[int, tuple[float | None, float | None]] = {}  # step -> (its KL coefficient, its KL)
-    sub = await rt.js.subscribe(rt.topology.subject(BATCHES, ">"), ordered_consumer=True)
-    # Up to the last sequence stored now, not a count of messages: the trainer may trim the
-    # stream's start meanwhile (never its last step), and a count would then wait for ever.
-    seq = 0
-    while seq < info.state.last_seq:
-        msg = await sub.next_msg(timeout=10)
-        seq = msg.metadata.sequence.stream
-        try:
-            batch = decode(msg.data, BatchEvent)
-        except DecodeError:
-            continue  # the trainer dead-letters unreadable batches; nothing of ours is in them
-        sample_ids.setdefault(batch.step, set()).update(batch.sample_ids)
-        stored, _ = counts.get((batch.step, batch.dp_rank), (0, batch.micro_count))
-        counts[(batch.step, batch.dp_rank)] = (stored + 1, batch.micro_count)
-        groups[batch.step] = batch.step_prompt_ids
-        kl[batch.step] = (batch.kl_coef, batch.kl_mean)
-    await sub.unsubscribe()
+    # Unreadable batches hold nothing of ours: dead-lettered under the buffer, and skipped.
+    poison = Poison("buffer", rt.publisher)
+    replay: Replay[BatchEvent] = Replay(rt.js, rt.topology, BATCHES, poison, timeout=10)
+    async with replay:
+        async for stored in replay:
+            batch = stored.event
+            sample_ids.setdefault(batch.step, set()).update(batch.sample_ids)
+            held, _ = counts.get((batch.step, batch.dp_rank), (0, batch.micro_count))
+            counts[(batch.step, batch.dp_rank)] = (held + 1, batch.micro_count)
+            groups[batch.step] = batch.step_prompt_ids
+            kl[batch.step] = (batch.kl_coef, batch.kl_mean)
     if not counts:
         return seen
     last = max(step for step, _ in counts)

@@ -37,25 +37,22 @@ from typing import Any
 
 import numpy as np
 import torch
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext
-from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from bus import tracing
-from bus.dead import dead_letter
-from bus.election import TRANSIENT, ride_out
-from bus.metrics import STALENESS, TRAIN_STEP_SECONDS, count_samples
-from bus.topology import BATCHES, WEIGHTS, metrics_key
-from bus.worker import Reject
-from consumers.checks import ModelLimits
 from bus.crashpoints import (
     TRAINER_METRICS_WRITTEN,
     TRAINER_MID_CHECKPOINT,
     TRAINER_MID_STEP,
 )
+from bus.election import TRANSIENT, ride_out
 from bus.membership import member_ids
+from bus.metrics import STALENESS, TRAIN_STEP_SECONDS, count_samples
+from bus.readers import ByPosition, Poison
 from bus.runtime import CannotAttach, Runtime
 from bus.stage import Stage, run_stage
+from bus.topology import BATCHES, WEIGHTS, metrics_key
+from bus.worker import Reject
+from consumers.checks import ModelLimits
 from consumers.trainer_dist import Group, exchange, join, leave, make_engine, watch
 from consumers.trainer_loggers import scalars, step_loggers
 from consumers.update_history import UpdateHistory
@@ -66,7 +63,7 @@ from engines.device import resolve_device
 from engines.fsdp_train import FSDPTrainEngine
 from engines.protocols import MicroBatch
 from engines.torch_train import LossConfig
-from schemas import BatchEvent, DecodeError, decode
+from schemas import BatchEvent
 from schemas.config import RunConfig
 from schemas.streams_config import batches_kept_from
 
@@ -177,7 +174,7 @@ class Trainer:
         self.last_seq = 0
         """Stream sequence of the last batch the model holds (trained on, or refused in a trained step)."""
         self.history = UpdateHistory()
-        self.batches: JetStreamContext.PushSubscription | None = None
+        self.batches: ByPosition[BatchEvent] | None = None
         self.sharded = isinstance(self.engine, FSDPTrainEngine) and self.group.world_size > 1
         """Every rank stores (and, collective, broadcasts) its own shard of each version; else rank 0 alone."""
         world = self.group.world_size if self.sharded else 1
@@ -201,10 +198,13 @@ class Trainer:
             await self.sync_weights()
         log.info("rank %d starts at step %d, batch sequence %d", self.rank, self.engine.step, self.last_seq + 1)
         self.rt.member.report(engine=self.engine.name, weight_version=self.engine.step)
-        self.batches = await self.rt.js.subscribe(
-            self.rt.topology.subject(BATCHES, self.dp_rank), ordered_consumer=True,
-            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.last_seq + 1),
+        # Batches it cannot read go to dead.trainer (a producer of batches may be fixed and
+        # rerun; the trainer cannot wait for it).
+        self.batches = ByPosition(
+            self.rt.js, self.rt.topology, BATCHES, Poison("trainer", self.rt.publisher),
+            start_seq=self.last_seq + 1, token=self.dp_rank,
         )
+        await self.batches.open()
 
     async def collect(self, stop: asyncio.Event) -> tuple[list[BatchEvent], int] | None:
         """The micro-batches of step `engine.step` the model can take, and the sequence of the
@@ -217,28 +217,24 @@ class Trainer:
         taken: list[BatchEvent] = []
         refused: list[BatchEvent] = []
         while not stop.is_set():
-            try:
-                msg = await self.batches.next_msg(timeout=1.0)
+            try:  # what is no batch the reader dead-letters and skips
+                stored = await self.batches.next(timeout=1.0)
             except TimeoutError:
                 continue
             try:
-                batch = take_batch(decode(msg.data, BatchEvent), self.engine.step, self.dp_rank, [*taken, *refused])
-            except (DecodeError, Reject) as exc:  # reading by position: record it, skip it, go on
-                await self.skip(msg, exc)
+                batch = take_batch(stored.event, self.engine.step, self.dp_rank, [*taken, *refused])
+            except Reject as exc:  # reading by position: record it, skip it, go on
+                await self.batches.refuse(stored, str(exc))
                 continue
             try:
                 self.limits.check(int(batch.input_ids.numpy().max()), batch.input_ids.shape[1], f"batch {batch.id}")
                 taken.append(batch)
             except Reject as exc:
-                await self.skip(msg, exc)
+                await self.batches.refuse(stored, str(exc))
                 refused.append(batch)
             if len(taken) + len(refused) == batch.micro_count:
-                return taken, msg.metadata.sequence.stream
+                return taken, stored.seq
         return None
-
-    async def skip(self, msg: Msg, reason: Exception) -> None:
-        log.warning("batch at sequence %d skipped: %s", msg.metadata.sequence.stream, reason)
-        await dead_letter(self.rt.publisher, "trainer", msg, str(reason))
 
     async def train(self, batches: list[BatchEvent]) -> dict[str, Any]:
         """One optimizer step on `batches` (in a thread: the event loop keeps serving the bus);
@@ -363,7 +359,7 @@ class Trainer:
 
     async def close(self) -> None:
         if self.batches is not None:
-            await self.batches.unsubscribe()
+            await self.batches.close()
         await self.weights.close()
         for logger in self.loggers:
             logger.close()

@@ -31,6 +31,8 @@ from nats.js.errors import NotFoundError
 from bus import loss
 from bus.connection import DEFAULT_URL, connect
 from bus.election import TRANSIENT, ride_out
+from bus.membership import stored_keys
+from bus.readers import Poison, Replay
 from bus.topology import (
     BATCHES,
     PROMPTS,
@@ -40,47 +42,25 @@ from bus.topology import (
     metrics_prefix,
     run_id_arg,
 )
-from bus.membership import stored_keys
 from ops.streams import as_stored
-from schemas import BatchEvent, DecodeError, Event, PromptEvent, decode
+from schemas import Event
 
 E = TypeVar("E", bound=Event)
 AUDIT_SECONDS = 120.0
 """How long an audit refused by elections is started over: reading a long run takes a while itself."""
 
 
-async def _replay(js: JetStreamContext, topology: Topology, channel: Channel) -> list[bytes]:
-    """Every message stored, up to the last sequence stored now (not a count: a trainer may trim
-    the batch stream's start while it is read, never its end)."""
-    state = (await js.stream_info(topology.stream(channel))).state
-    if not state.messages:
-        return []
-    sub = await js.subscribe(topology.subjects(channel), ordered_consumer=True)
-    data, seq = [], 0
-    try:
-        while seq < state.last_seq:
-            msg = await sub.next_msg(timeout=10)
-            data.append(msg.data)
-            seq = msg.metadata.sequence.stream
-        return data
-    finally:
-        await sub.unsubscribe()
-
-
-def _decoded(data: list[bytes], cls: type[E]) -> list[E]:
-    """The messages that are events of `cls`; poison among them is left out."""
-    events = []
-    for item in data:
-        try:
-            events.append(decode(item, cls))
-        except DecodeError:
-            continue
-    return events
+async def _replay(js: JetStreamContext, topology: Topology, channel: Channel[E]) -> list[E]:
+    """Every event stored, up to the last sequence stored now (`bus.readers.Replay`); poison
+    among them is logged and left out (an operator's tool has no dead letters of its own)."""
+    replay: Replay[E] = Replay(js, topology, channel, Poison("audit"))
+    async with replay:
+        return [stored.event async for stored in replay]
 
 
 async def audit(js: JetStreamContext, topology: Topology, max_staleness: int) -> dict[str, Any]:
-    prompts = [p.id for p in _decoded(await _replay(js, topology, PROMPTS), PromptEvent)]
-    batches = _decoded(await _replay(js, topology, BATCHES), BatchEvent)
+    prompts = [p.id for p in await _replay(js, topology, PROMPTS)]
+    batches = await _replay(js, topology, BATCHES)
     kv = await js.key_value(topology.kv_bucket)
     # Not `kv.keys()`: its listing can end before the first key arrives, and an audit that
     # saw no drop records counted every dropped group as in flight (seen in the e2e test).

@@ -80,17 +80,8 @@ import torch
 import yaml
 from nats.aio.client import Client
 
-from bus.connection import connect
-from bus.embedded import EmbeddedNats
-from bus.lag import queue_lag
-from bus.tasks import cancel_until_done
-from bus.topology import (
-    ACK_WAIT,
-    PROMPTS,
-    Topology,
-    metrics_key,
-)
 from bus import crashpoints
+from bus.connection import JetStream, connect
 from bus.crashpoints import (
     BUFFER_MID_STEP,
     BUFFER_STEP_STORED,
@@ -101,8 +92,18 @@ from bus.crashpoints import (
     TRAINER_MID_STEP,
     CrashPoint,
 )
-from consumers.fleet_config import ROLES, FleetConfig, RoleConfig
+from bus.embedded import EmbeddedNats
+from bus.lag import queue_info, queue_lag
 from bus.membership import live_members
+from bus.pull import Puller
+from bus.tasks import cancel_until_done
+from bus.topology import (
+    ACK_WAIT,
+    PROMPTS,
+    Topology,
+    metrics_key,
+)
+from consumers.fleet_config import ROLES, FleetConfig, RoleConfig
 from consumers.supervisor import POLL_SECONDS, Supervisor
 from consumers.update_history import UpdateHistory
 from ops.audit import audit
@@ -333,20 +334,26 @@ class ChaosRun:
         delivered, after ack_wait if a worker held it when it stopped. Ours are left unacked.
         """
         found: set[str] = set()
+        assert isinstance(self.js, JetStream)
         for channel in self.topology.work_queues:
-            sub = await self.js.pull_subscribe_bind(channel.work_queue.durable, stream=self.topology.stream(channel))
-            info = await sub.consumer_info()
+            info = await queue_info(self.js, self.topology, channel)
             unacked = (info.num_pending or 0) + (info.num_ack_pending or 0)
             sequences: set[int] = set()
             deadline = time.monotonic() + ACK_WAIT + 5  # what a stopped worker held comes back by then
-            while len(sequences) < unacked and (left := deadline - time.monotonic()) > 0:
-                with contextlib.suppress(TimeoutError):
-                    for msg in await sub.fetch(unacked - len(sequences), timeout=left):
-                        sequences.add(msg.metadata.sequence.stream)
-                        # Event ids: a prompt's, or `<prompt id>/<sample>` for its trajectories and rewards.
-                        event_id = (msg.headers or {}).get("Nats-Msg-Id", "")
-                        found.add(event_id if channel is PROMPTS else event_id.rsplit("/", 1)[0])
-            await sub.unsubscribe()
+            # The work queue's own pulls (`bus.pull`), as a worker's; what they bring is left unacked.
+            puller = Puller(self.js, self.topology.stream(channel), channel.work_queue.durable)
+            await puller.open()
+            try:
+                while len(sequences) < unacked and (left := deadline - time.monotonic()) > 0:
+                    with contextlib.suppress(TimeoutError):
+                        for msg in await puller.fetch(unacked - len(sequences), left):
+                            sequences.add(msg.metadata.sequence.stream)
+                            # Event ids: a prompt's, or `<prompt id>/<sample>` for its
+                            # trajectories and rewards.
+                            event_id = (msg.headers or {}).get("Nats-Msg-Id", "")
+                            found.add(event_id if channel is PROMPTS else event_id.rsplit("/", 1)[0])
+            finally:
+                await puller.close()
         return found & candidates
 
     async def trained_history(self) -> list[str]:

@@ -13,12 +13,11 @@ import contextlib
 import json
 import time
 from collections.abc import Callable
-from functools import partial
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 
+from bus.readers import Tap
 from bus.topology import (
     BATCHES,
     PROMPTS,
@@ -44,17 +43,18 @@ class Monitor:
         """Per step, the (rank, micro index) of each micro-batch sent."""
         self.micro_count: dict[int, int] = {}
         self.waiters: list[tuple[str, Callable[[bytes], bool], asyncio.Future[bytes]]] = []
-        self.subs: list[Subscription] = []
+        self.tap: Tap | None = None
 
     async def start(self) -> None:
         t = self.topology
         subjects = {c.name: t.subjects(c) for c in (PROMPTS, TRAJECTORIES, REWARDS, BATCHES)}
         subjects["metrics"] = f"$KV.{t.kv_bucket}.{metrics_prefix(0)}>"
-        self.subs = [await self.nc.subscribe(subject, cb=partial(self._seen, kind)) for kind, subject in subjects.items()]
+        self.tap = Tap(self.nc, subjects, self._seen)
+        await self.tap.open()
 
     async def stop(self) -> None:
-        for sub in self.subs:
-            await sub.unsubscribe()
+        if self.tap is not None:
+            await self.tap.close()
 
     async def _seen(self, kind: str, msg: Msg) -> None:
         if kind == "metrics":

@@ -24,7 +24,9 @@ import signal
 import sys
 import time
 from collections import Counter
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import nats.errors
 from nats.js import JetStreamContext
@@ -34,6 +36,8 @@ from bus import loss
 from bus.connection import DEFAULT_URL, connect
 from bus.election import or_unknown
 from bus.lag import QueueLag, queue_lag
+from bus.membership import Member, live_members
+from bus.readers import LastStored, Poison
 from bus.topology import (
     BATCHES,
     CHANNELS,
@@ -42,11 +46,11 @@ from bus.topology import (
     Topology,
     run_id_arg,
 )
-from bus.membership import Member, live_members
-from producers.stall import stalled_line
 from ops.streams import as_stored
-from schemas import BatchEvent, DecodeError, WeightVersionEvent, decode
+from producers.stall import stalled_line
+from schemas import BatchEvent, WeightVersionEvent
 
+T = TypeVar("T")
 CLEAR = "\033[H\033[J"
 WATCH_SECONDS = 2.0
 CONNECT_SECONDS = 10.0
@@ -115,16 +119,14 @@ async def sample(js: JetStreamContext, topology: Topology) -> Sample:
 async def details(js: JetStreamContext, topology: Topology, batches: int) -> Details:
     unknown = set()
     weights: int | None = None
-    try:
-        last = await or_unknown(
-            lambda: js.get_last_msg(topology.stream(WEIGHTS), topology.subject(WEIGHTS)), "latest weights"
-        )
-        if last is None:
-            unknown.add("weights")
-        else:
-            weights = decode(last.data or b"", WeightVersionEvent).version
-    except (NotFoundError, DecodeError):
-        pass
+    reader: LastStored[WeightVersionEvent] = LastStored(js, topology, WEIGHTS, Poison("status"))
+    # In a 1-tuple: or_unknown's None (the bus cannot say now) is not the reader's (nothing
+    # stored, or poison, which the reader logs).
+    found = await or_unknown(lambda: _known(reader.last()), "latest weights")
+    if found is None:
+        unknown.add("weights")
+    elif found[0] is not None:
+        weights = found[0].event.version
     return Details(
         await or_unknown(lambda: live_members(js, topology), "live members"),
         weights,
@@ -133,6 +135,10 @@ async def details(js: JetStreamContext, topology: Topology, batches: int) -> Det
         await or_unknown(lambda: stalled_line(js, topology), "the stall diagnosis"),
         await or_unknown(lambda: _lost(js, topology), "the loss guard"),
     )
+
+
+async def _known(call: Awaitable[T]) -> tuple[T]:
+    return (await call,)
 
 
 async def _lost(js: JetStreamContext, topology: Topology) -> dict[str, int | None]:
@@ -155,15 +161,12 @@ def lost_line(lost: dict[str, int | None] | None) -> str:
 
 
 async def recent_batches(js: JetStreamContext, topology: Topology, batches: int) -> list[BatchEvent]:
-    """The last `batches` readable batch events of the run, oldest first."""
-    state = (await js.stream_info(topology.stream(BATCHES))).state
-    recent = []
-    for seq in range(max(state.first_seq, state.last_seq - batches + 1, 1), state.last_seq + 1):  # seqs start at 1
-        try:
-            recent.append(decode((await js.get_msg(topology.stream(BATCHES), seq)).data or b"", BatchEvent))
-        except (NotFoundError, DecodeError):
-            continue  # deleted by retention, or garbage the trainer dead-letters
-    return recent
+    """The last `batches` readable batch events of the run, oldest first (deleted ones and
+    garbage the trainer dead-letters are stepped over)."""
+    reader: LastStored[BatchEvent] = LastStored(js, topology, BATCHES, Poison("status"))
+    _, last = await reader.bounds()
+    recent = [stored.event async for stored in reader.back(start=last, limit=batches)]
+    return recent[::-1]
 
 
 def _size(n: int) -> str:

@@ -21,16 +21,21 @@ import json
 import logging
 
 import nats.errors
-from nats.js.api import DeliverPolicy
-from nats.js.errors import NotFoundError
 
 from bus import metrics, tracing
-from bus.election import ride_out
-from bus.topology import PROMPTS, REFUSED_PROMPT, WEIGHTS, dropped_prompt, metrics_prefix
 from bus.crashpoints import PRODUCER_MID_PUBLISH
+from bus.election import ride_out
+from bus.readers import Broadcast, LastStored, Poison
 from bus.runtime import Runtime
+from bus.topology import (
+    PROMPTS,
+    REFUSED_PROMPT,
+    WEIGHTS,
+    dropped_prompt,
+    metrics_prefix,
+)
 from producers.datasets import epoch_size, records
-from schemas import DecodeError, PromptEvent, WeightVersionEvent, decode
+from schemas import PromptEvent, WeightVersionEvent
 from schemas.config import RunConfig
 
 log = logging.getLogger("jetrl.producer")
@@ -98,18 +103,14 @@ class Producer:
         """Global index of the next prompt: one past the last stored (no gap, no duplicate).
 
         Messages at the end that are not prompts (poison; the rollout dead-letters it) are
-        stepped over: the last prompt is the last message that decodes as one.
+        stepped over, as deleted ones are: the last prompt is the last message that decodes as
+        one. Each read rides out an election (`patient`).
         """
-        stream = self.rt.topology.stream(PROMPTS)
-        state = (await ride_out(lambda: self.rt.js.stream_info(stream), "reading the prompt stream")).state
-        if state.messages == 0:
-            return 0
-        for seq in range(state.last_seq, state.first_seq - 1, -1):
-            try:
-                stored = await ride_out(lambda: self.rt.js.get_msg(stream, seq), f"reading prompt #{seq}")  # noqa: B023
-                prompt = decode(stored.data or b"", PromptEvent)
-            except (NotFoundError, DecodeError):  # deleted, or not a prompt
-                continue
+        prompts: LastStored[PromptEvent] = LastStored(
+            self.rt.js, self.rt.topology, PROMPTS, Poison("producer"), patient=True
+        )
+        async for stored in prompts.back():
+            prompt = stored.event
             return prompt.epoch * epoch_size(self.cfg.data) + prompt.index + 1
         return 0
 
@@ -119,22 +120,17 @@ class Producer:
         Both follow ordered consumers, which nats-py recreates by itself when their node dies
         (no heartbeat for two periods: ~10 s), so only creating them has to ride out an election.
         """
-        weights = await ride_out(
-            lambda: self.rt.js.subscribe(
-                self.rt.topology.subject(WEIGHTS), ordered_consumer=True, deliver_policy=DeliverPolicy.LAST
-            ),
-            "following weight versions",
+        # Undecodable weights events are logged and skipped: the rollout workers dead-letter
+        # them, and the gate keeps its version.
+        weights: Broadcast[WeightVersionEvent] = Broadcast(
+            self.rt.js, self.rt.topology, WEIGHTS, Poison("producer")
         )
+        await ride_out(weights.open, "following weight versions")
         kv_watch = await ride_out(lambda: self.rt.kv.watch(">"), "watching the run's KV bucket")
 
         async def follow_weights() -> None:
-            async for msg in weights.messages:
-                try:
-                    version = decode(msg.data, WeightVersionEvent).version
-                except DecodeError as exc:  # the rollout workers dead-letter it; the gate keeps its version
-                    log.warning("weights event skipped: %s", exc)
-                    continue
-                self.version = max(self.version, version)
+            async for stored in weights:
+                self.version = max(self.version, stored.event.version)
                 self.changed.set()
 
         async def follow_kv() -> None:
@@ -159,8 +155,7 @@ class Producer:
         finally:
             # Once nobody reads them, their messages pile up unprocessed, and the connection's
             # drain at exit would wait on those queues until it gave up (a logged traceback).
-            with contextlib.suppress(nats.errors.Error):
-                await weights.unsubscribe()
+            await weights.close()
             with contextlib.suppress(nats.errors.Error):
                 await kv_watch.stop()
 

@@ -33,12 +33,22 @@ from typing import TypeVar
 import nats.errors
 import yaml
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
 
-from bus.topology import BATCHES, CONFIG_KEY, DROPS, PROMPTS, WEIGHTS, Topology, metrics_key, metrics_prefix
+from bus.lag import queue_info
 from bus.membership import live_members, stored_keys
+from bus.readers import LastStored, Poison
+from bus.topology import (
+    BATCHES,
+    CONFIG_KEY,
+    DROPS,
+    PROMPTS,
+    WEIGHTS,
+    Topology,
+    metrics_key,
+    metrics_prefix,
+)
 from producers.gate import Producer, admitted_limit
-from schemas import BatchEvent, DecodeError, WeightVersionEvent, decode
+from schemas import BatchEvent, WeightVersionEvent
 from schemas.config import ConfigError, RunConfig, parse_config
 
 log = logging.getLogger("jetrl.stall")
@@ -219,7 +229,7 @@ async def _queue(js: JetStreamContext, topology: Topology, role: str) -> QueueVi
     channel = topology.served_by(role)
     assert channel is not None, f"{role} serves no work queue"
     queue = channel.work_queue
-    info = await js.consumer_info(topology.stream(channel), queue.durable)
+    info = await queue_info(js, topology, channel)
     acked = info.ack_floor.last_active if info.ack_floor and info.ack_floor.last_active else info.created
     return QueueView(
         channel.name, info.num_pending or 0, info.num_ack_pending or 0, info.num_redelivered or 0,
@@ -231,20 +241,15 @@ async def _stored(js: JetStreamContext, topology: Topology, rank: int, step: int
     """The micro-batches of `step` on batches.<rank>, read back from the stream's end: the buffer
     stores a step's micro-batches together and the steps in order, so they are the last ones of
     that step before an earlier step (or a later one) begins."""
-    stream = topology.stream(BATCHES)
-    try:
-        last = await js.get_last_msg(stream, topology.subject(BATCHES, rank))
-    except NotFoundError:
+    # Garbage the trainer dead-letters is logged and stepped over, as deleted batches are.
+    batches: LastStored[BatchEvent] = LastStored(js, topology, BATCHES, Poison("stall watch"))
+    end = await batches.last_seq(rank)
+    if not end:
         return None
     indices: set[int] = set()
     count = 0
-    end = last.seq or 0
-    for seq in range(end, max(0, end - SCAN_BATCHES), -1):
-        try:
-            msg = await js.get_msg(stream, seq)
-            batch = decode(msg.data or b"", BatchEvent)
-        except (NotFoundError, DecodeError):
-            continue  # deleted by retention, or garbage the trainer dead-letters
+    async for stored in batches.back(start=end, limit=SCAN_BATCHES):
+        batch = stored.event
         if batch.dp_rank != rank or batch.step > step:
             continue
         if batch.step < step:
@@ -261,11 +266,8 @@ async def _stream_messages(js: JetStreamContext, topology: Topology) -> int:
 
 async def _latest_version(js: JetStreamContext, topology: Topology) -> int:
     """The latest weight version; 0 before the first, as the gate counts it."""
-    try:
-        last = await js.get_last_msg(topology.stream(WEIGHTS), topology.subject(WEIGHTS))
-        return decode(last.data or b"", WeightVersionEvent).version
-    except (NotFoundError, DecodeError):
-        return 0
+    last = await LastStored(js, topology, WEIGHTS, Poison("stall watch")).last()
+    return 0 if last is None else last.event.version
 
 
 async def _count_keys(js: JetStreamContext, topology: Topology, pattern: str) -> int:
@@ -277,8 +279,7 @@ async def last_step(js: JetStreamContext, topology: Topology) -> tuple[int, floa
     declared) before any. Raises what the bus raises when it cannot say now."""
     steps = [int(key.rsplit(".", 1)[1]) for key in await stored_keys(js, topology.kv_bucket, metrics_prefix(0) + "*")]
     if not steps:
-        queue = PROMPTS.work_queue
-        return -1, (await js.consumer_info(topology.stream(PROMPTS), queue.durable)).created.timestamp()
+        return -1, (await queue_info(js, topology, PROMPTS)).created.timestamp()
     entry = await (await js.key_value(topology.kv_bucket)).get(metrics_key(0, max(steps)))
     try:
         return max(steps), float(json.loads(entry.value or b"{}")["time"])

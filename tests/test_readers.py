@@ -56,7 +56,7 @@ async def dead(js: JetStreamContext, topology: Topology) -> list[tuple[str, str,
     """(stage, original sequence, bytes, reason) of every dead letter."""
     reader = LastStored(js, topology, DEAD, Poison("test"))
     out = []
-    first, last = await reader.last_seq()
+    first, last = await reader.bounds()
     for seq in range(first or 1, last + 1):
         raw = await js.get_msg(topology.stream(DEAD), seq)
         headers = raw.headers or {}
@@ -130,6 +130,15 @@ def test_replay_reads_the_stream_once_up_to_its_end_when_opened(
                     await put(js, topology, 9)  # after it opened: not in the replay
         assert indices(got) == [(2, 1), (3, 2)]
         assert await consumers(js, topology) == base
+        # The stream's last message deleted: the replay ends where nothing more is pending,
+        # rather than wait for that sequence.
+        await js.delete_msg(topology.stream(PROMPTS), 5)
+        async with Replay(js, topology, PROMPTS, Poison("buffer"), timeout=1) as reader:
+            try:
+                ended: list[Stored[PromptEvent]] | None = [s async for s in reader]
+            except TimeoutError:
+                ended = None
+        assert ended is not None and indices(ended) == [(2, 1), (3, 2)]
 
     run(nats_server, topology, body)
 
@@ -140,10 +149,12 @@ def test_last_stored_reads_back_from_the_end_stepping_over_deleted_and_poison(
     async def body(js: JetStreamContext, publisher: Publisher) -> None:
         reader = LastStored(js, topology, PROMPTS, Poison("producer"), patient=True)
         assert await reader.last() is None
+        assert await reader.last_seq() == 0
         assert [s async for s in reader.back()] == []
         await put(js, topology, 0, 1, 2, 3, None)
         await js.delete_msg(topology.stream(PROMPTS), 3)
         assert await reader.last() is None  # the last is poison
+        assert await reader.last_seq() == 5  # whatever it holds
         assert await reader.at(3) is None  # deleted
         assert indices([s async for s in reader.back()]) == [(4, 3), (2, 1), (1, 0)]
         assert indices([s async for s in reader.back(start=4, limit=2)]) == [(4, 3)]
@@ -195,3 +206,4 @@ def test_every_mode_dead_letters_poison_once_under_its_role_and_refused_events_l
         assert await messages(js, topology, DEAD) == len(letters)
 
     run(nats_server, topology, body)
+

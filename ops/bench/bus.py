@@ -90,6 +90,8 @@ async def baseline(js: JetStreamContext, run: str, payloads: list[bytes], ids: l
         inflight.append(await js.publish_async(subject, data, headers=headers))
         used += len(data)
     await asyncio.gather(*inflight)
+    # Plain nats-py's pull consumer, not `bus.pull`: the raw client call is what this baseline
+    # measures the project's path against.
     sub = await js.pull_subscribe_bind(TRAJECTORIES.work_queue.durable, stream=topo.stream(TRAJECTORIES))
     batch = max(1, min(128, (32 << 20) // len(payloads[0])))
     got = 0

@@ -129,6 +129,8 @@ async def baseline(js: JetStream, subject: str, size: int) -> float:
             done.set_result(None)
 
     start = time.perf_counter()
+    # Plain nats-py's ordered consumer, not a `bus.readers` reader: the raw client call is what
+    # this baseline measures the transports against.
     sub = await js.subscribe(subject, ordered_consumer=True, cb=arrived)
     await done
     seconds = time.perf_counter() - start
