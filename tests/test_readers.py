@@ -7,12 +7,16 @@
   the reader's role) when the reader has a publisher, only logged when it has none; an event
   the caller refuses goes the same way.
 - Closing a reader unsubscribes: its consumer has no subscriber left.
+- Outside bus/, no code calls nats-py to subscribe, open a consumer or get a stored message
+  (an explicit allow-list, empty for the main job once the weights receiver has the rollout's).
 """
 
 from __future__ import annotations
 
+import ast
 import asyncio
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import nats.errors
 import pytest
@@ -27,6 +31,7 @@ from bus.topology import DEAD, PROMPTS, Topology
 from schemas import PromptEvent, encode
 from tests.helpers import messages, prompt
 
+ROOT = Path(__file__).resolve().parent.parent
 POISON = b"\x93not an event"
 
 
@@ -207,3 +212,48 @@ def test_every_mode_dead_letters_poison_once_under_its_role_and_refused_events_l
 
     run(nats_server, topology, body)
 
+
+RAW_READS = {
+    "subscribe",
+    "pull_subscribe",
+    "pull_subscribe_bind",
+    "consumer_info",
+    "get_msg",
+    "get_last_msg",
+}
+"""nats-py calls that open a subscription or consumer or read a stored message: bus/ only."""
+ALLOWED: dict[str, set[str]] = {
+    # The main job: empty, but for this one file.
+    "consumers/rollout.py": {
+        "subscribe",
+        "get_last_msg",
+        "get_msg",
+    },  # converted by the weights receiver
+    # Operator tools, where the raw client call is what a benchmark measures.
+    "ops/bench/bus.py": {"pull_subscribe_bind"},
+    "ops/bench/weights.py": {"subscribe"},
+}
+PACKAGES = ("producers", "consumers", "engines", "schemas", "ops")
+"""Every package but bus/ (tests/ and examples/ are not the product)."""
+
+
+def raw_reads(path: Path) -> set[str]:
+    """The RAW_READS methods `path` calls (as `x.name(...)`), comments and docstrings aside."""
+    tree = ast.parse(path.read_text(), str(path))
+    return {
+        node.func.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in RAW_READS
+    }
+
+
+def test_outside_bus_nothing_opens_a_subscription_consumer_or_get_msg_of_its_own() -> None:
+    found = {
+        path.relative_to(ROOT).as_posix(): calls
+        for package in PACKAGES
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if (calls := raw_reads(path))
+    }
+    assert found == ALLOWED, "read through bus.readers (or bus.worker, bus.lag) instead"
