@@ -198,8 +198,8 @@ class Trainer:
             await self.sync_weights()
         log.info("rank %d starts at step %d, batch sequence %d", self.rank, self.engine.step, self.last_seq + 1)
         self.rt.member.report(engine=self.engine.name, weight_version=self.engine.step)
-        # Batches it cannot read go to dead.trainer (a producer of batches may be fixed and
-        # rerun; the trainer cannot wait for it).
+        # What is no batch goes to dead.trainer and is skipped: reading by position, there is
+        # nothing to nak, and waiting on it would stall every later step.
         self.batches = ByPosition(
             self.rt.js, self.rt.topology, BATCHES, Poison("trainer", self.rt.publisher),
             start_seq=self.last_seq + 1, token=self.dp_rank,
