@@ -1,8 +1,9 @@
 """How far behind each work queue of a run is, read one way by everything that shows it.
 
 The producer's progress line (and the queue-depth gauge), `ops.status`, `ops.streams` and
-`ops.chaos` all read the durables of the run's work queues (`Topology.work_queues`) through `queue_lag`;
-`queue_info` is one durable's whole description (its ack_wait, when it was created).
+`ops.chaos` all read the durables of the run's work queues (`Topology.work_queues`) through
+`queue_lag`; `queue_info` is one durable's whole description (its ack_wait, when it was
+created).
 """
 
 from __future__ import annotations

@@ -340,7 +340,8 @@ class ChaosRun:
             unacked = (info.num_pending or 0) + (info.num_ack_pending or 0)
             sequences: set[int] = set()
             deadline = time.monotonic() + ACK_WAIT + 5  # what a stopped worker held comes back by then
-            # The work queue's own pulls (`bus.pull`), as a worker's; what they bring is left unacked.
+            # The work queue's own pulls (`bus.pull`), as a worker's; what they bring stays
+            # unacked.
             puller = Puller(self.js, self.topology.stream(channel), channel.work_queue.durable)
             await puller.open()
             try:
@@ -351,7 +352,8 @@ class ChaosRun:
                             # Event ids: a prompt's, or `<prompt id>/<sample>` for its
                             # trajectories and rewards.
                             event_id = (msg.headers or {}).get("Nats-Msg-Id", "")
-                            found.add(event_id if channel is PROMPTS else event_id.rsplit("/", 1)[0])
+                            group = event_id.rsplit("/", 1)[0]
+                            found.add(event_id if channel is PROMPTS else group)
             finally:
                 await puller.close()
         return found & candidates
