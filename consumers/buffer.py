@@ -251,7 +251,7 @@ class Buffer:
         never issued, or whose other samples were lost) and are terminated, so a restarted
         buffer does not get them back; a later sample of one is rejected (`check`).
         """
-        limit, step = self.cfg.algorithm.group_wait_steps, self.batched.next_step
+        limit, step = self.cfg.staleness.group_wait_steps, self.batched.next_step
         for group in [g for g in self.groups.values() if not g.complete and step - g.first_step > limit]:
             reason = (
                 f"incomplete: {len(group.samples)} of {group.size} samples after {step - group.first_step} steps "
@@ -291,8 +291,10 @@ class Buffer:
                     return
                 chosen = [self.groups[pid] for pid in ids]
             else:
-                oldest_allowed = step - self.cfg.algorithm.max_staleness
-                for group in [g for g in self.groups.values() if g.complete and g.min_version < oldest_allowed]:
+                staleness = self.cfg.staleness
+                complete = [g for g in self.groups.values() if g.complete]
+                for group in [g for g in complete if staleness.too_old(g.min_version, step)]:
+                    oldest_allowed = staleness.oldest_version(step)
                     await self.drop(group, f"stale: version {group.min_version} < {oldest_allowed} at step {step}")
                 ready = [g for g in self.groups.values() if g.complete and g.prompt_id not in self.dropping]
                 if len(ready) < per_step:

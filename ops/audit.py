@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -41,8 +42,9 @@ from bus.topology import (
     run_id_arg,
 )
 from bus.membership import stored_keys
-from ops.streams import as_stored
+from ops.streams import as_stored, stored_config
 from schemas import BatchEvent, DecodeError, Event, PromptEvent, decode
+from schemas.staleness import StalenessPolicy
 
 E = TypeVar("E", bound=Event)
 AUDIT_SECONDS = 120.0
@@ -78,7 +80,9 @@ def _decoded(data: list[bytes], cls: type[E]) -> list[E]:
     return events
 
 
-async def audit(js: JetStreamContext, topology: Topology, max_staleness: int) -> dict[str, Any]:
+async def audit(
+    js: JetStreamContext, topology: Topology, staleness: StalenessPolicy
+) -> dict[str, Any]:
     prompts = [p.id for p in _decoded(await _replay(js, topology, PROMPTS), PromptEvent)]
     batches = _decoded(await _replay(js, topology, BATCHES), BatchEvent)
     kv = await js.key_value(topology.kv_bucket)
@@ -101,10 +105,10 @@ async def audit(js: JetStreamContext, topology: Topology, max_staleness: int) ->
     # Staleness of the trained tokens from the records' histograms (step - version per loss
     # token); of kept batches no record covers yet (batched, not trained yet) from the batch.
     unrecorded = [b for b in batches if not set(b.sample_ids) <= trainer_ids]
-    violations = sum(sum(r.get("staleness_hist", [])[max_staleness + 1:]) for r in step_records)
+    violations = sum(staleness.over_bound(r.get("staleness_hist", [])) for r in step_records)
     for b in unrecorded:
         versions = b.versions.numpy()[b.loss_mask.numpy() == 1]
-        violations += int((versions < b.step - max_staleness).sum())
+        violations += int((versions < staleness.oldest_version(b.step)).sum())
     seen_staleness = [int(r.get("staleness_max", 0)) for r in step_records] + [
         int(b.step - b.versions.numpy()[b.loss_mask.numpy() == 1].min())
         for b in unrecorded if b.loss_mask.numpy().any()
@@ -146,7 +150,12 @@ async def main(args: argparse.Namespace) -> None:
     js, topology = nc.jetstream(), Topology(run=args.run)
     try:
         topology = await ride_out(lambda: as_stored(js, topology), f"reading run {args.run}'s config")
-        result = await ride_out(lambda: audit(js, topology, args.max_staleness), f"auditing run {args.run}", AUDIT_SECONDS)
+        config, _ = await ride_out(lambda: stored_config(js, args.run), "reading its config")
+        # The bound the operator names (the flag's default, not the stored run's: as before).
+        staleness = dataclasses.replace(config.staleness, bound=args.bound)
+        result = await ride_out(
+            lambda: audit(js, topology, staleness), f"auditing run {args.run}", AUDIT_SECONDS
+        )
     finally:
         await nc.close()
     print(json.dumps(result))
@@ -156,7 +165,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m ops.audit", description=__doc__.splitlines()[0])
     parser.add_argument("--run", required=True, type=run_id_arg)
     parser.add_argument("--nats", default=os.environ.get("JETRL_NATS_URL", DEFAULT_URL))
-    parser.add_argument("--max-staleness", type=int, default=1)
+    parser.add_argument("--max-staleness", dest="bound", type=int, default=1)
     arguments = parser.parse_args()
     try:
         asyncio.run(main(arguments))

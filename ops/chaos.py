@@ -309,8 +309,7 @@ class ChaosRun:
 
     async def account(self) -> dict[str, Any]:
         """The audit of the streams, plus what the module doc defines: held, lost, duplicates."""
-        max_staleness = load_config(self.out / "config.yaml").algorithm.max_staleness
-        found = await audit(self.js, self.topology, max_staleness)
+        found = await audit(self.js, self.topology, load_config(self.out / "config.yaml").staleness)
         candidates = set(found.pop("in_flight_ids"))
         held = await self.held(candidates) if candidates else set()
         history = await self.trained_history()

@@ -11,7 +11,7 @@ the bus shows who waits for what. `read_view` reads it once; `diagnose` (pure) j
     queues    work in flight with no live worker of the role (its holder stopped heartbeating:
               the messages come back only after ack_wait), or in flight at live workers that
               have acked nothing for stall_after (a stuck handler keeps them in progress)
-    gate      issued >= admitted_limit(v, drops)       -> "the gate has issued all N prompts ..."
+    gate      StalenessPolicy.waits_for(issued, v, drops) -> "the gate has issued all N prompts ..."
 
 The bus cannot show which samples of which group the buffer lacks (its groups live in its
 memory), so the buffer's line says how many samples it holds and the queue lines say where
@@ -37,7 +37,7 @@ from nats.js.errors import NotFoundError
 
 from bus.topology import BATCHES, CONFIG_KEY, DROPS, PROMPTS, WEIGHTS, Topology, metrics_key, metrics_prefix
 from bus.membership import live_members, stored_keys
-from producers.gate import Producer, admitted_limit
+from producers.gate import Producer
 from schemas import BatchEvent, DecodeError, WeightVersionEvent, decode
 from schemas.config import ConfigError, RunConfig, parse_config
 
@@ -164,11 +164,9 @@ def gate_line(view: RunView) -> str | None:
     """The gate shut at the current weights (not at the run's end), and the version that opens it."""
     if view.issued is None or view.version is None or view.dropped is None:
         return None
-    cfg, algo = view.cfg, view.cfg.algorithm
-    limit = admitted_limit(view.version, view.dropped, cfg)
-    if view.issued < limit or limit >= cfg.trainer.steps * algo.prompts_per_step + view.dropped:
+    opens = view.cfg.staleness.waits_for(view.issued, view.version, view.dropped)
+    if opens is None:
         return None
-    opens = (view.issued - view.dropped) // algo.prompts_per_step - algo.max_staleness
     return f"the gate has issued all {view.issued} prompts it admits at weights v{view.version} and waits for v{opens}"
 
 
