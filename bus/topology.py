@@ -58,7 +58,9 @@ from bus.channels import (
     loss_key,
     markdown_tables,
     metrics_key,
+    metrics_of,
     metrics_prefix,
+    MEMBERS,
     served_by,
     work_queues,
     REFUSED_PROMPT,
@@ -74,7 +76,8 @@ __all__ = [
     "ACK_WAIT", "BATCHES", "CHANNELS", "CONFIG", "CONFIG_KEY", "DEAD", "DECLARED", "DROPS", "EVERY_WORK_QUEUE", "KV_KEYS", "LOSS",
     "METRICS", "PROMPTS", "REFUSED_PROMPT", "RENDEZVOUS", "RENDEZVOUS_KEY", "REWARDS", "REWARDS_TO_REFERENCE",
     "SCORED", "TRAJECTORIES", "WEIGHTS", "WORK_QUEUES", "Channel", "KvKey", "Read", "Reader", "Topology", "WorkQueue",
-    "channels_of", "drop_key", "dropped_prompt", "loss_key", "markdown_tables", "metrics_key", "metrics_prefix",
+    "channels_of", "drop_key", "dropped_prompt", "loss_key", "markdown_tables", "metrics_key",
+    "metrics_of", "metrics_prefix", "MEMBERS",
     "run_id_arg", "served_by", "work_queues",
 ]
 

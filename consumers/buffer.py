@@ -52,6 +52,7 @@ from engines.algorithms.advantages import step_advantages
 from engines.algorithms.kl import ESTIMATORS, kl_in_reward, mean_sequence_kl
 from engines.algorithms.shaping import overlong_penalty
 from schemas import BatchEvent, RewardEvent, Tensor
+from schemas.kv_records import DropRecord
 
 log = logging.getLogger("jetrl.buffer")
 
@@ -232,7 +233,7 @@ class Buffer:
         """Record the drop in KV (the producer replaces the group), then ack its samples, or
         with `dead` store each in `dead` with the reason and terminate it."""
         try:
-            await self.rt.kv.create(drop_key(group.prompt_id), reason.encode())
+            await self.rt.kv.create(drop_key(group.prompt_id), DropRecord(reason=reason).encode())
         except KeyWrongLastSequenceError:
             pass  # dropped before a restart: recorded once
         del self.groups[group.prompt_id]

@@ -28,7 +28,6 @@ own tensors to the rollout workers (rank 0 coordinating).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
@@ -68,6 +67,7 @@ from engines.protocols import MicroBatch
 from engines.torch_train import LossConfig
 from schemas import BatchEvent, DecodeError, decode
 from schemas.config import RunConfig
+from schemas.kv_records import StepMetrics
 from schemas.streams_config import batches_kept_from
 
 log = logging.getLogger("jetrl.trainer")
@@ -303,7 +303,8 @@ class Trainer:
         trainer retrain the step and put them again (the same batches, so the same ids)."""
         self.rt.member.report(weight_version=self.engine.step)
         if self.records:
-            await self.rt.kv.put(metrics_key(self.dp_rank, metrics["step"]), json.dumps(metrics).encode())
+            record = StepMetrics.from_flat(metrics)
+            await self.rt.kv.put(metrics_key(self.dp_rank, record.step), record.encode())
             TRAINER_METRICS_WRITTEN(f"step {metrics['step']}")
         for logger in self.loggers:
             logger.log(metrics["step"], scalars(metrics))

@@ -25,7 +25,6 @@ Under torchrun (env) its elastic agent restarts the whole group instead.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import socket
@@ -49,6 +48,7 @@ from engines.fsdp_train import FSDPTrainEngine, init_group
 from engines.megatron_train import MegatronNotInstalled, MegatronTrainEngine
 from engines.model_source import ModelNotFound, resolve_model_path
 from engines.torch_train import CriticConfig, LossConfig, TorchTrainEngine
+from schemas.kv_records import Rendezvous
 from schemas.config import RunConfig
 
 log = logging.getLogger("jetrl.trainer")
@@ -154,8 +154,8 @@ async def _host(rt: Runtime, world: int) -> Group:
         master_listen_fd=listener.fileno(),
     )
     generation = uuid.uuid4().hex[:12]
-    announce = {"host": host, "port": port, "world_size": world, "generation": generation}
-    await rt.kv.put(RENDEZVOUS_KEY, json.dumps(announce).encode())
+    announce = Rendezvous(host=host, port=port, world_size=world, generation=generation)
+    await rt.kv.put(RENDEZVOUS_KEY, announce.encode())
     log.info("rank 0 hosts generation %s at %s:%d", generation, host, port)
     return Group(0, world, dist.PrefixStore(generation, server), listener)
 
@@ -168,15 +168,17 @@ async def _claim(rt: Runtime, rank: int, world: int) -> Group:
     while asyncio.get_running_loop().time() < deadline:
         try:
             entry = await rt.kv.get(RENDEZVOUS_KEY)
-            announce = json.loads(entry.value or b"")
+            announce: Rendezvous | None = Rendezvous.decode(entry.value)
         except KeyNotFoundError:
             announce = None
-        if announce is None or announce["generation"] in refused:
+        if announce is None or announce.generation in refused:
             await asyncio.sleep(0.5)
             continue
-        generation, address = announce["generation"], (announce["host"], announce["port"])
-        if announce["world_size"] != world:
-            raise RendezvousFailed(f"rank 0 announced {announce['world_size']} ranks, this rank's config has {world}")
+        generation, address = announce.generation, (announce.host, announce.port)
+        if announce.world_size != world:
+            raise RendezvousFailed(
+                f"rank 0 announced {announce.world_size} ranks, this rank's config has {world}"
+            )
         store = await asyncio.to_thread(_connect, address, world, timeout)
         if store is None:
             log.info("generation %s: rank 0 at %s:%d is gone; waiting for the next", generation, *address)

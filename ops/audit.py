@@ -38,12 +38,13 @@ from bus.topology import (
     Channel,
     Topology,
     dropped_prompt,
-    metrics_prefix,
+    metrics_of,
     run_id_arg,
 )
 from bus.membership import stored_keys
 from ops.streams import as_stored, stored_config
 from schemas import BatchEvent, DecodeError, Event, PromptEvent, decode
+from schemas.kv_records import DropRecord, StepMetrics
 from schemas.staleness import StalenessPolicy
 
 E = TypeVar("E", bound=Event)
@@ -91,12 +92,15 @@ async def audit(
     keys = await stored_keys(js, topology.kv_bucket)
     drop_keys = {pid: k for k in keys if (pid := dropped_prompt(k)) is not None}
     # An empty record reads back as None: kept, as a drop without a reason.
-    dropped = {pid: ((await kv.get(k)).value or b"").decode() for pid, k in drop_keys.items()}
+    dropped = {pid: DropRecord.decode((await kv.get(k)).value).text for pid, k in drop_keys.items()}
     # What the trainer says it trained: each step's record lists the ids of the micro-batches
     # it took (a refused one is in the batch stream but not here). The records cover the whole
     # run; the batch stream only what the trainer's checkpoints still need (it trims the rest),
     # so the accounts are the records' and the kept batches' together.
-    step_records = [json.loads((await kv.get(k)).value or b"{}") for k in keys if k.startswith(metrics_prefix())]
+    step_records = [
+        StepMetrics.decode((await kv.get(k)).value).flat()
+        for k in keys if metrics_of(k) is not None
+    ]
     trainer_ids = {sid for record in step_records for sid in record.get("sample_ids", [])}
     batched = Counter(sid for b in batches for sid in b.sample_ids)
     recorded = Counter(sid for record in step_records for sid in record.get("sample_ids", []))

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 
 import nats.errors
@@ -27,12 +26,13 @@ from nats.js.errors import NotFoundError
 
 from bus import metrics, tracing
 from bus.election import ride_out
-from bus.topology import PROMPTS, REFUSED_PROMPT, WEIGHTS, dropped_prompt, metrics_prefix
+from bus.topology import PROMPTS, WEIGHTS, dropped_prompt, metrics_of
 from bus.crashpoints import PRODUCER_MID_PUBLISH
 from bus.runtime import Runtime
 from producers.datasets import epoch_size, records
 from schemas import DecodeError, PromptEvent, WeightVersionEvent, decode
 from schemas.config import RunConfig
+from schemas.kv_records import DropRecord, StepMetrics
 
 log = logging.getLogger("jetrl.producer")
 
@@ -82,7 +82,7 @@ class Producer:
         """Prompts issued so far, this process's and its predecessors' (what the gate counts)."""
         self.dropped: set[str] = set()
         self.refused: dict[str, str] = {}
-        """Drop records of prompts the rollout refused, with their reasons (a subset of `dropped`)."""
+        """Drop keys of prompts the rollout refused, with their reasons (a subset of `dropped`)."""
         self.metrics: dict[int, dict] = {}
         """Step -> its metrics, once every trainer rank has recorded it (`merge_ranks`)."""
         self.rank_metrics: dict[int, dict[int, dict]] = {}
@@ -138,12 +138,12 @@ class Producer:
                     continue
                 if dropped_prompt(entry.key) is not None:
                     self.dropped.add(entry.key)
-                    if (reason := entry.value.decode(errors="replace")).startswith(REFUSED_PROMPT):
-                        self.refused[entry.key] = reason
-                elif entry.key.startswith(metrics_prefix()):
-                    m = json.loads(entry.value)
+                    if (drop := DropRecord.decode(entry.value)).refused:
+                        self.refused[entry.key] = drop.reason
+                elif (rank_step := metrics_of(entry.key)) is not None:
+                    m = StepMetrics.decode(entry.value).flat()
                     ranks = self.rank_metrics.setdefault(m["step"], {})
-                    ranks[int(entry.key.split(".")[1])] = m
+                    ranks[rank_step[0]] = m
                     if len(ranks) == self.cfg.trainer.dp_size:
                         self.metrics[m["step"]] = merge_ranks([ranks[r] for r in sorted(ranks)])
                         del self.rank_metrics[m["step"]]
@@ -167,7 +167,7 @@ class Producer:
             if refusals_stop_the_run(len(self.refused), self.issued, self.cfg):
                 raise PromptsRefused(
                     f"the rollout refused {len(self.refused)} of the {self.issued} prompts issued; the last: "
-                    f"{list(self.refused.values())[-1].removeprefix(REFUSED_PROMPT)}"
+                    f"{list(self.refused.values())[-1]}"
                 )
             while self.issued >= self.cfg.staleness.admitted_limit(self.version, len(self.dropped)):
                 self.changed.clear()

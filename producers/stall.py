@@ -22,7 +22,6 @@ electing a leader) is left out, and the lines that need it are not said.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections import Counter
@@ -35,11 +34,22 @@ import yaml
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from bus.topology import BATCHES, CONFIG_KEY, DROPS, PROMPTS, WEIGHTS, Topology, metrics_key, metrics_prefix
+from bus.topology import (
+    BATCHES,
+    CONFIG_KEY,
+    DROPS,
+    PROMPTS,
+    WEIGHTS,
+    Topology,
+    metrics_key,
+    metrics_of,
+    metrics_prefix,
+)
 from bus.membership import live_members, stored_keys
 from producers.gate import Producer
 from schemas import BatchEvent, DecodeError, WeightVersionEvent, decode
 from schemas.config import ConfigError, RunConfig, parse_config
+from schemas.kv_records import StepMetrics
 
 log = logging.getLogger("jetrl.stall")
 T = TypeVar("T")
@@ -273,14 +283,15 @@ async def _count_keys(js: JetStreamContext, topology: Topology, pattern: str) ->
 async def last_step(js: JetStreamContext, topology: Topology) -> tuple[int, float]:
     """The last step rank 0 recorded and the time it recorded it; (-1, when the run's queues were
     declared) before any. Raises what the bus raises when it cannot say now."""
-    steps = [int(key.rsplit(".", 1)[1]) for key in await stored_keys(js, topology.kv_bucket, metrics_prefix(0) + "*")]
+    keys = await stored_keys(js, topology.kv_bucket, metrics_prefix(0) + "*")
+    steps = [rank_step[1] for key in keys if (rank_step := metrics_of(key)) is not None]
     if not steps:
         queue = PROMPTS.work_queue
         return -1, (await js.consumer_info(topology.stream(PROMPTS), queue.durable)).created.timestamp()
     entry = await (await js.key_value(topology.kv_bucket)).get(metrics_key(0, max(steps)))
     try:
-        return max(steps), float(json.loads(entry.value or b"{}")["time"])
-    except (ValueError, KeyError, TypeError):  # not the trainer's metrics: the step counts, its time not
+        return max(steps), StepMetrics.decode(entry.value).time
+    except ValueError:  # not the trainer's metrics: the step counts, its time not
         return max(steps), time.time()
 
 

@@ -29,6 +29,7 @@ from bus.crashpoints import CRASH_AT, CRASH_RECORD, arm
 from bus.runtime import publish_config
 from schemas import BatchEvent, RewardEvent, Tensor, TrajectoryEvent, decode
 from schemas.config import RunConfig
+from schemas.kv_records import DropRecord
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTLE = 60.0
@@ -149,7 +150,7 @@ async def drop_record(js: JetStreamContext, topology: Topology, prompt: str) -> 
         entry = await (await js.key_value(topology.kv_bucket)).get(drop_key(prompt))
     except KeyNotFoundError:
         return None
-    return (entry.value or b"").decode()
+    return DropRecord.decode(entry.value).reason
 
 
 async def until(check: Callable[[], Awaitable[bool]], timeout: float, what: Callable[[], Awaitable[str]]) -> None:

@@ -27,6 +27,7 @@ from bus.topology import BATCHES, PROMPTS, Topology, dropped_prompt
 from ops.audit import _decoded, _replay
 from schemas import BatchEvent, PromptEvent
 from schemas.config import ConfigError, load_config, parse_config
+from schemas.kv_records import DropRecord
 from tests.buffer_feed import (
     SETTLE,
     batches,
@@ -74,7 +75,10 @@ async def read_back(url: str, topology: Topology) -> tuple[list[PromptEvent], li
             keys = await kv.keys()
         except NoKeysError:
             keys = []
-        drops = {pid: (await kv.get(key)).value.decode() for key in keys if (pid := dropped_prompt(key)) is not None}
+        drops = {
+            pid: DropRecord.decode((await kv.get(key)).value).text
+            for key in keys if (pid := dropped_prompt(key)) is not None
+        }
     finally:
         await nc.close()
     return prompts, batches, drops
