@@ -55,7 +55,7 @@ from bus.crashpoints import (
 from bus.membership import member_ids
 from bus.runtime import CannotAttach, Runtime
 from bus.stage import Stage, run_stage
-from consumers.trainer_dist import Group, exchange, join, leave, make_engine, watch
+from consumers.trainer_dist import RankGroup, exchange, join, leave, make_engine, watch
 from consumers.trainer_loggers import scalars, step_loggers
 from consumers.update_history import UpdateHistory
 from consumers.weights import transport_for
@@ -157,7 +157,7 @@ class Trainer:
     """One trainer rank, as a recipe: `setup`, then `collect` -> `train` -> `record` ->
     `checkpoint` for each step; `run` is that loop."""
 
-    def __init__(self, rt: Runtime, rank: int, group: Group | None = None, device: torch.device | None = None) -> None:
+    def __init__(self, rt: Runtime, rank: int, group: RankGroup | None = None, device: torch.device | None = None) -> None:
         """`group`: this rank's process group (`consumers.trainer_dist.join`; fsdp); `device`:
         where the engine computes (default `engines.device.resolve_device()`)."""
         self.rt, self.rank, self.cfg = rt, rank, rt.config
@@ -166,7 +166,7 @@ class Trainer:
         model copy (megatron) read the same micro-batches; the first of them records the step's
         metrics (at pipeline parallel the engine hands it the last stage's, which hold the loss)."""
         self.records = rank % self.cfg.trainer.copy_size == 0
-        self.group = group or Group(rank, 1)
+        self.group = group or RankGroup(rank, 1)
         self.engine = make_engine(self.cfg, loss_config(self.cfg), device or resolve_device())
         spec = getattr(self.engine, "spec", None)  # megatron: its GPTModel is no HF model; the spec says
         self.limits = ModelLimits(spec.vocab_size, spec.max_position_embeddings) if spec else ModelLimits.of(self.engine.model)

@@ -64,7 +64,7 @@ class RendezvousFailed(CannotAttach):
 
 
 @dataclass
-class Group:
+class RankGroup:
     """This process's place in the trainer ranks' process group."""
 
     rank: int
@@ -118,13 +118,13 @@ def critic_config(cfg: RunConfig) -> CriticConfig | None:
     )
 
 
-async def join(rt: Runtime, rank: int, device: torch.device) -> Group:
+async def join(rt: Runtime, rank: int, device: torch.device) -> RankGroup:
     """Meet the run's other trainer ranks in a process group (fsdp; megatron above one rank per
     copy), or stand alone (torch; megatron at tensor and pipeline parallel 1)."""
     tcfg = rt.config.trainer
     world = tcfg.ranks
     if tcfg.engine == "torch" or world == 1 and tcfg.engine == "megatron":
-        return Group(rank, 1)
+        return RankGroup(rank, 1)
     if tcfg.dist_init == "env":
         try:
             rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -133,7 +133,7 @@ async def join(rt: Runtime, rank: int, device: torch.device) -> Group:
         if size != world:
             raise RendezvousFailed(f"torchrun started {size} ranks, the trainer has {world} (trainer.dp_size x tensor x pipeline parallel)")
         await asyncio.to_thread(init_group, None, rank, world, device, tcfg.dist_timeout)
-        return Group(rank, world)
+        return RankGroup(rank, world)
     if not 0 <= rank < world:
         raise RendezvousFailed(f"--rank {rank}: the trainer has {world} ranks (dp_size x tensor x pipeline parallel), so 0..{world - 1}")
     group = await (_host(rt, world) if rank == 0 else _claim(rt, rank, world))
@@ -143,7 +143,7 @@ async def join(rt: Runtime, rank: int, device: torch.device) -> Group:
     return group
 
 
-async def _host(rt: Runtime, world: int) -> Group:
+async def _host(rt: Runtime, world: int) -> RankGroup:
     """Rank 0: a new generation, its store on a socket of ours (one address, never all of them)."""
     tcfg = rt.config.trainer
     host = tcfg.dist_host or route_address(rt)
@@ -157,10 +157,10 @@ async def _host(rt: Runtime, world: int) -> Group:
     announce = Rendezvous(host=host, port=port, world_size=world, generation=generation)
     await rt.kv.put(RENDEZVOUS_KEY, announce.encode())
     log.info("rank 0 hosts generation %s at %s:%d", generation, host, port)
-    return Group(0, world, dist.PrefixStore(generation, server), listener)
+    return RankGroup(0, world, dist.PrefixStore(generation, server), listener)
 
 
-async def _claim(rt: Runtime, rank: int, world: int) -> Group:
+async def _claim(rt: Runtime, rank: int, world: int) -> RankGroup:
     """Rank k: the newest announced generation that has no rank k yet."""
     timeout = rt.config.trainer.dist_timeout
     deadline = asyncio.get_running_loop().time() + timeout
@@ -185,7 +185,7 @@ async def _claim(rt: Runtime, rank: int, world: int) -> Group:
         else:
             store = dist.PrefixStore(generation, store)
             if await asyncio.to_thread(store.add, f"rank/{rank}", 1) == 1:
-                return Group(rank, world, store)
+                return RankGroup(rank, world, store)
             log.info("generation %s already had a rank %d: waiting for rank 0's next generation", generation, rank)
         refused.add(generation)
     raise RendezvousFailed(f"rank {rank}: no trainer rank 0 to join after {timeout:.0f}s (trainer.dist_timeout)")
@@ -212,7 +212,7 @@ def route_address(rt: Runtime) -> str:
         return str(probe.getsockname()[0])
 
 
-async def watch(group: Group, done: Callable[[], bool]) -> None:
+async def watch(group: RankGroup, done: Callable[[], bool]) -> None:
     """Fail when the group is broken (a stage helper: its error ends the process, exit 1).
 
     Once `done()` (the run's last step is trained) it only waits: rank 0 exits first, and its
@@ -244,7 +244,7 @@ async def exchange(note: ShardNote) -> list[ShardNote]:
     return [n for n in notes if n is not None]
 
 
-def leave(group: Group) -> None:
+def leave(group: RankGroup) -> None:
     """Destroy the process group and close rank 0's socket."""
     if dist.is_initialized():
         dist.destroy_process_group()

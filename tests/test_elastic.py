@@ -149,7 +149,7 @@ def test_rollout_workers_join_and_leave_a_running_run(own_nats_server: EmbeddedN
         cwd=ROOT, stdout=subprocess.PIPE, text=True,
     )
     base = Supervisor(local_fleet(tmp_path / "logs"), RUN, url)
-    extra = Supervisor(FleetConfig(roles={"rollout": RoleConfig(replicas=2)}, logs=tmp_path / "extra-logs"), RUN, url)
+    extra = Supervisor(FleetConfig(roles={"rollout": RoleConfig(processes=2)}, logs=tmp_path / "extra-logs"), RUN, url)
     base.start()
     try:
         # Warm: the model is built, every worker serves, trajectories flow.
