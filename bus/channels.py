@@ -28,7 +28,14 @@ from schemas.events import (
     RewardEvent,
     TrajectoryEvent,
 )
-from schemas.kv_records import DropRecord, KvRecord, LossRecord, Member, Rendezvous, StepMetrics
+from schemas.kv_records import (
+    DropRecord,
+    KvRecord,
+    LossRecord,
+    Member,
+    Rendezvous,
+    StepMetrics,
+)
 from schemas.weight_event import WeightVersionEvent
 
 E = TypeVar("E", bound=Event)

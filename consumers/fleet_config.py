@@ -10,8 +10,8 @@ from pathlib import Path
 from pydantic import Field, field_validator, model_validator
 
 from schemas.config import Section, read_yaml, validate
-from schemas.section import refuse_renamed
 from schemas.names import check_run_id
+from schemas.section import refuse_renamed
 
 ROLES = ("trainer", "buffer", "reference", "reward", "rollout")
 """The workers of a run, in the order the local job starts them (`reference` only with

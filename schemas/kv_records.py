@@ -18,11 +18,9 @@ This module knows nothing of NATS.
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Self
 
 from pydantic import BaseModel, ConfigDict, ValidationError
-
-R = TypeVar("R", bound="KvRecord")
 
 
 class KvRecord(BaseModel):
@@ -34,7 +32,7 @@ class KvRecord(BaseModel):
         return self.model_dump_json().encode()
 
     @classmethod
-    def decode(cls: type[R], data: bytes | None) -> R:
+    def decode(cls, data: bytes | None) -> Self:
         """The record stored as `data`; ValueError (a pydantic ValidationError) if it is not one."""
         return cls.model_validate_json(data or b"")
 
@@ -125,8 +123,8 @@ class StepMetrics(KvRecord):
             flat = json.loads(data or b"")
         except json.JSONDecodeError as exc:
             raise ValueError(f"not a step's metrics: {exc}") from None
-        if not isinstance(flat, dict):
-            raise ValueError(f"not a step's metrics: {type(flat).__name__}")
+        if not isinstance(flat, dict):  # decode's contract: ValueError for what is not a record
+            raise ValueError(f"not a step's metrics: {type(flat).__name__}")  # noqa: TRY004
         return cls.from_flat(flat)
 
 

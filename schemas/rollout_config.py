@@ -115,8 +115,8 @@ class RolloutConfig(Section):
     queued or generating, ties to the lowest index), `sticky_by_key` (a prompt's routing key
     keeps the replica it was first given, for prefix-cache reuse; the key is
     `task.conversation_id` when the prompt has one, else the prompt id), or `module:Class`
-    (built as `Class(engine_copies, **router_options)`, with a `pick(key, in_flight)` method; imported
-    when the worker starts)."""
+    (built as `Class(engine_copies, **router_options)`, with a `pick(key, in_flight)` method;
+    imported when the worker starts)."""
     router_options: dict[str, Any] = {}
     """Options of `router`: sticky_by_key takes `max_keys` (keys remembered, least recently
     used forgotten first; default 100000); least_in_flight none; an unknown one is an error."""

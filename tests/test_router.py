@@ -104,7 +104,8 @@ def test_a_module_class_router_is_built_with_its_options() -> None:
 
 def test_the_config_takes_engine_copies_and_a_router_and_refuses_a_malformed_name() -> None:
     config = parse_config(
-        {"rollout": {"engine_copies": 2, "router": "sticky_by_key", "router_options": {"max_keys": 8}}}
+        {"rollout": {"engine_copies": 2, "router": "sticky_by_key",
+                     "router_options": {"max_keys": 8}}}
     )
     rollout = config.rollout
     assert (rollout.engine_copies, rollout.router) == (2, "sticky_by_key")

@@ -199,7 +199,7 @@ def test_the_buffer_in_sync_mode_drops_a_group_one_version_behind(
 
             await until(old_settled, SETTLE, said)
             trained = {pid for b in (await steps()).get(1, []) for pid in b.step_prompt_ids}
-            assert old_id not in trained, f"a v0 group trained at step 1 in sync mode: {await said()}"
+            assert old_id not in trained, f"a v0 group trained at step 1, sync mode: {await said()}"
             reason = await drop_record(js, topology, old_id)
             assert reason == "stale: version 0 < 1 at step 1", reason
             await publish(js, topology, fresh)
