@@ -28,9 +28,18 @@ from schemas.events import (
     RewardEvent,
     TrajectoryEvent,
 )
+from schemas.kv_records import (
+    DropRecord,
+    KvRecord,
+    LossRecord,
+    Member,
+    Rendezvous,
+    StepMetrics,
+)
 from schemas.weight_event import WeightVersionEvent
 
 E = TypeVar("E", bound=Event)
+R = TypeVar("R", bound=KvRecord)
 
 # Channels -------------------------------------------------------------------------------
 
@@ -185,8 +194,9 @@ def served_by(role: str, reference: bool = False) -> Channel | None:
 
 
 @dataclass(frozen=True)
-class KvKey:
-    """A family of keys in the run's KV bucket that crosses processes."""
+class KvKey(Generic[R]):
+    """A family of keys in the run's KV bucket that crosses processes, and the record its values
+    are (`schemas.kv_records`), as a `Channel` names its event class."""
 
     pattern: str
     """Its keys, as the docs write them."""
@@ -194,29 +204,47 @@ class KvKey:
     """The subject filter of its keys under `$KV.<bucket>.` (for watches and permissions)."""
     writers: tuple[str, ...]
     why: str
+    record: type[R] | None = None
+    """The model of its values, with their one encode/decode; None for `config` (the run's
+    YAML, `schemas.config.RunConfig`: `bus.runtime.publish_config`)."""
 
 
-CONFIG = KvKey("config", "config", ("producer",), "the run's config, read by every worker at start-up")
-DROPS = KvKey("drop.<prompt id>", "drop.>", ("buffer",), "a dropped group and why: the gate replaces it")
-METRICS = KvKey("metrics.<rank>.<step>", "metrics.>", ("trainer",), "a trained step's numbers")
+CONFIG: KvKey = KvKey(
+    "config", "config", ("producer",), "the run's config, read by every worker at start-up"
+)
+DROPS = KvKey(
+    "drop.<prompt id>", "drop.>", ("buffer",), "a dropped group and why: the gate replaces it",
+    DropRecord,
+)
+METRICS = KvKey(
+    "metrics.<rank>.<step>", "metrics.>", ("trainer",), "a trained step's numbers", StepMetrics
+)
 RENDEZVOUS = KvKey(
     "trainer.rendezvous", "trainer.rendezvous", ("trainer",),
-    "fsdp rank 0's store address and group generation: the other ranks join it",
+    "fsdp rank 0's store address and group generation: the other ranks join it", Rendezvous,
 )
 LOSS = KvKey(
     "loss.<channel>", "loss.>", tuple(dict.fromkeys(c.work_queue.durable for c in EVERY_WORK_QUEUE)),
     "messages a work queue's stream deleted before they were acked (`bus.loss`): should never exist",
+    LossRecord,
 )
 KV_KEYS: tuple[KvKey, ...] = (CONFIG, DROPS, METRICS, RENDEZVOUS, LOSS)
+MEMBERS = KvKey(
+    "<host>_<pid>_<role>", ">",
+    tuple(dict.fromkeys(r for c in DECLARED for r in (*c.publishers, *c.consumers))),
+    "a live worker's heartbeat entry, in the run's members bucket (`bus.membership`)", Member,
+)
+"""Not in `KV_KEYS`: its keys live in the members bucket, which has its own TTL and permissions."""
 
 CONFIG_KEY = CONFIG.pattern
 RENDEZVOUS_KEY = RENDEZVOUS.pattern
 _DROP, _METRICS = "drop.", "metrics."
 
 
-REFUSED_PROMPT = "rollout: "
-"""How a drop record's reason starts when the rollout refused the prompt itself (it can never be
-generated: untokenizable, too long for the model), not when a group was dropped for its rewards."""
+REFUSED_PROMPT = DropRecord.LEGACY_REFUSED
+"""The old plain-text form of a refused prompt's drop record began with this. Only the rollout
+still writes that form (`consumers.rollout`, until it writes `DropRecord(refused=True)`);
+`DropRecord.decode` reads both."""
 
 
 def drop_key(prompt_id: str) -> str:
@@ -236,8 +264,16 @@ def metrics_key(rank: int, step: int) -> str:
     return f"{_METRICS}{rank}.{step}"
 
 
+def metrics_of(key: str) -> tuple[int, int] | None:
+    """The (rank, step) of a metrics key, None for another key."""
+    if not key.startswith(_METRICS):
+        return None
+    rank, _, step = key.removeprefix(_METRICS).partition(".")
+    return (int(rank), int(step)) if rank.isdigit() and step.isdigit() else None
+
+
 def metrics_prefix(rank: int | None = None) -> str:
-    """`metrics.` or, for one rank, `metrics.<rank>.`: what its keys start with."""
+    """`metrics.` or, for one rank, `metrics.<rank>.`: what its keys start with (a filter)."""
     return _METRICS if rank is None else f"{_METRICS}{rank}."
 
 
@@ -256,6 +292,10 @@ def markdown_tables() -> str:
         elif c is SCORED:
             readers += ", with `reference.enabled`"
         rows.append(f"| `{c.name}` | {subject} | {event} | {queue} | {', '.join(c.publishers)} | {readers} |")
-    rows += ["", "| KV key (bucket `rl_<run>`) | written by | what |", "| --- | --- | --- |"]
-    rows += [f"| `{k.pattern}` | {', '.join(k.writers)} | {k.why} |" for k in KV_KEYS]
+    rows += ["", "| KV key (bucket `rl_<run>`) | record | written by | what |", "| --- " * 4 + "|"]
+    rows += [
+        f"| `{k.pattern}` | {f'`{k.record.__name__}`' if k.record else 'the run config (YAML)'} "
+        f"| {', '.join(k.writers)} | {k.why} |"
+        for k in KV_KEYS
+    ]
     return "\n".join(rows) + "\n"

@@ -25,6 +25,7 @@ from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from bus.topology import Channel, Topology, loss_key
+from schemas.kv_records import LossRecord
 
 log = logging.getLogger("jetrl.loss")
 
@@ -52,13 +53,13 @@ async def recorded(kv: KeyValue, channel: Channel) -> int:
         entry = await kv.get(loss_key(channel.name))
     except KeyNotFoundError:
         return 0
-    return int(entry.value or b"0")
+    return LossRecord.decode(entry.value).count
 
 
 async def record(kv: KeyValue, channel: Channel, count: int) -> None:
     """Keep the largest count seen: a gap, once seen, stays counted after the floor moves on."""
     if count > await recorded(kv, channel):
-        await kv.put(loss_key(channel.name), str(count).encode())
+        await kv.put(loss_key(channel.name), LossRecord(count=count).encode())
 
 
 async def check(js: JetStreamContext, kv: KeyValue, topology: Topology, channel: Channel) -> int | None:

@@ -2,7 +2,8 @@
 
 The bucket (`Topology.members_bucket`) has a TTL, so the keys in it are the live processes:
 an entry not refreshed within the TTL expires (a killed process disappears by itself), and
-a process that exits cleanly deletes its own. Each entry is the JSON of a `Member`.
+a process that exits cleanly deletes its own. Each entry is a `Member` record
+(`schemas.kv_records`; its key family: `bus.channels.MEMBERS`).
 
     join: first entry written (visible as soon as `attach` returns)
     loop: every TTL/5 s, or at once after `report(...)` -> put the entry again
@@ -25,37 +26,16 @@ import nats.errors
 from nats.js import JetStreamContext
 from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from nats.js.kv import KeyValue
-from pydantic import BaseModel, ConfigDict
 
 from bus.connection import worker_id
 from bus.tasks import cancel_until_done
 from bus.topology import Topology
+from schemas.kv_records import Member
 
 log = logging.getLogger("jetrl.membership")
 
 BEATS_PER_TTL = 5
 """Heartbeats per TTL: an entry survives a few lost heartbeats (a reconnect) before it expires."""
-
-
-class Member(BaseModel):
-    """One live worker process, as its heartbeat entry says."""
-
-    model_config = ConfigDict(frozen=True)
-
-    role: str
-    """What it runs: rollout, reward, buffer, trainer, producer."""
-    node: str
-    """Hostname it runs on."""
-    pid: int
-    """Its process id on that node."""
-    engine: str = ""
-    """Engine it drives (hf, torch, vllm, ...); empty for roles without one."""
-    weight_version: int | None = None
-    """Rollout: the weight version it serves. Trainer: its optimizer step. None for other roles."""
-    started_at: float
-    """Unix time it joined the run."""
-    updated_at: float
-    """Unix time of its latest heartbeat."""
 
 
 def member_key(worker: str) -> str:
@@ -116,7 +96,7 @@ class Membership:
 
     async def _put(self) -> None:
         self.member = self.member.model_copy(update={"updated_at": time.time()})
-        await self.kv.put(self.key, self.member.model_dump_json().encode())
+        await self.kv.put(self.key, self.member.encode())
 
     async def leave(self) -> None:
         """Stop heartbeating and delete the entry (should that fail, it expires after the TTL)."""
@@ -147,7 +127,7 @@ async def live_members(js: JetStreamContext, topology: Topology) -> list[Member]
             entry = await kv.get(key)
         except (KeyNotFoundError, KeyDeletedError):
             continue  # expired or left since the listing
-        members.append(Member.model_validate_json(entry.value or b""))
+        members.append(Member.decode(entry.value))
     return sorted(members, key=lambda m: (m.role, m.node, m.pid))
 
 

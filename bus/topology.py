@@ -37,8 +37,10 @@ from bus.channels import (
     EVERY_WORK_QUEUE,
     KV_KEYS,
     LOSS,
+    MEMBERS,
     METRICS,
     PROMPTS,
+    REFUSED_PROMPT,
     RENDEZVOUS,
     RENDEZVOUS_KEY,
     REWARDS,
@@ -58,10 +60,10 @@ from bus.channels import (
     loss_key,
     markdown_tables,
     metrics_key,
+    metrics_of,
     metrics_prefix,
     served_by,
     work_queues,
-    REFUSED_PROMPT,
 )
 from bus.embedded import MAX_PAYLOAD
 from schemas.names import check_run_id
@@ -72,10 +74,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ACK_WAIT", "BATCHES", "CHANNELS", "CONFIG", "CONFIG_KEY", "DEAD", "DECLARED", "DROPS", "EVERY_WORK_QUEUE", "KV_KEYS", "LOSS",
-    "METRICS", "PROMPTS", "REFUSED_PROMPT", "RENDEZVOUS", "RENDEZVOUS_KEY", "REWARDS", "REWARDS_TO_REFERENCE",
+    "MEMBERS", "METRICS", "PROMPTS", "REFUSED_PROMPT", "RENDEZVOUS", "RENDEZVOUS_KEY", "REWARDS",
+    "REWARDS_TO_REFERENCE",
     "SCORED", "TRAJECTORIES", "WEIGHTS", "WORK_QUEUES", "Channel", "KvKey", "Read", "Reader", "Topology", "WorkQueue",
-    "channels_of", "drop_key", "dropped_prompt", "loss_key", "markdown_tables", "metrics_key", "metrics_prefix",
-    "run_id_arg", "served_by", "work_queues",
+    "channels_of", "drop_key", "dropped_prompt", "loss_key", "markdown_tables", "metrics_key",
+    "metrics_of", "metrics_prefix", "run_id_arg", "served_by", "work_queues",
 ]
 
 GiB = 1 << 30

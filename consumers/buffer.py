@@ -52,6 +52,7 @@ from engines.algorithms.advantages import step_advantages
 from engines.algorithms.kl import ESTIMATORS, kl_in_reward, mean_sequence_kl
 from engines.algorithms.shaping import overlong_penalty
 from schemas import BatchEvent, RewardEvent, Tensor
+from schemas.kv_records import DropRecord
 
 log = logging.getLogger("jetrl.buffer")
 
@@ -232,7 +233,7 @@ class Buffer:
         """Record the drop in KV (the producer replaces the group), then ack its samples, or
         with `dead` store each in `dead` with the reason and terminate it."""
         try:
-            await self.rt.kv.create(drop_key(group.prompt_id), reason.encode())
+            await self.rt.kv.create(drop_key(group.prompt_id), DropRecord(reason=reason).encode())
         except KeyWrongLastSequenceError:
             pass  # dropped before a restart: recorded once
         del self.groups[group.prompt_id]
@@ -251,7 +252,7 @@ class Buffer:
         never issued, or whose other samples were lost) and are terminated, so a restarted
         buffer does not get them back; a later sample of one is rejected (`check`).
         """
-        limit, step = self.cfg.algorithm.group_wait_steps, self.batched.next_step
+        limit, step = self.cfg.staleness.group_wait_steps, self.batched.next_step
         for group in [g for g in self.groups.values() if not g.complete and step - g.first_step > limit]:
             reason = (
                 f"incomplete: {len(group.samples)} of {group.size} samples after {step - group.first_step} steps "
@@ -291,8 +292,10 @@ class Buffer:
                     return
                 chosen = [self.groups[pid] for pid in ids]
             else:
-                oldest_allowed = step - self.cfg.algorithm.max_staleness
-                for group in [g for g in self.groups.values() if g.complete and g.min_version < oldest_allowed]:
+                staleness = self.cfg.staleness
+                complete = [g for g in self.groups.values() if g.complete]
+                for group in [g for g in complete if staleness.too_old(g.min_version, step)]:
+                    oldest_allowed = staleness.oldest_version(step)
                     await self.drop(group, f"stale: version {group.min_version} < {oldest_allowed} at step {step}")
                 ready = [g for g in self.groups.values() if g.complete and g.prompt_id not in self.dropping]
                 if len(ready) < per_step:

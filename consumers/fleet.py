@@ -1,6 +1,6 @@
 """`python -m consumers.fleet --config fleet.yaml [--nats URL] [--run R]`: run and supervise one node's workers.
 
-The fleet starts `replicas` processes of each configured role (`consumers.fleet_config`),
+The fleet starts `processes` processes of each configured role (`consumers.fleet_config`),
 each `python -m consumers.<role> --run R --nats URL [args]` with its own log file and GPU(s),
 and supervises them (`consumers.supervisor`):
 

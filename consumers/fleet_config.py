@@ -1,4 +1,4 @@
-"""What a node's fleet runs: the roles, their replicas, devices, arguments, environment, and
+"""What a node's fleet runs: the roles, their processes, devices, arguments, environment, and
 the restart policy (the YAML given to `python -m consumers.fleet --config`)."""
 
 from __future__ import annotations
@@ -7,10 +7,11 @@ import importlib.util
 import re
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from schemas.config import Section, read_yaml, validate
 from schemas.names import check_run_id
+from schemas.section import refuse_renamed
 
 ROLES = ("trainer", "buffer", "reference", "reward", "rollout")
 """The workers of a run, in the order the local job starts them (`reference` only with
@@ -33,27 +34,33 @@ class RestartPolicy(Section):
 class RoleConfig(Section):
     """The processes of one role on this node."""
 
-    replicas: int = Field(default=1, ge=1)
-    """Processes of this role. A trainer runs one rank each: give each rank its own role
+    processes: int = Field(default=1, ge=1)
+    """Processes of this role (`replicas` before, refused now: `replicas` means the streams'
+    replicas, `--replicas`). A trainer runs one rank each: give each rank its own role
     entry (`module: consumers.trainer`, `args: ["--rank", "K"]`)."""
     module: str | None = None
     """Module run with `python -m`; default `consumers.<role name>`."""
     devices: list[int | str] = []
-    """GPUs handed out round-robin as CUDA_VISIBLE_DEVICES: replica i gets devices[i % len].
+    """GPUs handed out round-robin as CUDA_VISIBLE_DEVICES: process i gets devices[i % len].
     An entry may name several ("0,1"). Empty: the variable is inherited unchanged.
-    Ignored by `ops.ray`, where Ray picks each replica's GPUs (see `num_gpus`)."""
+    Ignored by `ops.ray`, where Ray picks each process's GPUs (see `num_gpus`)."""
     num_cpus: float = Field(default=1.0, ge=0)
-    """CPUs one replica needs; `ops.ray` places it on a node with that many free (unused here)."""
+    """CPUs one process needs; `ops.ray` places it on a node with that many free (unused here)."""
     num_gpus: float = Field(default=0.0, ge=0)
-    """GPUs one replica needs; `ops.ray` places it on a node with that many free and sets its
+    """GPUs one process needs; `ops.ray` places it on a node with that many free and sets its
     CUDA_VISIBLE_DEVICES (a fraction shares a GPU). Unused by this fleet: see `devices`."""
     device: str | None = Field(default=None, pattern=r"^(auto|cpu|cuda(:\d+)?)$")
-    """Where every replica computes: auto, cpu, cuda or cuda:N, passed as JETRL_DEVICE
+    """Where every process computes: auto, cpu, cuda or cuda:N, passed as JETRL_DEVICE
     (`engines.device`). None: auto, the first GPU CUDA_VISIBLE_DEVICES leaves it, else the CPU."""
     args: list[str] = []
-    """Extra command-line arguments of every replica."""
+    """Extra command-line arguments of every process."""
     env: dict[str, str] = {}
-    """Extra environment variables of every replica."""
+    """Extra environment variables of every process."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: object) -> object:
+        return refuse_renamed(data, {"replicas": "processes"})
 
 
 class FleetConfig(Section):
@@ -66,7 +73,7 @@ class FleetConfig(Section):
     roles: dict[str, RoleConfig] = Field(min_length=1)
     """Workers by role name: rollout, reward, buffer, trainer, or any name that sets `module`."""
     logs: Path = Path("logs")
-    """Directory of the worker logs, `<role>-<replica>.log`, appended to across restarts."""
+    """Directory of the worker logs, `<role>-<index>.log`, appended to across restarts."""
     restart: RestartPolicy = RestartPolicy()
     """Restart backoff and give-up limit."""
     stop_timeout: float = Field(default=30.0, gt=0)
@@ -108,14 +115,14 @@ def local_fleet(logs: Path, trainer_ranks: int = 1, reference_workers: int = 0) 
     `trainer-rank<K>` runs `--rank K`)."""
     roles = {role: RoleConfig() for role in ROLES if role != "reference"}
     if reference_workers:
-        roles["reference"] = RoleConfig(replicas=reference_workers)
+        roles["reference"] = RoleConfig(processes=reference_workers)
     for rank in range(1, trainer_ranks):
         roles[f"trainer-rank{rank}"] = RoleConfig(module="consumers.trainer", args=["--rank", str(rank)])
     return FleetConfig(roles=roles, logs=logs)
 
 
-def worker_name(role: str, replica: int) -> str:
-    """A worker's name in its fleet, `<role>-<replica>`; also its log file's stem."""
-    return f"{role}-{replica}"
+def worker_name(role: str, index: int) -> str:
+    """A worker's name in its fleet, `<role>-<index>`; also its log file's stem."""
+    return f"{role}-{index}"
 
 

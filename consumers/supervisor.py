@@ -70,7 +70,7 @@ class Child:
     """One worker slot: how to start it, its current process, and its restart history."""
 
     name: str
-    """`<role>-<replica>`; also the log file's name."""
+    """`<role>-<index>`; also the log file's name."""
     command: list[str]
     env: dict[str, str]
     """Added to the fleet's own environment."""
@@ -103,7 +103,7 @@ class Supervisor:
         self, config: FleetConfig, run: str, url: str, names: Collection[str] | None = None,
         identities: Path | None = None,
     ) -> None:
-        """`names`: the workers (`<role>-<replica>`) of the fleet to run; default every one.
+        """`names`: the workers (`<role>-<index>`) of the fleet to run; default every one.
         `identities`: a directory of seeds (`ops.streams users --out`); each worker is given
         its role's (`<role>.nk`) by path in $JETRL_NATS_IDENTITY, never the secret itself."""
         self.config = config
@@ -111,15 +111,15 @@ class Supervisor:
         for role, spec in config.roles.items():
             module = spec.module or f"consumers.{role}"
             command = [sys.executable, "-m", module, "--run", run, "--nats", url, *spec.args]
-            for replica in range(spec.replicas):
+            for index in range(spec.processes):
                 env = dict(spec.env)
                 if identities is not None:
                     env[IDENTITY_ENV] = str(identity_path(identity_role(role, module), identities))
                 if spec.devices:
-                    env["CUDA_VISIBLE_DEVICES"] = str(spec.devices[replica % len(spec.devices)])
+                    env["CUDA_VISIBLE_DEVICES"] = str(spec.devices[index % len(spec.devices)])
                 if spec.device is not None:
                     env[DEVICE_ENV] = spec.device
-                name = worker_name(role, replica)
+                name = worker_name(role, index)
                 if names is None or name in names:
                     self.children[name] = Child(name, command, env, config.logs / f"{name}.log")
 

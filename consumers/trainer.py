@@ -28,7 +28,6 @@ own tensors to the rollout workers (rank 0 coordinating).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
@@ -53,7 +52,14 @@ from bus.stage import Stage, run_stage
 from bus.topology import BATCHES, WEIGHTS, metrics_key
 from bus.worker import Reject
 from consumers.checks import ModelLimits
-from consumers.trainer_dist import Group, exchange, join, leave, make_engine, watch
+from consumers.trainer_dist import (
+    RankGroup,
+    exchange,
+    join,
+    leave,
+    make_engine,
+    watch,
+)
 from consumers.trainer_loggers import scalars, step_loggers
 from consumers.update_history import UpdateHistory
 from consumers.weights import transport_for
@@ -65,6 +71,7 @@ from engines.protocols import MicroBatch
 from engines.torch_train import LossConfig
 from schemas import BatchEvent
 from schemas.config import RunConfig
+from schemas.kv_records import StepMetrics
 from schemas.streams_config import batches_kept_from
 
 log = logging.getLogger("jetrl.trainer")
@@ -154,7 +161,7 @@ class Trainer:
     """One trainer rank, as a recipe: `setup`, then `collect` -> `train` -> `record` ->
     `checkpoint` for each step; `run` is that loop."""
 
-    def __init__(self, rt: Runtime, rank: int, group: Group | None = None, device: torch.device | None = None) -> None:
+    def __init__(self, rt: Runtime, rank: int, group: RankGroup | None = None, device: torch.device | None = None) -> None:
         """`group`: this rank's process group (`consumers.trainer_dist.join`; fsdp); `device`:
         where the engine computes (default `engines.device.resolve_device()`)."""
         self.rt, self.rank, self.cfg = rt, rank, rt.config
@@ -163,7 +170,7 @@ class Trainer:
         model copy (megatron) read the same micro-batches; the first of them records the step's
         metrics (at pipeline parallel the engine hands it the last stage's, which hold the loss)."""
         self.records = rank % self.cfg.trainer.copy_size == 0
-        self.group = group or Group(rank, 1)
+        self.group = group or RankGroup(rank, 1)
         self.engine = make_engine(self.cfg, loss_config(self.cfg), device or resolve_device())
         spec = getattr(self.engine, "spec", None)  # megatron: its GPTModel is no HF model; the spec says
         self.limits = ModelLimits(spec.vocab_size, spec.max_position_embeddings) if spec else ModelLimits.of(self.engine.model)
@@ -299,7 +306,8 @@ class Trainer:
         trainer retrain the step and put them again (the same batches, so the same ids)."""
         self.rt.member.report(weight_version=self.engine.step)
         if self.records:
-            await self.rt.kv.put(metrics_key(self.dp_rank, metrics["step"]), json.dumps(metrics).encode())
+            record = StepMetrics.from_flat(metrics)
+            await self.rt.kv.put(metrics_key(self.dp_rank, record.step), record.encode())
             TRAINER_METRICS_WRITTEN(f"step {metrics['step']}")
         for logger in self.loggers:
             logger.log(metrics["step"], scalars(metrics))

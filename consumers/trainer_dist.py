@@ -25,7 +25,6 @@ Under torchrun (env) its elastic agent restarts the whole group instead.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import socket
@@ -49,6 +48,7 @@ from engines.fsdp_train import FSDPTrainEngine, init_group
 from engines.megatron_train import MegatronNotInstalled, MegatronTrainEngine
 from engines.model_source import ModelNotFound, resolve_model_path
 from engines.torch_train import CriticConfig, LossConfig, TorchTrainEngine
+from schemas.kv_records import Rendezvous
 from schemas.config import RunConfig
 
 log = logging.getLogger("jetrl.trainer")
@@ -64,7 +64,7 @@ class RendezvousFailed(CannotAttach):
 
 
 @dataclass
-class Group:
+class RankGroup:
     """This process's place in the trainer ranks' process group."""
 
     rank: int
@@ -118,13 +118,13 @@ def critic_config(cfg: RunConfig) -> CriticConfig | None:
     )
 
 
-async def join(rt: Runtime, rank: int, device: torch.device) -> Group:
+async def join(rt: Runtime, rank: int, device: torch.device) -> RankGroup:
     """Meet the run's other trainer ranks in a process group (fsdp; megatron above one rank per
     copy), or stand alone (torch; megatron at tensor and pipeline parallel 1)."""
     tcfg = rt.config.trainer
     world = tcfg.ranks
     if tcfg.engine == "torch" or world == 1 and tcfg.engine == "megatron":
-        return Group(rank, 1)
+        return RankGroup(rank, 1)
     if tcfg.dist_init == "env":
         try:
             rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -133,7 +133,7 @@ async def join(rt: Runtime, rank: int, device: torch.device) -> Group:
         if size != world:
             raise RendezvousFailed(f"torchrun started {size} ranks, the trainer has {world} (trainer.dp_size x tensor x pipeline parallel)")
         await asyncio.to_thread(init_group, None, rank, world, device, tcfg.dist_timeout)
-        return Group(rank, world)
+        return RankGroup(rank, world)
     if not 0 <= rank < world:
         raise RendezvousFailed(f"--rank {rank}: the trainer has {world} ranks (dp_size x tensor x pipeline parallel), so 0..{world - 1}")
     group = await (_host(rt, world) if rank == 0 else _claim(rt, rank, world))
@@ -143,7 +143,7 @@ async def join(rt: Runtime, rank: int, device: torch.device) -> Group:
     return group
 
 
-async def _host(rt: Runtime, world: int) -> Group:
+async def _host(rt: Runtime, world: int) -> RankGroup:
     """Rank 0: a new generation, its store on a socket of ours (one address, never all of them)."""
     tcfg = rt.config.trainer
     host = tcfg.dist_host or route_address(rt)
@@ -154,13 +154,13 @@ async def _host(rt: Runtime, world: int) -> Group:
         master_listen_fd=listener.fileno(),
     )
     generation = uuid.uuid4().hex[:12]
-    announce = {"host": host, "port": port, "world_size": world, "generation": generation}
-    await rt.kv.put(RENDEZVOUS_KEY, json.dumps(announce).encode())
+    announce = Rendezvous(host=host, port=port, world_size=world, generation=generation)
+    await rt.kv.put(RENDEZVOUS_KEY, announce.encode())
     log.info("rank 0 hosts generation %s at %s:%d", generation, host, port)
-    return Group(0, world, dist.PrefixStore(generation, server), listener)
+    return RankGroup(0, world, dist.PrefixStore(generation, server), listener)
 
 
-async def _claim(rt: Runtime, rank: int, world: int) -> Group:
+async def _claim(rt: Runtime, rank: int, world: int) -> RankGroup:
     """Rank k: the newest announced generation that has no rank k yet."""
     timeout = rt.config.trainer.dist_timeout
     deadline = asyncio.get_running_loop().time() + timeout
@@ -168,22 +168,24 @@ async def _claim(rt: Runtime, rank: int, world: int) -> Group:
     while asyncio.get_running_loop().time() < deadline:
         try:
             entry = await rt.kv.get(RENDEZVOUS_KEY)
-            announce = json.loads(entry.value or b"")
+            announce: Rendezvous | None = Rendezvous.decode(entry.value)
         except KeyNotFoundError:
             announce = None
-        if announce is None or announce["generation"] in refused:
+        if announce is None or announce.generation in refused:
             await asyncio.sleep(0.5)
             continue
-        generation, address = announce["generation"], (announce["host"], announce["port"])
-        if announce["world_size"] != world:
-            raise RendezvousFailed(f"rank 0 announced {announce['world_size']} ranks, this rank's config has {world}")
+        generation, address = announce.generation, (announce.host, announce.port)
+        if announce.world_size != world:
+            raise RendezvousFailed(
+                f"rank 0 announced {announce.world_size} ranks, this rank's config has {world}"
+            )
         store = await asyncio.to_thread(_connect, address, world, timeout)
         if store is None:
             log.info("generation %s: rank 0 at %s:%d is gone; waiting for the next", generation, *address)
         else:
             store = dist.PrefixStore(generation, store)
             if await asyncio.to_thread(store.add, f"rank/{rank}", 1) == 1:
-                return Group(rank, world, store)
+                return RankGroup(rank, world, store)
             log.info("generation %s already had a rank %d: waiting for rank 0's next generation", generation, rank)
         refused.add(generation)
     raise RendezvousFailed(f"rank {rank}: no trainer rank 0 to join after {timeout:.0f}s (trainer.dist_timeout)")
@@ -210,7 +212,7 @@ def route_address(rt: Runtime) -> str:
         return str(probe.getsockname()[0])
 
 
-async def watch(group: Group, done: Callable[[], bool]) -> None:
+async def watch(group: RankGroup, done: Callable[[], bool]) -> None:
     """Fail when the group is broken (a stage helper: its error ends the process, exit 1).
 
     Once `done()` (the run's last step is trained) it only waits: rank 0 exits first, and its
@@ -242,7 +244,7 @@ async def exchange(note: ShardNote) -> list[ShardNote]:
     return [n for n in notes if n is not None]
 
 
-def leave(group: Group) -> None:
+def leave(group: RankGroup) -> None:
     """Destroy the process group and close rank 0's socket."""
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -1,16 +1,16 @@
-"""Which engine replica of a rollout worker generates a prompt: the `Router` Protocol and its built-ins.
+"""Which engine copy of a rollout worker generates a prompt: the `Router` Protocol, built-ins.
 
-A rollout worker may run several engine replicas (`rollout.replicas`), each with its own
-batcher; for every prompt it asks its router for a replica, given a key and how many prompts
-each replica has in flight (queued or generating). The router only picks: the worker counts
+A rollout worker may run several copies of its engine (`rollout.engine_copies`), each with its
+own batcher; for every prompt it asks its router for a copy, given a key and how many prompts
+each copy has in flight (queued or generating). The router only picks: the worker counts
 in-flight prompts, so a router holds no state it must keep true by itself.
 
-    least_in_flight   the replica with the fewest prompts in flight; ties to the lowest index
-    sticky_by_key     a key keeps the replica it was first given (for prefix-cache reuse: one
+    least_in_flight   the copy with the fewest prompts in flight; ties to the lowest index
+    sticky_by_key     a key keeps the copy it was first given (for prefix-cache reuse: one
                       conversation's turns on the engine that holds its prefix); a new key, or
                       none, goes to the least loaded; the table keeps the `max_keys` most
                       recently used keys, so memory stays bounded
-    module:Class      any class built as `Class(replicas, **options)` with a `pick` method
+    module:Class      any class built as `Class(copies, **options)` with a `pick` method
 
 No bus here (layering): `consumers.rollout` builds the router from the run config.
 """
@@ -29,13 +29,13 @@ from schemas.config import RolloutConfig
 
 @runtime_checkable
 class Router(Protocol):
-    """Picks the replica for one prompt."""
+    """Picks the engine copy for one prompt."""
 
     def pick(self, key: str | None, in_flight: Sequence[int]) -> int:
-        """The index of the replica to use, in ``range(len(in_flight))``.
+        """The index of the engine copy to use, in ``range(len(in_flight))``.
 
         key: the prompt's routing key (`consumers.rollout.routing_key`), or None.
-        in_flight: per replica, the prompts routed there and not yet generated.
+        in_flight: per copy, the prompts routed there and not yet generated.
         """
         ...
 
@@ -54,42 +54,42 @@ class _Options(BaseModel):
 
 
 class LeastInFlight:
-    """The replica with the fewest prompts in flight (ties to the lowest index). No options."""
+    """The copy with the fewest prompts in flight (ties to the lowest index). No options."""
 
     class Options(_Options):
         pass
 
-    def __init__(self, replicas: int) -> None:
-        self.replicas = replicas
+    def __init__(self, copies: int) -> None:
+        self.copies = copies
 
     def pick(self, key: str | None, in_flight: Sequence[int]) -> int:
         return least_loaded(in_flight)
 
 
 class StickyByKey:
-    """A key keeps its replica while it is in the table; new keys (and None) to the least loaded."""
+    """A key keeps its copy while it is in the table; new keys (and None) to the least loaded."""
 
     class Options(_Options):
         max_keys: int = Field(100_000, ge=1)
         """Keys remembered; past it the least recently used is forgotten (its next prompt is
         routed as a new key)."""
 
-    def __init__(self, replicas: int, max_keys: int = 100_000) -> None:
-        self.replicas, self.max_keys = replicas, max_keys
+    def __init__(self, copies: int, max_keys: int = 100_000) -> None:
+        self.copies, self.max_keys = copies, max_keys
         self.table: OrderedDict[str, int] = OrderedDict()
-        """key -> replica, least recently used first."""
+        """key -> copy index, least recently used first."""
 
     def pick(self, key: str | None, in_flight: Sequence[int]) -> int:
         if key is None:
             return least_loaded(in_flight)
-        replica = self.table.get(key)
-        if replica is None or replica >= len(in_flight):
-            replica = self.table[key] = least_loaded(in_flight)
+        copy = self.table.get(key)
+        if copy is None or copy >= len(in_flight):
+            copy = self.table[key] = least_loaded(in_flight)
             if len(self.table) > self.max_keys:
                 self.table.popitem(last=False)
         else:
             self.table.move_to_end(key)
-        return replica
+        return copy
 
 
 BUILT_IN: dict[str, type[LeastInFlight | StickyByKey]] = {
@@ -117,8 +117,9 @@ def router_class(name: str) -> type:
     return cls
 
 
-def make_router(name: str, replicas: int, options: Mapping[str, Any] | None = None) -> Router:
-    """The router `name` for `replicas` replicas with `options`; RouterError (one line) if it cannot be built.
+def make_router(name: str, copies: int, options: Mapping[str, Any] | None = None) -> Router:
+    """The router `name` for `copies` engine copies with `options`; RouterError (one line) if it
+    cannot be built.
 
     A built-in's options are checked against its `Options` model (an unknown name is an error);
     a `module:Class` gets them as keyword arguments, and a class that may not be called so is
@@ -135,7 +136,7 @@ def make_router(name: str, replicas: int, options: Mapping[str, Any] | None = No
             where = ".".join(str(p) for p in first["loc"])
             raise RouterError(f"router {name!r}: option {where}: {first['msg']}") from None
     try:
-        router = cls(replicas, **options)
+        router = cls(copies, **options)
     except TypeError as exc:  # an unknown or missing option of a plugged-in class
         raise RouterError(f"router {name!r}: cannot build it with options {sorted(options)}: {exc}") from None
     if not isinstance(router, Router):

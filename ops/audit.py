@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -39,11 +40,13 @@ from bus.topology import (
     Channel,
     Topology,
     dropped_prompt,
-    metrics_prefix,
+    metrics_of,
     run_id_arg,
 )
-from ops.streams import as_stored
+from ops.streams import as_stored, stored_config
 from schemas import Event
+from schemas.kv_records import DropRecord, StepMetrics
+from schemas.staleness import StalenessPolicy
 
 E = TypeVar("E", bound=Event)
 AUDIT_SECONDS = 120.0
@@ -58,7 +61,9 @@ async def _replay(js: JetStreamContext, topology: Topology, channel: Channel[E])
         return [stored.event async for stored in replay]
 
 
-async def audit(js: JetStreamContext, topology: Topology, max_staleness: int) -> dict[str, Any]:
+async def audit(
+    js: JetStreamContext, topology: Topology, staleness: StalenessPolicy
+) -> dict[str, Any]:
     prompts = [p.id for p in await _replay(js, topology, PROMPTS)]
     batches = await _replay(js, topology, BATCHES)
     kv = await js.key_value(topology.kv_bucket)
@@ -67,12 +72,15 @@ async def audit(js: JetStreamContext, topology: Topology, max_staleness: int) ->
     keys = await stored_keys(js, topology.kv_bucket)
     drop_keys = {pid: k for k in keys if (pid := dropped_prompt(k)) is not None}
     # An empty record reads back as None: kept, as a drop without a reason.
-    dropped = {pid: ((await kv.get(k)).value or b"").decode() for pid, k in drop_keys.items()}
+    dropped = {pid: DropRecord.decode((await kv.get(k)).value).text for pid, k in drop_keys.items()}
     # What the trainer says it trained: each step's record lists the ids of the micro-batches
     # it took (a refused one is in the batch stream but not here). The records cover the whole
     # run; the batch stream only what the trainer's checkpoints still need (it trims the rest),
     # so the accounts are the records' and the kept batches' together.
-    step_records = [json.loads((await kv.get(k)).value or b"{}") for k in keys if k.startswith(metrics_prefix())]
+    step_records = [
+        StepMetrics.decode((await kv.get(k)).value).flat()
+        for k in keys if metrics_of(k) is not None
+    ]
     trainer_ids = {sid for record in step_records for sid in record.get("sample_ids", [])}
     batched = Counter(sid for b in batches for sid in b.sample_ids)
     recorded = Counter(sid for record in step_records for sid in record.get("sample_ids", []))
@@ -81,10 +89,10 @@ async def audit(js: JetStreamContext, topology: Topology, max_staleness: int) ->
     # Staleness of the trained tokens from the records' histograms (step - version per loss
     # token); of kept batches no record covers yet (batched, not trained yet) from the batch.
     unrecorded = [b for b in batches if not set(b.sample_ids) <= trainer_ids]
-    violations = sum(sum(r.get("staleness_hist", [])[max_staleness + 1:]) for r in step_records)
+    violations = sum(staleness.over_bound(r.get("staleness_hist", [])) for r in step_records)
     for b in unrecorded:
         versions = b.versions.numpy()[b.loss_mask.numpy() == 1]
-        violations += int((versions < b.step - max_staleness).sum())
+        violations += int((versions < staleness.oldest_version(b.step)).sum())
     seen_staleness = [int(r.get("staleness_max", 0)) for r in step_records] + [
         int(b.step - b.versions.numpy()[b.loss_mask.numpy() == 1].min())
         for b in unrecorded if b.loss_mask.numpy().any()
@@ -126,7 +134,12 @@ async def main(args: argparse.Namespace) -> None:
     js, topology = nc.jetstream(), Topology(run=args.run)
     try:
         topology = await ride_out(lambda: as_stored(js, topology), f"reading run {args.run}'s config")
-        result = await ride_out(lambda: audit(js, topology, args.max_staleness), f"auditing run {args.run}", AUDIT_SECONDS)
+        config, _ = await ride_out(lambda: stored_config(js, args.run), "reading its config")
+        # The bound the operator names (the flag's default, not the stored run's: as before).
+        staleness = dataclasses.replace(config.staleness, bound=args.bound)
+        result = await ride_out(
+            lambda: audit(js, topology, staleness), f"auditing run {args.run}", AUDIT_SECONDS
+        )
     finally:
         await nc.close()
     print(json.dumps(result))
@@ -136,7 +149,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m ops.audit", description=__doc__.splitlines()[0])
     parser.add_argument("--run", required=True, type=run_id_arg)
     parser.add_argument("--nats", default=os.environ.get("JETRL_NATS_URL", DEFAULT_URL))
-    parser.add_argument("--max-staleness", type=int, default=1)
+    parser.add_argument("--max-staleness", dest="bound", type=int, default=1)
     arguments = parser.parse_args()
     try:
         asyncio.run(main(arguments))

@@ -122,6 +122,7 @@ from ops.faults import (
 )
 from producers.prompts import BUILTIN
 from schemas.config import load_config
+from schemas.kv_records import StepMetrics
 
 MICRO_BATCH_TOKENS = 256
 """Small enough that a step is several micro-batches, so buffer.mid_step lands between them."""
@@ -310,8 +311,7 @@ class ChaosRun:
 
     async def account(self) -> dict[str, Any]:
         """The audit of the streams, plus what the module doc defines: held, lost, duplicates."""
-        max_staleness = load_config(self.out / "config.yaml").algorithm.max_staleness
-        found = await audit(self.js, self.topology, max_staleness)
+        found = await audit(self.js, self.topology, load_config(self.out / "config.yaml").staleness)
         candidates = set(found.pop("in_flight_ids"))
         held = await self.held(candidates) if candidates else set()
         history = await self.trained_history()
@@ -370,7 +370,10 @@ class ChaosRun:
             return []
         kept = UpdateHistory.from_dict(torch.load(path, map_location="cpu", weights_only=True)["extra"]["history"])
         kv = await self.js.key_value(self.topology.kv_bucket)
-        steps = [json.loads((await kv.get(metrics_key(0, step))).value or b"{}")["sample_ids"] for step in range(kept.steps)]
+        steps = [
+            StepMetrics.decode((await kv.get(metrics_key(0, step))).value).sample_ids
+            for step in range(kept.steps)
+        ]
         if UpdateHistory.of_steps(steps) != kept:
             raise RuntimeError(f"the metrics records of steps 0-{kept.steps - 1} are not the checkpoint's update history")
         return [sid for step in steps for sid in step]

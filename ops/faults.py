@@ -78,13 +78,14 @@ class Shape:
     sync_every: int
     checkpoint_every: int
     lead: int
-    """Steps of work the producer, rollout, reward and buffer may be ahead of the trainer (max_staleness + 1)."""
+    """Steps of work the producer, rollout, reward and buffer may be ahead of the trainer
+    (`StalenessPolicy.steps_ahead`)."""
 
     @classmethod
     def of(cls, config: RunConfig) -> Shape:
         return cls(
             config.algorithm.prompts_per_step, config.data.n, config.trainer.sync_every,
-            config.trainer.checkpoint_every, config.algorithm.max_staleness + 1,
+            config.trainer.checkpoint_every, config.staleness.steps_ahead,
         )
 
     def per_step(self, point: CrashPoint) -> int:

@@ -4,7 +4,7 @@
 `python -m consumers.fleet` takes) across a Ray cluster instead of on one node: one
 detached, named actor per worker, placed by its role's `num_cpus` and `num_gpus`. Inside
 its actor the worker is what a fleet runs: `python -m <module> --run R --nats URL [args]`
-as a child process with its log in `<logs>/<role>-<replica>.log` on that node, restarted
+as a child process with its log in `<logs>/<role>-<index>.log` on that node, restarted
 with backoff or given up on by a one-worker `Supervisor`. `up` prints where each worker
 runs and exits 1 if one could not be started or placed (an unplaced one starts when the
 cluster has room); running it again starts only what is missing.
@@ -13,7 +13,7 @@ cluster has room); running it again starts only what is missing.
 fetching and finishes its in-flight work), SIGKILL after the fleet's `stop_timeout`, then
 removes the actor. It prints how each worker ended and exits 1 if one did not end cleanly.
 
-Actors are named `<run>/<fleet>/<role>-<replica>` in Ray namespace `jetrl`, `<fleet>` being
+Actors are named `<run>/<fleet>/<role>-<index>` in Ray namespace `jetrl`, `<fleet>` being
 the YAML's file name without `.yaml`: two fleet files of one run (a whole run, then more
 rollout workers) never share a worker, and `down` stops only its own file's.
 
@@ -90,12 +90,12 @@ class WorkerActor:
 def workers(config: FleetConfig) -> Iterator[tuple[str, RoleConfig]]:
     """Every worker of the fleet: its name and its role's settings."""
     for role, spec in config.roles.items():
-        for replica in range(spec.replicas):
-            yield worker_name(role, replica), spec
+        for index in range(spec.processes):
+            yield worker_name(role, index), spec
 
 
 def actor_name(run: str, fleet: str, worker: str) -> str:
-    """The Ray name of a worker's actor: `<run>/<fleet>/<role>-<replica>`."""
+    """The Ray name of a worker's actor: `<run>/<fleet>/<role>-<index>`."""
     return f"{run}/{fleet}/{worker}"
 
 

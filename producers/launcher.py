@@ -162,7 +162,7 @@ def summarize(cfg: RunConfig, producer: Producer, started: float) -> dict:
         "samples_trained": samples,
         "reward_start": sum(m["reward_mean"] for m in first) / len(first),
         "reward_end": sum(m["reward_mean"] for m in last) / len(last),
-        "max_staleness": cfg.algorithm.max_staleness,
+        "max_staleness": cfg.staleness.bound,
         "staleness_max_seen": max(m["staleness_max"] for m in steps),
         "groups_dropped": len(producer.dropped),
         "samples_per_s": samples / seconds,

@@ -11,7 +11,7 @@ the bus shows who waits for what. `read_view` reads it once; `diagnose` (pure) j
     queues    work in flight with no live worker of the role (its holder stopped heartbeating:
               the messages come back only after ack_wait), or in flight at live workers that
               have acked nothing for stall_after (a stuck handler keeps them in progress)
-    gate      issued >= admitted_limit(v, drops)       -> "the gate has issued all N prompts ..."
+    gate      StalenessPolicy.waits_for(issued, v, drops) -> "the gate has issued all N prompts ..."
 
 The bus cannot show which samples of which group the buffer lacks (its groups live in its
 memory), so the buffer's line says how many samples it holds and the queue lines say where
@@ -22,7 +22,6 @@ electing a leader) is left out, and the lines that need it are not said.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections import Counter
@@ -45,11 +44,13 @@ from bus.topology import (
     WEIGHTS,
     Topology,
     metrics_key,
+    metrics_of,
     metrics_prefix,
 )
-from producers.gate import Producer, admitted_limit
-from schemas import BatchEvent, WeightVersionEvent
+from producers.gate import Producer
+from schemas import BatchEvent
 from schemas.config import ConfigError, RunConfig, parse_config
+from schemas.kv_records import StepMetrics
 
 log = logging.getLogger("jetrl.stall")
 T = TypeVar("T")
@@ -174,11 +175,9 @@ def gate_line(view: RunView) -> str | None:
     """The gate shut at the current weights (not at the run's end), and the version that opens it."""
     if view.issued is None or view.version is None or view.dropped is None:
         return None
-    cfg, algo = view.cfg, view.cfg.algorithm
-    limit = admitted_limit(view.version, view.dropped, cfg)
-    if view.issued < limit or limit >= cfg.trainer.steps * algo.prompts_per_step + view.dropped:
+    opens = view.cfg.staleness.waits_for(view.issued, view.version, view.dropped)
+    if opens is None:
         return None
-    opens = (view.issued - view.dropped) // algo.prompts_per_step - algo.max_staleness
     return f"the gate has issued all {view.issued} prompts it admits at weights v{view.version} and waits for v{opens}"
 
 
@@ -277,13 +276,14 @@ async def _count_keys(js: JetStreamContext, topology: Topology, pattern: str) ->
 async def last_step(js: JetStreamContext, topology: Topology) -> tuple[int, float]:
     """The last step rank 0 recorded and the time it recorded it; (-1, when the run's queues were
     declared) before any. Raises what the bus raises when it cannot say now."""
-    steps = [int(key.rsplit(".", 1)[1]) for key in await stored_keys(js, topology.kv_bucket, metrics_prefix(0) + "*")]
+    keys = await stored_keys(js, topology.kv_bucket, metrics_prefix(0) + "*")
+    steps = [rank_step[1] for key in keys if (rank_step := metrics_of(key)) is not None]
     if not steps:
         return -1, (await queue_info(js, topology, PROMPTS)).created.timestamp()
     entry = await (await js.key_value(topology.kv_bucket)).get(metrics_key(0, max(steps)))
     try:
-        return max(steps), float(json.loads(entry.value or b"{}")["time"])
-    except (ValueError, KeyError, TypeError):  # not the trainer's metrics: the step counts, its time not
+        return max(steps), StepMetrics.decode(entry.value).time
+    except ValueError:  # not the trainer's metrics: the step counts, its time not
         return max(steps), time.time()
 
 

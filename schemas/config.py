@@ -23,6 +23,7 @@ from schemas.events import SamplingParams
 from schemas.names import check_run_id
 from schemas.rollout_config import RolloutConfig
 from schemas.section import Section
+from schemas.staleness import StalenessPolicy, sync_mode_sections
 from schemas.streams_config import StreamsConfig, stream_needs
 from schemas.trainer_config import MegatronConfig, TrainerConfig
 from schemas.weight_event import TransportName
@@ -95,16 +96,11 @@ class AlgorithmConfig(AlgorithmFamily):
     since its first sample came (a sample of a prompt never issued, or whose other samples are
     lost, would otherwise be held for ever): a `drop.<prompt id>` KV record, so the gate issues
     a replacement, and its samples to `dead` with the reason. Steps, not seconds: while the
-    pipeline is stalled no step forms and nothing is dropped. None: max_staleness + 1. A group
-    completed later than that would be dropped as stale anyway (its first sample was made by
-    weights no newer than the step being formed when it came, or one past it while a
-    half-stored step is re-formed), so this drops nothing that could train; a smaller number
-    may drop a group that is only slow."""
-
-    @property
-    def group_wait_steps(self) -> int:
-        """`max_group_wait_steps`, or its default when None."""
-        return self.max_group_wait_steps if self.max_group_wait_steps is not None else self.max_staleness + 1
+    pipeline is stalled no step forms and nothing is dropped. None: max_staleness + 1
+    (`StalenessPolicy.group_wait_steps`). A group completed later than that would be dropped as
+    stale anyway (its first sample was made by weights no newer than the step being formed when
+    it came, or one past it while a half-stored step is re-formed), so this drops nothing that
+    could train; a smaller number may drop a group that is only slow."""
 
 
 class RewardConfig(Section):
@@ -246,6 +242,12 @@ class RunConfig(Section):
     streams: StreamsConfig = StreamsConfig()
     """Stream limits derived from the run's bounds, overrides, age limit, loss guard (`schemas.streams_config`)."""
 
+    @property
+    def staleness(self) -> StalenessPolicy:
+        """The staleness bound and every decision it makes (`schemas.staleness`). Built on each
+        read (a few fields), not cached: `model_copy(update=...)` would carry a cached one over."""
+        return StalenessPolicy.of(self)
+
     @field_validator("run")
     @classmethod
     def _run(cls, value: str) -> str:
@@ -254,41 +256,28 @@ class RunConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _sync_is_on_policy(cls, data: object) -> object:
-        """mode sync: max_staleness 0 and sync_every 1, set when left out, refused when set otherwise.
-
-        Why these two and nothing more: the gate admits while issued < (v + max_staleness + 1) *
-        prompts_per_step, so with 0 step s's prompts wait for version s; the buffer drops groups
-        with a token older than step - max_staleness and rejects tokens newer than the step being
-        formed, so every trained token is version s; a version per step keeps the gate moving.
-        """
+        """mode sync: the bound 0 and a version every step (`staleness.sync_mode_sections`)."""
         if not isinstance(data, dict) or data.get("mode") != "sync":
             return data
         algorithm, trainer = (
             (section.model_dump(exclude_unset=True) if isinstance(section, BaseModel) else dict(section or {}))
             for section in (data.get("algorithm"), data.get("trainer"))
         )
-        if algorithm.setdefault("max_staleness", 0) != 0:
-            raise ValueError(
-                f"mode sync is strictly on-policy: algorithm.max_staleness must be 0 (or left out), not "
-                f"{algorithm['max_staleness']}; use mode async for a staleness bound"
-            )
-        if trainer.get("sync_every", 1) != 1:
-            raise ValueError(
-                f"mode sync publishes a version every step: trainer.sync_every must be 1 (or left out), "
-                f"not {trainer['sync_every']}"
-            )
+        sync_mode_sections(algorithm, trainer)
         return {**data, "algorithm": algorithm, "trainer": trainer}
 
     @model_validator(mode="after")
     def _can_progress(self) -> RunConfig:
         """Refuse settings under which a run would stall with no error."""
-        sync, stale = self.trainer.sync_every, self.algorithm.max_staleness
-        if sync > stale + 1:
-            # The gate admits step s's prompts only once weights v >= s - max_staleness are
-            # published; with versions published every sync_every steps that never happens.
+        sync, staleness = self.trainer.sync_every, self.staleness
+        ahead = staleness.steps_ahead
+        if not staleness.versions_in_time(sync):
+            # The gate admits step s's prompts only once weights v >= s - bound are published;
+            # with versions published every sync_every steps that never happens.
             raise ValueError(
-                f"trainer.sync_every {sync} > algorithm.max_staleness + 1 = {stale + 1}: the gate would wait "
-                f"for weights that are never published and the run would stall; raise max_staleness or sync more often"
+                f"trainer.sync_every {sync} > algorithm.max_staleness + 1 = {ahead}: "
+                "the gate would wait for weights that are never published and the run would "
+                "stall; raise max_staleness or sync more often"
             )
         rows = self.algorithm.prompts_per_step * self.data.n
         if self.trainer.dp_size > rows:

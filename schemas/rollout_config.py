@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from schemas.section import Section
+from schemas.section import Section, refuse_renamed
 
 
 class SimulatedRolloutConfig(Section):
@@ -93,9 +93,10 @@ class RolloutConfig(Section):
     """engine vllm: its memory share, parallelism, context and dtype."""
     sglang: SGLangRolloutConfig = SGLangRolloutConfig()
     """engine sglang: its memory share, parallelism, context and dtype."""
-    replicas: int = Field(1, ge=1)
-    """Engine replicas in one rollout worker (each a copy of the model with its own batcher:
-    one generation at a time per replica); not the fleet's `replicas` (worker processes)."""
+    engine_copies: int = Field(1, ge=1)
+    """Engines in one rollout worker, each a copy of the model with its own batcher (one
+    generation at a time per copy); not the fleet's `processes` (worker processes) nor the
+    streams' `--replicas`. Was `replicas`: refused now, with the new name."""
     continuous: bool = True
     """Continuous admission, for engines that take samples one at a time (simulated; vllm and
     sglang through their async engines, `rollout.vllm.slots` / `rollout.sglang.slots` at once):
@@ -114,11 +115,22 @@ class RolloutConfig(Section):
     queued or generating, ties to the lowest index), `sticky_by_key` (a prompt's routing key
     keeps the replica it was first given, for prefix-cache reuse; the key is
     `task.conversation_id` when the prompt has one, else the prompt id), or `module:Class`
-    (built as `Class(replicas, **router_options)`, with a `pick(key, in_flight)` method; imported
-    when the worker starts)."""
+    (built as `Class(engine_copies, **router_options)`, with a `pick(key, in_flight)` method;
+    imported when the worker starts)."""
     router_options: dict[str, Any] = {}
     """Options of `router`: sticky_by_key takes `max_keys` (keys remembered, least recently
     used forgotten first; default 100000); least_in_flight none; an unknown one is an error."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: object) -> object:
+        return refuse_renamed(data, {"replicas": "engine_copies"})
+
+    @property
+    def replicas(self) -> int:
+        """`engine_copies`, under the name consumers/rollout.py still reads (being rewritten
+        apart); delete once it reads `engine_copies`."""
+        return self.engine_copies
 
     @field_validator("router")
     @classmethod

@@ -1,13 +1,15 @@
 """`streams`: how much each stream of a run may hold, derived from the run's own bounds.
 
 A work stream holds what its consumer has not acked yet. The admission gate bounds the samples
-in flight at (max_staleness + 1) x prompts_per_step x n, and the config bounds each sample's
-size (prompt tokens `streams.max_prompt_tokens`, response tokens `data.sampling.max_tokens`);
-their product times `safety_factor` is what a stream must be able to hold (`stream_needs`).
+in flight at (max_staleness + 1) x prompts_per_step x n (`StalenessPolicy.in_flight_prompts` x n),
+and the config bounds each sample's size (prompt tokens `streams.max_prompt_tokens`, response
+tokens `data.sampling.max_tokens`); their product times `safety_factor` is what a stream must be
+able to hold (`stream_needs`).
 A full stream makes its publishers wait (discard new, `bus.topology`); it never drops unconsumed
 work. Batches are trimmed behind the trainer's checkpoints (`batches_kept_from`), so their
-need is the steps between two checkpoints plus what the gate lets the buffer run ahead, not the
-whole run. `ops.streams show` prints the derivation; docs/reliability.md states it for an example.
+need is the steps between two checkpoints plus what the gate lets the buffer run ahead
+(`StalenessPolicy.batch_steps_kept`), not the whole run. `ops.streams show` prints the
+derivation; docs/reliability.md states it for an example.
 
 This module knows nothing of NATS: it works in bytes and seconds only.
 """
@@ -111,7 +113,8 @@ def _needs(cfg: RunConfig) -> dict[str, tuple[float, str]]:
     s, a = cfg.streams, cfg.algorithm
     prompt_tokens, response_tokens = s.max_prompt_tokens, cfg.data.sampling.max_tokens
     group = a.prompts_per_step * cfg.data.n
-    in_flight = (a.max_staleness + 1) * group
+    staleness = cfg.staleness
+    in_flight = staleness.in_flight_prompts * cfg.data.n
     run_samples = cfg.trainer.steps * group
     prompt = EVENT_OVERHEAD + prompt_tokens * PROMPT_BYTES_PER_TOKEN
     trajectory = (
@@ -125,10 +128,11 @@ def _needs(cfg: RunConfig) -> dict[str, tuple[float, str]]:
     versions = cfg.trainer.steps // cfg.trainer.sync_every + 1
     trained_prompts = cfg.trainer.steps * a.prompts_per_step
     issued = math.ceil(trained_prompts / (1 - s.max_dropped_share))
-    kept_steps = batch_steps_kept(cfg)
+    kept_steps = staleness.batch_steps_kept
     if s.consumed == "delete":
         samples, why = in_flight, (
-            f"gate bound (max_staleness {a.max_staleness} + 1) x prompts_per_step {a.prompts_per_step} "
+            f"gate bound (max_staleness {staleness.bound} + 1) x prompts_per_step "
+            f"{a.prompts_per_step} "
             f"x n {cfg.data.n} = {in_flight} samples"
         )
     else:
@@ -158,7 +162,8 @@ def _needs(cfg: RunConfig) -> dict[str, tuple[float, str]]:
             kept_steps * step,
             (
                 f"the steps a restart can need (trimmed at each checkpoint): min(checkpoint_every "
-                f"{cfg.trainer.checkpoint_every} + gate bound (max_staleness {a.max_staleness} + 1) + the "
+                f"{cfg.trainer.checkpoint_every} + gate bound (max_staleness "
+                f"{staleness.bound} + 1) + the "
                 f"checkpoint's last step 1, steps {cfg.trainer.steps}) = {kept_steps} steps x {group} rows x "
                 f"({tokens}) x {per_position} B"
             ),
@@ -173,18 +178,6 @@ def _needs(cfg: RunConfig) -> dict[str, tuple[float, str]]:
             ),
         ),
     }
-
-
-def batch_steps_kept(cfg: RunConfig) -> int:
-    """The most steps of batches the batch stream holds at once (every rank's together).
-
-    After a checkpoint at step C (steps 0 .. C-1 trained) the trainer deletes every batch before
-    step C-1 (`batches_kept_from`). Until the next checkpoint, at C + checkpoint_every, it trains
-    on; the gate admits prompts for at most max_staleness + 1 steps past the latest weight
-    version (<= the trainer's step), so the buffer stores at most that many steps ahead. Held at
-    once: step C-1, the checkpoint_every steps to the next checkpoint, and the gate's steps ahead."""
-    t, a = cfg.trainer, cfg.algorithm
-    return min(1 + t.checkpoint_every + a.max_staleness + 1, t.steps)
 
 
 def batches_kept_from(before_last_step: int) -> int:

@@ -139,8 +139,9 @@ def test_an_incomplete_group_is_dropped_once_max_group_wait_steps_steps_have_for
 
 
 def test_max_group_wait_steps_defaults_to_the_wait_past_which_a_group_is_stale_anyway() -> None:
-    assert RunConfig().algorithm.group_wait_steps == 2  # max_staleness 1, + 1
-    assert AlgorithmConfig(max_staleness=5).group_wait_steps == 6
-    assert AlgorithmConfig(max_staleness=5, max_group_wait_steps=3).group_wait_steps == 3
+    assert RunConfig().staleness.group_wait_steps == 2  # max_staleness 1, + 1
+    assert RunConfig(algorithm=AlgorithmConfig(max_staleness=5)).staleness.group_wait_steps == 6
+    waits = AlgorithmConfig(max_staleness=5, max_group_wait_steps=3)
+    assert RunConfig(algorithm=waits).staleness.group_wait_steps == 3
     with pytest.raises(ConfigError, match=r"config: algorithm.max_group_wait_steps: Input should be greater than"):
         parse_config({"algorithm": {"max_group_wait_steps": 0}})

@@ -28,6 +28,7 @@ from bus.dead import STAGE
 from bus.embedded import EmbeddedNats
 from bus.topology import BATCHES, DEAD, PROMPTS, REWARDS, TRAJECTORIES, Topology
 from ops.audit import audit
+from schemas.config import RunConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 ROLES = ("trainer", "buffer", "reward", "rollout")
@@ -66,7 +67,7 @@ async def inject_garbage_once_training(url: str, topology: Topology) -> None:
 async def audit_run(url: str, topology: Topology) -> tuple[dict, list[str]]:
     nc = await connect(url, "e2e-audit")
     js = nc.jetstream()
-    result = await audit(js, topology, max_staleness=1)
+    result = await audit(js, topology, RunConfig().staleness)  # the bound 1, the default
     sub = await js.subscribe(topology.subject(DEAD, ">"), ordered_consumer=True)
     count = (await js.stream_info(topology.stream(DEAD))).state.messages
     stages = sorted([(await sub.next_msg(timeout=5)).headers[STAGE] for _ in range(count)])

@@ -36,6 +36,7 @@ from bus.topology import PROMPTS, TRAJECTORIES, Topology
 from consumers.fleet_config import FleetConfig, RoleConfig, local_fleet
 from consumers.supervisor import Supervisor
 from ops.audit import audit
+from schemas.config import AlgorithmConfig, RunConfig
 from tests.helpers import members, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -148,7 +149,7 @@ def test_rollout_workers_join_and_leave_a_running_run(own_nats_server: EmbeddedN
         cwd=ROOT, stdout=subprocess.PIPE, text=True,
     )
     base = Supervisor(local_fleet(tmp_path / "logs"), RUN, url)
-    extra = Supervisor(FleetConfig(roles={"rollout": RoleConfig(replicas=2)}, logs=tmp_path / "extra-logs"), RUN, url)
+    extra = Supervisor(FleetConfig(roles={"rollout": RoleConfig(processes=2)}, logs=tmp_path / "extra-logs"), RUN, url)
     base.start()
     try:
         # Warm: the model is built, every worker serves, trajectories flow.
@@ -192,7 +193,8 @@ def test_rollout_workers_join_and_leave_a_running_run(own_nats_server: EmbeddedN
     async def audited() -> dict:
         nc = await connect(url, "elastic-audit")
         try:
-            return await audit(nc.jetstream(), topology, max_staleness=MAX_STALENESS)
+            staleness = RunConfig(algorithm=AlgorithmConfig(max_staleness=MAX_STALENESS)).staleness
+            return await audit(nc.jetstream(), topology, staleness)
         finally:
             await nc.close()
 

@@ -87,7 +87,7 @@ def test_sigterm_drains_every_worker_kills_stragglers_and_exits_zero(tmp_path: P
     fleet = fleet_cli(
         {
             "roles": {
-                "drainer": {**stand_in, "replicas": 2, "devices": [0, 1], "args": [*stand_in["args"], "drain"]},
+                "drainer": {**stand_in, "processes": 2, "devices": [0, 1], "args": [*stand_in["args"], "drain"]},
                 "stubborn": {**stand_in, "args": [*stand_in["args"], "stubborn"]},
             },
             "stop_timeout": 1,
@@ -123,7 +123,7 @@ def test_workers_of_a_killed_fleet_get_sigterm_and_exit(tmp_path: Path) -> None:
     markers = tmp_path / "markers"
     markers.mkdir()
     fleet = fleet_cli(
-        {"roles": {"drainer": {"module": STAND_IN, "replicas": 2, "args": ["--marker", str(markers), "--mode", "drain"]}}},
+        {"roles": {"drainer": {"module": STAND_IN, "processes": 2, "args": ["--marker", str(markers), "--mode", "drain"]}}},
         tmp_path,
     )
     pids: set[int] = set()
@@ -149,7 +149,9 @@ def test_workers_of_a_killed_fleet_get_sigterm_and_exit(tmp_path: Path) -> None:
     [
         ("run: r\nroles: {rollout: {}}\nreplica: 2\n", "replica: Extra inputs are not permitted"),
         ("run: r\nroles: {rollout: {gpus: [0]}}\n", "roles.rollout.gpus: Extra inputs are not permitted"),
-        ("run: r\nroles: {rollout: {replicas: 0}}\n", "roles.rollout.replicas: Input should be greater"),
+        ("run: r\nroles: {rollout: {processes: 0}}\n", "roles.rollout.processes: Input should be greater"),
+        ("run: r\nroles: {rollout: {replicas: 2}}\n",
+         "roles.rollout: replicas was renamed to processes: write processes: 2"),
         ("run: r\nroles: {trainer: {device: gpu0}}\n", "roles.trainer.device: String should match pattern"),
         ("run: r\nroles: {rollot: {}}\n", "roles: role 'rollot': no module consumers.rollot"),
         ("run: r\nroles: {x: {module: no.such}}\n", "roles: role 'x': no module no.such"),
@@ -173,7 +175,7 @@ def test_the_example_fleets_are_valid(name: str) -> None:
 
 
 def test_cli_reports_a_config_error_in_one_line(tmp_path: Path) -> None:
-    fleet = fleet_cli({"roles": {"rollout": {"replicas": 1, "gpus": [0]}}}, tmp_path)
+    fleet = fleet_cli({"roles": {"rollout": {"processes": 1, "gpus": [0]}}}, tmp_path)
     _, err = fleet.communicate(timeout=30)
     assert fleet.returncode == 1
     assert err.strip().splitlines() == [

@@ -9,7 +9,7 @@ import pytest
 
 from consumers.buffer import Group
 from consumers.packing import Row, balance, pack_step, split
-from producers.gate import admitted_limit, merge_ranks
+from producers.gate import merge_ranks
 from schemas.config import ConfigError, RunConfig, load_config
 from tests.helpers import reward
 
@@ -37,11 +37,11 @@ def config(**algorithm: object) -> RunConfig:
     ],
 )
 def test_gate_admits_up_to_the_staleness_bound(version: int, dropped: int, limit: int) -> None:
-    assert admitted_limit(version, dropped, config()) == limit
+    assert config().staleness.admitted_limit(version, dropped) == limit
 
 
 def test_gate_with_zero_staleness_is_on_policy() -> None:
-    assert admitted_limit(2, 0, config(max_staleness=0)) == 12
+    assert config(max_staleness=0).staleness.admitted_limit(2, 0) == 12
 
 
 def test_group_completes_and_names_its_drop_reason() -> None:

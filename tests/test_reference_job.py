@@ -62,7 +62,7 @@ async def inspect(url: str, admin: Path, cfg: RunConfig) -> tuple[dict, list[Rew
     js = nc.jetstream()
     topology = Topology.for_config(cfg)
     try:
-        result = await audit(js, topology, cfg.algorithm.max_staleness)
+        result = await audit(js, topology, cfg.staleness)
         rewards = [decode(d, RewardEvent) for d in await read_all(js, topology.subject(REWARDS), topology.stream(REWARDS))]
         scored = [decode(d, RewardEvent) for d in await read_all(js, topology.subject(SCORED), topology.stream(SCORED))]
         batches = [decode(d, BatchEvent) for d in await read_all(js, topology.subjects(BATCHES), topology.stream(BATCHES))]

@@ -48,6 +48,7 @@ from engines.protocols import Sample, SamplingParams
 from schemas import PromptEvent, Tensor, TrajectoryEvent, WeightVersionEvent, decode, encode
 from schemas import SamplingParams as PromptSampling
 from schemas.config import RunConfig
+from schemas.kv_records import DropRecord
 from tests.helpers import dead_letters, store_weights
 
 GROUP = 2
@@ -398,8 +399,9 @@ def test_a_prompt_the_model_cannot_take_is_recorded_as_dropped_for_the_gate(
                     return False
 
             await eventually(recorded, f"a drop record for {refused.id}")
-            reason = ((await kv.get(drop_key(refused.id))).value or b"").decode()
-            assert reason.startswith("rollout: rejected:") and str(unknown_token) in reason, reason
+            drop = DropRecord.decode((await kv.get(drop_key(refused.id))).value)
+            assert drop.refused and drop.reason.startswith("rejected:"), drop
+            assert str(unknown_token) in drop.reason, drop
             await w.publish_prompt()
             await eventually(lambda: trajectories_stored(w, GROUP), "the next prompt's trajectories were stored")
 

@@ -69,7 +69,7 @@ async def replicated_worker(
 ) -> AsyncIterator[tuple[RolloutUnderTest, list[PromptRecordingEngine]]]:
     """`served_rollout` over REPLICAS recording engines, `router` from the run config."""
     engines = [PromptRecordingEngine(model_dir, load_seconds) for _ in range(REPLICAS)]
-    rollout = {"max_batch_prompts": 2, "replicas": REPLICAS, "router": router}
+    rollout = {"max_batch_prompts": 2, "engine_copies": REPLICAS, "router": router}
     async with served_rollout(url, topology, model_dir, engines, rollout) as (nc, js, rt, worker):
         yield RolloutUnderTest(nc, js, topology, rt, engines[0], worker), engines
 
@@ -208,7 +208,7 @@ def test_the_worker_refuses_a_router_that_is_not_one_with_one_line_before_loadin
         await topology.apply(js)
         config = RunConfig.model_validate({
             "run": topology.run, "model": {"path": str(tmp_path / "no-model")},
-            "rollout": {"replicas": 2, "router": "tests.test_router:NoPick"},
+            "rollout": {"engine_copies": 2, "router": "tests.test_router:NoPick"},
         })
         await publish_config(await js.key_value(topology.kv_bucket), config)
         await nc.close()

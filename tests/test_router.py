@@ -21,15 +21,15 @@ from schemas.rollout_config import BUILT_IN_ROUTERS
 class LastReplica:
     """A plugged-in router: always the last replica; `offset` counts back from it."""
 
-    def __init__(self, replicas: int, offset: int = 0) -> None:
-        self.replicas, self.offset = replicas, offset
+    def __init__(self, copies: int, offset: int = 0) -> None:
+        self.copies, self.offset = copies, offset
 
     def pick(self, key: str | None, in_flight: Sequence[int]) -> int:
         return len(in_flight) - 1 - self.offset
 
 
 class NoPick:
-    def __init__(self, replicas: int) -> None:
+    def __init__(self, copies: int) -> None:
         pass
 
 
@@ -98,21 +98,31 @@ def test_a_router_that_cannot_be_built_is_one_line_naming_it(name: str, options:
 def test_a_module_class_router_is_built_with_its_options() -> None:
     router = make_router("tests.test_router:LastReplica", 3, {"offset": 1})
     assert isinstance(router, LastReplica) and isinstance(router, Router)
-    assert router.replicas == 3
+    assert router.copies == 3
     assert router.pick(None, [0, 0, 0]) == 1
 
 
-def test_the_config_takes_replicas_and_a_router_and_refuses_a_malformed_name() -> None:
-    config = parse_config({"rollout": {"replicas": 2, "router": "sticky_by_key", "router_options": {"max_keys": 8}}})
-    assert (config.rollout.replicas, config.rollout.router, config.rollout.router_options) == (2, "sticky_by_key", {"max_keys": 8})
+def test_the_config_takes_engine_copies_and_a_router_and_refuses_a_malformed_name() -> None:
+    config = parse_config(
+        {"rollout": {"engine_copies": 2, "router": "sticky_by_key",
+                     "router_options": {"max_keys": 8}}}
+    )
+    rollout = config.rollout
+    assert (rollout.engine_copies, rollout.router) == (2, "sticky_by_key")
+    assert rollout.router_options == {"max_keys": 8}
     assert parse_config({}).rollout.router == "least_in_flight"
     assert parse_config({"rollout": {"router": "tests.test_router:LastReplica"}}).rollout.router.endswith(":LastReplica")
     with pytest.raises(ConfigError, match=r"^config: rollout.router: 'sticky': expected one of least_in_flight, sticky_by_key or 'module:Class'$"):
         parse_config({"rollout": {"router": "sticky"}})
     with pytest.raises(ConfigError, match=r"^config: rollout.router: 'mod:not a class'"):
         parse_config({"rollout": {"router": "mod:not a class"}})
-    with pytest.raises(ConfigError, match=r"^config: rollout.replicas: Input should be greater than or equal to 1$"):
-        parse_config({"rollout": {"replicas": 0}})
+    too_few = r"^config: rollout.engine_copies: Input should be greater than or equal to 1$"
+    with pytest.raises(ConfigError, match=too_few):
+        parse_config({"rollout": {"engine_copies": 0}})
+    # The old name is refused in one line that gives the new one (a user's YAML of before).
+    renamed = r"^config: rollout: replicas was renamed to engine_copies: write engine_copies: 2$"
+    with pytest.raises(ConfigError, match=renamed):
+        parse_config({"rollout": {"replicas": 2}})
 
 
 def test_the_config_names_exactly_the_built_in_routers() -> None:

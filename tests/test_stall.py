@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
-import json
 import os
 import re
 import signal
@@ -31,6 +30,7 @@ from producers.gate import Producer
 from producers.launcher import attach_bootstrap, progress
 from schemas import BatchEvent, Tensor, WeightVersionEvent
 from schemas.config import ConfigError, RunConfig, load_config, parse_config
+from schemas.kv_records import StepMetrics
 from tests.helpers import prompt, reward, trajectory
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,7 +61,11 @@ async def record_steps(js: JetStreamContext, topology: Topology, steps: int, age
     """What the trainer records after each step, the last one `age` seconds ago."""
     kv = await js.key_value(topology.kv_bucket)
     for step in range(steps):
-        await kv.put(metrics_key(0, step), json.dumps({"step": step, "time": time.time() - age}).encode())
+        record = StepMetrics(
+            step=step, time=time.time() - age, train_seconds=0.1, samples=0, reward_mean=0.0,
+            staleness_max=0, staleness_hist=[], sample_ids=[],
+        )
+        await kv.put(metrics_key(0, step), record.encode())
 
 
 def micro_batch(run: str, step: int, index: int, count: int) -> BatchEvent:

@@ -37,7 +37,6 @@ from schemas.streams_config import (
     PROMPT_BYTES_PER_TOKEN,
     TRAJECTORY_PROMPT_BYTES_PER_TOKEN,
     TRAJECTORY_RESPONSE_BYTES_PER_TOKEN,
-    batch_steps_kept,
     stream_needs,
 )
 from tests.helpers import trajectory
@@ -140,7 +139,8 @@ def test_the_guard_counts_work_deleted_before_it_was_acked(nats_server: Embedded
         assert (await loss.all_lost(js, kv, topology))[TRAJECTORIES.name] == 6
         page = status.lost_line(await status._lost(js, topology))
         assert page.startswith("LOST WORK: trajectories 6 message(s)"), page
-        assert (await audit(js, topology, max_staleness=1))["lost"] == {"prompts": 0, "trajectories": 6, "rewards": 0}
+        audited = await audit(js, topology, RunConfig().staleness)
+        assert audited["lost"] == {"prompts": 0, "trajectories": 6, "rewards": 0}
         await publisher.close()
 
     run_bus(nats_server, topology, body)
@@ -258,14 +258,15 @@ def test_batches_are_bounded_by_the_checkpoint_interval_and_prompts_count_replac
     config = parse_config(large)
     needs = stream_needs(config)
     step = 512 * 16 * (1024 + 16384) * BATCH_BYTES_PER_TOKEN + EVENT_OVERHEAD
-    assert batch_steps_kept(config) == 10 + 4 + 2
+    assert config.staleness.batch_steps_kept == 10 + 4 + 2
     assert needs["batches"].need == int(16 * step * 2)  # 85 GiB, not the run's 5.2 TiB
     issued = 1000 * 512 * 2  # max_dropped_share 0.5: as many replacements as prompts trained
     assert needs["prompts"].need == int(issued * (EVENT_OVERHEAD + 1024 * PROMPT_BYTES_PER_TOKEN) * 2)
     fewer = parse_config({**large, "streams": {**large["streams"], "max_dropped_share": 0.0}})
     assert stream_needs(fewer)["prompts"].need * 2 == needs["prompts"].need
     # A short run holds no more steps than it has.
-    assert batch_steps_kept(parse_config({"trainer": {"steps": 5, "checkpoint_every": 10}})) == 5
+    short = parse_config({"trainer": {"steps": 5, "checkpoint_every": 10}})
+    assert short.staleness.batch_steps_kept == 5
     shown = "\n".join(streams_cli.limits(config, "the test's config"))
     derived = "min(checkpoint_every 10 + gate bound (max_staleness 4 + 1) + the checkpoint's last step 1, steps 1000)"
     assert f"{derived} = 16 steps" in shown, shown

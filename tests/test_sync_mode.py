@@ -12,11 +12,13 @@ import asyncio
 import signal
 import subprocess
 import sys
+from collections.abc import Awaitable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
+from nats.js import JetStreamContext
 from nats.js.errors import NoKeysError
 
 from bus.connection import connect
@@ -24,7 +26,23 @@ from bus.embedded import EmbeddedNats
 from bus.topology import BATCHES, PROMPTS, Topology, dropped_prompt
 from ops.audit import _replay
 from schemas import BatchEvent, PromptEvent
-from schemas.config import ConfigError, load_config
+from schemas.config import ConfigError, load_config, parse_config
+from schemas.kv_records import DropRecord
+from tests.buffer_feed import (
+    SETTLE,
+    batches,
+    by_step,
+    declare,
+    drop_record,
+    group,
+    publish,
+    run_with_js,
+    start_buffer,
+    stop_buffer,
+    summary,
+    tail,
+    until,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 ROLES = ("trainer", "buffer", "reward", "rollout")
@@ -57,7 +75,10 @@ async def read_back(url: str, topology: Topology) -> tuple[list[PromptEvent], li
             keys = await kv.keys()
         except NoKeysError:
             keys = []
-        drops = {pid: (await kv.get(key)).value.decode() for key in keys if (pid := dropped_prompt(key)) is not None}
+        drops = {
+            pid: DropRecord.decode((await kv.get(key)).value).text
+            for key in keys if (pid := dropped_prompt(key)) is not None
+        }
     finally:
         await nc.close()
     return prompts, batches, drops
@@ -139,3 +160,56 @@ def test_async_mode_keeps_its_staleness() -> None:
 
     assert parse_config({"algorithm": {"max_staleness": 3}, "trainer": {"sync_every": 2}}).algorithm.max_staleness == 3
     assert parse_config({}).mode == "async"
+
+
+def test_the_buffer_in_sync_mode_drops_a_group_one_version_behind(
+    nats_server: EmbeddedNats, topology: Topology, tmp_path: Path
+) -> None:
+    """The buffer's side of on-policy (`StalenessPolicy.too_old`), in seconds: the gate alone
+    keeps the whole loop above from meeting an old sample. One group a step: a v0 group makes
+    step 0; then a group made by v0 reaches step 1 and must be dropped as stale, not trained as
+    if on-policy; a group made by v1 then makes step 1."""
+    run = topology.run
+    cfg = parse_config({
+        "run": run, "mode": "sync", "data": {"n": 2},
+        "algorithm": {"prompts_per_step": 1, "drop_equal_reward_groups": False},
+        "trainer": {"micro_batch_tokens": 64},
+    })
+    first, old = group(run, 0, (0.0, 1.0)), group(run, 1, (0.0, 1.0))
+    fresh = group(run, 2, (0.0, 1.0), version=1)
+    old_id, fresh_id = old[0].trajectory.prompt_id, fresh[0].trajectory.prompt_id
+    log = tmp_path / "buffer.log"
+
+    async def body(js: JetStreamContext) -> None:
+        async def steps() -> dict[int, list[BatchEvent]]:
+            return by_step(await batches(js, topology))
+
+        async def said() -> str:
+            return f"batches: {summary(await batches(js, topology))}; buffer log:\n{tail(log)}"
+
+        await declare(js, topology, cfg)
+        await publish(js, topology, first)
+        proc = start_buffer(nats_server.url, topology, log)
+        try:
+            await until(lambda: _has(steps(), 0), SETTLE, said)
+            await publish(js, topology, old)
+
+            async def old_settled() -> bool:
+                return await drop_record(js, topology, old_id) is not None or 1 in await steps()
+
+            await until(old_settled, SETTLE, said)
+            trained = {pid for b in (await steps()).get(1, []) for pid in b.step_prompt_ids}
+            assert old_id not in trained, f"a v0 group trained at step 1, sync mode: {await said()}"
+            reason = await drop_record(js, topology, old_id)
+            assert reason == "stale: version 0 < 1 at step 1", reason
+            await publish(js, topology, fresh)
+            await until(lambda: _has(steps(), 1), SETTLE, said)
+            assert {pid for b in (await steps())[1] for pid in b.step_prompt_ids} == {fresh_id}
+        finally:
+            assert stop_buffer(proc) == 0, tail(log)
+
+    run_with_js(nats_server.url, body)
+
+
+async def _has(steps: Awaitable[dict[int, list[BatchEvent]]], step: int) -> bool:
+    return step in await steps
