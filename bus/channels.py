@@ -36,18 +36,23 @@ E = TypeVar("E", bound=Event)
 
 
 class Read(Enum):
-    """How a role reads a channel; each way needs its own permissions (`bus.security`)."""
+    """How a role reads a channel; each way needs its own permissions (`bus.security`) and has
+    one reader in bus/, which decodes and handles poison the same way (`bus.readers`)."""
 
     WORK_QUEUE = "work queue"
-    """Competing workers share the channel's durable consumer: each message goes to one, acked."""
+    """Competing workers share the channel's durable consumer: each message goes to one, acked.
+    Read with `bus.worker.Worker`."""
     BY_POSITION = "by position"
-    """An ordered consumer from a stream sequence the reader keeps (the trainer's checkpoint)."""
+    """An ordered consumer from a stream sequence the reader keeps (the trainer's checkpoint).
+    Read with `bus.readers.ByPosition`."""
     BROADCAST = "broadcast"
-    """An ordered consumer from the last message on: every reader sees every new value."""
+    """An ordered consumer from the last message on: every reader sees every new value.
+    Read with `bus.readers.Broadcast`."""
     REPLAY = "replay"
-    """The whole stream once, in order, at start-up."""
+    """The whole stream once, in order, at start-up. Read with `bus.readers.Replay`."""
     LAST_STORED = "last stored"
-    """Single messages by sequence, from the end back (a producer resuming after its last)."""
+    """Single messages by sequence, from the end back (a producer resuming after its last).
+    Read with `bus.readers.LastStored`."""
 
 
 @dataclass(frozen=True)
