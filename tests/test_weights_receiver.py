@@ -30,15 +30,22 @@ from tests.test_weight_chain import serves, step
 
 
 def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return set(a) == set(b) and all(torch.equal(a[n].view(torch.int32), b[n].view(torch.int32)) for n in a)
+    return set(a) == set(b) and all(
+        torch.equal(a[n].view(torch.int32), b[n].view(torch.int32)) for n in a
+    )
 
 
 def test_a_delta_onto_a_base_the_copy_does_not_hold_is_refused_before_it_is_applied(
     nats_server: EmbeddedNats, topology: Topology, model_dir: Path, tmp_path: Path
 ) -> None:
     async def main() -> None:
-        settings = {"transport": "filesystem", "dir": str(tmp_path), "delta": True, "full_every": 8,
-                    "keep": 20}
+        settings = {
+            "transport": "filesystem",
+            "dir": str(tmp_path),
+            "delta": True,
+            "full_every": 8,
+            "keep": 20,
+        }
         async with rollout_worker(nats_server.url, topology, model_dir, weights=settings) as w:
             config = WeightsConfig.model_validate(settings)
             whole = config.model_copy(update={"delta": False})
@@ -56,7 +63,9 @@ def test_a_delta_onto_a_base_the_copy_does_not_hold_is_refused_before_it_is_appl
                 if version:
                     chain_a[version] = step(chain_a[version - 1], version)
                 await announce(await a.store(version, chain_a[version]))
-                await eventually(lambda v=version: w.engine.version == v, f"A's v{version} was loaded")
+                await eventually(
+                    lambda v=version: w.engine.version == v, f"A's v{version} was loaded"
+                )
             receiver = w.rollout.receiver
             assert receiver.chain.version == 2 and same_bits(receiver.chain.tensors, chain_a[2])
 
@@ -67,17 +76,25 @@ def test_a_delta_onto_a_base_the_copy_does_not_hold_is_refused_before_it_is_appl
 
             chain_b = {0: {n: t + 1e-2 for n, t in chain_a[0].items()}}
             for version in (1, 3, 4, 5):
-                chain_b[version] = step(chain_b[max(v for v in chain_b if v < version)], 10 + version)
-            events = {version: await b.store(version, tensors) for version, tensors in chain_b.items()}
+                chain_b[version] = step(
+                    chain_b[max(v for v in chain_b if v < version)], 10 + version
+                )
+            events = {
+                version: await b.store(version, tensors) for version, tensors in chain_b.items()
+            }
             assert (events[3].base_version, events[3].full_version) == (1, 0)
             for version in (3, 4, 5):  # B's v0 and v1 are stored, never announced
                 await announce(events[version])
             await eventually(lambda: dead_stored(w, 1), "B's v5 was refused")
 
-            assert receiver.chain.version == 2, f"the copy was dropped or changed: at v{receiver.chain.version}"
+            assert receiver.chain.version == 2, (
+                f"the copy was dropped or changed: at v{receiver.chain.version}"
+            )
             assert same_bits(receiver.chain.tensors, chain_a[2]), "the copy's tensors changed"
             reasons = [reason for _, reason in await dead_letters(w.js, topology)]
             assert len(reasons) == 1 and "applies onto v1, the copy holds v2" in reasons[0], reasons
-            assert w.engine.version == 5 and serves(w.engine.model, outside), "the served weights changed"
+            assert w.engine.version == 5 and serves(w.engine.model, outside), (
+                "the served weights changed"
+            )
 
     asyncio.run(main())

@@ -22,6 +22,13 @@ from consumers.weights.transport import (
 )
 
 __all__ = [
-    "Ready", "Stored", "WeightTransport", "WeightsMissing", "WeightsReceiver", "WeightsSender",
-    "WeightsUnavailable", "publish_version", "transport_for",
+    "Ready",
+    "Stored",
+    "WeightTransport",
+    "WeightsMissing",
+    "WeightsReceiver",
+    "WeightsSender",
+    "WeightsUnavailable",
+    "publish_version",
+    "transport_for",
 ]

@@ -22,10 +22,17 @@ from schemas.weight_event import TransportName
 
 
 def transport_for(
-    config: WeightsConfig, js: JetStream, bucket: str, run: str, name: TransportName | None = None, *,
-    members: Callable[[], Awaitable[list[str]]] | None = None, member_id: str = "", writer: int = 0,
+    config: WeightsConfig,
+    js: JetStream,
+    bucket: str,
+    run: str,
+    name: TransportName | None = None,
+    *,
+    members: Callable[[], Awaitable[list[str]]] | None = None,
+    member_id: str = "",
+    writer: int = 0,
 ) -> WeightTransport:
-    """The transport `name` (default: the configured one) of run `run`, whose object store is `bucket`.
+    """The transport `name` (default: the configured one) of run `run`, object store `bucket`.
 
     A reader builds the one its event names: the config says what the trainer publishes with.
     collective: `members` (the trainer's: the live rollout workers' ids) or `member_id` (a
@@ -44,7 +51,9 @@ def transport_for(
 
         return CollectiveTransport(config, fallback, members, member_id, writer)
     if name == "object_store":
-        return ObjectStoreTransport(js, bucket, config.chunk_bytes, config.keep, config.stall_seconds)
+        return ObjectStoreTransport(
+            js, bucket, config.chunk_bytes, config.keep, config.stall_seconds
+        )
     if name == "filesystem":
         if not Path(config.dir).is_absolute():
             raise WeightsRefused(

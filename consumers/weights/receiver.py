@@ -35,14 +35,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import nats.errors
-import nats.js.errors
 import torch
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy
 
-from bus.dead import dead_letter
 from bus.publisher import Publisher
+from bus.readers import Broadcast, LastStored, Poison, Stored
 from bus.topology import WEIGHTS, Topology
 from consumers.weights.factory import transport_for
 from consumers.weights.transport import (
@@ -54,10 +51,13 @@ from consumers.weights.transport import (
 from engines.delta_plan import plan_fetch
 from engines.weight_delta import apply_delta
 from engines.weights import WeightsRefused, check_manifest
-from schemas import DecodeError, WeightVersionEvent, decode
+from schemas import WeightVersionEvent
 from schemas.config import WeightsConfig
 
 log = logging.getLogger("jetrl.weights.receiver")
+
+ROLE = "rollout"
+"""Who reads `weights` through a receiver: its dead letters are `dead.rollout`'s."""
 
 Earlier = Callable[[set[int], int], Awaitable[dict[int, WeightVersionEvent]]]
 """(versions, full version) -> the events of those versions on the chain starting at that
@@ -79,13 +79,16 @@ class Copy:
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
         self.version: int | None = None
-        """The version `tensors` holds; None: no copy (none yet, or dropped after a failed delta)."""
+        """The version `tensors` holds; None: no copy (none yet, or dropped after a failed
+        delta)."""
         self.event_id: str | None = None
         """Id of the event of the version held: a resumed trainer's event of that version
         (another id) announces other bytes."""
 
     async def fetch(
-        self, event: WeightVersionEvent, transport_of: Callable[[WeightVersionEvent], WeightTransport],
+        self,
+        event: WeightVersionEvent,
+        transport_of: Callable[[WeightVersionEvent], WeightTransport],
         earlier: Earlier,
     ) -> dict[str, torch.Tensor]:
         """`event`'s tensors. Outside a chain: fetched as a full version, no copy kept. On a
@@ -94,16 +97,26 @@ class Copy:
         if event.full_version is None:
             return await fetch_full(transport_of(event), event)
         if self.version == event.version and self.event_id != event.id:
-            self.tensors, self.version = {}, None  # the copy is another chain's version of that number
+            self.tensors, self.version = (
+                {},
+                None,
+            )  # the copy is another chain's version of that number
         if event.base_version is None:
             await self._full(event, transport_of(event))
             return self.tensors
-        plan = plan_fetch(event.version, event.full_version, self.version, event.version - event.base_version)
+        plan = plan_fetch(
+            event.version, event.full_version, self.version, event.version - event.base_version
+        )
         needed = {step.version for step in plan} - {event.version}
-        events = {event.version: event, **(await earlier(needed, event.full_version) if needed else {})}
+        events = {
+            event.version: event,
+            **(await earlier(needed, event.full_version) if needed else {}),
+        }
         if set(events) < {step.version for step in plan}:
             missing = sorted(needed - set(events))
-            raise WeightsMissing(f"v{event.version}: the events of its chain's versions {missing} are gone")
+            raise WeightsMissing(
+                f"v{event.version}: the events of its chain's versions {missing} are gone"
+            )
         for step in plan:
             step_event = events[step.version]
             if step.base is None:
@@ -116,7 +129,9 @@ class Copy:
         tensors = await fetch_full(transport, event)
         if transport.name == "filesystem":
             # Views of a read-only file mapping: deltas are applied onto a copy of our own.
-            tensors = await asyncio.to_thread(lambda: {name: t.clone() for name, t in tensors.items()})
+            tensors = await asyncio.to_thread(
+                lambda: {name: t.clone() for name, t in tensors.items()}
+            )
         self.tensors, self.version, self.event_id = tensors, event.version, event.id
 
     async def _delta(self, event: WeightVersionEvent, transport: WeightTransport) -> None:
@@ -125,13 +140,18 @@ class Copy:
         # only after changing the copy, and the copy would be dropped with it.
         if self.version != event.base_version:
             raise WeightsRefused(
-                f"v{event.version} applies onto v{event.base_version}, the copy holds v{self.version}"
+                f"v{event.version} applies onto v{event.base_version}, "
+                f"the copy holds v{self.version}"
             )
         payloads = [await transport.fetch_bytes(shard) for shard in event.shards]
         try:
             await asyncio.to_thread(
-                apply_delta, self.tensors, payloads, event.manifest,
-                version=event.version, base_version=event.base_version,
+                apply_delta,
+                self.tensors,
+                payloads,
+                event.manifest,
+                version=event.version,
+                base_version=event.base_version,
             )
         except WeightsRefused:
             # All or nothing: the copy is still the base, but it may not be this chain's base.
@@ -149,8 +169,15 @@ class WeightsReceiver:
     gate: a worker starts generating once it has handled the last version announced)."""
 
     def __init__(
-        self, js: JetStreamContext, topology: Topology, publisher: Publisher, config: WeightsConfig,
-        model: torch.nn.Module, *, member_id: str = "", version: int = 0,
+        self,
+        js: JetStreamContext,
+        topology: Topology,
+        publisher: Publisher,
+        config: WeightsConfig,
+        model: torch.nn.Module,
+        *,
+        member_id: str = "",
+        version: int = 0,
         handled: asyncio.Event | None = None,
     ) -> None:
         self.js, self.topology, self.publisher, self.config = js, topology, publisher, config
@@ -163,38 +190,48 @@ class WeightsReceiver:
         """The CPU copy of the version served, which deltas apply onto (`weights.delta`)."""
         self.transports: dict[str, WeightTransport] = {}
         """By name, made when an event first names one: the event says where its bytes are."""
+        self.lookup = LastStored(js, topology, WEIGHTS, Poison(ROLE))
+        """Single events of `weights` (the last, the chain's earlier ones); poison only logged:
+        the follower dead-letters it."""
 
     def __aiter__(self) -> AsyncIterator[Ready]:
         return self.follow()
 
     async def follow(self) -> AsyncIterator[Ready]:
-        """Each version to load, in the order announced; the stage loads it before asking again."""
-        async for msg in _follow(self.js, self.topology):
-            ready = await self.receive(msg)
-            if ready is not None:
-                self.version, self.served = ready.event.version, ready.event.id
-                yield ready
-            if self.handled is not None:
-                self.handled.set()
+        """Each version to load, in the order announced; the stage loads it before asking again.
+        `weights` is read from its last stored event on (bytes that are no event: dead-lettered
+        by the reader, as every refused version is)."""
+        async with Broadcast(
+            self.js, self.topology, WEIGHTS, Poison(ROLE, self.publisher)
+        ) as reader:
+            async for stored in reader:
+                ready = await self.receive(stored, reader)
+                if ready is not None:
+                    self.version, self.served = ready.event.version, ready.event.id
+                    yield ready
+                if self.handled is not None:
+                    self.handled.set()
 
-    async def receive(self, msg: Msg) -> Ready | None:
-        """`msg`'s version, verified; None for one not to load (served already, refused, skipped)."""
-        event: WeightVersionEvent | None = None
+    async def receive(self, stored: Stored[WeightVersionEvent], reader: Broadcast) -> Ready | None:
+        """`stored`'s version, verified; None for one not to load (served already, refused,
+        skipped)."""
+        event = stored.event
         try:
-            event = decode(msg.data, WeightVersionEvent)
-            return await self.fetch(event, msg.metadata.sequence.stream)
+            return await self.fetch(event, stored.seq)
         except WeightsMissing as exc:  # pruned: gone only once newer versions were stored
-            assert event is not None
             newer = await self.superseded(event)
             if newer is None:
                 log.warning("weights not loaded, still serving v%d: %s", self.version, exc)
             elif newer:
-                log.info("weights v%d skipped, a newer version is announced: %s", event.version, exc)
+                log.info(
+                    "weights v%d skipped, a newer version is announced: %s", event.version, exc
+                )
             else:
-                await self.refuse(msg, exc)
-        except (DecodeError, WeightsRefused) as exc:  # reported, never loaded
-            await self.refuse(msg, exc)
-        except (nats.errors.Error, WeightsUnavailable) as exc:  # not fetched now; a later version will be
+                await reader.refuse(stored, f"weights refused: {exc}")
+        except WeightsRefused as exc:  # never loaded; the worker keeps serving what it has
+            await reader.refuse(stored, f"weights refused: {exc}")
+        except (nats.errors.Error, WeightsUnavailable) as exc:
+            # Not fetched now; a later version will be.
             log.warning("weights not loaded, still serving v%d: %s", self.version, exc)
         return None
 
@@ -205,77 +242,55 @@ class WeightsReceiver:
         version served is loaded again from such an event (another id), one below it is not
         (a newer one follows). `seq`: the event's stream sequence, from which the events of
         its chain are looked up."""
-        if event.version < self.version or (event.version == self.version and self.served in (None, event.id)):
-            return None  # a version served already; the same number from another event is a resumed trainer's
+        if event.version < self.version or (
+            event.version == self.version and self.served in (None, event.id)
+        ):
+            # A version served already; the same number from another event is a resumed trainer's.
+            return None
         check_manifest(event.manifest, self.model)  # before a byte is fetched
         tensors = await self.chain.fetch(
-            event, self.transport, lambda versions, full: _earlier(self.js, self.topology, seq, versions, full)
+            event, self.transport, lambda versions, full: self.earlier(seq, versions, full)
         )
         return Ready(event, tensors)
-
-    async def refuse(self, msg: Msg, exc: Exception) -> None:
-        log.error("weights refused, still serving v%d: %s", self.version, exc)
-        await dead_letter(self.publisher, "rollout", msg, f"weights refused: {exc}")
 
     async def superseded(self, event: WeightVersionEvent) -> bool | None:
         """Whether a version newer than `event`'s is announced (the last on `weights`); None
         when the server cannot say now."""
         try:
-            last = await _last(self.js, self.topology)
+            last = await self.lookup.last()
         except nats.errors.Error:
             return None
-        try:
-            return decode(last, WeightVersionEvent).version > event.version
-        except DecodeError:
-            return False
+        return last is not None and last.event.version > event.version
+
+    async def earlier(
+        self, seq: int, versions: set[int], full: int
+    ) -> dict[int, WeightVersionEvent]:
+        """The events of `versions` on the chain from full version `full`, looked up backwards
+        on `weights` from sequence `seq` (the event being loaded): the nearest one of each
+        version, since a trainer resumed from a checkpoint publishes a version again. The walk
+        ends at the chain's full version (at most `full_every` versions back), or at the
+        stream's first message."""
+        found: dict[int, WeightVersionEvent] = {}
+        async for stored in self.lookup.back(start=seq - 1):
+            event = stored.event
+            if (
+                event.version in versions
+                and event.full_version == full
+                and event.version not in found
+            ):
+                found[event.version] = event
+            if versions <= set(found) or (event.version == full and event.base_version is None):
+                break
+        return found
 
     def transport(self, event: WeightVersionEvent) -> WeightTransport:
         if event.transport not in self.transports:
             self.transports[event.transport] = transport_for(
-                self.config, self.js, self.topology.object_bucket, self.topology.run, event.transport,
+                self.config,
+                self.js,
+                self.topology.object_bucket,
+                self.topology.run,
+                event.transport,
                 member_id=self.member_id,
             )
         return self.transports[event.transport]
-
-
-# The stream reads. TODO(readers): bus.readers' BROADCAST (from the last stored on) and
-# LAST_STORED (`last`, by sequence) readers, once they are on main.
-
-async def _follow(js: JetStreamContext, topology: Topology) -> AsyncIterator[Msg]:
-    """The `weights` messages, from the last stored one on, for ever."""
-    sub = await js.subscribe(
-        topology.subject(WEIGHTS), ordered_consumer=True, deliver_policy=DeliverPolicy.LAST
-    )
-    async for msg in sub.messages:
-        yield msg
-
-
-async def _last(js: JetStreamContext, topology: Topology) -> bytes:
-    """The bytes of the last message on `weights`."""
-    last = await js.get_last_msg(topology.stream(WEIGHTS), topology.subject(WEIGHTS))
-    return last.data or b""
-
-
-async def _earlier(
-    js: JetStreamContext, topology: Topology, seq: int, versions: set[int], full: int
-) -> dict[int, WeightVersionEvent]:
-    """The events of `versions` on the chain from full version `full`, looked up backwards
-    on the `weights` stream from sequence `seq` (the event being loaded): the nearest one of
-    each version, since a trainer resumed from a checkpoint publishes a version again. The
-    walk ends at the chain's full version (at most `full_every` versions back)."""
-    found: dict[int, WeightVersionEvent] = {}
-    stream = topology.stream(WEIGHTS)
-    while seq > 1 and not versions <= set(found):
-        seq -= 1
-        try:
-            raw = await js.get_msg(stream, seq)
-            event = decode(raw.data or b"", WeightVersionEvent)
-        except nats.js.errors.NotFoundError:
-            break  # aged out of the stream: older ones are too
-        except DecodeError:
-            continue
-        if event.version in versions and event.full_version == full and event.version not in found:
-            found[event.version] = event
-        if event.version == full and event.base_version is None:
-            break
-    return found

@@ -69,9 +69,17 @@ class WeightsSender:
     rank 0 announces it on `publisher` (None: the caller announces what `store` returns).
     With `world` 1 the ranks other than 0 publish nothing (rank 0 gathered their tensors)."""
 
-    def __init__(self, transport: WeightTransport, config: WeightsConfig, run: str, source: str,
-                 rank: int = 0, world: int = 1, exchange: Exchange = alone,
-                 publisher: Publisher | None = None) -> None:
+    def __init__(
+        self,
+        transport: WeightTransport,
+        config: WeightsConfig,
+        run: str,
+        source: str,
+        rank: int = 0,
+        world: int = 1,
+        exchange: Exchange = alone,
+        publisher: Publisher | None = None,
+    ) -> None:
         if isinstance(transport, CollectiveTransport):
             transport.senders = world
         self.transport, self.config, self.run, self.source = transport, config, run, source
@@ -84,7 +92,7 @@ class WeightsSender:
         """Locations of the chain's versions so far, every rank's: pruning spares them for
         workers catching up."""
         self.owned: list[list[tuple[str, str, list[int]]]] | None = None
-        """collective, several ranks: the specs of each rank's tensors of the version stored last."""
+        """collective, several ranks: the specs of each rank's tensors of the last version."""
         self.source_address = ""
         """collective, several ranks: rank 0's broadcast address, from the exchange."""
 
@@ -94,10 +102,23 @@ class WeightsSender:
         configured transport (collective: to the live rollout workers)."""
         topology = rt.topology
         transport = transport_for(
-            rt.config.weights, rt.js, topology.object_bucket, topology.run,
-            members=lambda: member_ids(rt.js, topology, "rollout"), writer=rank,
+            rt.config.weights,
+            rt.js,
+            topology.object_bucket,
+            topology.run,
+            members=lambda: member_ids(rt.js, topology, "rollout"),
+            writer=rank,
         )
-        return cls(transport, rt.config.weights, topology.run, rt.source, rank, world, exchange, rt.publisher)
+        return cls(
+            transport,
+            rt.config.weights,
+            topology.run,
+            rt.source,
+            rank,
+            world,
+            exchange,
+            rt.publisher,
+        )
 
     async def send(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Store `version` (`tensors`: this rank's, CPU copies in the published dtype, not
@@ -110,21 +131,33 @@ class WeightsSender:
             # An election while storing is ridden out in there rather than restarting the trainer.
             event = await self.store(version, tensors)
             if self.rank == 0:
-                assert self.publisher is not None, "rank 0's sender announces: give it the publisher"
+                assert self.publisher is not None, (
+                    "rank 0's sender announces: give it the publisher"
+                )
                 await self.publisher.publish(WEIGHTS, event)
-            await self.announced(version, tensors)  # collective: every rank's broadcast, in a thread
+            await self.announced(
+                version, tensors
+            )  # collective: every rank's broadcast, in a thread
 
     async def store(self, version: int, tensors: dict[str, torch.Tensor]) -> WeightVersionEvent:
         """Store `version` (`tensors`: this rank's tensors of it, all of them with world 1); the
         event that announces it."""
-        if isinstance(self.transport, CollectiveTransport):  # the copy stored first, announced with the address
+        if isinstance(
+            self.transport, CollectiveTransport
+        ):  # the copy stored first, announced with the address
             store = self.transport.fallback(self.config.fallback)
             if self.world == 1:
-                return self.transport.event(await publish_version(store, self.run, self.source, version, tensors))
-            return self.transport.event(await self._full(version, None, tensors, store), self.source_address)
+                return self.transport.event(
+                    await publish_version(store, self.run, self.source, version, tensors)
+                )
+            return self.transport.event(
+                await self._full(version, None, tensors, store), self.source_address
+            )
         if not self.config.delta:
             if self.world == 1:
-                return await publish_version(self.transport, self.run, self.source, version, tensors)
+                return await publish_version(
+                    self.transport, self.run, self.source, version, tensors
+                )
             return await self._full(version, None, tensors)
         base_version, chain = next_publication(version, self.chain, self.config.full_every)
         if base_version is None:
@@ -171,8 +204,14 @@ class WeightsSender:
         self, version: int, base_version: int, full_version: int, tensors: dict[str, torch.Tensor]
     ) -> WeightVersionEvent:
         payload, manifest = await asyncio.to_thread(
-            encode_shard, self.base, tensors, list(tensors),
-            version=version, base_version=base_version, rank=self.rank, world=self.world,
+            encode_shard,
+            self.base,
+            tensors,
+            list(tensors),
+            version=version,
+            base_version=base_version,
+            rank=self.rank,
+            world=self.world,
         )
         pinned = tuple(self.pinned)
         stored = await ride_out(
@@ -184,8 +223,13 @@ class WeightsSender:
         )
 
     async def _announce(
-        self, version: int, base_version: int | None, full_version: int | None, stored: Stored,
-        names: tuple[str, ...], manifest: tuple[TensorSpec, ...],
+        self,
+        version: int,
+        base_version: int | None,
+        full_version: int | None,
+        stored: Stored,
+        names: tuple[str, ...],
+        manifest: tuple[TensorSpec, ...],
         transport: TransportName | None = None,
     ) -> WeightVersionEvent:
         """The event of `version` from every rank's stored shard (this rank's: `stored`)."""
@@ -200,13 +244,20 @@ class WeightsSender:
         if collective:
             self.source_address = notes[0].address
             self.owned = [
-                [(spec.name, spec.dtype, list(spec.shape)) for spec in note.manifest] for note in notes
+                [(spec.name, spec.dtype, list(spec.shape)) for spec in note.manifest]
+                for note in notes
             ]
         shards = tuple(note.shard for note in notes)
         return WeightVersionEvent.announce(
-            run=self.run, source=self.source, version=version, step=version,
-            base_version=base_version, full_version=full_version,
-            transport=transport or self.transport.name, location=shards[0].location,
+            run=self.run,
+            source=self.source,
+            version=version,
+            step=version,
+            base_version=base_version,
+            full_version=full_version,
+            transport=transport or self.transport.name,
+            location=shards[0].location,
             manifest=tuple(spec for note in notes for spec in note.manifest),
-            total_bytes=sum(s.total_bytes for s in shards), shards=shards,
+            total_bytes=sum(s.total_bytes for s in shards),
+            shards=shards,
         )
