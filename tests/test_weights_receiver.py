@@ -15,6 +15,7 @@ handled, planned from the copy's v2 as v3, v4, v5, and B's v3 applies onto v1, n
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -57,15 +58,16 @@ def test_a_delta_onto_a_base_the_copy_does_not_hold_is_refused_before_it_is_appl
             async def announce(event: WeightVersionEvent) -> None:
                 await w.js.publish(topology.subject(WEIGHTS), encode(event))
 
+            def serving(version: int) -> bool:
+                return w.engine.version == version
+
             a, b, plain = sender(config), sender(config), sender(whole)
             chain_a = {0: {n: p.detach().clone() for n, p in w.engine.model.named_parameters()}}
             for version in (0, 1, 2):
                 if version:
                     chain_a[version] = step(chain_a[version - 1], version)
                 await announce(await a.store(version, chain_a[version]))
-                await eventually(
-                    lambda v=version: w.engine.version == v, f"A's v{version} was loaded"
-                )
+                await eventually(partial(serving, version), f"A's v{version} was loaded")
             receiver = w.rollout.receiver
             assert receiver.chain.version == 2 and same_bits(receiver.chain.tensors, chain_a[2])
 

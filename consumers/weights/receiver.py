@@ -201,9 +201,8 @@ class WeightsReceiver:
         """Each version to load, in the order announced; the stage loads it before asking again.
         `weights` is read from its last stored event on (bytes that are no event: dead-lettered
         by the reader, as every refused version is)."""
-        async with Broadcast(
-            self.js, self.topology, WEIGHTS, Poison(ROLE, self.publisher)
-        ) as reader:
+        reader = Broadcast(self.js, self.topology, WEIGHTS, Poison(ROLE, self.publisher))
+        async with reader:
             async for stored in reader:
                 ready = await self.receive(stored, reader)
                 if ready is not None:
@@ -212,7 +211,9 @@ class WeightsReceiver:
                 if self.handled is not None:
                     self.handled.set()
 
-    async def receive(self, stored: Stored[WeightVersionEvent], reader: Broadcast) -> Ready | None:
+    async def receive(
+        self, stored: Stored[WeightVersionEvent], reader: Broadcast[WeightVersionEvent]
+    ) -> Ready | None:
         """`stored`'s version, verified; None for one not to load (served already, refused,
         skipped)."""
         event = stored.event

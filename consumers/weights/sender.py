@@ -34,6 +34,7 @@ from bus.topology import WEIGHTS
 from consumers.weights.collective import CollectiveTransport
 from consumers.weights.factory import transport_for
 from consumers.weights.transport import Stored, WeightTransport, publish_version
+from engines.collective_plan import Spec
 from engines.delta_plan import Chain, next_publication
 from engines.weight_delta import encode_shard
 from engines.weights import manifest_of
@@ -91,7 +92,7 @@ class WeightsSender:
         self.pinned: list[str] = []
         """Locations of the chain's versions so far, every rank's: pruning spares them for
         workers catching up."""
-        self.owned: list[list[tuple[str, str, list[int]]]] | None = None
+        self.owned: list[list[Spec]] | None = None
         """collective, several ranks: the specs of each rank's tensors of the last version."""
         self.source_address = ""
         """collective, several ranks: rank 0's broadcast address, from the exchange."""
