@@ -1,7 +1,7 @@
 """A rollout worker's side of weight versions: `WeightsReceiver` yields each version ready to load.
 
-    weights stream, from the last stored event on (`_follow`)
-      -> decode (bytes that are no event: refused)
+    weights stream, from the last stored event on (`bus.readers.Broadcast`, which decodes:
+    bytes that are no event are its poison, dead-lettered)
       -> skip a version served already (the same number from another event is a resumed
          trainer's: loaded again; a lower one is not, newer ones follow)
       -> `check_manifest`: the manifest names the model's parameters, with their shapes,
@@ -9,13 +9,14 @@
       -> `Copy.fetch`: outside a delta chain, the version fetched whole; on a chain, the CPU
          copy brought to it: the chain's full version and/or each delta (`plan_fetch`; the
          events of the chain's earlier versions looked up backwards on the stream,
-         `_earlier`), a delta applied only onto the base version it names, in a thread, all
+         `earlier`, with `bus.readers.LastStored`), a delta applied only onto the base version it names, in a thread, all
          or nothing, every tensor checked against the manifest
       -> yield `Ready` (event + verified tensors): the stage pauses, loads, resumes
 
 What fails is handled here, one way each: bytes that must never be loaded (a bad manifest or
-checksum, a delta onto a base the copy does not hold, undecodable) are refused: logged and
-dead-lettered with the reason, the worker keeps what it serves. Bytes gone (pruned) because a
+checksum, a delta onto a base the copy does not hold) are refused through the reader
+(`refuse`: logged and dead-lettered with the reason, as its poison is); the worker keeps
+what it serves. Bytes gone (pruned) because a
 newer version is announced: the version is skipped (logged). Bytes that cannot be read now:
 logged, the next version is taken. Generation goes on through all of it: only the stage's
 load is under its gate.
