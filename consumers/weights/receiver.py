@@ -9,8 +9,9 @@
       -> `Copy.fetch`: outside a delta chain, the version fetched whole; on a chain, the CPU
          copy brought to it: the chain's full version and/or each delta (`plan_fetch`; the
          events of the chain's earlier versions looked up backwards on the stream,
-         `earlier`, with `bus.readers.LastStored`), a delta applied only onto the base version it names, in a thread, all
-         or nothing, every tensor checked against the manifest
+         `earlier`, with `bus.readers.LastStored`), a delta applied only onto the base
+         version it names, in a thread, all or nothing, every tensor checked against the
+         manifest
       -> yield `Ready` (event + verified tensors): the stage pauses, loads, resumes
 
 What fails is handled here, one way each: bytes that must never be loaded (a bad manifest or
