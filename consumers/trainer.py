@@ -178,7 +178,8 @@ class Trainer:
         self.batches: JetStreamContext.PushSubscription | None = None
         shards = self.engine.weight_shards
         self.weights = WeightsSender.of(rt, rank, shards, exchange if shards > 1 else alone)
-        """Full or delta versions (`weights.delta`), in shards when every rank sends one, or broadcasts."""
+        """Full or delta versions (`weights.delta`), in shards when every rank sends one, or
+        broadcasts."""
 
     async def setup(self) -> None:
         """Resume from the checkpoint, or publish version 0 (what every rollout worker starts
