@@ -176,9 +176,11 @@ class Rollout:
     async def watch_weights(self) -> None:
         """Each version the receiver yields (verified, ready): pause, load, resume."""
         async for ready in self.receiver:
-            async with self.replicas.quiesced():  # no token is computed (paused between two, or drained)
+            # No token is computed inside: paused between two, or drained.
+            async with self.replicas.quiesced():
                 ROLLOUT_MID_WEIGHT_LOAD(f"v{ready.event.version}")
-                await self.replicas.load(ready.tensors, ready.event.version)  # every replica, off the event loop
+                # Into every replica, off the event loop.
+                await self.replicas.load(ready.tensors, ready.event.version)
             self.gate.set()
             self.rt.member.report(weight_version=ready.event.version)
             log.info("now serving weights v%d", ready.event.version)
