@@ -10,14 +10,12 @@
     batcher, one per replica (`consumers.rollout_replicas`): wait for the gate -> up to
         max_batch_prompts of equal sampling -> count it running -> generate in a thread (the
         event loop keeps heartbeating) -> resolve each prompt's future
-    weights watcher: new WeightVersionEvent -> check its manifest against the model,
-        fetch + verify bytes with the transport the event names (`consumers.weights`;
-        a delta is applied onto the worker's CPU copy of its version, `consumers.weights.chain`;
-        generation goes on meanwhile) -> close the gate (no new generation starts on any
-        replica), pause the engines between two tokens (partial rollout, `rollout.partial`)
-        or drain the running generations, load into each replica in a thread (the event loop
-        keeps heartbeating), resume, reopen; a version that fails is dead-lettered, never
-        loaded (one whose bytes were pruned because newer versions came is skipped)
+    weights watcher: each version the weights receiver yields (`consumers.weights.receiver`:
+        it follows the weights stream, resolves delta chains, verifies, refuses; generation
+        goes on meanwhile) -> close the gate (no new generation starts on any replica), pause
+        the engines between two tokens (partial rollout, `rollout.partial`) or drain the
+        running generations, load into each replica in a thread (the event loop keeps
+        heartbeating), resume, reopen
 
 Every token comes from one version: the gate and the pause (or drain) keep a load and a
 token's computation from ever running at once. A trajectory's `versions` say which version
@@ -34,32 +32,22 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import nats.errors
-import nats.js.errors
 import numpy as np
 import torch
 from nats.aio.msg import Msg
-from nats.js.api import DeliverPolicy
 from nats.js.errors import KeyWrongLastSequenceError
 from opentelemetry import context
 from transformers import AutoTokenizer
 
 from bus import metrics
-from bus.dead import dead_letter
-from bus.topology import PROMPTS, REFUSED_PROMPT, TRAJECTORIES, WEIGHTS, drop_key
+from bus.topology import PROMPTS, REFUSED_PROMPT, TRAJECTORIES, drop_key
 from bus.worker import Reject, WorkerOptions
 from consumers.checks import ModelLimits
 from bus.crashpoints import ROLLOUT_MID_WEIGHT_LOAD, ROLLOUT_STORED_NOT_ACKED
 from consumers.rollout_replicas import Engine, Pending, Replicas
 from bus.runtime import Runtime
 from bus.stage import Helper, Stage, run_stage
-from consumers.weights import (
-    WeightsMissing,
-    WeightsUnavailable,
-    WeightTransport,
-    transport_for,
-)
-from consumers.weights.chain import Follower
+from consumers.weights.receiver import WeightsReceiver
 from engines.device import resolve_device, torch_dtype
 from engines.external_rollout import EngineUnavailable
 from engines.hf_rollout import HFRolloutEngine
@@ -71,14 +59,10 @@ from engines.sglang_rollout import SGLangRolloutEngine, SGLangSettings
 from engines.simulated import SimulatedRolloutEngine, SimulatedSettings
 from engines.vllm_continuous import VLLMContinuousEngine
 from engines.vllm_rollout import VLLMRolloutEngine, VLLMSettings
-from engines.weights import WeightsRefused, check_manifest
 from schemas import (
-    DecodeError,
     PromptEvent,
     Tensor,
     TrajectoryEvent,
-    WeightVersionEvent,
-    decode,
 )
 from schemas.config import RunConfig
 
@@ -98,12 +82,12 @@ class Rollout:
         self.replicas = Replicas(engines, router, cfg.max_batch_prompts, cfg.engine, rt.source, cfg.continuous,
                                  cfg.partial)
         self.limits = ModelLimits.of(self.engine.model)
-        self.transports: dict[str, WeightTransport] = {}
-        """By name, made when an event first names one: the event says where its bytes are."""
-        self.chain = Follower()
-        """The CPU copy of the version served, which deltas apply onto (`weights.delta`)."""
-        self.served: str | None = None
-        """Id of the weight event served; None: the weights the worker started with (version 0)."""
+        self.receiver = WeightsReceiver(
+            rt.js, rt.topology, rt.publisher, rt.config.weights, self.engine.model,
+            member_id=rt.source, version=self.engine.version, handled=self.gate,
+        )
+        """The weight versions to load, verified; it opens the gate once it has handled the
+        first (a worker generates only once it knows the run's current version)."""
 
     @property
     def engine(self) -> Engine:
@@ -190,100 +174,16 @@ class Rollout:
         return {f"batcher {r.index}": functools.partial(self.replicas.batcher, r) for r in replicas}
 
     async def watch_weights(self) -> None:
-        sub = await self.rt.js.subscribe(
-            self.rt.topology.subject(WEIGHTS), ordered_consumer=True, deliver_policy=DeliverPolicy.LAST
-        )
-        async for msg in sub.messages:
-            try:
-                event = decode(msg.data, WeightVersionEvent)
-                await self.load_weights(event, msg.metadata.sequence.stream)
-            except WeightsMissing as exc:  # pruned: gone only once newer versions were stored
-                newer = await self.superseded(event)
-                if newer is None:
-                    log.warning("weights not loaded, still serving v%d: %s", self.engine.version, exc)
-                elif newer:
-                    log.info("weights v%d skipped, a newer version is announced: %s", event.version, exc)
-                else:
-                    await self.refuse(msg, exc)
-            except (DecodeError, WeightsRefused) as exc:  # reported, never loaded
-                await self.refuse(msg, exc)
-            except (nats.errors.Error, WeightsUnavailable) as exc:  # not fetched now; a later version will be
-                log.warning("weights not loaded, still serving v%d: %s", self.engine.version, exc)
-            self.gate.set()  # after the first event, whatever came of it
-
-    async def refuse(self, msg: Msg, exc: Exception) -> None:
-        log.error("weights refused, still serving v%d: %s", self.engine.version, exc)
-        await dead_letter(self.rt.publisher, "rollout", msg, f"weights refused: {exc}")
-
-    async def superseded(self, event: WeightVersionEvent) -> bool | None:
-        """Whether a version newer than `event`'s is announced (the last on `weights`); None
-        when the server cannot say now."""
-        try:
-            last = await self.rt.js.get_last_msg(self.rt.topology.stream(WEIGHTS), self.rt.topology.subject(WEIGHTS))
-        except nats.errors.Error:
-            return None
-        try:
-            return decode(last.data or b"", WeightVersionEvent).version > event.version
-        except DecodeError:
-            return False
-
-    def transport(self, event: WeightVersionEvent) -> WeightTransport:
-        if event.transport not in self.transports:
-            topology = self.rt.topology
-            self.transports[event.transport] = transport_for(
-                self.rt.config.weights, self.rt.js, topology.object_bucket, topology.run, event.transport,
-                member_id=self.rt.source,
-            )
-        return self.transports[event.transport]
-
-    async def earlier(self, seq: int, versions: set[int], full: int) -> dict[int, WeightVersionEvent]:
-        """The events of `versions` on the chain from full version `full`, looked up backwards
-        on the `weights` stream from sequence `seq` (the event being loaded): the nearest one of
-        each version, since a trainer resumed from a checkpoint publishes a version again. The
-        walk ends at the chain's full version (at most `full_every` versions back)."""
-        found: dict[int, WeightVersionEvent] = {}
-        stream = self.rt.topology.stream(WEIGHTS)
-        while seq > 1 and not versions <= set(found):
-            seq -= 1
-            try:
-                raw = await self.rt.js.get_msg(stream, seq)
-                event = decode(raw.data or b"", WeightVersionEvent)
-            except nats.js.errors.NotFoundError:
-                break  # aged out of the stream: older ones are too
-            except DecodeError:
-                continue
-            if event.version in versions and event.full_version == full and event.version not in found:
-                found[event.version] = event
-            if event.version == full and event.base_version is None:
-                break
-        return found
-
-    async def load_weights(self, event: WeightVersionEvent, seq: int = 0) -> None:
-        """Serve `event`'s weights if they are newer; WeightsRefused if they do not fit the model.
-
-        The bytes are fetched and verified while generation goes on (a delta is applied onto
-        the worker's CPU copy then too; `seq`: the event's stream sequence, from which the
-        events of its chain are looked up); only then is the gate closed, the running
-        generations drained and the tensors copied in. A fetch that fails leaves the model as
-        it was.
-
-        A trainer resumed from a checkpoint publishes versions again, with other bytes: the
-        version served is loaded again from such an event (another id), one below it is not
-        (a newer one follows)."""
-        current = self.engine.version
-        if event.version < current or (event.version == current and self.served in (None, event.id)):
-            return  # a version served already; the same number from another event is a resumed trainer's
-        check_manifest(event.manifest, self.engine.model)  # before a byte is fetched
-        tensors = await self.chain.fetch(
-            event, self.transport, lambda versions, full: self.earlier(seq, versions, full)
-        )
-        async with self.replicas.quiesced():  # no token is computed (paused between two, or drained)
-            ROLLOUT_MID_WEIGHT_LOAD(f"v{event.version}")
-            await self.replicas.load(tensors, event.version)  # into every replica, off the event loop
-            self.served = event.id
-        self.gate.set()
-        self.rt.member.report(weight_version=event.version)
-        log.info("now serving weights v%d", event.version)
+        """Each version the receiver yields (verified, ready): pause, load, resume."""
+        async for ready in self.receiver:
+            # No token is computed inside: paused between two, or drained.
+            async with self.replicas.quiesced():
+                ROLLOUT_MID_WEIGHT_LOAD(f"v{ready.event.version}")
+                # Into every replica, off the event loop.
+                await self.replicas.load(ready.tensors, ready.event.version)
+            self.gate.set()
+            self.rt.member.report(weight_version=ready.event.version)
+            log.info("now serving weights v%d", ready.event.version)
 
 
 def routing_key(prompt: PromptEvent) -> str:

@@ -7,9 +7,10 @@ stream sequence of the last batch trained on, and a restart reads from the next 
     setup       load the checkpoint (or publish weights v0), subscribe from the next sequence
     for each step s:
       collect   micro_count micro-batches of step s (refused ones dead-lettered, still counted)
-      train     train_step -> metrics; every sync_every: weights v = s + 1 through the weight
-                transport (object store or files; full, or a delta on the version before),
-                WeightVersionEvent (in the step's trace)
+      train     train_step -> metrics; every sync_every: this rank's weights (the engine's
+                `export_own_weights`) as v = s + 1 to the weights sender
+                (`consumers.weights.sender`: full or a delta, stored, announced as a
+                WeightVersionEvent, in the step's trace)
       record    KV metrics.<rank>.<s> (the step's sample ids with them), step loggers
       checkpoint  every checkpoint_every: model, optimizer, RNG, last sequence, and the update
                 history as a hash chain (constant size: `consumers.update_history`); once it is
@@ -19,10 +20,11 @@ stream sequence of the last batch trained on, and a restart reads from the next 
 With `trainer.engine: fsdp` each of the `dp_size` ranks is one such process, `--rank K`: they
 meet first (`consumers.trainer_dist`), then train, publish and checkpoint together, each on
 its own `batches.<rank>`. With megatron at tensor parallel tp, the tp ranks meet the same way
-and all read `batches.0` (one model copy cut in tp); rank 0 gathers and publishes each version. Publishing through the object store or files, each rank stores its
-own shard of a version (its tensors gathered to it alone) and rank 0 announces the version;
-collective: the same shards are stored as the fallback copy, then every rank broadcasts its
-own tensors to the rollout workers (rank 0 coordinating).
+and all read `batches.0` (one model copy cut in tp); rank 0 gathers and publishes each
+version. With several fsdp ranks each rank hands the sender its own shard of a version (its
+tensors gathered to it alone): each stores it, rank 0 announces the version; collective: the
+same shards are stored as the fallback copy, then every rank broadcasts its own tensors to
+the rollout workers (rank 0 coordinating).
 """
 
 from __future__ import annotations
@@ -38,20 +40,19 @@ import numpy as np
 import torch
 
 from bus import tracing
+from bus.election import TRANSIENT, ride_out
+from bus.metrics import STALENESS, TRAIN_STEP_SECONDS, count_samples
+from bus.topology import BATCHES, metrics_key
+from bus.worker import Reject
+from consumers.checks import ModelLimits
 from bus.crashpoints import (
     TRAINER_METRICS_WRITTEN,
     TRAINER_MID_CHECKPOINT,
     TRAINER_MID_STEP,
 )
-from bus.election import TRANSIENT, ride_out
-from bus.membership import member_ids
-from bus.metrics import STALENESS, TRAIN_STEP_SECONDS, count_samples
 from bus.readers import ByPosition, Poison
 from bus.runtime import CannotAttach, Runtime
 from bus.stage import Stage, run_stage
-from bus.topology import BATCHES, WEIGHTS, metrics_key
-from bus.worker import Reject
-from consumers.checks import ModelLimits
 from consumers.trainer_dist import (
     RankGroup,
     exchange,
@@ -62,11 +63,8 @@ from consumers.trainer_dist import (
 )
 from consumers.trainer_loggers import scalars, step_loggers
 from consumers.update_history import UpdateHistory
-from consumers.weights import transport_for
-from consumers.weights.chain import VersionPublisher, alone
-from engines.delta_plan import assign_shards
+from consumers.weights.sender import WeightsSender, alone
 from engines.device import resolve_device
-from engines.fsdp_train import FSDPTrainEngine
 from engines.protocols import MicroBatch
 from engines.torch_train import LossConfig
 from schemas import BatchEvent
@@ -182,18 +180,10 @@ class Trainer:
         """Stream sequence of the last batch the model holds (trained on, or refused in a trained step)."""
         self.history = UpdateHistory()
         self.batches: ByPosition[BatchEvent] | None = None
-        self.sharded = isinstance(self.engine, FSDPTrainEngine) and self.group.world_size > 1
-        """Every rank stores (and, collective, broadcasts) its own shard of each version; else rank 0 alone."""
-        world = self.group.world_size if self.sharded else 1
-        self.weights = VersionPublisher(
-            transport_for(
-                self.cfg.weights, rt.js, rt.topology.object_bucket, rt.topology.run,
-                members=lambda: member_ids(rt.js, rt.topology, "rollout"), writer=rank,
-            ),
-            self.cfg.weights, rt.topology.run, rt.source, rank=rank, world=world,
-            exchange=exchange if self.sharded else alone,
-        )
-        """Full or delta versions (`weights.delta`), in shards when `sharded`, or broadcasts."""
+        shards = self.engine.weight_shards
+        self.weights = WeightsSender.of(rt, rank, shards, exchange if shards > 1 else alone)
+        """Full or delta versions (`weights.delta`), in shards when every rank sends one, or
+        broadcasts."""
 
     async def setup(self) -> None:
         """Resume from the checkpoint, or publish version 0 (what every rollout worker starts
@@ -265,37 +255,16 @@ class Trainer:
         return metrics
 
     async def sync_weights(self) -> None:
-        """Sharded: every rank stores its shard, rank 0 announces. Otherwise rank 0 publishes
-        the weights, and the other ranks of a collective engine join its gather."""
-        if self.sharded or self.rank == 0:
-            await self.publish_weights()
-        elif self.engine.collective:
-            await asyncio.to_thread(self.engine.export_weights)
+        """The weights as version `engine.step`, to the weights sender: this rank's part
+        (`export_own_weights`, in a thread: the event loop keeps serving the bus), which it
+        stores and rank 0 announces. The ranks of a collective engine all take part."""
+        if self.rank == 0 or self.engine.collective:
+            tensors = await asyncio.to_thread(self.engine.export_own_weights)
+            await self.weights.send(self.engine.step, tensors)
 
     def done(self) -> bool:
         """Whether the run's last step is trained."""
         return self.engine.step >= self.cfg.trainer.steps
-
-    async def publish_weights(self) -> None:
-        """The engine's weights as version `engine.step`: bytes through the configured transport
-        (`weights.transport`: object store or files; a full version or, with `weights.delta`, the
-        changes since the version published before), then the event that says where they are.
-        Sharded: this rank's tensors only (`assign_shards`: the same layout on every rank), and
-        rank 0 announces the event every rank builds."""
-        rt, version = self.rt, self.engine.step
-        with tracing.tracer.start_as_current_span(
-            "publish weights", attributes={"jetrl.weight_version": version, "jetrl.run": rt.topology.run}
-        ):
-            if self.sharded and isinstance(self.engine, FSDPTrainEngine):
-                layout = assign_shards(self.engine.weight_sizes(), self.group.world_size)
-                tensors = await asyncio.to_thread(self.engine.export_shard, layout)
-            else:
-                tensors = self.engine.export_weights()
-            # An election while storing is ridden out in there rather than restarting the trainer.
-            event = await self.weights.publish(version, tensors)
-            if self.rank == 0:
-                await rt.publisher.publish(WEIGHTS, event)
-            await self.weights.announced(version, tensors)  # collective: every rank's broadcast, in a thread
 
     async def record(self, metrics: dict[str, Any]) -> None:
         """The step's metrics to KV (the producer and the audit read them) and the loggers.

@@ -41,7 +41,7 @@ from nats.js.errors import KeyNotFoundError
 
 from bus.topology import RENDEZVOUS_KEY
 from bus.runtime import CannotAttach, Runtime
-from consumers.weights.chain import ShardNote
+from consumers.weights.sender import ShardNote
 from engines.algorithms.schedule import lr_factor
 from engines.device import torch_dtype
 from engines.fsdp_train import FSDPTrainEngine, init_group

@@ -24,7 +24,8 @@ save/load_checkpoint.
 Weights out, two ways: `export_weights` gathers every full tensor to rank 0 (one rank
 publishes, or a collective broadcast); `export_shard` gathers each tensor to the one rank
 that publishes it (`engines.fsdp_shards`), so that every rank stores its own shard of a
-version and none holds the whole model.
+version and none holds the whole model. `export_own_weights`, what a rank hands the weights
+sender, is its shard with several ranks (`weight_shards`), else the whole model.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from engines.algorithms.losses import aggregation_count
+from engines.delta_plan import assign_shards
 from engines.fsdp_shards import gather_owned, parameter_sizes
 from engines.protocols import MicroBatch
 from engines.torch_train import (
@@ -89,6 +91,8 @@ class FSDPTrainEngine(TorchTrainEngine):
         if not dist.is_initialized():
             raise RuntimeError("FSDPTrainEngine needs the default process group (engines.fsdp_train.init_group)")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.weight_shards = self.world_size
+        """Every rank sends its own shard of a weight version (`export_own_weights`)."""
         self.gathered_bytes = 0
         """Bytes this rank received in its last `export_shard` (its own tensors' rows, padded)."""
         # Full logits: the chunked log-probs read the output projection and call the decoder
@@ -158,6 +162,13 @@ class FSDPTrainEngine(TorchTrainEngine):
         # One rank: the "gathered" tensor can be the parameter's own storage; copy it, so an
         # optimizer step cannot change a version being published.
         return {name: full[name].clone() if self.world_size == 1 else full[name].contiguous() for name in names}
+
+    def export_own_weights(self) -> dict[str, torch.Tensor]:
+        """This rank's shard of a weight version (`assign_shards`: the same layout on every
+        rank); with one rank, every tensor. Every rank must call it."""
+        if self.world_size == 1:
+            return self.export_weights()
+        return self.export_shard(assign_shards(self.weight_sizes(), self.world_size))
 
     def weight_sizes(self) -> dict[str, int]:
         """Bytes of each full parameter as exported (tied weights once): what

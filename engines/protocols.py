@@ -110,6 +110,16 @@ class TrainEngine(Protocol):
         collective engine's other ranks get {})."""
         ...
 
+    # Weights out: what a rank hands the weights sender (`consumers.weights.sender`).
+    weight_shards: int
+    """How many ranks send a part of each weight version: 1, rank 0 sends every tensor
+    (gathered from the others, if any); n, each of the n ranks sends its own shard."""
+
+    def export_own_weights(self) -> dict[str, torch.Tensor]:
+        """This rank's tensors of a weight version: its own shard when `weight_shards` > 1, else
+        `export_weights()`. Every rank of a collective engine calls it, together."""
+        ...
+
     def has_checkpoint(self, path: Path) -> bool:
         """Whether a completed `save_checkpoint(path)` is there to resume from."""
         ...

@@ -67,6 +67,8 @@ class TorchTrainEngine:
     collective = False
     """True when every rank must call `export_weights`, `has_checkpoint`, `save_checkpoint` and
     `load_checkpoint` together (they communicate); here each rank is on its own."""
+    weight_shards = 1
+    """Ranks that each send a shard of a weight version: one, rank 0 sends all of it."""
 
     def __init__(
         self,
@@ -327,6 +329,10 @@ class TorchTrainEngine:
     def _clip_grad_norm(self) -> torch.Tensor:
         """Clips the gradient to `max_grad_norm`; returns its norm before clipping."""
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+
+    def export_own_weights(self) -> dict[str, torch.Tensor]:
+        """What this rank sends of a weight version: `export_weights()` (`weight_shards` is 1)."""
+        return self.export_weights()
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """Parameter name -> CPU contiguous copy (tied weights once, under their first name).

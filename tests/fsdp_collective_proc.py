@@ -1,6 +1,6 @@
 """The trainer ranks' side of tests/test_weights_collective.py's two-rank test: each spawned
 FSDP2 rank trains one step, stores its own shard of v1 as the fallback copy and broadcasts its
-own tensors (`weights.transport: collective`, `VersionPublisher` over the ranks' exchange).
+own tensors (`weights.transport: collective`, `WeightsSender` over the ranks' exchange).
 
 Rank 0 writes the event to `<out>/event.json` once it is built (the test's receivers start
 from it, as workers start from the `weights` stream); every rank then broadcasts, waits for
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from bus.connection import connect
 from consumers.trainer_dist import exchange
 from consumers.weights import transport_for
-from consumers.weights.chain import VersionPublisher
+from consumers.weights.sender import WeightsSender
 from consumers.weights.collective import CollectiveTransport
 from engines.delta_plan import assign_shards
 from engines.fsdp_train import FSDPTrainEngine, init_group
@@ -52,8 +52,8 @@ async def publish(rank: int, model_dir: str, out: str, vocab: int, url: str, run
 
     transport = transport_for(config, nc.jetstream(), bucket, run, members=members, writer=rank)
     assert isinstance(transport, CollectiveTransport)
-    publisher = VersionPublisher(transport, config, run, f"rank{rank}", rank=rank, world=WORLD, exchange=exchange)
-    event = await publisher.publish(1, own)
+    publisher = WeightsSender(transport, config, run, f"rank{rank}", rank=rank, world=WORLD, exchange=exchange)
+    event = await publisher.store(1, own)
     if rank == 0:
         tmp = os.path.join(out, "event.json.tmp")
         Path(tmp).write_text(event.model_dump_json())

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from bus.connection import connect
 from consumers.trainer_dist import exchange
 from consumers.weights import transport_for
-from consumers.weights.chain import VersionPublisher
+from consumers.weights.sender import WeightsSender
 from engines.delta_plan import assign_shards
 from engines.fsdp_train import FSDPTrainEngine, init_group
 from schemas.config import WeightsConfig
@@ -52,16 +52,16 @@ async def publish_versions(rank: int, model_dir: str, out: str, vocab: int, url:
     nc = await connect(url, f"shard-rank{rank}")
     js = nc.jetstream()
     seen: dict[str, object] = {"layout": layout, "versions": []}
-    chain = VersionPublisher(transport_for(settings(transport, root, True), js, bucket, run, writer=rank),
+    chain = WeightsSender(transport_for(settings(transport, root, True), js, bucket, run, writer=rank),
                              settings(transport, root, True), run, f"rank{rank}", rank=rank, world=WORLD, exchange=exchange)
-    plain = VersionPublisher(transport_for(settings(transport, root, False), js, bucket, run, writer=rank),
+    plain = WeightsSender(transport_for(settings(transport, root, False), js, bucket, run, writer=rank),
                              settings(transport, root, False), run, f"rank{rank}", rank=rank, world=WORLD, exchange=exchange)
     for version, publisher in ((0, chain), (1, chain), (2, chain), (3, plain)):
         if version:
             engine.train_step(recorded[version - 1][rank])
         own = await asyncio.to_thread(engine.export_shard, layout)
         gathered = engine.gathered_bytes
-        event = await publisher.publish(version, own)
+        event = await publisher.store(version, own)
         full = engine.export_weights()  # rank 0: every tensor, what the one-rank path publishes
         seen["versions"].append({
             "version": version, "names": list(own), "gathered_bytes": gathered,

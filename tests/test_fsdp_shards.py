@@ -1,5 +1,5 @@
 """Sharded weight versions: two FSDP2 ranks (gloo, CPU) each store only their own shard of every
-version through a real transport (real nats-server), and a worker's `Follower` rebuilds the
+version through a real transport (real nats-server), and a worker's `receiver.Copy` rebuilds the
 weights bit for bit equal to what `export_weights` gathers to rank 0.
 
 - Each rank gathers only the tensors `assign_shards` gives it: the bytes it receives are its
@@ -27,7 +27,7 @@ from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.topology import Topology
 from consumers.weights import transport_for
-from consumers.weights.chain import Follower
+from consumers.weights.receiver import Copy
 from consumers.weights.transport import WeightsMissing
 from engines.tiny import build_tiny_model
 from engines.weight_delta import read_shard
@@ -112,13 +112,13 @@ def test_each_rank_stores_its_own_shard_and_a_follower_rebuilds_the_weights_bit_
             async def earlier(versions: set[int], _full: int) -> dict[int, WeightVersionEvent]:
                 return {e.version: e for e in events if e.version in versions}
 
-            follower = Follower()
+            follower = Copy()
             for event in events[:3]:
                 got = await follower.fetch(event, lambda _e: store, earlier)
                 assert bits_equal(got, full[event.version]), f"v{event.version} rebuilt differs from export_weights"
-            late = Follower()  # its first event a delta: v0's shards, then v1 and v2
+            late = Copy()  # its first event a delta: v0's shards, then v1 and v2
             assert bits_equal(await late.fetch(events[2], lambda _e: store, earlier), full[2])
-            assert bits_equal(await Follower().fetch(events[3], lambda _e: store, earlier), full[3])
+            assert bits_equal(await Copy().fetch(events[3], lambda _e: store, earlier), full[3])
         finally:
             await topology.delete(nc.jetstream())
             await nc.close()

@@ -22,7 +22,7 @@ import torch
 from bus.embedded import EmbeddedNats
 from bus.topology import WEIGHTS, Topology
 from consumers.weights import transport_for
-from consumers.weights.chain import VersionPublisher
+from consumers.weights.sender import WeightsSender
 from schemas import WeightVersionEvent, encode
 from schemas.config import WeightsConfig
 from tests.helpers import dead_letters
@@ -58,12 +58,12 @@ def test_rollout_workers_follow_delta_versions_bit_for_bit_and_a_late_one_catche
         settings = {"transport": transport, "dir": str(tmp_path), "delta": True, "full_every": 8, "keep": 2}
         async with rollout_worker(nats_server.url, topology, model_dir, weights=settings) as w:
             config = WeightsConfig.model_validate(settings)
-            publisher = VersionPublisher(
+            publisher = WeightsSender(
                 transport_for(config, w.js, topology.object_bucket, topology.run), config, topology.run, "test"
             )
 
             async def announce(version: int, tensors: dict[str, torch.Tensor]) -> WeightVersionEvent:
-                event = await publisher.publish(version, tensors)
+                event = await publisher.store(version, tensors)
                 await w.js.publish(topology.subject(WEIGHTS), encode(event))
                 return event
 
@@ -89,9 +89,9 @@ def test_rollout_workers_follow_delta_versions_bit_for_bit_and_a_late_one_catche
                 versions[4] = step(versions[3], 4)
                 await announce(4, versions[4])
                 for worker in (w, late):  # v4 handled: applied (copy at v4), or refused (copy dropped)
-                    await eventually(lambda x=worker: x.rollout.chain.version != 3, "v4 was handled")
+                    await eventually(lambda x=worker: x.rollout.receiver.chain.version != 3, "v4 was handled")
                     # Refused: the copy is dropped (the next version pulls the full one).
-                    assert worker.rollout.chain.version is None, f"v4 applied: copy at v{worker.rollout.chain.version}"
+                    assert worker.rollout.receiver.chain.version is None, f"v4 applied: copy at v{worker.rollout.receiver.chain.version}"
                 await eventually(lambda: dead_stored(w, 1), "v4 was dead-lettered")
                 assert w.engine.version == 3 and serves(w.engine.model, versions[3]), "a failed delta changed the weights"
                 assert late.engine.version == 3 and serves(late.engine.model, versions[3])

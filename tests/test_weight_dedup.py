@@ -123,7 +123,7 @@ def test_resumed_trainer_versions_reach_rollout_workers(
                     "the worker loaded the resumed trainer's v5",
                 )
                 assert w.engine.version == STEPS and same_bits(served(w.engine.model), resumed)
-                assert w.rollout.served == events[-1].id
+                assert w.rollout.receiver.served == events[-1].id
 
                 # A retry of one announcement (the same event) is still stored once.
                 ack = await rt.publisher.publish(WEIGHTS, events[-1])

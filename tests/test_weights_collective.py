@@ -30,7 +30,7 @@ from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.topology import WEIGHTS, Topology
 from consumers.weights import transport_for
-from consumers.weights.chain import VersionPublisher
+from consumers.weights.sender import WeightsSender
 from consumers.weights.collective import CollectiveTransport
 from consumers.weights.transport import fetch_full
 from engines.collective_plan import ALIGN
@@ -74,12 +74,12 @@ def test_two_workers_get_a_version_by_broadcast_and_a_late_one_from_the_fallback
             return ["worker-a", "worker-b"]
 
         trainer = transport_for(config, js, topology.object_bucket, topology.run, members=listed)
-        publisher = VersionPublisher(trainer, config, topology.run, "test")
+        publisher = WeightsSender(trainer, config, topology.run, "test")
         workers = [transport_for(config, js, topology.object_bucket, topology.run, "collective", member_id=m)
                    for m in ("worker-a", "worker-b", "worker-late")]
         try:
             tensors = version(1)
-            event = await publisher.publish(1, tensors)
+            event = await publisher.store(1, tensors)
             assert (event.transport, event.fallback_transport) == ("collective", "object_store")
             assert event.location == trainer.address  # type: ignore[attr-defined]
             # The workers wait for the plan (announced), then the broadcast starts.
@@ -122,10 +122,10 @@ def test_a_rollout_worker_loads_a_broadcast_version(
                 return [w.rt.source]
 
             trainer = transport_for(config, w.js, topology.object_bucket, topology.run, members=listed)
-            publisher = VersionPublisher(trainer, config, topology.run, "test")
+            publisher = WeightsSender(trainer, config, topology.run, "test")
             try:
                 tensors = {n: p.detach().clone() + 1e-3 for n, p in w.engine.model.named_parameters()}
-                event = await publisher.publish(1, tensors)
+                event = await publisher.store(1, tensors)
                 await w.js.publish(topology.subject(WEIGHTS), encode(event))
                 await publisher.announced(1, tensors)
                 published = await trainer.settle()  # type: ignore[attr-defined]
@@ -175,7 +175,7 @@ def test_two_fsdp_ranks_broadcast_their_own_shards_to_two_workers(
         workers = [transport_for(config, nc.jetstream(), topology.object_bucket, topology.run, member_id=m)
                    for m in (*fsdp_collective_proc.MEMBERS, "worker-late")]
         try:
-            # As a rollout worker fetches a full version (`Follower.fetch`): `fetch_full`.
+            # As a rollout worker fetches a full version (`receiver.Copy.fetch`): `fetch_full`.
             got = await asyncio.gather(*(fetch_full(w, event) for w in workers[:2]))
             return [*got, await fetch_full(workers[2], event)]  # not listed: Missed, then the sharded copy
         finally:

@@ -6,7 +6,7 @@
              workers (membership) refreshed, `CollectiveSource.publish` in a thread (one
              broadcast at a time: the next version waits for the one before)
     ranks    with several (FSDP) trainer ranks each stores its own shard of the fallback copy
-             (`VersionPublisher`, as without the broadcast) and sends the buckets of its own
+             (`WeightsSender`, as without the broadcast) and sends the buckets of its own
              tensors: rank 0's source coordinates (its address in the event; the other ranks
              learn it in the shard exchange), ranks 1.. join as `CollectivePeer`s
     worker   fetch: `CollectiveReceiver.receive(into=None)` in a thread (generation goes on; the

@@ -15,7 +15,7 @@ never overwrites a file that an event already announced with other checksums.
 Deleting is safe for a reader that has the file open: its mapping keeps the bytes until it
 lets go (POSIX; an NFS client keeps a deleted file it has open as `.nfsXXXX`). A reader that
 comes to a version already deleted finds it missing (`WeightsMissing`) and, since newer
-versions exist by then, moves on to them (`consumers.rollout`).
+versions exist by then, moves on to them (`consumers.weights.receiver`).
 """
 
 from __future__ import annotations

@@ -10,16 +10,13 @@ transports (`object_store`, `filesystem`) differ only in where the bytes live; t
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Collection, Iterable
-from pathlib import Path
+from collections.abc import Collection, Iterable
 from typing import ClassVar, NamedTuple, Protocol
 
 import torch
 
-from bus.connection import JetStream
 from bus.election import ride_out
 from engines.weights import WeightsRefused, manifest_of
-from schemas.config import WeightsConfig
 from schemas.weight_event import TransportName, WeightShard, WeightVersionEvent
 
 
@@ -81,45 +78,6 @@ class WeightTransport(Protocol):
         ChecksumMismatch, WeightsMissing) for bytes that must never be loaded;
         WeightsUnavailable when they cannot be read now."""
         ...
-
-
-def transport_for(
-    config: WeightsConfig, js: JetStream, bucket: str, run: str, name: TransportName | None = None, *,
-    members: Callable[[], Awaitable[list[str]]] | None = None, member_id: str = "", writer: int = 0,
-) -> WeightTransport:
-    """The transport `name` (default: the configured one) of run `run`, whose object store is `bucket`.
-
-    A reader builds the one its event names: the config says what the trainer publishes with.
-    collective: `members` (the trainer's: the live rollout workers' ids) or `member_id` (a
-    worker's own id); its fallback copies go through the transport the event names.
-    `writer`: the trainer rank that publishes through it (filesystem: its temporary files' tag;
-    collective: the rank that hosts the broadcast (0) or joins it).
-    """
-    name = name or config.transport
-    if name == "collective":
-        from consumers.weights.collective import CollectiveTransport
-
-        stores: dict[TransportName, WeightTransport] = {}
-
-        def fallback(store: TransportName) -> WeightTransport:
-            if store not in stores:
-                stores[store] = transport_for(config, js, bucket, run, store, writer=writer)
-            return stores[store]
-
-        return CollectiveTransport(config, fallback, members, member_id, writer)
-    if name == "object_store":
-        from consumers.weights.object_store import ObjectStoreTransport
-
-        return ObjectStoreTransport(js, bucket, config.chunk_bytes, config.keep, config.stall_seconds)
-    if name == "filesystem":
-        from consumers.weights.filesystem import FilesystemTransport
-
-        if not Path(config.dir).is_absolute():
-            raise WeightsRefused(
-                f"weights.dir {config.dir!r} is not an absolute path (the producer fills it in; set it in the run config)"
-            )
-        return FilesystemTransport(Path(config.dir) / run, config.keep, writer)
-    raise WeightsRefused(f"unknown weights transport {name}")
 
 
 async def publish_version(

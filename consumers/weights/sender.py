@@ -1,0 +1,264 @@
+"""The trainer's side of weight versions: `WeightsSender` stores each version and announces it.
+
+    trainer  send(version, tensors): this rank's tensors of the version (every tensor with one
+             publishing rank; its own shard when each rank publishes one)
+    sender   `next_publication`: full (a chain start, or deltas off) or a delta on the version
+             sent before -> full: a safetensors file of the tensors (`transport.publish`,
+             hashed meanwhile); delta: the tensors encoded against the rank's copy of the base
+             (`encode_shard`, in a thread) -> `publish_bytes` (the chain's versions are pinned:
+             never pruned while the chain goes on; the transport prunes the rest, `keep`)
+             -> the ranks exchange (location, size, names, manifest entries) of their shards
+             (`Exchange`: an all-gather over the trainer's process group), so every rank
+             builds the same event and pins every rank's payloads -> rank 0 announces the
+             `WeightVersionEvent` on `weights` -> collective: every rank broadcasts its own
+             tensors (the stored copy is the fallback) -> the tensors become the next base
+
+The base holds the tensors in the published dtype, so that deltas apply bit for bit on the
+workers (`consumers.weights.receiver`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import NamedTuple
+
+import torch
+
+from bus import tracing
+from bus.election import ride_out
+from bus.membership import member_ids
+from bus.publisher import Publisher
+from bus.runtime import Runtime
+from bus.topology import WEIGHTS
+from consumers.weights.collective import CollectiveTransport
+from consumers.weights.factory import transport_for
+from consumers.weights.transport import Stored, WeightTransport, publish_version
+from engines.collective_plan import Spec
+from engines.delta_plan import Chain, next_publication
+from engines.weight_delta import encode_shard
+from engines.weights import manifest_of
+from schemas.config import WeightsConfig
+from schemas.weight_event import TensorSpec, TransportName, WeightShard, WeightVersionEvent
+
+
+class ShardNote(NamedTuple):
+    """What one rank stored of a version: its shard and the manifest entries of its tensors."""
+
+    shard: WeightShard
+    manifest: tuple[TensorSpec, ...]
+    address: str = ""
+    """collective, rank 0: its broadcast's `host:port` (the other ranks join it there)."""
+
+
+Exchange = Callable[[ShardNote], Awaitable[list[ShardNote]]]
+"""This rank's note -> every rank's, in rank order (the same list on every rank). Every rank
+calls it once per version it publishes."""
+
+
+async def alone(note: ShardNote) -> list[ShardNote]:
+    """The exchange of a single trainer rank."""
+    return [note]
+
+
+class WeightsSender:
+    """Sends the trainer's versions, full or delta as `weights.delta` and `full_every` say
+    (collective: a full version stored through `weights.fallback`, then broadcast).
+
+    `rank` of `world` publishing ranks stores its own shard of each version (the tensors it is
+    given) and learns the other ranks' through `exchange`; every rank gets the same event, and
+    rank 0 announces it on `publisher` (None: the caller announces what `store` returns).
+    With `world` 1 the ranks other than 0 publish nothing (rank 0 gathered their tensors)."""
+
+    def __init__(
+        self,
+        transport: WeightTransport,
+        config: WeightsConfig,
+        run: str,
+        source: str,
+        rank: int = 0,
+        world: int = 1,
+        exchange: Exchange = alone,
+        publisher: Publisher | None = None,
+    ) -> None:
+        if isinstance(transport, CollectiveTransport):
+            transport.senders = world
+        self.transport, self.config, self.run, self.source = transport, config, run, source
+        self.rank, self.world, self.exchange, self.publisher = rank, world, exchange, publisher
+        self.chain: Chain | None = None
+        """None until a version is stored: a trainer that starts or resumes sends a full one."""
+        self.base: dict[str, torch.Tensor] = {}
+        """This rank's tensors of the version stored last (the next delta's base)."""
+        self.pinned: list[str] = []
+        """Locations of the chain's versions so far, every rank's: pruning spares them for
+        workers catching up."""
+        self.owned: list[list[Spec]] | None = None
+        """collective, several ranks: the specs of each rank's tensors of the last version."""
+        self.source_address = ""
+        """collective, several ranks: rank 0's broadcast address, from the exchange."""
+
+    @classmethod
+    def of(cls, rt: Runtime, rank: int, world: int, exchange: Exchange) -> WeightsSender:
+        """The run's sender for trainer rank `rank` of `world` publishing ranks, through the
+        configured transport (collective: to the live rollout workers)."""
+        topology = rt.topology
+        transport = transport_for(
+            rt.config.weights,
+            rt.js,
+            topology.object_bucket,
+            topology.run,
+            members=lambda: member_ids(rt.js, topology, "rollout"),
+            writer=rank,
+        )
+        return cls(
+            transport,
+            rt.config.weights,
+            topology.run,
+            rt.source,
+            rank,
+            world,
+            exchange,
+            rt.publisher,
+        )
+
+    async def send(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Store `version` (`tensors`: this rank's, CPU copies in the published dtype, not
+        changed after), announce it (rank 0), and start its broadcast (collective)."""
+        if self.world == 1 and self.rank != 0:
+            return  # rank 0 gathered this rank's tensors and sends the version
+        with tracing.tracer.start_as_current_span(
+            "publish weights", attributes={"jetrl.weight_version": version, "jetrl.run": self.run}
+        ):
+            # An election while storing is ridden out in there rather than restarting the trainer.
+            event = await self.store(version, tensors)
+            if self.rank == 0:
+                assert self.publisher is not None, (
+                    "rank 0's sender announces: give it the publisher"
+                )
+                await self.publisher.publish(WEIGHTS, event)
+            await self.announced(
+                version, tensors
+            )  # collective: every rank's broadcast, in a thread
+
+    async def store(self, version: int, tensors: dict[str, torch.Tensor]) -> WeightVersionEvent:
+        """Store `version` (`tensors`: this rank's tensors of it, all of them with world 1); the
+        event that announces it."""
+        if isinstance(
+            self.transport, CollectiveTransport
+        ):  # the copy stored first, announced with the address
+            store = self.transport.fallback(self.config.fallback)
+            if self.world == 1:
+                return self.transport.event(
+                    await publish_version(store, self.run, self.source, version, tensors)
+                )
+            return self.transport.event(
+                await self._full(version, None, tensors, store), self.source_address
+            )
+        if not self.config.delta:
+            if self.world == 1:
+                return await publish_version(
+                    self.transport, self.run, self.source, version, tensors
+                )
+            return await self._full(version, None, tensors)
+        base_version, chain = next_publication(version, self.chain, self.config.full_every)
+        if base_version is None:
+            if self.world == 1:
+                event = await publish_version(
+                    self.transport, self.run, self.source, version, tensors, full_version=version
+                )
+            else:
+                event = await self._full(version, version, tensors)
+            self.pinned = [shard.location for shard in event.shards] or [event.location]
+        else:
+            event = await self._delta(version, base_version, chain.full, tensors)
+            self.pinned.extend(shard.location for shard in event.shards)
+        self.chain = chain
+        self.base = tensors
+        return event
+
+    async def announced(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """After `version`'s event is out: collective starts its broadcast (workers wait for it)."""
+        if isinstance(self.transport, CollectiveTransport):
+            await self.transport.broadcast(version, tensors, self.owned, self.source_address)
+
+    async def close(self) -> None:
+        if isinstance(self.transport, CollectiveTransport):
+            await self.transport.close()
+
+    async def _full(
+        self, version: int, full_version: int | None, tensors: dict[str, torch.Tensor],
+        store: WeightTransport | None = None,
+    ) -> WeightVersionEvent:  # fmt: skip
+        """This rank's shard of a full version: a safetensors file of its tensors (the old
+        chain's versions are no longer pinned), hashed while it is stored (`store`:
+        collective's fallback)."""
+        store = store or self.transport
+        manifest, stored = await asyncio.gather(
+            asyncio.to_thread(manifest_of, tensors),
+            ride_out(lambda: store.publish(version, tensors), f"storing weights v{version}"),
+        )
+        return await self._announce(
+            version, None, full_version, stored, tuple(tensors), manifest, store.name
+        )
+
+    async def _delta(
+        self, version: int, base_version: int, full_version: int, tensors: dict[str, torch.Tensor]
+    ) -> WeightVersionEvent:
+        payload, manifest = await asyncio.to_thread(
+            encode_shard,
+            self.base,
+            tensors,
+            list(tensors),
+            version=version,
+            base_version=base_version,
+            rank=self.rank,
+            world=self.world,
+        )
+        pinned = tuple(self.pinned)
+        stored = await ride_out(
+            lambda: self.transport.publish_bytes(version, payload, pinned),
+            f"storing weights delta v{version}",
+        )
+        return await self._announce(
+            version, base_version, full_version, stored, tuple(tensors), manifest
+        )
+
+    async def _announce(
+        self,
+        version: int,
+        base_version: int | None,
+        full_version: int | None,
+        stored: Stored,
+        names: tuple[str, ...],
+        manifest: tuple[TensorSpec, ...],
+        transport: TransportName | None = None,
+    ) -> WeightVersionEvent:
+        """The event of `version` from every rank's stored shard (this rank's: `stored`)."""
+        shard = WeightShard(location=stored.location, total_bytes=stored.total_bytes, tensors=names)
+        collective = isinstance(self.transport, CollectiveTransport)
+        address = self.transport.address if collective and self.rank == 0 else ""  # type: ignore[attr-defined]
+        notes = await self.exchange(ShardNote(shard, manifest, address))
+        if len(notes) != self.world or notes[self.rank].shard != shard:
+            raise RuntimeError(
+                f"v{version}: the shard exchange gave {len(notes)} notes for {self.world} ranks"
+            )
+        if collective:
+            self.source_address = notes[0].address
+            self.owned = [
+                [(spec.name, spec.dtype, list(spec.shape)) for spec in note.manifest]
+                for note in notes
+            ]
+        shards = tuple(note.shard for note in notes)
+        return WeightVersionEvent.announce(
+            run=self.run,
+            source=self.source,
+            version=version,
+            step=version,
+            base_version=base_version,
+            full_version=full_version,
+            transport=transport or self.transport.name,
+            location=shards[0].location,
+            manifest=tuple(spec for note in notes for spec in note.manifest),
+            total_bytes=sum(s.total_bytes for s in shards),
+            shards=shards,
+        )
