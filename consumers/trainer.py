@@ -56,15 +56,14 @@ from bus.crashpoints import (
 from bus.membership import member_ids
 from bus.runtime import CannotAttach, Runtime
 from bus.stage import Stage, run_stage
-from consumers.trainer_dist import Group, exchange, join, leave, make_engine, watch
+from consumers.trainer_dist import Group, configured_engine, exchange, join, leave, watch
 from consumers.trainer_loggers import scalars, step_loggers
 from consumers.update_history import UpdateHistory
 from consumers.weights import transport_for
 from consumers.weights.chain import VersionPublisher, alone
 from engines.delta_plan import assign_shards
 from engines.device import resolve_device
-from engines.fsdp_train import FSDPTrainEngine
-from engines.protocols import MicroBatch
+from engines.protocols import MicroBatch, ShardedTrainEngine
 from engines.torch_train import LossConfig
 from schemas import BatchEvent, DecodeError, decode
 from schemas.config import RunConfig
@@ -167,9 +166,8 @@ class Trainer:
         metrics (at pipeline parallel the engine hands it the last stage's, which hold the loss)."""
         self.records = rank % self.cfg.trainer.copy_size == 0
         self.group = group or Group(rank, 1)
-        self.engine = make_engine(self.cfg, loss_config(self.cfg), device or resolve_device())
-        spec = getattr(self.engine, "spec", None)  # megatron: its GPTModel is no HF model; the spec says
-        self.limits = ModelLimits(spec.vocab_size, spec.max_position_embeddings) if spec else ModelLimits.of(self.engine.model)
+        self.engine = configured_engine(self.cfg, loss_config(self.cfg), device or resolve_device())
+        self.limits = ModelLimits(*self.engine.token_limits())
         # fsdp: one checkpoint of every rank's shards; torch: one file per rank.
         name = f"{self.engine.name}.pt" if self.engine.collective else f"rank{rank}.pt"
         self.checkpoint_path = Path(self.cfg.trainer.checkpoint_dir) / name
@@ -178,7 +176,7 @@ class Trainer:
         """Stream sequence of the last batch the model holds (trained on, or refused in a trained step)."""
         self.history = UpdateHistory()
         self.batches: JetStreamContext.PushSubscription | None = None
-        self.sharded = isinstance(self.engine, FSDPTrainEngine) and self.group.world_size > 1
+        self.sharded = isinstance(self.engine, ShardedTrainEngine) and self.group.world_size > 1
         """Every rank stores (and, collective, broadcasts) its own shard of each version; else rank 0 alone."""
         world = self.group.world_size if self.sharded else 1
         self.weights = VersionPublisher(
@@ -283,7 +281,7 @@ class Trainer:
         with tracing.tracer.start_as_current_span(
             "publish weights", attributes={"jetrl.weight_version": version, "jetrl.run": rt.topology.run}
         ):
-            if self.sharded and isinstance(self.engine, FSDPTrainEngine):
+            if self.sharded and isinstance(self.engine, ShardedTrainEngine):
                 layout = assign_shards(self.engine.weight_sizes(), self.group.world_size)
                 tensors = await asyncio.to_thread(self.engine.export_shard, layout)
             else:
