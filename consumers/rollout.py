@@ -19,6 +19,10 @@
         keeps heartbeating), resume, reopen; a version that fails is dead-lettered, never
         loaded (one whose bytes were pruned because newer versions came is skipped)
 
+The replicas are `rollout.engine` as `engines.build.build_rollout_engines` makes it, held as
+the `RolloutEngine` protocol (a `ContinuousEngine` where samples go one at a time): this stage
+names no engine class and never branches on the engine type.
+
 Every token comes from one version: the gate and the pause (or drain) keep a load and a
 token's computation from ever running at once. A trajectory's `versions` say which version
 computed each token; with partial rollout they may step up mid-sample, never down.
