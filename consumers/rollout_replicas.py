@@ -200,7 +200,8 @@ class Replicas:
             return
         paused: list[ContinuousEngine] = []
         try:
-            for engine in map(stepwise, self.engines):  # a pause waits for the tokens computing: a thread
+            # A pause waits for the tokens being computed: in a thread.
+            for engine in map(stepwise, self.engines):
                 paused.append(engine)
                 await asyncio.to_thread(engine.pause)
             self.quiet = True

@@ -27,7 +27,12 @@ from schemas.rollout_config import (
     SimulatedRolloutConfig,
     VLLMRolloutConfig,
 )
-from schemas.trainer_config import FSDPEngineConfig, MegatronConfig, TorchEngineConfig, TrainEngineConfig
+from schemas.trainer_config import (
+    FSDPEngineConfig,
+    MegatronConfig,
+    TorchEngineConfig,
+    TrainEngineConfig,
+)
 
 if TYPE_CHECKING:  # the rollout side never imports the train engines
     from engines.torch_train import CriticConfig

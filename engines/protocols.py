@@ -132,7 +132,10 @@ class TrainEngine(Protocol):
         ...
 
     def save_checkpoint(
-        self, path: Path, extra: dict[str, Any] | None = None, before_replace: Callable[[], None] | None = None
+        self,
+        path: Path,
+        extra: dict[str, Any] | None = None,
+        before_replace: Callable[[], None] | None = None,
     ) -> None:
         """Writes model, optimizer, RNG states and `extra` atomically to `path` (`before_replace`:
         called just before the commit, a crash point for the tests)."""

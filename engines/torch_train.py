@@ -163,7 +163,7 @@ class TorchTrainEngine:
 
     @torch.no_grad()
     def token_limits(self) -> tuple[int, int | None]:
-        """Rows of the input embedding and the config's `max_position_embeddings` (None if unset)."""
+        """Rows of the input embedding, and the config's `max_position_embeddings` (or None)."""
         embedding = self.model.get_input_embeddings()  # type: ignore[operator]
         return embedding.num_embeddings, getattr(self.model.config, "max_position_embeddings", None)
 

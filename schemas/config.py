@@ -315,8 +315,8 @@ class RunConfig(Section):
             )
         if algo.advantage == "gae" and self.trainer.engine.type != "torch":
             raise ValueError(
-                f"algorithm.advantage gae needs trainer.engine torch: the {self.trainer.engine.type} engine holds no "
-                "value model (critic)"
+                f"algorithm.advantage gae needs trainer.engine torch: the {self.trainer.engine.type} "
+                "engine holds no value model (critic)"
             )
         if algo.advantage == "gae" and self.data.n == 1 and algo.drop_equal_reward_groups:
             raise ValueError(

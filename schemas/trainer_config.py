@@ -129,8 +129,8 @@ class TrainerConfig(Section):
     def _ranks_need_fsdp(self) -> TrainerConfig:
         if self.dp_size > 1 and self.engine.type != "fsdp":
             raise ValueError(
-                f"dp_size {self.dp_size} needs engine fsdp: the {self.engine.type} engine has no gradient "
-                "all-reduce, so each rank would train its own diverging copy"
+                f"dp_size {self.dp_size} needs engine fsdp: the {self.engine.type} engine has no "
+                "gradient all-reduce, so each rank would train its own diverging copy"
             )
         return self
 
