@@ -53,7 +53,7 @@ from bus.topology import PROMPTS, REFUSED_PROMPT, TRAJECTORIES, WEIGHTS, drop_ke
 from bus.worker import Reject, WorkerOptions
 from consumers.checks import ModelLimits
 from bus.crashpoints import ROLLOUT_MID_WEIGHT_LOAD, ROLLOUT_STORED_NOT_ACKED
-from consumers.rollout_replicas import Pending, Replicas
+from consumers.rollout_replicas import Pending, Replicas, stepwise
 from bus.runtime import Runtime
 from bus.stage import Helper, Stage, run_stage
 from consumers.weights import (
@@ -312,7 +312,7 @@ def rollout_stage(rollout: Rollout) -> Stage[PromptEvent]:
     a prompt holding one sample or more)."""
     per_replica = 2 * rollout.rt.config.rollout.max_batch_prompts
     if rollout.replicas.continuous:
-        per_replica = max(per_replica, 2 * max(getattr(e, "slots", 0) for e in rollout.replicas.engines))
+        per_replica = max(per_replica, 2 * max(stepwise(e).slots for e in rollout.replicas.engines))
     return Stage(
         PROMPTS, rollout.handle, WorkerOptions(concurrency=per_replica * len(rollout.replicas.replicas)),
         helpers={**rollout.batchers(), "weights watcher": rollout.watch_weights},
