@@ -373,7 +373,8 @@ def yaml_key(model: type[BaseModel], loc: tuple[int | str, ...]) -> tuple[str, s
         if field is None:
             continue
         if field.discriminator is not None:
-            tag = next(rest, None)  # type: ignore[assignment]
+            member = next(rest, None)  # the tag pydantic names the union's member by
+            tag = None if member is None else str(member)
         elif isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
             current = field.annotation
     return ".".join(parts), tag
