@@ -17,6 +17,10 @@
         running generations, load into each replica in a thread (the event loop keeps
         heartbeating), resume, reopen
 
+The replicas are `rollout.engine` as `engines.build.build_rollout_engines` makes it, held as
+the `RolloutEngine` protocol (a `ContinuousEngine` where samples go one at a time): this stage
+names no engine class and never branches on the engine type.
+
 Every token comes from one version: the gate and the pause (or drain) keep a load and a
 token's computation from ever running at once. A trajectory's `versions` say which version
 computed each token; with partial rollout they may step up mid-sample, never down.
@@ -30,7 +34,6 @@ import functools
 import logging
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -44,27 +47,19 @@ from bus.topology import PROMPTS, REFUSED_PROMPT, TRAJECTORIES, drop_key
 from bus.worker import Reject, WorkerOptions
 from consumers.checks import ModelLimits
 from bus.crashpoints import ROLLOUT_MID_WEIGHT_LOAD, ROLLOUT_STORED_NOT_ACKED
-from consumers.rollout_replicas import Engine, Pending, Replicas
+from consumers.rollout_replicas import Pending, Replicas, stepwise
 from bus.runtime import Runtime
 from bus.stage import Helper, Stage, run_stage
 from consumers.weights.receiver import WeightsReceiver
-from engines.device import resolve_device, torch_dtype
-from engines.external_rollout import EngineUnavailable
-from engines.hf_rollout import HFRolloutEngine
+from engines.build import build_rollout_engines
 from engines.model_source import ModelNotFound, resolve_model_path
-from engines.protocols import Sample
+from engines.protocols import EngineUnavailable, RolloutEngine, Sample
 from engines.router import Router, RouterError, make_router
-from engines.sglang_continuous import SGLangContinuousEngine
-from engines.sglang_rollout import SGLangRolloutEngine, SGLangSettings
-from engines.simulated import SimulatedRolloutEngine, SimulatedSettings
-from engines.vllm_continuous import VLLMContinuousEngine
-from engines.vllm_rollout import VLLMRolloutEngine, VLLMSettings
 from schemas import (
     PromptEvent,
     Tensor,
     TrajectoryEvent,
 )
-from schemas.config import RunConfig
 
 log = logging.getLogger("jetrl.rollout")
 
@@ -72,14 +67,15 @@ log = logging.getLogger("jetrl.rollout")
 
 class Rollout:
     def __init__(
-        self, rt: Runtime, engines: Engine | Sequence[Engine], tokenizer: object, router: Router | None = None
+        self, rt: Runtime, engines: RolloutEngine | Sequence[RolloutEngine], tokenizer: object,
+        router: Router | None = None,
     ) -> None:
         """`engines`: the replicas (one engine: one replica); `router`: `rollout.router` when None."""
         self.rt, self.tokenizer = rt, tokenizer
         engines = list(engines) if isinstance(engines, Sequence) else [engines]
         cfg = rt.config.rollout
         router = router or make_router(cfg.router, len(engines), cfg.router_options)
-        self.replicas = Replicas(engines, router, cfg.max_batch_prompts, cfg.engine, rt.source, cfg.continuous,
+        self.replicas = Replicas(engines, router, cfg.max_batch_prompts, cfg.engine.type, rt.source, cfg.continuous,
                                  cfg.partial)
         self.limits = ModelLimits.of(self.engine.model)
         self.receiver = WeightsReceiver(
@@ -90,7 +86,7 @@ class Rollout:
         first (a worker generates only once it knows the run's current version)."""
 
     @property
-    def engine(self) -> Engine:
+    def engine(self) -> RolloutEngine:
         """The first replica's engine: all replicas serve the same model and version."""
         return self.replicas.replicas[0].engine
 
@@ -159,7 +155,7 @@ class Rollout:
             logprobs=Tensor.from_torch(sample.logprobs.float()),
             versions=Tensor.from_numpy(sample.versions.numpy().astype(np.int32)),
             response_text=self.tokenizer.decode(sample.token_ids.tolist(), skip_special_tokens=True),
-            finish_reason=sample.finish_reason, task=prompt.task, engine=self.rt.config.rollout.engine,
+            finish_reason=sample.finish_reason, task=prompt.task, engine=self.rt.config.rollout.engine.type,
             timings={"generate": seconds},
         )
 
@@ -194,55 +190,18 @@ def routing_key(prompt: PromptEvent) -> str:
     return prompt.id if conversation is None else str(conversation)
 
 
-CONTINUOUS_KEYS = {"slots", "partial_mode"}
-"""Keys of `rollout.vllm` / `rollout.sglang` for the continuous adapters, not the engine's settings."""
-
-
-def make_engines(cfg: RunConfig, model: Path) -> list[Engine]:
-    """`rollout.replicas` engines of the kind `rollout.engine` names, each its own copy of the
-    model (seeded apart, so that replicas do not draw the same samples)."""
-    return [make_engine(cfg, model, cfg.data.seed + i) for i in range(cfg.rollout.replicas)]
-
-
-def make_engine(cfg: RunConfig, model: Path, seed: int | None = None) -> Engine:
-    """The engine `rollout.engine` names, on this worker's device (`engines.device`) in
-    `model.dtype`; the simulated one keeps the real model for its checks only.
-
-    vllm and sglang are imported by their engine's constructor only: without their extra
-    installed, a one-line `EngineUnavailable` names the pip command. With `rollout.continuous`
-    they are their continuous adapters (async engines, samples submitted one at a time).
-    """
-    seed = cfg.data.seed if seed is None else seed
-    engine, continuous = cfg.rollout.engine, cfg.rollout.continuous
-    if engine == "vllm":
-        v = cfg.rollout.vllm
-        settings = VLLMSettings(**v.model_dump(exclude=CONTINUOUS_KEYS), seed=seed)
-        if continuous:
-            return VLLMContinuousEngine(model, settings, v.slots, v.partial_mode)
-        return VLLMRolloutEngine(model, settings)
-    if engine == "sglang":
-        g = cfg.rollout.sglang
-        settings = SGLangSettings(**g.model_dump(exclude=CONTINUOUS_KEYS), seed=seed)
-        if continuous:
-            return SGLangContinuousEngine(model, settings, g.slots, g.partial_mode)
-        return SGLangRolloutEngine(model, settings)
-    hf = HFRolloutEngine(model, device=str(resolve_device()), dtype=torch_dtype(cfg.model.dtype), seed=seed)
-    if engine == "hf":
-        return hf
-    sim = cfg.rollout.simulated
-    settings = SimulatedSettings(sim.median_tokens, sim.sigma, sim.seconds_per_token, sim.slots, seed)
-    vocab = ModelLimits.of(hf.model).vocab_size
-    return SimulatedRolloutEngine(hf.model, vocab, hf.eos_token_ids[0], settings)
-
-
 async def build(rt: Runtime) -> Stage[PromptEvent]:
     """The rollout stage: prompts served by `Rollout.handle`, beside its batcher and weights watcher."""
     cfg = rt.config.rollout
     router = make_router(cfg.router, cfg.replicas, cfg.router_options)  # a bad router fails before a model loads
     model = resolve_model_path(rt.config.model.path, rt.config.model.revision)  # a hub id: fetched or cached
     log.info("model %s loads from %s", rt.config.model.path, model)
-    rollout = Rollout(rt, make_engines(rt.config, model), AutoTokenizer.from_pretrained(model), router)
-    rt.member.report(engine=rt.config.rollout.engine, weight_version=rollout.engine.version)
+    engines = build_rollout_engines(  # seeded apart: replicas do not draw the same samples
+        cfg.engine, model, cfg.replicas, seed=rt.config.data.seed, dtype=rt.config.model.dtype,
+        continuous=cfg.continuous,
+    )
+    rollout = Rollout(rt, engines, AutoTokenizer.from_pretrained(model), router)
+    rt.member.report(engine=cfg.engine.type, weight_version=rollout.engine.version)
     return rollout_stage(rollout)
 
 
@@ -253,7 +212,7 @@ def rollout_stage(rollout: Rollout) -> Stage[PromptEvent]:
     a prompt holding one sample or more)."""
     per_replica = 2 * rollout.rt.config.rollout.max_batch_prompts
     if rollout.replicas.continuous:
-        per_replica = max(per_replica, 2 * max(getattr(e, "slots", 0) for e in rollout.replicas.engines))
+        per_replica = max(per_replica, 2 * max(stepwise(e).slots for e in rollout.replicas.engines))
     return Stage(
         PROMPTS, rollout.handle, WorkerOptions(concurrency=per_replica * len(rollout.replicas.replicas)),
         helpers={**rollout.batchers(), "weights watcher": rollout.watch_weights},

@@ -31,6 +31,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from opentelemetry import context
@@ -38,18 +39,9 @@ from opentelemetry import context
 from bus import metrics, tracing
 from bus.crashpoints import ROLLOUT_MID_GENERATION
 from engines import protocols
-from engines.hf_rollout import HFRolloutEngine
+from engines.protocols import ContinuousEngine, RolloutEngine
 from engines.router import Router, RouterError
-from engines.sglang_continuous import SGLangContinuousEngine
-from engines.sglang_rollout import SGLangRolloutEngine
-from engines.simulated import SimulatedRolloutEngine
-from engines.vllm_continuous import VLLMContinuousEngine
-from engines.vllm_rollout import VLLMRolloutEngine
 from schemas import PromptEvent
-
-Engine = (HFRolloutEngine | SimulatedRolloutEngine | VLLMRolloutEngine | SGLangRolloutEngine | VLLMContinuousEngine
-          | SGLangContinuousEngine)
-"""The engines `rollout.engine` names; each holds `model` (real, or a meta-device skeleton) for the checks."""
 
 
 @dataclass
@@ -67,7 +59,7 @@ class Replica:
     """One engine and the prompts routed to it."""
 
     index: int
-    engine: Engine
+    engine: RolloutEngine
     queue: list[Pending] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     """Set while `queue` holds prompts."""
@@ -80,17 +72,17 @@ class Replica:
 
 
 class Replicas:
-    def __init__(self, engines: Sequence[Engine], router: Router, max_batch_prompts: int, engine_name: str,
+    def __init__(self, engines: Sequence[RolloutEngine], router: Router, max_batch_prompts: int, engine_name: str,
                  worker: str, continuous: bool = False, partial: bool = False) -> None:
         """`continuous`, `partial`: `rollout.continuous` and `rollout.partial`, taken only where
         every engine is a `ContinuousEngine` (the others are given batches and drained)."""
         if not engines:
             raise ValueError("a rollout worker needs at least one engine replica")
         self.replicas = [Replica(i, engine) for i, engine in enumerate(engines)]
-        self.continuous = continuous and all(isinstance(e, protocols.ContinuousEngine) for e in engines)
+        self.continuous = continuous and all(isinstance(e, ContinuousEngine) for e in engines)
         self.partial = partial and self.continuous
         for r in self.replicas if self.continuous else ():
-            slots = r.engine.slots  # type: ignore[union-attr]
+            slots = stepwise(r.engine).slots
             r.slots = asyncio.Semaphore(slots)
             r.threads = ThreadPoolExecutor(slots, thread_name_prefix=f"rollout-replica-{r.index}")
         self.router, self.max_batch_prompts = router, max_batch_prompts
@@ -108,7 +100,7 @@ class Replicas:
         """True inside `quiesced`: no token is being computed on any replica."""
 
     @property
-    def engines(self) -> list[Engine]:
+    def engines(self) -> list[RolloutEngine]:
         return [r.engine for r in self.replicas]
 
     def route(self, key: str | None) -> Replica:
@@ -206,11 +198,12 @@ class Replicas:
             finally:
                 self.quiet = False
             return
-        paused: list[protocols.ContinuousEngine] = []
+        paused: list[ContinuousEngine] = []
         try:
-            for engine in self.engines:  # a pause waits for the tokens being computed: a thread
-                paused.append(engine)  # type: ignore[arg-type]
-                await asyncio.to_thread(engine.pause)  # type: ignore[union-attr]
+            # A pause waits for the tokens being computed: in a thread.
+            for engine in map(stepwise, self.engines):
+                paused.append(engine)
+                await asyncio.to_thread(engine.pause)
             self.quiet = True
             yield
         finally:
@@ -251,7 +244,7 @@ class Replicas:
     async def generate_one(self, replica: Replica, pending: Pending, index: int) -> tuple[int, protocols.Sample, float]:
         """Sample `index` of `pending` on one of `replica`'s slots, in one of its threads."""
         assert replica.slots is not None and replica.threads is not None
-        engine: protocols.ContinuousEngine = replica.engine  # type: ignore[assignment]
+        engine = stepwise(replica.engine)
         s = pending.prompt.sampling
         params = protocols.SamplingParams(s.temperature, s.top_p, s.max_tokens, s.stop_token_ids)
         await replica.slots.acquire()
@@ -293,6 +286,12 @@ class Replicas:
                 loop.call_soon_threadsafe(ended)
 
         job.add_done_callback(done)
+
+
+def stepwise(engine: RolloutEngine) -> ContinuousEngine:
+    """`engine` as the `ContinuousEngine` it is with continuous admission (`Replicas.continuous`
+    is set only when every engine is one)."""
+    return cast(ContinuousEngine, engine)
 
 
 def timed(generate: Callable[[Sequence[int], protocols.SamplingParams], protocols.Sample], prompt: Sequence[int],

@@ -53,14 +53,7 @@ from bus.crashpoints import (
 from bus.readers import ByPosition, Poison
 from bus.runtime import CannotAttach, Runtime
 from bus.stage import Stage, run_stage
-from consumers.trainer_dist import (
-    RankGroup,
-    exchange,
-    join,
-    leave,
-    make_engine,
-    watch,
-)
+from consumers.trainer_dist import RankGroup, configured_engine, exchange, join, leave, watch
 from consumers.trainer_loggers import scalars, step_loggers
 from consumers.update_history import UpdateHistory
 from consumers.weights.sender import WeightsSender, alone
@@ -169,9 +162,8 @@ class Trainer:
         metrics (at pipeline parallel the engine hands it the last stage's, which hold the loss)."""
         self.records = rank % self.cfg.trainer.copy_size == 0
         self.group = group or RankGroup(rank, 1)
-        self.engine = make_engine(self.cfg, loss_config(self.cfg), device or resolve_device())
-        spec = getattr(self.engine, "spec", None)  # megatron: its GPTModel is no HF model; the spec says
-        self.limits = ModelLimits(spec.vocab_size, spec.max_position_embeddings) if spec else ModelLimits.of(self.engine.model)
+        self.engine = configured_engine(self.cfg, loss_config(self.cfg), device or resolve_device())
+        self.limits = ModelLimits(*self.engine.token_limits())
         # fsdp: one checkpoint of every rank's shards; torch: one file per rank.
         name = f"{self.engine.name}.pt" if self.engine.collective else f"rank{rank}.pt"
         self.checkpoint_path = Path(self.cfg.trainer.checkpoint_dir) / name

@@ -1,4 +1,5 @@
-"""Trainer ranks: the train engine a run's config names, and the process group its fsdp ranks share.
+"""Trainer ranks: the train engine a run's config sets up (built by `engines.build`), and the
+process group its fsdp ranks share.
 
 Rendezvous (`trainer.dist_init`):
 
@@ -43,12 +44,13 @@ from bus.topology import RENDEZVOUS_KEY
 from bus.runtime import CannotAttach, Runtime
 from consumers.weights.sender import ShardNote
 from engines.algorithms.schedule import lr_factor
+from engines.build import build_train_engine
 from engines.device import torch_dtype
-from engines.fsdp_train import FSDPTrainEngine, init_group
-from engines.megatron_train import MegatronNotInstalled, MegatronTrainEngine
+from engines.fsdp_train import init_group
 from engines.model_source import ModelNotFound, resolve_model_path
-from engines.torch_train import CriticConfig, LossConfig, TorchTrainEngine
+from engines.torch_train import CriticConfig, LossConfig
 from schemas.kv_records import Rendezvous
+from engines.protocols import EngineUnavailable, TrainEngine
 from schemas.config import RunConfig
 
 log = logging.getLogger("jetrl.trainer")
@@ -75,8 +77,9 @@ class RankGroup:
     """Rank 0's listening socket, kept open for the store server's life."""
 
 
-def make_engine(cfg: RunConfig, loss: LossConfig, device: torch.device) -> TorchTrainEngine:
-    """The engine `trainer.engine` names (fsdp: after `join`), in `model.dtype` on `device`."""
+def configured_engine(cfg: RunConfig, loss: LossConfig, device: torch.device) -> TrainEngine:
+    """The engine `trainer.engine` names (fsdp: after `join`), in `model.dtype` on `device`,
+    with the run's optimizer, schedule and loss settings."""
     algo = cfg.algorithm
     schedule = partial(
         lr_factor, warmup=algo.lr_warmup_steps, total=cfg.trainer.steps, schedule=algo.lr_schedule,
@@ -93,18 +96,10 @@ def make_engine(cfg: RunConfig, loss: LossConfig, device: torch.device) -> Torch
         model_dir = resolve_model_path(cfg.model.path, cfg.model.revision)  # a hub id: fetched or cached
     except ModelNotFound as exc:
         raise CannotAttach(str(exc)) from None
-    if cfg.trainer.engine == "megatron":
-        mcfg = cfg.trainer.megatron  # megatron-core is imported inside, only now
-        try:
-            return MegatronTrainEngine(
-                model_dir, tensor_parallel_size=mcfg.tensor_parallel_size,
-                pipeline_parallel_size=mcfg.pipeline_parallel_size, **args,
-            )
-        except MegatronNotInstalled as exc:
-            raise CannotAttach(str(exc)) from None
-    if cfg.trainer.engine == "fsdp":
-        return FSDPTrainEngine(model_dir, **args)
-    return TorchTrainEngine(model_dir, critic=critic_config(cfg), **args)
+    try:
+        return build_train_engine(cfg.trainer.engine, model_dir, critic=critic_config(cfg), **args)
+    except EngineUnavailable as exc:  # megatron without megatron-core: one line, what to install
+        raise CannotAttach(str(exc)) from None
 
 
 def critic_config(cfg: RunConfig) -> CriticConfig | None:
@@ -123,7 +118,7 @@ async def join(rt: Runtime, rank: int, device: torch.device) -> RankGroup:
     copy), or stand alone (torch; megatron at tensor and pipeline parallel 1)."""
     tcfg = rt.config.trainer
     world = tcfg.ranks
-    if tcfg.engine == "torch" or world == 1 and tcfg.engine == "megatron":
+    if world == 1 and not tcfg.engine.grouped:
         return RankGroup(rank, 1)
     if tcfg.dist_init == "env":
         try:

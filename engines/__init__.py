@@ -1,1 +1,2 @@
-"""Engines: rollout (generation) and train backends behind small Protocols, and the RL algorithms."""
+"""Engines: rollout (generation) and train backends behind small Protocols (`engines.protocols`),
+built from the config's engine section by `engines.build`, and the RL algorithms."""

@@ -14,12 +14,7 @@ from types import ModuleType
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engines.protocols import FinishReason, Sample
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine a config names cannot start here: not installed (or not importable), or an
-    environment that would change what it reports."""
+from engines.protocols import EngineUnavailable, FinishReason, Sample
 
 
 def require(module: str, extra: str) -> ModuleType:

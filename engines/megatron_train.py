@@ -40,7 +40,7 @@ from engines.megatron_pipeline import (
     reduce_totals,
     stage_logprobs,
 )
-from engines.protocols import MicroBatch
+from engines.protocols import EngineUnavailable, MicroBatch
 from engines.torch_train import TorchTrainEngine, _atomic_save, _rng_state, _set_rng_state
 
 
@@ -92,7 +92,7 @@ def _no_cuda_copy(active: bool) -> Iterator[None]:
         torch.Tensor.cuda = original  # type: ignore[method-assign]
 
 
-class MegatronNotInstalled(RuntimeError):
+class MegatronNotInstalled(EngineUnavailable):
     """`trainer.engine: megatron` on a machine without megatron-core (one line: what to install)."""
 
 
@@ -250,6 +250,10 @@ class MegatronTrainEngine(TorchTrainEngine):
     # --- pipeline parallel: the torch engine's passes, run through megatron's schedule ------------
 
     @torch.no_grad()
+    def token_limits(self) -> tuple[int, int | None]:
+        """The spec's: GPTModel is no HF model."""
+        return self.spec.vocab_size, self.spec.max_position_embeddings
+
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         if self.pp == 1:
             return super().logprobs(input_ids, attention_mask)

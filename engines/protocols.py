@@ -1,11 +1,15 @@
 """What the workers call on an engine: the rollout and train Protocols and their data types.
 
+A stage holds an engine only as one of these (`engines.build` makes it from the config); what
+only some engines can do is a narrower protocol a stage checks for (`ContinuousEngine`,
+`ShardedTrainEngine`), never an engine class.
+
 Alignment convention shared by both sides (and by `BatchEvent`): for a row of token ids
 ``x[0..T)``, position ``t`` of every per-token tensor (log-probs, masks) refers to token
 ``x[t]`` and holds ``log p(x[t] | x[<t])``; position 0 has no prediction and holds 0.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -69,11 +73,19 @@ class MicroBatch:
     ref_logprobs: torch.Tensor | None = None
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine a config names cannot start here: not installed (or not importable), or an
+    environment that would change what it reports. Said in one line (what to install)."""
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """Generates samples and takes new weights between generations."""
 
     version: int
+    model: torch.nn.Module
+    """The model's HF module (real, or a meta-device skeleton when the engine holds the weights
+    elsewhere): what the worker checks manifests and prompts against."""
 
     def generate(
         self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
@@ -96,6 +108,11 @@ class TrainEngine(Protocol):
     collective: bool
     """True when every data-parallel rank must call `train_step`, `export_weights` and the
     checkpoint methods together, in the same order (they communicate)."""
+
+    def token_limits(self) -> tuple[int, int | None]:
+        """The model's vocabulary size and longest sequence (None when its config does not say):
+        what the trainer checks each batch against."""
+        ...
 
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[B, T] float32 log-probs of `input_ids` under the current policy, aligned as above."""
@@ -124,8 +141,14 @@ class TrainEngine(Protocol):
         """Whether a completed `save_checkpoint(path)` is there to resume from."""
         ...
 
-    def save_checkpoint(self, path: Path, extra: dict[str, Any] | None = None) -> None:
-        """Writes model, optimizer, RNG states and `extra` atomically to `path`."""
+    def save_checkpoint(
+        self,
+        path: Path,
+        extra: dict[str, Any] | None = None,
+        before_replace: Callable[[], None] | None = None,
+    ) -> None:
+        """Writes model, optimizer, RNG states and `extra` atomically to `path` (`before_replace`:
+        called just before the commit, a crash point for the tests)."""
         ...
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
@@ -134,7 +157,21 @@ class TrainEngine(Protocol):
 
 
 @runtime_checkable
-class ContinuousEngine(Protocol):
+class ShardedTrainEngine(TrainEngine, Protocol):
+    """A collective train engine each rank of which can export its own shard of the weights
+    (optional: the fsdp engine), so that no rank gathers the whole model to publish it."""
+
+    def weight_sizes(self) -> dict[str, int]:
+        """Bytes of each tensor `export_weights` would name: what the shard layout is cut by."""
+        ...
+
+    def export_shard(self, layout: Sequence[Sequence[str]]) -> dict[str, torch.Tensor]:
+        """This rank's tensors of `layout` (one list of names per rank), whole, on the CPU."""
+        ...
+
+
+@runtime_checkable
+class ContinuousEngine(RolloutEngine, Protocol):
     """A rollout engine that takes samples one at a time, concurrently, as a continuous-batching
     engine does (optional: an engine without it is given batches through `generate`).
 
@@ -145,7 +182,6 @@ class ContinuousEngine(Protocol):
     version that computed it (`Sample.versions`).
     """
 
-    version: int
     slots: int
 
     def generate_sample(self, prompt: Sequence[int], params: SamplingParams) -> Sample:

@@ -91,7 +91,8 @@ class SGLangContinuousEngine(ContinuousAdapter):
         self.io = sglang_io()
         if partial_mode == "keep" and (self.io.pause is None or self.io.resume is None):
             raise EngineUnavailable(
-                "rollout.sglang.partial_mode keep needs SGLang's PauseGenerationReqInput (a newer SGLang); "
+                "rollout.engine.partial_mode keep (sglang) needs SGLang's PauseGenerationReqInput "
+                "(a newer SGLang); "
                 "use partial_mode resubmit"
             )
         kwargs = continuous_engine_kwargs(model_dir, settings, slots)

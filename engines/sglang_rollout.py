@@ -46,7 +46,8 @@ ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
 
 @dataclass(frozen=True)
 class SGLangSettings:
-    """`rollout.sglang` (schemas/config.py documents each field)."""
+    """`rollout.engine` of type sglang (`schemas.rollout_config.SGLangRolloutConfig` documents
+    each field)."""
 
     mem_fraction_static: float = 0.5
     tp_size: int = 1

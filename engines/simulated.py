@@ -33,7 +33,8 @@ LOGPROB = -1.0
 
 @dataclass(frozen=True)
 class SimulatedSettings:
-    """What `rollout.simulated` in the run config says (`schemas.rollout_config.SimulatedRolloutConfig`)."""
+    """What `rollout.engine` of type simulated says
+    (`schemas.rollout_config.SimulatedRolloutConfig`)."""
 
     median_tokens: float = 64.0
     sigma: float = 1.0

@@ -164,6 +164,11 @@ class TorchTrainEngine:
         return logits / self.loss_config.temperature if self.loss_config.temperature != 1.0 else logits
 
     @torch.no_grad()
+    def token_limits(self) -> tuple[int, int | None]:
+        """Rows of the input embedding, and the config's `max_position_embeddings` (or None)."""
+        embedding = self.model.get_input_embeddings()  # type: ignore[operator]
+        return embedding.num_embeddings, getattr(self.model.config, "max_position_embeddings", None)
+
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[B, T] float32 log-probs under the current weights at the configured temperature."""
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)

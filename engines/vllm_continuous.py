@@ -86,7 +86,8 @@ class VLLMContinuousEngine(ContinuousAdapter):
         if partial_mode == "keep" and "mode" not in inspect.signature(self.engine.pause_generation).parameters:
             self.close()
             raise EngineUnavailable(
-                "rollout.vllm.partial_mode keep needs vLLM's pause_generation(mode='keep') (a newer vLLM); "
+                "rollout.engine.partial_mode keep (vllm) needs vLLM's pause_generation(mode='keep') "
+                "(a newer vLLM); "
                 "use partial_mode resubmit"
             )
 

@@ -42,7 +42,8 @@ LOGPROBS_MODE = "processed_logprobs"
 
 @dataclass(frozen=True)
 class VLLMSettings:
-    """`rollout.vllm` (schemas/config.py documents each field)."""
+    """`rollout.engine` of type vllm (`schemas.rollout_config.VLLMRolloutConfig` documents each
+    field)."""
 
     gpu_memory_utilization: float = 0.5
     tensor_parallel_size: int = 1

@@ -25,7 +25,7 @@ from schemas.rollout_config import RolloutConfig
 from schemas.section import Section
 from schemas.staleness import StalenessPolicy, sync_mode_sections
 from schemas.streams_config import StreamsConfig, stream_needs
-from schemas.trainer_config import MegatronConfig, TrainerConfig
+from schemas.trainer_config import TrainerConfig
 from schemas.weight_event import TransportName
 
 S = TypeVar("S", bound=Section)
@@ -260,7 +260,10 @@ class RunConfig(Section):
         if not isinstance(data, dict) or data.get("mode") != "sync":
             return data
         algorithm, trainer = (
-            (section.model_dump(exclude_unset=True) if isinstance(section, BaseModel) else dict(section or {}))
+            # The keys set, their values as they are: a dump would turn a nested engine section
+            # whose `type` was left at its default into a dict without the tag.
+            ({name: getattr(section, name) for name in section.model_fields_set}
+             if isinstance(section, BaseModel) else dict(section or {}))
             for section in (data.get("algorithm"), data.get("trainer"))
         )
         sync_mode_sections(algorithm, trainer)
@@ -299,10 +302,10 @@ class RunConfig(Section):
                 "algorithm.kl_placement reward needs reference.enabled: the buffer takes the reference "
                 "log-probs from the reference stage"
             )
-        if algo.advantage == "gae" and self.trainer.engine != "torch":
+        if algo.advantage == "gae" and self.trainer.engine.type != "torch":
             raise ValueError(
-                f"algorithm.advantage gae needs trainer.engine torch: the {self.trainer.engine} engine holds no "
-                "value model (critic)"
+                f"algorithm.advantage gae needs trainer.engine torch: the {self.trainer.engine.type} "
+                "engine holds no value model (critic)"
             )
         if algo.advantage == "gae" and self.data.n == 1 and algo.drop_equal_reward_groups:
             raise ValueError(
@@ -314,7 +317,7 @@ class RunConfig(Section):
                 f"data.n {self.data.n}: group-relative advantages need at least 2 samples per prompt "
                 "(a group of 1 has no baseline)"
             )
-        if self.rollout.engine == "vllm" and self.data.sampling.top_p < 1:
+        if self.rollout.engine.type == "vllm" and self.data.sampling.top_p < 1:
             # vLLM's processed log-probs are renormalised over the nucleus; the trainer's are not.
             raise ValueError(
                 f"rollout.engine vllm needs data.sampling.top_p 1, not {self.data.sampling.top_p}: its "
@@ -338,8 +341,32 @@ def validate(model: type[S], data: object, origin: str) -> S:
         message = first["msg"].removeprefix("Value error, ")
         if not first["loc"]:  # a check across sections: its message names the keys
             raise ConfigError(f"{origin}: {message}") from None
-        key = ".".join(str(p) for p in first["loc"])
-        raise ConfigError(f"{origin}: {key}: {message}") from None
+        key, tag = yaml_key(model, first["loc"])
+        raise ConfigError(f"{origin}: {key}: {message}{f' (type {tag})' if tag else ''}") from None
+
+
+def yaml_key(model: type[BaseModel], loc: tuple[int | str, ...]) -> tuple[str, str | None]:
+    """The dotted key of an error's `loc` as the YAML spells it, and the engine type it is in.
+
+    Pydantic puts the tag of a discriminated union's member in the location
+    (`rollout.engine.vllm.max_model_len`), where the YAML has none (`rollout.engine.max_model_len`
+    under `type: vllm`): it is taken out and returned apart."""
+    parts: list[str] = []
+    tag: str | None = None
+    current: type[BaseModel] | None = model
+    rest = iter(loc)
+    for part in rest:
+        parts.append(str(part))
+        field = current.model_fields.get(str(part)) if current is not None else None
+        current = None
+        if field is None:
+            continue
+        if field.discriminator is not None:
+            member = next(rest, None)  # the tag pydantic names the union's member by
+            tag = None if member is None else str(member)
+        elif isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            current = field.annotation
+    return ".".join(parts), tag
 
 
 def read_yaml(path: Path) -> object:

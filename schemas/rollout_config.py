@@ -1,17 +1,33 @@
-"""`rollout`: which engine generates, and each engine's settings (part of `schemas.config`)."""
+"""`rollout`: which engine generates, with its settings, and how the worker feeds it (part of
+`schemas.config`).
+
+`rollout.engine` is one section per engine type, told apart by its `type` (a discriminated
+union): `{type: vllm, gpu_memory_utilization: 0.3}`, or the bare type, `vllm`, for its
+defaults. `engines.build.build_rollout_engines` takes that section.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from schemas.section import Section, refuse_renamed
+from schemas.section import Section, engine_section, refuse_renamed
+
+
+class HFRolloutConfig(Section):
+    """`rollout.engine: hf`: the reference engine, the run's model generating for real on the
+    worker's device in `model.dtype` (`engines.hf_rollout`); it has no settings of its own."""
+
+    type: Literal["hf"] = "hf"
 
 
 class SimulatedRolloutConfig(Section):
-    """`rollout.simulated`: the simulated engine's workload (`engines.simulated`), for scheduling
-    studies only: its samples are random tokens."""
+    """`rollout.engine: {type: simulated, ...}`: the simulated engine's workload
+    (`engines.simulated`), for scheduling studies only: its samples are random tokens after a
+    simulated time."""
+
+    type: Literal["simulated"] = "simulated"
 
     median_tokens: float = Field(64.0, gt=0)
     """Median response length in tokens (the log-normal's exp(mu)); capped at `data.sampling.max_tokens`,
@@ -31,7 +47,10 @@ PartialMode = Literal["resubmit", "keep"]
 
 
 class VLLMRolloutConfig(Section):
-    """`rollout.vllm`: the in-process `vllm.LLM` of engine vllm (`engines.vllm_rollout`)."""
+    """`rollout.engine: {type: vllm, ...}`: the model on an in-process `vllm.LLM` (a GPU and
+    `pip install 'jetrl[vllm]'`; `engines.vllm_rollout`); needs `data.sampling.top_p` 1."""
+
+    type: Literal["vllm"] = "vllm"
 
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     """Fraction of the GPU's memory vLLM takes for weights, activations and KV cache; below vLLM's
@@ -55,7 +74,10 @@ class VLLMRolloutConfig(Section):
 
 
 class SGLangRolloutConfig(Section):
-    """`rollout.sglang`: the in-process `sglang.Engine` of engine sglang (`engines.sglang_rollout`)."""
+    """`rollout.engine: {type: sglang, ...}`: the model on an in-process `sglang.Engine` (a GPU
+    and `pip install 'jetrl[sglang]'`; `engines.sglang_rollout`)."""
+
+    type: Literal["sglang"] = "sglang"
 
     mem_fraction_static: float = Field(0.5, gt=0, lt=1)
     """Fraction of the GPU's memory SGLang takes for weights and KV cache; below SGLang's own
@@ -75,6 +97,13 @@ class SGLangRolloutConfig(Section):
     (SGLang's `pause_generation` in retract mode, then `continue_generation`; needs an SGLang that has it)."""
 
 
+RolloutEngineConfig = Annotated[
+    HFRolloutConfig | SimulatedRolloutConfig | VLLMRolloutConfig | SGLangRolloutConfig,
+    Field(discriminator="type"),
+]
+"""`rollout.engine`: the section of the engine its `type` names."""
+
+
 BUILT_IN_ROUTERS = ("least_in_flight", "sticky_by_key")
 """The routers `rollout.router` names without a module (`engines.router.BUILT_IN`)."""
 
@@ -82,24 +111,18 @@ BUILT_IN_ROUTERS = ("least_in_flight", "sticky_by_key")
 class RolloutConfig(Section):
     max_batch_prompts: int = Field(16, ge=1)
     """Most prompts generated together in one batch."""
-    engine: Literal["hf", "simulated", "vllm", "sglang"] = "hf"
-    """hf: the reference engine, the run's model generating for real (`engines.hf_rollout`).
-    simulated: for scheduling studies only, random tokens after a simulated time (`simulated`).
-    vllm / sglang: the model on vLLM or SGLang (a GPU and `pip install 'jetrl[vllm]'` or
-    `'jetrl[sglang]'`; `engines.vllm_rollout`, `engines.sglang_rollout`); vllm needs top_p 1."""
-    simulated: SimulatedRolloutConfig = SimulatedRolloutConfig()
-    """engine simulated: its length distribution, cost per token and slots."""
-    vllm: VLLMRolloutConfig = VLLMRolloutConfig()
-    """engine vllm: its memory share, parallelism, context and dtype."""
-    sglang: SGLangRolloutConfig = SGLangRolloutConfig()
-    """engine sglang: its memory share, parallelism, context and dtype."""
+    engine: RolloutEngineConfig = HFRolloutConfig()
+    """The engine and its settings, by `type`: hf (the reference engine, `HFRolloutConfig`),
+    simulated (scheduling studies: its length distribution, cost per token and slots), vllm or
+    sglang (the model on vLLM or SGLang: memory share, parallelism, context, dtype, slots). A
+    bare type (`engine: simulated`) takes that engine's defaults."""
     engine_copies: int = Field(1, ge=1)
     """Engines in one rollout worker, each a copy of the model with its own batcher (one
     generation at a time per copy); not the fleet's `processes` (worker processes) nor the
     streams' `--replicas`. Was `replicas`: refused now, with the new name."""
     continuous: bool = True
     """Continuous admission, for engines that take samples one at a time (simulated; vllm and
-    sglang through their async engines, `rollout.vllm.slots` / `rollout.sglang.slots` at once):
+    sglang through their async engines, `rollout.engine.slots` at once):
     each sample takes an engine slot as one comes free and is stored as soon as it ends, with no
     batcher and no `max_batch_prompts`. False, and always for hf: batches of prompts, one
     generation at a time per replica (vllm and sglang through their batch `generate`)."""
@@ -126,11 +149,10 @@ class RolloutConfig(Section):
     def _renamed(cls, data: object) -> object:
         return refuse_renamed(data, {"replicas": "engine_copies"})
 
-    @property
-    def replicas(self) -> int:
-        """`engine_copies`, under the name consumers/rollout.py still reads (being rewritten
-        apart); delete once it reads `engine_copies`."""
-        return self.engine_copies
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _engine(cls, value: object) -> object:
+        return engine_section(value)
 
     @field_validator("router")
     @classmethod

@@ -1,4 +1,4 @@
-"""The base of every config section (`schemas.config`)."""
+"""The base of every config section (`schemas.config`), and the short form of an engine section."""
 
 from collections.abc import Mapping
 
@@ -20,3 +20,11 @@ def refuse_renamed(data: object, renames: Mapping[str, str]) -> object:
             if old in data:
                 raise ValueError(f"{old} was renamed to {new}: write {new}: {data[old]!r}")
     return data
+
+
+def engine_section(value: object) -> object:
+    """A bare engine type (`rollout.engine: vllm`, `trainer.engine: fsdp`) as that engine's
+    section with its defaults (a field's before-validator; the `type` picks the section)."""
+    if isinstance(value, dict) and "type" not in value:
+        raise ValueError("an engine section names its engine in `type` (e.g. `type: vllm`)")
+    return {"type": value} if isinstance(value, str) else value

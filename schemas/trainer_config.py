@@ -1,20 +1,54 @@
 """`trainer`: the train engine, its ranks and parallel sizes, checkpoints and loggers.
 
 A section of `schemas.config.RunConfig`; `trainer.ranks` is how many trainer processes the run
-has (data parallel x tensor parallel).
+has (data parallel x tensor parallel). `trainer.engine` is one section per engine type, told
+apart by its `type` (a discriminated union): `{type: megatron, tensor_parallel_size: 2}`, or
+the bare type, `fsdp`, for its defaults. `engines.build.build_train_engine` takes that section.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from schemas.section import Section
+from schemas.section import Section, engine_section
+
+
+class TorchEngineConfig(Section):
+    """`trainer.engine: torch`: one process, CPU or one GPU (`engines.torch_train`); the only
+    engine that holds a value model (`algorithm.advantage: gae`). No settings of its own."""
+
+    type: Literal["torch"] = "torch"
+    grouped: ClassVar[bool] = False
+    """Whether its ranks always meet in a process group, even a group of one."""
+
+    @property
+    def copy_size(self) -> int:
+        """Ranks holding one model copy."""
+        return 1
+
+
+class FSDPEngineConfig(Section):
+    """`trainer.engine: fsdp`: FSDP2, one process per rank, `dp_size` ranks that shard the model
+    and take each optimizer step together (`engines.fsdp_train`). No settings of its own."""
+
+    type: Literal["fsdp"] = "fsdp"
+    grouped: ClassVar[bool] = True
+    """FSDP2 needs a process group, even of one rank."""
+
+    @property
+    def copy_size(self) -> int:
+        return 1
 
 
 class MegatronConfig(Section):
-    """`trainer.megatron`: how `trainer.engine: megatron` cuts the model (`engines.megatron_train`)."""
+    """`trainer.engine: {type: megatron, ...}`: megatron-core's GPTModel (`pip install
+    'jetrl[megatron]'`; never run on a GPU) and how it cuts the model (`engines.megatron_train`)."""
+
+    type: Literal["megatron"] = "megatron"
+    grouped: ClassVar[bool] = False
+    """Alone at tensor and pipeline parallel 1; above, its ranks meet as fsdp ranks do."""
 
     tensor_parallel_size: int = Field(1, ge=1)
     """Ranks one model copy's layers are split over (megatron's tensor parallelism: attention by
@@ -27,6 +61,16 @@ class MegatronConfig(Section):
     schedule over the step's micro-batches). Must divide num_hidden_layers. Each stage is
     `tensor_parallel_size` ranks."""
 
+    @property
+    def copy_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+TrainEngineConfig = Annotated[
+    TorchEngineConfig | FSDPEngineConfig | MegatronConfig, Field(discriminator="type")
+]
+"""`trainer.engine`: the section of the engine its `type` names."""
+
 
 class TrainerConfig(Section):
     steps: int = Field(60, ge=1)
@@ -35,12 +79,11 @@ class TrainerConfig(Section):
     """Publish weights every this many steps."""
     checkpoint_every: int = Field(10, ge=1)
     """Checkpoint model, optimizer, RNG and last batch every this many steps."""
-    engine: Literal["torch", "fsdp", "megatron"] = "torch"
-    """Train engine: torch (one process, CPU or one GPU), fsdp (FSDP2, one process per rank,
-    `dp_size` ranks that shard the model and take each optimizer step together) or megatron
-    (megatron-core's GPTModel, `pip install 'jetrl[megatron]'`, see `megatron`; never run on a GPU)."""
-    megatron: MegatronConfig = MegatronConfig()
-    """engine megatron: its parallel sizes."""
+    engine: TrainEngineConfig = TorchEngineConfig()
+    """The train engine and its settings, by `type`: torch (one process, CPU or one GPU), fsdp
+    (FSDP2, one process per rank, `dp_size` ranks that shard the model and take each optimizer
+    step together) or megatron (megatron-core's GPTModel, with its parallel sizes; `pip install
+    'jetrl[megatron]'`; never run on a GPU). A bare type (`engine: fsdp`) takes its defaults."""
     dp_size: int = Field(1, ge=1)
     """Data-parallel trainer ranks (`--rank 0 .. dp_size-1`); the buffer balances each step's tokens
     across them on `batches.<rank>`. More than 1 needs engine fsdp."""
@@ -77,24 +120,29 @@ class TrainerConfig(Section):
     """Seconds with no completed step after which the run counts as stalled: the producer's progress
     line, its log and `ops.status` then name the stage that holds the work and why (`producers.stall`)."""
 
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _engine(cls, value: object) -> object:
+        return engine_section(value)
+
     @model_validator(mode="after")
     def _ranks_need_fsdp(self) -> TrainerConfig:
-        if self.dp_size > 1 and self.engine != "fsdp":
+        if self.dp_size > 1 and self.engine.type != "fsdp":
             raise ValueError(
-                f"dp_size {self.dp_size} needs engine fsdp: the {self.engine} engine has no gradient "
-                "all-reduce, so each rank would train its own diverging copy"
+                f"dp_size {self.dp_size} needs engine fsdp: the {self.engine.type} engine has no "
+                "gradient all-reduce, so each rank would train its own diverging copy"
             )
         return self
 
     @property
     def tp_size(self) -> int:
         """Tensor-parallel ranks per pipeline stage: megatron's, else 1."""
-        return self.megatron.tensor_parallel_size if self.engine == "megatron" else 1
+        return self.engine.tensor_parallel_size if isinstance(self.engine, MegatronConfig) else 1
 
     @property
     def copy_size(self) -> int:
         """Ranks holding one model copy: megatron's tensor x pipeline parallel sizes, else 1."""
-        return self.tp_size * self.megatron.pipeline_parallel_size if self.engine == "megatron" else 1
+        return self.engine.copy_size
 
     @property
     def ranks(self) -> int:

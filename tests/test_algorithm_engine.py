@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from consumers.trainer import loss_config
-from consumers.trainer_dist import make_engine
+from consumers.trainer_dist import configured_engine
 from engines.protocols import MicroBatch
 from engines.torch_train import LossConfig, TorchTrainEngine
 from schemas.config import RunConfig
@@ -100,7 +100,7 @@ def test_the_run_config_sets_the_lr_schedule_weight_decay_and_updates(model_dir:
         "algorithm": {"lr": 0.01, "weight_decay": 0.03, "lr_warmup_steps": 2, "lr_schedule": "cosine",
                       "lr_min_ratio": 0.1, "ppo_epochs": 2, "ppo_mini_batches": 3},
     })
-    eng = make_engine(cfg, loss_config(cfg), torch.device("cpu"))
+    eng = configured_engine(cfg, loss_config(cfg), torch.device("cpu"))
     assert eng.optimizer.param_groups[0]["weight_decay"] == 0.03
     assert (eng.ppo_epochs, eng.ppo_mini_batches) == (2, 3)
     lrs = [eng.train_step([batch(eng, 1.0, seed=s)])["lr"] for s in range(4)]

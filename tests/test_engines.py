@@ -287,14 +287,14 @@ def test_the_device_is_the_processes_own(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_the_rollout_worker_builds_its_engine_in_the_run_dtype_on_its_device(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`consumers.rollout.make_engine`: `model.dtype` and the worker's device reach the HF engine
-    (it ran every rollout in float32 on the CPU, whatever the config or the GPU said)."""
-    from consumers.rollout import make_engine
+    """`engines.build.build_rollout_engine`: `model.dtype` and the worker's device reach the HF
+    engine (it ran every rollout in float32 on the CPU, whatever the config or the GPU said)."""
+    from engines.build import build_rollout_engine
     from schemas.config import RunConfig
 
     config = RunConfig.model_validate({"run": "r", "model": {"path": str(model_dir), "dtype": "bfloat16"}})
     monkeypatch.setenv(DEVICE_ENV, "cpu")
-    engine = make_engine(config, model_dir)
+    engine = build_rollout_engine(config.rollout.engine, model_dir, seed=0, dtype=config.model.dtype)
     assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
     assert {p.device.type for p in engine.model.parameters()} == {"cpu"}
     [[sample]] = engine.generate([[3, 4, 5]], 1, SamplingParams(max_tokens=4))
@@ -302,4 +302,4 @@ def test_the_rollout_worker_builds_its_engine_in_the_run_dtype_on_its_device(
     if not torch.cuda.is_available():
         monkeypatch.setenv(DEVICE_ENV, "cuda")
         with pytest.raises(ValueError, match="no CUDA device is visible"):
-            make_engine(config, model_dir)
+            build_rollout_engine(config.rollout.engine, model_dir, seed=0, dtype=config.model.dtype)

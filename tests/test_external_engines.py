@@ -16,8 +16,8 @@ from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.topology import Topology
 from consumers.checks import ModelLimits
-from consumers.rollout import make_engine
 from bus.runtime import publish_config
+from engines.build import build_rollout_engine
 from engines.external_rollout import EngineUnavailable, named_weights, require, skeleton
 from engines.hf_rollout import HFRolloutEngine
 from schemas.config import ConfigError, parse_config
@@ -54,13 +54,13 @@ def test_named_weights_cast_and_refuse_wrong_names_or_shapes(model_dir: Path) ->
 
 
 def test_config_takes_the_engines_sections_and_refuses_top_p_below_1_on_vllm() -> None:
-    cfg = parse_config({"rollout": {"engine": "vllm", "vllm": {"gpu_memory_utilization": 0.3, "max_model_len": 512}}})
-    assert (cfg.rollout.vllm.gpu_memory_utilization, cfg.rollout.vllm.max_model_len) == (0.3, 512)
-    assert parse_config({"rollout": {"engine": "sglang"}, "data": {"sampling": {"top_p": 0.9}}}).rollout.sglang.tp_size == 1
+    cfg = parse_config({"rollout": {"engine": {"type": "vllm", "gpu_memory_utilization": 0.3, "max_model_len": 512}}})
+    assert (cfg.rollout.engine.gpu_memory_utilization, cfg.rollout.engine.max_model_len) == (0.3, 512)
+    assert parse_config({"rollout": {"engine": "sglang"}, "data": {"sampling": {"top_p": 0.9}}}).rollout.engine.tp_size == 1
     with pytest.raises(ConfigError, match="rollout.engine vllm needs data.sampling.top_p 1, not 0.9"):
         parse_config({"rollout": {"engine": "vllm"}, "data": {"sampling": {"top_p": 0.9}}})
-    with pytest.raises(ConfigError, match="rollout.sglang.tp: Extra inputs"):
-        parse_config({"rollout": {"engine": "sglang", "sglang": {"tp": 2}}})
+    with pytest.raises(ConfigError, match=r"rollout.engine.tp: Extra inputs are not permitted \(type sglang\)"):
+        parse_config({"rollout": {"engine": {"type": "sglang", "tp": 2}}})
 
 
 def test_require_names_the_extra() -> None:
@@ -73,7 +73,7 @@ def test_require_names_the_extra() -> None:
 @pytest.mark.parametrize("engine", MISSING)
 def test_an_engine_that_is_not_installed_is_refused_in_one_line(engine: str, model_dir: Path) -> None:  # noqa: F811
     with pytest.raises(EngineUnavailable) as refused:
-        make_engine(parse_config({"rollout": {"engine": engine}}), model_dir)
+        build_rollout_engine(parse_config({"rollout": {"engine": engine}}).rollout.engine, model_dir, seed=0)
     message = str(refused.value)
     assert "\n" not in message and message.endswith(f"pip install 'jetrl[{engine}]'"), message
 

@@ -29,7 +29,7 @@ COLLECTIVE = {"transport": "collective", "collective": {"join_timeout_s": 10, "o
 @pytest.mark.parametrize("weights", [None, COLLECTIVE], ids=["object_store", "collective"])
 def test_the_dp2_example_trains_every_sample_once_across_two_ranks(tmp_path: Path, weights: dict | None) -> None:
     cfg = load_config(CONFIG)
-    assert (cfg.trainer.engine, cfg.trainer.dp_size) == ("fsdp", 2)
+    assert (cfg.trainer.engine.type, cfg.trainer.dp_size) == ("fsdp", 2)
     # The example itself, but for a run id of its own (a rerun resumes nothing of another).
     example = {**yaml.safe_load(CONFIG.read_text()), "run": f"dp2-{tmp_path.name[-12:]}"}
     job = run_local_job({**example, "weights": weights} if weights else example, tmp_path, STEPS, timeout=220)

@@ -308,30 +308,30 @@ def test_trainer_config_takes_megatron_and_refuses_what_it_cannot_run() -> None:
     from schemas.config import RunConfig
 
     cfg = RunConfig.model_validate({"trainer": {"engine": "megatron"}})
-    assert (cfg.trainer.megatron.tensor_parallel_size, cfg.trainer.megatron.pipeline_parallel_size) == (1, 1)
-    tp2 = RunConfig.model_validate({"trainer": {"engine": "megatron", "megatron": {"tensor_parallel_size": 2}}})
+    assert (cfg.trainer.engine.tensor_parallel_size, cfg.trainer.engine.pipeline_parallel_size) == (1, 1)
+    tp2 = RunConfig.model_validate({"trainer": {"engine": {"type": "megatron", "tensor_parallel_size": 2}}})
     assert tp2.trainer.ranks == 2  # tensor-parallel ranks are trainer processes (tests/test_megatron_job.py)
     both = RunConfig.model_validate(
-        {"trainer": {"engine": "megatron", "megatron": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}}}
+        {"trainer": {"engine": {"type": "megatron", "tensor_parallel_size": 2, "pipeline_parallel_size": 2}}}
     )
     assert (both.trainer.copy_size, both.trainer.ranks) == (4, 4)  # one copy: tp x pp ranks, all on batches.0
     for bad, error in (
-        ({"megatron": {"pipeline_parallel_size": 0}}, "pipeline_parallel_size"),
-        ({"dp_size": 2}, "dp_size 2 needs engine fsdp: the megatron engine"),
+        ({"engine": {"type": "megatron", "pipeline_parallel_size": 0}}, "pipeline_parallel_size"),
+        ({"engine": "megatron", "dp_size": 2}, "dp_size 2 needs engine fsdp: the megatron engine"),
     ):
         with pytest.raises(ValidationError, match=error):
-            RunConfig.model_validate({"trainer": {"engine": "megatron", **bad}})
+            RunConfig.model_validate({"trainer": bad})
 
 
 def test_engine_without_megatron_core_says_what_to_install(tiny_qwen2: torch.nn.Module, tmp_path: Path) -> None:
     if importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None:
         pytest.skip("megatron-core is installed here")
     from bus.runtime import CannotAttach
-    from consumers.trainer_dist import make_engine
+    from consumers.trainer_dist import configured_engine
     from engines.torch_train import LossConfig
     from schemas.config import RunConfig
 
     cfg = RunConfig.model_validate({"trainer": {"engine": "megatron"}, "model": {"path": str(tmp_path)}})
     # The trainer's one-line start-up error (exit 1, the line said), not a traceback.
     with pytest.raises(CannotAttach, match=r"^trainer.engine megatron needs megatron-core: pip install 'jetrl\[megatron\]'$"):
-        make_engine(cfg, LossConfig(), torch.device("cpu"))
+        configured_engine(cfg, LossConfig(), torch.device("cpu"))

@@ -30,7 +30,7 @@ SIZES = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2
 
 def config(run: str, sizes: str = "tp2") -> dict:
     example = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
-    trainer = {**example["trainer"], "engine": "megatron", "megatron": SIZES[sizes], "checkpoint_every": 2}
+    trainer = {**example["trainer"], "engine": {"type": "megatron", **SIZES[sizes]}, "checkpoint_every": 2}
     return {**example, "run": run, "trainer": trainer}
 
 

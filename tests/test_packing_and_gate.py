@@ -121,7 +121,8 @@ def test_config_errors_name_the_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"trainer.dp_size 5 > the 4 rows of a step"):
         load_config(bad)
     bad.write_text("trainer:\n  engine: deepspeed\n")
-    with pytest.raises(ConfigError, match=r"trainer.engine: Input should be 'torch', 'fsdp' or 'megatron'"):
+    with pytest.raises(ConfigError, match=r"trainer.engine: Input tag 'deepspeed' found using 'type' does not match "
+                                          r"any of the expected tags: 'torch', 'fsdp', 'megatron'"):
         load_config(bad)
     bad.write_text("model:\n  dtype: float16\n")
     with pytest.raises(ConfigError, match=r"model.dtype: Input should be 'float32' or 'bfloat16'"):

@@ -24,7 +24,7 @@ from bus.embedded import EmbeddedNats
 from bus.topology import BATCHES, DEAD, REWARDS, SCORED, Topology
 from consumers.buffer_replay import next_kl_coef
 from bus.crashpoints import BUFFER_STEP_STORED, CRASH_AT, CRASH_RECORD, REFERENCE_MID_SCORING, REFERENCE_STORED_NOT_ACKED
-from consumers.trainer_dist import make_engine
+from consumers.trainer_dist import configured_engine
 from engines.torch_train import LossConfig, TorchTrainEngine
 from ops.audit import audit
 from bus.security import USERS_FILE
@@ -148,5 +148,5 @@ def test_the_trainer_holds_no_reference_copy_when_the_stage_scores_it(tmp_path: 
     base = {"model": {"path": str(tmp_path / "model")}, "algorithm": {"kl_coef": 0.1}}
     for enabled, holds in ((False, True), (True, False)):
         cfg = parse_config({**base, "reference": {"enabled": enabled}})
-        engine = make_engine(cfg, LossConfig(kl_coef=0.1), torch.device("cpu"))
+        engine = configured_engine(cfg, LossConfig(kl_coef=0.1), torch.device("cpu"))
         assert (engine.reference is not None) is holds

@@ -38,13 +38,12 @@ from bus.embedded import EmbeddedNats
 from bus.publisher import Publisher
 from bus.topology import DEAD, PROMPTS, TRAJECTORIES, WEIGHTS, Topology, drop_key
 from consumers.rollout import Rollout, rollout_stage
-from consumers.rollout_replicas import Engine
 from bus.runtime import Runtime, attach, publish_config
 from bus.stage import serve
 from consumers.weights import publish_version
 from consumers.weights.filesystem import FilesystemTransport
 from engines.hf_rollout import HFRolloutEngine
-from engines.protocols import Sample, SamplingParams
+from engines.protocols import RolloutEngine, Sample, SamplingParams
 from schemas import PromptEvent, Tensor, TrajectoryEvent, WeightVersionEvent, decode, encode
 from schemas import SamplingParams as PromptSampling
 from schemas.config import RunConfig
@@ -151,7 +150,7 @@ class RolloutUnderTest:
 
 @asynccontextmanager
 async def served_rollout(
-    url: str, topology: Topology, model_dir: Path, engines: Engine | Sequence[Engine], rollout: dict[str, Any],
+    url: str, topology: Topology, model_dir: Path, engines: RolloutEngine | Sequence[RolloutEngine], rollout: dict[str, Any],
     *, weights: dict[str, Any] | None = None, ack_timeout: float = 10.0,
 ) -> AsyncIterator[tuple[Client, JetStreamContext, Runtime, Rollout]]:
     """A rollout stage built as `consumers.rollout.build` builds it (production options) over

@@ -64,13 +64,15 @@ def test_generate_takes_the_makespan_and_returns_valid_samples() -> None:
 
 
 def test_the_engine_and_its_workload_are_config() -> None:
-    cfg = parse_config({"rollout": {"engine": "simulated", "simulated": {"median_tokens": 200, "sigma": 1.2, "slots": 4}},
+    cfg = parse_config({"rollout": {"engine": {"type": "simulated", "median_tokens": 200, "sigma": 1.2, "slots": 4}},
                         "trainer": {"simulated_seconds_per_token": 1e-4}})
-    assert cfg.rollout.simulated.slots == 4 and cfg.trainer.simulated_seconds_per_token == 1e-4
-    with pytest.raises(ConfigError, match="rollout.engine: Input should be 'hf', 'simulated', 'vllm' or 'sglang'"):
+    assert cfg.rollout.engine.slots == 4 and cfg.trainer.simulated_seconds_per_token == 1e-4
+    with pytest.raises(ConfigError, match="rollout.engine: Input tag 'trtllm' found using 'type' does not match any of "
+                                          "the expected tags: 'hf', 'simulated', 'vllm', 'sglang'"):
         parse_config({"rollout": {"engine": "trtllm"}})
-    with pytest.raises(ConfigError, match="rollout.simulated.slots: Input should be greater than or equal to 1"):
-        parse_config({"rollout": {"simulated": {"slots": 0}}})
+    with pytest.raises(ConfigError, match=r"rollout.engine.slots: Input should be greater than or equal to 1 "
+                                          r"\(type simulated\)"):
+        parse_config({"rollout": {"engine": {"type": "simulated", "slots": 0}}})
 
 
 def test_samples_taken_one_at_a_time_end_with_their_own_length_and_pause_between_tokens() -> None:

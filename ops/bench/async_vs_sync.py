@@ -59,8 +59,8 @@ def bench_config(run: str, mode: str, staleness: int, steps: int) -> RunConfig:
         "run": run, "mode": mode, "algorithm": algorithm,
         "data": {"n": 4, "sampling": {"max_tokens": 56}},
         "trainer": {"steps": steps, "checkpoint_every": 1000, "simulated_seconds_per_token": 0.003},
-        "rollout": {"engine": "simulated", "simulated": {"median_tokens": 3, "sigma": 1.8,
-                                                         "seconds_per_token": 0.02, "slots": SLOTS}},
+        "rollout": {"engine": {"type": "simulated", "median_tokens": 3, "sigma": 1.8,
+                               "seconds_per_token": 0.02, "slots": SLOTS}},
         # The bench replays the run's trajectories afterwards: keep them once scored.
         "streams": {"consumed": "keep"},
     }, f"bench {run}")
