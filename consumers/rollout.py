@@ -1,23 +1,23 @@
 """`python -m consumers.rollout --run R`: prompts in, one trajectory per sample out.
 
-    handler(prompt): tokenize -> the router picks one of the worker's engine replicas
-        (`rollout.replicas`, `rollout.router`; key: `routing_key`) -> that replica's batcher
+    handler(prompt): tokenize -> the router picks one of the worker's engine copies
+        (`rollout.engine_copies`, `rollout.router`; key: `routing_key`) -> that copy's batcher
         generates it with others, or (continuous admission, `rollout.continuous`) each of its
         samples takes an engine slot as one comes free -> publish each trajectory -> return
         (the loop acks the prompt only once all are stored)
         a prompt it can never generate (untokenizable, too long, failing every delivery):
         recorded as dropped in KV (the gate issues another), then dead-lettered
-    batcher, one per replica (`consumers.rollout_replicas`): wait for the gate -> up to
+    batcher, one per copy (`consumers.rollout_copies`): wait for the gate -> up to
         max_batch_prompts of equal sampling -> count it running -> generate in a thread (the
         event loop keeps heartbeating) -> resolve each prompt's future
     weights watcher: each version the weights receiver yields (`consumers.weights.receiver`:
         it follows the weights stream, resolves delta chains, verifies, refuses; generation
-        goes on meanwhile) -> close the gate (no new generation starts on any replica), pause
+        goes on meanwhile) -> close the gate (no new generation starts on any copy), pause
         the engines between two tokens (partial rollout, `rollout.partial`) or drain the
-        running generations, load into each replica in a thread (the event loop keeps
+        running generations, load into each copy in a thread (the event loop keeps
         heartbeating), resume, reopen
 
-The replicas are `rollout.engine` as `engines.build.build_rollout_engines` makes it, held as
+The copies are `rollout.engine` as `engines.build.build_rollout_engines` makes it, held as
 the `RolloutEngine` protocol (a `ContinuousEngine` where samples go one at a time): this stage
 names no engine class and never branches on the engine type.
 
@@ -43,11 +43,11 @@ from opentelemetry import context
 from transformers import AutoTokenizer
 
 from bus import metrics
-from bus.topology import PROMPTS, REFUSED_PROMPT, TRAJECTORIES, drop_key
+from bus.topology import PROMPTS, TRAJECTORIES, drop_key
 from bus.worker import Reject, WorkerOptions
 from consumers.checks import ModelLimits
 from bus.crashpoints import ROLLOUT_MID_WEIGHT_LOAD, ROLLOUT_STORED_NOT_ACKED
-from consumers.rollout_replicas import Pending, Replicas, stepwise
+from consumers.rollout_copies import Pending, EngineCopies, stepwise
 from bus.runtime import Runtime
 from bus.stage import Helper, Stage, run_stage
 from consumers.weights.receiver import WeightsReceiver
@@ -55,6 +55,7 @@ from engines.build import build_rollout_engines
 from engines.model_source import ModelNotFound, resolve_model_path
 from engines.protocols import EngineUnavailable, RolloutEngine, Sample
 from engines.router import Router, RouterError, make_router
+from schemas.kv_records import DropRecord
 from schemas import (
     PromptEvent,
     Tensor,
@@ -70,30 +71,30 @@ class Rollout:
         self, rt: Runtime, engines: RolloutEngine | Sequence[RolloutEngine], tokenizer: object,
         router: Router | None = None,
     ) -> None:
-        """`engines`: the replicas (one engine: one replica); `router`: `rollout.router` when None."""
+        """`engines`: the copies (one engine: one copy); `router`: `rollout.router` when None."""
         self.rt, self.tokenizer = rt, tokenizer
         engines = list(engines) if isinstance(engines, Sequence) else [engines]
         cfg = rt.config.rollout
         router = router or make_router(cfg.router, len(engines), cfg.router_options)
-        self.replicas = Replicas(engines, router, cfg.max_batch_prompts, cfg.engine.type, rt.source, cfg.continuous,
+        self.copies = EngineCopies(engines, router, cfg.max_batch_prompts, cfg.engine.type, rt.source, cfg.continuous,
                                  cfg.partial)
         self.limits = ModelLimits.of(self.engine.model)
         self.receiver = WeightsReceiver(
             rt.js, rt.topology, rt.publisher, rt.config.weights, self.engine.model,
-            member_id=rt.source, version=self.engine.version, handled=self.gate,
+            member_id=rt.source, version=self.engine.version, handled=self.open_for_requests,
         )
         """The weight versions to load, verified; it opens the gate once it has handled the
         first (a worker generates only once it knows the run's current version)."""
 
     @property
     def engine(self) -> RolloutEngine:
-        """The first replica's engine: all replicas serve the same model and version."""
-        return self.replicas.replicas[0].engine
+        """The first copy's engine: all copies serve the same model and version."""
+        return self.copies.copies[0].engine
 
     @property
-    def gate(self) -> asyncio.Event:
-        """Open unless weights are loading (`Replicas.gate`)."""
-        return self.replicas.gate
+    def open_for_requests(self) -> asyncio.Event:
+        """Open unless weights are loading (`EngineCopies.open_for_requests`)."""
+        return self.copies.open_for_requests
 
     def token_ids(self, prompt: PromptEvent) -> list[int]:
         if prompt.token_ids is not None:
@@ -125,7 +126,7 @@ class Rollout:
         dropped: the gate counts it and issues another in its place. Without the record the gate
         waits for a group that never comes and the run stops short of its last step."""
         with contextlib.suppress(KeyWrongLastSequenceError):  # recorded before a restart
-            await self.rt.kv.create(drop_key(prompt.id), f"{REFUSED_PROMPT}{reason}".encode())
+            await self.rt.kv.create(drop_key(prompt.id), DropRecord(reason=reason, refused=True).encode())
 
     async def handle(self, prompt: PromptEvent, msg: Msg) -> None:
         ids = self.checked_token_ids(prompt)
@@ -134,7 +135,7 @@ class Rollout:
         )
         acks, count = [], 0
         # Each sample is stored as soon as it ends (continuous admission), or with its batch.
-        generated = self.replicas.samples(pending, routing_key(prompt))
+        generated = self.copies.samples(pending, routing_key(prompt))
         async with contextlib.aclosing(generated):  # a failed send cancels the samples still generating
             async for index, sample, seconds in generated:
                 trajectory = self.trajectory(prompt, ids, index, sample, seconds)
@@ -147,7 +148,7 @@ class Rollout:
     def trajectory(self, prompt: PromptEvent, ids: list[int], index: int, sample: Sample, seconds: float
                    ) -> TrajectoryEvent:
         """Sample `index` of `prompt` as the event stored, its tokens' versions as the engine computed them."""
-        assert sample.versions is not None  # `Replicas.samples` sets them
+        assert sample.versions is not None  # `EngineCopies.samples` sets them
         return TrajectoryEvent(
             id=f"{prompt.id}/{index}", run=prompt.run, source=self.rt.source, prompt_id=prompt.id,
             sample_index=index, group_size=prompt.n, prompt_ids=Tensor.from_numpy(np.asarray(ids, np.int32)),
@@ -160,32 +161,32 @@ class Rollout:
         )
 
     def batchers(self) -> dict[str, Helper]:
-        """A batcher per replica, by the name a failure is reported under (none with continuous
+        """A batcher per copy, by the name a failure is reported under (none with continuous
         admission: samples go to the engine as they come)."""
-        replicas = self.replicas.replicas
-        if self.replicas.continuous:
+        copies = self.copies.copies
+        if self.copies.continuous:
             return {}
-        if len(replicas) == 1:
-            return {"batcher": functools.partial(self.replicas.batcher, replicas[0])}
-        return {f"batcher {r.index}": functools.partial(self.replicas.batcher, r) for r in replicas}
+        if len(copies) == 1:
+            return {"batcher": functools.partial(self.copies.batcher, copies[0])}
+        return {f"batcher {r.index}": functools.partial(self.copies.batcher, r) for r in copies}
 
     async def watch_weights(self) -> None:
         """Each version the receiver yields (verified, ready): pause, load, resume."""
         async for ready in self.receiver:
             # No token is computed inside: paused between two, or drained.
-            async with self.replicas.quiesced():
+            async with self.copies.quiesced():
                 ROLLOUT_MID_WEIGHT_LOAD(f"v{ready.event.version}")
-                # Into every replica, off the event loop.
-                await self.replicas.load(ready.tensors, ready.event.version)
-            self.gate.set()
+                # Into every copy, off the event loop.
+                await self.copies.load(ready.tensors, ready.event.version)
+            self.open_for_requests.set()
             self.rt.member.report(weight_version=ready.event.version)
             log.info("now serving weights v%d", ready.event.version)
 
 
 def routing_key(prompt: PromptEvent) -> str:
     """What `rollout.router` routes a prompt by: its `task.conversation_id` when the producer
-    sets one (the turns of one conversation share a prefix, cached by the replica that served
-    the last turn), else the prompt id (a redelivered prompt goes back to the same replica)."""
+    sets one (the turns of one conversation share a prefix, cached by the copy that served
+    the last turn), else the prompt id (a redelivered prompt goes back to the same copy)."""
     conversation = prompt.task.get("conversation_id")
     return prompt.id if conversation is None else str(conversation)
 
@@ -193,11 +194,11 @@ def routing_key(prompt: PromptEvent) -> str:
 async def build(rt: Runtime) -> Stage[PromptEvent]:
     """The rollout stage: prompts served by `Rollout.handle`, beside its batcher and weights watcher."""
     cfg = rt.config.rollout
-    router = make_router(cfg.router, cfg.replicas, cfg.router_options)  # a bad router fails before a model loads
+    router = make_router(cfg.router, cfg.engine_copies, cfg.router_options)  # a bad router fails before a model loads
     model = resolve_model_path(rt.config.model.path, rt.config.model.revision)  # a hub id: fetched or cached
     log.info("model %s loads from %s", rt.config.model.path, model)
-    engines = build_rollout_engines(  # seeded apart: replicas do not draw the same samples
-        cfg.engine, model, cfg.replicas, seed=rt.config.data.seed, dtype=rt.config.model.dtype,
+    engines = build_rollout_engines(  # seeded apart: copies do not draw the same samples
+        cfg.engine, model, cfg.engine_copies, seed=rt.config.data.seed, dtype=rt.config.model.dtype,
         continuous=cfg.continuous,
     )
     rollout = Rollout(rt, engines, AutoTokenizer.from_pretrained(model), router)
@@ -206,15 +207,15 @@ async def build(rt: Runtime) -> Stage[PromptEvent]:
 
 
 def rollout_stage(rollout: Rollout) -> Stage[PromptEvent]:
-    """`rollout` as a stage: twice a batch of prompts in flight per replica, so one batch fills
-    while the replica generates the other (with continuous admission: prompts waiting for a
+    """`rollout` as a stage: twice a batch of prompts in flight per copy, so one batch fills
+    while the copy generates the other (with continuous admission: prompts waiting for a
     slot, so that a slot that comes free is taken at once -- at least twice the engine's slots,
     a prompt holding one sample or more)."""
-    per_replica = 2 * rollout.rt.config.rollout.max_batch_prompts
-    if rollout.replicas.continuous:
-        per_replica = max(per_replica, 2 * max(stepwise(e).slots for e in rollout.replicas.engines))
+    per_copy = 2 * rollout.rt.config.rollout.max_batch_prompts
+    if rollout.copies.continuous:
+        per_copy = max(per_copy, 2 * max(stepwise(e).slots for e in rollout.copies.engines))
     return Stage(
-        PROMPTS, rollout.handle, WorkerOptions(concurrency=per_replica * len(rollout.replicas.replicas)),
+        PROMPTS, rollout.handle, WorkerOptions(concurrency=per_copy * len(rollout.copies.copies)),
         helpers={**rollout.batchers(), "weights watcher": rollout.watch_weights},
         on_dead=rollout.dropped,
     )

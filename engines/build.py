@@ -3,7 +3,7 @@ protocol a stage calls. No stage names an engine class; adding an engine is its 
 `engines/`, its section in the config's union and its case here (docs/engines.md).
 
     rollout.engine {type: hf | simulated | vllm | sglang, ...}
-        -> build_rollout_engines -> [RolloutEngine] x rollout.replicas (each a ContinuousEngine
+        -> build_rollout_engines -> [RolloutEngine] x rollout.engine_copies (each a ContinuousEngine
            where the engine takes samples one at a time and `rollout.continuous` asks for it)
     trainer.engine {type: torch | fsdp | megatron, ...}
         -> build_train_engine -> TrainEngine (a ShardedTrainEngine for fsdp)
@@ -44,7 +44,7 @@ and the continuous adapter's)."""
 
 def build_rollout_engines(settings: RolloutEngineConfig, model: Path, copies: int, *, seed: int,
                           dtype: DTypeName, continuous: bool) -> list[RolloutEngine]:
-    """`copies` engines of `settings` (`rollout.replicas`), each its own copy of the model,
+    """`copies` engines of `settings` (`rollout.engine_copies`), each its own copy of the model,
     seeded apart (`seed + i`) so that they do not draw the same samples."""
     return [
         build_rollout_engine(settings, model, seed=seed + i, dtype=dtype, continuous=continuous)

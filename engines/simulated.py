@@ -68,7 +68,7 @@ class SimulatedRolloutEngine:
     vocabulary, context and weight manifest); it never runs. Calls of `generate` from
     several threads share the slots one after the other (one engine, one set of slots);
     `generate_sample` is for up to `slots` threads at once, the caller keeping that count
-    (`consumers.rollout_replicas`).
+    (`consumers.rollout_copies`).
     """
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, eos_token_id: int, settings: SimulatedSettings) -> None:

@@ -118,7 +118,7 @@ def test_bench_logprobs_quick() -> None:
 
 @pytest.mark.timeout(300)
 def test_bench_replicas_quick() -> None:
-    figures = last_json(["ops.bench.replicas", "--quick", "--repeats", "1"], timeout=280)
+    figures = last_json(["ops.bench.engine_copies", "--quick", "--repeats", "1"], timeout=280)
     assert figures["quick"] is True and figures["prompts"] > figures["max_batch_prompts"]
     assert figures["tokens_per_s_1"] > 0 and figures["tokens_per_s_2"] > 0
 

@@ -222,7 +222,7 @@ def test_the_rollout_worker_drives_the_vllm_adapter_through_a_version_change(
         await publish_config(await js.key_value(topology.kv_bucket), config)
         rt = await attach("rollout", topology.run, nats_server.url)
         rollout = Rollout(rt, engine, AutoTokenizer.from_pretrained(model_dir))
-        assert rollout.replicas.continuous and rollout.replicas.partial
+        assert rollout.copies.continuous and rollout.copies.partial
         stop = asyncio.Event()
         loop = asyncio.create_task(serve(rt, rollout_stage(rollout), stop))
         try:

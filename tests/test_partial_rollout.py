@@ -131,7 +131,7 @@ async def worker(url: str, topology: Topology, model_dir: Path, partial: bool) -
     engine = RecordingSimulated(model_dir)
     rollout = {"engine": "simulated", "partial": partial}
     async with served_rollout(url, topology, model_dir, engine, rollout) as (_, js, _, served):
-        assert served.replicas.continuous and served.replicas.partial == partial
+        assert served.copies.continuous and served.copies.partial == partial
         yield js, engine
 
 

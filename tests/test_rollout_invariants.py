@@ -441,7 +441,7 @@ def test_a_version_whose_file_is_damaged_or_pruned_leaves_the_worker_serving_the
             await announce(damaged)
             await eventually(lambda: w.engine.version != 1 or dead_stored(w, 1), "v2 was loaded or refused")
             assert w.engine.version == 1, f"the damaged v2 was loaded: now v{w.engine.version}"
-            assert w.rollout.gate.is_set(), "v2 refused, yet the gate stayed closed"
+            assert w.rollout.open_for_requests.is_set(), "v2 refused, yet the gate stayed closed"
             before = len(w.engine.of("generate"))
             await w.publish_prompt()
             await eventually(lambda: len(w.engine.of("generate")) > before, "a prompt was generated after v2")
@@ -451,7 +451,7 @@ def test_a_version_whose_file_is_damaged_or_pruned_leaves_the_worker_serving_the
             Path(pruned.location).unlink()
             await announce(loading)
             # The watcher handles one event at a time: both come while v3 loads (the gate shut).
-            await eventually(lambda: not w.rollout.gate.is_set(), "v3 began to load")
+            await eventually(lambda: not w.rollout.open_for_requests.is_set(), "v3 began to load")
             await announce(pruned)
             await announce(newest)
             await eventually(lambda: w.engine.version == 5, "v5 was loaded")

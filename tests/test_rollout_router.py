@@ -164,7 +164,7 @@ def test_a_weights_load_drains_and_loads_every_replica_and_no_generation_spans_t
                                      f"two generations on each replica before v{version}")
                     await w.publish_weights(version)
                     # The gate reopens once the load is over (checked below: on every replica).
-                    await eventually(lambda: w.engine.version == version and w.rollout.gate.is_set(),  # noqa: B023
+                    await eventually(lambda: w.engine.version == version and w.rollout.open_for_requests.is_set(),  # noqa: B023
                                      f"v{version} was loaded")
             finally:
                 stop.set()

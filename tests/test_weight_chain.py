@@ -119,6 +119,6 @@ def test_rollout_workers_follow_delta_versions_bit_for_bit_and_a_late_one_catche
                     after = x.engine.of("generate")[before[name]:]
                     assert after, f"{name} generated nothing in {PROMPTS_TO_REACH_BOTH} prompts after v4"
                     assert [g.version_at_start for g in after] == [3] * len(after), f"{name} left v3"
-                    assert x.rollout.gate.is_set(), f"{name}'s gate stayed closed"
+                    assert x.rollout.open_for_requests.is_set(), f"{name}'s gate stayed closed"
 
     asyncio.run(main())

@@ -1,23 +1,23 @@
-"""The rollout worker's engine replicas: a router in front, a batcher per replica, one weights gate.
+"""The rollout worker's engine copies: a router in front, a batcher per copy, one weights gate.
 
-    submit(pending, key): the router picks a replica from its key and the prompts each has in
-        flight -> the prompt joins that replica's queue (counted in flight until generated)
-    batcher(replica), one per replica: wait for the gate -> up to max_batch_prompts of equal
+    submit(pending, key): the router picks a copy from its key and the prompts each has in
+        flight -> the prompt joins that copy's queue (counted in flight until generated)
+    batcher(copy), one per copy: wait for the gate -> up to max_batch_prompts of equal
         sampling from its queue -> count it running -> generate in a thread (the event loop
         keeps heartbeating) -> resolve each prompt's future
     samples(pending, key), continuous admission (`rollout.continuous`, engines that are a
         `ContinuousEngine`: the simulated one): no batcher; each of the prompt's n samples
-        takes one of the replica's `slots` as one comes free -> `generate_sample` in the
-        replica's own threads -> each sample is handed back as soon as it ends
-    quiesced(): close the gate (no generation starts on any replica), then
-        partial rollout (`rollout.partial`, continuous engines): pause every replica's engine
+        takes one of the copy's `slots` as one comes free -> `generate_sample` in the
+        copy's own threads -> each sample is handed back as soon as it ends
+    quiesced(): close the gate (no generation starts on any copy), then
+        partial rollout (`rollout.partial`, continuous engines): pause every copy's engine
             between two tokens; the samples in flight go on with the new weights after `load`
-        otherwise: drain the running generations on all replicas
-    load(tensors, version): copy the one CPU copy of the weights into each replica's model in
+        otherwise: drain the running generations on all copies
+    load(tensors, version): the one CPU copy of the weights into each engine copy's model, in
         a thread (inside `quiesced`, which then resumes and the caller reopens the gate)
 
-Every token comes from one version: a replica's engine changes weights only inside
-`quiesced`, while no token is computed on any replica and none can start. Without partial
+Every token comes from one version: a copy's engine changes weights only inside
+`quiesced`, while no token is computed on any copy and none can start. Without partial
 rollout every generation comes from one version too; with it, a sample's tokens record the
 versions that computed them (`Sample.versions`), which never go backwards.
 """
@@ -55,7 +55,7 @@ class Pending:
 
 
 @dataclass
-class Replica:
+class EngineCopy:
     """One engine and the prompts routed to it."""
 
     index: int
@@ -71,93 +71,93 @@ class Replica:
     """Continuous admission: one thread per slot, each running one `generate_sample`."""
 
 
-class Replicas:
+class EngineCopies:
     def __init__(self, engines: Sequence[RolloutEngine], router: Router, max_batch_prompts: int, engine_name: str,
                  worker: str, continuous: bool = False, partial: bool = False) -> None:
         """`continuous`, `partial`: `rollout.continuous` and `rollout.partial`, taken only where
         every engine is a `ContinuousEngine` (the others are given batches and drained)."""
         if not engines:
-            raise ValueError("a rollout worker needs at least one engine replica")
-        self.replicas = [Replica(i, engine) for i, engine in enumerate(engines)]
+            raise ValueError("a rollout worker needs at least one engine copy")
+        self.copies = [EngineCopy(i, engine) for i, engine in enumerate(engines)]
         self.continuous = continuous and all(isinstance(e, ContinuousEngine) for e in engines)
         self.partial = partial and self.continuous
-        for r in self.replicas if self.continuous else ():
+        for r in self.copies if self.continuous else ():
             slots = stepwise(r.engine).slots
             r.slots = asyncio.Semaphore(slots)
-            r.threads = ThreadPoolExecutor(slots, thread_name_prefix=f"rollout-replica-{r.index}")
+            r.threads = ThreadPoolExecutor(slots, thread_name_prefix=f"rollout-copy-{r.index}")
         self.router, self.max_batch_prompts = router, max_batch_prompts
         self.engine_name, self.worker = engine_name, worker
         # Open (set) unless weights are loading. It starts closed: a worker that joins a
         # running job must not generate with its base model (v0) while the latest version
         # loads — those samples would only be dropped as stale. The first weights event
         # (the trainer publishes v0 at its start) opens it.
-        self.gate = asyncio.Event()
-        # Generations started and not yet returned, on all replicas; a load waits for `idle`.
+        self.open_for_requests = asyncio.Event()
+        # Generations started and not yet returned, on all copies; a load waits for `idle`.
         self.running = 0
         self.idle = asyncio.Event()
         self.idle.set()
         self.quiet = False
-        """True inside `quiesced`: no token is being computed on any replica."""
+        """True inside `quiesced`: no token is being computed on any copy."""
 
     @property
     def engines(self) -> list[RolloutEngine]:
-        return [r.engine for r in self.replicas]
+        return [r.engine for r in self.copies]
 
-    def route(self, key: str | None) -> Replica:
-        in_flight = [r.in_flight for r in self.replicas]
+    def route(self, key: str | None) -> EngineCopy:
+        in_flight = [r.in_flight for r in self.copies]
         index = self.router.pick(key, in_flight)
-        if not isinstance(index, int) or not 0 <= index < len(self.replicas):
-            raise RouterError(f"router {type(self.router).__name__} picked replica {index!r} of {len(self.replicas)}")
-        return self.replicas[index]
+        if not isinstance(index, int) or not 0 <= index < len(self.copies):
+            raise RouterError(f"router {type(self.router).__name__} picked copy {index!r} of {len(self.copies)}")
+        return self.copies[index]
 
     async def submit(self, pending: Pending, key: str | None) -> tuple[list[protocols.Sample], int, float]:
-        """`pending` generated on the replica the router picks: its samples, version and seconds."""
-        replica = self.route(key)
-        replica.in_flight += 1
-        replica.queue.append(pending)
-        replica.wake.set()
+        """`pending` generated on the copy the router picks: its samples, version and seconds."""
+        copy = self.route(key)
+        copy.in_flight += 1
+        copy.queue.append(pending)
+        copy.wake.set()
         try:
             return await pending.done
         finally:
-            replica.in_flight -= 1
-            if pending in replica.queue:  # the handler was cancelled before its batch was taken
-                replica.queue.remove(pending)
+            copy.in_flight -= 1
+            if pending in copy.queue:  # the handler was cancelled before its batch was taken
+                copy.queue.remove(pending)
 
-    async def batcher(self, replica: Replica) -> None:
+    async def batcher(self, copy: EngineCopy) -> None:
         while True:
-            await replica.wake.wait()
+            await copy.wake.wait()
             await asyncio.sleep(0.02)  # let a fetch's worth of prompts arrive together
             # Checked again on waking: a load may have closed the gate between the set that
             # woke this task and now. From the check to `running += 1` nothing awaits, so a
             # load that closes the gate after it sees this generation as running.
-            while not self.gate.is_set():
-                await self.gate.wait()
-            if not replica.queue:  # its prompts' handlers were cancelled meanwhile
-                replica.wake.clear()
+            while not self.open_for_requests.is_set():
+                await self.open_for_requests.wait()
+            if not copy.queue:  # its prompts' handlers were cancelled meanwhile
+                copy.wake.clear()
                 continue
-            first = replica.queue[0]
-            same = [p for p in replica.queue if (p.prompt.n, p.prompt.sampling) == (first.prompt.n, first.prompt.sampling)]
+            first = copy.queue[0]
+            same = [p for p in copy.queue if (p.prompt.n, p.prompt.sampling) == (first.prompt.n, first.prompt.sampling)]
             batch = same[: self.max_batch_prompts]
-            replica.queue = [p for p in replica.queue if p not in batch]
-            if not replica.queue:
-                replica.wake.clear()
+            copy.queue = [p for p in copy.queue if p not in batch]
+            if not copy.queue:
+                copy.wake.clear()
             self.running += 1
             self.idle.clear()
             try:
-                await self.generate(replica, batch)
+                await self.generate(copy, batch)
             finally:
                 self.running -= 1
                 if not self.running:
                     self.idle.set()
 
-    async def generate(self, replica: Replica, batch: list[Pending]) -> None:
-        """Generate `batch` on `replica` in a thread; resolve each prompt's future."""
-        first, engine = batch[0], replica.engine
+    async def generate(self, copy: EngineCopy, batch: list[Pending]) -> None:
+        """Generate `batch` on `copy` in a thread; resolve each prompt's future."""
+        first, engine = batch[0], copy.engine
         s = first.prompt.sampling
         params = protocols.SamplingParams(s.temperature, s.top_p, s.max_tokens, s.stop_token_ids)
         version, started = engine.version, time.perf_counter()
         try:
-            parents = [(p.trace, self.span_attributes(p, version, len(batch), replica.index)) for p in batch]
+            parents = [(p.trace, self.span_attributes(p, version, len(batch), copy.index)) for p in batch]
             with tracing.spans_in("generate", parents) as spans:
                 ROLLOUT_MID_GENERATION(f"{len(batch)} prompts from {first.prompt.id}")
                 groups = await asyncio.to_thread(engine.generate, [p.token_ids for p in batch], first.prompt.n, params)
@@ -174,21 +174,21 @@ class Replicas:
             if not p.done.done():
                 p.done.set_result((samples, version, seconds))
 
-    def span_attributes(self, pending: Pending, version: int, batch_prompts: int, replica: int) -> dict[str, str | int]:
-        """What a prompt's `generate` span says: which prompt, weights, engine, worker, replica, batch."""
+    def span_attributes(self, pending: Pending, version: int, batch_prompts: int, copy: int) -> dict[str, str | int]:
+        """What a prompt's `generate` span says: which prompt, weights, engine, worker, copy, batch."""
         return {
             "jetrl.prompt_id": pending.prompt.id, "jetrl.policy_version": version, "jetrl.engine": self.engine_name,
-            "jetrl.worker": self.worker, "jetrl.replica": replica, "jetrl.samples": pending.prompt.n,
+            "jetrl.worker": self.worker, "jetrl.engine_copy": copy, "jetrl.samples": pending.prompt.n,
             "jetrl.prompt_tokens": len(pending.token_ids), "jetrl.batch_prompts": batch_prompts,
         }
 
     @contextlib.asynccontextmanager
     async def quiesced(self) -> AsyncIterator[None]:
-        """While inside, no token is computed on any replica: the gate is closed (no generation
+        """While inside, no token is computed on any copy: the gate is closed (no generation
         starts) and either every engine is paused between tokens (partial rollout) or the
         running generations have drained. The engines resume on the way out; the caller
         reopens the gate."""
-        self.gate.clear()
+        self.open_for_requests.clear()
         if not self.partial:
             while self.running:
                 await self.idle.wait()
@@ -212,17 +212,17 @@ class Replicas:
                 engine.resume()
 
     async def load(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Copy `tensors` into every replica's model; only inside `quiesced`.
+        """Copy `tensors` into every copy's model; only inside `quiesced`.
 
-        One replica after another, each in a thread (a large model takes seconds, and the
+        One copy after another, each in a thread (a large model takes seconds, and the
         event loop must keep heartbeating the prompts it holds); the tensors are the one CPU
         copy, read by each `load_state_dict`."""
-        assert self.quiet and not self.gate.is_set(), "a load while generation may run"
-        for replica in self.replicas:
-            await asyncio.to_thread(replica.engine.load_state_dict, tensors, version=version)
+        assert self.quiet and not self.open_for_requests.is_set(), "a load while generation may run"
+        for copy in self.copies:
+            await asyncio.to_thread(copy.engine.load_state_dict, tensors, version=version)
 
     async def samples(self, pending: Pending, key: str | None) -> AsyncIterator[tuple[int, protocols.Sample, float]]:
-        """`pending`'s samples as each ends, on the replica the router picks: (index, sample,
+        """`pending`'s samples as each ends, on the copy the router picks: (index, sample,
         seconds it generated). Batch engines: all at once, when their batch returns."""
         if not self.continuous:
             samples, version, seconds = await self.submit(pending, key)
@@ -230,40 +230,40 @@ class Replicas:
                 yield index, dataclasses.replace(sample, versions=torch.full((len(sample.token_ids),), version,
                                                                              dtype=torch.int32)), seconds
             return
-        replica = self.route(key)
-        replica.in_flight += 1
-        tasks = [asyncio.create_task(self.generate_one(replica, pending, i)) for i in range(pending.prompt.n)]
+        copy = self.route(key)
+        copy.in_flight += 1
+        tasks = [asyncio.create_task(self.generate_one(copy, pending, i)) for i in range(pending.prompt.n)]
         try:
             for done in asyncio.as_completed(tasks):
                 yield await done
         finally:  # a handler cancelled (or failed) leaves no sample behind it waiting for a slot
-            replica.in_flight -= 1
+            copy.in_flight -= 1
             for task in tasks:
                 task.cancel()
 
-    async def generate_one(self, replica: Replica, pending: Pending, index: int) -> tuple[int, protocols.Sample, float]:
-        """Sample `index` of `pending` on one of `replica`'s slots, in one of its threads."""
-        assert replica.slots is not None and replica.threads is not None
-        engine = stepwise(replica.engine)
+    async def generate_one(self, copy: EngineCopy, pending: Pending, index: int) -> tuple[int, protocols.Sample, float]:
+        """Sample `index` of `pending` on one of `copy`'s slots, in one of its threads."""
+        assert copy.slots is not None and copy.threads is not None
+        engine = stepwise(copy.engine)
         s = pending.prompt.sampling
         params = protocols.SamplingParams(s.temperature, s.top_p, s.max_tokens, s.stop_token_ids)
-        await replica.slots.acquire()
+        await copy.slots.acquire()
         job: Future[tuple[protocols.Sample, float]] | None = None
         try:
             # From the gate's check to `running += 1` nothing awaits: a load that closes the
             # gate after the check sees this sample as running (drained, or paused mid-way).
-            while not self.gate.is_set():
-                await self.gate.wait()
-            attributes = self.span_attributes(pending, engine.version, 1, replica.index)
+            while not self.open_for_requests.is_set():
+                await self.open_for_requests.wait()
+            attributes = self.span_attributes(pending, engine.version, 1, copy.index)
             with tracing.spans_in("generate", [(pending.trace, attributes)]) as spans:
                 ROLLOUT_MID_GENERATION(f"sample {index} of {pending.prompt.id}")
-                job = replica.threads.submit(timed, engine.generate_sample, pending.token_ids, params)
-                self.started(job, replica.slots)
+                job = copy.threads.submit(timed, engine.generate_sample, pending.token_ids, params)
+                self.started(job, copy.slots)
                 sample, seconds = await asyncio.wrap_future(job)
                 spans[0].set_attribute("jetrl.tokens", len(sample.token_ids))
         except BaseException:
             if job is None:  # the slot was never handed to a thread (which gives it back when it ends)
-                replica.slots.release()
+                copy.slots.release()
             raise
         metrics.GENERATE_SECONDS.record(seconds, {"engine": self.engine_name})
         return index, sample, seconds
@@ -289,7 +289,7 @@ class Replicas:
 
 
 def stepwise(engine: RolloutEngine) -> ContinuousEngine:
-    """`engine` as the `ContinuousEngine` it is with continuous admission (`Replicas.continuous`
+    """`engine` as the `ContinuousEngine` it is with continuous admission (`EngineCopies.continuous`
     is set only when every engine is one)."""
     return cast(ContinuousEngine, engine)
 

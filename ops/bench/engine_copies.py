@@ -1,12 +1,12 @@
-"""`python -m ops.bench.replicas [--quick] [--replicas N] [--repeats R]`: what engine replicas in one rollout worker buy.
+"""`python -m ops.bench.engine_copies [--quick] [--copies N] [--repeats R]`: what engine copies in one rollout worker buy.
 
-The rollout worker's own replica layer (`consumers.rollout_replicas.Replicas`: the router, a
-batcher per replica, generation in threads) with the tiny HF model on this machine's CPU,
+The rollout worker's own copy layer (`consumers.rollout_copies.EngineCopies`: the router, a
+batcher per copy, generation in threads) with the tiny HF model on this machine's CPU,
 one torch thread per generation as the worker sets it: all prompts submitted at once, the
-time until the last is generated. Baseline in the same run: one replica. Each set-up is
+time until the last is generated. Baseline in the same run: one copy. Each set-up is
 timed `--repeats` times, alternating, and the median kept. Tokens counted are response
 tokens (sampling at temperature 1 stops at eos, so lengths vary; every set-up draws with
-the same seeds). ratio = response tokens/s with N replicas / with one (least_in_flight).
+the same seeds). ratio = response tokens/s with N copies / with one (least_in_flight).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from opentelemetry import context
 
-from consumers.rollout_replicas import Pending, Replicas
+from consumers.rollout_copies import Pending, EngineCopies
 from engines.hf_rollout import HFRolloutEngine
 from engines.router import make_router
 from engines.tiny import build_tiny_model
@@ -48,12 +48,12 @@ def prompts(count: int, max_tokens: int) -> list[PromptEvent]:
     ]
 
 
-async def generate_all(model_dir: Path, replicas: int, events: list[PromptEvent]) -> tuple[float, int]:
-    """(seconds, response tokens) to generate `events` on `replicas` fresh replicas."""
-    engines = [HFRolloutEngine(model_dir, seed=i) for i in range(replicas)]
-    layer = Replicas(engines, make_router("least_in_flight", replicas), BATCH, "hf", "bench")
-    layer.gate.set()
-    batchers = [asyncio.create_task(layer.batcher(r)) for r in layer.replicas]
+async def generate_all(model_dir: Path, copies: int, events: list[PromptEvent]) -> tuple[float, int]:
+    """(seconds, response tokens) to generate `events` on `copies` fresh copies."""
+    engines = [HFRolloutEngine(model_dir, seed=i) for i in range(copies)]
+    layer = EngineCopies(engines, make_router("least_in_flight", copies), BATCH, "hf", "bench")
+    layer.open_for_requests.set()
+    batchers = [asyncio.create_task(layer.batcher(r)) for r in layer.copies]
     loop = asyncio.get_running_loop()
     try:
         started = time.perf_counter()
@@ -71,27 +71,27 @@ async def generate_all(model_dir: Path, replicas: int, events: list[PromptEvent]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer prompts, shorter responses")
-    parser.add_argument("--replicas", type=int, default=2, help="replicas measured against one")
+    parser.add_argument("--copies", type=int, default=2, help="copies measured against one")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)  # as `python -m consumers.rollout` does
     size = SIZES["quick" if args.quick else "full"]
     events = prompts(size["prompts"], size["max_tokens"])
-    runs: dict[int, list[tuple[float, int]]] = {1: [], args.replicas: []}
+    runs: dict[int, list[tuple[float, int]]] = {1: [], args.copies: []}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(Path(tmp) / "model", VOCAB)
         asyncio.run(generate_all(model_dir, 1, events[:BATCH]))  # warm-up: first-call costs out of the figures
         for _ in range(args.repeats):
-            for replicas, timed in runs.items():
-                timed.append(asyncio.run(generate_all(model_dir, replicas, events)))
+            for copies, timed in runs.items():
+                timed.append(asyncio.run(generate_all(model_dir, copies, events)))
     rate = {r: statistics.median(tokens / seconds for seconds, tokens in timed) for r, timed in runs.items()}
     figures = {
-        "bench": "replicas", "quick": args.quick, "prompts": len(events), "n": N, "max_batch_prompts": BATCH,
+        "bench": "copies", "quick": args.quick, "prompts": len(events), "n": N, "max_batch_prompts": BATCH,
         "max_tokens": size["max_tokens"], "torch_threads": 1, "repeats": args.repeats,
-        "tokens_per_s_1": round(rate[1], 1), f"tokens_per_s_{args.replicas}": round(rate[args.replicas], 1),
+        "tokens_per_s_1": round(rate[1], 1), f"tokens_per_s_{args.copies}": round(rate[args.copies], 1),
         "seconds_1": [round(s, 3) for s, _ in runs[1]],
-        f"seconds_{args.replicas}": [round(s, 3) for s, _ in runs[args.replicas]],
-        "ratio": round(rate[args.replicas] / rate[1], 3),
+        f"seconds_{args.copies}": [round(s, 3) for s, _ in runs[args.copies]],
+        "ratio": round(rate[args.copies] / rate[1], 3),
     }
     print(json.dumps(figures))
 
