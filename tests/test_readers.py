@@ -8,7 +8,7 @@
   the caller refuses goes the same way.
 - Closing a reader unsubscribes: its consumer has no subscriber left.
 - Outside bus/, no code calls nats-py to subscribe, open a consumer or get a stored message
-  (an explicit allow-list, empty for the main job once the weights receiver has the rollout's).
+  (an explicit allow-list, empty for the main job).
 """
 
 from __future__ import annotations
@@ -223,12 +223,7 @@ RAW_READS = {
 }
 """nats-py calls that open a subscription or consumer or read a stored message: bus/ only."""
 ALLOWED: dict[str, set[str]] = {
-    # The main job: empty, but for this one file.
-    "consumers/rollout.py": {
-        "subscribe",
-        "get_last_msg",
-        "get_msg",
-    },  # converted by the weights receiver
+    # The main job: none.
     # Operator tools, where the raw client call is what a benchmark measures.
     "ops/bench/bus.py": {"pull_subscribe_bind"},
     "ops/bench/weights.py": {"subscribe"},
