@@ -62,10 +62,14 @@ class Membership:
         kv = await js.key_value(topology.members_bucket)
         ttl = (await kv.status()).ttl or topology.member_ttl
         membership = cls(kv, role, interval=ttl / BEATS_PER_TTL)
-        await membership._put()
+        await membership.put()
         if background:
-            membership._task = asyncio.create_task(membership.beat())
+            membership.beat_in_background()
         return membership
+
+    def beat_in_background(self) -> None:
+        """Heartbeat from a task of this object's own (a process with no stage runner)."""
+        self._task = asyncio.create_task(self.beat())
 
     @property
     def background(self) -> bool:
@@ -90,11 +94,12 @@ class Membership:
                     await self._changed.wait()
             self._changed.clear()
             try:
-                await self._put()
+                await self.put()
             except nats.errors.Error as exc:  # reconnecting: the work goes on, the next beat retries
                 log.warning("membership heartbeat failed: %s", exc)
 
-    async def _put(self) -> None:
+    async def put(self) -> None:
+        """Write the entry now, with the time of writing."""
         self.member = self.member.model_copy(update={"updated_at": time.time()})
         await self.kv.put(self.key, self.member.encode())
 
