@@ -59,7 +59,8 @@ def identity_path(role: str, directory: Path) -> Path:
 
 
 def connect_options(path: str | Path | None) -> dict[str, str]:
-    """nats-py `connect` options for the identity at `path` (`$JETRL_NATS_IDENTITY` if None; none if unset)."""
+    """nats-py `connect` options for the identity at `path` (`$JETRL_NATS_IDENTITY` if None;
+    none if unset)."""
     chosen = path if path is not None else os.environ.get(IDENTITY_ENV) or None
     if chosen is None:
         return {}
@@ -74,5 +75,6 @@ def connect_options(path: str | Path | None) -> dict[str, str]:
         raise IdentityError(f"identity file {file}: mode {stat.S_IMODE(info.st_mode):o} lets others read it; "
                             f"chmod 600 {file}")
     if info.st_uid != os.geteuid():
-        raise IdentityError(f"identity file {file}: owned by uid {info.st_uid}, not by this process's {os.geteuid()}")
+        raise IdentityError(f"identity file {file}: owned by uid {info.st_uid}, "
+                            f"not by this process's {os.geteuid()}")
     return {"user_credentials": str(file)} if file.suffix == CREDS_SUFFIX else {"nkeys_seed": str(file)}

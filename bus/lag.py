@@ -1,7 +1,8 @@
 """How far behind each work queue of a run is, read one way by everything that shows it.
 
 The producer's progress line (and the queue-depth gauge), `ops.status`, `ops.streams` and
-`ops.chaos` all read the durables of the run's work queues (`Topology.work_queues`) through `queue_lag`.
+`ops.chaos` all read the durables of the run's work queues
+(`Topology.work_queues`) through `queue_lag`.
 """
 
 from __future__ import annotations

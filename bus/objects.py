@@ -28,7 +28,8 @@ TICK = 0.5
 
 
 class ObjectMissing(LookupError):
-    """The object is not there: never stored, deleted, or replaced (its chunks purged) while read."""
+    """The object is not there: never stored, deleted, or replaced
+    (its chunks purged) while read."""
 
 
 class ObjectCorrupt(ValueError):
@@ -123,7 +124,8 @@ async def read_chunks(
         await sub.unsubscribe()
     if (offset, chunks) != (size, count):
         raise ObjectCorrupt(
-            f"object {info.name!r}: {chunks} chunks of {offset} bytes, its metadata says {count} of {size}"
+            f"object {info.name!r}: {chunks} chunks of {offset} bytes, "
+            f"its metadata says {count} of {size}"
         )
 
 

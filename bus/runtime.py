@@ -69,7 +69,8 @@ async def attach(
     role: str, run: str, url: str, replicas: int = 1, wait: float = 120.0, beat_in_background: bool = True,
     rank: int = 0, identity: str | Path | None = None,
 ) -> Runtime:
-    """Connect, apply the run's topology, wait (up to `wait` s) for its config in KV, join the members.
+    """Connect, apply the run's topology, wait (up to `wait` s) for its config in KV,
+    join the members.
 
     The membership heartbeat runs as a task of its own unless not `beat_in_background`: a
     stage (`bus.stage`) runs `rt.member.beat()` under its TaskGroup instead."""

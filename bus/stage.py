@@ -48,7 +48,8 @@ MEMBERSHIP = "membership heartbeat"
 """The helper every stage runs: its entry in the run's members bucket."""
 
 LOSS_GUARD = "loss guard"
-"""The helper of every stage that serves a work queue: reports work its stream deleted unacked (`bus.loss`)."""
+"""The helper of every stage that serves a work queue: reports work its stream deleted unacked
+(`bus.loss`)."""
 
 Helper = Callable[[], Coroutine[Any, Any, None]]
 MainLoop = Callable[[asyncio.Event], Coroutine[Any, Any, None]]
@@ -77,7 +78,8 @@ Builder = Callable[[Runtime], Awaitable[Stage[Any]]]
 
 
 class StageFailed(Exception):
-    """A helper or the worker loop of a stage failed; the process exits for the fleet to restart it."""
+    """A helper or the worker loop of a stage failed; the process exits for the fleet to restart
+    it."""
 
 
 async def serve(rt: Runtime, stage: Stage[Any], stop: asyncio.Event) -> None:
@@ -173,7 +175,8 @@ async def _unless_stopped(step: Coroutine[Any, Any, T], stop: asyncio.Event) -> 
 def run_stage(
     role: str, build: Builder, description: str, *one_line: type[Exception], with_rank: bool = False
 ) -> None:
-    """`python -m consumers.<role> --run R [--nats URL] [--replicas N] [--rank K]`: run `build`'s stage.
+    """`python -m consumers.<role> --run R [--nats URL] [--replicas N] [--rank K]`:
+    run `build`'s stage.
 
     CannotAttach, StageFailed and the `one_line` types (a builder's refusal to start) end the
     process with one line on stderr and exit status 1.

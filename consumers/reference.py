@@ -1,4 +1,5 @@
-"""`python -m consumers.reference --run R [--nats URL]`: rewards in, rewards with reference log-probs out.
+"""`python -m consumers.reference --run R [--nats URL]`: rewards in,
+rewards with reference log-probs out.
 
 The stage between reward and buffer when the run has `reference.enabled` (verl's reference
 workers): each scored sample's response is scored again, by the frozen initial model
@@ -130,7 +131,7 @@ async def build(rt: Runtime) -> Stage[RewardEvent]:
 
 
 def main() -> None:
-    run_stage("reference", build, __doc__.splitlines()[0])
+    run_stage("reference", build, __doc__.split("\n\n")[0])
 
 
 if __name__ == "__main__":

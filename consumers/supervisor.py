@@ -164,7 +164,8 @@ class Supervisor:
         return [name for name, child in self.children.items() if child.state == "gave up"]
 
     def stop(self) -> None:
-        """SIGTERM every running worker (they drain), SIGKILL those still running after stop_timeout."""
+        """SIGTERM every running worker (they drain), SIGKILL those still running after
+        stop_timeout."""
         running = {c.name: c.proc for c in self.children.values() if c.state == "running" and c.proc is not None}
         for proc in running.values():
             proc.send_signal(signal.SIGTERM)
@@ -181,7 +182,8 @@ class Supervisor:
                 child.state = "stopped"
 
     def serve(self, stop: threading.Event) -> int:
-        """The fleet's loop: start, supervise until `stop` is set or nothing is left, stop; the exit code."""
+        """The fleet's loop: start, supervise until `stop` is set or nothing is left, stop;
+        the exit code."""
         self.start()
         while not stop.is_set() and not self.finished:
             self.poll()

@@ -60,7 +60,8 @@ PROBE_SECONDS = 5.0
 
 
 class RendezvousFailed(CannotAttach):
-    """This rank cannot join its group, or its group broke: said in one line (the process exits 1)."""
+    """This rank cannot join its group, or its group broke: said in one line
+    (the process exits 1)."""
 
 
 @dataclass
@@ -131,11 +132,13 @@ async def join(rt: Runtime, rank: int, device: torch.device) -> Group:
         except (KeyError, ValueError):
             raise RendezvousFailed("trainer.dist_init env: RANK and WORLD_SIZE must be set (start it with torchrun)") from None
         if size != world:
-            raise RendezvousFailed(f"torchrun started {size} ranks, the trainer has {world} (trainer.dp_size x tensor x pipeline parallel)")
+            raise RendezvousFailed(f"torchrun started {size} ranks, the trainer has {world} "
+                                   "(trainer.dp_size x tensor x pipeline parallel)")
         await asyncio.to_thread(init_group, None, rank, world, device, tcfg.dist_timeout)
         return Group(rank, world)
     if not 0 <= rank < world:
-        raise RendezvousFailed(f"--rank {rank}: the trainer has {world} ranks (dp_size x tensor x pipeline parallel), so 0..{world - 1}")
+        raise RendezvousFailed(f"--rank {rank}: the trainer has {world} ranks (dp_size x tensor x pipeline parallel), "
+                               f"so 0..{world - 1}")
     group = await (_host(rt, world) if rank == 0 else _claim(rt, rank, world))
     assert group.store is not None
     await asyncio.to_thread(init_group, group.store, rank, world, device, tcfg.dist_timeout)
@@ -236,7 +239,8 @@ async def watch(group: Group, done: Callable[[], bool]) -> None:
 async def exchange(note: ShardNote) -> list[ShardNote]:
     """Every trainer rank's note of the version being published, in rank order: one
     `all_gather_object` over the default group (gloo on the CPU: each rank's shard location
-    and manifest entries, pickled, about 200 bytes per tensor), in a thread so the event loop keeps serving."""
+    and manifest entries, pickled, about 200 bytes per tensor),
+    in a thread so the event loop keeps serving."""
     notes: list[ShardNote | None] = [None] * dist.get_world_size()
     await asyncio.to_thread(dist.all_gather_object, notes, note)
     return [n for n in notes if n is not None]

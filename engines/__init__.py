@@ -1,1 +1,2 @@
-"""Engines: rollout (generation) and train backends behind small Protocols, and the RL algorithms."""
+"""Engines: rollout (generation) and train backends behind small Protocols,
+and the RL algorithms."""

@@ -8,10 +8,11 @@ yes/no, writes the start (epoch, members), broadcasts bucket by bucket, and writ
 (delivered | retry | gave_up). A new epoch (process group) opens whenever the members differ or
 an attempt failed: every broadcast has a timeout and a deadline of our own, so a dead or stalled
 member costs one attempt, never a hang. With several trainer ranks, ranks 1.. join each group
-too (`engines.collective_peer`) and broadcast the buckets of their own tensors (src = their rank). A worker left out gets `Missed` and catches up from the
-object store or filesystem. Loads are all or nothing (`into` is written once every bucket
-arrived). Groups are bare backend objects, not the default group, so the trainer's and a rollout
-engine's own groups stay untouched. The protocol, in full: docs/weights.md, "Collective transport".
+too (`engines.collective_peer`) and broadcast the buckets of their own tensors (src = their rank). A
+worker left out gets `Missed` and catches up from the object store or filesystem. Loads are all or
+nothing (`into` is written once every bucket arrived). Groups are bare backend objects, not the
+default group, so the trainer's and a rollout engine's own groups stay untouched. The protocol,
+in full: docs/weights.md, "Collective transport".
 """
 
 from __future__ import annotations
@@ -43,11 +44,13 @@ class CollectiveSettings:
     device: str = "cpu"
     """Where buckets and the receiver's staging buffer live: `cpu` for gloo, `cuda:N` for nccl."""
     bucket_bytes: int = 64 << 20
-    """Bytes per broadcast; the source holds two buckets, a receiver one staging buffer of the version's size."""
+    """Bytes per broadcast; the source holds two buckets, a receiver one staging buffer of the
+    version's size."""
     op_timeout_s: float = 30.0
     """Longest one bucket's broadcast may take before the attempt fails and the group is rebuilt."""
     join_timeout_s: float = 30.0
-    """How long the source waits for candidates to check in, and a receiver for the source's plan."""
+    """How long the source waits for candidates to check in,
+    and a receiver for the source's plan."""
     max_attempts: int = 3
     """Attempts per version (each failure rebuilds the group) before the source gives up on it."""
 
@@ -88,14 +91,16 @@ class Received:
 
 @dataclass(frozen=True)
 class Missed:
-    """This worker did not get the version by broadcast: catch up from the object store or filesystem."""
+    """This worker did not get the version by broadcast: catch up from the object store or
+    filesystem."""
 
     version: int
     reason: str
 
 
 def _open_group(store: dist.Store, rank: int, size: int, s: CollectiveSettings) -> dist.Backend:
-    """A process group of its own (not the default one); its rendezvous fails after join_timeout_s."""
+    """A process group of its own (not the default one); its rendezvous fails after
+    join_timeout_s."""
     if s.backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=s.join_timeout_s))
     # NCCL (untested here: no GPU in CI). The watchdog's timeout is set past our own deadline, so
@@ -108,7 +113,8 @@ def _open_group(store: dist.Store, rank: int, size: int, s: CollectiveSettings) 
 
 
 def _until(done: Callable[[], bool], timeout_s: float) -> bool:
-    """Poll `done` (sleeps doubling from 0.1 to 5 ms) until it is true (True) or `timeout_s` passed (False)."""
+    """Poll `done` (sleeps doubling from 0.1 to 5 ms) until it is true
+    (True) or `timeout_s` passed (False)."""
     deadline, pause = time.monotonic() + timeout_s, _POLL_S[0]
     while not done():
         if time.monotonic() > deadline:
@@ -226,7 +232,8 @@ class CollectiveSource:
         self, version: int, tensors: Mapping[str, torch.Tensor], owned: Sequence[Sequence[Spec]] | None = None
     ) -> Published:
         """Broadcast `version`; returns once delivered or given up (never hangs). `tensors`: this
-        rank's own; `owned[r]`: the specs of the tensors sender r owns (default: `tensors`, alone)."""
+        rank's own; `owned[r]`: the specs of the tensors sender r owns (default:
+        `tensors`, alone)."""
         started = time.monotonic()
         owned = owned if owned is not None else [specs_of(tensors)]
         if len(owned) != self.senders:
@@ -268,7 +275,8 @@ class CollectiveSource:
         return Published(version, self._epoch, (), attempt + 1, time.monotonic() - started, total, reason)
 
     def _check_ins(self, key: str, candidates: list[str]) -> tuple[str, ...]:
-        """The candidates that said yes within join_timeout_s (a "no" ends the wait for that one)."""
+        """The candidates that said yes within join_timeout_s
+        (a "no" ends the wait for that one)."""
         answers: dict[str, str] = {}
 
         def all_in() -> bool:

@@ -36,7 +36,8 @@ from engines.collective import (
 
 
 class CollectivePeer:
-    """Trainer rank `rank` (>= 1) of the senders: takes part in the broadcasts rank 0 coordinates."""
+    """Trainer rank `rank` (>= 1) of the senders: takes part in the broadcasts rank 0
+    coordinates."""
 
     def __init__(self, rank: int, settings: CollectiveSettings) -> None:
         if rank < 1:
@@ -92,7 +93,8 @@ class CollectivePeer:
                 _drop(self._group)
                 self._group, sent = None, 0
                 reason = f"attempt {attempt} failed: {str(exc).splitlines()[0][:200]}"
-            # Our part went through or not, the source decides: a member may have failed it after our last bucket.
+            # Our part went through or not, the source decides:
+            # a member may have failed it after our last bucket.
             outcome = _poll(store, f"{key}/outcome", s.op_timeout_s + s.join_timeout_s + 2 * s.join_timeout_s)
             if outcome == "delivered":
                 return Published(version, epoch, members, attempt + 1, time.monotonic() - started, plan["total"], sent=sent)

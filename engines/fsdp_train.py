@@ -85,7 +85,8 @@ class FSDPTrainEngine(TorchTrainEngine):
 
     def __init__(self, model_dir: Path, **kwargs: Any) -> None:
         if kwargs.get("critic") is not None:
-            raise ValueError("fsdp engine: algorithm.advantage gae needs a value model, which it does not shard yet (use torch)")
+            raise ValueError("fsdp engine: algorithm.advantage gae needs a value model, "
+                             "which it does not shard yet (use torch)")
         if not dist.is_initialized():
             raise RuntimeError("FSDPTrainEngine needs the default process group (engines.fsdp_train.init_group)")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -228,7 +229,8 @@ class FSDPTrainEngine(TorchTrainEngine):
         pointer = torch.load(path, weights_only=True)
         if pointer["world_size"] != self.world_size:
             raise ValueError(
-                f"{path}: written by {pointer['world_size']} trainer ranks, this run has {self.world_size}"
+                f"{path}: written by {pointer['world_size']} trainer ranks, "
+                f"this run has {self.world_size}"
             )
         step_dir = _steps(path) / pointer["dir"]
         state = self._state()
@@ -241,7 +243,8 @@ class FSDPTrainEngine(TorchTrainEngine):
         return own["extra"]
 
     def _state(self) -> dict[str, Any]:
-        """This rank's shards of the model and of the optimizer state, as DCP saves and loads them."""
+        """This rank's shards of the model and of the optimizer state,
+        as DCP saves and loads them."""
         return {
             "model": get_model_state_dict(self.model),
             "optimizer": get_optimizer_state_dict(self.model, self.optimizer),

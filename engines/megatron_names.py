@@ -160,13 +160,15 @@ def megatron_to_hf(
 def _pad_vocab(table: torch.Tensor, spec: MegatronModelSpec) -> torch.Tensor:
     """[V, H] -> [Vp, H], zero rows past V (megatron's embedding needs Vp divisible by tp)."""
     if table.shape[0] != spec.vocab_size:
-        raise ValueError(f"HF -> megatron: a vocabulary table has {table.shape[0]} rows, the config says {spec.vocab_size}")
+        raise ValueError(f"HF -> megatron: a vocabulary table has {table.shape[0]} rows, "
+                         f"the config says {spec.vocab_size}")
     pad = spec.padded_vocab_size - spec.vocab_size
     return torch.nn.functional.pad(table, (0, 0, 0, pad)) if pad else table.clone()
 
 
 def _kind(name: str) -> str:
-    """How `name` (a megatron parameter) is cut over tensor-parallel ranks: column, fc1, row or whole."""
+    """How `name` (a megatron parameter) is cut over tensor-parallel ranks: column, fc1,
+    row or whole."""
     match = _MC_LAYER.fullmatch(name)
     suffix = match.group(2) if match else name
     if suffix in _COLUMN or name in _VOCAB:

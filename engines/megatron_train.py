@@ -1,11 +1,12 @@
 """Megatron-core train engine (`trainer.engine: megatron`): megatron's GPTModel built from the HF
-checkpoint's config, tensor- and pipeline-parallel over the default process group, trained with our loss.
+checkpoint's config, tensor- and pipeline-parallel over the default process group,
+trained with our loss.
 
 NEVER RUN ON A GPU. Its pieces are tested on the CPU (`tests/test_megatron.py`): the config
 translation and the weight mapping, and, where megatron-core is installed, this engine itself
 against `TorchTrainEngine`, with a checkpoint resume, on one CPU rank and on two gloo ranks at
-tensor parallel 2, on two at pipeline parallel 2 and on four at both (`tests/megatron_cpu_proc.py`), and the
-built-in job with two trainer ranks at tensor parallel 2 and at pipeline parallel 2
+tensor parallel 2, on two at pipeline parallel 2 and on four at both (`tests/megatron_cpu_proc.py`),
+and the built-in job with two trainer ranks at tensor parallel 2 and at pipeline parallel 2
 (`tests/test_megatron_job.py`). On the CPU `cpu_workarounds` patches megatron-core's CUDA-only
 spots. What no test has run: CUDA, NCCL.
 
@@ -45,13 +46,15 @@ from engines.torch_train import TorchTrainEngine, _atomic_save, _rng_state, _set
 
 
 def cpu_workarounds() -> None:
-    """Let megatron-core 0.16's forward run on a CPU model (development and CI; no GPU run needs it).
+    """Let megatron-core 0.16's forward run on a CPU model (development and CI;
+    no GPU run needs it).
 
     With the local layer spec and `use_cpu_initialization` the model builds on the CPU, but its
     forward reaches for CUDA in two places: the rotary embedding moves its frequencies to
     `torch.cuda.current_device()` (here: "cpu"), and the attention forks the model-parallel CUDA
     RNG state around dropout (dropout is 0 in this engine, so the fork is a no-op context); at
-    pipeline parallel, two more (below). All are process-wide patches, applied only in a process whose engine runs on the CPU."""
+    pipeline parallel, two more (below). All are process-wide patches,
+    applied only in a process whose engine runs on the CPU."""
     from megatron.core import tensor_parallel
 
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment, return-value]
@@ -65,7 +68,8 @@ def cpu_workarounds() -> None:
 
 
 class _CpuTorch:
-    """`torch` as megatron's schedules module sees it on the CPU: a tensor asked for on "cuda" is made on the CPU."""
+    """`torch` as megatron's schedules module sees it on the CPU:
+    a tensor asked for on "cuda" is made on the CPU."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
@@ -114,23 +118,25 @@ class MegatronTrainEngine(TorchTrainEngine):
             raise MegatronNotInstalled("trainer.engine megatron needs megatron-core: pip install 'jetrl[megatron]'") from None
         if getattr(kwargs.get("loss"), "kl_coef", 0.0) and kwargs.get("own_reference", True):
             raise ValueError(
-                "megatron engine: a KL loss term needs reference log-probs: enable the reference stage "
-                "(reference.enabled), since this engine holds no frozen copy"
+                "megatron engine: a KL loss term needs reference log-probs: enable the reference "
+                "stage (reference.enabled), since this engine holds no frozen copy"
             )
         if kwargs.get("critic") is not None:
-            raise ValueError("megatron engine: algorithm.advantage gae needs a value model, which it does not hold (use torch)")
+            raise ValueError("megatron engine: algorithm.advantage gae needs a value model, "
+                             "which it does not hold (use torch)")
         self.tp, self.pp = tensor_parallel_size, pipeline_parallel_size
         copy = self.tp * self.pp
         device = torch.device(kwargs.get("device", "cpu"))
         if not dist.is_initialized():
             if copy != 1:
-                raise RuntimeError(f"megatron engine: {self.tp} x {self.pp} model-parallel ranks need the default process group up")
+                raise RuntimeError(f"megatron engine: {self.tp} x {self.pp} model-parallel ranks need the default "
+                                   "process group up")
             backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         if dist.get_world_size() != copy:
             raise ValueError(
-                f"megatron engine: {dist.get_world_size()} ranks, tensor x pipeline parallel is {self.tp} x {self.pp} "
-                "(no data parallel yet)"
+                f"megatron engine: {dist.get_world_size()} ranks, "
+                f"tensor x pipeline parallel is {self.tp} x {self.pp} (no data parallel yet)"
             )
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp)
@@ -163,7 +169,8 @@ class MegatronTrainEngine(TorchTrainEngine):
         # our loss is already the step's mean, which megatron must not divide again.
         piped = {"variable_seq_lengths": True, "batch_p2p_comm": False, "calculate_per_token_loss": True,
                  "pipeline_dtype": torch.float32,
-                 # No experts here; megatron's check of the default MoE dispatcher refuses variable lengths.
+                 # No experts here; megatron's check of the default MoE dispatcher refuses variable
+                 # lengths.
                  "moe_token_dispatcher_type": "alltoall"} if self.pp > 1 else {}
         config = TransformerConfig(
             **self.spec.transformer_config_kwargs(),
@@ -189,7 +196,8 @@ class MegatronTrainEngine(TorchTrainEngine):
         missing, unexpected = gpt.load_state_dict(mine, strict=False)
         missing = [n for n in missing if not n.endswith("._extra_state")]
         if missing or unexpected:
-            raise ValueError(f"megatron engine: GPTModel and the mapping disagree: missing {missing[:3]}, unexpected {unexpected[:3]}")
+            raise ValueError(f"megatron engine: GPTModel and the mapping disagree: missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]}")
         return gpt.to(self.device)
 
     def _token_logits(
@@ -311,7 +319,8 @@ class MegatronTrainEngine(TorchTrainEngine):
         dist.all_reduce(seen)
         ranks = dist.get_world_size()
         if int(seen.item()) not in (0, ranks):
-            raise ValueError(f"{path}: {int(seen.item())} of {ranks} ranks see a checkpoint; the directory must be shared")
+            raise ValueError(f"{path}: {int(seen.item())} of {ranks} ranks see a checkpoint; "
+                             "the directory must be shared")
         return bool(seen.item())
 
     def save_checkpoint(
@@ -340,7 +349,8 @@ class MegatronTrainEngine(TorchTrainEngine):
         pointer = torch.load(path, weights_only=True)
         written = (pointer["tensor_parallel_size"], pointer.get("pipeline_parallel_size", 1))
         if written != (self.tp, self.pp):
-            raise ValueError(f"{path}: written at tensor x pipeline parallel {written[0]} x {written[1]}, this run has {self.tp} x {self.pp}")
+            raise ValueError(f"{path}: written at tensor x pipeline parallel {written[0]} x {written[1]}, "
+                             f"this run has {self.tp} x {self.pp}")
         own = torch.load(path.with_name(f"{path.name}.d") / pointer["dir"] / f"rank{self.rank}.pt", map_location=self.device, weights_only=True)
         self.model.load_state_dict(own["model"])
         self.optimizer.load_state_dict(own["optimizer"])

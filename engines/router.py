@@ -1,4 +1,5 @@
-"""Which engine replica of a rollout worker generates a prompt: the `Router` Protocol and its built-ins.
+"""Which engine replica of a rollout worker generates a prompt:
+the `Router` Protocol and its built-ins.
 
 A rollout worker may run several engine replicas (`rollout.replicas`), each with its own
 batcher; for every prompt it asks its router for a replica, given a key and how many prompts
@@ -99,7 +100,8 @@ BUILT_IN: dict[str, type[LeastInFlight | StickyByKey]] = {
 
 
 def router_class(name: str) -> type:
-    """The class `name` names (a built-in, or `module:Class` imported); RouterError if there is none."""
+    """The class `name` names (a built-in, or `module:Class` imported);
+    RouterError if there is none."""
     if name in BUILT_IN:
         return BUILT_IN[name]
     try:
@@ -118,7 +120,8 @@ def router_class(name: str) -> type:
 
 
 def make_router(name: str, replicas: int, options: Mapping[str, Any] | None = None) -> Router:
-    """The router `name` for `replicas` replicas with `options`; RouterError (one line) if it cannot be built.
+    """The router `name` for `replicas` replicas with `options`; RouterError
+    (one line) if it cannot be built.
 
     A built-in's options are checked against its `Options` model (an unknown name is an error);
     a `module:Class` gets them as keyword arguments, and a class that may not be called so is

@@ -40,7 +40,8 @@ from engines.sglang_rollout import SGLangSettings, check_logprob_env, engine_kwa
 
 
 def continuous_engine_kwargs(model_dir: Path, settings: SGLangSettings, slots: int) -> dict[str, Any]:
-    """Keyword arguments of `sglang.Engine`: the batch adapter's, the running requests capped at `slots`."""
+    """Keyword arguments of `sglang.Engine`: the batch adapter's,
+    the running requests capped at `slots`."""
     return {**engine_kwargs(model_dir, settings), "max_running_requests": slots}
 
 
@@ -50,7 +51,8 @@ def stream_delta(output: dict[str, Any], seen: int) -> tuple[Chunk, int]:
     ``completion_tokens`` (the tokens so far), which tells them apart."""
     meta = output.get("meta_info")
     if not isinstance(meta, dict) or meta.get("output_token_logprobs") is None:
-        raise ValueError("sglang: an output without meta_info.output_token_logprobs (request return_logprob=True)")
+        raise ValueError("sglang: an output without meta_info.output_token_logprobs "
+                         "(request return_logprob=True)")
     entries = list(meta["output_token_logprobs"])  # of (logprob, token id, text or None)
     total = int(meta.get("completion_tokens", seen + len(entries)))
     if len(entries) == total:  # cumulative: everything so far
@@ -58,7 +60,8 @@ def stream_delta(output: dict[str, Any], seen: int) -> tuple[Chunk, int]:
     elif len(entries) == total - seen:  # incremental: only what came since
         new = entries
     else:
-        raise ValueError(f"sglang: {len(entries)} log-probs in a chunk, {total} tokens so far, {seen} seen before")
+        raise ValueError(f"sglang: {len(entries)} log-probs in a chunk, {total} tokens so far, "
+                         f"{seen} seen before")
     finish = meta.get("finish_reason")
     reason = finish.get("type") if isinstance(finish, dict) else finish
     chunk = Chunk(tuple(int(e[1]) for e in new), tuple(float(e[0]) for e in new), reason)
@@ -91,8 +94,8 @@ class SGLangContinuousEngine(ContinuousAdapter):
         self.io = sglang_io()
         if partial_mode == "keep" and (self.io.pause is None or self.io.resume is None):
             raise EngineUnavailable(
-                "rollout.sglang.partial_mode keep needs SGLang's PauseGenerationReqInput (a newer SGLang); "
-                "use partial_mode resubmit"
+                "rollout.sglang.partial_mode keep needs SGLang's PauseGenerationReqInput "
+                "(a newer SGLang); use partial_mode resubmit"
             )
         kwargs = continuous_engine_kwargs(model_dir, settings, slots)
         self.engine = self.loop.run(self._start(sglang, kwargs))

@@ -33,7 +33,8 @@ LOGPROB = -1.0
 
 @dataclass(frozen=True)
 class SimulatedSettings:
-    """What `rollout.simulated` in the run config says (`schemas.rollout_config.SimulatedRolloutConfig`)."""
+    """What `rollout.simulated` in the run config says
+    (`schemas.rollout_config.SimulatedRolloutConfig`)."""
 
     median_tokens: float = 64.0
     sigma: float = 1.0
@@ -43,7 +44,8 @@ class SimulatedSettings:
 
 
 def draw_lengths(rng: np.random.Generator, count: int, median: float, sigma: float, cap: int) -> np.ndarray:
-    """[count] int64 response lengths: log-normal with `median` and `sigma` (of the log), in [1, cap]."""
+    """[count] int64 response lengths: log-normal with `median` and `sigma` (of the log),
+    in [1, cap]."""
     lengths = np.rint(rng.lognormal(np.log(median), sigma, count)).astype(np.int64)
     return np.clip(lengths, 1, cap)
 

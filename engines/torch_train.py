@@ -154,7 +154,8 @@ class TorchTrainEngine:
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model: torch.nn.Module | None = None
     ) -> torch.Tensor:
         """[B, T] ids -> [B, T - 1, V] float32 logits of `model` (the policy by default) predicting
-        tokens 1..T-1, divided by the temperature: the full-logits path (`logprob_chunk_tokens` 0)."""
+        tokens 1..T-1, divided by the temperature: the full-logits path
+        (`logprob_chunk_tokens` 0)."""
         model = self.model if model is None else model
         with self._autocast():
             out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=_positions(attention_mask))
@@ -372,7 +373,8 @@ class TorchTrainEngine:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.critic is not None:
             if "critic" not in state:
-                raise ValueError(f"{path} holds no critic: a run without GAE cannot resume as algorithm.advantage gae")
+                raise ValueError(f"{path} holds no critic: a run without GAE cannot resume as "
+                                 "algorithm.advantage gae")
             self.critic.load_state_dict(state["critic"])
         self.step = state["step"]
         _set_rng_state(state["rng"])

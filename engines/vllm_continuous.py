@@ -37,7 +37,8 @@ from engines.vllm_rollout import VLLMSettings, load_on_worker, llm_kwargs, sampl
 
 
 def async_engine_kwargs(model_dir: Path, settings: VLLMSettings, slots: int) -> dict[str, Any]:
-    """Keyword arguments of `vllm.AsyncEngineArgs`: the batch adapter's, the batch size capped at `slots`."""
+    """Keyword arguments of `vllm.AsyncEngineArgs`: the batch adapter's,
+    the batch size capped at `slots`."""
     return {**llm_kwargs(model_dir, settings), "max_num_seqs": slots}
 
 
@@ -48,7 +49,8 @@ def request_kwargs(params: SamplingParams, eos: Sequence[int], delta: Any) -> di
 
 
 def delta_chunk(output: Any) -> Chunk:
-    """One delta `RequestOutput` (one completion) as a `Chunk`; the finish reason once ``finished``."""
+    """One delta `RequestOutput` (one completion) as a `Chunk`;
+    the finish reason once ``finished``."""
     if len(output.outputs) != 1:
         raise ValueError(f"vllm: {len(output.outputs)} completions in a request of n=1")
     completion = output.outputs[0]
@@ -68,7 +70,8 @@ def delta_chunk(output: Any) -> Chunk:
 
 
 class VLLMContinuousEngine(ContinuousAdapter):
-    """A `ContinuousEngine` over an in-process `vllm.AsyncLLMEngine`. Needs CUDA and the vllm extra."""
+    """A `ContinuousEngine` over an in-process `vllm.AsyncLLMEngine`. Needs CUDA and the vllm
+    extra."""
 
     name = "vllm"
 
@@ -86,8 +89,8 @@ class VLLMContinuousEngine(ContinuousAdapter):
         if partial_mode == "keep" and "mode" not in inspect.signature(self.engine.pause_generation).parameters:
             self.close()
             raise EngineUnavailable(
-                "rollout.vllm.partial_mode keep needs vLLM's pause_generation(mode='keep') (a newer vLLM); "
-                "use partial_mode resubmit"
+                "rollout.vllm.partial_mode keep needs vLLM's pause_generation(mode='keep') "
+                "(a newer vLLM); use partial_mode resubmit"
             )
 
     async def _start(self, args: Any) -> Any:

@@ -1,4 +1,5 @@
-"""`python ops/gpu_check.py [--cpu-smoke]`: one bounded run that measures the project on a GPU machine.
+"""`python ops/gpu_check.py [--cpu-smoke]`: one bounded run that measures the project on a GPU
+machine.
 
 Why one script: a lent GPU machine is held for minutes, so every check that needs it is
 prepared here and runs as one command. Each section runs in a child process that is killed
@@ -8,7 +9,8 @@ order: env (versions, optional engines), engines (HF rollout and train on a Qwen
 random-init model), weights (object-store transport, does fetch time grow with the square of
 the size?), pipeline (the built-in job's samples/s), external (the vLLM and SGLang adapters,
 batch and continuous with partial rollout, against the trainer, when installed; seconds when
-not). The last stdout line is one JSON object with everything; it is also written to $OUT/gpu_check.json when OUT is set.
+not). The last stdout line is one JSON object with everything;
+it is also written to $OUT/gpu_check.json when OUT is set.
 
 `--cpu-smoke` runs the same code paths with tiny sizes on the CPU, to prove the imports and
 paths before the GPU run.
@@ -109,8 +111,8 @@ def section_env(args: argparse.Namespace, rec: Record) -> None:
         if importlib.util.find_spec(module.split(".")[0]) is None:
             optional[module] = {"import": False, "reason": "not installed"}
         else:
-            probe = (f"import importlib.metadata as m, {module} as x; "
-                     f"print(getattr(x, '__version__', None) or m.version('{module.split('.')[0].replace('_', '-')}'))")
+            probe = (f"import importlib.metadata as m, {module} as x; print(getattr(x, '__version__', "
+                     f"None) or m.version('{module.split('.')[0].replace('_', '-')}'))")
             code, line = run_quiet([sys.executable, "-c", probe], min(45.0, rec.left() - 5))
             optional[module] = {"import": code == 0, "version" if code == 0 else "error": line}
         rec.put("optional_engines", optional)
@@ -229,7 +231,8 @@ def _kill_servers_under(work: Path) -> None:
 
 
 def run_section(name: str, budget: float, args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
-    """Runs one section in a child killed at `budget` seconds; returns its results plus `seconds`."""
+    """Runs one section in a child killed at `budget` seconds;
+    returns its results plus `seconds`."""
     work = scratch / name
     work.mkdir(parents=True, exist_ok=True)
     result_file = work / "result.json"
@@ -282,7 +285,7 @@ def section_child(args: argparse.Namespace) -> int:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python ops/gpu_check.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python ops/gpu_check.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU: the same code paths, ~1 min")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (on --device)")
     parser.add_argument("--device", default="cuda", help="device of the engines section (default cuda)")

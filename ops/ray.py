@@ -55,7 +55,8 @@ DRAIN_MARGIN = 30.0
 
 
 class WorkerActor:
-    """One fleet worker, run by a Ray actor: a one-worker `Supervisor` serving in a thread of its own.
+    """One fleet worker, run by a Ray actor: a one-worker `Supervisor` serving in a thread of its
+    own.
 
     The worker is a child process, not a coroutine in the actor, so that it keeps its own
     SIGTERM handler (stop fetching, drain in-flight work) and its own event loop. The thread
@@ -80,7 +81,8 @@ class WorkerActor:
         return f"pid {child.proc.pid} on {socket.gethostname()}"
 
     def drain(self) -> tuple[State, int | None]:
-        """SIGTERM the worker and wait for it (SIGKILL after stop_timeout): its last state and exit code."""
+        """SIGTERM the worker and wait for it (SIGKILL after stop_timeout):
+        its last state and exit code."""
         self.stop.set()
         self.thread.join()
         child = self.supervisor.children[self.name]
@@ -106,7 +108,8 @@ def for_ray(config: FleetConfig) -> FleetConfig:
 
 
 def up(config: FleetConfig, fleet: str, run: str, url: str, timeout: float = START_TIMEOUT) -> int:
-    """Start the missing worker actors of fleet `fleet`, wait until each runs; 0 if all do, else 1."""
+    """Start the missing worker actors of fleet `fleet`, wait until each runs; 0 if all do,
+    else 1."""
     import ray
 
     ray_fleet = for_ray(config)
@@ -127,8 +130,8 @@ def up(config: FleetConfig, fleet: str, run: str, url: str, timeout: float = STA
     for ref, (name, spec) in starting.items():
         if ref not in ready:
             failed = True
-            print(f"{name}: not placed in {timeout:.0f}s (needs {spec.num_cpus:g} CPU, {spec.num_gpus:g} GPU); "
-                  "it starts when the cluster has room, or `down` removes it")
+            print(f"{name}: not placed in {timeout:.0f}s (needs {spec.num_cpus:g} CPU, "
+                  f"{spec.num_gpus:g} GPU); it starts when the cluster has room, or `down` removes it")
             continue
         try:
             print(f"{name}: {ray.get(ref)}")
@@ -139,7 +142,8 @@ def up(config: FleetConfig, fleet: str, run: str, url: str, timeout: float = STA
 
 
 def down(config: FleetConfig, fleet: str, run: str) -> int:
-    """Drain and remove the worker actors of fleet `fleet`; 0 if every worker ended cleanly, else 1."""
+    """Drain and remove the worker actors of fleet `fleet`; 0 if every worker ended cleanly,
+    else 1."""
     import ray
 
     draining: dict[ray.ObjectRef, tuple[str, ActorHandle]] = {}
@@ -169,7 +173,8 @@ def down(config: FleetConfig, fleet: str, run: str) -> int:
 
 
 def describe(state: State, code: int | None) -> tuple[str, bool]:
-    """How a worker ended, from its supervisor's last state and its exit code; and whether cleanly."""
+    """How a worker ended, from its supervisor's last state and its exit code;
+    and whether cleanly."""
     if state == "done":
         return "had finished (exit 0)", True
     if state == "gave up":

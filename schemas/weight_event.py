@@ -42,7 +42,8 @@ def _check_location(transport: str, location: str) -> None:
     if transport == "filesystem":
         path = PurePosixPath(location)
         if not path.is_absolute() or ".." in path.parts or path.suffix != ".safetensors" or "\x00" in location:
-            raise ValueError(f"filesystem location {location[:64]!r} must be an absolute path to a .safetensors file")
+            raise ValueError(f"filesystem location {location[:64]!r} must be an absolute path to a .safetensors "
+                             "file")
 
 
 class WeightShard(BaseModel):
@@ -155,7 +156,8 @@ class WeightVersionEvent(Event):
         """A delta names its chain and its shards, which carry every manifest tensor once."""
         assert self.base_version is not None
         if self.full_version is None or not self.full_version <= self.base_version:
-            raise ValueError(f"a delta on v{self.base_version} needs its chain's full version, at or before its base")
+            raise ValueError(f"a delta on v{self.base_version} needs its chain's full version, "
+                             "at or before its base")
         if not self.shards:
             raise ValueError("a delta needs its shards")
         self._check_shards(names)

@@ -32,7 +32,8 @@ from engines.delta_plan import assign_shards
 
 
 def weights(version: int, mb: float) -> dict[str, torch.Tensor]:
-    """A deterministic version of about `mb` MiB: mixed dtypes, odd sizes (alignment), a 0-dim tensor."""
+    """A deterministic version of about `mb` MiB: mixed dtypes, odd sizes (alignment),
+    a 0-dim tensor."""
     g = torch.Generator().manual_seed(version)
     n = int(mb * (1 << 20))
     return {

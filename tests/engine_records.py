@@ -32,7 +32,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def trainer_logprobs(model_dir: Path, prompts: list[list[int]], groups: list[list[Sample]]) -> torch.Tensor:
-    """[sum of response lengths] what the trainer computes for every response token, at `TEMPERATURE`."""
+    """[sum of response lengths] what the trainer computes for every response token,
+    at `TEMPERATURE`."""
     engine = TorchTrainEngine(model_dir, lr=1e-3, loss=LossConfig(temperature=TEMPERATURE))
     return response_logprobs(engine, prompts, groups)
 

@@ -2,8 +2,8 @@
 shard of every version through a real transport, and writes what it saw to `<out>/rank<K>.pt`.
 
 Versions: v0 full, v1 and v2 deltas (one chain, `keep` 2: v0 survives only by being pinned),
-then v3 published by a publisher without deltas (a full version outside any chain, `keep` 5). Each rank
-records, per version, the names it was given (`export_shard`), the bytes it received to build
+then v3 published by a publisher without deltas (a full version outside any chain, `keep` 5). Each
+rank records, per version, the names it was given (`export_shard`), the bytes it received to build
 them (`gathered_bytes`), the event it built, and (rank 0) the whole model as `export_weights`
 gives it, to compare the workers' rebuilt weights with.
 """

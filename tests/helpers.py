@@ -135,7 +135,8 @@ class LocalJob:
     summary: dict[str, Any]
     """The summary it printed last (steps, samples trained, ...)."""
     logs: dict[str, str]
-    """Each worker's log, by file name (`trainer-0.log`, `trainer-rank1-0.log`, `rollout-0.log`, ...)."""
+    """Each worker's log, by file name (`trainer-0.log`, `trainer-rank1-0.log`,
+    `rollout-0.log`, ...)."""
 
     def merged_metrics(self) -> list[dict[str, Any]]:
         """Each step's metrics as the producer merged them (`metrics.jsonl`)."""

@@ -104,7 +104,8 @@ def main() -> int:
             got = model(ids, positions, attention_mask=causal)  # [B, T, V]
             want = hf(input_ids=ids).logits
         diff = (got - want).abs().max().item()
-        print(f"{name}: max |megatron - HF| logit {diff:.3g} (logits up to {want.abs().max().item():.3g})")
+        print(f"{name}: max |megatron - HF| logit {diff:.3g} (logits up to "
+              f"{want.abs().max().item():.3g})")
         if diff > TOLERANCE:
             return 1
         back = megatron_to_hf(dict(model.state_dict()), spec)
@@ -173,7 +174,8 @@ def engine_matches_torch(out: Path, device: str, tp: int = 1, pp: int = 1) -> in
         if step == 1:
             megatron.save_checkpoint(checkpoint, {"last_seq": 7})
         a, b = torch_engine.train_step([batch, short]), megatron.train_step([batch, short])
-        print(f"engine step {step}: loss {a['loss']:.6g} / {b['loss']:.6g}, grad_norm {a['grad_norm']:.6g} / {b['grad_norm']:.6g}")
+        print(f"engine step {step}: loss {a['loss']:.6g} / {b['loss']:.6g}, "
+              f"grad_norm {a['grad_norm']:.6g} / {b['grad_norm']:.6g}")
         if any(abs(a[k] - b[k]) > TOLERANCE * max(1.0, abs(a[k])) for k in ("loss", "grad_norm", "entropy", "ratio_mean")):
             return 1
         if not a["grad_norm"] > 0:  # every token clipped: the step would check no gradient

@@ -21,7 +21,8 @@ ROWS, WIDTH, RESPONSE = 4, 10, 6
 
 
 def batch(eng: TorchTrainEngine, advantage: float, seed: int = 0, log_ratio: float = 0.0) -> MicroBatch:
-    """ROWS rows of random tokens, behaviour log-probs `log_ratio` below the engine's current ones."""
+    """ROWS rows of random tokens, behaviour log-probs `log_ratio` below the engine's current
+    ones."""
     gen = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, eng.model.config.vocab_size, (ROWS, WIDTH), generator=gen)
     attention_mask = torch.ones(ROWS, WIDTH, dtype=torch.long)

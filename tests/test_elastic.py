@@ -2,8 +2,8 @@
 
 A real producer and a one-worker-per-role fleet run on a server of their own, with a
 config where generation is the bottleneck (deep thin model, two samples a prompt, one
-prompt per generate call, a staleness bound loose enough to keep prompts queued). Mid-run a second fleet adds two
-rollout workers, as a new node would, with nothing else restarted; then it is stopped
+prompt per generate call, a staleness bound loose enough to keep prompts queued). Mid-run a second
+fleet adds two rollout workers, as a new node would, with nothing else restarted; then it is stopped
 with SIGTERM (its workers drain) and the run finishes on the first. Trajectories stored
 per second are measured with one worker, with three, and with one again (the mean of the
 two single-worker figures is the baseline, so that a machine that slows or speeds up
@@ -183,8 +183,8 @@ def test_rollout_workers_join_and_leave_a_running_run(own_nats_server: EmbeddedN
     assert max(before.most_in_flight, again.most_in_flight) <= HELD_PER_WORKER
     assert after.most_in_flight <= 3 * HELD_PER_WORKER
     assert after.rate >= MIN_GAIN * baseline, (
-        f"three rollout workers stored {after.rate:.1f} trajectories/s, one {baseline:.1f}: less than "
-        f"x{MIN_GAIN} (were other jobs using these cores? the new workers need idle CPU)"
+        f"three rollout workers stored {after.rate:.1f} trajectories/s, one {baseline:.1f}: "
+        f"less than x{MIN_GAIN} (were other jobs using these cores? the new workers need idle CPU)"
     )
     assert base.children["trainer-0"].state == "done"
     assert json.loads(out.strip().splitlines()[-1])["steps"] == STEPS

@@ -207,12 +207,14 @@ def test_a_behaviour_logprob_far_below_the_policy_is_clamped_and_the_step_trains
     metrics = train.train_step([far])
     assert np.isfinite(metrics["loss"]), f"loss {metrics['loss']} with one behaviour log-prob of -1e4"
     assert np.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0, (
-        f"grad_norm {metrics['grad_norm']}: the step's gradient is not finite, so the step was skipped"
+        f"grad_norm {metrics['grad_norm']}: the step's gradient is not finite, "
+        "so the step was skipped"
     )
     changed = [n for n, p in train.model.named_parameters() if not torch.equal(p, before[n])]
     assert len(changed) == len(before), f"only {len(changed)} of {len(before)} weights changed"
     assert metrics.get("log_ratio_clamped") == 1.0, (
-        f"log_ratio_clamped {metrics.get('log_ratio_clamped')}: the one clamped token is not counted"
+        f"log_ratio_clamped {metrics.get('log_ratio_clamped')}: "
+        "the one clamped token is not counted"
     )
 
 

@@ -1,4 +1,5 @@
-"""FSDP2 on CPU: two gloo ranks train as the single-process engine does on the union of their batches.
+"""FSDP2 on CPU: two gloo ranks train as the single-process engine does on the union of their
+batches.
 
 Two spawned processes run `tests.fsdp_proc.rank_main` over a recorded stream of 4 steps in
 which the ranks' token counts differ, their micro-batch counts differ, and rank 1 has no

@@ -115,7 +115,8 @@ def test_a_killed_rank_breaks_the_group_and_both_resume(nats_server: EmbeddedNat
             procs[1].wait()
             procs[1] = trainer(nats_server.url, run, 1, logs[1])
             restarted = time.monotonic()
-            # Rank 0 waits for step KILL_AFTER's batches, which are not there: only its watch can end it.
+            # Rank 0 waits for step KILL_AFTER's batches, which are not there:
+            # only its watch can end it.
             while procs[0].poll() is None and time.monotonic() - restarted < LEAVE_WITHIN:
                 await asyncio.sleep(0.2)
             noticed = time.monotonic() - restarted

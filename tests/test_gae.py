@@ -128,7 +128,8 @@ def test_value_loss_matches_a_naive_loop_in_value_and_gradient() -> None:
             vc = min(max(v, vo - 0.2), vo + 0.2)
             plain, clipped = (v - r) ** 2, (vc - r) ** 2
             assert got[i, t].item() == pytest.approx(0.5 * max(plain, clipped), abs=1e-12)
-            # d/dV: (V - R) from the plain branch; the clipped one moves with V only inside the range.
+            # d/dV: (V - R) from the plain branch; the clipped one moves with V only inside the
+            # range.
             slope = (v - r) if plain >= clipped else ((vc - r) if abs(v - vo) < 0.2 else 0.0)
             assert grad[i, t].item() == pytest.approx(slope, abs=1e-12)
 

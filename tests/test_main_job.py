@@ -55,7 +55,8 @@ def wait_for_a_step(job: subprocess.Popen[str], deadline_s: float = 120.0) -> No
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         line = job.stdout.readline()
-        assert line, f"the job ended before training a step: {job.wait()} {job.stderr.read() if job.stderr else ''}"
+        assert line, (f"the job ended before training a step: {job.wait()} "
+                      f"{job.stderr.read() if job.stderr else ''}")
         if (m := re.search(r"step\s+(\d+)/", line)) and int(m.group(1)) >= 1:
             return
     pytest.fail(f"no trained step within {deadline_s:.0f} s")

@@ -65,7 +65,8 @@ def hf_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def test_qkv_is_fused_group_major_as_megatron_reads_it() -> None:
-    """4 query heads in 2 groups, head_dim 2: group g's rows are [q heads 2g, 2g+1; k head g; v head g]."""
+    """4 query heads in 2 groups, head_dim 2: group g's rows are [q heads 2g, 2g+1; k head g;
+    v head g]."""
     spec = spec_from_hf(Qwen2Config(hidden_size=8, num_attention_heads=4, num_key_value_heads=2, intermediate_size=8))
     assert (spec.head_dim, spec.num_query_groups) == (2, 2)
     # Row r of q is q head r // 2, element r % 2; values say which: q 0..7, k 100.., v 200..

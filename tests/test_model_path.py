@@ -44,7 +44,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def hub_cache(root: Path, model: Path, repo: str = REPO, commit: str = COMMIT) -> Path:
-    """`root` laid out as huggingface_hub's cache holding `model` as `repo` at `commit` (refs/main)."""
+    """`root` laid out as huggingface_hub's cache holding `model` as `repo` at `commit`
+    (refs/main)."""
     repo_dir = root / f"models--{repo.replace('/', '--')}"
     snapshot = repo_dir / "snapshots" / commit
     shutil.copytree(model, snapshot)

@@ -145,12 +145,15 @@ def test_equal_reward_groups_are_kept_when_dynamic_sampling_is_off() -> None:
     [
         # Would stall at step 2 with no message: the gate waits for a version never published.
         ("trainer: {sync_every: 3}\nalgorithm: {max_staleness: 1}\n",
-         r"run.yaml: trainer.sync_every 3 > algorithm.max_staleness \+ 1 = 2: the gate would wait"),
+         r"run.yaml: trainer.sync_every 3 > algorithm.max_staleness \+ 1 = 2: "
+         r"the gate would wait"),
         # A typo used to stall the run at the first complete group (KeyError in the buffer).
-        ("algorithm: {advantage: grpoo}\n", r"algorithm.advantage: Input should be 'grpo', 'dr_grpo', 'rloo', 'reinforce_pp', 'reinforce_pp_baseline', 'passk' or 'gae'"),
+        ("algorithm: {advantage: grpoo}\n", r"algorithm.advantage: Input should be 'grpo', 'dr_grpo', 'rloo', 'reinforce_pp', "
+                                            r"'reinforce_pp_baseline', 'passk' or 'gae'"),
         ("algorithm: {policy_loss: ppo2}\n", r"algorithm.policy_loss: Input should be 'ppo', 'gspo' or 'cispo'"),
         ("algorithm: {loss_aggregation: mean}\n", r"algorithm.loss_aggregation: Input should be 'token-mean'"),
-        # A group of one has no baseline: its advantage is 0 or undefined, and it stalled the buffer.
+        # A group of one has no baseline: its advantage is 0 or undefined,
+        # and it stalled the buffer.
         ("data: {n: 1}\nalgorithm: {drop_equal_reward_groups: false}\n",
          r"data.n 1: group-relative advantages need at least 2 samples per prompt"),
     ],

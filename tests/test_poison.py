@@ -260,7 +260,8 @@ def ids_tensor(values: list[int] | np.ndarray) -> Tensor:
 
 
 def scored(prompt_id: str, sample: int, group: int, response: list[int], reward: float) -> RewardEvent:
-    """A RewardEvent for `response` (ids, which need not be in the vocabulary) to prompt "c1234="."""
+    """A RewardEvent for `response` (ids, which need not be in the vocabulary) to prompt
+    "c1234="."""
     n = len(response)
     t = TrajectoryEvent(
         id=f"{prompt_id}/{sample}", run=prompt_id.split("/")[0], prompt_id=prompt_id, sample_index=sample,
@@ -308,9 +309,11 @@ class Fleet:
         self.runtimes: list[Runtime] = []
         self.stages: list[Stage[Any]] = []
         self.refused_weights: list[bytes] = []
-        """Weight events that decode but must be refused: forged checksum, missing object, bad bytes, wrong shapes."""
+        """Weight events that decode but must be refused: forged checksum, missing object,
+        bad bytes, wrong shapes."""
         self.held_group = f"{self.run}/held"
-        """A group of two of which the buffer holds one sample for good (poison claims another size for it)."""
+        """A group of two of which the buffer holds one sample for good
+        (poison claims another size for it)."""
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float = 120.0) -> T:
         """Run `coro` on the fleet's loop and return its result."""

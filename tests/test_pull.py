@@ -79,7 +79,8 @@ def test_pulled_messages_ack_nak_term_and_heartbeat_like_jetstream_messages(
                     await msg.ack_sync()
             beats.cancel()
             assert [(seq, n) for seq, n, _ in back] == [(3, 2)], (
-                f"expected only the nak'ed message back, on its second delivery; got (seq, delivery, after s) {back}"
+                "expected only the nak'ed message back, on its second delivery; got (seq, "
+                f"delivery, after s) {back}"
             )
             assert back[0][2] >= 0.25, f"the nak'ed message came back {back[0][2]:.2f} s after a 0.3 s delay"
             await held.ack_sync()  # waits for the server, which consumer_info then reflects

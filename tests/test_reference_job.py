@@ -105,7 +105,8 @@ def test_reference_stage_survives_kill_9_and_the_trainer_gets_its_frozen_copys_l
             inspect(server.url, out / "identities" / "admin.nk", cfg)
         )
 
-    # Nothing lost, nothing twice: every prompt trained or dropped; every reward scored exactly once.
+    # Nothing lost, nothing twice: every prompt trained or dropped;
+    # every reward scored exactly once.
     assert result["in_flight"] == 0 and result["duplicates"] == 0 and result["batched_not_trained"] == 0, result
     assert result["issued"] == result["trained"] + result["dropped"], result
     assert all(not n for n in result["lost"].values()) and set(result["lost"]) >= {"rewards", "scored"}, result

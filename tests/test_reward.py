@@ -1,4 +1,5 @@
-"""The reward pool against misbehaving functions, and the reward worker against a real nats-server."""
+"""The reward pool against misbehaving functions, and the reward worker against a real
+nats-server."""
 
 from __future__ import annotations
 
@@ -111,8 +112,10 @@ def test_bad_specs_are_refused_with_one_line() -> None:
         "tests.reward_fns": "reward function 'tests.reward_fns' must be 'module:function'",
         "no_such_module:f": "reward function 'no_such_module:f': cannot import 'no_such_module': "
         "ModuleNotFoundError: No module named 'no_such_module'",
-        f"{FNS}:missing": f"reward function '{FNS}:missing': module '{FNS}' has no attribute 'missing'",
-        f"{FNS}:NOT_CALLABLE": f"reward function '{FNS}:NOT_CALLABLE': 'NOT_CALLABLE' is not callable (it is int)",
+        f"{FNS}:missing": f"reward function '{FNS}:missing': module '{FNS}' has no attribute "
+                          "'missing'",
+        f"{FNS}:NOT_CALLABLE": f"reward function '{FNS}:NOT_CALLABLE': "
+                               "'NOT_CALLABLE' is not callable (it is int)",
     }
 
     async def main() -> None:
@@ -183,7 +186,8 @@ def running(pid: int) -> bool:
 
 
 def run_config(topology: Topology, reward: str, batch: int = 16) -> RunConfig:
-    """A run scored by `reward` in two processes with a 1 s deadline, `batch` items per round trip."""
+    """A run scored by `reward` in two processes with a 1 s deadline,
+    `batch` items per round trip."""
     return RunConfig(
         run=topology.run, data=DataConfig(reward=reward), reward=RewardConfig(timeout=1.0, processes=2, batch=batch)
     )
@@ -194,7 +198,8 @@ Inputs = list[TrajectoryEvent | bytes]
 
 
 async def set_up_run(js: JetStreamContext, topology: Topology, config: RunConfig, inputs: Inputs) -> None:
-    """Declare the run, store its config, and put `inputs` (events or raw bytes) on the trajectories subject."""
+    """Declare the run, store its config, and put `inputs` (events or raw bytes) on the trajectories
+    subject."""
     await topology.apply(js)
     await publish_config(await js.key_value(topology.kv_bucket), config)
     publisher = Publisher(js, topology)

@@ -131,7 +131,8 @@ class RolloutUnderTest:
         return event
 
     async def publish_weights(self, version: int) -> None:
-        """Store version `version` (the model's weights, nudged) and announce it, as the trainer does."""
+        """Store version `version` (the model's weights, nudged) and announce it,
+        as the trainer does."""
         params = {name: p.detach().clone() + 1e-3 * version for name, p in self.engine.model.named_parameters()}
         event = await store_weights(self.js, self.topology, version, params)
         await self.js.publish(self.topology.subject(WEIGHTS), encode(event))
@@ -218,7 +219,8 @@ the publisher's ack timeout (1 s here) and a few of its retries."""
 
 
 async def refuse_writes(js: JetStreamContext, stream: str) -> int:
-    """Make `stream` refuse every new message (discard new, at its current count); returns the count."""
+    """Make `stream` refuse every new message (discard new, at its current count);
+    returns the count."""
     info = await js.stream_info(stream)
     count = info.state.messages
     assert count > 0, "max_msgs 0 means no limit: store something first"
@@ -298,7 +300,8 @@ def longest_stall(ticks: list[float], during: Call) -> float:
 
 
 async def feed(w: RolloutUnderTest, stop: asyncio.Event, published_at: dict[str, float]) -> None:
-    """Keep prompts waiting in the queue until `stop`, so that the worker always has more to generate."""
+    """Keep prompts waiting in the queue until `stop`, so that the worker always has more to
+    generate."""
     while not stop.is_set():
         if (await w.prompts_consumer()).num_pending < 4:
             for _ in range(8):
@@ -345,14 +348,14 @@ def test_weights_load_only_between_generations_and_off_the_event_loop(
                 assert any(g.start >= load.end for g in generations), f"no generation after the load of {load}"
             stalls = [longest_stall(ticks, load) for load in loads]
             assert max(stalls) < MAX_LOOP_STALL, (
-                f"the event loop stood still for {max(stalls):.2f} s during a {LOAD_SECONDS} s load: "
-                f"the load ran on its thread, and no heartbeat went out meanwhile"
+                f"the event loop stood still for {max(stalls):.2f} s during a {LOAD_SECONDS} s "
+                "load: the load ran on its thread, and no heartbeat went out meanwhile"
             )
             for g in generations:
                 served = max((load.version_at_end for load in loads if load.end <= g.start), default=0)
                 assert g.version_at_start == g.version_at_end == served, (
-                    f"a generation that started after v{served} was loaded ran with v{g.version_at_start}"
-                    f"..v{g.version_at_end}: {g}"
+                    f"a generation that started after v{served} was loaded ran with "
+                    f"v{g.version_at_start}..v{g.version_at_end}: {g}"
                 )
             for t in await w.trajectories():
                 versions = set(t.versions.numpy().tolist())
@@ -360,7 +363,8 @@ def test_weights_load_only_between_generations_and_off_the_event_loop(
                 newest_before = max((load.version_at_end for load in loads if load.end <= published_at[t.prompt_id]),
                                     default=0)
                 assert versions.pop() >= newest_before, (
-                    f"{t.id}: published after v{newest_before} was loaded, yet generated with an older version"
+                    f"{t.id}: published after v{newest_before} was loaded, "
+                    "yet generated with an older version"
                 )
 
     asyncio.run(main())

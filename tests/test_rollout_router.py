@@ -1,4 +1,5 @@
-"""One rollout worker with two engine replicas behind its router, on a real nats-server with the tiny HF model.
+"""One rollout worker with two engine replicas behind its router,
+on a real nats-server with the tiny HF model.
 
 - least_in_flight: prompts published together are spread over both replicas, which generate
   at the same time (a batcher per replica, each generating in its own thread).
@@ -93,7 +94,8 @@ def test_least_in_flight_spreads_prompts_over_both_replicas_generating_at_once(
             assert min(per_replica) >= total // 4, f"prompts not spread over the replicas: {per_replica}"
             first, second = engines[0].of("generate"), engines[1].of("generate")
             assert any(overlaps(a, b) for a in first for b in second), (
-                "the two replicas never generated at the same time: one batcher, or one thread, for both"
+                "the two replicas never generated at the same time: one batcher, or one thread, "
+                "for both"
             )
 
     asyncio.run(main())
@@ -178,7 +180,8 @@ def test_a_weights_load_drains_and_loads_every_replica_and_no_generation_spans_t
             for i, e in enumerate(engines):
                 assert [c.version_at_end for c in e.of("load")] == list(range(1, LOADS + 1)), f"replica {i}"
             clashes = [(i, g, load) for i, g in generations for load in loads if overlaps(g, load)]
-            assert not clashes, f"{len(clashes)} generations ran while a replica loaded weights, first: {clashes[0]}"
+            assert not clashes, (f"{len(clashes)} generations ran while a replica loaded weights, first: "
+                                 f"{clashes[0]}")
             for i, e in enumerate(engines):  # each replica generated before and after each load
                 for load in e.of("load"):
                     assert any(g.end <= load.start for g in e.of("generate")), f"replica {i}: none before {load}"

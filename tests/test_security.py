@@ -256,7 +256,8 @@ def test_identities_are_files_only_their_owner_reads_and_keys_the_server_knows(s
 
 
 def test_wrong_credentials_fail_at_once_with_one_line(secured: Secured, tmp_path: Path) -> None:
-    """No identity, one the server does not know, or one others may read: refused at once in one line."""
+    """No identity, one the server does not know, or one others may read:
+    refused at once in one line."""
     stranger = tmp_path / "stranger.nk"
     write_private(stranger, new_seed())
     shared = tmp_path / "shared.nk"

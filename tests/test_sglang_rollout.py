@@ -1,5 +1,6 @@
 """The SGLang adapter on CPU, without SGLang: its request, its reading of recorded outputs, the
-log-prob alignment with the trainer, and its weight load. The real engine: tests/test_gpu_engines.py."""
+log-prob alignment with the trainer, and its weight load. The real engine:
+tests/test_gpu_engines.py."""
 
 from pathlib import Path
 from typing import Any

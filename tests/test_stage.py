@@ -68,7 +68,8 @@ def worker(role: str, topology: Topology, url: str, **env: str) -> subprocess.Po
 
 
 def exited(proc: subprocess.Popen[str], seconds: float, what: str) -> tuple[int, str]:
-    """The process's exit status and stderr; fails the test if it is still running after `seconds`."""
+    """The process's exit status and stderr; fails the test if it is still running after
+    `seconds`."""
     try:
         _, stderr = proc.communicate(timeout=seconds)
     except subprocess.TimeoutExpired:

@@ -148,7 +148,8 @@ def test_a_producer_alone_names_its_gate_and_every_missing_role_once_in_the_log(
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     expected = [
-        "no live rollout worker: the run cannot progress until one joins (4 prompts wait in its queue)",
+        "no live rollout worker: the run cannot progress until one joins "
+        "(4 prompts wait in its queue)",
         "no live reward worker: the run cannot progress until one joins",
         "no live buffer: the run cannot progress until one joins",
         "no live trainer: the run cannot progress until one joins",
@@ -177,7 +178,8 @@ def test_a_producer_alone_names_its_gate_and_every_missing_role_once_in_the_log(
 
 
 def test_status_names_the_micro_batch_the_trainer_waits_for(nats_server: EmbeddedNats, topology: Topology) -> None:
-    """Steps 0-1 recorded, step 1 stored whole, step 2 stored in part (micro-batches 0 and 2 of 3)."""
+    """Steps 0-1 recorded, step 1 stored whole, step 2 stored in part
+    (micro-batches 0 and 2 of 3)."""
 
     async def scenario() -> tuple[str, str | None]:
         nc = await connect(nats_server.url, "test")
@@ -245,8 +247,8 @@ def test_status_names_the_gate_and_a_buffer_holding_samples_with_no_member(
     assert at_limit is not None, "no stall 5 s after the last step"
     assert "the gate has issued all 6 prompts it admits at weights v1 and waits for v2" in at_limit, at_limit
     assert (
-        "the buffer queue holds 3 scored samples in flight for a buffer that stopped heartbeating (no live buffer), "
-        "back to the queue 10s after its last heartbeat"
+        "the buffer queue holds 3 scored samples in flight for a buffer that stopped heartbeating "
+        "(no live buffer), back to the queue 10s after its last heartbeat"
     ) in at_limit, at_limit
     assert "trainer at step 1 waits for the buffer to form step 1 (it holds 3 scored samples" in at_limit, at_limit
     assert one_dropped is not None and "the gate" not in one_dropped, f"the gate is open after a drop: {one_dropped}"
@@ -306,10 +308,11 @@ def test_a_stuck_then_stopped_reward_worker_is_named_with_the_trajectories_it_ho
     finally:
         worker.kill()
         worker.wait()
-    assert "the reward queue has 3 trajectories in flight at 1 live reward worker and none acked for over 1s" in stuck, stuck
+    assert ("the reward queue has 3 trajectories in flight at 1 live reward worker and none acked for "
+            "over 1s") in stuck, stuck
     assert "no live reward worker" not in stuck, stuck
     assert (
-        "the reward queue holds 3 trajectories in flight for a reward worker that stopped heartbeating "
-        "(no live reward worker), back to the queue 10s after its last heartbeat"
+        "the reward queue holds 3 trajectories in flight for a reward worker that stopped "
+        "heartbeating (no live reward worker), back to the queue 10s after its last heartbeat"
     ) in stopped, stopped
     assert "no live reward worker: the run cannot progress until one joins" in stopped, stopped

@@ -1,4 +1,5 @@
-"""`ops.status` against a real run: the figures it prints are the ones the streams, consumers and KV hold."""
+"""`ops.status` against a real run: the figures it prints are the ones the streams,
+consumers and KV hold."""
 
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def table(page: str, header: str) -> dict[str, list[str]]:
 
 
 def batch(run: str, step: int, versions: list[list[int]], loss_mask: list[list[int]]) -> BatchEvent:
-    """A micro-batch of len(versions) rows whose only meaningful figures are versions and loss mask."""
+    """A micro-batch of len(versions) rows whose only meaningful figures are versions and loss
+    mask."""
     rows, tokens = np.shape(versions)
     zeros = np.zeros((rows, tokens), np.float32)
     return BatchEvent(

@@ -267,7 +267,8 @@ def test_batches_are_bounded_by_the_checkpoint_interval_and_prompts_count_replac
     # A short run holds no more steps than it has.
     assert batch_steps_kept(parse_config({"trainer": {"steps": 5, "checkpoint_every": 10}})) == 5
     shown = "\n".join(streams_cli.limits(config, "the test's config"))
-    derived = "min(checkpoint_every 10 + gate bound (max_staleness 4 + 1) + the checkpoint's last step 1, steps 1000)"
+    derived = ("min(checkpoint_every 10 + gate bound (max_staleness 4 + 1) + the checkpoint's last "
+               "step 1, steps 1000)")
     assert f"{derived} = 16 steps" in shown, shown
     assert "= 512000 trained / (1 - max_dropped_share 0.5) = 1024000 issued" in shown, shown
     with pytest.raises(ConfigError, match="max_dropped_share"):

@@ -103,7 +103,8 @@ def test_sync_mode_trains_each_step_on_its_own_version(nats_server: EmbeddedNats
     # limit is then (v + 1) * prompts_per_step + d, with d the drops (producers/gate.py).
     for k, prompt in enumerate(prompts):
         assert k < (prompt.admitted_version + 1) * PER_STEP + len(drops), (
-            f"prompt #{k} admitted at v{prompt.admitted_version}: more than one step's prompts ahead (drops: {drops})"
+            f"prompt #{k} admitted at v{prompt.admitted_version}: "
+            f"more than one step's prompts ahead (drops: {drops})"
         )
     assert len(prompts) == STEPS * PER_STEP + len(drops), f"drops: {drops}"
     assert sorted({b.step for b in batches}) == list(range(STEPS))
@@ -120,9 +121,11 @@ def test_sync_mode_trains_each_step_on_its_own_version(nats_server: EmbeddedNats
     ("yaml_text", "message"),
     [
         ("mode: sync\nalgorithm: {max_staleness: 1}\n",
-         r"run.yaml: mode sync is strictly on-policy: algorithm.max_staleness must be 0 \(or left out\), not 1"),
+         r"run.yaml: mode sync is strictly on-policy: algorithm.max_staleness must be 0 \(or "
+         r"left out\), not 1"),
         ("mode: sync\ntrainer: {sync_every: 2}\nalgorithm: {max_staleness: 0}\n",
-         r"run.yaml: mode sync publishes a version every step: trainer.sync_every must be 1 \(or left out\), not 2"),
+         r"run.yaml: mode sync publishes a version every step: "
+         r"trainer.sync_every must be 1 \(or left out\), not 2"),
         ("mode: synchronous\n", r"run.yaml: mode: Input should be 'async' or 'sync'"),
     ],
 )

@@ -1,5 +1,6 @@
 """The vLLM adapter on CPU, without vLLM: its request, its reading of recorded outputs, the
-log-prob alignment with the trainer, and its weight load. The real engine: tests/test_gpu_engines.py."""
+log-prob alignment with the trainer, and its weight load. The real engine:
+tests/test_gpu_engines.py."""
 
 from pathlib import Path
 from types import SimpleNamespace

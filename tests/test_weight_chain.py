@@ -80,7 +80,8 @@ def test_rollout_workers_follow_delta_versions_bit_for_bit_and_a_late_one_catche
             # The chain's versions are pinned: the full v0 is kept though `keep` is 2.
             async with rollout_worker(nats_server.url, topology, model_dir, weights=settings) as late:
                 await eventually(lambda: late.engine.version == 3 or dead_stored(w, 1), "the late worker handled v3")
-                assert late.engine.version == 3, f"the late worker did not load v3: {[r for _, r in await dead_letters(w.js, topology)]}"
+                assert late.engine.version == 3, ("the late worker did not load v3: "
+                                                  f"{[r for _, r in await dead_letters(w.js, topology)]}")
                 assert serves(late.engine.model, versions[3]), "the late worker's v3 is not the trainer's bits"
                 assert [load.version_at_end for load in late.engine.of("load")] == [3]
 

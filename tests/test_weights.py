@@ -263,10 +263,11 @@ def test_object_store_fetch_time_is_linear_in_size(nats_server: EmbeddedNats, to
     with_store(nats_server, topology, body)
     small, large = SIZES_MB
     ratio = seconds[large] / seconds[small]
-    print(f"fetch {small} MB {seconds[small]:.3f} s, {large} MB {seconds[large]:.3f} s, ratio {ratio:.2f}")
+    print(f"fetch {small} MB {seconds[small]:.3f} s, {large} MB {seconds[large]:.3f} s, "
+          f"ratio {ratio:.2f}")
     assert ratio < LINEAR_LIMIT, (
-        f"fetch of {large} MB took {seconds[large]:.2f} s, {ratio:.1f}x the {seconds[small]:.2f} s of {small} MB "
-        f"({large // small}x the size): not linear"
+        f"fetch of {large} MB took {seconds[large]:.2f} s, {ratio:.1f}x the {seconds[small]:.2f} s "
+        f"of {small} MB ({large // small}x the size): not linear"
     )
 
 
@@ -459,7 +460,8 @@ def test_a_sharded_full_version_carries_each_tensor_once_or_is_refused() -> None
 
 
 def short_run(tmp_path: Path, weights: dict, steps: int) -> tuple[str, Path]:
-    """A whole run of `steps` steps (`producers.prompts` starts every role) with `weights`; (run, out)."""
+    """A whole run of `steps` steps (`producers.prompts` starts every role) with `weights`;
+    (run, out)."""
     run = f"fs{uuid.uuid4().hex[:8]}"
     config = {
         "run": run, "model": {"hidden": 32, "layers": 1},

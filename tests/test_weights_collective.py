@@ -1,4 +1,5 @@
-"""The collective weight transport (`consumers.weights.collective`) over gloo, on a real nats-server.
+"""The collective weight transport (`consumers.weights.collective`) over gloo,
+on a real nats-server.
 
 - Two rollout workers that the membership lists receive a version by broadcast, bit for bit,
   and the version is also stored through the fallback (the object store).

@@ -100,7 +100,8 @@ def passk(rewards: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _choose(n: torch.Tensor, k: int) -> torch.Tensor:
-    """C(n, k) elementwise for float n >= -1 (0 where n < k), exact for the small ints of a group."""
+    """C(n, k) elementwise for float n >= -1 (0 where n < k),
+    exact for the small ints of a group."""
     out = torch.ones_like(n)
     for i in range(k):
         out = out * (n - i).clamp(min=0) / (i + 1)

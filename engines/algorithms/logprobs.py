@@ -25,7 +25,8 @@ import torch
 
 
 def _exact(dtype: torch.dtype) -> torch.dtype:
-    """float32, or float64 for float64 inputs: a softmax over a vocabulary needs at least float32."""
+    """float32, or float64 for float64 inputs: a softmax over a vocabulary needs at least
+    float32."""
     return torch.promote_types(dtype, torch.float32)
 
 

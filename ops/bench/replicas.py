@@ -1,4 +1,5 @@
-"""`python -m ops.bench.replicas [--quick] [--replicas N] [--repeats R]`: what engine replicas in one rollout worker buy.
+"""`python -m ops.bench.replicas [--quick] [--replicas N] [--repeats R]`:
+what engine replicas in one rollout worker buy.
 
 The rollout worker's own replica layer (`consumers.rollout_replicas.Replicas`: the router, a
 batcher per replica, generation in threads) with the tiny HF model on this machine's CPU,
@@ -69,7 +70,7 @@ async def generate_all(model_dir: Path, replicas: int, events: list[PromptEvent]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer prompts, shorter responses")
     parser.add_argument("--replicas", type=int, default=2, help="replicas measured against one")
     parser.add_argument("--repeats", type=int, default=3)

@@ -57,7 +57,8 @@ def train(cfg: RunConfig, steps: int, eta: int, corrected: bool) -> tuple[list[f
     module, name = parse_spec(cfg.data.reward)
     score = getattr(importlib.import_module(module), name)
     source = records(cfg.data, 0)
-    # versions[0] is what generates: after step s the deque holds versions max(0, s + 1 - eta) .. s + 1.
+    # versions[0] is what generates: after step s the deque holds versions max(0,
+    # s + 1 - eta) .. s + 1.
     versions = deque([trainer.export_weights()], maxlen=eta + 1)
     rewards_by_step: list[float] = []
     seen: dict[str, list[float]] = {"clip_frac": [], "is_weight_mean": [], "logprob_gap": []}
@@ -125,7 +126,8 @@ def main() -> None:
                 label = f"eta {eta}, {'corrected' if corrected else 'uncorrected'}"
                 curves[label], off_policy[label] = train(prepared, steps, eta, corrected)
                 tenth = max(1, steps // 10)
-                print(f"{label}: final reward {np.mean(curves[label][-tenth:]):.3f} {off_policy[label]}", flush=True)
+                print(f"{label}: final reward {np.mean(curves[label][-tenth:]):.3f} "
+                      f"{off_policy[label]}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     plot(curves, args.out / "staleness.png")
     tenth = max(1, steps // 10)

@@ -154,7 +154,8 @@ def verdict_continuous(report: dict[str, Any]) -> list[str]:
     diff = report["logprob_diff"]
     if diff["max"] > worst or diff["mean"] > mean:
         failures.append(
-            f"logprob_diff {diff} exceeds (max {worst}, mean {mean}): tokens tagged with the wrong version?")
+            f"logprob_diff {diff} exceeds (max {worst}, mean {mean}): "
+            "tokens tagged with the wrong version?")
     if not report["monotone"]:
         failures.append("a sample's versions went back")
     if not report["spanning"]:

@@ -122,7 +122,8 @@ def engines(args: argparse.Namespace, rec: Record) -> None:
                         "tokens_per_s": round(tokens / seconds, 1), "ms_per_step": round(1000 * seconds / steps, 2),
                         "peak_gib": _peak_gib(device)})
         rec.put("rollout", {"dtype": params_dtype, "device": device, "runs": rollout})
-        say("engines", f"rollout batch {batch}: {tokens / seconds:,.0f} tok/s ({1000 * seconds / steps:.1f} ms/step)")
+        say("engines", f"rollout batch {batch}: {tokens / seconds:,.0f} tok/s "
+                       f"({1000 * seconds / steps:.1f} ms/step)")
     del engine
     gc.collect()
     if device.startswith("cuda"):
@@ -162,7 +163,8 @@ def engines(args: argparse.Namespace, rec: Record) -> None:
                        "tflops": round(flops / 1e12, 1), "mfu_vs_bf16_peak": round(flops / BF16_DENSE_PEAK, 3),
                        "peak_gib": _peak_gib(device), "loss_finite": math.isfinite(metrics["loss"])}
         rec.put("train", train)
-        say("engines", f"train {name}: {seconds:.3f} s/step, {tokens / seconds:,.0f} tok/s, peak {_peak_gib(device)} GiB")
+        say("engines", f"train {name}: {seconds:.3f} s/step, {tokens / seconds:,.0f} tok/s, "
+                       f"peak {_peak_gib(device)} GiB")
     torch.backends.cuda.matmul.allow_tf32 = False
 
 
