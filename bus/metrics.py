@@ -71,7 +71,8 @@ REWARD = meter.create_histogram(
 )
 STALENESS = meter.create_histogram(
     "jetrl.staleness", unit="{step}",
-    description="Per trained sample: the step training it minus the oldest weight version among its tokens",
+    description="Per trained sample: the step training it minus the oldest weight version "
+                "among its tokens",
     explicit_bucket_boundaries_advisory=STALENESS_BUCKETS,
 )
 

@@ -115,7 +115,8 @@ async def read_chunks(
                     raise ObjectMissing(f"object {info.name!r} was replaced while it was read") from None
                 if loop.time() - since >= stall:
                     raise ObjectStalled(
-                        f"object {info.name!r}: no chunk for {stall:.0f} s after {offset} of {size} bytes"
+                        f"object {info.name!r}: no chunk for {stall:.0f} s "
+                        f"after {offset} of {size} bytes"
                     ) from None
         done.result()
     finally:

@@ -214,7 +214,8 @@ def extra_rules(t: Topology, role: str) -> list[Rule]:
         "rollout": [
             *object_read_rules(t),
             Rule(f"{API}.STREAM.MSG.GET.{t.stream(WEIGHTS)}",
-                 "a version whose bytes are gone: is a newer one announced (the last weights event)?"),
+                 "a version whose bytes are gone: "
+                 "is a newer one announced (the last weights event)?"),
         ],
         "trainer": [
             *object_write_rules(t),
@@ -326,7 +327,8 @@ def users_config(t: Topology, public_keys: Mapping[str, str]) -> str:
             "    }\n"
         )
     return (
-        f"# NATS users of jetrl run {t.run}, one per role: `python -m ops.streams users --run {t.run}`.\n"
+        f"# NATS users of jetrl run {t.run}, one per role: "
+        f"`python -m ops.streams users --run {t.run}`.\n"
         "# Include from every node's config (include \"users.conf\") and start each worker with\n"
         "#     --identity <role>.nk   (the role's seed file, written beside this one, mode 600)\n"
         "# Only public keys are here: the seeds never reach a server.\n"

@@ -196,7 +196,8 @@ class Supervisor:
 
     def _spawn(self, child: Child) -> None:
         with open(child.log, "ab") as out:
-            out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} fleet starts {' '.join(child.command)}\n".encode())
+            out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} "
+                      f"fleet starts {' '.join(child.command)}\n".encode())
             out.flush()
             child.proc = subprocess.Popen(
                 child.command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **child.env},

@@ -177,8 +177,8 @@ def _poll(store: dist.Store, key: str, timeout_s: float, gone: Callable[[], bool
 
 
 def send_buckets(
-    group: _Group, rank: int, plan: dict, tensors: Mapping[str, torch.Tensor], bufs: list[torch.Tensor],
-    s: CollectiveSettings,
+    group: _Group, rank: int, plan: dict, tensors: Mapping[str, torch.Tensor],
+    bufs: list[torch.Tensor], s: CollectiveSettings,
 ) -> tuple[int, list[torch.Tensor]]:  # fmt: skip
     """A sender's part of one attempt: every bucket of `plan`, in order. Its own (src == `rank`)
     packed from `tensors` (bucket k+1 packed while k is on the wire: two buffers); the other
@@ -210,8 +210,8 @@ class CollectiveSource:
     trainer ranks 1.. take part as `CollectivePeer`s (group ranks 1..senders-1), each sending
     the buckets of the tensors it owns; the rollout workers follow as ranks senders, ..."""
 
-    def __init__(self, alive: Callable[[], Sequence[str]], settings: CollectiveSettings, host: str = "127.0.0.1",
-                 port: int = 0, senders: int = 1) -> None:  # fmt: skip
+    def __init__(self, alive: Callable[[], Sequence[str]], settings: CollectiveSettings,
+                 host: str = "127.0.0.1", port: int = 0, senders: int = 1) -> None:  # fmt: skip
         if senders < 1:
             raise ValueError(f"senders must be >= 1, got {senders}")
         self._alive, self._s, self.senders = alive, settings, senders
@@ -312,7 +312,8 @@ class CollectiveReceiver:
 
     def receive(
         self, address: tuple[str, int], version: int, into: Into = None,
-        checksums: Mapping[str, str] | None = None, on_bucket: Callable[[int, int], None] | None = None,
+        checksums: Mapping[str, str] | None = None,
+        on_bucket: Callable[[int, int], None] | None = None,
     ) -> Received | Missed:  # fmt: skip
         """Take part in `version`'s broadcast from the source at `address`.
 

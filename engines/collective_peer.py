@@ -7,7 +7,8 @@ always part of the group (ranks 0..senders-1, the rollout workers after them). P
     plan     poll `vV/aA/plan` (its buckets say which are this rank's)
     start    poll `vV/aA/start`: no members -> nothing to send; else join the epoch's group
              (a new one whenever the epoch changes: after a failure or a membership change)
-    data     `send_buckets`: its own buckets packed from its tensors, the others' received and dropped
+    data     `send_buckets`: its own buckets packed from its tensors, the others' received and
+             dropped
     failure  wait for the source's outcome: `retry` -> the next attempt; anything else -> done
 
 A peer that dies makes the attempt fail for everyone (the group needs every sender); the

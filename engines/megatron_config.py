@@ -121,7 +121,8 @@ def spec_from_hf(hf_config: Any, tensor_parallel_size: int = 1, pipeline_paralle
     hidden = int(hf_config.hidden_size)
     head_dim = int(getattr(hf_config, "head_dim", None) or hidden // heads)
     if heads % groups:
-        raise ValueError(f"megatron engine: num_attention_heads {heads} is not a multiple of num_key_value_heads {groups}")
+        raise ValueError(f"megatron engine: num_attention_heads {heads} "
+                         f"is not a multiple of num_key_value_heads {groups}")
     tp, pp = int(tensor_parallel_size), int(pipeline_parallel_size)
     if tp < 1 or pp < 1:
         raise ValueError(f"megatron engine: parallel sizes must be >= 1 (tensor {tp}, pipeline {pp})")

@@ -30,7 +30,8 @@ from engines.protocols import MicroBatch
 if TYPE_CHECKING:
     from engines.megatron_train import MegatronTrainEngine
 
-# (logits [B, T - 1, V] at the temperature, micro-batch index) -> (loss, extras kept for the caller).
+# (logits [B, T - 1, V] at the temperature, micro-batch index)
+#     -> (loss, extras kept for the caller).
 LossFn = Callable[[torch.Tensor, int], tuple[torch.Tensor, dict[str, Any]]]
 
 

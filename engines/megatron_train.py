@@ -176,7 +176,8 @@ class MegatronTrainEngine(TorchTrainEngine):
             **self.spec.transformer_config_kwargs(),
             activation_func=F.silu,
             params_dtype=torch.float32,  # master weights float32; bfloat16 compute is autocast's
-            use_cpu_initialization=True,  # random init is overwritten below; CPU init needs no CUDA RNG
+            # Random init is overwritten below; CPU init needs no CUDA RNG.
+            use_cpu_initialization=True,
             # The fused kernels need CUDA extensions (apex, TE) and some take no arbitrary mask.
             bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
             masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
@@ -186,7 +187,8 @@ class MegatronTrainEngine(TorchTrainEngine):
             gpt = GPTModel(
                 config=config,
                 transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-                parallel_output=False,  # logits gathered over the vocabulary: our loss takes all of it
+                # Logits gathered over the vocabulary: our loss takes all of it.
+                parallel_output=False,
                 pre_process=first, post_process=last,
                 **self.spec.gpt_model_kwargs(),
             )
@@ -203,7 +205,8 @@ class MegatronTrainEngine(TorchTrainEngine):
     def _token_logits(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model: torch.nn.Module | None = None
     ) -> torch.Tensor:
-        """[B, T] ids -> [B, T - 1, V] temperature-scaled logits (V: the HF vocabulary, pad cut off)."""
+        """[B, T] ids -> [B, T - 1, V] temperature-scaled logits
+        (V: the HF vocabulary, pad cut off)."""
         logits = self._stage_forward(input_ids, attention_mask, model)  # [B, T, Vp]
         return logits[:, :-1, : self.spec.vocab_size].float() / self.loss_config.temperature
 

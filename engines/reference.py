@@ -53,7 +53,8 @@ class ReferenceEngine:
         return [per_token[i, len(p) : lengths[i]].astype(np.float32) for i, (p, _) in enumerate(rows)]
 
     def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """[B, T] ids -> [B, T] log pi_ref(x[t] | x[<t]), 0 at t = 0 (aligned as `engines.protocols`)."""
+        """[B, T] ids -> [B, T] log pi_ref(x[t] | x[<t]), 0 at t = 0
+        (aligned as `engines.protocols`)."""
         positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         targets = input_ids[:, 1:]
         with autocast(self.device, self.dtype):

@@ -196,7 +196,8 @@ def section_external(args: argparse.Namespace, rec: Record) -> None:
         except Exception as exc:  # noqa: BLE001 - one engine's failure must not hide the other's figures
             rec.put(name, {"error": one_line(exc)})
         say("external", f"{name}: {rec.data[name]}")
-        key = f"{name}_continuous_resubmit"  # continuous admission + partial rollout (abort, load, resubmit)
+        # continuous admission + partial rollout (abort, load, resubmit)
+        key = f"{name}_continuous_resubmit"
         try:
             report = check_continuous(name, model_dir, "resubmit", put=rec.put)
             rec.put(key, {**report, "failures": verdict_continuous(report)})

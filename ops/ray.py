@@ -1,4 +1,5 @@
-"""`python -m ops.ray up|down fleet.yaml [--address ADDR] [--nats URL]`: a fleet's workers as Ray actors.
+"""`python -m ops.ray up|down fleet.yaml [--address ADDR] [--nats URL]`:
+a fleet's workers as Ray actors.
 
 `up` starts the workers a fleet YAML describes (`consumers.fleet_config.FleetConfig`, the file
 `python -m consumers.fleet` takes) across a Ray cluster instead of on one node: one
@@ -183,7 +184,7 @@ def describe(state: State, code: int | None) -> tuple[str, bool]:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m ops.ray", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m ops.ray", description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=["up", "down"], help="start the fleet's workers, or drain and remove them")
     parser.add_argument("config", type=Path, help="fleet YAML (see consumers/fleet.py); it must set `run`")
     parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"),

@@ -149,7 +149,8 @@ class WeightVersionEvent(Event):
             raise ValueError(f"a full version is its own chain's full version, not {self.full_version}")
         data = sum(math.prod(spec.shape) * itemsize(spec.dtype) for spec in self.manifest)
         if self.total_bytes < data:
-            raise ValueError(f"total_bytes {self.total_bytes} is less than the manifest's {data} bytes of tensor data")
+            raise ValueError(f"total_bytes {self.total_bytes} is less than the manifest's {data} "
+                             "bytes of tensor data")
         return self
 
     def _check_delta(self, names: list[str]) -> None:
@@ -173,7 +174,8 @@ class WeightVersionEvent(Event):
         if len(carried) != len(set(carried)) or set(carried) != set(names):
             raise ValueError("the shards do not carry each manifest tensor exactly once")
         if where != self.shards[0].location or self.total_bytes != sum(s.total_bytes for s in self.shards):
-            raise ValueError("a sharded version's location and total_bytes are its first shard's and the shards' sum")
+            raise ValueError("a sharded version's location and total_bytes are its first shard's "
+                             "and the shards' sum")
 
 
 DIGEST_CHARS = 16

@@ -1,9 +1,11 @@
-"""A real megatron-core GPTModel on the CPU, loaded through `engines.megatron_names`, against HF logits.
+"""A real megatron-core GPTModel on the CPU, loaded through `engines.megatron_names`,
+against HF logits.
 
-Usage: ``megatron_cpu_proc.py OUT_DIR [cuda | tp2 | pp2 | tp2pp2]``. Run as its own process by `tests/test_megatron.py` (it starts a one-rank gloo group and
-megatron's parallel state, and patches two CUDA-only spots, none of which a test process
-should keep). Prints "logits match: qwen2 llama" when both models agree, then checks
-`MegatronTrainEngine` against `TorchTrainEngine` on the tiny model (left-padded rows: the
+Usage: ``megatron_cpu_proc.py OUT_DIR [cuda | tp2 | pp2 | tp2pp2]``. Run as its own process by
+`tests/test_megatron.py` (it starts a one-rank gloo group and megatron's parallel state, and
+patches two CUDA-only spots, none of which a test process should keep). Prints "logits match:
+qwen2 llama" when both models agree, then checks `MegatronTrainEngine` against
+`TorchTrainEngine` on the tiny model (left-padded rows: the
 same log-probs, two steps with the same losses, grad norms and exported weights; a second
 engine resumed from the checkpoint before step 1 repeats it exactly) and prints
 "engine matches torch"; exits 1 at the first difference. With ``cuda`` only the engine

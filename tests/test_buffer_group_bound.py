@@ -134,7 +134,8 @@ def test_an_incomplete_group_is_dropped_once_max_group_wait_steps_steps_have_for
         )
         info = await buffer_consumer(js, topology)
         assert (info.num_pending, info.num_ack_pending) == (0, 0), (
-            f"{info.num_pending} undelivered and {info.num_ack_pending} unacked rewards left on the buffer's queue"
+            f"{info.num_pending} undelivered and {info.num_ack_pending} unacked rewards left on "
+            "the buffer's queue"
         )
 
     run_with_js(nats_server.url, body)

@@ -266,8 +266,9 @@ def test_held_samples_are_not_redelivered_while_the_buffer_holds_them(
             info = await buffer_consumer(js, topology)
             assert proc.poll() is None, f"the buffer died while holding:\n{tail(log)}"
             assert info.num_redelivered == 0, (
-                f"{info.num_redelivered} held samples were redelivered after {3.5 * ACK_WAIT:.0f} s "
-                f"(ack_wait {ACK_WAIT:.0f} s): the buffer did not keep them in progress"
+                f"{info.num_redelivered} held samples were redelivered after "
+                f"{3.5 * ACK_WAIT:.0f} s (ack_wait {ACK_WAIT:.0f} s): "
+                "the buffer did not keep them in progress"
             )
             assert info.delivered.consumer_seq == len(held), (
                 f"{info.delivered.consumer_seq} deliveries for {len(held)} samples: "

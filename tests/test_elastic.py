@@ -167,10 +167,13 @@ def test_rollout_workers_join_and_leave_a_running_run(own_nats_server: EmbeddedN
         wait_for(lambda: serving_rollouts(url, topology) == 1, 5)
         again = measure(url, topology, [base], producer)
         baseline = (before.rate + again.rate) / 2
-        print(f"\nrollout throughput, trajectories/s: {before.rate:.1f} with 1 worker, {after.rate:.1f} with 3, "
-              f"{again.rate:.1f} with 1 again (x{after.rate / baseline:.2f}); joining took {joined:.0f}s; "
-              f"prompts in flight at most {before.most_in_flight}/{after.most_in_flight}/{again.most_in_flight}, "
-              f"queued at least {before.least_queued}/{after.least_queued}/{again.least_queued}")
+        print(f"\nrollout throughput, trajectories/s: {before.rate:.1f} with 1 worker, "
+              f"{after.rate:.1f} with 3, {again.rate:.1f} with 1 again "
+              f"(x{after.rate / baseline:.2f}); joining took {joined:.0f}s; "
+              "prompts in flight at most "
+              f"{before.most_in_flight}/{after.most_in_flight}/{again.most_in_flight}, "
+              "queued at least "
+              f"{before.least_queued}/{after.least_queued}/{again.least_queued}")
 
         out, _ = producer.communicate(timeout=240)
         assert producer.returncode == 0, out

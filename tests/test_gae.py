@@ -64,9 +64,9 @@ def test_whitening_spans_every_micro_batch_of_the_step() -> None:
 
 
 def test_value_loss_by_hand() -> None:
-    # eps .2. (V, V_old, R): (1.5, 1, 2): plain .25, clipped V 1.2 -> .64: loss .32, clipped, no grad;
-    # (1.1, 1, 2): inside the range, .405; (.5, 1, 0): plain .25, clipped V .8 -> .64: .32, clipped;
-    # (.5, 1, 2): plain 2.25 > clipped 1.44: 1.125 with gradient V - R = -1.5.
+    # eps .2. (V, V_old, R): (1.5, 1, 2): plain .25, clipped V 1.2 -> .64: loss .32, clipped,
+    # no grad; (1.1, 1, 2): inside the range, .405; (.5, 1, 0): plain .25, clipped V .8 -> .64:
+    # .32, clipped; (.5, 1, 2): plain 2.25 > clipped 1.44: 1.125 with gradient V - R = -1.5.
     values = torch.tensor([[1.5, 1.1, 0.5, 0.5]], requires_grad=True)
     old, returns = torch.tensor([[1.0, 1.0, 1.0, 1.0]]), torch.tensor([[2.0, 2.0, 0.0, 2.0]])
     terms = gae.value_loss(values, old, returns, clip=0.2)

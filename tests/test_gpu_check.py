@@ -96,7 +96,8 @@ def test_section_past_its_budget_is_killed_and_the_next_runs() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason=f"CUDA not available (torch {torch.__version__}): the engines section on a GPU needs one")
+                    reason=f"CUDA not available (torch {torch.__version__}): "
+                           "the engines section on a GPU needs one")
 def test_engines_section_runs_on_cuda() -> None:
     report, output = run_check(["--tiny", "--device", "cuda", "--sections", "engines"], timeout=300)
     engines = report["sections"]["engines"]

@@ -23,7 +23,8 @@ from tests.helpers import declare_run
 
 ROOT = Path(__file__).resolve().parent.parent
 STOPPED = re.compile(
-    r"^producers\.prompts: stopped by (SIG[A-Z]+) after (\d+) of 1000 steps; every worker stopped\. "
+    r"^producers\.prompts: stopped by (SIG[A-Z]+) after (\d+) of 1000 steps; "
+    r"every worker stopped\. "
     r"Resume with: python -m producers\.prompts --run \S+ --steps 1000 --out (\S+)$"
 )
 

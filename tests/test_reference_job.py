@@ -86,7 +86,8 @@ def test_reference_stage_survives_kill_9_and_the_trainer_gets_its_frozen_copys_l
     # in its replacement), and the buffer once after a stored step: the fleet restarts each.
     env = {
         **os.environ, CRASH_RECORD: str(record),
-        CRASH_AT: f"{REFERENCE_STORED_NOT_ACKED.name}@7,{REFERENCE_MID_SCORING.name}@40,{BUFFER_STEP_STORED.name}@3",
+        CRASH_AT: f"{REFERENCE_STORED_NOT_ACKED.name}@7,{REFERENCE_MID_SCORING.name}@40,"
+                  f"{BUFFER_STEP_STORED.name}@3",
     }
     job = subprocess.run(
         [sys.executable, "-m", "producers.prompts", "--config", str(path), "--out", str(out)],

@@ -223,5 +223,6 @@ def test_the_worker_refuses_a_router_that_is_not_one_with_one_line_before_loadin
     )
     assert worker.returncode == 1, worker.stderr
     assert worker.stderr.strip().splitlines()[-1] == (
-        "consumers.rollout: router 'tests.test_router:NoPick': NoPick is not a router (no pick(key, in_flight) method)"
+        "consumers.rollout: router 'tests.test_router:NoPick': "
+        "NoPick is not a router (no pick(key, in_flight) method)"
     ), worker.stderr

@@ -81,7 +81,8 @@ def test_sticky_by_key_forgets_the_least_recently_used_key_past_max_keys() -> No
         ("sticky_by_key", {"max_key": 10}, "router 'sticky_by_key': option max_key: Extra inputs are not permitted"),
         ("sticky_by_key", {"max_keys": 0}, "router 'sticky_by_key': option max_keys: Input should be greater than or equal to 1"),
         ("least_in_flight", {"max_keys": 10}, "router 'least_in_flight': option max_keys: Extra inputs are not permitted"),
-        ("round_robin", {}, "router 'round_robin': expected one of least_in_flight, sticky_by_key or 'module:Class'"),
+        ("round_robin", {}, "router 'round_robin': expected one of least_in_flight, "
+                            "sticky_by_key or 'module:Class'"),
         ("no_such_module_xyz:Router", {}, "router 'no_such_module_xyz:Router': cannot import no_such_module_xyz: "
                                           "ModuleNotFoundError"),
         ("tests.test_router:Missing", {}, "router 'tests.test_router:Missing': tests.test_router has no class Missing"),

@@ -83,8 +83,9 @@ def test_the_configured_clip_range_decides_which_tokens_clip(
     stats = eng.train_step([batch(eng, advantage, log_ratio)])
     assert stats["ratio_mean"] == pytest.approx(math.exp(log_ratio), rel=1e-4)
     assert stats["clip_frac"] == clip_frac, (
-        f"clip_frac {stats['clip_frac']} at ratio {math.exp(log_ratio):.2f}, advantage {advantage}: "
-        f"the engine's clip range {eng.loss_config.eps_low}/{eng.loss_config.eps_high} is not the config's 0.05/0.4"
+        f"clip_frac {stats['clip_frac']} at ratio {math.exp(log_ratio):.2f}, "
+        f"advantage {advantage}: the engine's clip range "
+        f"{eng.loss_config.eps_low}/{eng.loss_config.eps_high} is not the config's 0.05/0.4"
     )
 
 

@@ -76,7 +76,8 @@ def reinforce_pp(rewards: torch.Tensor) -> torch.Tensor:
 
 
 def passk(rewards: torch.Tensor, k: int) -> torch.Tensor:
-    """Pass@k group baseline (Chen et al. 2025, analytic form) for 0/1 rewards. [..., G] -> [..., G].
+    """Pass@k group baseline (Chen et al. 2025, analytic form) for 0/1 rewards.
+    [..., G] -> [..., G].
 
     The reward of a k-subset of the group is its best member's; a sample's advantage is the
     mean reward of the k-subsets holding it minus the mean over all k-subsets, over that

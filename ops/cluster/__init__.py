@@ -71,7 +71,8 @@ def node_addresses(
 
 
 def node_configs(hosts: Sequence[str] = DEFAULT_HOSTS, out: str | None = None, store: str = STORE) -> dict[str, str]:
-    """File name -> config text of every node of a cluster on `hosts`, as `python -m ops.cluster` writes them."""
+    """File name -> config text of every node of a cluster on `hosts`,
+    as `python -m ops.cluster` writes them."""
     addresses = node_addresses(hosts)
     args = "".join(
         f" {flag} {value}"
