@@ -25,9 +25,9 @@ from bus import metrics, tracing
 from bus.connection import DEFAULT_URL, ConnectRefused, connect, worker_id
 from bus.election import ride_out
 from bus.identity import IDENTITY_ENV
+from bus.membership import Membership
 from bus.publisher import Publisher
 from bus.topology import CONFIG_KEY, Topology, run_id_arg
-from bus.membership import Membership
 from schemas.config import RunConfig, parse_config
 
 

@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from bus import loss
+from bus.runtime import CannotAttach, Runtime, attach, worker_args
 from bus.tasks import cancel_until_done
 from bus.topology import Channel
 from bus.worker import Handler, OnDead, Worker, WorkerOptions, stop_on_signals
-from bus.runtime import CannotAttach, Runtime, attach, worker_args
 from schemas.events import Event
 
 log = logging.getLogger("jetrl.stage")

@@ -27,13 +27,13 @@ import torch
 from nats.aio.msg import Msg
 
 from bus import metrics, tracing
+from bus.crashpoints import REFERENCE_MID_SCORING, REFERENCE_STORED_NOT_ACKED
 from bus.publisher import EventTooLarge
+from bus.runtime import CannotAttach, Runtime
+from bus.stage import Stage, run_stage
 from bus.topology import SCORED
 from bus.worker import Handler, Reject, WorkerOptions
 from consumers.checks import ModelLimits
-from bus.crashpoints import REFERENCE_MID_SCORING, REFERENCE_STORED_NOT_ACKED
-from bus.runtime import CannotAttach, Runtime
-from bus.stage import Stage, run_stage
 from engines.device import resolve_device, torch_dtype
 from engines.reference import ReferenceEngine
 from schemas import RewardEvent, Tensor

@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 from nats.js.errors import KeyNotFoundError
 
-from bus.topology import RENDEZVOUS_KEY
 from bus.runtime import CannotAttach, Runtime
+from bus.topology import RENDEZVOUS_KEY
 from consumers.weights.chain import ShardNote
 from engines.algorithms.schedule import lr_factor
 from engines.device import torch_dtype

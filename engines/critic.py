@@ -26,7 +26,13 @@ from typing import Any
 
 import torch
 
-from engines.algorithms.gae import explained_variance, gae_advantages, outcome_rewards, value_loss, whiten_step
+from engines.algorithms.gae import (
+    explained_variance,
+    gae_advantages,
+    outcome_rewards,
+    value_loss,
+    whiten_step,
+)
 from engines.algorithms.losses import AggregationMode, aggregate
 from engines.protocols import MicroBatch
 

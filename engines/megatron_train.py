@@ -24,8 +24,8 @@ each rank holds one stage and an update's passes run through megatron's schedule
 
 from __future__ import annotations
 
-import shutil
 import contextlib
+import shutil
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,14 @@ import torch
 import torch.distributed as dist
 
 from engines.megatron_config import MegatronModelSpec, spec_from_hf
-from engines.megatron_names import hf_to_megatron, megatron_to_hf, merge, shard, stage_params, unstage_params
+from engines.megatron_names import (
+    hf_to_megatron,
+    megatron_to_hf,
+    merge,
+    shard,
+    stage_params,
+    unstage_params,
+)
 from engines.megatron_pipeline import (
     broadcast_from_last,
     pipeline_update_passes,

@@ -34,7 +34,13 @@ from typing import Any
 import torch
 
 from engines.continuous import Chunk, ContinuousAdapter, EngineLoop, PartialMode
-from engines.external_rollout import EngineUnavailable, eos_token_ids, require, skeleton, torch_dtype
+from engines.external_rollout import (
+    EngineUnavailable,
+    eos_token_ids,
+    require,
+    skeleton,
+    torch_dtype,
+)
 from engines.protocols import SamplingParams
 from engines.sglang_rollout import SGLangSettings, check_logprob_env, engine_kwargs, sampling_params
 

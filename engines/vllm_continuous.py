@@ -31,9 +31,15 @@ from typing import Any
 import torch
 
 from engines.continuous import Chunk, ContinuousAdapter, EngineLoop, PartialMode
-from engines.external_rollout import EngineUnavailable, eos_token_ids, require, skeleton, torch_dtype
+from engines.external_rollout import (
+    EngineUnavailable,
+    eos_token_ids,
+    require,
+    skeleton,
+    torch_dtype,
+)
 from engines.protocols import SamplingParams
-from engines.vllm_rollout import VLLMSettings, load_on_worker, llm_kwargs, sampling_kwargs
+from engines.vllm_rollout import VLLMSettings, llm_kwargs, load_on_worker, sampling_kwargs
 
 
 def async_engine_kwargs(model_dir: Path, settings: VLLMSettings, slots: int) -> dict[str, Any]:

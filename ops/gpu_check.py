@@ -24,7 +24,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-from pathlib import Path
 import shutil
 import signal
 import subprocess
@@ -32,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -39,9 +39,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bus.connection import DEFAULT_URL
-from consumers.supervisor import State
 from consumers.fleet_config import FleetConfig, RoleConfig, load_fleet, worker_name
-from consumers.supervisor import POLL_SECONDS, Supervisor
+from consumers.supervisor import POLL_SECONDS, State, Supervisor
 from schemas.config import ConfigError
 
 if TYPE_CHECKING:

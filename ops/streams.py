@@ -25,8 +25,8 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 from bus.connection import DEFAULT_URL, connect
 from bus.election import TRANSIENT, or_unknown, ride_out
 from bus.lag import queue_lag
-from bus.topology import CHANNELS, CONFIG_KEY, Topology, run_id_arg
 from bus.security import USERS_FILE, write_identities
+from bus.topology import CHANNELS, CONFIG_KEY, Topology, run_id_arg
 from schemas.config import ConfigError, RunConfig, parse_config
 from schemas.streams_config import stream_needs
 

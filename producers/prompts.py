@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from bus.connection import ConnectRefused
-from bus.topology import run_id_arg
 from bus.runtime import CannotAttach
+from bus.topology import run_id_arg
 from producers.gate import PromptsRefused
 from producers.launcher import Stopped, prepare, run, stop_on_sigterm
 from schemas.config import ConfigError, RunConfig, load_config

@@ -29,8 +29,8 @@ This module must stay light (no torch): the producer imports it to make prompts 
 reward workers import ``producers.tasks:score_<name>`` by name in a process pool.
 """
 
-from collections.abc import Callable
 import random
+from collections.abc import Callable
 from typing import Any
 
 # One special token, which also pads (as in Qwen). Any other special token (<pad>, <bos>,

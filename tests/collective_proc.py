@@ -29,7 +29,13 @@ import time
 
 import torch
 
-from engines.collective import CollectiveReceiver, CollectiveSettings, CollectiveSource, Published, Received
+from engines.collective import (
+    CollectiveReceiver,
+    CollectiveSettings,
+    CollectiveSource,
+    Published,
+    Received,
+)
 from engines.collective_peer import CollectivePeer
 from engines.collective_plan import specs_of
 from engines.delta_plan import assign_shards

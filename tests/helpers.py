@@ -22,10 +22,9 @@ from nats.js import JetStreamContext
 
 from bus.connection import connect
 from bus.dead import REASON
-from bus.topology import DEAD, Channel, Topology
 from bus.membership import Member, live_members
 from bus.runtime import publish_config
-
+from bus.topology import DEAD, Channel, Topology
 from schemas import PromptEvent, RewardEvent, Tensor, TrajectoryEvent, WeightVersionEvent
 from schemas.config import RunConfig
 

@@ -42,7 +42,7 @@ def run_bus(
                 await topology.apply(js)
             try:
                 await asyncio.wait_for(body(js), BODY_SECONDS)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pytest.fail(f"{body.__qualname__} did not finish in {BODY_SECONDS:.0f} s", pytrace=True)
         finally:
             await nc.close()
@@ -61,7 +61,7 @@ async def run_until(worker: Worker, done: Callable[[], bool], timeout: float = 3
     stop.set()
     try:
         await asyncio.wait_for(task, 15.0)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         pytest.fail("the worker did not return within 15 s of its stop (its drain is stuck)")
 
 

@@ -249,7 +249,7 @@ def test_the_producer_starts_and_resumes_through_a_lost_quorum(tmp_path: Path) -
     with EmbeddedCluster(tmp_path / "cluster") as cluster:
         try:
             cursor = asyncio.run(scenario(cluster))
-        except (asyncio.TimeoutError, nats.errors.Error) as exc:
+        except (TimeoutError, nats.errors.Error) as exc:
             pytest.fail(f"the producer gave up during the outage instead of waiting: {type(exc).__name__}: "
                         f"{exc}")
     assert cursor == 3, f"resumes at prompt {cursor}, not after the 3 stored"

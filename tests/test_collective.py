@@ -23,7 +23,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.collective import CollectiveReceiver, CollectiveSettings, CollectiveSource, Missed, Received
+from engines.collective import (
+    CollectiveReceiver,
+    CollectiveSettings,
+    CollectiveSource,
+    Missed,
+    Received,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = {"bucket_bytes": 4 << 20, "op_timeout_s": 2.0, "join_timeout_s": 2.0}

@@ -20,10 +20,10 @@ from transformers import AutoTokenizer
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
-from bus.topology import PROMPTS, TRAJECTORIES, WEIGHTS, Topology
-from consumers.rollout import Rollout, rollout_stage
 from bus.runtime import attach, publish_config
 from bus.stage import serve
+from bus.topology import PROMPTS, TRAJECTORIES, WEIGHTS, Topology
+from consumers.rollout import Rollout, rollout_stage
 from engines.continuous import ContinuousAdapter
 from engines.protocols import ContinuousEngine, SamplingParams
 from engines.sglang_continuous import continuous_engine_kwargs, stream_delta

@@ -1,13 +1,13 @@
 """The tiny model, the HF rollout engine and the torch train engine, on CPU."""
 
+import random
 from collections.abc import Sequence
 from pathlib import Path
-import random
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer
 import torch
+from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engines.device import DEVICE_ENV, resolve_device

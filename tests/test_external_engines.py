@@ -14,10 +14,10 @@ import torch
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
+from bus.runtime import publish_config
 from bus.topology import Topology
 from consumers.checks import ModelLimits
 from consumers.rollout import make_engine
-from bus.runtime import publish_config
 from engines.external_rollout import EngineUnavailable, named_weights, require, skeleton
 from engines.hf_rollout import HFRolloutEngine
 from schemas.config import ConfigError, parse_config

@@ -23,10 +23,10 @@ from transformers import AutoTokenizer
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
-from bus.topology import PROMPTS, TRAJECTORIES, WEIGHTS, Topology
-from consumers.rollout import Rollout, rollout_stage
 from bus.runtime import attach, publish_config
 from bus.stage import serve
+from bus.topology import PROMPTS, TRAJECTORIES, WEIGHTS, Topology
+from consumers.rollout import Rollout, rollout_stage
 from engines.external_rollout import skeleton
 from engines.hf_rollout import HFRolloutEngine
 from engines.protocols import SamplingParams

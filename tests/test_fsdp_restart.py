@@ -28,8 +28,8 @@ from nats.aio.msg import Msg
 from nats.js.errors import KeyNotFoundError
 
 from bus.embedded import EmbeddedNats
-from bus.topology import BATCHES, metrics_key
 from bus.runtime import Runtime
+from bus.topology import BATCHES, metrics_key
 from consumers.trainer import loss_config, micro_batch
 from consumers.update_history import UpdateHistory
 from engines.tiny import build_tiny_model

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from bus.embedded import EmbeddedNats
-from bus.topology import TRAJECTORIES, Topology
 from bus.runtime import attach
+from bus.topology import TRAJECTORIES, Topology
 from producers.launcher import lag
 from tests.helpers import declare_run
 

@@ -23,9 +23,9 @@ import yaml
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
+from bus.runtime import publish_config
 from bus.topology import Topology
 from consumers.rollout import Rollout
-from bus.runtime import publish_config
 from engines.model_source import ModelNotFound, resolve_model_path
 from engines.tiny import build_tiny_model
 from producers.tasks import VOCAB

@@ -45,6 +45,8 @@ from bus.connection import connect
 from bus.dead import HEADERS_ROOM, REASON, SEQUENCE, STAGE, SUBJECT, TRUNCATED
 from bus.embedded import MAX_PAYLOAD, EmbeddedNats
 from bus.publisher import Publisher
+from bus.runtime import Runtime, attach, publish_config
+from bus.stage import Builder, Stage, serve
 from bus.topology import (
     BATCHES,
     CHANNELS,
@@ -63,8 +65,6 @@ from consumers import reference as reference_stage
 from consumers import reward as reward_stage
 from consumers import rollout as rollout_stage
 from consumers.checks import ModelLimits
-from bus.runtime import Runtime, attach, publish_config
-from bus.stage import Builder, Stage, serve
 from engines.tiny import build_tiny_model
 from producers.tasks import VOCAB
 from schemas import (

@@ -19,15 +19,21 @@ import yaml
 from nats.js import JetStreamContext
 
 from bus.connection import connect
+from bus.crashpoints import (
+    BUFFER_STEP_STORED,
+    CRASH_AT,
+    CRASH_RECORD,
+    REFERENCE_MID_SCORING,
+    REFERENCE_STORED_NOT_ACKED,
+)
 from bus.dead import STAGE
 from bus.embedded import EmbeddedNats
+from bus.security import USERS_FILE
 from bus.topology import BATCHES, DEAD, REWARDS, SCORED, Topology
 from consumers.buffer_replay import next_kl_coef
-from bus.crashpoints import BUFFER_STEP_STORED, CRASH_AT, CRASH_RECORD, REFERENCE_MID_SCORING, REFERENCE_STORED_NOT_ACKED
 from consumers.trainer_dist import make_engine
 from engines.torch_train import LossConfig, TorchTrainEngine
 from ops.audit import audit
-from bus.security import USERS_FILE
 from schemas import BatchEvent, RewardEvent, decode
 from schemas.config import RunConfig, parse_config
 

@@ -18,12 +18,12 @@ from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.lag import queue_lag
 from bus.publisher import Publisher
+from bus.runtime import attach, publish_config
+from bus.stage import serve
 from bus.topology import REWARDS, TRAJECTORIES, Topology
 from consumers import reward as reward_stage
 from consumers.reward_pool import Limits, RewardPool, RewardSpecError, Score
 from consumers.reward_sandbox import Isolation
-from bus.runtime import attach, publish_config
-from bus.stage import serve
 from schemas import RewardEvent, TrajectoryEvent, decode
 from schemas.config import DataConfig, RewardConfig, RunConfig
 from tests import reward_fns

@@ -28,7 +28,14 @@ from consumers.reward_pool import Limits, RewardPool, Score
 from consumers.reward_sandbox import IsolationUnavailable
 from schemas.config import RewardConfig
 from tests.helpers import trajectory
-from tests.test_reward import FNS, ROOT, reverse_task, run_config, run_reward_worker, score_then_recover
+from tests.test_reward import (
+    FNS,
+    ROOT,
+    reverse_task,
+    run_config,
+    run_reward_worker,
+    score_then_recover,
+)
 
 ISOLATED = asyncio.run(reward_sandbox.choose("auto"))
 FORK_DEADLINE = 20.0

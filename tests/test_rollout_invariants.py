@@ -36,11 +36,11 @@ from transformers import AutoTokenizer
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.publisher import Publisher
+from bus.runtime import Runtime, attach, publish_config
+from bus.stage import serve
 from bus.topology import DEAD, PROMPTS, TRAJECTORIES, WEIGHTS, Topology, drop_key
 from consumers.rollout import Rollout, rollout_stage
 from consumers.rollout_replicas import Engine
-from bus.runtime import Runtime, attach, publish_config
-from bus.stage import serve
 from consumers.weights import publish_version
 from consumers.weights.filesystem import FilesystemTransport
 from engines.hf_rollout import HFRolloutEngine

@@ -24,8 +24,8 @@ import numpy as np
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
-from bus.topology import PROMPTS, Topology
 from bus.runtime import publish_config
+from bus.topology import PROMPTS, Topology
 from engines.protocols import Sample, SamplingParams
 from schemas import PromptEvent, Tensor, encode
 from schemas import SamplingParams as PromptSampling

@@ -35,6 +35,8 @@ from bus.identity import IDENTITY_ENV, identity_path, new_seed, public_key, writ
 from bus.lag import queue_lag
 from bus.objects import list_objects
 from bus.publisher import Publisher
+from bus.runtime import Runtime, attach, publish_config
+from bus.security import USERS_FILE, roles
 from bus.topology import (
     BATCHES,
     PROMPTS,
@@ -47,10 +49,8 @@ from bus.topology import (
     metrics_key,
 )
 from bus.worker import Worker, WorkerOptions
-from bus.runtime import Runtime, attach, publish_config
 from consumers.weights import publish_version
 from consumers.weights.object_store import ObjectStoreTransport
-from bus.security import USERS_FILE, roles
 from producers.stall import read_view
 from schemas import Event, PromptEvent, RewardEvent, TrajectoryEvent
 from schemas.config import RunConfig

@@ -22,13 +22,22 @@ from nats.js import JetStreamContext
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
-from bus.publisher import Publisher
-from bus.topology import BATCHES, PROMPTS, REWARDS, TRAJECTORIES, WEIGHTS, Topology, drop_key, metrics_key
 from bus.membership import Membership, live_members
+from bus.publisher import Publisher
 from bus.runtime import publish_config
-from producers.stall import stalled_line
+from bus.topology import (
+    BATCHES,
+    PROMPTS,
+    REWARDS,
+    TRAJECTORIES,
+    WEIGHTS,
+    Topology,
+    drop_key,
+    metrics_key,
+)
 from producers.gate import Producer
 from producers.launcher import attach_bootstrap, progress
+from producers.stall import stalled_line
 from schemas import BatchEvent, Tensor, WeightVersionEvent
 from schemas.config import ConfigError, RunConfig, load_config, parse_config
 from tests.helpers import prompt, reward, trajectory

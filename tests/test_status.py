@@ -17,7 +17,9 @@ from nats.aio.msg import Msg
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
+from bus.membership import Membership, live_members
 from bus.publisher import Publisher
+from bus.runtime import publish_config
 from bus.topology import (
     BATCHES,
     DEAD,
@@ -28,8 +30,6 @@ from bus.topology import (
     WEIGHTS,
     Topology,
 )
-from bus.membership import Membership, live_members
-from bus.runtime import publish_config
 from ops.status import details, render, sample
 from schemas import BatchEvent, Tensor, WeightVersionEvent
 from schemas.config import RunConfig

@@ -20,10 +20,10 @@ from bus import loss
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.publisher import Publisher
-from bus.topology import BATCHES, DEAD, REWARDS, TRAJECTORIES, Topology
-from bus.worker import WorkerOptions
 from bus.runtime import attach, publish_config
 from bus.stage import Stage, serve
+from bus.topology import BATCHES, DEAD, REWARDS, TRAJECTORIES, Topology
+from bus.worker import WorkerOptions
 from ops import status
 from ops import streams as streams_cli
 from ops.audit import audit

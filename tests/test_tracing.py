@@ -21,8 +21,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from bus.embedded import EmbeddedNats
-from bus.tracing import SystemRandomIds
 from bus.topology import Topology
+from bus.tracing import SystemRandomIds
 from tests.traced_chain import chain
 
 ROOT = Path(__file__).resolve().parent.parent

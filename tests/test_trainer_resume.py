@@ -35,14 +35,13 @@ from nats.aio.msg import Msg
 from nats.js.errors import KeyNotFoundError
 
 from bus.embedded import EmbeddedNats
-from bus.topology import metrics_key
-from bus.topology import BATCHES
-from consumers.buffer import BatchedSoFar, Buffer, Group, read_batches
 from bus.runtime import Runtime
+from bus.topology import BATCHES, metrics_key
+from consumers.buffer import BatchedSoFar, Buffer, Group, read_batches
 from consumers.update_history import UpdateHistory
 from engines.tiny import build_tiny_model
-from producers.tasks import VOCAB
 from producers.launcher import attach_bootstrap
+from producers.tasks import VOCAB
 from schemas import BatchEvent, RewardEvent, Tensor, TrajectoryEvent, decode
 from schemas.config import RunConfig
 

@@ -27,9 +27,9 @@ import pytest
 import torch
 from nats.js import JetStreamContext
 
+from bus.crashpoints import CRASH_AT
 from bus.embedded import EmbeddedNats
 from bus.topology import WEIGHTS, Topology
-from bus.crashpoints import CRASH_AT
 from producers.launcher import attach_bootstrap
 from schemas import WeightVersionEvent, decode
 from schemas.config import RunConfig

@@ -14,7 +14,14 @@ import torch
 from safetensors.torch import save
 from transformers import AutoModelForCausalLM
 
-from engines.delta_plan import Chain, Fetch, ShardLayout, assign_shards, next_publication, plan_fetch
+from engines.delta_plan import (
+    Chain,
+    Fetch,
+    ShardLayout,
+    assign_shards,
+    next_publication,
+    plan_fetch,
+)
 from engines.weight_delta import META_KEY, apply_delta, encode_shard, read_shard
 from engines.weights import ChecksumMismatch, WeightsRefused
 from producers.tasks import VOCAB
