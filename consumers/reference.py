@@ -71,7 +71,7 @@ class Batcher:
                     if not future.done():
                         future.set_exception(exc)
                 continue
-            for (_, _, future), logprobs in zip(items, scored):
+            for (_, _, future), logprobs in zip(items, scored, strict=True):
                 if not future.done():
                     future.set_result(logprobs)
 

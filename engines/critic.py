@@ -124,10 +124,10 @@ class Critic:
             targets.append(Targets(old, returns))
             masks.append(mask)
         whitened = whiten_step(raw, masks)
-        out = [dataclasses.replace(b, advantages=a) for b, a in zip(micro_batches, whitened)]
+        out = [dataclasses.replace(b, advantages=a) for b, a in zip(micro_batches, whitened, strict=True)]
         on = [m > 0 for m in masks]
-        flat_v = torch.cat([t.old_values[o] for t, o in zip(targets, on)]) if on else torch.zeros(0)
-        flat_r = torch.cat([t.returns[o] for t, o in zip(targets, on)]) if on else torch.zeros(0)
+        flat_v = torch.cat([t.old_values[o] for t, o in zip(targets, on, strict=True)]) if on else torch.zeros(0)
+        flat_r = torch.cat([t.returns[o] for t, o in zip(targets, on, strict=True)]) if on else torch.zeros(0)
         tokens = max(flat_v.numel(), 1)
         stats = {
             "value_mean": float(flat_v.sum()) / tokens,

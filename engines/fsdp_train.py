@@ -133,7 +133,7 @@ class FSDPTrainEngine(TorchTrainEngine):
     def _reduce(self, totals: dict[str, float]) -> dict[str, float]:
         sums = torch.tensor([totals[name] for name in METRIC_SUMS], dtype=torch.float64, device=self.device)
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-        return dict(zip(METRIC_SUMS, sums.tolist()))
+        return dict(zip(METRIC_SUMS, sums.tolist(), strict=True))
 
     def _clip_grad_norm(self) -> torch.Tensor:
         params = [p for p in self.model.parameters() if p.grad is not None]

@@ -151,7 +151,7 @@ def megatron_to_hf(
         params = ("weight", "bias") if spec.add_qkv_bias else ("weight",)
         for param in params:
             q, k, v = split_qkv(take(f"{mc_layer}self_attention.linear_qkv.{param}"), spec)
-            for proj, tensor in zip("qkv", (q, k, v)):
+            for proj, tensor in zip("qkv", (q, k, v), strict=True):
                 out[f"{hf_layer}self_attn.{proj}_proj.{param}"] = tensor.contiguous()
         gate, up = take(mc_layer + "mlp.linear_fc1.weight").chunk(2, dim=0)
         out[hf_layer + "mlp.gate_proj.weight"] = gate.contiguous()

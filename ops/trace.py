@@ -225,7 +225,7 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
     right = (True, True, False, False, True)
     lines = []
     for row in rows:
-        cells = [cell.rjust(w) if r else cell.ljust(w) for cell, w, r in zip(row, widths, right)]
+        cells = [cell.rjust(w) if r else cell.ljust(w) for cell, w, r in zip(row, widths, right, strict=False)]
         lines.append("  ".join([*cells, row[-1]]).rstrip())
     return lines
 

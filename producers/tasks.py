@@ -91,7 +91,7 @@ def score_digits(response_text: str, task: dict[str, Any]) -> float:
     scores 0. Module-level, so a process pool can pickle it.
     """
     got, want = "".join(response_text.split()), task["target"]
-    hits = sum(g == w for g, w in zip(got, want))
+    hits = sum(g == w for g, w in zip(got, want, strict=False))
     return hits / max(len(got), len(want))
 
 

@@ -44,7 +44,7 @@ def micro_batch(rng: np.random.Generator, rows: int, vocab: int) -> MicroBatch:
     attention = torch.zeros(rows, width, dtype=torch.long)
     loss = torch.zeros(rows, width)
     behaviour = torch.zeros(rows, width)
-    for i, (p, r) in enumerate(zip(prompts.tolist(), responses.tolist())):
+    for i, (p, r) in enumerate(zip(prompts.tolist(), responses.tolist(), strict=True)):
         ids[i, : p + r] = torch.from_numpy(rng.integers(1, vocab, size=p + r))
         attention[i, : p + r] = 1
         loss[i, p : p + r] = 1

@@ -246,7 +246,7 @@ def test_is_weights_match_a_naive_reference() -> None:
                                     reject_log_ratio=1.5).weight
         for b in range(4):
             ratios = [math.exp(prox[b, t] - beh[b, t]) for t in range(5)]
-            seq = math.prod(x for x, m in zip(ratios, mask[b]) if m)
+            seq = math.prod(x for x, m in zip(ratios, mask[b], strict=True) if m)
             reject = max((abs(prox[b, t] - beh[b, t]) for t in range(5) if mask[b, t]), default=0.0) > 1.5
             for t in range(5):
                 if not mask[b, t]:

@@ -201,7 +201,7 @@ def test_failing_handler_is_retried_with_delay_then_dead_lettered(nats_server: E
         assert dead == [(encode(event), "failed 3 times, last: RuntimeError: reward model unavailable")]
 
     run_bus(nats_server, topology, body)
-    gaps = [b - a for a, b in zip(attempts, attempts[1:])]
+    gaps = [b - a for a, b in zip(attempts, attempts[1:], strict=False)]
     assert gaps[0] >= 0.25 and gaps[1] >= 0.55, gaps  # 0.3 s then 0.6 s
 
 

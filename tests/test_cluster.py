@@ -54,7 +54,7 @@ class Consumption:
     def longest_gap(self, start: float, end: float) -> float:
         """Longest time without a consumption in [start, end] (publishing never paused there)."""
         inside = [start, *(t for t in self.times if start <= t <= end), end]
-        return max(b - a for a, b in zip(inside, inside[1:]))
+        return max(b - a for a, b in zip(inside, inside[1:], strict=False))
 
 
 async def produce(publisher: Publisher, topology: Topology, stop: asyncio.Event, acked: list[str]) -> float:

@@ -58,7 +58,7 @@ def test_requests_are_one_sample_each_streamed_as_deltas_in_the_engines_field_na
 
 def vllm_output(tokens: list[int], logprobs: list[float], finish: str | None, finished: bool) -> SimpleNamespace:
     completion = SimpleNamespace(index=0, token_ids=tokens, finish_reason=finish,
-                                 logprobs=[{t: SimpleNamespace(logprob=lp)} for t, lp in zip(tokens, logprobs)])
+                                 logprobs=[{t: SimpleNamespace(logprob=lp)} for t, lp in zip(tokens, logprobs, strict=True)])
     return SimpleNamespace(finished=finished, outputs=[completion])
 
 
@@ -109,7 +109,9 @@ def tokens_in(core: FakeCore, least: int) -> bool:
 @pytest.mark.parametrize("kind, mode", [("vllm", "resubmit"), ("vllm", "keep"), ("sglang", "resubmit"),
                                         ("sglang", "keep")])
 def test_samples_in_flight_go_on_with_the_new_weights_each_token_tagged_and_aligned(
-    model_dir: Path, kind: str, mode: str  # noqa: F811
+    model_dir: Path,  # noqa: F811 - the fixture imported above
+    kind: str,
+    mode: str,
 ) -> None:
     core = FakeCore(model_dir)
     engine = adapter(kind, model_dir, core, slots=8, mode=mode)  # type: ignore[arg-type]
@@ -134,7 +136,7 @@ def test_samples_in_flight_go_on_with_the_new_weights_each_token_tagged_and_alig
     assert core.violations == [], core.violations
     assert core.loads == 1 and engine.version == 1 and engine.in_flight == 0
     spanning = 0
-    for prompt, sample in zip(PROMPTS_IDS, samples):
+    for prompt, sample in zip(PROMPTS_IDS, samples, strict=True):
         versions = sample.versions.tolist()
         assert len(versions) == len(sample.token_ids) == len(sample.logprobs)
         assert versions == sorted(versions) and set(versions) <= {0, 1}, versions
@@ -176,7 +178,9 @@ def test_slots_are_counted_and_a_sample_beyond_them_is_refused(model_dir: Path) 
         engine.close()
 
 
-def test_an_abort_the_worker_did_not_ask_for_and_an_empty_prompt_are_errors(model_dir: Path) -> None:  # noqa: F811
+def test_an_abort_the_worker_did_not_ask_for_and_an_empty_prompt_are_errors(
+    model_dir: Path,  # noqa: F811 - the fixture imported above
+) -> None:
     core = FakeCore(model_dir)
     engine = adapter("vllm", model_dir, core, finish_override="abort")
     try:

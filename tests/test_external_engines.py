@@ -71,7 +71,10 @@ def test_require_names_the_extra() -> None:
 
 
 @pytest.mark.parametrize("engine", MISSING)
-def test_an_engine_that_is_not_installed_is_refused_in_one_line(engine: str, model_dir: Path) -> None:  # noqa: F811
+def test_an_engine_that_is_not_installed_is_refused_in_one_line(
+    engine: str,
+    model_dir: Path,  # noqa: F811 - the fixture imported above
+) -> None:
     with pytest.raises(EngineUnavailable) as refused:
         make_engine(parse_config({"rollout": {"engine": engine}}), model_dir)
     message = str(refused.value)

@@ -138,9 +138,9 @@ def test_whitening_matches_the_concatenated_step() -> None:
     gen = torch.Generator().manual_seed(5)
     parts = [torch.randn(shape, generator=gen, dtype=torch.float64) for shape in ((3, 7), (2, 4))]
     masks = [(torch.rand(p.shape, generator=gen) > 0.4).double() for p in parts]
-    flat = torch.cat([p[m > 0] for p, m in zip(parts, masks)])
+    flat = torch.cat([p[m > 0] for p, m in zip(parts, masks, strict=True)])
     want = (flat - flat.mean()) / (flat.var() + gae.WHITEN_EPS).sqrt()
-    got = torch.cat([w[m > 0] for w, m in zip(gae.whiten_step(parts, masks), masks)])
+    got = torch.cat([w[m > 0] for w, m in zip(gae.whiten_step(parts, masks), masks, strict=True)])
     torch.testing.assert_close(got, want)
 
 
@@ -214,7 +214,7 @@ def test_the_policy_step_takes_the_gae_advantages_in_place_of_the_scores(model_d
     (token_adv,) = gae.whiten_step([adv], [batch.loss_mask])
     with_critic.train_step([batch])
     plain.train_step([dataclasses.replace(batch, advantages=token_adv)])
-    for (name, p), q in zip(with_critic.model.named_parameters(), plain.model.parameters()):
+    for (name, p), q in zip(with_critic.model.named_parameters(), plain.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, msg=name)
 
 

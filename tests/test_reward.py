@@ -280,7 +280,7 @@ def test_worker_publishes_rewards_and_dead_letters_garbage(nats_server: Embedded
         t.id: RewardEvent(
             id=t.id, run=topology.run, time=rewards[t.id].time, source=source, trajectory=t, reward=expected
         )
-        for t, (_, _, expected) in zip(trajectories, cases)
+        for t, (_, _, expected) in zip(trajectories, cases, strict=True)
     }
     assert len(dead) == 1 and dead[0][0] == garbage and dead[0][1].startswith("not msgpack")
 

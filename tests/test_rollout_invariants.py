@@ -295,7 +295,7 @@ async def tick(stop: asyncio.Event, ticks: list[float]) -> None:
 
 def longest_stall(ticks: list[float], during: Call) -> float:
     """The longest the loop went without running, over the gaps between ticks that meet `during`."""
-    gaps = [b - a for a, b in zip(ticks, ticks[1:]) if a < during.end and b > during.start]
+    gaps = [b - a for a, b in zip(ticks, ticks[1:], strict=False) if a < during.end and b > during.start]
     return max(gaps, default=during.end - during.start)
 
 

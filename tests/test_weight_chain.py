@@ -113,8 +113,9 @@ def test_rollout_workers_follow_delta_versions_bit_for_bit_and_a_late_one_catche
                     if all(now[name] > before[name] for name in workers):
                         break
                     await w.publish_prompt()
+                    total = sum(now.values())
                     await eventually(
-                        lambda t=sum(now.values()): sum(generated().values()) > t, "a prompt was generated after v4"
+                        lambda t=total: sum(generated().values()) > t, "a prompt was generated after v4"
                     )
                 for name, x in workers.items():
                     after = x.engine.of("generate")[before[name]:]

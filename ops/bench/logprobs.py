@@ -100,7 +100,7 @@ def main() -> None:
         runs[path] = in_subprocess(path, tokens, chunk)
         print(f"{path:5s}: peak {runs[path]['peak_mb']:8.1f} MiB over the inputs, "
               f"{runs[path]['seconds']:.2f} s ({runs[path]['device']})", flush=True)
-    difference = max(abs(a - b) for a, b in zip(runs["ours"]["logprobs"], runs["naive"]["logprobs"]))
+    difference = max(abs(a - b) for a, b in zip(runs["ours"]["logprobs"], runs["naive"]["logprobs"], strict=True))
     print(json.dumps({
         "bench": "logprobs", "quick": args.quick, "tokens": tokens, "vocab": VOCAB, "hidden": HIDDEN, "chunk": chunk,
         "device": runs["ours"]["device"],

@@ -67,10 +67,10 @@ def train(cfg: RunConfig, steps: int, eta: int, corrected: bool) -> tuple[list[f
         batch = [next(source)[2] for _ in range(algo.prompts_per_step)]
         prompt_ids = [tokenizer.encode(r["prompt"], add_special_tokens=False) for r in batch]
         rows: list[Row] = []
-        for record, ids, samples in zip(batch, prompt_ids, rollout.generate(prompt_ids, cfg.data.n, params)):
+        for record, ids, samples in zip(batch, prompt_ids, rollout.generate(prompt_ids, cfg.data.n, params), strict=True):
             rewards = [score(tokenizer.decode(x.token_ids.tolist(), skip_special_tokens=True), record["task"])
                        for x in samples]
-            for sample, reward, adv in zip(samples, rewards, grpo(torch.tensor(rewards)).tolist()):
+            for sample, reward, adv in zip(samples, rewards, grpo(torch.tensor(rewards)).tolist(), strict=True):
                 response = sample.token_ids.numpy().astype("int32")
                 rows.append(Row("", np.asarray(ids, dtype=np.int32), response, sample.logprobs.numpy(),
                                 np.zeros_like(response), adv, reward, ""))

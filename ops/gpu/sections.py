@@ -260,7 +260,7 @@ def growth_exponent(sizes: list[float], seconds: list[float]) -> float:
     """The k in time ~ size^k: slope of the least-squares line through (log size, log time)."""
     xs, ys = [math.log(v) for v in sizes], [math.log(max(t, 1e-6)) for t in seconds]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    return round(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs), 2)
+    return round(sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs), 2)
 
 
 def weights(args: argparse.Namespace, rec: Record) -> None:
