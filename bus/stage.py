@@ -74,7 +74,7 @@ class Stage(Generic[E]):
     is set; its return ends the stage with success, its error fails it."""
 
 
-Builder = Callable[[Runtime], Awaitable[Stage[Any]]]
+Builder = Callable[[Runtime], Coroutine[Any, Any, Stage[Any]]]
 
 
 class StageFailed(Exception):
@@ -182,7 +182,8 @@ def run_stage(
     process with one line on stderr and exit status 1.
     """
     args = worker_args(role, description, with_rank=with_rank)
+    refusals: tuple[type[Exception], ...] = (CannotAttach, StageFailed, *one_line)
     try:
         asyncio.run(_run(role, args, build))
-    except (CannotAttach, StageFailed, *one_line) as exc:
+    except refusals as exc:
         sys.exit(f"consumers.{role}: {exc}")

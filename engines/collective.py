@@ -23,11 +23,16 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 import torch
 import torch.distributed as dist
 
 from engines.collective_plan import ALIGN, Into, Spec, layout, misfit, pieces, sent_by, specs_of
+
+if TYPE_CHECKING:
+    # The group objects `_open_group` makes (`dist.Backend` is the enum of backend names).
+    ProcessGroupBackend: TypeAlias = dist.ProcessGroupGloo | dist.ProcessGroupNCCL
 
 _POLL_S = (0.0001, 0.005)  # polling a key or a broadcast: first and longest sleep (it doubles)
 _ABANDON_CHECK_S = 0.2  # a receiver asks the store whether the attempt was abandoned this often per bucket
@@ -98,7 +103,9 @@ class Missed:
     reason: str
 
 
-def _open_group(store: dist.Store, rank: int, size: int, s: CollectiveSettings) -> dist.Backend:
+def _open_group(
+    store: dist.Store, rank: int, size: int, s: CollectiveSettings
+) -> ProcessGroupBackend:
     """A process group of its own (not the default one); its rendezvous fails after
     join_timeout_s."""
     if s.backend == "gloo":
@@ -149,11 +156,14 @@ class _Group:
 
     epoch: int
     members: tuple[str, ...]
-    backend: dist.Backend
+    backend: ProcessGroupBackend
     pending: dist.Work | None = None
 
     def broadcast(self, buf: torch.Tensor, src: int, timeout_s: float) -> dist.Work:
-        self.pending = self.backend.broadcast(buf, src, timedelta(seconds=timeout_s))
+        # c10d backends have `broadcast` at runtime; torch's stubs leave it out.
+        self.pending = self.backend.broadcast(  # type: ignore[union-attr]
+            buf, src, timedelta(seconds=timeout_s)
+        )
         return self.pending
 
     def settled(self) -> bool:
@@ -325,7 +335,9 @@ class CollectiveReceiver:
         try:
             if self._store is None or self._address != tuple(address):
                 self.close()
-                self._store, self._address = dist.TCPStore(address[0], address[1], None, False, t), tuple(address)
+                self._store = dist.TCPStore(address[0], address[1], None, False, t)
+                # tuple(): the address may come as a JSON list.
+                self._address = cast(tuple[str, int], tuple(address))
             got = self._attempts(self._store, version, into, on_bucket)
         except RuntimeError as exc:  # the store went away: the source died or closed
             self.close()
@@ -337,13 +349,14 @@ class CollectiveReceiver:
         tensors = {name: staging[off : off + n].view(getattr(torch, dt)).view(shape) for name, dt, shape, off, n in slots}
         for name, digest in (checksums or {}).items():
             raw = tensors[name].reshape(-1).view(torch.uint8).cpu().numpy() if name in tensors else b""
-            if hashlib.sha256(raw).hexdigest() != digest:
+            # An ndarray is a buffer; numpy's stubs declare that for Python 3.12+ only.
+            if hashlib.sha256(raw).hexdigest() != digest:  # type: ignore[arg-type]
                 return Missed(version, f"checksum mismatch on {name}")
         if into is not None:
             dest = into.state_dict() if isinstance(into, torch.nn.Module) else into
             with torch.no_grad():
-                for name, t in tensors.items():
-                    dest[name].copy_(t)
+                for name, tensor in tensors.items():
+                    dest[name].copy_(tensor)
         by_src = sent_by([tuple(b) for b in plan["buckets"]])
         return Received(version, tensors, time.monotonic() - started, staging.numel(), by_src)
 

@@ -21,6 +21,7 @@ import json
 import time
 from collections.abc import Mapping
 from datetime import timedelta
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -57,7 +58,9 @@ class CollectivePeer:
             if self._store is None or self._address != tuple(address):
                 self.close()
                 t = timedelta(seconds=s.join_timeout_s)
-                self._store, self._address = dist.TCPStore(address[0], address[1], None, False, t), tuple(address)
+                self._store = dist.TCPStore(address[0], address[1], None, False, t)
+                # tuple(): the address may come as a JSON list.
+                self._address = cast(tuple[str, int], tuple(address))
             return self._attempts(self._store, version, tensors, started)
         except RuntimeError as exc:  # the store went away: rank 0 died or closed
             self.close()

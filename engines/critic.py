@@ -69,7 +69,7 @@ class ValueModel(torch.nn.Module):
     def __init__(self, policy: torch.nn.Module) -> None:
         super().__init__()
         self.backbone = copy.deepcopy(policy.get_decoder())  # type: ignore[operator]
-        self.head = torch.nn.Linear(policy.config.hidden_size, 1)  # type: ignore[union-attr]
+        self.head = torch.nn.Linear(policy.config.hidden_size, 1)  # type: ignore[arg-type, union-attr]
         # Zero: V = 0 at first, so the first step's advantages are the whitened outcome rewards
         # (REINFORCE's), not the noise of a random head.
         torch.nn.init.zeros_(self.head.weight)

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -139,7 +139,8 @@ class FSDPTrainEngine(TorchTrainEngine):
         params = [p for p in self.model.parameters() if p.grad is not None]
         if not params:  # no rank ran a pass: nothing to clip, nothing to step
             return torch.zeros(())
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        grads = cast(list[torch.Tensor], [p.grad for p in params])  # none is None (filtered above)
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
         if isinstance(norm, DTensor):  # each rank's shard norm -> the norm of the whole gradient
             norm = norm.full_tensor()
         torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)
@@ -152,7 +153,9 @@ class FSDPTrainEngine(TorchTrainEngine):
         CPU), so no other rank ever holds more than one full parameter, and rank 0's device
         never holds more than its shard plus one full parameter. Every rank must call it.
         """
-        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        # A model's state dict holds tensors only; the return type covers optimizer state too.
+        full = cast(dict[str, torch.Tensor], get_model_state_dict(self.model, options=options))
         if self.rank != 0:
             return {}
         names = [name for name, _ in self.model.named_parameters()]

@@ -65,13 +65,13 @@ def cpu_workarounds() -> None:
     from megatron.core import tensor_parallel
 
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment, return-value]
-    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     # Pipeline parallel: the p2p shape exchange synchronizes the CUDA device, and the 1F1B
     # schedule counts tokens in a tensor made on "cuda".
     from megatron.core.pipeline_parallel import schedules
 
-    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
-    schedules.torch = _CpuTorch()  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *a, **k: None
+    schedules.torch = _CpuTorch()
 
 
 class _CpuTorch:
@@ -260,7 +260,8 @@ class MegatronTrainEngine(TorchTrainEngine):
 
         if not parallel_state.is_rank_in_embedding_group():
             return
-        weight = self.model.shared_embedding_or_output_weight()
+        # nn.Module's attributes are typed Tensor | Module; GPTModel has this method.
+        weight = self.model.shared_embedding_or_output_weight()  # type: ignore[operator]
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
         dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())

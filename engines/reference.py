@@ -34,7 +34,9 @@ class ReferenceEngine:
         `dtype`: the compute dtype (bfloat16: autocast, float32 weights); `chunk_tokens`: positions
         projected onto the vocabulary at once (0: the model's full logits)."""
         self.device, self.dtype = torch.device(device), dtype
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        # transformers types `to` through a decorator that mypy reads as unbound.
+        self.model = model.to(self.device)  # type: ignore[arg-type]
         self.model.eval().requires_grad_(False)
         self.temperature, self.chunk_tokens = temperature, chunk_tokens
 

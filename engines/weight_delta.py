@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import zlib
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Final, Literal
 
 import numpy as np
 import torch
@@ -41,7 +41,7 @@ from safetensors.torch import load, save
 from engines.weights import ChecksumMismatch, WeightsRefused, dtype_name, tensor_sha256
 from schemas.weight_event import TensorSpec
 
-FORMAT = "jetrl-delta/1"
+FORMAT: Final = "jetrl-delta/1"
 META_KEY = "jetrl.delta"
 ZLIB_LEVEL = 1
 # Raw-bit integer dtype by item size: the elements are compared and changed as these.

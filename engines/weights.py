@@ -63,7 +63,8 @@ def dtype_name(tensor: torch.Tensor) -> str:
 def raw(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes, without a copy when it is a contiguous CPU tensor."""
     flat = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy())
+    # An ndarray is a buffer; numpy's stubs declare that for Python 3.12+ only.
+    return memoryview(flat.numpy())  # type: ignore[arg-type]
 
 
 def tensor_sha256(tensor: torch.Tensor) -> str:

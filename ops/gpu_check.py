@@ -92,7 +92,7 @@ def section_env(args: argparse.Namespace, rec: Record) -> None:
                     tf32_matmul_default=torch.backends.cuda.matmul.allow_tf32)
     rec.put("platform", info)
     say("env", f"torch {info['torch']} cuda {info['cuda']} gpu {info.get('gpu')}")
-    packages = {}
+    packages: dict[str, str | None] = {}
     for name in PROJECT_PACKAGES:
         try:
             packages[name] = importlib.metadata.version(name)
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.section:
         return section_child(args)
     chosen = [s for s in SECTIONS if s in args.sections.split(",")]
-    budgets = dict(SMOKE_BUDGETS if args.tiny else BUDGETS)
+    budgets: dict[str, tuple[float, float]] = dict(SMOKE_BUDGETS if args.tiny else BUDGETS)
     for item in args.section_budget:
         name, _, seconds = item.partition("=")
         budgets[name] = (float(seconds), float(seconds))

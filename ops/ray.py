@@ -29,6 +29,7 @@ Ray is the optional `[ray]` extra: it is imported only inside the functions that
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import socket
 import sys
@@ -124,7 +125,8 @@ def up(config: FleetConfig, fleet: str, run: str, url: str, timeout: float = STA
             )
             .remote(ray_fleet, run, url, name)
         )
-        starting[actor.started.remote()] = (name, spec)
+        # Ray adds `.remote` to an actor handle's methods at runtime; its types do not say so.
+        starting[actor.started.remote()] = (name, spec)  # type: ignore[attr-defined]
     ready, _ = ray.wait(list(starting), num_returns=len(starting), timeout=timeout)
     failed = False
     for ref, (name, spec) in starting.items():
@@ -204,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         # The workers' own logs are in their log files; the CLI prints one line per worker.
-        ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False, logging_level="warning")
+        ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
     except ConnectionError as exc:  # no cluster there: say so in one line, not a traceback
         sys.exit(f"ops.ray: {exc}")
     try:

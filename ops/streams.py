@@ -30,6 +30,9 @@ from bus.topology import CHANNELS, CONFIG_KEY, Topology, run_id_arg
 from schemas.config import ConfigError, RunConfig, parse_config
 from schemas.streams_config import stream_needs
 
+UNREACHABLE: tuple[type[BaseException], ...] = (OSError, *TRANSIENT)
+"""What a command fails with when NATS cannot be reached (or has no leader for long)."""
+
 
 async def stored_config(js: JetStreamContext, run: str) -> tuple[RunConfig, str]:
     """The run's config from its KV (the producer stores it), else the defaults; and which it is."""
@@ -130,7 +133,7 @@ if __name__ == "__main__":
         sys.exit()
     try:
         asyncio.run(main(arguments))
-    except (OSError, *TRANSIENT) as exc:
+    except UNREACHABLE as exc:
         sys.exit(f"ops.streams: cannot reach NATS: {exc or type(exc).__name__}")
     except ConfigError as exc:
         sys.exit(f"ops.streams: {exc}")

@@ -69,6 +69,7 @@ def measure(path: str, tokens: int, chunk: int) -> dict:
     else:
         peak = rss_peak_bytes() - base
     seconds = time.perf_counter() - started
+    assert hidden.grad is not None  # backward ran on a leaf that requires grad
     return {
         "peak_mb": round(peak / 2**20, 1), "seconds": round(seconds, 3), "device": device.type,
         "logprobs": logprobs.detach().cpu().tolist()[:64], "grad_hidden_sum": float(hidden.grad.double().sum()),

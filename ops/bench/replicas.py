@@ -58,7 +58,9 @@ async def generate_all(model_dir: Path, replicas: int, events: list[PromptEvent]
     loop = asyncio.get_running_loop()
     try:
         started = time.perf_counter()
-        pending = [Pending(e, e.token_ids.numpy().astype(int).tolist(), started, loop.create_future(),
+        # `prompts` gives every event its token ids.
+        pending = [Pending(e, e.token_ids.numpy().astype(int).tolist(),  # type: ignore[union-attr]
+                           started, loop.create_future(),
                            context.get_current()) for e in events]
         results = await asyncio.gather(*(layer.submit(p, p.prompt.id) for p in pending))
         seconds = time.perf_counter() - started
