@@ -17,12 +17,11 @@ from pathlib import Path
 import nats.errors
 import yaml
 from nats.aio.client import Client
-from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from bus import metrics, tracing
-from bus.connection import DEFAULT_URL, ConnectRefused, connect, worker_id
+from bus.connection import DEFAULT_URL, ConnectRefused, JetStream, connect, worker_id
 from bus.election import ride_out
 from bus.identity import IDENTITY_ENV
 from bus.membership import Membership
@@ -41,7 +40,7 @@ class Runtime:
 
     role: str
     nc: Client
-    js: JetStreamContext
+    js: JetStream
     topology: Topology
     kv: KeyValue
     publisher: Publisher

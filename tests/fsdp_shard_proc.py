@@ -51,7 +51,8 @@ async def publish_versions(rank: int, model_dir: str, out: str, vocab: int, url:
     layout = assign_shards(engine.weight_sizes(), WORLD)
     nc = await connect(url, f"shard-rank{rank}")
     js = nc.jetstream()
-    seen: dict[str, object] = {"layout": layout, "versions": []}
+    versions: list[dict[str, object]] = []
+    seen: dict[str, object] = {"layout": layout, "versions": versions}
     chain = VersionPublisher(transport_for(settings(transport, root, True), js, bucket, run, writer=rank),
                              settings(transport, root, True), run, f"rank{rank}", rank=rank, world=WORLD, exchange=exchange)
     plain = VersionPublisher(transport_for(settings(transport, root, False), js, bucket, run, writer=rank),
@@ -63,7 +64,7 @@ async def publish_versions(rank: int, model_dir: str, out: str, vocab: int, url:
         gathered = engine.gathered_bytes
         event = await publisher.publish(version, own)
         full = engine.export_weights()  # rank 0: every tensor, what the one-rank path publishes
-        seen["versions"].append({
+        versions.append({
             "version": version, "names": list(own), "gathered_bytes": gathered,
             "event": event.model_dump_json(), "full": full,
         })

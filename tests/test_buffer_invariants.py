@@ -270,6 +270,7 @@ def test_held_samples_are_not_redelivered_while_the_buffer_holds_them(
                 f"{3.5 * ACK_WAIT:.0f} s (ack_wait {ACK_WAIT:.0f} s): "
                 "the buffer did not keep them in progress"
             )
+            assert info.delivered is not None  # the server sends it
             assert info.delivered.consumer_seq == len(held), (
                 f"{info.delivered.consumer_seq} deliveries for {len(held)} samples: "
                 "some were delivered twice"

@@ -150,6 +150,7 @@ def test_a_step_whose_publish_fails_part_way_is_finished_from_the_same_groups(
         # undelivered nor unacked was acked (or terminated: dropped, or dead-lettered, which
         # nothing here should be), so more acked than stored batches and drop records cover
         # means that some were lost.
+        assert info.num_pending is not None and info.num_ack_pending is not None  # the server sends both
         acked = sum(map(len, groups.values())) - info.num_pending - info.num_ack_pending
         covered = {sid for b in stored for sid in b.sample_ids} | {sid for p in dropped for sid in groups[p]}
         uncovered = sorted(sid for sids in groups.values() for sid in sids if sid not in covered)

@@ -167,7 +167,7 @@ def test_a_channel_takes_only_its_event_class_and_its_token(nats_server: Embedde
         publisher = Publisher(js, topology)
         wrong = reward(topology.run)
         with pytest.raises(TypeError, match="channel trajectories carries TrajectoryEvent, not RewardEvent"):
-            await publisher.publish(TRAJECTORIES, wrong)  # type: ignore[arg-type]
+            await publisher.publish(TRAJECTORIES, wrong)  # type: ignore[misc]  # wrong on purpose
         with pytest.raises(TypeError, match="channel dead carries raw bytes"):
             await publisher.publish(DEAD, wrong)
         with pytest.raises(ValueError, match=r"channel batches takes one token \(rank\)"):

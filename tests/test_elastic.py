@@ -152,12 +152,13 @@ def test_rollout_workers_join_and_leave_a_running_run(own_nats_server: EmbeddedN
     base.start()
     try:
         # Warm: the model is built, every worker serves, trajectories flow.
-        wait_for(lambda: base.check() or progress(url, topology).stored >= 2 * SAMPLES, 120)
+        # check() returns None or raises: `or` runs it before each look.
+        wait_for(lambda: base.check() or progress(url, topology).stored >= 2 * SAMPLES, 120)  # type: ignore[func-returns-value]
         before = measure(url, topology, [base], producer)
 
         extra.start()  # a new node's fleet: nothing else restarts
         joining = time.monotonic()
-        wait_for(lambda: base.check() or extra.check() or serving_rollouts(url, topology) == 3, 120)
+        wait_for(lambda: base.check() or extra.check() or serving_rollouts(url, topology) == 3, 120)  # type: ignore[func-returns-value]
         joined = time.monotonic() - joining
         measure(url, topology, [base, extra], producer)  # settling: a new worker's first calls are slow
         after = measure(url, topology, [base, extra], producer)

@@ -50,10 +50,10 @@ def test_group_completes_and_names_its_drop_reason() -> None:
     assert not group.complete
     group.add(reward("r", 0, 1, 1.0), None)  # type: ignore[arg-type]
     assert group.complete and group.drop_reason() == "all 2 rewards equal (1)"
-    group.add(reward("r", 0, 1, 0.0), None)  # type: ignore[arg-type]
+    group.add(reward("r", 0, 1, 0.0), None)
     assert group.drop_reason() is None and group.min_version == 0
     failed = reward("r", 0, 1, 0.0).model_copy(update={"failed": True, "reason": "timeout after 5s"})
-    group.add(failed, None)  # type: ignore[arg-type]
+    group.add(failed, None)
     assert group.drop_reason() == "failed sample r/0/0/1: timeout after 5s"
 
 

@@ -637,7 +637,9 @@ def other_step_batches() -> st.SearchStrategy[bytes]:
 def poison_for(stream: str, fleet: Fleet) -> st.SearchStrategy[bytes]:
     """Hypothesis-made poison for `stream`: mutated golden events that do not decode, and
     events that decode but the stage that reads the stream must refuse."""
-    broken = undecodable(GOLDEN_NAME[stream], EVENT[stream])
+    event_type = EVENT[stream]
+    assert event_type is not None  # the streams poisoned here carry events
+    broken = undecodable(GOLDEN_NAME[stream], event_type)
     refused = {
         "prompts": refused_prompts(),
         "trajectories": broken,
@@ -718,8 +720,8 @@ def test_reference_stage_poison(nats_server: EmbeddedNats, tmp_path: Path) -> No
     def refused_by_buffer() -> list[bytes]:
         bare = scored(f"{run}/b", 0, 2, [TOKEN["1"]], 1.0)  # never passed the reference stage
         fields = msgpack.unpackb(encode(bare))
-        positive = {**fields, "ref_logprobs": {"dtype": "float32", "shape": [1], "data": np.float32([0.5]).tobytes()}}
-        short = {**fields, "ref_logprobs": {"dtype": "float32", "shape": [2], "data": np.float32([-1, -1]).tobytes()}}
+        positive = {**fields, "ref_logprobs": {"dtype": "float32", "shape": [1], "data": np.array([0.5], dtype=np.float32).tobytes()}}
+        short = {**fields, "ref_logprobs": {"dtype": "float32", "shape": [2], "data": np.array([-1, -1], dtype=np.float32).tobytes()}}
         return [encode(bare), msgpack.packb(positive, use_bin_type=True), msgpack.packb(short, use_bin_type=True)]
 
     async def scenario() -> tuple[dict[str, list[Dead]], BatchEvent]:

@@ -184,6 +184,6 @@ def test_bus_uses_no_private_attribute_of_another_object() -> None:
         for node in ast.walk(ast.parse(path.read_text())):
             private = isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
             own = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
-            if private and not own and ast.unparse(node) not in documented:
+            if isinstance(node, ast.Attribute) and private and not own and ast.unparse(node) not in documented:
                 reached.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
     assert not reached, f"private attributes reached: {reached}"

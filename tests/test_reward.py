@@ -166,7 +166,8 @@ def descendants(root: int) -> set[int]:
                 parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
             except (OSError, IndexError, ValueError):
                 continue
-    found, frontier = set(), {root}
+    found: set[int] = set()
+    frontier = {root}
     while frontier:
         frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
         found |= frontier
@@ -250,6 +251,7 @@ def run_reward_worker(
             stop.set()
             await task
         finally:
+            assert stage.close is not None  # the reward stage closes its pool
             await stage.close()
         try:
             return await stored_rewards(js, topology), await dead_letters(js, topology), rt.source

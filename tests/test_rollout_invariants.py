@@ -33,7 +33,7 @@ from nats.js.api import ConsumerInfo, DiscardPolicy
 from nats.js.errors import KeyNotFoundError
 from transformers import AutoTokenizer
 
-from bus.connection import connect
+from bus.connection import JetStream, connect
 from bus.embedded import EmbeddedNats
 from bus.publisher import Publisher
 from bus.runtime import Runtime, attach, publish_config
@@ -112,7 +112,7 @@ class RolloutUnderTest:
     """One real rollout worker (batcher, weights watcher, worker loop) in this event loop."""
 
     nc: Client
-    js: JetStreamContext
+    js: JetStream
     topology: Topology
     rt: Runtime
     engine: RecordingEngine
@@ -153,7 +153,7 @@ class RolloutUnderTest:
 async def served_rollout(
     url: str, topology: Topology, model_dir: Path, engines: Engine | Sequence[Engine], rollout: dict[str, Any],
     *, weights: dict[str, Any] | None = None, ack_timeout: float = 10.0,
-) -> AsyncIterator[tuple[Client, JetStreamContext, Runtime, Rollout]]:
+) -> AsyncIterator[tuple[Client, JetStream, Runtime, Rollout]]:
     """A rollout stage built as `consumers.rollout.build` builds it (production options) over
     `engines`, served in this event loop until the block ends: the run's config has `rollout`
     and `weights` as its sections; its publisher waits `ack_timeout` s for an ack. Yields the
@@ -243,6 +243,7 @@ def test_prompt_is_acked_only_once_its_trajectories_are_stored(
 
             async def acked(count: int) -> bool:
                 info = await w.prompts_consumer()
+                assert info.ack_floor is not None  # the server sends it
                 return info.ack_floor.stream_seq == count and info.num_ack_pending == 0
 
             # A prompt flows while storing works: its trajectories stored, then it is acked.
@@ -258,6 +259,7 @@ def test_prompt_is_acked_only_once_its_trajectories_are_stored(
             deadline = time.monotonic() + REFUSAL_HOLD
             while time.monotonic() < deadline:
                 info = await w.prompts_consumer()
+                assert info.ack_floor is not None  # the server sends it
                 assert info.ack_floor.stream_seq == 1 and info.num_ack_pending == 1, (
                     f"{second.id} was acked while its trajectories could not be stored "
                     f"(ack floor {info.ack_floor.stream_seq}, ack pending {info.num_ack_pending})"
@@ -303,7 +305,9 @@ async def feed(w: RolloutUnderTest, stop: asyncio.Event, published_at: dict[str,
     """Keep prompts waiting in the queue until `stop`, so that the worker always has more to
     generate."""
     while not stop.is_set():
-        if (await w.prompts_consumer()).num_pending < 4:
+        pending = (await w.prompts_consumer()).num_pending
+        assert pending is not None  # the server sends it
+        if pending < 4:
             for _ in range(8):
                 published_at[(await w.publish_prompt()).id] = time.monotonic()
         await asyncio.sleep(0.05)

@@ -140,8 +140,10 @@ def test_sticky_by_key_keeps_a_conversation_on_its_replica(
                 for c in range(conversations):
                     await w.js.publish(topology.subject(PROMPTS), encode(conversation_prompt(topology, index, c, turn)))
                     index += 1
-                    await eventually(lambda index=index: trajectories_stored(w, index * GROUP),
-                                     f"c{c} turn {turn} generated")
+                    await eventually(
+                        lambda: trajectories_stored(w, index * GROUP),  # noqa: B023 - awaited here
+                        f"c{c} turn {turn} generated",
+                    )
             moved = {(c, t): replica_of(engines, c, t) for c in range(conversations) for t in range(1, turns)
                      if replica_of(engines, c, t) != home[c]}
             assert not moved, f"turns left their conversation's replica {home}: {moved}"
@@ -163,9 +165,13 @@ def test_a_weights_load_drains_and_loads_every_replica_and_no_generation_spans_t
                 for version in range(1, LOADS + 1):
                     # Both replicas are generating when each version comes.
                     before = [len(e.of("generate")) for e in engines]
-                    await eventually(lambda before=before: all(len(e.of("generate")) >= b + 2
-                                                               for e, b in zip(engines, before, strict=True)),
-                                     f"two generations on each replica before v{version}")
+                    await eventually(
+                        lambda: all(
+                            len(e.of("generate")) >= b + 2
+                            for e, b in zip(engines, before, strict=True)  # noqa: B023 - awaited here
+                        ),
+                        f"two generations on each replica before v{version}",
+                    )
                     await w.publish_weights(version)
                     # The gate reopens once the load is over (checked below: on every replica).
                     await eventually(lambda: w.engine.version == version and w.rollout.gate.is_set(),  # noqa: B023

@@ -103,7 +103,8 @@ class _Engine:
     module: the model's loader copies each (HF name, tensor) into that parameter."""
 
     def __init__(self, module: torch.nn.Module) -> None:
-        self.module, self.flushed = module, []
+        self.module = module
+        self.flushed: list[Any] = []
 
     def update_weights_from_tensor(self, named_tensors: list[tuple[str, torch.Tensor]], flush_cache: bool = True) -> None:
         params = dict(self.module.named_parameters())

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -49,7 +50,7 @@ SHORT = 1.0
 
 def config(run: str, tmp_path: Path | None = None, steps: int = 5, **data: object) -> RunConfig:
     """2 prompts x 2 samples a step, staleness 1: the gate admits 4 prompts at v0."""
-    raw = {
+    raw: dict[str, Any] = {
         "run": run,
         "data": {"n": 2, **data},
         "algorithm": {"prompts_per_step": 2, "max_staleness": 1},
@@ -166,7 +167,8 @@ def test_a_producer_alone_names_its_gate_and_every_missing_role_once_in_the_log(
          "a step needs 2 complete groups of 2)"),
         "the gate has issued all 4 prompts it admits at weights v0 and waits for v1",
     ]
-    full, lines = [], []
+    full: list[str] = []
+    lines: list[str] = []
     try:
         assert job.stdout is not None
         deadline = time.monotonic() + 120

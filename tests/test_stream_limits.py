@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from typing import Any
 
 import nats.errors
 import numpy as np
@@ -168,7 +169,7 @@ def test_streams_are_made_to_wait_not_to_drop(nats_server: EmbeddedNats) -> None
 
 def test_needs_follow_the_gate_bound_and_an_override_below_is_refused() -> None:
     """The issue's large run: eta 4, 512 prompts x 16 samples, 16k-token responses."""
-    large = {
+    large: dict[str, Any] = {
         "algorithm": {"max_staleness": 4, "prompts_per_step": 512},
         "data": {"n": 16, "sampling": {"max_tokens": 16384}},
         "streams": {"max_prompt_tokens": 1024, "safety_factor": 1.5},
@@ -249,7 +250,7 @@ def test_batches_are_bounded_by_the_checkpoint_interval_and_prompts_count_replac
     plus the gate's steps ahead and the checkpoint's last step, not the run; the prompts need
     covers the replacements of dropped groups (`streams.max_dropped_share`). `ops.streams show`
     prints both derivations."""
-    large = {
+    large: dict[str, Any] = {
         "algorithm": {"max_staleness": 4, "prompts_per_step": 512},
         "data": {"n": 16, "sampling": {"max_tokens": 16384}},
         "streams": {"max_prompt_tokens": 1024},

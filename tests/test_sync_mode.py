@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -57,7 +58,8 @@ async def read_back(url: str, topology: Topology) -> tuple[list[PromptEvent], li
             keys = await kv.keys()
         except NoKeysError:
             keys = []
-        drops = {pid: (await kv.get(key)).value.decode() for key in keys if (pid := dropped_prompt(key)) is not None}
+        drops = {pid: (await kv.get(key)).value.decode()  # type: ignore[union-attr]  # a stored entry has a value
+                 for key in keys if (pid := dropped_prompt(key)) is not None}
     finally:
         await nc.close()
     return prompts, batches, drops
@@ -73,7 +75,7 @@ def test_sync_mode_trains_each_step_on_its_own_version(nats_server: EmbeddedNats
                                                       tmp_path: Path) -> None:
     url = nats_server.url
     logs = {role: open(tmp_path / f"{role}.log", "wb") for role in (*ROLES, "producer")}  # noqa: SIM115
-    producer = subprocess.Popen(
+    producer: subprocess.Popen[Any] = subprocess.Popen(
         [sys.executable, "-m", "producers.prompts", "--config", str(sync_config(tmp_path, topology.run)),
          "--nats", url, "--out", str(tmp_path / "run")],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=logs["producer"], text=True,

@@ -38,7 +38,7 @@ def batch(eng: TorchTrainEngine, advantage: float, log_ratio: float | torch.Tens
     """ROWS rows of random tokens whose response tokens have behaviour log-probs
     `log_ratio` (a number, or one per position [WIDTH]) below the engine's current ones:
     pi / pi_behaviour = exp(log_ratio) on each."""
-    vocab = eng.model.config.vocab_size
+    vocab: int = eng.model.config.vocab_size  # type: ignore[union-attr, assignment]  # a HF config
     input_ids = torch.randint(0, vocab, (ROWS, WIDTH), generator=torch.Generator().manual_seed(1))
     attention_mask = torch.ones(ROWS, WIDTH, dtype=torch.long)
     loss_mask = torch.zeros(ROWS, WIDTH)

@@ -27,6 +27,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
@@ -168,7 +169,8 @@ def test_restarted_trainer_continues_from_the_next_batch(nats_server: EmbeddedNa
         replayed = await read_batches(rts["a"])
         for rt in rts.values():
             await rt.close()
-        return curves, killed_at, history, at_kill, at_end, replayed
+        # Every step was recorded (both runs finished); a missing one fails the checks below.
+        return cast(dict[str, list[dict]], curves), killed_at, history, at_kill, at_end, replayed
 
     curves, killed_at, history, at_kill, at_end, replayed = asyncio.run(scenario())
     assert at_kill == steps_of(CHECKPOINT_EVERY - 1, KILL_AFTER - 1), (

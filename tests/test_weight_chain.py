@@ -75,7 +75,7 @@ def test_rollout_workers_follow_delta_versions_bit_for_bit_and_a_late_one_catche
                 event = await announce(version, versions[version])
                 assert (event.base_version, event.full_version) == (version - 1, 0)
                 assert event.total_bytes < 0.25 * full.total_bytes, (event.total_bytes, full.total_bytes)
-                await eventually(lambda v=version: w.engine.version == v, f"v{version} was loaded")
+                await eventually(lambda v=version: w.engine.version == v, f"v{version} was loaded")  # type: ignore[misc]  # the default binds the loop value
                 assert serves(w.engine.model, versions[version]), f"v{version} is not the trainer's bits"
             # The chain's versions are pinned: the full v0 is kept though `keep` is 2.
             async with rollout_worker(nats_server.url, topology, model_dir, weights=settings) as late:
@@ -90,7 +90,7 @@ def test_rollout_workers_follow_delta_versions_bit_for_bit_and_a_late_one_catche
                 versions[4] = step(versions[3], 4)
                 await announce(4, versions[4])
                 for worker in (w, late):  # v4 handled: applied (copy at v4), or refused (copy dropped)
-                    await eventually(lambda x=worker: x.rollout.chain.version != 3, "v4 was handled")
+                    await eventually(lambda x=worker: x.rollout.chain.version != 3, "v4 was handled")  # type: ignore[misc]  # as above
                     # Refused: the copy is dropped (the next version pulls the full one).
                     assert worker.rollout.chain.version is None, f"v4 applied: copy at v{worker.rollout.chain.version}"
                 await eventually(lambda: dead_stored(w, 1), "v4 was dead-lettered")
@@ -115,7 +115,8 @@ def test_rollout_workers_follow_delta_versions_bit_for_bit_and_a_late_one_catche
                     await w.publish_prompt()
                     total = sum(now.values())
                     await eventually(
-                        lambda t=total: sum(generated().values()) > t, "a prompt was generated after v4"
+                        lambda t=total: sum(generated().values()) > t,  # type: ignore[misc]  # binds the loop value
+                        "a prompt was generated after v4",
                     )
                 for name, x in workers.items():
                     after = x.engine.of("generate")[before[name]:]

@@ -96,7 +96,7 @@ def test_two_workers_get_a_version_by_broadcast_and_a_late_one_from_the_fallback
             missed: list[str] = []
             original = late.catch_up
 
-            async def recorded(e, reason):  # type: ignore[no-untyped-def]
+            async def recorded(e, reason):
                 missed.append(reason)
                 return await original(e, reason)
 
