@@ -52,7 +52,7 @@ class NatsClient(Client):
         """Called, without arguments, each time the connection drops (`connect` arranges it):
         an answer to a request sent before may never come, since its server may be gone."""
 
-    def jetstream(self, **opts: object) -> JetStream:  # type: ignore[override]
+    def jetstream(self, **opts: object) -> JetStream:
         return JetStream(self, **opts)  # type: ignore[arg-type]
 
 
@@ -110,7 +110,8 @@ async def connect(
             servers=servers,
             name=name,
             max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
+            # nats-py annotates int; the value is a sleep in seconds, and half a second works.
+            reconnect_time_wait=0.5,  # type: ignore[arg-type]
             connect_timeout=5,
             allow_reconnect=True,
             error_cb=error_cb,

@@ -1,4 +1,5 @@
-"""Dead letters (the `DEAD` channel): the original bytes and the reason, on `rl.<run>.dead.<stage>`."""
+"""Dead letters (the `DEAD` channel): the original bytes and the reason,
+on `rl.<run>.dead.<stage>`."""
 
 from __future__ import annotations
 

@@ -26,7 +26,8 @@ log = logging.getLogger("jetrl.bus")
 T = TypeVar("T")
 
 ELECTION_SECONDS = 30.0
-"""How long a call is retried: three elections in a row (meta, stream, consumer) at their slowest."""
+"""How long a call is retried: three elections in a row (meta, stream,
+consumer) at their slowest."""
 
 TRANSIENT: tuple[type[BaseException], ...] = (
     asyncio.TimeoutError,  # nats.errors.TimeoutError too: a request nobody led answered

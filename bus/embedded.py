@@ -114,7 +114,8 @@ class ClusterMember:
             "  # The same name on every node; a node with another name is refused as a route.\n"
             f"  name: {self.cluster_name}\n"
             f"  listen: {self.node.host}:{self.node.cluster_port}\n"
-            "  # Clients are given every node's URL (with their credentials). Advertised URLs carry\n"
+            "  # Clients are given every node's URL (with their credentials). "
+            "Advertised URLs carry\n"
             "  # no credentials, and nats-py would try them on failover and be refused.\n"
             "  no_advertise: true\n"
             "  # Every other node: a node that restarts finds the cluster from this list.\n"
@@ -126,7 +127,8 @@ class ClusterMember:
 def server_config(
     store_dir: Path | str, host: str, port: int, cluster: ClusterMember | None = None, extra: str = ""
 ) -> str:
-    """A nats-server configuration: client port, 8 MiB payloads, JetStream on file, optional cluster."""
+    """A nats-server configuration: client port, 8 MiB payloads, JetStream on file,
+    optional cluster."""
     return (
         f"listen: {host}:{port}\n"
         "# Events up to 8 MiB (the default is 1 MiB); batches are split to fit.\n"
@@ -251,7 +253,8 @@ class EmbeddedCluster:
         for i, address in enumerate(self.addresses):
             if address.name == server_name:
                 return i
-        raise KeyError(f"no node named {server_name!r} in this cluster ({', '.join(a.name for a in self.addresses)})")
+        raise KeyError(f"no node named {server_name!r} in this cluster "
+                       f"({', '.join(a.name for a in self.addresses)})")
 
     def start(self, timeout: float = 30.0) -> EmbeddedCluster:
         try:
@@ -265,7 +268,8 @@ class EmbeddedCluster:
         return self
 
     def wait_healthy(self, index: int, timeout: float = 30.0) -> None:
-        """Wait for node `index`'s /healthz: JetStream has a meta leader and its streams are current."""
+        """Wait for node `index`'s /healthz: JetStream has a meta leader and its streams are
+        current."""
         url = f"http://{LOOPBACK}:{self.addresses[index].http_port}/healthz"
         deadline = time.monotonic() + timeout
         last = "no answer"

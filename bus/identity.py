@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import TypedDict
 
 import nkeys
 
@@ -58,8 +59,16 @@ def identity_path(role: str, directory: Path) -> Path:
     return Path(directory) / f"{role}{SEED_SUFFIX}"
 
 
-def connect_options(path: str | Path | None) -> dict[str, str]:
-    """nats-py `connect` options for the identity at `path` (`$JETRL_NATS_IDENTITY` if None; none if unset)."""
+class ConnectOptions(TypedDict, total=False):
+    """The keyword arguments of nats-py's `connect` that carry an identity (at most one)."""
+
+    user_credentials: str
+    nkeys_seed: str
+
+
+def connect_options(path: str | Path | None) -> ConnectOptions:
+    """nats-py `connect` options for the identity at `path` (`$JETRL_NATS_IDENTITY` if None;
+    none if unset)."""
     chosen = path if path is not None else os.environ.get(IDENTITY_ENV) or None
     if chosen is None:
         return {}
@@ -74,5 +83,8 @@ def connect_options(path: str | Path | None) -> dict[str, str]:
         raise IdentityError(f"identity file {file}: mode {stat.S_IMODE(info.st_mode):o} lets others read it; "
                             f"chmod 600 {file}")
     if info.st_uid != os.geteuid():
-        raise IdentityError(f"identity file {file}: owned by uid {info.st_uid}, not by this process's {os.geteuid()}")
-    return {"user_credentials": str(file)} if file.suffix == CREDS_SUFFIX else {"nkeys_seed": str(file)}
+        raise IdentityError(f"identity file {file}: owned by uid {info.st_uid}, "
+                            f"not by this process's {os.geteuid()}")
+    if file.suffix == CREDS_SUFFIX:
+        return {"user_credentials": str(file)}
+    return {"nkeys_seed": str(file)}

@@ -6,8 +6,8 @@
   OTLP/HTTP every OTEL_METRIC_EXPORT_INTERVAL ms (60 s by default), unless
   OTEL_METRICS_EXPORTER=none (for an endpoint that takes spans only, like Jaeger's).
 - JETRL_PROMETHEUS_PORT=[HOST:]PORT: a Prometheus scrape endpoint (the `prometheus` extra),
-  /metrics on HOST (default 0.0.0.0: the scraper runs elsewhere) at the first free port from PORT on.
-  Several workers of one node share one setting that way (a fleet's workers inherit the
+  /metrics on HOST (default 0.0.0.0: the scraper runs elsewhere) at the first free port from PORT
+  on. Several workers of one node share one setting that way (a fleet's workers inherit the
   fleet's environment); each logs the port it took, and its `target_info` series names it
   (`service_instance_id` = worker id).
 
@@ -71,7 +71,8 @@ REWARD = meter.create_histogram(
 )
 STALENESS = meter.create_histogram(
     "jetrl.staleness", unit="{step}",
-    description="Per trained sample: the step training it minus the oldest weight version among its tokens",
+    description="Per trained sample: the step training it minus the oldest weight version "
+                "among its tokens",
     explicit_bucket_boundaries_advisory=STALENESS_BUCKETS,
 )
 
@@ -98,7 +99,8 @@ def _observe_queue_depth(_options: CallbackOptions) -> Iterable[Observation]:
 
 meter.create_observable_gauge(
     "jetrl.queue.depth", callbacks=[_observe_queue_depth], unit="{message}",
-    description="Messages per work queue, pending (not yet delivered) or in flight (delivered, not acked)",
+    description="Messages per work queue, pending (not yet delivered) or in flight (delivered, "
+                "not acked)",
 )
 
 

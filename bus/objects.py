@@ -28,7 +28,8 @@ TICK = 0.5
 
 
 class ObjectMissing(LookupError):
-    """The object is not there: never stored, deleted, or replaced (its chunks purged) while read."""
+    """The object is not there: never stored, deleted, or replaced
+    (its chunks purged) while read."""
 
 
 class ObjectCorrupt(ValueError):
@@ -114,7 +115,8 @@ async def read_chunks(
                     raise ObjectMissing(f"object {info.name!r} was replaced while it was read") from None
                 if loop.time() - since >= stall:
                     raise ObjectStalled(
-                        f"object {info.name!r}: no chunk for {stall:.0f} s after {offset} of {size} bytes"
+                        f"object {info.name!r}: no chunk for {stall:.0f} s "
+                        f"after {offset} of {size} bytes"
                     ) from None
         done.result()
     finally:
@@ -123,7 +125,8 @@ async def read_chunks(
         await sub.unsubscribe()
     if (offset, chunks) != (size, count):
         raise ObjectCorrupt(
-            f"object {info.name!r}: {chunks} chunks of {offset} bytes, its metadata says {count} of {size}"
+            f"object {info.name!r}: {chunks} chunks of {offset} bytes, "
+            f"its metadata says {count} of {size}"
         )
 
 

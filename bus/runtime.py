@@ -17,17 +17,16 @@ from pathlib import Path
 import nats.errors
 import yaml
 from nats.aio.client import Client
-from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from bus import metrics, tracing
-from bus.connection import DEFAULT_URL, ConnectRefused, connect, worker_id
+from bus.connection import DEFAULT_URL, ConnectRefused, JetStream, connect, worker_id
 from bus.election import ride_out
 from bus.identity import IDENTITY_ENV
+from bus.membership import Membership
 from bus.publisher import Publisher
 from bus.topology import CONFIG_KEY, Topology, run_id_arg
-from bus.membership import Membership
 from schemas.config import RunConfig, parse_config
 
 
@@ -41,7 +40,7 @@ class Runtime:
 
     role: str
     nc: Client
-    js: JetStreamContext
+    js: JetStream
     topology: Topology
     kv: KeyValue
     publisher: Publisher
@@ -69,7 +68,8 @@ async def attach(
     role: str, run: str, url: str, replicas: int = 1, wait: float = 120.0, beat_in_background: bool = True,
     rank: int = 0, identity: str | Path | None = None,
 ) -> Runtime:
-    """Connect, apply the run's topology, wait (up to `wait` s) for its config in KV, join the members.
+    """Connect, apply the run's topology, wait (up to `wait` s) for its config in KV,
+    join the members.
 
     The membership heartbeat runs as a task of its own unless not `beat_in_background`: a
     stage (`bus.stage`) runs `rt.member.beat()` under its TaskGroup instead."""

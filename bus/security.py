@@ -98,13 +98,15 @@ def run_streams(t: Topology) -> list[str]:
 
 
 def attach_rules(t: Topology, role: str) -> list[Rule]:
-    """What every role does: attach to the run, heartbeat its membership, dead-letter, get replies."""
+    """What every role does: attach to the run, heartbeat its membership, dead-letter,
+    get replies."""
     return [
         *(Rule(f"{API}.STREAM.INFO.{s}", "look the run's streams, KV buckets and object store up") for s in run_streams(t)),
         *declare_rules(t),
         Rule(f"{API}.STREAM.MSG.GET.{kv_stream(t.kv_bucket)}",
              "read the run's KV (config at start-up; drops and metrics are not secret)"),
-        # Membership keys are `<host>_<pid>_<role>`, one token: a role cannot be told apart by subject.
+        # Membership keys are `<host>_<pid>_<role>`, one token:
+        # a role cannot be told apart by subject.
         Rule(f"$KV.{t.members_bucket}.*", "write and delete this process's heartbeat entry"),
     ]
 
@@ -141,7 +143,8 @@ def work_queue_rules(t: Topology, channel: Channel) -> list[Rule]:
 
 
 def replay_rules(stream: str, what: str) -> list[Rule]:
-    """Read a stream in order through an ephemeral ordered consumer (`js.subscribe(..., ordered_consumer=True)`)."""
+    """Read a stream in order through an ephemeral ordered consumer
+    (`js.subscribe(..., ordered_consumer=True)`)."""
     return [
         Rule(f"{API}.CONSUMER.CREATE.{stream}", f"open an ordered consumer to read {what}"),
         Rule(f"$JS.FC.{stream}.>", f"answer flow control while reading {what}"),
@@ -211,12 +214,14 @@ def extra_rules(t: Topology, role: str) -> list[Rule]:
         "rollout": [
             *object_read_rules(t),
             Rule(f"{API}.STREAM.MSG.GET.{t.stream(WEIGHTS)}",
-                 "a version whose bytes are gone: is a newer one announced (the last weights event)?"),
+                 "a version whose bytes are gone: "
+                 "is a newer one announced (the last weights event)?"),
         ],
         "trainer": [
             *object_write_rules(t),
             Rule(f"{API}.STREAM.PURGE.{t.stream(BATCHES)}",
-                 "delete the batches no restart from its committed checkpoint can need (its own rank's subject)"),
+                 "delete the batches no restart from its committed checkpoint can need "
+                 "(its own rank's subject)"),
             Rule(f"{API}.STREAM.MSG.GET.{kv_stream(t.members_bucket)}",
                  "collective weights: the live rollout workers a version is broadcast to"),
         ],
@@ -260,7 +265,8 @@ def worker_roles(t: Topology) -> tuple[Role, ...]:
 
 
 def admin_role(t: Topology) -> Role:
-    """The operator (ops.streams, ops.status, ops.audit): everything about this run, nothing of others."""
+    """The operator (ops.streams, ops.status, ops.audit): everything about this run,
+    nothing of others."""
     publish = [
         Rule(f"{API}.INFO", "account limits and usage"),
         Rule(f"{API}.STREAM.NAMES", "list streams"),
@@ -321,7 +327,8 @@ def users_config(t: Topology, public_keys: Mapping[str, str]) -> str:
             "    }\n"
         )
     return (
-        f"# NATS users of jetrl run {t.run}, one per role: `python -m ops.streams users --run {t.run}`.\n"
+        f"# NATS users of jetrl run {t.run}, one per role: "
+        f"`python -m ops.streams users --run {t.run}`.\n"
         "# Include from every node's config (include \"users.conf\") and start each worker with\n"
         "#     --identity <role>.nk   (the role's seed file, written beside this one, mode 600)\n"
         "# Only public keys are here: the seeds never reach a server.\n"

@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from bus import loss
+from bus.runtime import CannotAttach, Runtime, attach, worker_args
 from bus.tasks import cancel_until_done
 from bus.topology import Channel
 from bus.worker import Handler, OnDead, Worker, WorkerOptions, stop_on_signals
-from bus.runtime import CannotAttach, Runtime, attach, worker_args
 from schemas.events import Event
 
 log = logging.getLogger("jetrl.stage")
@@ -48,7 +48,8 @@ MEMBERSHIP = "membership heartbeat"
 """The helper every stage runs: its entry in the run's members bucket."""
 
 LOSS_GUARD = "loss guard"
-"""The helper of every stage that serves a work queue: reports work its stream deleted unacked (`bus.loss`)."""
+"""The helper of every stage that serves a work queue: reports work its stream deleted unacked
+(`bus.loss`)."""
 
 Helper = Callable[[], Coroutine[Any, Any, None]]
 MainLoop = Callable[[asyncio.Event], Coroutine[Any, Any, None]]
@@ -73,11 +74,12 @@ class Stage(Generic[E]):
     is set; its return ends the stage with success, its error fails it."""
 
 
-Builder = Callable[[Runtime], Awaitable[Stage[Any]]]
+Builder = Callable[[Runtime], Coroutine[Any, Any, Stage[Any]]]
 
 
 class StageFailed(Exception):
-    """A helper or the worker loop of a stage failed; the process exits for the fleet to restart it."""
+    """A helper or the worker loop of a stage failed; the process exits for the fleet to restart
+    it."""
 
 
 async def serve(rt: Runtime, stage: Stage[Any], stop: asyncio.Event) -> None:
@@ -173,13 +175,15 @@ async def _unless_stopped(step: Coroutine[Any, Any, T], stop: asyncio.Event) -> 
 def run_stage(
     role: str, build: Builder, description: str, *one_line: type[Exception], with_rank: bool = False
 ) -> None:
-    """`python -m consumers.<role> --run R [--nats URL] [--replicas N] [--rank K]`: run `build`'s stage.
+    """`python -m consumers.<role> --run R [--nats URL] [--replicas N] [--rank K]`:
+    run `build`'s stage.
 
     CannotAttach, StageFailed and the `one_line` types (a builder's refusal to start) end the
     process with one line on stderr and exit status 1.
     """
     args = worker_args(role, description, with_rank=with_rank)
+    refusals: tuple[type[Exception], ...] = (CannotAttach, StageFailed, *one_line)
     try:
         asyncio.run(_run(role, args, build))
-    except (CannotAttach, StageFailed, *one_line) as exc:
+    except refusals as exc:
         sys.exit(f"consumers.{role}: {exc}")

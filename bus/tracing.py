@@ -1,4 +1,5 @@
-"""OpenTelemetry tracing over NATS headers (invariant 5 in docs/architecture.md: one trace per prompt).
+"""OpenTelemetry tracing over NATS headers (invariant 5 in docs/architecture.md:
+one trace per prompt).
 
 `setup` reads the standard env vars: with OTEL_EXPORTER_OTLP_ENDPOINT (or
 OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) set, spans go out over OTLP/HTTP; otherwise tracing

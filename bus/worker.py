@@ -121,7 +121,7 @@ class Worker(Generic[E]):
             await slots.half_free()
             try:
                 msgs = await puller.fetch(self.options.concurrency - slots.held, self.options.fetch_timeout)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            except (TimeoutError, nats.errors.TimeoutError):
                 continue
             except nats.errors.Error as exc:  # connection trouble: the client reconnects
                 log.warning("%s fetch failed: %s", self.queue.durable, exc)

@@ -33,8 +33,10 @@ class ModelLimits:
         return cls(embedding.num_embeddings, getattr(model.config, "max_position_embeddings", None))
 
     def check(self, largest_id: int, positions: int, what: str) -> None:
-        """Reject `what` unless `largest_id` is in the vocabulary and `positions` fit the context."""
+        """Reject `what` unless `largest_id` is in the vocabulary and `positions` fit the
+        context."""
         if largest_id >= self.vocab_size:
-            raise Reject(f"{what}: token id {largest_id} is outside the model's vocabulary of {self.vocab_size}")
+            raise Reject(f"{what}: token id {largest_id} is outside the model's vocabulary of "
+                         f"{self.vocab_size}")
         if self.context is not None and positions > self.context:
             raise Reject(f"{what}: needs {positions} positions, the model's context is {self.context}")

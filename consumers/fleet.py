@@ -1,4 +1,5 @@
-"""`python -m consumers.fleet --config fleet.yaml [--nats URL] [--run R]`: run and supervise one node's workers.
+"""`python -m consumers.fleet --config fleet.yaml [--nats URL] [--run R]`:
+run and supervise one node's workers.
 
 The fleet starts `processes` processes of each configured role (`consumers.fleet_config`),
 each `python -m consumers.<role> --run R --nats URL [args]` with its own log file and GPU(s),
@@ -35,7 +36,7 @@ from schemas.config import ConfigError
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m consumers.fleet", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m consumers.fleet", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, required=True, help="fleet YAML (see examples/fleet.yaml)")
     parser.add_argument("--nats", help="NATS URL(s), comma separated (default: the YAML's, $JETRL_NATS_URL, localhost)")
     parser.add_argument("--run", type=run_id_arg, help="run id (default: the YAML's run)")

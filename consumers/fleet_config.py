@@ -92,7 +92,8 @@ class FleetConfig(Section):
                 raise ValueError(f"role name {name!r} must be letters, digits, '_' or '-' (it names log files)")
             module = role.module or f"consumers.{name}"
             if not _importable(module):
-                raise ValueError(f"role {name!r}: no module {module} (roles are {', '.join(ROLES)}, or set `module`)")
+                raise ValueError(f"role {name!r}: no module {module} (roles are {', '.join(ROLES)}, "
+                                 "or set `module`)")
         return roles
 
 

@@ -5,6 +5,7 @@ Pure functions over numpy (no bus): the buffer calls `pack_step`; tests check th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,7 +77,7 @@ def balance(rows: list[Row], ranks: int) -> list[list[Row]]:
     return buckets
 
 
-def split(rows: list[Row], max_tokens: int) -> list[list[Row]]:
+def split(rows: Sequence[Row], max_tokens: int) -> list[list[Row]]:
     """Consecutive micro-batches whose padded size (rows x longest) stays <= max_tokens.
 
     Rows arrive longest first, so each micro-batch's padding is small. A single row longer

@@ -1,4 +1,5 @@
-"""`python -m consumers.reference --run R [--nats URL]`: rewards in, rewards with reference log-probs out.
+"""`python -m consumers.reference --run R [--nats URL]`: rewards in,
+rewards with reference log-probs out.
 
 The stage between reward and buffer when the run has `reference.enabled` (verl's reference
 workers): each scored sample's response is scored again, by the frozen initial model
@@ -26,13 +27,13 @@ import torch
 from nats.aio.msg import Msg
 
 from bus import metrics, tracing
+from bus.crashpoints import REFERENCE_MID_SCORING, REFERENCE_STORED_NOT_ACKED
 from bus.publisher import EventTooLarge
+from bus.runtime import CannotAttach, Runtime
+from bus.stage import Stage, run_stage
 from bus.topology import SCORED
 from bus.worker import Handler, Reject, WorkerOptions
 from consumers.checks import ModelLimits
-from bus.crashpoints import REFERENCE_MID_SCORING, REFERENCE_STORED_NOT_ACKED
-from bus.runtime import CannotAttach, Runtime
-from bus.stage import Stage, run_stage
 from engines.device import resolve_device, torch_dtype
 from engines.reference import ReferenceEngine
 from schemas import RewardEvent, Tensor
@@ -70,7 +71,7 @@ class Batcher:
                     if not future.done():
                         future.set_exception(exc)
                 continue
-            for (_, _, future), logprobs in zip(items, scored):
+            for (_, _, future), logprobs in zip(items, scored, strict=True):
                 if not future.done():
                     future.set_result(logprobs)
 
@@ -130,7 +131,7 @@ async def build(rt: Runtime) -> Stage[RewardEvent]:
 
 
 def main() -> None:
-    run_stage("reference", build, __doc__.splitlines()[0])
+    run_stage("reference", build, __doc__.split("\n\n")[0])
 
 
 if __name__ == "__main__":

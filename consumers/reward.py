@@ -19,15 +19,15 @@ from nats.aio.msg import Msg
 from opentelemetry.trace import StatusCode
 
 from bus import metrics, tracing
+from bus.crashpoints import REWARD_MID_SCORING
 from bus.publisher import EventTooLarge
+from bus.runtime import Runtime
+from bus.stage import Stage, run_stage
 from bus.topology import REWARDS, TRAJECTORIES
 from bus.worker import Handler, Reject, WorkerOptions
-from bus.crashpoints import REWARD_MID_SCORING
 from consumers.reward_batch import BatchScorer
 from consumers.reward_pool import RewardPool, RewardSpecError
 from consumers.reward_sandbox import IsolationUnavailable
-from bus.runtime import Runtime
-from bus.stage import Stage, run_stage
 from schemas import RewardEvent, TrajectoryEvent
 
 log = logging.getLogger("jetrl.reward")

@@ -1,4 +1,5 @@
-"""The reward process itself: `python -m consumers.reward_child`, started by consumers/reward_pool.py.
+"""The reward process itself: `python -m consumers.reward_child`,
+started by consumers/reward_pool.py.
 
 It reads one init message, makes itself what the pool asked for (the worker's import path,
 SIGKILL when the worker dies, the sandbox where one was chosen, rlimits), then serves
@@ -100,7 +101,8 @@ def _items(request: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _claim_protocol_fds() -> tuple[BinaryIO, BinaryIO]:
-    """Keep stdin/stdout for the protocol on private descriptors; fd 0 becomes /dev/null, fd 1 stderr."""
+    """Keep stdin/stdout for the protocol on private descriptors; fd 0 becomes /dev/null,
+    fd 1 stderr."""
     requests = os.fdopen(os.dup(0), "rb")
     replies = os.fdopen(os.dup(1), "wb")
     devnull = os.open(os.devnull, os.O_RDONLY)

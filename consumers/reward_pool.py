@@ -147,7 +147,8 @@ class RewardPool:
                 raise RewardSpecError(str(exc)) from None
 
     async def score(self, fn: str, response_text: str, task: dict[str, Any]) -> Score:
-        """Score one response; never raises for what the function does (RewardSpecError for a bad `fn`)."""
+        """Score one response; never raises for what the function does
+        (RewardSpecError for a bad `fn`)."""
         async with self._lease() as child:
             try:
                 await self._resolve_in(child, fn)
@@ -260,7 +261,8 @@ class _Child:
         return self.proc.returncode is None
 
     async def request(self, message: dict[str, Any], deadline: float) -> dict[str, Any]:
-        """Send one request, return its reply; on any failure kill the process and raise _ChildLost."""
+        """Send one request, return its reply; on any failure kill the process and raise
+        _ChildLost."""
         cpu_seconds = math.ceil(deadline * self.limits.cpu_factor)
         try:
             async with asyncio.timeout(deadline):

@@ -100,8 +100,9 @@ async def choose(isolation: Isolation) -> bool:
         raise IsolationUnavailable(f"reward.isolation is 'required' but namespaces cannot be made here: {why}")
     if not _warned:
         _warned = True
-        log.warning("reward isolation: none (%s); reward code can reach the network, other processes' /proc "
-                    "and the worker's files; set reward.isolation: required to refuse this", why)
+        log.warning("reward isolation: none (%s); reward code can reach the network, "
+                    "other processes' /proc and the worker's files; "
+                    "set reward.isolation: required to refuse this", why)
     return False
 
 

@@ -164,7 +164,8 @@ class Supervisor:
         return [name for name, child in self.children.items() if child.state == "gave up"]
 
     def stop(self) -> None:
-        """SIGTERM every running worker (they drain), SIGKILL those still running after stop_timeout."""
+        """SIGTERM every running worker (they drain), SIGKILL those still running after
+        stop_timeout."""
         running = {c.name: c.proc for c in self.children.values() if c.state == "running" and c.proc is not None}
         for proc in running.values():
             proc.send_signal(signal.SIGTERM)
@@ -181,7 +182,8 @@ class Supervisor:
                 child.state = "stopped"
 
     def serve(self, stop: threading.Event) -> int:
-        """The fleet's loop: start, supervise until `stop` is set or nothing is left, stop; the exit code."""
+        """The fleet's loop: start, supervise until `stop` is set or nothing is left, stop;
+        the exit code."""
         self.start()
         while not stop.is_set() and not self.finished:
             self.poll()
@@ -194,7 +196,8 @@ class Supervisor:
 
     def _spawn(self, child: Child) -> None:
         with open(child.log, "ab") as out:
-            out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} fleet starts {' '.join(child.command)}\n".encode())
+            out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} "
+                      f"fleet starts {' '.join(child.command)}\n".encode())
             out.flush()
             child.proc = subprocess.Popen(
                 child.command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **child.env},

@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 from nats.js.errors import KeyNotFoundError
 
-from bus.topology import RENDEZVOUS_KEY
 from bus.runtime import CannotAttach, Runtime
+from bus.topology import RENDEZVOUS_KEY
 from consumers.weights.sender import ShardNote
 from engines.algorithms.schedule import lr_factor
 from engines.build import build_train_engine
@@ -62,7 +62,8 @@ PROBE_SECONDS = 5.0
 
 
 class RendezvousFailed(CannotAttach):
-    """This rank cannot join its group, or its group broke: said in one line (the process exits 1)."""
+    """This rank cannot join its group, or its group broke: said in one line
+    (the process exits 1)."""
 
 
 @dataclass
@@ -126,11 +127,13 @@ async def join(rt: Runtime, rank: int, device: torch.device) -> RankGroup:
         except (KeyError, ValueError):
             raise RendezvousFailed("trainer.dist_init env: RANK and WORLD_SIZE must be set (start it with torchrun)") from None
         if size != world:
-            raise RendezvousFailed(f"torchrun started {size} ranks, the trainer has {world} (trainer.dp_size x tensor x pipeline parallel)")
+            raise RendezvousFailed(f"torchrun started {size} ranks, the trainer has {world} "
+                                   "(trainer.dp_size x tensor x pipeline parallel)")
         await asyncio.to_thread(init_group, None, rank, world, device, tcfg.dist_timeout)
         return RankGroup(rank, world)
     if not 0 <= rank < world:
-        raise RendezvousFailed(f"--rank {rank}: the trainer has {world} ranks (dp_size x tensor x pipeline parallel), so 0..{world - 1}")
+        raise RendezvousFailed(f"--rank {rank}: the trainer has {world} ranks (dp_size x tensor x pipeline parallel), "
+                               f"so 0..{world - 1}")
     group = await (_host(rt, world) if rank == 0 else _claim(rt, rank, world))
     assert group.store is not None
     await asyncio.to_thread(init_group, group.store, rank, world, device, tcfg.dist_timeout)
@@ -233,7 +236,8 @@ async def watch(group: RankGroup, done: Callable[[], bool]) -> None:
 async def exchange(note: ShardNote) -> list[ShardNote]:
     """Every trainer rank's note of the version being published, in rank order: one
     `all_gather_object` over the default group (gloo on the CPU: each rank's shard location
-    and manifest entries, pickled, about 200 bytes per tensor), in a thread so the event loop keeps serving."""
+    and manifest entries, pickled, about 200 bytes per tensor),
+    in a thread so the event loop keeps serving."""
     notes: list[ShardNote | None] = [None] * dist.get_world_size()
     await asyncio.to_thread(dist.all_gather_object, notes, note)
     return [n for n in notes if n is not None]

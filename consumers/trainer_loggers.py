@@ -70,7 +70,8 @@ def step_loggers(config: RunConfig) -> list[StepLogger]:
 
 
 def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
-    """The numbers of a step's metrics: not its lists (sample ids, staleness histogram), step or wall time."""
+    """The numbers of a step's metrics: not its lists (sample ids, staleness histogram),
+    step or wall time."""
     return {
         name: float(value)
         for name, value in metrics.items()

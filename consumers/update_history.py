@@ -1,9 +1,9 @@
 """The model's update history in constant size: which samples, in which order, made its weights.
 
-"Nothing twice" (invariant 2 in docs/architecture.md) is a claim about the final model: the steps that made
-its weights hold each sample at most once. Keeping every trained sample id in the checkpoint
-made each checkpoint grow with the run, and rewriting it every `checkpoint_every` steps made
-the total written quadratic. The checkpoint keeps a hash chain instead:
+"Nothing twice" (invariant 2 in docs/architecture.md) is a claim about the final model: the steps
+that made its weights hold each sample at most once. Keeping every trained sample id in the
+checkpoint made each checkpoint grow with the run, and rewriting it every `checkpoint_every` steps
+made the total written quadratic. The checkpoint keeps a hash chain instead:
 
     digest_0 = sha256("")        digest_{s+1} = sha256(digest_s || ids of step s, one per line)
 

@@ -4,7 +4,7 @@ import os
 import random
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -18,7 +18,9 @@ def seed_everything(seed: int) -> None:
 
 def rng_state() -> dict[str, Any]:
     """Torch, numpy and Python RNG states as plain data (loadable with weights_only=True)."""
-    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    # legacy=True (the default) returns the tuple form; numpy types the call as tuple | dict.
+    state = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state(legacy=True))
+    kind, keys, pos, has_gauss, cached_gaussian = state
     return {
         "torch": torch.get_rng_state(),
         "numpy": {

@@ -8,10 +8,11 @@ yes/no, writes the start (epoch, members), broadcasts bucket by bucket, and writ
 (delivered | retry | gave_up). A new epoch (process group) opens whenever the members differ or
 an attempt failed: every broadcast has a timeout and a deadline of our own, so a dead or stalled
 member costs one attempt, never a hang. With several trainer ranks, ranks 1.. join each group
-too (`engines.collective_peer`) and broadcast the buckets of their own tensors (src = their rank). A worker left out gets `Missed` and catches up from the
-object store or filesystem. Loads are all or nothing (`into` is written once every bucket
-arrived). Groups are bare backend objects, not the default group, so the trainer's and a rollout
-engine's own groups stay untouched. The protocol, in full: docs/weights.md, "Collective transport".
+too (`engines.collective_peer`) and broadcast the buckets of their own tensors (src = their rank). A
+worker left out gets `Missed` and catches up from the object store or filesystem. Loads are all or
+nothing (`into` is written once every bucket arrived). Groups are bare backend objects, not the
+default group, so the trainer's and a rollout engine's own groups stay untouched. The protocol,
+in full: docs/weights.md, "Collective transport".
 """
 
 from __future__ import annotations
@@ -22,11 +23,16 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 import torch
 import torch.distributed as dist
 
 from engines.collective_plan import ALIGN, Into, Spec, layout, misfit, pieces, sent_by, specs_of
+
+if TYPE_CHECKING:
+    # The group objects `_open_group` makes (`dist.Backend` is the enum of backend names).
+    ProcessGroupBackend: TypeAlias = dist.ProcessGroupGloo | dist.ProcessGroupNCCL
 
 _POLL_S = (0.0001, 0.005)  # polling a key or a broadcast: first and longest sleep (it doubles)
 _ABANDON_CHECK_S = 0.2  # a receiver asks the store whether the attempt was abandoned this often per bucket
@@ -43,11 +49,13 @@ class CollectiveSettings:
     device: str = "cpu"
     """Where buckets and the receiver's staging buffer live: `cpu` for gloo, `cuda:N` for nccl."""
     bucket_bytes: int = 64 << 20
-    """Bytes per broadcast; the source holds two buckets, a receiver one staging buffer of the version's size."""
+    """Bytes per broadcast; the source holds two buckets, a receiver one staging buffer of the
+    version's size."""
     op_timeout_s: float = 30.0
     """Longest one bucket's broadcast may take before the attempt fails and the group is rebuilt."""
     join_timeout_s: float = 30.0
-    """How long the source waits for candidates to check in, and a receiver for the source's plan."""
+    """How long the source waits for candidates to check in,
+    and a receiver for the source's plan."""
     max_attempts: int = 3
     """Attempts per version (each failure rebuilds the group) before the source gives up on it."""
 
@@ -88,14 +96,18 @@ class Received:
 
 @dataclass(frozen=True)
 class Missed:
-    """This worker did not get the version by broadcast: catch up from the object store or filesystem."""
+    """This worker did not get the version by broadcast: catch up from the object store or
+    filesystem."""
 
     version: int
     reason: str
 
 
-def _open_group(store: dist.Store, rank: int, size: int, s: CollectiveSettings) -> dist.Backend:
-    """A process group of its own (not the default one); its rendezvous fails after join_timeout_s."""
+def _open_group(
+    store: dist.Store, rank: int, size: int, s: CollectiveSettings
+) -> ProcessGroupBackend:
+    """A process group of its own (not the default one); its rendezvous fails after
+    join_timeout_s."""
     if s.backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=s.join_timeout_s))
     # NCCL (untested here: no GPU in CI). The watchdog's timeout is set past our own deadline, so
@@ -108,7 +120,8 @@ def _open_group(store: dist.Store, rank: int, size: int, s: CollectiveSettings) 
 
 
 def _until(done: Callable[[], bool], timeout_s: float) -> bool:
-    """Poll `done` (sleeps doubling from 0.1 to 5 ms) until it is true (True) or `timeout_s` passed (False)."""
+    """Poll `done` (sleeps doubling from 0.1 to 5 ms) until it is true
+    (True) or `timeout_s` passed (False)."""
     deadline, pause = time.monotonic() + timeout_s, _POLL_S[0]
     while not done():
         if time.monotonic() > deadline:
@@ -143,11 +156,14 @@ class _Group:
 
     epoch: int
     members: tuple[str, ...]
-    backend: dist.Backend
+    backend: ProcessGroupBackend
     pending: dist.Work | None = None
 
     def broadcast(self, buf: torch.Tensor, src: int, timeout_s: float) -> dist.Work:
-        self.pending = self.backend.broadcast(buf, src, timedelta(seconds=timeout_s))
+        # c10d backends have `broadcast` at runtime; torch's stubs leave it out.
+        self.pending = self.backend.broadcast(  # type: ignore[union-attr]
+            buf, src, timedelta(seconds=timeout_s)
+        )
         return self.pending
 
     def settled(self) -> bool:
@@ -171,8 +187,8 @@ def _poll(store: dist.Store, key: str, timeout_s: float, gone: Callable[[], bool
 
 
 def send_buckets(
-    group: _Group, rank: int, plan: dict, tensors: Mapping[str, torch.Tensor], bufs: list[torch.Tensor],
-    s: CollectiveSettings,
+    group: _Group, rank: int, plan: dict, tensors: Mapping[str, torch.Tensor],
+    bufs: list[torch.Tensor], s: CollectiveSettings,
 ) -> tuple[int, list[torch.Tensor]]:  # fmt: skip
     """A sender's part of one attempt: every bucket of `plan`, in order. Its own (src == `rank`)
     packed from `tensors` (bucket k+1 packed while k is on the wire: two buffers); the other
@@ -204,8 +220,8 @@ class CollectiveSource:
     trainer ranks 1.. take part as `CollectivePeer`s (group ranks 1..senders-1), each sending
     the buckets of the tensors it owns; the rollout workers follow as ranks senders, ..."""
 
-    def __init__(self, alive: Callable[[], Sequence[str]], settings: CollectiveSettings, host: str = "127.0.0.1",
-                 port: int = 0, senders: int = 1) -> None:  # fmt: skip
+    def __init__(self, alive: Callable[[], Sequence[str]], settings: CollectiveSettings,
+                 host: str = "127.0.0.1", port: int = 0, senders: int = 1) -> None:  # fmt: skip
         if senders < 1:
             raise ValueError(f"senders must be >= 1, got {senders}")
         self._alive, self._s, self.senders = alive, settings, senders
@@ -226,7 +242,8 @@ class CollectiveSource:
         self, version: int, tensors: Mapping[str, torch.Tensor], owned: Sequence[Sequence[Spec]] | None = None
     ) -> Published:
         """Broadcast `version`; returns once delivered or given up (never hangs). `tensors`: this
-        rank's own; `owned[r]`: the specs of the tensors sender r owns (default: `tensors`, alone)."""
+        rank's own; `owned[r]`: the specs of the tensors sender r owns (default:
+        `tensors`, alone)."""
         started = time.monotonic()
         owned = owned if owned is not None else [specs_of(tensors)]
         if len(owned) != self.senders:
@@ -268,7 +285,8 @@ class CollectiveSource:
         return Published(version, self._epoch, (), attempt + 1, time.monotonic() - started, total, reason)
 
     def _check_ins(self, key: str, candidates: list[str]) -> tuple[str, ...]:
-        """The candidates that said yes within join_timeout_s (a "no" ends the wait for that one)."""
+        """The candidates that said yes within join_timeout_s
+        (a "no" ends the wait for that one)."""
         answers: dict[str, str] = {}
 
         def all_in() -> bool:
@@ -304,7 +322,8 @@ class CollectiveReceiver:
 
     def receive(
         self, address: tuple[str, int], version: int, into: Into = None,
-        checksums: Mapping[str, str] | None = None, on_bucket: Callable[[int, int], None] | None = None,
+        checksums: Mapping[str, str] | None = None,
+        on_bucket: Callable[[int, int], None] | None = None,
     ) -> Received | Missed:  # fmt: skip
         """Take part in `version`'s broadcast from the source at `address`.
 
@@ -316,7 +335,9 @@ class CollectiveReceiver:
         try:
             if self._store is None or self._address != tuple(address):
                 self.close()
-                self._store, self._address = dist.TCPStore(address[0], address[1], None, False, t), tuple(address)
+                self._store = dist.TCPStore(address[0], address[1], None, False, t)
+                # tuple(): the address may come as a JSON list.
+                self._address = cast(tuple[str, int], tuple(address))
             got = self._attempts(self._store, version, into, on_bucket)
         except RuntimeError as exc:  # the store went away: the source died or closed
             self.close()
@@ -328,13 +349,14 @@ class CollectiveReceiver:
         tensors = {name: staging[off : off + n].view(getattr(torch, dt)).view(shape) for name, dt, shape, off, n in slots}
         for name, digest in (checksums or {}).items():
             raw = tensors[name].reshape(-1).view(torch.uint8).cpu().numpy() if name in tensors else b""
-            if hashlib.sha256(raw).hexdigest() != digest:
+            # An ndarray is a buffer; numpy's stubs declare that for Python 3.12+ only.
+            if hashlib.sha256(raw).hexdigest() != digest:  # type: ignore[arg-type]
                 return Missed(version, f"checksum mismatch on {name}")
         if into is not None:
             dest = into.state_dict() if isinstance(into, torch.nn.Module) else into
             with torch.no_grad():
-                for name, t in tensors.items():
-                    dest[name].copy_(t)
+                for name, tensor in tensors.items():
+                    dest[name].copy_(tensor)
         by_src = sent_by([tuple(b) for b in plan["buckets"]])
         return Received(version, tensors, time.monotonic() - started, staging.numel(), by_src)
 

@@ -7,7 +7,8 @@ always part of the group (ranks 0..senders-1, the rollout workers after them). P
     plan     poll `vV/aA/plan` (its buckets say which are this rank's)
     start    poll `vV/aA/start`: no members -> nothing to send; else join the epoch's group
              (a new one whenever the epoch changes: after a failure or a membership change)
-    data     `send_buckets`: its own buckets packed from its tensors, the others' received and dropped
+    data     `send_buckets`: its own buckets packed from its tensors, the others' received and
+             dropped
     failure  wait for the source's outcome: `retry` -> the next attempt; anything else -> done
 
 A peer that dies makes the attempt fail for everyone (the group needs every sender); the
@@ -20,6 +21,7 @@ import json
 import time
 from collections.abc import Mapping
 from datetime import timedelta
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -36,7 +38,8 @@ from engines.collective import (
 
 
 class CollectivePeer:
-    """Trainer rank `rank` (>= 1) of the senders: takes part in the broadcasts rank 0 coordinates."""
+    """Trainer rank `rank` (>= 1) of the senders: takes part in the broadcasts rank 0
+    coordinates."""
 
     def __init__(self, rank: int, settings: CollectiveSettings) -> None:
         if rank < 1:
@@ -55,7 +58,9 @@ class CollectivePeer:
             if self._store is None or self._address != tuple(address):
                 self.close()
                 t = timedelta(seconds=s.join_timeout_s)
-                self._store, self._address = dist.TCPStore(address[0], address[1], None, False, t), tuple(address)
+                self._store = dist.TCPStore(address[0], address[1], None, False, t)
+                # tuple(): the address may come as a JSON list.
+                self._address = cast(tuple[str, int], tuple(address))
             return self._attempts(self._store, version, tensors, started)
         except RuntimeError as exc:  # the store went away: rank 0 died or closed
             self.close()
@@ -92,7 +97,8 @@ class CollectivePeer:
                 _drop(self._group)
                 self._group, sent = None, 0
                 reason = f"attempt {attempt} failed: {str(exc).splitlines()[0][:200]}"
-            # Our part went through or not, the source decides: a member may have failed it after our last bucket.
+            # Our part went through or not, the source decides:
+            # a member may have failed it after our last bucket.
             outcome = _poll(store, f"{key}/outcome", s.op_timeout_s + s.join_timeout_s + 2 * s.join_timeout_s)
             if outcome == "delivered":
                 return Published(version, epoch, members, attempt + 1, time.monotonic() - started, plan["total"], sent=sent)

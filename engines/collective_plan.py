@@ -1,10 +1,11 @@
-"""The byte layout of one collective broadcast: where each tensor sits, which rank sends each bucket.
+"""The byte layout of one collective broadcast: where each tensor sits,
+which rank sends each bucket.
 
-Every trainer rank that takes part (a *sender*) owns some tensors (`engines.delta_plan.assign_shards`
-with several FSDP ranks; all of them with one). The stream lays the owners' tensors out one
-owner after another, each tensor aligned to 64 bytes, so that every slice can be viewed as its
-dtype; buckets are windows of at most `bucket_bytes` that never cross from one owner's region
-into the next, so each bucket has exactly one source rank:
+Every trainer rank that takes part (a *sender*) owns some tensors
+(`engines.delta_plan.assign_shards` with several FSDP ranks; all of them with one). The stream lays
+the owners' tensors out one owner after another, each tensor aligned to 64 bytes, so that every
+slice can be viewed as its dtype; buckets are windows of at most `bucket_bytes` that never cross
+from one owner's region into the next, so each bucket has exactly one source rank:
 
     stream   | rank 0's tensors | rank 1's tensors | ...
     buckets  (0, lo, hi) (0, lo, hi) | (1, lo, hi) ...     (src, stream byte range)
@@ -55,7 +56,8 @@ def layout(owned: Sequence[Sequence[Spec]], bucket_bytes: int) -> tuple[list[Slo
 
 
 def pieces(slots: Sequence[Slot], lo: int, hi: int) -> list[tuple[int, int, int, int]]:
-    """(slot index, offset in the tensor's bytes, offset in the bucket, length) for stream bytes [lo, hi)."""
+    """(slot index, offset in the tensor's bytes, offset in the bucket,
+    length) for stream bytes [lo, hi)."""
     spans = ((i, off, max(off, lo), min(off + n, hi)) for i, (_, _, _, off, n) in enumerate(slots))
     return [(i, a - off, a - lo, b - a) for i, off, a, b in spans if a < b]
 
@@ -73,5 +75,6 @@ def misfit(slots: Sequence[Slot], into: Into) -> str:
     dest = into.state_dict() if isinstance(into, torch.nn.Module) else into
     shapes = {name: list(shape) for name, _, shape, _, _ in slots}
     if dest is not None and (set(shapes) != set(dest) or any(list(dest[n].shape) != shapes[n] for n in shapes)):
-        return f"the version does not match the model: names or shapes differ ({len(set(shapes) ^ set(dest))} names)"
+        return ("the version does not match the model: names or shapes differ "
+                f"({len(set(shapes) ^ set(dest))} names)")
     return ""

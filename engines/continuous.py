@@ -139,7 +139,8 @@ class ContinuousAdapter:
         with self._count:
             if self.in_flight >= self.slots:
                 raise RuntimeError(
-                    f"{self.name}: a sample beyond the engine's {self.slots} slots (the caller keeps that count)")
+                    f"{self.name}: a sample beyond the engine's {self.slots} slots "
+                    "(the caller keeps that count)")
             self.in_flight += 1
         try:
             return self.loop.run(self._sample(list(prompt), params))
@@ -226,7 +227,8 @@ class ContinuousAdapter:
         async for chunk in self.stream(request_id, ids, params):
             if len(chunk.token_ids) != len(chunk.logprobs):
                 raise ValueError(
-                    f"{self.name}: {len(chunk.token_ids)} tokens but {len(chunk.logprobs)} log-probs in one chunk")
+                    f"{self.name}: {len(chunk.token_ids)} tokens but {len(chunk.logprobs)} "
+                    "log-probs in one chunk")
             tokens.extend(chunk.token_ids)
             logprobs.extend(chunk.logprobs)
             versions.extend([self.computing] * len(chunk.token_ids))

@@ -26,7 +26,13 @@ from typing import Any
 
 import torch
 
-from engines.algorithms.gae import explained_variance, gae_advantages, outcome_rewards, value_loss, whiten_step
+from engines.algorithms.gae import (
+    explained_variance,
+    gae_advantages,
+    outcome_rewards,
+    value_loss,
+    whiten_step,
+)
 from engines.algorithms.losses import AggregationMode, aggregate
 from engines.protocols import MicroBatch
 
@@ -63,7 +69,7 @@ class ValueModel(torch.nn.Module):
     def __init__(self, policy: torch.nn.Module) -> None:
         super().__init__()
         self.backbone = copy.deepcopy(policy.get_decoder())  # type: ignore[operator]
-        self.head = torch.nn.Linear(policy.config.hidden_size, 1)  # type: ignore[union-attr]
+        self.head = torch.nn.Linear(policy.config.hidden_size, 1)  # type: ignore[arg-type, union-attr]
         # Zero: V = 0 at first, so the first step's advantages are the whitened outcome rewards
         # (REINFORCE's), not the noise of a random head.
         torch.nn.init.zeros_(self.head.weight)
@@ -118,10 +124,10 @@ class Critic:
             targets.append(Targets(old, returns))
             masks.append(mask)
         whitened = whiten_step(raw, masks)
-        out = [dataclasses.replace(b, advantages=a) for b, a in zip(micro_batches, whitened)]
+        out = [dataclasses.replace(b, advantages=a) for b, a in zip(micro_batches, whitened, strict=True)]
         on = [m > 0 for m in masks]
-        flat_v = torch.cat([t.old_values[o] for t, o in zip(targets, on)]) if on else torch.zeros(0)
-        flat_r = torch.cat([t.returns[o] for t, o in zip(targets, on)]) if on else torch.zeros(0)
+        flat_v = torch.cat([t.old_values[o] for t, o in zip(targets, on, strict=True)]) if on else torch.zeros(0)
+        flat_r = torch.cat([t.returns[o] for t, o in zip(targets, on, strict=True)]) if on else torch.zeros(0)
         tokens = max(flat_v.numel(), 1)
         stats = {
             "value_mean": float(flat_v.sum()) / tokens,

@@ -121,5 +121,6 @@ class ShardLayout(BaseModel):
             dupes = sorted(name for name, n in Counter(names).items() if n > 1)
             raise WeightsRefused(
                 f"v{self.version}: shard layout does not carry each tensor once: "
-                f"{len(set(names) ^ expected)} missing or extra {sorted(set(names) ^ expected)[:3]}, repeated {dupes[:3]}"
+                f"{len(set(names) ^ expected)} missing or extra "
+                f"{sorted(set(names) ^ expected)[:3]}, repeated {dupes[:3]}"
             )

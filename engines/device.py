@@ -4,7 +4,8 @@ The device of a worker is chosen per process, not per run: a fleet hands each wo
 GPU(s) through CUDA_VISIBLE_DEVICES, and a role may pin its device in the fleet file
 (`RoleConfig.device`), which reaches the worker as the environment variable below.
 
-    JETRL_DEVICE unset or "auto"   the first visible GPU (cuda:LOCAL_RANK under torchrun), else the CPU
+    JETRL_DEVICE unset or "auto"   the first visible GPU (cuda:LOCAL_RANK under torchrun), else
+                                   the CPU
     JETRL_DEVICE = cpu | cuda | cuda:N   that device
 """
 

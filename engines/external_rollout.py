@@ -97,7 +97,8 @@ def make_sample(
     if finish_reason == "stop":
         if token_ids[-1] not in stop_ids:
             raise ValueError(
-                f"{engine}: finished by 'stop' on token {token_ids[-1]}, not one of the stop ids {sorted(stop_ids)}"
+                f"{engine}: finished by 'stop' on token {token_ids[-1]}, "
+                f"not one of the stop ids {sorted(stop_ids)}"
             )
         reason = "stop"
     elif finish_reason == "length":

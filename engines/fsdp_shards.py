@@ -53,7 +53,8 @@ def gather_owned(
     """
     owner = {name: r for r, names in enumerate(layout) for name in names}
     if set(owner) != set(params) or sum(len(names) for names in layout) != len(owner):
-        raise ValueError(f"the layout does not give each parameter one owner: {sorted(set(owner) ^ set(params))[:3]}")
+        raise ValueError("the layout does not give each parameter one owner: "
+                         f"{sorted(set(owner) ^ set(params))[:3]}")
     own: dict[str, torch.Tensor] = {}
     received = 0
     for name, param in params.items():
@@ -68,7 +69,8 @@ def gather_owned(
         chunk = math.ceil(rows / world)
         local = param.to_local().detach().to("cpu")
         if local.shape[0] != rows_of(rows, rank, world):
-            raise ValueError(f"{name}: rank {rank} holds {local.shape[0]} rows, expected {rows_of(rows, rank, world)}")
+            raise ValueError(f"{name}: rank {rank} holds {local.shape[0]} rows, "
+                             f"expected {rows_of(rows, rank, world)}")
         padded = torch.zeros((chunk, *local.shape[1:]), dtype=local.dtype)
         padded[: local.shape[0]] = local
         # Only the owner allocates the receive buffers: the other ranks never hold the tensor.

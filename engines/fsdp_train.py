@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -87,7 +87,8 @@ class FSDPTrainEngine(TorchTrainEngine):
 
     def __init__(self, model_dir: Path, **kwargs: Any) -> None:
         if kwargs.get("critic") is not None:
-            raise ValueError("fsdp engine: algorithm.advantage gae needs a value model, which it does not shard yet (use torch)")
+            raise ValueError("fsdp engine: algorithm.advantage gae needs a value model, "
+                             "which it does not shard yet (use torch)")
         if not dist.is_initialized():
             raise RuntimeError("FSDPTrainEngine needs the default process group (engines.fsdp_train.init_group)")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -136,13 +137,14 @@ class FSDPTrainEngine(TorchTrainEngine):
     def _reduce(self, totals: dict[str, float]) -> dict[str, float]:
         sums = torch.tensor([totals[name] for name in METRIC_SUMS], dtype=torch.float64, device=self.device)
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-        return dict(zip(METRIC_SUMS, sums.tolist()))
+        return dict(zip(METRIC_SUMS, sums.tolist(), strict=True))
 
     def _clip_grad_norm(self) -> torch.Tensor:
         params = [p for p in self.model.parameters() if p.grad is not None]
         if not params:  # no rank ran a pass: nothing to clip, nothing to step
             return torch.zeros(())
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        grads = cast(list[torch.Tensor], [p.grad for p in params])  # none is None (filtered above)
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
         if isinstance(norm, DTensor):  # each rank's shard norm -> the norm of the whole gradient
             norm = norm.full_tensor()
         torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)
@@ -155,7 +157,9 @@ class FSDPTrainEngine(TorchTrainEngine):
         CPU), so no other rank ever holds more than one full parameter, and rank 0's device
         never holds more than its shard plus one full parameter. Every rank must call it.
         """
-        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        # A model's state dict holds tensors only; the return type covers optimizer state too.
+        full = cast(dict[str, torch.Tensor], get_model_state_dict(self.model, options=options))
         if self.rank != 0:
             return {}
         names = [name for name, _ in self.model.named_parameters()]
@@ -239,7 +243,8 @@ class FSDPTrainEngine(TorchTrainEngine):
         pointer = torch.load(path, weights_only=True)
         if pointer["world_size"] != self.world_size:
             raise ValueError(
-                f"{path}: written by {pointer['world_size']} trainer ranks, this run has {self.world_size}"
+                f"{path}: written by {pointer['world_size']} trainer ranks, "
+                f"this run has {self.world_size}"
             )
         step_dir = _steps(path) / pointer["dir"]
         state = self._state()
@@ -252,7 +257,8 @@ class FSDPTrainEngine(TorchTrainEngine):
         return own["extra"]
 
     def _state(self) -> dict[str, Any]:
-        """This rank's shards of the model and of the optimizer state, as DCP saves and loads them."""
+        """This rank's shards of the model and of the optimizer state,
+        as DCP saves and loads them."""
         return {
             "model": get_model_state_dict(self.model),
             "optimizer": get_optimizer_state_dict(self.model, self.optimizer),

@@ -38,7 +38,9 @@ class HFRolloutEngine:
         seed: int = 0,
     ) -> None:
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        # transformers types `to` through a decorator that mypy reads as unbound.
+        self.model = model.to(self.device)  # type: ignore[arg-type]
         self.model.eval()
         eos = self.model.generation_config.eos_token_id
         if eos is None:

@@ -46,7 +46,8 @@ class MegatronModelSpec:
     vocab_size: int
     """The HF vocabulary (what the logits and the exported embedding keep)."""
     padded_vocab_size: int
-    """`vocab_size` rounded up to a multiple of `tensor_parallel_size` (megatron's embedding rows)."""
+    """`vocab_size` rounded up to a multiple of `tensor_parallel_size`
+    (megatron's embedding rows)."""
     max_position_embeddings: int
     rotary_base: float
     layernorm_epsilon: float
@@ -102,7 +103,8 @@ def spec_from_hf(hf_config: Any, tensor_parallel_size: int = 1, pipeline_paralle
     """
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_TYPES:
-        raise ValueError(f"megatron engine: model_type {model_type!r} is not supported (only {', '.join(SUPPORTED_TYPES)})")
+        raise ValueError(f"megatron engine: model_type {model_type!r} is not supported "
+                         f"(only {', '.join(SUPPORTED_TYPES)})")
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"megatron engine: hidden_act {act!r} is not supported (only silu: SwiGLU)")
@@ -119,21 +121,23 @@ def spec_from_hf(hf_config: Any, tensor_parallel_size: int = 1, pipeline_paralle
     hidden = int(hf_config.hidden_size)
     head_dim = int(getattr(hf_config, "head_dim", None) or hidden // heads)
     if heads % groups:
-        raise ValueError(f"megatron engine: num_attention_heads {heads} is not a multiple of num_key_value_heads {groups}")
+        raise ValueError(f"megatron engine: num_attention_heads {heads} "
+                         f"is not a multiple of num_key_value_heads {groups}")
     tp, pp = int(tensor_parallel_size), int(pipeline_parallel_size)
     if tp < 1 or pp < 1:
         raise ValueError(f"megatron engine: parallel sizes must be >= 1 (tensor {tp}, pipeline {pp})")
     if groups % tp:
         raise ValueError(
-            f"megatron engine: tensor_parallel_size {tp} does not divide num_key_value_heads {groups} "
-            "(each rank holds whole query groups)"
+            f"megatron engine: tensor_parallel_size {tp} does not divide num_key_value_heads "
+            f"{groups} (each rank holds whole query groups)"
         )
     ffn = int(hf_config.intermediate_size)
     if ffn % tp:
         raise ValueError(f"megatron engine: tensor_parallel_size {tp} does not divide intermediate_size {ffn}")
     layers = int(hf_config.num_hidden_layers)
     if layers % pp:
-        raise ValueError(f"megatron engine: pipeline_parallel_size {pp} does not divide num_hidden_layers {layers}")
+        raise ValueError(f"megatron engine: pipeline_parallel_size {pp} does not divide num_hidden_layers "
+                         f"{layers}")
     vocab = int(hf_config.vocab_size)
     return MegatronModelSpec(
         num_layers=layers,

@@ -1,9 +1,12 @@
-"""Parameter names and tensor layouts between HF Llama/Qwen2 and megatron-core's GPTModel, both ways.
+"""Parameter names and tensor layouts between HF Llama/Qwen2 and megatron-core's GPTModel,
+both ways.
 
-Pure torch (no megatron import). Per layer ``i`` (``L = model.layers.{i}``, ``D = decoder.layers.{i}``):
+Pure torch (no megatron import). Per layer ``i`` (``L = model.layers.{i}``,
+``D = decoder.layers.{i}``):
 
     HF                                      megatron GPTModel
-    model.embed_tokens.weight  [V, H]       embedding.word_embeddings.weight  [Vp, H] (zero rows past V)
+    model.embed_tokens.weight  [V, H]       embedding.word_embeddings.weight  [Vp, H] (zero rows
+                                            past V)
     L.input_layernorm.weight   [H]          D.input_layernorm.weight, or with Transformer Engine's
                                             fused spec D.self_attention.linear_qkv.layer_norm_weight
     L.self_attn.{q,k,v}_proj.weight         D.self_attention.linear_qkv.weight  [(nh + 2 ng) d, H]
@@ -14,7 +17,8 @@ Pure torch (no megatron import). Per layer ``i`` (``L = model.layers.{i}``, ``D 
     L.mlp.{gate,up}_proj.weight [F, H]      D.mlp.linear_fc1.weight  [2F, H] = cat[gate, up]
     L.mlp.down_proj.weight     [H, F]       D.mlp.linear_fc2.weight
     model.norm.weight                       decoder.final_layernorm.weight
-    lm_head.weight (untied only)            output_layer.weight  [Vp, H] (tied: none, the embedding serves)
+    lm_head.weight (untied only)            output_layer.weight  [Vp, H] (tied: none, the
+                                            embedding serves)
 
 The fused QKV is grouped by query group, not [all q; all k; all v]: megatron's attention views
 its rows as [ng, (nh / ng + 2) d] and splits each group's block into its nh / ng query heads,
@@ -62,7 +66,8 @@ def _norm_names(fused_layernorm: bool) -> dict[str, str]:
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MegatronModelSpec) -> torch.Tensor:
-    """q [nh d, ...], k and v [ng d, ...] -> [(nh + 2 ng) d, ...] group-major (see the module doc)."""
+    """q [nh d, ...], k and v [ng d, ...] -> [(nh + 2 ng) d, ...] group-major
+    (see the module doc)."""
     ng, d = spec.num_query_groups, spec.head_dim
     rest = q.shape[1:]
     grouped = (
@@ -74,7 +79,8 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MegatronMo
 
 
 def split_qkv(qkv: torch.Tensor, spec: MegatronModelSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The inverse of `fuse_qkv`: [(nh + 2 ng) d, ...] -> q [nh d, ...], k [ng d, ...], v [ng d, ...]."""
+    """The inverse of `fuse_qkv`:
+    [(nh + 2 ng) d, ...] -> q [nh d, ...], k [ng d, ...], v [ng d, ...]."""
     ng, d = spec.num_query_groups, spec.head_dim
     rest = qkv.shape[1:]
     q, k, v = qkv.reshape(ng, (spec.heads_per_group + 2) * d, *rest).split([spec.heads_per_group * d, d, d], dim=1)
@@ -84,7 +90,8 @@ def split_qkv(qkv: torch.Tensor, spec: MegatronModelSpec) -> tuple[torch.Tensor,
 def hf_to_megatron(
     state_dict: dict[str, torch.Tensor], spec: MegatronModelSpec, *, fused_layernorm: bool = False
 ) -> dict[str, torch.Tensor]:
-    """A full HF state dict -> GPTModel's full (unsharded) parameters, new tensors (the input is kept).
+    """A full HF state dict -> GPTModel's full (unsharded) parameters, new tensors
+    (the input is kept).
 
     A tied model's ``lm_head.weight``, if present, must be the embedding (it is dropped: the
     embedding serves as the output layer). Raises ValueError for a missing or unknown name.
@@ -144,7 +151,7 @@ def megatron_to_hf(
         params = ("weight", "bias") if spec.add_qkv_bias else ("weight",)
         for param in params:
             q, k, v = split_qkv(take(f"{mc_layer}self_attention.linear_qkv.{param}"), spec)
-            for proj, tensor in zip("qkv", (q, k, v)):
+            for proj, tensor in zip("qkv", (q, k, v), strict=True):
                 out[f"{hf_layer}self_attn.{proj}_proj.{param}"] = tensor.contiguous()
         gate, up = take(mc_layer + "mlp.linear_fc1.weight").chunk(2, dim=0)
         out[hf_layer + "mlp.gate_proj.weight"] = gate.contiguous()
@@ -160,13 +167,15 @@ def megatron_to_hf(
 def _pad_vocab(table: torch.Tensor, spec: MegatronModelSpec) -> torch.Tensor:
     """[V, H] -> [Vp, H], zero rows past V (megatron's embedding needs Vp divisible by tp)."""
     if table.shape[0] != spec.vocab_size:
-        raise ValueError(f"HF -> megatron: a vocabulary table has {table.shape[0]} rows, the config says {spec.vocab_size}")
+        raise ValueError(f"HF -> megatron: a vocabulary table has {table.shape[0]} rows, "
+                         f"the config says {spec.vocab_size}")
     pad = spec.padded_vocab_size - spec.vocab_size
     return torch.nn.functional.pad(table, (0, 0, 0, pad)) if pad else table.clone()
 
 
 def _kind(name: str) -> str:
-    """How `name` (a megatron parameter) is cut over tensor-parallel ranks: column, fc1, row or whole."""
+    """How `name` (a megatron parameter) is cut over tensor-parallel ranks: column, fc1,
+    row or whole."""
     match = _MC_LAYER.fullmatch(name)
     suffix = match.group(2) if match else name
     if suffix in _COLUMN or name in _VOCAB:

@@ -30,7 +30,8 @@ from engines.protocols import MicroBatch
 if TYPE_CHECKING:
     from engines.megatron_train import MegatronTrainEngine
 
-# (logits [B, T - 1, V] at the temperature, micro-batch index) -> (loss, extras kept for the caller).
+# (logits [B, T - 1, V] at the temperature, micro-batch index)
+#     -> (loss, extras kept for the caller).
 LossFn = Callable[[torch.Tensor, int], tuple[torch.Tensor, dict[str, Any]]]
 
 
@@ -114,7 +115,7 @@ def reduce_totals(engine: MegatronTrainEngine, totals: dict[str, float]) -> dict
     values = torch.tensor([totals[n] for n in names], dtype=torch.float64, device=engine.device)
     last = dist.get_global_rank(engine.pp_group, engine.pp - 1)
     dist.broadcast(values, src=last, group=engine.pp_group)
-    return dict(zip(names, values.tolist()))
+    return dict(zip(names, values.tolist(), strict=True))
 
 
 def broadcast_from_last(engine: MegatronTrainEngine, tensor: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:

@@ -1,11 +1,12 @@
 """Megatron-core train engine (`trainer.engine: megatron`): megatron's GPTModel built from the HF
-checkpoint's config, tensor- and pipeline-parallel over the default process group, trained with our loss.
+checkpoint's config, tensor- and pipeline-parallel over the default process group,
+trained with our loss.
 
 NEVER RUN ON A GPU. Its pieces are tested on the CPU (`tests/test_megatron.py`): the config
 translation and the weight mapping, and, where megatron-core is installed, this engine itself
 against `TorchTrainEngine`, with a checkpoint resume, on one CPU rank and on two gloo ranks at
-tensor parallel 2, on two at pipeline parallel 2 and on four at both (`tests/megatron_cpu_proc.py`), and the
-built-in job with two trainer ranks at tensor parallel 2 and at pipeline parallel 2
+tensor parallel 2, on two at pipeline parallel 2 and on four at both (`tests/megatron_cpu_proc.py`),
+and the built-in job with two trainer ranks at tensor parallel 2 and at pipeline parallel 2
 (`tests/test_megatron_job.py`). On the CPU `cpu_workarounds` patches megatron-core's CUDA-only
 spots. What no test has run: CUDA, NCCL.
 
@@ -23,8 +24,8 @@ each rank holds one stage and an update's passes run through megatron's schedule
 
 from __future__ import annotations
 
-import shutil
 import contextlib
+import shutil
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,14 @@ import torch
 import torch.distributed as dist
 
 from engines.megatron_config import MegatronModelSpec, spec_from_hf
-from engines.megatron_names import hf_to_megatron, megatron_to_hf, merge, shard, stage_params, unstage_params
+from engines.megatron_names import (
+    hf_to_megatron,
+    megatron_to_hf,
+    merge,
+    shard,
+    stage_params,
+    unstage_params,
+)
 from engines.megatron_pipeline import (
     broadcast_from_last,
     pipeline_update_passes,
@@ -45,27 +53,30 @@ from engines.torch_train import TorchTrainEngine, _atomic_save, _rng_state, _set
 
 
 def cpu_workarounds() -> None:
-    """Let megatron-core 0.16's forward run on a CPU model (development and CI; no GPU run needs it).
+    """Let megatron-core 0.16's forward run on a CPU model (development and CI;
+    no GPU run needs it).
 
     With the local layer spec and `use_cpu_initialization` the model builds on the CPU, but its
     forward reaches for CUDA in two places: the rotary embedding moves its frequencies to
     `torch.cuda.current_device()` (here: "cpu"), and the attention forks the model-parallel CUDA
     RNG state around dropout (dropout is 0 in this engine, so the fork is a no-op context); at
-    pipeline parallel, two more (below). All are process-wide patches, applied only in a process whose engine runs on the CPU."""
+    pipeline parallel, two more (below). All are process-wide patches,
+    applied only in a process whose engine runs on the CPU."""
     from megatron.core import tensor_parallel
 
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment, return-value]
-    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     # Pipeline parallel: the p2p shape exchange synchronizes the CUDA device, and the 1F1B
     # schedule counts tokens in a tensor made on "cuda".
     from megatron.core.pipeline_parallel import schedules
 
-    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
-    schedules.torch = _CpuTorch()  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *a, **k: None
+    schedules.torch = _CpuTorch()
 
 
 class _CpuTorch:
-    """`torch` as megatron's schedules module sees it on the CPU: a tensor asked for on "cuda" is made on the CPU."""
+    """`torch` as megatron's schedules module sees it on the CPU:
+    a tensor asked for on "cuda" is made on the CPU."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
@@ -114,23 +125,25 @@ class MegatronTrainEngine(TorchTrainEngine):
             raise MegatronNotInstalled("trainer.engine megatron needs megatron-core: pip install 'jetrl[megatron]'") from None
         if getattr(kwargs.get("loss"), "kl_coef", 0.0) and kwargs.get("own_reference", True):
             raise ValueError(
-                "megatron engine: a KL loss term needs reference log-probs: enable the reference stage "
-                "(reference.enabled), since this engine holds no frozen copy"
+                "megatron engine: a KL loss term needs reference log-probs: enable the reference "
+                "stage (reference.enabled), since this engine holds no frozen copy"
             )
         if kwargs.get("critic") is not None:
-            raise ValueError("megatron engine: algorithm.advantage gae needs a value model, which it does not hold (use torch)")
+            raise ValueError("megatron engine: algorithm.advantage gae needs a value model, "
+                             "which it does not hold (use torch)")
         self.tp, self.pp = tensor_parallel_size, pipeline_parallel_size
         copy = self.tp * self.pp
         device = torch.device(kwargs.get("device", "cpu"))
         if not dist.is_initialized():
             if copy != 1:
-                raise RuntimeError(f"megatron engine: {self.tp} x {self.pp} model-parallel ranks need the default process group up")
+                raise RuntimeError(f"megatron engine: {self.tp} x {self.pp} model-parallel ranks need the default "
+                                   "process group up")
             backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         if dist.get_world_size() != copy:
             raise ValueError(
-                f"megatron engine: {dist.get_world_size()} ranks, tensor x pipeline parallel is {self.tp} x {self.pp} "
-                "(no data parallel yet)"
+                f"megatron engine: {dist.get_world_size()} ranks, "
+                f"tensor x pipeline parallel is {self.tp} x {self.pp} (no data parallel yet)"
             )
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp)
@@ -163,13 +176,15 @@ class MegatronTrainEngine(TorchTrainEngine):
         # our loss is already the step's mean, which megatron must not divide again.
         piped = {"variable_seq_lengths": True, "batch_p2p_comm": False, "calculate_per_token_loss": True,
                  "pipeline_dtype": torch.float32,
-                 # No experts here; megatron's check of the default MoE dispatcher refuses variable lengths.
+                 # No experts here; megatron's check of the default MoE dispatcher refuses variable
+                 # lengths.
                  "moe_token_dispatcher_type": "alltoall"} if self.pp > 1 else {}
         config = TransformerConfig(
             **self.spec.transformer_config_kwargs(),
             activation_func=F.silu,
             params_dtype=torch.float32,  # master weights float32; bfloat16 compute is autocast's
-            use_cpu_initialization=True,  # random init is overwritten below; CPU init needs no CUDA RNG
+            # Random init is overwritten below; CPU init needs no CUDA RNG.
+            use_cpu_initialization=True,
             # The fused kernels need CUDA extensions (apex, TE) and some take no arbitrary mask.
             bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
             masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
@@ -179,7 +194,8 @@ class MegatronTrainEngine(TorchTrainEngine):
             gpt = GPTModel(
                 config=config,
                 transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-                parallel_output=False,  # logits gathered over the vocabulary: our loss takes all of it
+                # Logits gathered over the vocabulary: our loss takes all of it.
+                parallel_output=False,
                 pre_process=first, post_process=last,
                 **self.spec.gpt_model_kwargs(),
             )
@@ -189,13 +205,15 @@ class MegatronTrainEngine(TorchTrainEngine):
         missing, unexpected = gpt.load_state_dict(mine, strict=False)
         missing = [n for n in missing if not n.endswith("._extra_state")]
         if missing or unexpected:
-            raise ValueError(f"megatron engine: GPTModel and the mapping disagree: missing {missing[:3]}, unexpected {unexpected[:3]}")
+            raise ValueError(f"megatron engine: GPTModel and the mapping disagree: missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]}")
         return gpt.to(self.device)
 
     def _token_logits(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model: torch.nn.Module | None = None
     ) -> torch.Tensor:
-        """[B, T] ids -> [B, T - 1, V] temperature-scaled logits (V: the HF vocabulary, pad cut off)."""
+        """[B, T] ids -> [B, T - 1, V] temperature-scaled logits
+        (V: the HF vocabulary, pad cut off)."""
         logits = self._stage_forward(input_ids, attention_mask, model)  # [B, T, Vp]
         return logits[:, :-1, : self.spec.vocab_size].float() / self.loss_config.temperature
 
@@ -242,7 +260,8 @@ class MegatronTrainEngine(TorchTrainEngine):
 
         if not parallel_state.is_rank_in_embedding_group():
             return
-        weight = self.model.shared_embedding_or_output_weight()
+        # nn.Module's attributes are typed Tensor | Module; GPTModel has this method.
+        weight = self.model.shared_embedding_or_output_weight()  # type: ignore[operator]
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
         dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
@@ -315,7 +334,8 @@ class MegatronTrainEngine(TorchTrainEngine):
         dist.all_reduce(seen)
         ranks = dist.get_world_size()
         if int(seen.item()) not in (0, ranks):
-            raise ValueError(f"{path}: {int(seen.item())} of {ranks} ranks see a checkpoint; the directory must be shared")
+            raise ValueError(f"{path}: {int(seen.item())} of {ranks} ranks see a checkpoint; "
+                             "the directory must be shared")
         return bool(seen.item())
 
     def save_checkpoint(
@@ -344,7 +364,8 @@ class MegatronTrainEngine(TorchTrainEngine):
         pointer = torch.load(path, weights_only=True)
         written = (pointer["tensor_parallel_size"], pointer.get("pipeline_parallel_size", 1))
         if written != (self.tp, self.pp):
-            raise ValueError(f"{path}: written at tensor x pipeline parallel {written[0]} x {written[1]}, this run has {self.tp} x {self.pp}")
+            raise ValueError(f"{path}: written at tensor x pipeline parallel {written[0]} x {written[1]}, "
+                             f"this run has {self.tp} x {self.pp}")
         own = torch.load(path.with_name(f"{path.name}.d") / pointer["dir"] / f"rank{self.rank}.pt", map_location=self.device, weights_only=True)
         self.model.load_state_dict(own["model"])
         self.optimizer.load_state_dict(own["optimizer"])

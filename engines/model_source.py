@@ -41,9 +41,11 @@ def resolve_model_path(path: str | Path | None, revision: str | None = None) -> 
     if local.is_dir():
         if not (local / "config.json").is_file():
             raise ModelNotFound(
-                f"model.path {str(path)!r} is a directory without config.json: not a Hugging Face model")
+                f"model.path {str(path)!r} is a directory without config.json: "
+                "not a Hugging Face model")
         if revision is not None:
-            raise ModelNotFound(f"model.revision {revision!r} is set but model.path {str(path)!r} is a local directory")
+            raise ModelNotFound(f"model.revision {revision!r} is set but model.path {str(path)!r} is a local "
+                                "directory")
         return local.resolve()
     name = str(path)
     if local.is_absolute() or name.startswith((".", "~")) or not HUB_ID.match(name):
@@ -84,8 +86,8 @@ def _snapshot(repo_id: str, revision: str | None) -> Path:
     except LocalEntryNotFoundError:
         if offline:
             raise ModelNotFound(
-                f"model {at} is not in the hub cache {where} and HF_HUB_OFFLINE is set: download it first "
-                f"(huggingface-cli download {repo_id}) or unset HF_HUB_OFFLINE"
+                f"model {at} is not in the hub cache {where} and HF_HUB_OFFLINE is set: "
+                f"download it first (huggingface-cli download {repo_id}) or unset HF_HUB_OFFLINE"
             ) from None
         raise ModelNotFound(f"model {at}: the hub cannot be reached and the cache {where} does not hold it") from None
     except (RepositoryNotFoundError, RevisionNotFoundError, HFValidationError) as exc:

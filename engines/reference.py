@@ -34,7 +34,9 @@ class ReferenceEngine:
         `dtype`: the compute dtype (bfloat16: autocast, float32 weights); `chunk_tokens`: positions
         projected onto the vocabulary at once (0: the model's full logits)."""
         self.device, self.dtype = torch.device(device), dtype
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        # transformers types `to` through a decorator that mypy reads as unbound.
+        self.model = model.to(self.device)  # type: ignore[arg-type]
         self.model.eval().requires_grad_(False)
         self.temperature, self.chunk_tokens = temperature, chunk_tokens
 
@@ -53,7 +55,8 @@ class ReferenceEngine:
         return [per_token[i, len(p) : lengths[i]].astype(np.float32) for i, (p, _) in enumerate(rows)]
 
     def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """[B, T] ids -> [B, T] log pi_ref(x[t] | x[<t]), 0 at t = 0 (aligned as `engines.protocols`)."""
+        """[B, T] ids -> [B, T] log pi_ref(x[t] | x[<t]), 0 at t = 0
+        (aligned as `engines.protocols`)."""
         positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         targets = input_ids[:, 1:]
         with autocast(self.device, self.dtype):

@@ -99,7 +99,8 @@ BUILT_IN: dict[str, type[LeastInFlight | StickyByKey]] = {
 
 
 def router_class(name: str) -> type:
-    """The class `name` names (a built-in, or `module:Class` imported); RouterError if there is none."""
+    """The class `name` names (a built-in, or `module:Class` imported);
+    RouterError if there is none."""
     if name in BUILT_IN:
         return BUILT_IN[name]
     try:

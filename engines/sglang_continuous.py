@@ -34,13 +34,20 @@ from typing import Any
 import torch
 
 from engines.continuous import Chunk, ContinuousAdapter, EngineLoop, PartialMode
-from engines.external_rollout import EngineUnavailable, eos_token_ids, require, skeleton, torch_dtype
+from engines.external_rollout import (
+    EngineUnavailable,
+    eos_token_ids,
+    require,
+    skeleton,
+    torch_dtype,
+)
 from engines.protocols import SamplingParams
 from engines.sglang_rollout import SGLangSettings, check_logprob_env, engine_kwargs, sampling_params
 
 
 def continuous_engine_kwargs(model_dir: Path, settings: SGLangSettings, slots: int) -> dict[str, Any]:
-    """Keyword arguments of `sglang.Engine`: the batch adapter's, the running requests capped at `slots`."""
+    """Keyword arguments of `sglang.Engine`: the batch adapter's,
+    the running requests capped at `slots`."""
     return {**engine_kwargs(model_dir, settings), "max_running_requests": slots}
 
 
@@ -50,7 +57,8 @@ def stream_delta(output: dict[str, Any], seen: int) -> tuple[Chunk, int]:
     ``completion_tokens`` (the tokens so far), which tells them apart."""
     meta = output.get("meta_info")
     if not isinstance(meta, dict) or meta.get("output_token_logprobs") is None:
-        raise ValueError("sglang: an output without meta_info.output_token_logprobs (request return_logprob=True)")
+        raise ValueError("sglang: an output without meta_info.output_token_logprobs "
+                         "(request return_logprob=True)")
     entries = list(meta["output_token_logprobs"])  # of (logprob, token id, text or None)
     total = int(meta.get("completion_tokens", seen + len(entries)))
     if len(entries) == total:  # cumulative: everything so far
@@ -58,7 +66,8 @@ def stream_delta(output: dict[str, Any], seen: int) -> tuple[Chunk, int]:
     elif len(entries) == total - seen:  # incremental: only what came since
         new = entries
     else:
-        raise ValueError(f"sglang: {len(entries)} log-probs in a chunk, {total} tokens so far, {seen} seen before")
+        raise ValueError(f"sglang: {len(entries)} log-probs in a chunk, {total} tokens so far, "
+                         f"{seen} seen before")
     finish = meta.get("finish_reason")
     reason = finish.get("type") if isinstance(finish, dict) else finish
     chunk = Chunk(tuple(int(e[1]) for e in new), tuple(float(e[0]) for e in new), reason)

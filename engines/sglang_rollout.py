@@ -1,4 +1,5 @@
-"""Rollout on SGLang (``pip install 'jetrl[sglang]'``): token ids in, token ids and behaviour log-probs out.
+"""Rollout on SGLang (``pip install 'jetrl[sglang]'``): token ids in,
+token ids and behaviour log-probs out.
 
 Targets SGLang >= 0.4.6, read from its source: ``python/sglang/srt/sampling/sampling_params.py``
 (the sampling-params dict), ``python/sglang/srt/entrypoints/engine.py`` (`Engine.generate`,
@@ -91,7 +92,8 @@ def output_to_sample(output: dict[str, Any], stop_ids: Sequence[int]) -> Sample:
     """One element of `Engine.generate`'s list (``output_ids``, ``meta_info``) as a `Sample`."""
     meta = output.get("meta_info")
     if not isinstance(meta, dict) or meta.get("output_token_logprobs") is None:
-        raise ValueError("sglang: an output without meta_info.output_token_logprobs (request return_logprob=True)")
+        raise ValueError("sglang: an output without meta_info.output_token_logprobs "
+                         "(request return_logprob=True)")
     entries = meta["output_token_logprobs"]  # [L] of (logprob, token id, text or None)
     token_ids = [int(entry[1]) for entry in entries]
     logprobs = [float(entry[0]) for entry in entries]

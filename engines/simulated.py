@@ -44,7 +44,8 @@ class SimulatedSettings:
 
 
 def draw_lengths(rng: np.random.Generator, count: int, median: float, sigma: float, cap: int) -> np.ndarray:
-    """[count] int64 response lengths: log-normal with `median` and `sigma` (of the log), in [1, cap]."""
+    """[count] int64 response lengths: log-normal with `median` and `sigma` (of the log),
+    in [1, cap]."""
     lengths = np.rint(rng.lognormal(np.log(median), sigma, count)).astype(np.int64)
     return np.clip(lengths, 1, cap)
 

@@ -106,9 +106,10 @@ class TorchTrainEngine:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.reference: torch.nn.Module | None = None
         if loss.kl_coef and own_reference:
-            self.reference = copy.deepcopy(model).to(self.device).requires_grad_(False)
+            # transformers types `to` through a decorator that mypy reads as unbound.
+            self.reference = copy.deepcopy(model).to(self.device).requires_grad_(False)  # type: ignore[arg-type]
         self.critic = Critic(model, critic, self.device, self._autocast, _positions) if critic is not None else None
-        self.model = self._wrap(model.to(self.device))
+        self.model = self._wrap(model.to(self.device))  # type: ignore[arg-type]  # as above
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
         self.max_grad_norm = max_grad_norm
         self.loss_config = loss
@@ -143,10 +144,11 @@ class TorchTrainEngine:
             kept = logits if self.loss_config.entropy_coef else logits.detach()
             return _aligned(gather_logprobs(logits, targets)), _aligned(entropy_from_logits(kept)) if entropy else None
         with self._autocast():
-            hidden = model.get_decoder()(
+            # nn.Module's attributes are typed Tensor | Module; a HF model has these methods.
+            hidden = model.get_decoder()(  # type: ignore[operator]
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=_positions(attention_mask)
             ).last_hidden_state[:, :-1]  # [B, T - 1, H]: position t predicts token t + 1
-        head = model.get_output_embeddings().weight  # [V, H]
+        head = model.get_output_embeddings().weight  # type: ignore[operator]  # [V, H]
         logprobs, entropies = chunked_logprobs(
             hidden, head, targets, self.loss_config.temperature, self.logprob_chunk_tokens
         )
@@ -156,7 +158,8 @@ class TorchTrainEngine:
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model: torch.nn.Module | None = None
     ) -> torch.Tensor:
         """[B, T] ids -> [B, T - 1, V] float32 logits of `model` (the policy by default) predicting
-        tokens 1..T-1, divided by the temperature: the full-logits path (`logprob_chunk_tokens` 0)."""
+        tokens 1..T-1, divided by the temperature: the full-logits path
+        (`logprob_chunk_tokens` 0)."""
         model = self.model if model is None else model
         with self._autocast():
             out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=_positions(attention_mask))
@@ -383,7 +386,8 @@ class TorchTrainEngine:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.critic is not None:
             if "critic" not in state:
-                raise ValueError(f"{path} holds no critic: a run without GAE cannot resume as algorithm.advantage gae")
+                raise ValueError(f"{path} holds no critic: a run without GAE cannot resume as "
+                                 "algorithm.advantage gae")
             self.critic.load_state_dict(state["critic"])
         self.step = state["step"]
         _set_rng_state(state["rng"])

@@ -31,13 +31,20 @@ from typing import Any
 import torch
 
 from engines.continuous import Chunk, ContinuousAdapter, EngineLoop, PartialMode
-from engines.external_rollout import EngineUnavailable, eos_token_ids, require, skeleton, torch_dtype
+from engines.external_rollout import (
+    EngineUnavailable,
+    eos_token_ids,
+    require,
+    skeleton,
+    torch_dtype,
+)
 from engines.protocols import SamplingParams
-from engines.vllm_rollout import VLLMSettings, load_on_worker, llm_kwargs, sampling_kwargs
+from engines.vllm_rollout import VLLMSettings, llm_kwargs, load_on_worker, sampling_kwargs
 
 
 def async_engine_kwargs(model_dir: Path, settings: VLLMSettings, slots: int) -> dict[str, Any]:
-    """Keyword arguments of `vllm.AsyncEngineArgs`: the batch adapter's, the batch size capped at `slots`."""
+    """Keyword arguments of `vllm.AsyncEngineArgs`: the batch adapter's,
+    the batch size capped at `slots`."""
     return {**llm_kwargs(model_dir, settings), "max_num_seqs": slots}
 
 
@@ -48,7 +55,8 @@ def request_kwargs(params: SamplingParams, eos: Sequence[int], delta: Any) -> di
 
 
 def delta_chunk(output: Any) -> Chunk:
-    """One delta `RequestOutput` (one completion) as a `Chunk`; the finish reason once ``finished``."""
+    """One delta `RequestOutput` (one completion) as a `Chunk`;
+    the finish reason once ``finished``."""
     if len(output.outputs) != 1:
         raise ValueError(f"vllm: {len(output.outputs)} completions in a request of n=1")
     completion = output.outputs[0]
@@ -68,7 +76,8 @@ def delta_chunk(output: Any) -> Chunk:
 
 
 class VLLMContinuousEngine(ContinuousAdapter):
-    """A `ContinuousEngine` over an in-process `vllm.AsyncLLMEngine`. Needs CUDA and the vllm extra."""
+    """A `ContinuousEngine` over an in-process `vllm.AsyncLLMEngine`. Needs CUDA and the vllm
+    extra."""
 
     name = "vllm"
 

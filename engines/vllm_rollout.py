@@ -1,4 +1,5 @@
-"""Rollout on vLLM (``pip install 'jetrl[vllm]'``): token ids in, token ids and behaviour log-probs out.
+"""Rollout on vLLM (``pip install 'jetrl[vllm]'``): token ids in,
+token ids and behaviour log-probs out.
 
 Targets vLLM >= 0.10.2 (the V1 engine), read from its source: ``vllm/sampling_params.py``
 (`SamplingParams`), ``vllm/outputs.py`` (`RequestOutput`, `CompletionOutput`),
@@ -79,8 +80,9 @@ def sampling_kwargs(
         raise ValueError(f"n must be at least 1, not {n}")
     if params.top_p < 1.0:
         raise ValueError(
-            f"rollout.engine vllm needs top_p 1 (not {params.top_p}): its log-probs are renormalised "
-            "over the top-p nucleus, the trainer's are not; use engine hf or sglang for top_p < 1"
+            f"rollout.engine vllm needs top_p 1 (not {params.top_p}): its log-probs are "
+            "renormalised over the top-p nucleus, the trainer's are not; use engine hf or sglang "
+            "for top_p < 1"
         )
     stop = list(dict.fromkeys((*eos, *params.stop_token_ids)))
     kwargs: dict[str, Any] = {

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import zlib
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Final, Literal
 
 import numpy as np
 import torch
@@ -41,7 +41,7 @@ from safetensors.torch import load, save
 from engines.weights import ChecksumMismatch, WeightsRefused, dtype_name, tensor_sha256
 from schemas.weight_event import TensorSpec
 
-FORMAT = "jetrl-delta/1"
+FORMAT: Final = "jetrl-delta/1"
 META_KEY = "jetrl.delta"
 ZLIB_LEVEL = 1
 # Raw-bit integer dtype by item size: the elements are compared and changed as these.
@@ -170,7 +170,8 @@ def read_shard(data: bytes) -> tuple[ShardHeader, dict[str, torch.Tensor]]:
         raise ChecksumMismatch(f"not a {FORMAT} shard: {detail}") from None
     stored = {t.name for t in header.tensors if t.encoding != "same"}
     if set(tensors) != stored:
-        raise ChecksumMismatch(f"shard {header.rank}: stored tensors differ from its header: {sorted(set(tensors) ^ stored)[:3]}")
+        raise ChecksumMismatch(f"shard {header.rank}: stored tensors differ from its header: "
+                               f"{sorted(set(tensors) ^ stored)[:3]}")
     return header, tensors
 
 
@@ -231,7 +232,8 @@ def apply_delta(
     _check_shards(parsed, manifest, version, base_version)
     names = {spec.name for spec in manifest}
     if (base_version is not None or weights) and set(weights) != names:
-        raise WeightsRefused(f"base weights' names differ from v{version}'s manifest: {sorted(set(weights) ^ names)[:3]}")
+        raise WeightsRefused(f"base weights' names differ from v{version}'s manifest: "
+                             f"{sorted(set(weights) ^ names)[:3]}")
     undo: list[tuple[str, torch.Tensor | None, np.ndarray | None, np.ndarray | None]] = []
     try:
         for header, stored in parsed:
@@ -273,8 +275,8 @@ def _apply_entry(
             undo.append((name, None, where, changes))
     if tensor_sha256(weights[name]) != entry.sha256:
         raise ChecksumMismatch(
-            f"tensor {name}: v{header.base_version} + delta does not give v{header.version}'s checksum "
-            "(wrong base or corrupt delta); weights left at the base"
+            f"tensor {name}: v{header.base_version} + delta does not give v{header.version}'s "
+            "checksum (wrong base or corrupt delta); weights left at the base"
         )
 
 
@@ -288,11 +290,13 @@ def _check_shards(
     ranks = sorted(header.rank for header, _ in parsed)
     worlds = {header.world for header, _ in parsed}
     if worlds != {len(parsed)} or ranks != list(range(len(parsed))):
-        raise WeightsRefused(f"v{version}: shards of ranks {ranks} with world sizes {sorted(worlds)} are not one whole version")
+        raise WeightsRefused(f"v{version}: shards of ranks {ranks} with world sizes {sorted(worlds)} are not one "
+                             "whole version")
     for header, _ in parsed:
         if (header.version, header.base_version) != (version, base_version):
             raise WeightsRefused(
-                f"shard {header.rank} is v{header.version} on base {header.base_version}, expected v{version} on base {base_version}"
+                f"shard {header.rank} is v{header.version} on base {header.base_version}, "
+                f"expected v{version} on base {base_version}"
             )
         if base_version is None and any(t.encoding != "full" for t in header.tensors):
             raise WeightsRefused(f"shard {header.rank} of full version v{version} holds changes")
@@ -300,7 +304,8 @@ def _check_shards(
     carried = [entry for header, _ in parsed for entry in header.tensors]
     names = [entry.name for entry in carried]
     if len(names) != len(set(names)) or set(names) != set(expected):
-        raise WeightsRefused(f"v{version}: shards do not carry each manifest tensor once: {sorted(set(names) ^ set(expected))[:3]}")
+        raise WeightsRefused(f"v{version}: shards do not carry each manifest tensor once: "
+                             f"{sorted(set(names) ^ set(expected))[:3]}")
     for entry in carried:
         spec = expected[entry.name]
         if (entry.dtype, entry.shape, entry.sha256) != (spec.dtype, spec.shape, spec.sha256):

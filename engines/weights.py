@@ -63,7 +63,8 @@ def dtype_name(tensor: torch.Tensor) -> str:
 def raw(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes, without a copy when it is a contiguous CPU tensor."""
     flat = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy())
+    # An ndarray is a buffer; numpy's stubs declare that for Python 3.12+ only.
+    return memoryview(flat.numpy())  # type: ignore[arg-type]
 
 
 def tensor_sha256(tensor: torch.Tensor) -> str:
@@ -88,7 +89,8 @@ def serialize(tensors: dict[str, torch.Tensor]) -> bytes:
 
 
 def verify(tensors: dict[str, torch.Tensor], manifest: tuple[TensorSpec, ...]) -> None:
-    """ChecksumMismatch unless `tensors` are exactly the manifest's: names, dtypes, shapes, sha256."""
+    """ChecksumMismatch unless `tensors` are exactly the manifest's: names, dtypes,
+    shapes, sha256."""
     expected = {spec.name: spec for spec in manifest}
     if set(tensors) != set(expected):
         raise ChecksumMismatch(f"tensor names differ from the manifest: {sorted(set(tensors) ^ set(expected))[:5]}")
@@ -135,7 +137,8 @@ class Receiver:
         self.received = 0
         self.hashed = 0
         self._layout: list[tuple[int, int, TensorSpec]] | None = None
-        """(start, end, spec) of every tensor in the buffer, by start; known once the header is in."""
+        """(start, end, spec) of every tensor in the buffer, by start;
+        known once the header is in."""
         self._next = 0
         """Index in `_layout` of the tensor being hashed."""
         self._hash = hashlib.sha256()
@@ -183,7 +186,8 @@ class Receiver:
         except (ValueError, TypeError, KeyError, AttributeError, IndexError) as exc:
             raise ChecksumMismatch(f"not a safetensors payload: {type(exc).__name__} in its header") from None
         if set(entries) != set(self.manifest):
-            raise ChecksumMismatch(f"tensor names differ from the manifest: {sorted(set(entries) ^ set(self.manifest))[:5]}")
+            raise ChecksumMismatch("tensor names differ from the manifest: "
+                                   f"{sorted(set(entries) ^ set(self.manifest))[:5]}")
         layout, base, cursor = [], 8 + length, 0
         for start, stop, name in ranges:  # offsets within the data section
             spec = self.manifest[name]
@@ -196,7 +200,8 @@ class Receiver:
         return layout
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The verified tensors, views of the buffer; ChecksumMismatch unless all arrived and matched."""
+        """The verified tensors, views of the buffer; ChecksumMismatch unless all arrived and
+        matched."""
         self.verify_through(self.received)
         if self.received != self.total or self._layout is None or self._next != len(self._layout):
             raise ChecksumMismatch(f"{self.received} of {self.total} bytes arrived, not all verified")
@@ -207,5 +212,6 @@ class Receiver:
         if count == 0:
             return torch.empty(spec.shape, dtype=_TORCH[spec.dtype])
         view = torch.frombuffer(self.buffer, dtype=_TORCH[spec.dtype], count=count, offset=start)
-        # safetensors aligns every tensor; a payload that does not gets a copy, never a misaligned view.
+        # safetensors aligns every tensor; a payload that does not gets a copy,
+        # never a misaligned view.
         return view.reshape(spec.shape) if start % _ITEMSIZE[spec.dtype] == 0 else view.clone().reshape(spec.shape)

@@ -1,4 +1,5 @@
-"""`python ops/gpu_check.py [--cpu-smoke]`: one bounded run that measures the project on a GPU machine.
+"""`python ops/gpu_check.py [--cpu-smoke]`: one bounded run that measures the project on a GPU
+machine.
 
 Why one script: a lent GPU machine is held for minutes, so every check that needs it is
 prepared here and runs as one command. Each section runs in a child process that is killed
@@ -8,7 +9,8 @@ order: env (versions, optional engines), engines (HF rollout and train on a Qwen
 random-init model), weights (object-store transport, does fetch time grow with the square of
 the size?), pipeline (the built-in job's samples/s), external (the vLLM and SGLang adapters,
 batch and continuous with partial rollout, against the trainer, when installed; seconds when
-not). The last stdout line is one JSON object with everything; it is also written to $OUT/gpu_check.json when OUT is set.
+not). The last stdout line is one JSON object with everything;
+it is also written to $OUT/gpu_check.json when OUT is set.
 
 `--cpu-smoke` runs the same code paths with tiny sizes on the CPU, to prove the imports and
 paths before the GPU run.
@@ -22,7 +24,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-from pathlib import Path
 import shutil
 import signal
 import subprocess
@@ -30,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,7 +92,7 @@ def section_env(args: argparse.Namespace, rec: Record) -> None:
                     tf32_matmul_default=torch.backends.cuda.matmul.allow_tf32)
     rec.put("platform", info)
     say("env", f"torch {info['torch']} cuda {info['cuda']} gpu {info.get('gpu')}")
-    packages = {}
+    packages: dict[str, str | None] = {}
     for name in PROJECT_PACKAGES:
         try:
             packages[name] = importlib.metadata.version(name)
@@ -109,8 +111,8 @@ def section_env(args: argparse.Namespace, rec: Record) -> None:
         if importlib.util.find_spec(module.split(".")[0]) is None:
             optional[module] = {"import": False, "reason": "not installed"}
         else:
-            probe = (f"import importlib.metadata as m, {module} as x; "
-                     f"print(getattr(x, '__version__', None) or m.version('{module.split('.')[0].replace('_', '-')}'))")
+            probe = (f"import importlib.metadata as m, {module} as x; print(getattr(x, '__version__', "
+                     f"None) or m.version('{module.split('.')[0].replace('_', '-')}'))")
             code, line = run_quiet([sys.executable, "-c", probe], min(45.0, rec.left() - 5))
             optional[module] = {"import": code == 0, "version" if code == 0 else "error": line}
         rec.put("optional_engines", optional)
@@ -194,7 +196,8 @@ def section_external(args: argparse.Namespace, rec: Record) -> None:
         except Exception as exc:  # noqa: BLE001 - one engine's failure must not hide the other's figures
             rec.put(name, {"error": one_line(exc)})
         say("external", f"{name}: {rec.data[name]}")
-        key = f"{name}_continuous_resubmit"  # continuous admission + partial rollout (abort, load, resubmit)
+        # continuous admission + partial rollout (abort, load, resubmit)
+        key = f"{name}_continuous_resubmit"
         try:
             report = check_continuous(name, model_dir, "resubmit", put=rec.put)
             rec.put(key, {**report, "failures": verdict_continuous(report)})
@@ -229,7 +232,8 @@ def _kill_servers_under(work: Path) -> None:
 
 
 def run_section(name: str, budget: float, args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
-    """Runs one section in a child killed at `budget` seconds; returns its results plus `seconds`."""
+    """Runs one section in a child killed at `budget` seconds;
+    returns its results plus `seconds`."""
     work = scratch / name
     work.mkdir(parents=True, exist_ok=True)
     result_file = work / "result.json"
@@ -282,7 +286,7 @@ def section_child(args: argparse.Namespace) -> int:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python ops/gpu_check.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python ops/gpu_check.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU: the same code paths, ~1 min")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (on --device)")
     parser.add_argument("--device", default="cuda", help="device of the engines section (default cuda)")
@@ -309,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.section:
         return section_child(args)
     chosen = [s for s in SECTIONS if s in args.sections.split(",")]
-    budgets = dict(SMOKE_BUDGETS if args.tiny else BUDGETS)
+    budgets: dict[str, tuple[float, float]] = dict(SMOKE_BUDGETS if args.tiny else BUDGETS)
     for item in args.section_budget:
         name, _, seconds = item.partition("=")
         budgets[name] = (float(seconds), float(seconds))

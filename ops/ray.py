@@ -1,4 +1,5 @@
-"""`python -m ops.ray up|down fleet.yaml [--address ADDR] [--nats URL]`: a fleet's workers as Ray actors.
+"""`python -m ops.ray up|down fleet.yaml [--address ADDR] [--nats URL]`:
+a fleet's workers as Ray actors.
 
 `up` starts the workers a fleet YAML describes (`consumers.fleet_config.FleetConfig`, the file
 `python -m consumers.fleet` takes) across a Ray cluster instead of on one node: one
@@ -28,6 +29,7 @@ Ray is the optional `[ray]` extra: it is imported only inside the functions that
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import socket
 import sys
@@ -38,9 +40,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bus.connection import DEFAULT_URL
-from consumers.supervisor import State
 from consumers.fleet_config import FleetConfig, RoleConfig, load_fleet, worker_name
-from consumers.supervisor import POLL_SECONDS, Supervisor
+from consumers.supervisor import POLL_SECONDS, State, Supervisor
 from schemas.config import ConfigError
 
 if TYPE_CHECKING:
@@ -55,7 +56,8 @@ DRAIN_MARGIN = 30.0
 
 
 class WorkerActor:
-    """One fleet worker, run by a Ray actor: a one-worker `Supervisor` serving in a thread of its own.
+    """One fleet worker, run by a Ray actor: a one-worker `Supervisor` serving in a thread of its
+    own.
 
     The worker is a child process, not a coroutine in the actor, so that it keeps its own
     SIGTERM handler (stop fetching, drain in-flight work) and its own event loop. The thread
@@ -80,7 +82,8 @@ class WorkerActor:
         return f"pid {child.proc.pid} on {socket.gethostname()}"
 
     def drain(self) -> tuple[State, int | None]:
-        """SIGTERM the worker and wait for it (SIGKILL after stop_timeout): its last state and exit code."""
+        """SIGTERM the worker and wait for it (SIGKILL after stop_timeout):
+        its last state and exit code."""
         self.stop.set()
         self.thread.join()
         child = self.supervisor.children[self.name]
@@ -106,7 +109,8 @@ def for_ray(config: FleetConfig) -> FleetConfig:
 
 
 def up(config: FleetConfig, fleet: str, run: str, url: str, timeout: float = START_TIMEOUT) -> int:
-    """Start the missing worker actors of fleet `fleet`, wait until each runs; 0 if all do, else 1."""
+    """Start the missing worker actors of fleet `fleet`, wait until each runs; 0 if all do,
+    else 1."""
     import ray
 
     ray_fleet = for_ray(config)
@@ -121,14 +125,15 @@ def up(config: FleetConfig, fleet: str, run: str, url: str, timeout: float = STA
             )
             .remote(ray_fleet, run, url, name)
         )
-        starting[actor.started.remote()] = (name, spec)
+        # Ray adds `.remote` to an actor handle's methods at runtime; its types do not say so.
+        starting[actor.started.remote()] = (name, spec)  # type: ignore[attr-defined]
     ready, _ = ray.wait(list(starting), num_returns=len(starting), timeout=timeout)
     failed = False
     for ref, (name, spec) in starting.items():
         if ref not in ready:
             failed = True
-            print(f"{name}: not placed in {timeout:.0f}s (needs {spec.num_cpus:g} CPU, {spec.num_gpus:g} GPU); "
-                  "it starts when the cluster has room, or `down` removes it")
+            print(f"{name}: not placed in {timeout:.0f}s (needs {spec.num_cpus:g} CPU, "
+                  f"{spec.num_gpus:g} GPU); it starts when the cluster has room, or `down` removes it")
             continue
         try:
             print(f"{name}: {ray.get(ref)}")
@@ -139,7 +144,8 @@ def up(config: FleetConfig, fleet: str, run: str, url: str, timeout: float = STA
 
 
 def down(config: FleetConfig, fleet: str, run: str) -> int:
-    """Drain and remove the worker actors of fleet `fleet`; 0 if every worker ended cleanly, else 1."""
+    """Drain and remove the worker actors of fleet `fleet`; 0 if every worker ended cleanly,
+    else 1."""
     import ray
 
     draining: dict[ray.ObjectRef, tuple[str, ActorHandle]] = {}
@@ -169,7 +175,8 @@ def down(config: FleetConfig, fleet: str, run: str) -> int:
 
 
 def describe(state: State, code: int | None) -> tuple[str, bool]:
-    """How a worker ended, from its supervisor's last state and its exit code; and whether cleanly."""
+    """How a worker ended, from its supervisor's last state and its exit code;
+    and whether cleanly."""
     if state == "done":
         return "had finished (exit 0)", True
     if state == "gave up":
@@ -178,7 +185,7 @@ def describe(state: State, code: int | None) -> tuple[str, bool]:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m ops.ray", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m ops.ray", description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=["up", "down"], help="start the fleet's workers, or drain and remove them")
     parser.add_argument("config", type=Path, help="fleet YAML (see consumers/fleet.py); it must set `run`")
     parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"),
@@ -199,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         # The workers' own logs are in their log files; the CLI prints one line per worker.
-        ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False, logging_level="warning")
+        ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
     except ConnectionError as exc:  # no cluster there: say so in one line, not a traceback
         sys.exit(f"ops.ray: {exc}")
     try:

@@ -25,10 +25,13 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 from bus.connection import DEFAULT_URL, connect
 from bus.election import TRANSIENT, or_unknown, ride_out
 from bus.lag import queue_lag
-from bus.topology import CHANNELS, CONFIG_KEY, Topology, run_id_arg
 from bus.security import USERS_FILE, write_identities
+from bus.topology import CHANNELS, CONFIG_KEY, Topology, run_id_arg
 from schemas.config import ConfigError, RunConfig, parse_config
 from schemas.streams_config import stream_needs
+
+UNREACHABLE: tuple[type[BaseException], ...] = (OSError, *TRANSIENT)
+"""What a command fails with when NATS cannot be reached (or has no leader for long)."""
 
 
 async def stored_config(js: JetStreamContext, run: str) -> tuple[RunConfig, str]:
@@ -82,13 +85,15 @@ async def show(js: JetStreamContext, topology: Topology, config: RunConfig, orig
 
 
 def write_users(topology: Topology, out: str) -> None:
-    """Write the run's identities to directory `out`: users.conf for the servers, a seed per role."""
+    """Write the run's identities to directory `out`: users.conf for the servers,
+    a seed per role."""
     try:
         paths = write_identities(topology, Path(out))
     except OSError as exc:
         sys.exit(f"ops.streams: cannot write {out}: {exc.strerror}")
-    print(f"wrote {Path(out) / USERS_FILE} (public keys; include it in each node's config) and the seeds "
-          f"{', '.join(p.name for p in paths.values())} (mode 600; give each worker its own: --identity)",
+    print(f"wrote {Path(out) / USERS_FILE} (public keys; include it in each node's config) and the "
+          f"seeds {', '.join(p.name for p in paths.values())} (mode 600; give each worker its own: "
+          "--identity)",
           file=sys.stderr)
 
 
@@ -99,7 +104,8 @@ async def main(args: argparse.Namespace) -> None:
     topology = Topology.for_config(config, args.replicas)
     if args.action == "apply":
         await ride_out(lambda: topology.apply(js, update=True), f"applying run {args.run}")
-        print(f"applied run {args.run}: {len(CHANNELS)} streams, {len(topology.work_queues)} consumers, KV and object store")
+        print(f"applied run {args.run}: {len(CHANNELS)} streams, "
+              f"{len(topology.work_queues)} consumers, KV and object store")
     elif args.action == "delete":
         await ride_out(lambda: topology.delete(js), f"deleting run {args.run}")
         print(f"deleted run {args.run}")
@@ -127,7 +133,7 @@ if __name__ == "__main__":
         sys.exit()
     try:
         asyncio.run(main(arguments))
-    except (OSError, *TRANSIENT) as exc:
+    except UNREACHABLE as exc:
         sys.exit(f"ops.streams: cannot reach NATS: {exc or type(exc).__name__}")
     except ConfigError as exc:
         sys.exit(f"ops.streams: {exc}")

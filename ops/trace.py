@@ -164,7 +164,8 @@ def subtrees(trace: list[SpanView], roots: set[str]) -> list[SpanView]:
 
 
 def tree_order(spans: list[SpanView]) -> list[tuple[int, SpanView]]:
-    """(depth, span) depth first, children by start time; a span whose parent is missing is a root."""
+    """(depth, span) depth first, children by start time; a span whose parent is missing is a
+    root."""
     ids = {s.span_id for s in spans}
     children: dict[str | None, list[SpanView]] = {}
     for span in spans:
@@ -201,8 +202,8 @@ def details(span: SpanView) -> str:
     elif "jetrl.reward" in tags:
         parts.append(f"reward {float(tags['jetrl.reward']):.3g}")
     if "jetrl.tokens" in tags:
-        parts.append(f"{tags.get('jetrl.samples', '?')} samples, {tags['jetrl.tokens']} tokens, "
-                     f"engine {tags.get('jetrl.engine', '?')}, batch of {tags.get('jetrl.batch_prompts', '?')}")
+        parts.append(f"{tags.get('jetrl.samples', '?')} samples, {tags['jetrl.tokens']} tokens, engine "
+                     f"{tags.get('jetrl.engine', '?')}, batch of {tags.get('jetrl.batch_prompts', '?')}")
     elif "jetrl.samples" in tags:
         parts.append(f"{tags['jetrl.samples']} samples")
     if tags.get("error") is True and "jetrl.failed" not in tags:
@@ -224,7 +225,7 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
     right = (True, True, False, False, True)
     lines = []
     for row in rows:
-        cells = [cell.rjust(w) if r else cell.ljust(w) for cell, w, r in zip(row, widths, right)]
+        cells = [cell.rjust(w) if r else cell.ljust(w) for cell, w, r in zip(row, widths, right, strict=False)]
         lines.append("  ".join([*cells, row[-1]]).rstrip())
     return lines
 
@@ -236,7 +237,8 @@ def timeline(spans: list[SpanView], linked_spans: list[SpanView]) -> str:
     end = max(s.start + s.duration for s in spans)
     title = f"trace {spans[0].trace_id}"
     if root is not None:
-        title += f": prompt {root.tags.get('jetrl.prompt_id', '?')} (run {root.tags.get('jetrl.run', '?')})"
+        title += (f": prompt {root.tags.get('jetrl.prompt_id', '?')} "
+                  f"(run {root.tags.get('jetrl.run', '?')})")
     rows: list[tuple[str, ...]] = [("offset", "duration", "span", "worker", "ver", "details")]
     rows += [_row(origin, depth, span) for depth, span in tree_order(spans)]
     ours = {s.span_id for s in spans}

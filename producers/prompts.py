@@ -1,4 +1,5 @@
-"""`python -m producers.prompts [--config YAML] [--nats URL] [--run R] [--steps N] [--out DIR]`: the main job.
+"""`python -m producers.prompts [--config YAML] [--nats URL] [--run R] [--steps N] [--out DIR]`:
+the main job.
 
 With no `--nats`, this is the whole job on one machine: an embedded nats-server, a local
 fleet (trainer, buffer, reward, rollout as subprocesses), the run to the end with live
@@ -22,8 +23,8 @@ import time
 from pathlib import Path
 
 from bus.connection import ConnectRefused
-from bus.topology import run_id_arg
 from bus.runtime import CannotAttach
+from bus.topology import run_id_arg
 from producers.gate import PromptsRefused
 from producers.launcher import Stopped, prepare, run, stop_on_sigterm
 from schemas.config import ConfigError, RunConfig, load_config
@@ -32,7 +33,7 @@ BUILTIN = Path(__file__).resolve().parent.parent / "examples" / "digits.yaml"
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m producers.prompts", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m producers.prompts", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=BUILTIN, help="run config YAML (default: the built-in example)")
     parser.add_argument("--nats", help="NATS URL of a running cluster; omitted: embedded server + local fleet")
     # A fleet supervisor starts every process with `--run R --nats URL`: the producer too
@@ -49,7 +50,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def resume_args(argv: list[str] | None, out: Path) -> list[str]:
-    """The command line that resumes this run: the same arguments, with `--out` the run directory."""
+    """The command line that resumes this run: the same arguments,
+    with `--out` the run directory."""
     given = list(sys.argv[1:] if argv is None else argv)
     kept, args = [], iter(given)
     for arg in args:
@@ -80,8 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = run_config(args)
     out: Path = args.out or Path("runs") / f"{cfg.run}-{time.strftime('%Y%m%d-%H%M%S')}"
     cfg = prepare(cfg, out)
-    print(f"run {cfg.run}: {cfg.trainer.steps} steps of {cfg.algorithm.prompts_per_step} prompts x {cfg.data.n} samples; "
-          f"output in {out}", flush=True)
+    print(f"run {cfg.run}: {cfg.trainer.steps} steps of {cfg.algorithm.prompts_per_step} prompts x "
+          f"{cfg.data.n} samples; output in {out}", flush=True)
     try:
         summary = run(cfg, out, args.nats, args.replicas)
     except (Stopped, KeyboardInterrupt) as exc:
@@ -89,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
         stopped = exc if isinstance(exc, Stopped) else Stopped("SIGINT", None)
         where = "while starting" if stopped.steps is None else f"after {stopped.steps} of {cfg.trainer.steps} steps"
         resume = shlex.join(["python", "-m", "producers.prompts", *resume_args(argv, out)])
-        sys.exit(f"producers.prompts: stopped by {stopped.signal_name} {where}; every worker stopped. Resume with: {resume}")
+        sys.exit(f"producers.prompts: stopped by {stopped.signal_name} {where}; "
+                 f"every worker stopped. Resume with: {resume}")
     except (ConnectRefused, CannotAttach, PromptsRefused) as exc:
         sys.exit(f"producers.prompts: {exc}")
     print(json.dumps(summary))

@@ -45,7 +45,7 @@ def write(out: Path, metrics: list[dict[str, Any]], summary: dict[str, Any]) -> 
     fig.savefig(out / "staleness.png", dpi=110)
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    rates = [m["samples"] / max(b - a, 1e-6) for m, a, b in zip(metrics[1:], elapsed, elapsed[1:])]
+    rates = [m["samples"] / max(b - a, 1e-6) for m, a, b in zip(metrics[1:], elapsed, elapsed[1:], strict=False)]
     ax.plot(elapsed[1:], rates, marker=".")
     ax.set(xlabel="seconds since start", ylabel="trained samples / s", title="throughput")
     ax.grid(alpha=0.3)

@@ -29,8 +29,8 @@ This module must stay light (no torch): the producer imports it to make prompts 
 reward workers import ``producers.tasks:score_<name>`` by name in a process pool.
 """
 
-from collections.abc import Callable
 import random
+from collections.abc import Callable
 from typing import Any
 
 # One special token, which also pads (as in Qwen). Any other special token (<pad>, <bos>,
@@ -91,7 +91,7 @@ def score_digits(response_text: str, task: dict[str, Any]) -> float:
     scores 0. Module-level, so a process pool can pickle it.
     """
     got, want = "".join(response_text.split()), task["target"]
-    hits = sum(g == w for g, w in zip(got, want))
+    hits = sum(g == w for g, w in zip(got, want, strict=False))
     return hits / max(len(got), len(want))
 
 

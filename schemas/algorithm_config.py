@@ -13,7 +13,8 @@ from schemas.section import Section
 
 AdvantageName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "passk", "gae"]
 GAE_KNOBS = ("gamma", "gae_lambda", "value_clip", "critic_lr")
-"""Keys that apply to advantage gae only (off their defaults with another estimator: refused at load)."""
+"""Keys that apply to advantage gae only (off their defaults with another estimator:
+refused at load)."""
 PolicyLossName = Literal["ppo", "gspo", "cispo"]
 AggregationName = Literal[
     "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
@@ -41,9 +42,10 @@ class AlgorithmFamily(Section):
     passk_k: int = Field(1, ge=1)
     """k of the passk estimator (at most `data.n`); 1 is GRPO with the population std."""
     policy_loss: PolicyLossName = "ppo"
-    """ppo: per-token ratio, clipped to [1 - clip_low, 1 + clip_high] (dual-clip with `dual_clip_c`).
-    gspo: one length-normalised ratio per sequence (wants clip_low/clip_high near 3e-4/4e-4).
-    cispo: the ratio clipped and detached as a weight on log pi (every token keeps its gradient)."""
+    """ppo: per-token ratio, clipped to [1 - clip_low, 1 + clip_high]
+    (dual-clip with `dual_clip_c`). gspo: one length-normalised ratio per sequence (wants
+    clip_low/clip_high near 3e-4/4e-4). cispo: the ratio clipped and detached as a weight on log pi
+    (every token keeps its gradient)."""
     dual_clip_c: float | None = Field(None, gt=1)
     """Dual-clip PPO: for a negative advantage the per-token loss is at most -c * A (a ratio far
     above 1 cannot push the loss without bound). None: off. ppo only."""
@@ -56,11 +58,14 @@ class AlgorithmFamily(Section):
     """The constant of seq-mean-token-sum-norm; None: `data.sampling.max_tokens`."""
     is_level: Literal["token", "sequence"] = "token"
     """Importance weight pi_prox / pi_behaviour per token, or one per sequence (the product of its
-    tokens' ratios, exp of the summed log-ratios); applies to `tis_cap` and the `is_mask_*` bounds."""
+    tokens' ratios, exp of the summed log-ratios); applies to `tis_cap` and the `is_mask_*`
+    bounds."""
     is_mask_low: float | None = Field(None, gt=0, lt=1)
-    """Masked IS: a token (or sequence) whose weight is below this trains with weight 0. None: off."""
+    """Masked IS: a token (or sequence) whose weight is below this trains with weight 0. None:
+    off."""
     is_mask_high: float | None = Field(None, gt=1)
-    """Masked IS: a token (or sequence) whose weight is above this trains with weight 0. None: off."""
+    """Masked IS: a token (or sequence) whose weight is above this trains with weight 0. None:
+    off."""
     reject_log_ratio: float | None = Field(None, gt=0)
     """Reject (weight 0) a whole sequence if any of its tokens has |log pi_prox - log pi_behaviour|
     above this: the rollout and the trainer disagree too much for any correction. None: off."""
@@ -115,23 +120,29 @@ class AlgorithmFamily(Section):
         if self.dual_clip_c is not None and self.policy_loss != "ppo":
             raise ValueError(f"algorithm.dual_clip_c applies to policy_loss ppo, not {self.policy_loss}")
         if self.kl_target is not None and self.kl_placement != "reward":
-            raise ValueError("algorithm.kl_target (adaptive KL) applies to kl_placement reward, as verl's controller does")
+            raise ValueError("algorithm.kl_target (adaptive KL) applies to kl_placement reward, "
+                             "as verl's controller does")
         if self.kl_placement == "reward" and not self.kl_coef:
-            raise ValueError("algorithm.kl_placement reward needs kl_coef > 0 (the starting coefficient with kl_target)")
+            raise ValueError("algorithm.kl_placement reward needs kl_coef > 0 "
+                             "(the starting coefficient with kl_target)")
         if self.kl_placement == "reward" and self.advantage == "gae":
             raise ValueError(
-                "algorithm.kl_placement reward does not apply to advantage gae yet: its critic takes the outcome "
-                "reward on the last token, and a per-token KL penalty does not ride in the batch (use kl_placement loss)"
+                "algorithm.kl_placement reward does not apply to advantage gae yet: its critic "
+                "takes the outcome reward on the last token, and a per-token KL penalty does not "
+                "ride in the batch (use kl_placement loss)"
             )
-        # Off their defaults rather than "set": a config read back from the run's KV has every key set.
+        # Off their defaults rather than "set": a config read back from the run's KV has every key
+        # set.
         defaults = {name: type(self).model_fields[name].default for name in GAE_KNOBS}
         if self.advantage != "gae" and (knobs := [k for k in GAE_KNOBS if getattr(self, k) != defaults[k]]):
             raise ValueError(f"algorithm.{knobs[0]} applies to advantage gae, not {self.advantage}")
         if self.advantage == "gae" and self.overlong_filter:
             raise ValueError(
-                "algorithm.overlong_filter does not apply to advantage gae: a zero reward still trains against "
-                "the critic's values (use overlong_buffer_tokens to penalise long responses)"
+                "algorithm.overlong_filter does not apply to advantage gae: a zero reward still "
+                "trains against the critic's values (use overlong_buffer_tokens to penalise long "
+                "responses)"
             )
         if self.advantage == "passk" and self.overlong_buffer_tokens:
-            raise ValueError("algorithm.advantage passk takes 0/1 rewards: the overlong penalty would change them")
+            raise ValueError("algorithm.advantage passk takes 0/1 rewards: the overlong penalty would change "
+                             "them")
         return self

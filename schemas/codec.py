@@ -74,7 +74,7 @@ def decode(data: bytes, expected: type[E] = Event) -> E:  # type: ignore[assignm
         raise DecodeError(f"event must be a msgpack map, got {type(fields).__name__}")
     type_name, version = fields.get("type"), fields.get("schema_version")
     cls = REGISTRY.get(type_name) if isinstance(type_name, str) else None
-    if cls is None:
+    if cls is None or not isinstance(type_name, str):  # the second: implied, narrows for mypy
         raise DecodeError(f"unknown event type {_short(type_name)}")
     if not isinstance(version, int) or isinstance(version, bool):
         raise DecodeError(f"{type_name}: schema_version must be an integer, got {_short(version)}")
@@ -89,7 +89,7 @@ def decode(data: bytes, expected: type[E] = Event) -> E:  # type: ignore[assignm
     if not issubclass(cls, expected):
         raise DecodeError(f"expected {expected.TYPE} here, got {type_name}")
     try:
-        return cls.model_validate(fields)  # type: ignore[return-value]
+        return cls.model_validate(fields)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "event"

@@ -40,7 +40,8 @@ _INT32 = np.dtype("<i4")
 def _expect(name: str, tensor: Tensor, dtype: DType, ndim: int) -> None:
     """Raise unless `tensor` has the documented dtype and rank, and bytes to match."""
     if tensor.dtype != dtype or len(tensor.shape) != ndim:
-        raise ValueError(f"{name} must be {dtype} with {ndim} dimension(s), got {tensor.dtype}{list(tensor.shape)}")
+        raise ValueError(f"{name} must be {dtype} with {ndim} dimension(s), "
+                         f"got {tensor.dtype}{list(tensor.shape)}")
     tensor.check()
 
 
@@ -205,7 +206,8 @@ class TrajectoryEvent(Event):
         r = self.response_ids.shape
         if len(r) != 1 or self.logprobs.shape != r or self.versions.shape != r:
             raise ValueError(
-                f"response_ids {r}, logprobs {self.logprobs.shape} and versions {self.versions.shape} must be equal 1-D"
+                f"response_ids {r}, logprobs {self.logprobs.shape} and versions "
+                f"{self.versions.shape} must be equal 1-D"
             )
         if len(self.prompt_ids.shape) != 1:
             raise ValueError(f"prompt_ids must be 1-D, got shape {self.prompt_ids.shape}")
@@ -255,7 +257,8 @@ class RewardEvent(Event):
             ref = _values("ref_logprobs", self.ref_logprobs, "float32", 1)
             if self.ref_logprobs.shape != self.trajectory.response_ids.shape:
                 raise ValueError(
-                    f"ref_logprobs {self.ref_logprobs.shape} must match response_ids {self.trajectory.response_ids.shape}"
+                    f"ref_logprobs {self.ref_logprobs.shape} must match response_ids "
+                    f"{self.trajectory.response_ids.shape}"
                 )
             _log_probs("ref_logprobs", ref)
         return self
@@ -274,7 +277,8 @@ class BatchEvent(Event):
     schema_version: Literal[1] = 1
 
     step: int = Field(ge=0)
-    """Optimizer step this micro-batch belongs to (the weight version it will produce is step + 1)."""
+    """Optimizer step this micro-batch belongs to (the weight version it will produce is step +
+    1)."""
     dp_rank: int = Field(ge=0)
     """Data-parallel rank that trains it."""
     dp_size: int = Field(ge=1)

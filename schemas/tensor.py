@@ -56,7 +56,8 @@ class Tensor(BaseModel):
         expected = math.prod(self.shape) * _NUMPY[self.dtype].itemsize
         if len(self.data) != expected:
             raise ValueError(
-                f"tensor data has {len(self.data)} bytes but {self.dtype}{list(self.shape)} needs {expected}"
+                f"tensor data has {len(self.data)} bytes but {self.dtype}{list(self.shape)} needs "
+                f"{expected}"
             )
 
     @classmethod

@@ -42,7 +42,8 @@ def _check_location(transport: str, location: str) -> None:
     if transport == "filesystem":
         path = PurePosixPath(location)
         if not path.is_absolute() or ".." in path.parts or path.suffix != ".safetensors" or "\x00" in location:
-            raise ValueError(f"filesystem location {location[:64]!r} must be an absolute path to a .safetensors file")
+            raise ValueError(f"filesystem location {location[:64]!r} must be an absolute path to a .safetensors "
+                             "file")
 
 
 class WeightShard(BaseModel):
@@ -148,14 +149,16 @@ class WeightVersionEvent(Event):
             raise ValueError(f"a full version is its own chain's full version, not {self.full_version}")
         data = sum(math.prod(spec.shape) * itemsize(spec.dtype) for spec in self.manifest)
         if self.total_bytes < data:
-            raise ValueError(f"total_bytes {self.total_bytes} is less than the manifest's {data} bytes of tensor data")
+            raise ValueError(f"total_bytes {self.total_bytes} is less than the manifest's {data} "
+                             "bytes of tensor data")
         return self
 
     def _check_delta(self, names: list[str]) -> None:
         """A delta names its chain and its shards, which carry every manifest tensor once."""
         assert self.base_version is not None
         if self.full_version is None or not self.full_version <= self.base_version:
-            raise ValueError(f"a delta on v{self.base_version} needs its chain's full version, at or before its base")
+            raise ValueError(f"a delta on v{self.base_version} needs its chain's full version, "
+                             "at or before its base")
         if not self.shards:
             raise ValueError("a delta needs its shards")
         self._check_shards(names)
@@ -171,7 +174,8 @@ class WeightVersionEvent(Event):
         if len(carried) != len(set(carried)) or set(carried) != set(names):
             raise ValueError("the shards do not carry each manifest tensor exactly once")
         if where != self.shards[0].location or self.total_bytes != sum(s.total_bytes for s in self.shards):
-            raise ValueError("a sharded version's location and total_bytes are its first shard's and the shards' sum")
+            raise ValueError("a sharded version's location and total_bytes are its first shard's "
+                             "and the shards' sum")
 
 
 DIGEST_CHARS = 16

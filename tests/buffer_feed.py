@@ -23,10 +23,10 @@ from nats.js.api import ConsumerInfo
 from nats.js.errors import KeyNotFoundError
 
 from bus.connection import connect
-from bus.publisher import Publisher
-from bus.topology import BATCHES, REWARDS, Topology, drop_key
 from bus.crashpoints import CRASH_AT, CRASH_RECORD, arm
+from bus.publisher import Publisher
 from bus.runtime import publish_config
+from bus.topology import BATCHES, REWARDS, Topology, drop_key
 from schemas import BatchEvent, RewardEvent, Tensor, TrajectoryEvent, decode
 from schemas.config import RunConfig
 from schemas.kv_records import DropRecord

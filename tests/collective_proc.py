@@ -1,18 +1,22 @@
-"""One participant of a collective weight broadcast, run as its own process by tests/test_collective.py.
+"""One participant of a collective weight broadcast, run as its own process by
+tests/test_collective.py.
 
     python -m tests.collective_proc source [SENDERS] SETTINGS_JSON
     python -m tests.collective_proc peer RANK SENDERS SETTINGS_JSON
     python -m tests.collective_proc receiver MEMBER_ID SETTINGS_JSON
 
 Driven by JSON lines on stdin (the test plays the bus), answers JSON lines on stdout:
-    source:   {"cmd": "publish", "version": V, "mb": MB, "alive": [ids]} -> {"event": "published", ...}
+    source:   {"cmd": "publish", "version": V, "mb": MB, "alive": [ids]}
+              -> {"event": "published", ...}
               (with SENDERS > 1 it sends only its own tensors of `weights`: `owned(...)[0]`)
-    peer:     {"cmd": "publish", "host": H, "port": P, "version": V, "mb": MB} -> {"event": "published", ...}
+    peer:     {"cmd": "publish", "host": H, "port": P, "version": V, "mb": MB}
+              -> {"event": "published", ...}
               (trainer rank RANK: sends only `owned(...)[RANK]`)
     receiver: {"event": "ready"} once started, then per command
               {"cmd": "receive", "host": H, "port": P, "version": V, "stall_at": K, "stall_s": S}
-              -> {"event": "bucket", "k": K} per bucket, {"event": "stalled"} at bucket K (then it sleeps
-              S s inside the progress callback: a member that stops reading), {"event": "received" | "missed"}
+              -> {"event": "bucket", "k": K} per bucket, {"event": "stalled"} at bucket K
+              (then it sleeps S s inside the progress callback: a member that stops reading),
+              {"event": "received" | "missed"}
 Every line ends with a flush so the test reads it at once.
 """
 
@@ -25,14 +29,21 @@ import time
 
 import torch
 
-from engines.collective import CollectiveReceiver, CollectiveSettings, CollectiveSource, Published, Received
+from engines.collective import (
+    CollectiveReceiver,
+    CollectiveSettings,
+    CollectiveSource,
+    Published,
+    Received,
+)
 from engines.collective_peer import CollectivePeer
 from engines.collective_plan import specs_of
 from engines.delta_plan import assign_shards
 
 
 def weights(version: int, mb: float) -> dict[str, torch.Tensor]:
-    """A deterministic version of about `mb` MiB: mixed dtypes, odd sizes (alignment), a 0-dim tensor."""
+    """A deterministic version of about `mb` MiB: mixed dtypes, odd sizes (alignment),
+    a 0-dim tensor."""
     g = torch.Generator().manual_seed(version)
     n = int(mb * (1 << 20))
     return {

@@ -1,4 +1,5 @@
-"""Fixtures: a real JetStream nats-server on a free loopback port, a fresh run per test, a tiny model."""
+"""Fixtures: a real JetStream nats-server on a free loopback port, a fresh run per test,
+a tiny model."""
 
 from __future__ import annotations
 

@@ -32,7 +32,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def trainer_logprobs(model_dir: Path, prompts: list[list[int]], groups: list[list[Sample]]) -> torch.Tensor:
-    """[sum of response lengths] what the trainer computes for every response token, at `TEMPERATURE`."""
+    """[sum of response lengths] what the trainer computes for every response token,
+    at `TEMPERATURE`."""
     engine = TorchTrainEngine(model_dir, lr=1e-3, loss=LossConfig(temperature=TEMPERATURE))
     return response_logprobs(engine, prompts, groups)
 
@@ -63,7 +64,7 @@ def vllm_report(prompts: list[list[int]], groups: list[list[Sample]]) -> list[di
             ids, logprobs = sample.token_ids.tolist(), sample.logprobs.tolist()
             outputs.append({
                 "index": index, "text": "", "token_ids": ids, "cumulative_logprob": sum(logprobs),
-                "logprobs": [{str(t): {"logprob": lp, "rank": None, "decoded_token": None}} for t, lp in zip(ids, logprobs)],
+                "logprobs": [{str(t): {"logprob": lp, "rank": None, "decoded_token": None}} for t, lp in zip(ids, logprobs, strict=True)],
                 "finish_reason": sample.finish_reason, "stop_reason": None,
             })
         requests.append({"request_id": str(i), "prompt": None, "prompt_token_ids": prompt, "prompt_logprobs": None,
@@ -81,7 +82,7 @@ def sglang_report(groups: list[list[Sample]]) -> list[dict[str, Any]]:
                       else {"type": "length", "length": len(ids)})
             outputs.append({"output_ids": ids, "meta_info": {
                 "finish_reason": finish, "prompt_tokens": 0, "completion_tokens": len(ids),
-                "output_token_logprobs": [[lp, t, None] for t, lp in zip(ids, logprobs)],
+                "output_token_logprobs": [[lp, t, None] for t, lp in zip(ids, logprobs, strict=True)],
             }})
     return outputs
 

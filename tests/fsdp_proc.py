@@ -44,7 +44,7 @@ def micro_batch(rng: np.random.Generator, rows: int, vocab: int) -> MicroBatch:
     attention = torch.zeros(rows, width, dtype=torch.long)
     loss = torch.zeros(rows, width)
     behaviour = torch.zeros(rows, width)
-    for i, (p, r) in enumerate(zip(prompts.tolist(), responses.tolist())):
+    for i, (p, r) in enumerate(zip(prompts.tolist(), responses.tolist(), strict=True)):
         ids[i, : p + r] = torch.from_numpy(rng.integers(1, vocab, size=p + r))
         attention[i, : p + r] = 1
         loss[i, p : p + r] = 1
@@ -75,9 +75,10 @@ def rank_main(rank: int, port: int, model_dir: str, out: str, vocab: int) -> Non
 
     a = FSDPTrainEngine(Path(model_dir), **ENGINE_ARGS)
     seen["has_checkpoint_before"] = a.has_checkpoint(checkpoint)
-    seen["a"] = []
+    steps_a: list[dict[str, float]] = []
+    seen["a"] = steps_a
     for index, step in enumerate(recorded):
-        seen["a"].append(a.train_step(step[rank]))
+        steps_a.append(a.train_step(step[rank]))
         if index + 1 == CHECKPOINT_AFTER:
             a.save_checkpoint(checkpoint, {"last_seq": 100 * rank + index})
     seen["a_weights"] = a.export_weights()
@@ -94,6 +95,7 @@ def rank_main(rank: int, port: int, model_dir: str, out: str, vocab: int) -> Non
     # bfloat16 compute: float32 shards (what AdamW updates), a finite step.
     c = FSDPTrainEngine(Path(model_dir), dtype=torch.bfloat16, **ENGINE_ARGS)
     seen["bf16"] = c.train_step(recorded[0][rank])
-    seen["bf16_shard_dtypes"] = sorted({str(p.to_local().dtype) for p in c.model.parameters()})
+    # FSDP2 makes every parameter a DTensor; nn.Module types them as plain Parameters.
+    seen["bf16_shard_dtypes"] = sorted({str(p.to_local().dtype) for p in c.model.parameters()})  # type: ignore[attr-defined]
     torch.save(seen, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()

@@ -2,8 +2,8 @@
 shard of every version through a real transport, and writes what it saw to `<out>/rank<K>.pt`.
 
 Versions: v0 full, v1 and v2 deltas (one chain, `keep` 2: v0 survives only by being pinned),
-then v3 published by a publisher without deltas (a full version outside any chain, `keep` 5). Each rank
-records, per version, the names it was given (`export_shard`), the bytes it received to build
+then v3 published by a publisher without deltas (a full version outside any chain, `keep` 5). Each
+rank records, per version, the names it was given (`export_shard`), the bytes it received to build
 them (`gathered_bytes`), the event it built, and (rank 0) the whole model as `export_weights`
 gives it, to compare the workers' rebuilt weights with.
 """
@@ -51,7 +51,8 @@ async def publish_versions(rank: int, model_dir: str, out: str, vocab: int, url:
     layout = assign_shards(engine.weight_sizes(), WORLD)
     nc = await connect(url, f"shard-rank{rank}")
     js = nc.jetstream()
-    seen: dict[str, object] = {"layout": layout, "versions": []}
+    versions: list[dict[str, object]] = []
+    seen: dict[str, object] = {"layout": layout, "versions": versions}
     chain = WeightsSender(transport_for(settings(transport, root, True), js, bucket, run, writer=rank),
                              settings(transport, root, True), run, f"rank{rank}", rank=rank, world=WORLD, exchange=exchange)
     plain = WeightsSender(transport_for(settings(transport, root, False), js, bucket, run, writer=rank),
@@ -63,7 +64,7 @@ async def publish_versions(rank: int, model_dir: str, out: str, vocab: int, url:
         gathered = engine.gathered_bytes
         event = await publisher.store(version, own)
         full = engine.export_weights()  # rank 0: every tensor, what the one-rank path publishes
-        seen["versions"].append({
+        versions.append({
             "version": version, "names": list(own), "gathered_bytes": gathered,
             "event": event.model_dump_json(), "full": full,
         })

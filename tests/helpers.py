@@ -22,10 +22,9 @@ from nats.js import JetStreamContext
 
 from bus.connection import connect
 from bus.dead import REASON
-from bus.topology import DEAD, Channel, Topology
 from bus.membership import Member, live_members
 from bus.runtime import publish_config
-
+from bus.topology import DEAD, Channel, Topology
 from schemas import PromptEvent, RewardEvent, Tensor, TrajectoryEvent, WeightVersionEvent
 from schemas.config import RunConfig
 
@@ -135,7 +134,8 @@ class LocalJob:
     summary: dict[str, Any]
     """The summary it printed last (steps, samples trained, ...)."""
     logs: dict[str, str]
-    """Each worker's log, by file name (`trainer-0.log`, `trainer-rank1-0.log`, `rollout-0.log`, ...)."""
+    """Each worker's log, by file name (`trainer-0.log`, `trainer-rank1-0.log`,
+    `rollout-0.log`, ...)."""
 
     def merged_metrics(self) -> list[dict[str, Any]]:
         """Each step's metrics as the producer merged them (`metrics.jsonl`)."""

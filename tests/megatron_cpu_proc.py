@@ -1,9 +1,11 @@
-"""A real megatron-core GPTModel on the CPU, loaded through `engines.megatron_names`, against HF logits.
+"""A real megatron-core GPTModel on the CPU, loaded through `engines.megatron_names`,
+against HF logits.
 
-Usage: ``megatron_cpu_proc.py OUT_DIR [cuda | tp2 | pp2 | tp2pp2]``. Run as its own process by `tests/test_megatron.py` (it starts a one-rank gloo group and
-megatron's parallel state, and patches two CUDA-only spots, none of which a test process
-should keep). Prints "logits match: qwen2 llama" when both models agree, then checks
-`MegatronTrainEngine` against `TorchTrainEngine` on the tiny model (left-padded rows: the
+Usage: ``megatron_cpu_proc.py OUT_DIR [cuda | tp2 | pp2 | tp2pp2]``. Run as its own process by
+`tests/test_megatron.py` (it starts a one-rank gloo group and megatron's parallel state, and
+patches two CUDA-only spots, none of which a test process should keep). Prints "logits match:
+qwen2 llama" when both models agree, then checks `MegatronTrainEngine` against
+`TorchTrainEngine` on the tiny model (left-padded rows: the
 same log-probs, two steps with the same losses, grad norms and exported weights; a second
 engine resumed from the checkpoint before step 1 repeats it exactly) and prints
 "engine matches torch"; exits 1 at the first difference. With ``cuda`` only the engine
@@ -49,7 +51,7 @@ def hf_models() -> dict[str, torch.nn.Module]:
     llama = LlamaForCausalLM(LlamaConfig(
         vocab_size=15, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False, rope_theta=5e5,
-    ))
+    ))  # type: ignore[call-arg]  # transformers 5 takes rope_theta through **kwargs
     for model in (qwen2, llama):
         with torch.no_grad():  # every tensor away from its init (zero biases, unit norms hide swaps)
             for param in model.parameters():
@@ -104,7 +106,8 @@ def main() -> int:
             got = model(ids, positions, attention_mask=causal)  # [B, T, V]
             want = hf(input_ids=ids).logits
         diff = (got - want).abs().max().item()
-        print(f"{name}: max |megatron - HF| logit {diff:.3g} (logits up to {want.abs().max().item():.3g})")
+        print(f"{name}: max |megatron - HF| logit {diff:.3g} (logits up to "
+              f"{want.abs().max().item():.3g})")
         if diff > TOLERANCE:
             return 1
         back = megatron_to_hf(dict(model.state_dict()), spec)
@@ -173,7 +176,8 @@ def engine_matches_torch(out: Path, device: str, tp: int = 1, pp: int = 1) -> in
         if step == 1:
             megatron.save_checkpoint(checkpoint, {"last_seq": 7})
         a, b = torch_engine.train_step([batch, short]), megatron.train_step([batch, short])
-        print(f"engine step {step}: loss {a['loss']:.6g} / {b['loss']:.6g}, grad_norm {a['grad_norm']:.6g} / {b['grad_norm']:.6g}")
+        print(f"engine step {step}: loss {a['loss']:.6g} / {b['loss']:.6g}, "
+              f"grad_norm {a['grad_norm']:.6g} / {b['grad_norm']:.6g}")
         if any(abs(a[k] - b[k]) > TOLERANCE * max(1.0, abs(a[k])) for k in ("loss", "grad_norm", "entropy", "ratio_mean")):
             return 1
         if not a["grad_norm"] > 0:  # every token clipped: the step would check no gradient

@@ -21,9 +21,10 @@ ROWS, WIDTH, RESPONSE = 4, 10, 6
 
 
 def batch(eng: TorchTrainEngine, advantage: float, seed: int = 0, log_ratio: float = 0.0) -> MicroBatch:
-    """ROWS rows of random tokens, behaviour log-probs `log_ratio` below the engine's current ones."""
+    """ROWS rows of random tokens, behaviour log-probs `log_ratio` below the engine's current
+    ones."""
     gen = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, eng.model.config.vocab_size, (ROWS, WIDTH), generator=gen)
+    input_ids = torch.randint(0, eng.model.config.vocab_size, (ROWS, WIDTH), generator=gen)  # type: ignore[union-attr, arg-type]
     attention_mask = torch.ones(ROWS, WIDTH, dtype=torch.long)
     loss_mask = torch.zeros(ROWS, WIDTH)
     loss_mask[:, WIDTH - RESPONSE:] = 1
@@ -112,7 +113,7 @@ def test_the_run_config_sets_the_lr_schedule_weight_decay_and_updates(model_dir:
 def test_loss_config_decoupled_by_any_correction() -> None:
     assert not LossConfig().decoupled
     for name, value in (("tis_cap", 2.0), ("is_mask_low", 0.5), ("is_mask_high", 2.0), ("reject_log_ratio", 1.0)):
-        assert dataclasses.replace(LossConfig(), **{name: value}).decoupled, name
+        assert dataclasses.replace(LossConfig(), **{name: value}).decoupled, name  # type: ignore[arg-type]  # float fields
 
 
 def test_rejected_sequences_train_nothing_and_are_counted_once_per_step(model_dir: Path) -> None:

@@ -81,7 +81,8 @@ def test_bench_weights_quick(tmp_path: Path) -> None:
         assert set(rows) == {"x1", "x4"}
         for workers, row in ((1, rows["x1"]), (4, rows["x4"])):
             assert row["workers"] == workers and row["publish_s"] > 0 and 0 < row["fetch_s"] <= row["fetch_apply_s"]
-            # The stores hold the version once, then each worker reads it; the collective's publish is its delivery.
+            # The stores hold the version once, then each worker reads it;
+            # the collective's publish is its delivery.
             assert row["bytes_moved"] == row["bytes"] * (workers if name == "collective" else workers + 1)
     assert figures["baseline"]["x1"] > 0 and figures["baseline"]["x4"] > 0
     assert json.loads((tmp_path / "weights.json").read_text())["ratio"] == figures["ratio"]
@@ -125,10 +126,12 @@ def test_bench_replicas_quick() -> None:
 
 @pytest.mark.timeout(400)
 def test_bench_staleness_runs_every_eta_with_and_without_correction(tmp_path: Path) -> None:
-    # A handful of steps only: the study itself (`--quick`, 100 steps a run) is far too long for a test.
+    # A handful of steps only: the study itself (`--quick`,
+    # 100 steps a run) is far too long for a test.
     figures = last_json(["ops.bench.staleness", "--steps", "5", "--out", str(tmp_path)], timeout=380)
     final = figures["final_reward"]
     assert sorted(final) == sorted(f"eta {e}, {c}" for e in (0, 2, 4) for c in ("corrected", "uncorrected")), final
-    # Staler weights generate other samples (the same seed everywhere: without the lag all three match).
+    # Staler weights generate other samples (the same seed everywhere:
+    # without the lag all three match).
     assert len({final[f"eta {e}, uncorrected"] for e in (0, 2, 4)}) > 1, final
     assert (tmp_path / "staleness.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

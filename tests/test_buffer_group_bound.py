@@ -86,9 +86,10 @@ def test_an_incomplete_group_is_dropped_once_max_group_wait_steps_steps_have_for
             async def state(what: str) -> str:
                 info = await buffer_consumer(js, topology)
                 return (
-                    f"{what}: {info.num_pending} undelivered and {info.num_ack_pending} unacked rewards; "
-                    f"batches: {summary(await batches(js, topology))}; drop record of the orphan: "
-                    f"{await drop_record(js, topology, orphan_id)!r}; buffer exit code {proc.poll()}; log:\n{tail(log)}"
+                    f"{what}: {info.num_pending} undelivered and {info.num_ack_pending} unacked "
+                    f"rewards; batches: {summary(await batches(js, topology))}; drop record of the "
+                    f"orphan: {await drop_record(js, topology, orphan_id)!r}; buffer exit code "
+                    f"{proc.poll()}; log:\n{tail(log)}"
                 )
 
             await until(lambda: held(4), SETTLE, lambda: state("the buffer never held the orphan and the slow group"))
@@ -99,7 +100,8 @@ def test_an_incomplete_group_is_dropped_once_max_group_wait_steps_steps_have_for
 
             await until(two_steps, SETTLE, lambda: state("steps 0 and 1 of the two complete groups"))
             assert await drop_record(js, topology, orphan_id) is None, (
-                f"the orphan was dropped after {WAIT_STEPS} steps, not more: {await state('too eager')}"
+                f"the orphan was dropped after {WAIT_STEPS} steps, not more: "
+                f"{await state('too eager')}"
             )
 
             await publish(js, topology, slow[3:])
@@ -127,12 +129,13 @@ def test_an_incomplete_group_is_dropped_once_max_group_wait_steps_steps_have_for
         )
         dead = [(decode(data, RewardEvent).id, why) for data, why in await dead_letters(js, topology)]
         assert dead == [(orphan.id, reason), (late.id, f"rejected: group {orphan_id} was dropped: {reason}")], (
-            f"the dead stream must hold the orphan's sample with the drop reason {reason!r}, then the late "
-            f"one rejected: {dead}"
+            f"the dead stream must hold the orphan's sample with the drop reason {reason!r}, "
+            f"then the late one rejected: {dead}"
         )
         info = await buffer_consumer(js, topology)
         assert (info.num_pending, info.num_ack_pending) == (0, 0), (
-            f"{info.num_pending} undelivered and {info.num_ack_pending} unacked rewards left on the buffer's queue"
+            f"{info.num_pending} undelivered and {info.num_ack_pending} unacked rewards left on "
+            "the buffer's queue"
         )
 
     run_with_js(nats_server.url, body)

@@ -74,9 +74,10 @@ async def settled(
     async def state() -> str:
         info = await buffer_consumer(js, topology)
         return (
-            f"{what}: after {SETTLE:.0f} s the buffer's queue still has {info.num_pending} undelivered and "
-            f"{info.num_ack_pending} unacked rewards; batches: {summary(await batches(js, topology))}; "
-            f"buffer exit code {proc.poll()}; log:\n{tail(log)}"
+            f"{what}: after {SETTLE:.0f} s the buffer's queue still has {info.num_pending} "
+            f"undelivered and {info.num_ack_pending} unacked rewards; batches: "
+            f"{summary(await batches(js, topology))}; buffer exit code {proc.poll()}; "
+            f"log:\n{tail(log)}"
         )
 
     await until(lambda: drained(js, topology), SETTLE, state)
@@ -119,7 +120,8 @@ def test_batched_advantages_are_the_configured_estimators(
             want = expected_advantages(estimator, rewards)
             have = np.array([got[r.id][0] for r in samples])
             assert np.allclose(have, want, rtol=1e-5, atol=1e-5), (
-                f"{estimator}: rewards {rewards} were batched with advantages {have.tolist()}, expected {want.tolist()}"
+                f"{estimator}: rewards {rewards} were batched with advantages {have.tolist()}, "
+                f"expected {want.tolist()}"
             )
             assert [got[r.id][1] for r in samples] == list(rewards), "the batch carries other rewards than were scored"
 
@@ -151,12 +153,14 @@ def test_drop_equal_reward_groups_reaches_the_buffer(
         record = await drop_record(js, topology, equal_id)
         if drop_equal:
             assert named == {0: (a[0].trajectory.prompt_id, b[0].trajectory.prompt_id)}, (
-                f"with drop_equal_reward_groups the all-equal group must not be trained: {summary(stored)}"
+                "with drop_equal_reward_groups the all-equal group must not be trained: "
+                f"{summary(stored)}"
             )
             assert record is not None and "equal" in record, f"no drop record for the all-equal group: {record!r}"
         else:
             assert named == {0: (equal_id, a[0].trajectory.prompt_id)}, (
-                f"without drop_equal_reward_groups the all-equal group must be trained: {summary(stored)}"
+                "without drop_equal_reward_groups the all-equal group must be trained: "
+                f"{summary(stored)}"
             )
             assert record is None, f"the all-equal group was recorded as dropped: {record!r}"
             got = advantages_by_sample(stored)
@@ -254,18 +258,22 @@ def test_held_samples_are_not_redelivered_while_the_buffer_holds_them(
 
             async def not_holding() -> str:
                 info = await buffer_consumer(js, topology)
-                return f"the buffer never held all {len(held)} samples: {info.num_ack_pending} unacked:\n{tail(log)}"
+                return (f"the buffer never held all {len(held)} samples: "
+                        f"{info.num_ack_pending} unacked:\n{tail(log)}")
 
             await until(holding, SETTLE, not_holding)
             await asyncio.sleep(3.5 * ACK_WAIT)
             info = await buffer_consumer(js, topology)
             assert proc.poll() is None, f"the buffer died while holding:\n{tail(log)}"
             assert info.num_redelivered == 0, (
-                f"{info.num_redelivered} held samples were redelivered after {3.5 * ACK_WAIT:.0f} s "
-                f"(ack_wait {ACK_WAIT:.0f} s): the buffer did not keep them in progress"
+                f"{info.num_redelivered} held samples were redelivered after "
+                f"{3.5 * ACK_WAIT:.0f} s (ack_wait {ACK_WAIT:.0f} s): "
+                "the buffer did not keep them in progress"
             )
+            assert info.delivered is not None  # the server sends it
             assert info.delivered.consumer_seq == len(held), (
-                f"{info.delivered.consumer_seq} deliveries for {len(held)} samples: some were delivered twice"
+                f"{info.delivered.consumer_seq} deliveries for {len(held)} samples: "
+                "some were delivered twice"
             )
             assert info.num_ack_pending == len(held), f"{info.num_ack_pending} held, not {len(held)}"
             assert await batches(js, topology) == [], "a step was formed from an incomplete group"

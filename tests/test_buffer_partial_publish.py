@@ -138,8 +138,9 @@ def test_a_step_whose_publish_fails_part_way_is_finished_from_the_same_groups(
         named = check_steps(stored, groups)
         assert 0 in named, f"step 0 was never completed: {summary(stored)}"
         assert named[0] == chosen, (
-            f"step 0 was begun with groups {chosen} (its first micro-batch) but its other micro-batches "
-            f"were formed from {sorted({b.step_prompt_ids for b in by_step(stored)[0]})}: {summary(stored)}"
+            f"step 0 was begun with groups {chosen} (its first micro-batch) but its other "
+            "micro-batches were formed from "
+            f"{sorted({b.step_prompt_ids for b in by_step(stored)[0]})}: {summary(stored)}"
         )
         batched = {p for step in named.values() for p in step}
         dropped = {p: r for p in groups if (r := await drop_record(js, topology, p)) is not None}
@@ -149,16 +150,19 @@ def test_a_step_whose_publish_fails_part_way_is_finished_from_the_same_groups(
         # undelivered nor unacked was acked (or terminated: dropped, or dead-lettered, which
         # nothing here should be), so more acked than stored batches and drop records cover
         # means that some were lost.
+        assert info.num_pending is not None and info.num_ack_pending is not None  # the server sends both
         acked = sum(map(len, groups.values())) - info.num_pending - info.num_ack_pending
         covered = {sid for b in stored for sid in b.sample_ids} | {sid for p in dropped for sid in groups[p]}
         uncovered = sorted(sid for sids in groups.values() for sid in sids if sid not in covered)
         assert acked <= len(covered), (
-            f"the buffer acked {acked} rewards but only {len(covered)} are in a stored batch or a dropped group: "
-            f"at least {acked - len(covered)} of {uncovered} were acked and lost; batches: {summary(stored)}"
+            f"the buffer acked {acked} rewards but only {len(covered)} are in a stored batch or a "
+            f"dropped group: at least {acked - len(covered)} of {uncovered} were acked and lost; "
+            f"batches: {summary(stored)}"
         )
         assert (info.num_pending, info.num_ack_pending) == (0, 0), (
-            f"{SETTLE:.0f} s after the stream took writes again the buffer's queue still has {info.num_pending} "
-            f"undelivered and {info.num_ack_pending} unacked rewards; batches: {summary(stored)}; log:\n{tail(log)}"
+            f"{SETTLE:.0f} s after the stream took writes again the buffer's queue still has "
+            f"{info.num_pending} undelivered and {info.num_ack_pending} unacked rewards; batches: "
+            f"{summary(stored)}; log:\n{tail(log)}"
         )
         assert sorted(named) == [0, 1] and not dropped, (
             f"expected steps 0 and 1 and nothing dropped: {summary(stored)}; dropped {dropped}"

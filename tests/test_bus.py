@@ -42,7 +42,7 @@ def run_bus(
                 await topology.apply(js)
             try:
                 await asyncio.wait_for(body(js), BODY_SECONDS)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pytest.fail(f"{body.__qualname__} did not finish in {BODY_SECONDS:.0f} s", pytrace=True)
         finally:
             await nc.close()
@@ -61,7 +61,7 @@ async def run_until(worker: Worker, done: Callable[[], bool], timeout: float = 3
     stop.set()
     try:
         await asyncio.wait_for(task, 15.0)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         pytest.fail("the worker did not return within 15 s of its stop (its drain is stuck)")
 
 
@@ -167,7 +167,7 @@ def test_a_channel_takes_only_its_event_class_and_its_token(nats_server: Embedde
         publisher = Publisher(js, topology)
         wrong = reward(topology.run)
         with pytest.raises(TypeError, match="channel trajectories carries TrajectoryEvent, not RewardEvent"):
-            await publisher.publish(TRAJECTORIES, wrong)  # type: ignore[arg-type]
+            await publisher.publish(TRAJECTORIES, wrong)  # type: ignore[misc]  # wrong on purpose
         with pytest.raises(TypeError, match="channel dead carries raw bytes"):
             await publisher.publish(DEAD, wrong)
         with pytest.raises(ValueError, match=r"channel batches takes one token \(rank\)"):
@@ -201,7 +201,7 @@ def test_failing_handler_is_retried_with_delay_then_dead_lettered(nats_server: E
         assert dead == [(encode(event), "failed 3 times, last: RuntimeError: reward model unavailable")]
 
     run_bus(nats_server, topology, body)
-    gaps = [b - a for a, b in zip(attempts, attempts[1:])]
+    gaps = [b - a for a, b in zip(attempts, attempts[1:], strict=False)]
     assert gaps[0] >= 0.25 and gaps[1] >= 0.55, gaps  # 0.3 s then 0.6 s
 
 

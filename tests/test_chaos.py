@@ -1,10 +1,11 @@
-"""`python -m ops.chaos --quick`: one run of the job with every kind of process SIGKILLed at named crash points.
+"""`python -m ops.chaos --quick`: one run of the job with every kind of process SIGKILLed at named
+crash points.
 
 The tool arms six crash points (`QUICK.faults`: buffer.mid_step and trainer.mid_checkpoint
 among them), one role's after another in its replacements, and lets the supervisor restart
 what dies; every point armed must fire, and the run must still finish with no prompt lost,
-no sample trained twice and no token staler than the bound (invariant 1-3 in docs/architecture.md). Takes
-2-3 minutes on 2 busy cores.
+no sample trained twice and no token staler than the bound (invariant 1-3 in docs/architecture.md).
+Takes 2-3 minutes on 2 busy cores.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def test_every_crash_point_armed_is_hit_and_nothing_is_lost_or_trained_twice(tmp
 
 
 def test_held_prompts_are_those_a_queue_never_had_acked(nats_server: EmbeddedNats, tmp_path: Path) -> None:
-    """`held` (in flight, not lost): never delivered, or delivered and not acked when its worker stopped."""
+    """`held` (in flight, not lost): never delivered, or delivered and not acked when its worker
+    stopped."""
 
     async def scenario() -> tuple[set[str], list[str]]:
         nc = await connect(nats_server.url, "test-chaos")

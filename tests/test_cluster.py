@@ -1,4 +1,5 @@
-"""A 3-node JetStream cluster on loopback: SIGKILL a node mid-run, lose nothing, stall briefly, catch up.
+"""A 3-node JetStream cluster on loopback: SIGKILL a node mid-run, lose nothing,
+stall briefly, catch up.
 
 The worst single failure is chosen on purpose: the node killed is the leader of the stream
 the run publishes to, and both clients are connected to it when it dies.
@@ -53,7 +54,7 @@ class Consumption:
     def longest_gap(self, start: float, end: float) -> float:
         """Longest time without a consumption in [start, end] (publishing never paused there)."""
         inside = [start, *(t for t in self.times if start <= t <= end), end]
-        return max(b - a for a, b in zip(inside, inside[1:]))
+        return max(b - a for a, b in zip(inside, inside[1:], strict=False))
 
 
 async def produce(publisher: Publisher, topology: Topology, stop: asyncio.Event, acked: list[str]) -> float:
@@ -106,7 +107,8 @@ async def wait_caught_up(cluster: EmbeddedCluster, index: int, stream: str, time
 
 
 async def connect_leader_first(cluster: EmbeddedCluster, leader: int, name: str) -> Client:
-    """All three URLs, the doomed leader first and no shuffling: the client is on it when it dies."""
+    """All three URLs, the doomed leader first and no shuffling:
+    the client is on it when it dies."""
     urls = [cluster.urls[leader], *(u for i, u in enumerate(cluster.urls) if i != leader)]
     return await connect(urls, name, dont_randomize=True)
 

@@ -238,7 +238,11 @@ def test_the_producer_starts_and_resumes_through_a_lost_quorum(tmp_path: Path) -
         await nc.close()
         cluster.kill(0)
         cluster.kill(1)
-        restarting = asyncio.create_task(asyncio.to_thread(lambda: (time.sleep(6.0), cluster.restart(1))))
+        def restart_later() -> None:
+            time.sleep(6.0)
+            cluster.restart(1)
+
+        restarting = asyncio.create_task(asyncio.to_thread(restart_later))
         rt = await attach_bootstrap(cfg, cluster.url, replicas=3)
         try:
             return await Producer(rt).resume_cursor()
@@ -249,6 +253,7 @@ def test_the_producer_starts_and_resumes_through_a_lost_quorum(tmp_path: Path) -
     with EmbeddedCluster(tmp_path / "cluster") as cluster:
         try:
             cursor = asyncio.run(scenario(cluster))
-        except (asyncio.TimeoutError, nats.errors.Error) as exc:
-            pytest.fail(f"the producer gave up during the outage instead of waiting: {type(exc).__name__}: {exc}")
+        except (TimeoutError, nats.errors.Error) as exc:
+            pytest.fail(f"the producer gave up during the outage instead of waiting: {type(exc).__name__}: "
+                        f"{exc}")
     assert cursor == 3, f"resumes at prompt {cursor}, not after the 3 stored"

@@ -1,4 +1,5 @@
-"""The collective weight transport over gloo: each participant its own process (tests/collective_proc.py).
+"""The collective weight transport over gloo: each participant its own process
+(tests/collective_proc.py).
 
 The test plays the bus: it tells the source whom `alive()` names and which version to publish,
 and tells each receiver which version to expect. Every wait has a deadline of the test's own
@@ -22,20 +23,29 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.collective import CollectiveReceiver, CollectiveSettings, CollectiveSource, Missed, Received
+from engines.collective import (
+    CollectiveReceiver,
+    CollectiveSettings,
+    CollectiveSource,
+    Missed,
+    Received,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = {"bucket_bytes": 4 << 20, "op_timeout_s": 2.0, "join_timeout_s": 2.0}
 VERSION_MB = 48
-"""12 buckets: far more than loopback socket buffers hold, so a member that stops reading stalls the source."""
+"""12 buckets: far more than loopback socket buffers hold,
+so a member that stops reading stalls the source."""
 STARTUP_S = 60.0
 """A participant's start (importing torch) on 2 busy cores."""
 DEADLINE_S = 20.0
-"""Longest a publish may take here: op + join timeouts are 4 s, the 48 MB cross loopback in well under 1 s."""
+"""Longest a publish may take here: op + join timeouts are 4 s,
+the 48 MB cross loopback in well under 1 s."""
 
 
 class Participant:
-    """A collective_proc child; its stdout lines are read by a thread so every wait has a deadline."""
+    """A collective_proc child; its stdout lines are read by a thread so every wait has a
+    deadline."""
 
     def __init__(self, tmp: Path, settings: dict, *args: str) -> None:
         self.name = "source" if args[0] == "source" else args[1] if args[0] == "receiver" else f"peer{args[1]}"
@@ -63,7 +73,8 @@ class Participant:
             while (line := self.lines.get(timeout=within))["event"] not in events:
                 pass
         except queue.Empty:
-            pytest.fail(f"{self.name}: no {events} within {within:.0f} s; stderr:\n{self.log.read_text()[-2000:]}")
+            pytest.fail(f"{self.name}: no {events} within {within:.0f} s; "
+                        f"stderr:\n{self.log.read_text()[-2000:]}")
         return line
 
 
@@ -183,9 +194,9 @@ class Tiny(torch.nn.Module):
 
 
 def test_buckets_land_in_a_model_whole_or_not_at_all() -> None:
-    """In one process (threads): fp32 tensors straddling buckets arrive bit for bit and are cast into a
-    bf16 model; a failed checksum leaves the model as it was; a model that does not fit declines at
-    once, without making the source wait out its join timeout."""
+    """In one process (threads): fp32 tensors straddling buckets arrive bit for bit and are cast
+    into a bf16 model; a failed checksum leaves the model as it was; a model that does not fit
+    declines at once, without making the source wait out its join timeout."""
     settings = CollectiveSettings(bucket_bytes=4096, op_timeout_s=5.0, join_timeout_s=5.0)
     tensors = dict(Tiny(torch.float32).state_dict())
     src = CollectiveSource(lambda: ["r"], settings)
@@ -213,7 +224,8 @@ def test_buckets_land_in_a_model_whole_or_not_at_all() -> None:
             third = src.publish(3, tensors)
             assert third.members == () and "no member" in third.reason, third
             assert third.seconds < settings.join_timeout_s / 2, third
-            assert "does not match the model" in declined.result(timeout=30).reason
+            outcome = declined.result(timeout=30)
+            assert isinstance(outcome, Missed) and "does not match the model" in outcome.reason
         finally:
             rcv.close()
             src.close()

@@ -22,7 +22,9 @@ def test_compose_runs_the_cluster_configs_jaeger_and_a_fleet() -> None:
         assert config.startswith(f"{target}/")
         conf = (OPS / source / config.removeprefix(f"{target}/")).read_text()  # the node's file in ops/cluster
         assert f"server_name: n{i}" in conf
-        client_urls.append("nats://" + re.search(r"^listen: (\S+)", conf, re.M)[1])
+        listen = re.search(r"^listen: (\S+)", conf, re.M)
+        assert listen, conf
+        client_urls.append("nats://" + listen[1])
         assert node["network_mode"] == "host"  # the configs listen and route on loopback
 
     jaeger = services["jaeger"]
@@ -36,5 +38,7 @@ def test_compose_runs_the_cluster_configs_jaeger_and_a_fleet() -> None:
     script = fleet["command"][-1]
     assert "pip install -q -e '.[prometheus]'" in script  # the workers serve JETRL_PROMETHEUS_PORT
     assert "python -m ops.streams apply --run demo --replicas 3" in script
-    fleet_config = re.search(r"python -m consumers\.fleet --config (\S+)", script)[1]
+    found = re.search(r"python -m consumers\.fleet --config (\S+)", script)
+    assert found, script
+    fleet_config = found[1]
     assert yaml.safe_load((ROOT / fleet_config).read_text())["run"] == "demo"

@@ -20,10 +20,10 @@ from transformers import AutoTokenizer
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
-from bus.topology import PROMPTS, TRAJECTORIES, WEIGHTS, Topology
-from consumers.rollout import Rollout, rollout_stage
 from bus.runtime import attach, publish_config
 from bus.stage import serve
+from bus.topology import PROMPTS, TRAJECTORIES, WEIGHTS, Topology
+from consumers.rollout import Rollout, rollout_stage
 from engines.continuous import ContinuousAdapter
 from engines.protocols import ContinuousEngine, SamplingParams
 from engines.sglang_continuous import continuous_engine_kwargs, stream_delta
@@ -58,7 +58,7 @@ def test_requests_are_one_sample_each_streamed_as_deltas_in_the_engines_field_na
 
 def vllm_output(tokens: list[int], logprobs: list[float], finish: str | None, finished: bool) -> SimpleNamespace:
     completion = SimpleNamespace(index=0, token_ids=tokens, finish_reason=finish,
-                                 logprobs=[{t: SimpleNamespace(logprob=lp)} for t, lp in zip(tokens, logprobs)])
+                                 logprobs=[{t: SimpleNamespace(logprob=lp)} for t, lp in zip(tokens, logprobs, strict=True)])
     return SimpleNamespace(finished=finished, outputs=[completion])
 
 
@@ -109,7 +109,9 @@ def tokens_in(core: FakeCore, least: int) -> bool:
 @pytest.mark.parametrize("kind, mode", [("vllm", "resubmit"), ("vllm", "keep"), ("sglang", "resubmit"),
                                         ("sglang", "keep")])
 def test_samples_in_flight_go_on_with_the_new_weights_each_token_tagged_and_aligned(
-    model_dir: Path, kind: str, mode: str  # noqa: F811
+    model_dir: Path,  # noqa: F811 - the fixture imported above
+    kind: str,
+    mode: str,
 ) -> None:
     core = FakeCore(model_dir)
     engine = adapter(kind, model_dir, core, slots=8, mode=mode)  # type: ignore[arg-type]
@@ -134,7 +136,8 @@ def test_samples_in_flight_go_on_with_the_new_weights_each_token_tagged_and_alig
     assert core.violations == [], core.violations
     assert core.loads == 1 and engine.version == 1 and engine.in_flight == 0
     spanning = 0
-    for prompt, sample in zip(PROMPTS_IDS, samples):
+    for prompt, sample in zip(PROMPTS_IDS, samples, strict=True):
+        assert sample.versions is not None  # a continuous engine tags every token
         versions = sample.versions.tolist()
         assert len(versions) == len(sample.token_ids) == len(sample.logprobs)
         assert versions == sorted(versions) and set(versions) <= {0, 1}, versions
@@ -145,7 +148,7 @@ def test_samples_in_flight_go_on_with_the_new_weights_each_token_tagged_and_alig
         # Each token's log-prob is the trainer's under the version it is tagged with.
         expected = torch.where(sample.versions == 1, under_new, under_old)
         torch.testing.assert_close(sample.logprobs, expected, atol=1e-5, rtol=0)
-    assert spanning, f"no sample spanned the load: {[s.versions.tolist() for s in samples]}"
+    assert spanning, f"no sample spanned the load: {[s.versions.tolist() for s in samples]}"  # type: ignore[union-attr]
     if mode == "resubmit":  # each sample went on as prompt + its tokens so far
         resubmitted = [(prompt, limit) for _, prompt, limit in core.submitted[len(PROMPTS_IDS):]]
         assert resubmitted and all(limit == 24 - (len(prompt) - 4) for prompt, limit in resubmitted), resubmitted
@@ -176,7 +179,9 @@ def test_slots_are_counted_and_a_sample_beyond_them_is_refused(model_dir: Path) 
         engine.close()
 
 
-def test_an_abort_the_worker_did_not_ask_for_and_an_empty_prompt_are_errors(model_dir: Path) -> None:  # noqa: F811
+def test_an_abort_the_worker_did_not_ask_for_and_an_empty_prompt_are_errors(
+    model_dir: Path,  # noqa: F811 - the fixture imported above
+) -> None:
     core = FakeCore(model_dir)
     engine = adapter("vllm", model_dir, core, finish_override="abort")
     try:
@@ -197,7 +202,8 @@ def test_generate_batches_through_the_same_requests(model_dir: Path) -> None:  #
     finally:
         engine.close()
     assert [len(g) for g in groups] == [3, 3] and len(core.submitted) == 6
-    assert all(s.versions.tolist() == [0] * len(s.token_ids) for g in groups for s in g)
+    # A continuous engine tags every token with its version.
+    assert all(s.versions.tolist() == [0] * len(s.token_ids) for g in groups for s in g)  # type: ignore[union-attr]
 
 
 def test_the_rollout_worker_drives_the_vllm_adapter_through_a_version_change(
@@ -268,5 +274,5 @@ def test_the_rollout_worker_drives_the_vllm_adapter_through_a_version_change(
         under_new = logprobs_under(trainer, new, prompt, response)
         got = torch.from_numpy(t.logprobs.numpy().copy())
         torch.testing.assert_close(got, torch.where(versions == 1, under_new, under_old), atol=1e-5, rtol=0,
-                                   msg=lambda m, t=t: f"{t.id}: {m}")
+                                   msg=lambda m, t=t: f"{t.id}: {m}")  # type: ignore[misc]  # the default binds the loop value
     assert spanning, f"no trajectory spanned v0 -> v1: {[t.versions.numpy().tolist() for t in stored]}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -18,7 +19,7 @@ from producers.datasets import epoch_size, records
 from schemas import PromptEvent
 from schemas.config import DataConfig
 
-ROWS = [{"prompt": f"q{i}=", "answer": str(i), "level": i % 3} for i in range(7)]
+ROWS: list[dict[str, Any]] = [{"prompt": f"q{i}=", "answer": str(i), "level": i % 3} for i in range(7)]
 CHATS = [
     {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"c{i}="}], "answer": str(i)}
     for i in range(5)
@@ -46,7 +47,7 @@ def test_every_row_once_per_epoch_in_a_seeded_order(tmp_path: Path, write) -> No
     out = list(records(cfg, 0))
     assert [(e, i) for e, i, _ in out] == [(e, i) for e in range(2) for i in range(len(ROWS))]
     for epoch in range(2):
-        prompts = [r["prompt"] for e, _, r in out if e == epoch]
+        prompts: list[str] = [r["prompt"] for e, _, r in out if e == epoch]
         assert sorted(prompts) == sorted(row["prompt"] for row in ROWS)  # each row once
     orders = [[r["prompt"] for e, _, r in out if e == epoch] for epoch in range(2)]
     assert orders[0] != orders[1], "each epoch is shuffled with its own seed"

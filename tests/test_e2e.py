@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -70,7 +71,7 @@ async def audit_run(url: str, topology: Topology) -> tuple[dict, list[str]]:
     result = await audit(js, topology, RunConfig().staleness)  # the bound 1, the default
     sub = await js.subscribe(topology.subject(DEAD, ">"), ordered_consumer=True)
     count = (await js.stream_info(topology.stream(DEAD))).state.messages
-    stages = sorted([(await sub.next_msg(timeout=5)).headers[STAGE] for _ in range(count)])
+    stages = sorted([(await sub.next_msg(timeout=5)).headers[STAGE] for _ in range(count)])  # type: ignore[index]  # a dead letter has headers
     await nc.close()
     return result, stages
 
@@ -93,7 +94,7 @@ def assert_run_directory(run: Path, summary: dict) -> None:
 def test_the_loop_learns_and_keeps_its_invariants(own_nats_server: EmbeddedNats, tmp_path: Path) -> None:
     url, topology = own_nats_server.url, Topology(run="e2e")
     logs = {role: open(tmp_path / f"{role}.log", "wb") for role in ROLES}  # noqa: SIM115
-    producer = subprocess.Popen(
+    producer: subprocess.Popen[Any] = subprocess.Popen(
         [sys.executable, "-m", "producers.prompts", "--config", str(e2e_config(tmp_path)), "--nats", url,
          "--out", str(tmp_path / "run")],
         cwd=ROOT, stdout=subprocess.PIPE, text=True,

@@ -2,8 +2,8 @@
 
 A real producer and a one-worker-per-role fleet run on a server of their own, with a
 config where generation is the bottleneck (deep thin model, two samples a prompt, one
-prompt per generate call, a staleness bound loose enough to keep prompts queued). Mid-run a second fleet adds two
-rollout workers, as a new node would, with nothing else restarted; then it is stopped
+prompt per generate call, a staleness bound loose enough to keep prompts queued). Mid-run a second
+fleet adds two rollout workers, as a new node would, with nothing else restarted; then it is stopped
 with SIGTERM (its workers drain) and the run finishes on the first. Trajectories stored
 per second are measured with one worker, with three, and with one again (the mean of the
 two single-worker figures is the baseline, so that a machine that slows or speeds up
@@ -153,12 +153,13 @@ def test_rollout_workers_join_and_leave_a_running_run(own_nats_server: EmbeddedN
     base.start()
     try:
         # Warm: the model is built, every worker serves, trajectories flow.
-        wait_for(lambda: base.check() or progress(url, topology).stored >= 2 * SAMPLES, 120)
+        # check() returns None or raises: `or` runs it before each look.
+        wait_for(lambda: base.check() or progress(url, topology).stored >= 2 * SAMPLES, 120)  # type: ignore[func-returns-value]
         before = measure(url, topology, [base], producer)
 
         extra.start()  # a new node's fleet: nothing else restarts
         joining = time.monotonic()
-        wait_for(lambda: base.check() or extra.check() or serving_rollouts(url, topology) == 3, 120)
+        wait_for(lambda: base.check() or extra.check() or serving_rollouts(url, topology) == 3, 120)  # type: ignore[func-returns-value]
         joined = time.monotonic() - joining
         measure(url, topology, [base, extra], producer)  # settling: a new worker's first calls are slow
         after = measure(url, topology, [base, extra], producer)
@@ -168,10 +169,13 @@ def test_rollout_workers_join_and_leave_a_running_run(own_nats_server: EmbeddedN
         wait_for(lambda: serving_rollouts(url, topology) == 1, 5)
         again = measure(url, topology, [base], producer)
         baseline = (before.rate + again.rate) / 2
-        print(f"\nrollout throughput, trajectories/s: {before.rate:.1f} with 1 worker, {after.rate:.1f} with 3, "
-              f"{again.rate:.1f} with 1 again (x{after.rate / baseline:.2f}); joining took {joined:.0f}s; "
-              f"prompts in flight at most {before.most_in_flight}/{after.most_in_flight}/{again.most_in_flight}, "
-              f"queued at least {before.least_queued}/{after.least_queued}/{again.least_queued}")
+        print(f"\nrollout throughput, trajectories/s: {before.rate:.1f} with 1 worker, "
+              f"{after.rate:.1f} with 3, {again.rate:.1f} with 1 again "
+              f"(x{after.rate / baseline:.2f}); joining took {joined:.0f}s; "
+              "prompts in flight at most "
+              f"{before.most_in_flight}/{after.most_in_flight}/{again.most_in_flight}, "
+              "queued at least "
+              f"{before.least_queued}/{after.least_queued}/{again.least_queued}")
 
         out, _ = producer.communicate(timeout=240)
         assert producer.returncode == 0, out
@@ -184,8 +188,8 @@ def test_rollout_workers_join_and_leave_a_running_run(own_nats_server: EmbeddedN
     assert max(before.most_in_flight, again.most_in_flight) <= HELD_PER_WORKER
     assert after.most_in_flight <= 3 * HELD_PER_WORKER
     assert after.rate >= MIN_GAIN * baseline, (
-        f"three rollout workers stored {after.rate:.1f} trajectories/s, one {baseline:.1f}: less than "
-        f"x{MIN_GAIN} (were other jobs using these cores? the new workers need idle CPU)"
+        f"three rollout workers stored {after.rate:.1f} trajectories/s, one {baseline:.1f}: "
+        f"less than x{MIN_GAIN} (were other jobs using these cores? the new workers need idle CPU)"
     )
     assert base.children["trainer-0"].state == "done"
     assert json.loads(out.strip().splitlines()[-1])["steps"] == STEPS

@@ -41,8 +41,9 @@ def test_server_dies_when_its_owner_is_sigkilled(tmp_path: Path) -> None:
     )
     server = None
     try:
+        assert owner.stdout is not None  # stdout=PIPE
         ready, _, _ = select.select([owner.stdout], [], [], 30)
-        line = owner.stdout.readline() if ready else ""  # type: ignore[union-attr]
+        line = owner.stdout.readline() if ready else ""
         assert line.strip().isdigit(), f"the owner did not start a server within 30 s: {line!r}"
         server = int(line)
         assert alive(server), "the server was not running before its owner was killed"

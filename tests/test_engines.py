@@ -1,13 +1,13 @@
 """The tiny model, the HF rollout engine and the torch train engine, on CPU."""
 
+import random
 from collections.abc import Sequence
 from pathlib import Path
-import random
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer
 import torch
+from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engines.device import DEVICE_ENV, resolve_device
@@ -35,7 +35,7 @@ def prompts(tokenizer, count: int) -> list[list[int]]:  # noqa: ANN001
 
 def collate(prompt_ids: Sequence[Sequence[int]], groups: list[list[Sample]]) -> MicroBatch:
     """Right-padded rows prompt + response, advantages +-1 alternating."""
-    rows = [(list(p), s) for p, group in zip(prompt_ids, groups) for s in group]
+    rows = [(list(p), s) for p, group in zip(prompt_ids, groups, strict=True) for s in group]
     width = max(len(p) + len(s.token_ids) for p, s in rows)
     batch = MicroBatch(
         input_ids=torch.zeros(len(rows), width, dtype=torch.long),
@@ -181,7 +181,7 @@ def test_train_step_is_on_policy_and_micro_batching_does_not_change_it(
     assert metrics["clip_frac"] == 0.0 and metrics["grad_norm"] > 0 and metrics["entropy"] > 0
     # Same gradient (compared before Adam, whose first step is ~lr * sign(g) and would
     # blow float-order noise on near-zero entries up to lr).
-    for (name, a), b in zip(whole.model.named_parameters(), parts.model.parameters()):
+    for (name, a), b in zip(whole.model.named_parameters(), parts.model.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-4, msg=name)
 
 
@@ -207,12 +207,14 @@ def test_a_behaviour_logprob_far_below_the_policy_is_clamped_and_the_step_trains
     metrics = train.train_step([far])
     assert np.isfinite(metrics["loss"]), f"loss {metrics['loss']} with one behaviour log-prob of -1e4"
     assert np.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0, (
-        f"grad_norm {metrics['grad_norm']}: the step's gradient is not finite, so the step was skipped"
+        f"grad_norm {metrics['grad_norm']}: the step's gradient is not finite, "
+        "so the step was skipped"
     )
     changed = [n for n, p in train.model.named_parameters() if not torch.equal(p, before[n])]
     assert len(changed) == len(before), f"only {len(changed)} of {len(before)} weights changed"
     assert metrics.get("log_ratio_clamped") == 1.0, (
-        f"log_ratio_clamped {metrics.get('log_ratio_clamped')}: the one clamped token is not counted"
+        f"log_ratio_clamped {metrics.get('log_ratio_clamped')}: "
+        "the one clamped token is not counted"
     )
 
 
@@ -222,7 +224,7 @@ def test_export_weights_are_cpu_copies_named_like_parameters(model_dir: Path) ->
     assert list(weights) == [name for name, _ in train.model.named_parameters()]
     assert all(t.device.type == "cpu" and t.is_contiguous() for t in weights.values())
     weights["model.norm.weight"].add_(1.0)
-    assert not torch.equal(weights["model.norm.weight"], train.model.model.norm.weight)
+    assert not torch.equal(weights["model.norm.weight"], train.model.model.norm.weight)  # type: ignore[union-attr, arg-type]  # a Qwen2 model
 
 
 def test_checkpoint_round_trip(model_dir: Path, batch: MicroBatch, tmp_path: Path) -> None:
@@ -241,7 +243,7 @@ def test_checkpoint_round_trip(model_dir: Path, batch: MicroBatch, tmp_path: Pat
     assert torch.equal(torch.rand(3), draws[0])
     assert np.array_equal(np.random.rand(3), draws[1]) and random.random() == draws[2]
     assert restored.step == 1
-    for a, b in zip(saved.model.parameters(), restored.model.parameters()):
+    for a, b in zip(saved.model.parameters(), restored.model.parameters(), strict=True):
         assert torch.equal(a, b)
     saved_opt, restored_opt = saved.optimizer.state_dict(), restored.optimizer.state_dict()
     for key, state in saved_opt["state"].items():
@@ -250,7 +252,7 @@ def test_checkpoint_round_trip(model_dir: Path, batch: MicroBatch, tmp_path: Pat
     # Same model + same optimizer state -> the next step is identical too.
     saved.train_step([batch])
     restored.train_step([batch])
-    for a, b in zip(saved.model.parameters(), restored.model.parameters()):
+    for a, b in zip(saved.model.parameters(), restored.model.parameters(), strict=True):
         assert torch.equal(a, b)
 
 

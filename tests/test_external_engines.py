@@ -14,9 +14,9 @@ import torch
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
+from bus.runtime import publish_config
 from bus.topology import Topology
 from consumers.checks import ModelLimits
-from bus.runtime import publish_config
 from engines.build import build_rollout_engine
 from engines.external_rollout import EngineUnavailable, named_weights, require, skeleton
 from engines.hf_rollout import HFRolloutEngine
@@ -71,7 +71,10 @@ def test_require_names_the_extra() -> None:
 
 
 @pytest.mark.parametrize("engine", MISSING)
-def test_an_engine_that_is_not_installed_is_refused_in_one_line(engine: str, model_dir: Path) -> None:  # noqa: F811
+def test_an_engine_that_is_not_installed_is_refused_in_one_line(
+    engine: str,
+    model_dir: Path,  # noqa: F811 - the fixture imported above
+) -> None:
     with pytest.raises(EngineUnavailable) as refused:
         build_rollout_engine(parse_config({"rollout": {"engine": engine}}).rollout.engine, model_dir, seed=0)
     message = str(refused.value)

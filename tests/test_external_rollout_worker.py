@@ -23,10 +23,10 @@ from transformers import AutoTokenizer
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
-from bus.topology import PROMPTS, TRAJECTORIES, WEIGHTS, Topology
-from consumers.rollout import Rollout, rollout_stage
 from bus.runtime import attach, publish_config
 from bus.stage import serve
+from bus.topology import PROMPTS, TRAJECTORIES, WEIGHTS, Topology
+from consumers.rollout import Rollout, rollout_stage
 from engines.external_rollout import skeleton
 from engines.hf_rollout import HFRolloutEngine
 from engines.protocols import SamplingParams
@@ -76,7 +76,7 @@ def vllm_adapter(model_dir: Path) -> tuple[VLLMRolloutEngine, StandInLLM]:  # no
     engine = object.__new__(VLLMRolloutEngine)
     llm = StandInLLM(hf)
     engine.model, engine.eos_token_ids, engine.dtype = skeleton(model_dir), hf.eos_token_ids, None
-    engine._vllm, engine.llm, engine.version = SimpleNamespace(SamplingParams=lambda **kw: kw), llm, 0
+    engine._vllm, engine.llm, engine.version = SimpleNamespace(SamplingParams=lambda **kw: kw), llm, 0  # type: ignore[assignment]  # a stand-in vllm module
     return engine, llm
 
 
@@ -161,4 +161,4 @@ def check_logprobs(trainer: TorchTrainEngine, trajectories: list[TrajectoryEvent
         ids = torch.tensor([prompt + response])
         expected = trainer.logprobs(ids, torch.ones_like(ids))[0, len(prompt) :]
         got = torch.from_numpy(t.logprobs.numpy().copy())
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0, msg=lambda m, t=t: f"{t.id}: {m}")
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0, msg=lambda m, t=t: f"{t.id}: {m}")  # type: ignore[misc]  # the default binds the loop value

@@ -25,7 +25,8 @@ STAND_IN = "tests.fleet_proc"
 
 
 def fleet_cli(config: dict, tmp_path: Path) -> subprocess.Popen[str]:
-    """`python -m consumers.fleet` on `config`; no worker here talks to NATS, so the URL is unused."""
+    """`python -m consumers.fleet` on `config`; no worker here talks to NATS,
+    so the URL is unused."""
     path = tmp_path / "fleet.yaml"
     path.write_text(yaml.safe_dump({"run": "fleet-test", "logs": str(tmp_path / "logs"), **config}))
     return subprocess.Popen(
@@ -179,7 +180,8 @@ def test_cli_reports_a_config_error_in_one_line(tmp_path: Path) -> None:
     _, err = fleet.communicate(timeout=30)
     assert fleet.returncode == 1
     assert err.strip().splitlines() == [
-        f"consumers.fleet: {tmp_path / 'fleet.yaml'}: roles.rollout.gpus: Extra inputs are not permitted"
+        f"consumers.fleet: {tmp_path / 'fleet.yaml'}: roles.rollout.gpus: "
+        "Extra inputs are not permitted"
     ]
 
 

@@ -1,4 +1,5 @@
-"""FSDP2 on CPU: two gloo ranks train as the single-process engine does on the union of their batches.
+"""FSDP2 on CPU: two gloo ranks train as the single-process engine does on the union of their
+batches.
 
 Two spawned processes run `tests.fsdp_proc.rank_main` over a recorded stream of 4 steps in
 which the ranks' token counts differ, their micro-batch counts differ, and rank 1 has no
@@ -77,7 +78,7 @@ def test_two_ranks_train_as_one_process_on_the_union(ranks, single) -> None:
         # constant added to every key of a query cancels in the softmax): its whole update is
         # such noise, allowed 1% of one step.
         atol = 1e-4 if name.endswith("k_proj.bias") else 1e-5
-        torch.testing.assert_close(exported[name], tensor, rtol=1e-5, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(exported[name], tensor, rtol=1e-5, atol=atol, msg=lambda m, n=name: f"{n}: {m}")  # type: ignore[misc]  # the default binds the loop value
 
 
 def test_a_resumed_engine_continues_exactly(ranks) -> None:

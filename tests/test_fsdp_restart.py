@@ -20,6 +20,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
@@ -28,8 +29,8 @@ from nats.aio.msg import Msg
 from nats.js.errors import KeyNotFoundError
 
 from bus.embedded import EmbeddedNats
-from bus.topology import BATCHES, metrics_key
 from bus.runtime import Runtime
+from bus.topology import BATCHES, metrics_key
 from consumers.trainer import loss_config, micro_batch
 from consumers.update_history import UpdateHistory
 from engines.tiny import build_tiny_model
@@ -115,7 +116,8 @@ def test_a_killed_rank_breaks_the_group_and_both_resume(nats_server: EmbeddedNat
             procs[1].wait()
             procs[1] = trainer(nats_server.url, run, 1, logs[1])
             restarted = time.monotonic()
-            # Rank 0 waits for step KILL_AFTER's batches, which are not there: only its watch can end it.
+            # Rank 0 waits for step KILL_AFTER's batches, which are not there:
+            # only its watch can end it.
             while procs[0].poll() is None and time.monotonic() - restarted < LEAVE_WITHIN:
                 await asyncio.sleep(0.2)
             noticed = time.monotonic() - restarted
@@ -134,7 +136,8 @@ def test_a_killed_rank_breaks_the_group_and_both_resume(nats_server: EmbeddedNat
         await watching.unsubscribe()
         await rt.close()
         stream = {step: sorted(bs, key=lambda b: (b.dp_rank, b.micro_index)) for step, bs in sent.items()}
-        return records, noticed, stream, kept
+        # Every step was recorded (both ranks finished); a missing one fails the checks below.
+        return cast(list[list[dict]], records), noticed, stream, kept
 
     records, noticed, stream, kept = asyncio.run(scenario())
     # Each rank trimmed its own subject once the checkpoint at 6 steps was committed on both: step 5

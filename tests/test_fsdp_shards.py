@@ -79,7 +79,8 @@ def test_each_rank_stores_its_own_shard_and_a_follower_rebuilds_the_weights_bit_
     for r in range(WORLD):
         for v in seen[r]["versions"]:
             assert v["names"] == [n for n in params if n in set(layout[r])], f"rank {r} v{v['version']}: {v['names']}"
-            # What rank r received: its own tensors, each as WORLD pieces of ceil(rows / WORLD) rows.
+            # What rank r received: its own tensors, each as WORLD pieces of ceil(rows / WORLD)
+            # rows.
             owned = sum(WORLD * math.ceil(params[n].shape[0] / WORLD) * params[n][0].nbytes for n in layout[r])
             assert v["gathered_bytes"] == owned, (r, v["gathered_bytes"], owned, total)
             assert v["gathered_bytes"] < 0.75 * total, f"rank {r} gathered {v['gathered_bytes']} of {total} bytes"

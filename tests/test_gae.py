@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,7 +24,8 @@ from producers.tasks import VOCAB
 from schemas.config import RunConfig
 
 
-def close(actual: torch.Tensor, expected: list, atol: float = 1e-5) -> None:
+def close(actual: torch.Tensor | None, expected: float | list[Any], atol: float = 1e-5) -> None:
+    assert actual is not None  # a gradient the test expects to exist
     torch.testing.assert_close(actual.float(), torch.tensor(expected, dtype=torch.float32), atol=atol, rtol=0)
 
 
@@ -64,9 +66,9 @@ def test_whitening_spans_every_micro_batch_of_the_step() -> None:
 
 
 def test_value_loss_by_hand() -> None:
-    # eps .2. (V, V_old, R): (1.5, 1, 2): plain .25, clipped V 1.2 -> .64: loss .32, clipped, no grad;
-    # (1.1, 1, 2): inside the range, .405; (.5, 1, 0): plain .25, clipped V .8 -> .64: .32, clipped;
-    # (.5, 1, 2): plain 2.25 > clipped 1.44: 1.125 with gradient V - R = -1.5.
+    # eps .2. (V, V_old, R): (1.5, 1, 2): plain .25, clipped V 1.2 -> .64: loss .32, clipped,
+    # no grad; (1.1, 1, 2): inside the range, .405; (.5, 1, 0): plain .25, clipped V .8 -> .64:
+    # .32, clipped; (.5, 1, 2): plain 2.25 > clipped 1.44: 1.125 with gradient V - R = -1.5.
     values = torch.tensor([[1.5, 1.1, 0.5, 0.5]], requires_grad=True)
     old, returns = torch.tensor([[1.0, 1.0, 1.0, 1.0]]), torch.tensor([[2.0, 2.0, 0.0, 2.0]])
     terms = gae.value_loss(values, old, returns, clip=0.2)
@@ -128,7 +130,8 @@ def test_value_loss_matches_a_naive_loop_in_value_and_gradient() -> None:
             vc = min(max(v, vo - 0.2), vo + 0.2)
             plain, clipped = (v - r) ** 2, (vc - r) ** 2
             assert got[i, t].item() == pytest.approx(0.5 * max(plain, clipped), abs=1e-12)
-            # d/dV: (V - R) from the plain branch; the clipped one moves with V only inside the range.
+            # d/dV: (V - R) from the plain branch; the clipped one moves with V only inside the
+            # range.
             slope = (v - r) if plain >= clipped else ((vc - r) if abs(v - vo) < 0.2 else 0.0)
             assert grad[i, t].item() == pytest.approx(slope, abs=1e-12)
 
@@ -137,9 +140,9 @@ def test_whitening_matches_the_concatenated_step() -> None:
     gen = torch.Generator().manual_seed(5)
     parts = [torch.randn(shape, generator=gen, dtype=torch.float64) for shape in ((3, 7), (2, 4))]
     masks = [(torch.rand(p.shape, generator=gen) > 0.4).double() for p in parts]
-    flat = torch.cat([p[m > 0] for p, m in zip(parts, masks)])
+    flat = torch.cat([p[m > 0] for p, m in zip(parts, masks, strict=True)])
     want = (flat - flat.mean()) / (flat.var() + gae.WHITEN_EPS).sqrt()
-    got = torch.cat([w[m > 0] for w, m in zip(gae.whiten_step(parts, masks), masks)])
+    got = torch.cat([w[m > 0] for w, m in zip(gae.whiten_step(parts, masks), masks, strict=True)])
     torch.testing.assert_close(got, want)
 
 
@@ -161,7 +164,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def fixed_batch(eng: TorchTrainEngine) -> MicroBatch:
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, eng.model.config.vocab_size, (ROWS, WIDTH), generator=gen)
+    ids = torch.randint(0, eng.model.config.vocab_size, (ROWS, WIDTH), generator=gen)  # type: ignore[union-attr, arg-type]
     attention = torch.ones(ROWS, WIDTH, dtype=torch.long)
     loss_mask = torch.zeros(ROWS, WIDTH)
     loss_mask[:, WIDTH - RESPONSE:] = 1
@@ -213,7 +216,7 @@ def test_the_policy_step_takes_the_gae_advantages_in_place_of_the_scores(model_d
     (token_adv,) = gae.whiten_step([adv], [batch.loss_mask])
     with_critic.train_step([batch])
     plain.train_step([dataclasses.replace(batch, advantages=token_adv)])
-    for (name, p), q in zip(with_critic.model.named_parameters(), plain.model.parameters()):
+    for (name, p), q in zip(with_critic.model.named_parameters(), plain.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, msg=name)
 
 
@@ -271,7 +274,8 @@ def test_the_config_builds_the_critic(model_dir: Path) -> None:
         "algorithm": {"advantage": "gae", "gamma": 0.99, "gae_lambda": 0.9, "value_clip": None, "critic_lr": 1e-5},
     })
     assert critic_config(cfg) == CriticConfig(lr=1e-5, gamma=0.99, lam=0.9, value_clip=None)
-    assert critic_config(RunConfig.model_validate({"algorithm": {"advantage": "gae", "lr": 2e-4}})).lr == 2e-4
+    gae_critic = critic_config(RunConfig.model_validate({"algorithm": {"advantage": "gae", "lr": 2e-4}}))
+    assert gae_critic is not None and gae_critic.lr == 2e-4
     assert critic_config(RunConfig.model_validate({})) is None
     one = RunConfig.model_validate(
         {"algorithm": {"advantage": "gae", "drop_equal_reward_groups": False}, "data": {"n": 1}}

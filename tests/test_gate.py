@@ -114,7 +114,7 @@ def test_the_producer_issues_exactly_what_the_gate_admits(nats_server: EmbeddedN
         log.close()
 
 
-async def refuse_prompts(url: str, topology: Topology, producer: subprocess.Popen[bytes]) -> None:
+async def refuse_prompts(url: str, topology: Topology, producer: subprocess.Popen[str]) -> None:
     """Play a rollout that refuses every prompt: each refusal opens the gate for a replacement."""
     nc = await connect(url, "test-gate-refusals")
     js = nc.jetstream()

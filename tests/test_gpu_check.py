@@ -25,7 +25,8 @@ def run_check(args: list[str], timeout: float, env: dict[str, str] | None = None
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, **(env or {})})
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"gpu_check {' '.join(args)} did not finish in {timeout:.0f}s; output: {str(exc.stdout)[-2000:]}")
+        pytest.fail(f"gpu_check {' '.join(args)} did not finish in {timeout:.0f}s; output: "
+                    f"{str(exc.stdout)[-2000:]}")
     output = done.stdout + done.stderr
     assert done.returncode == 0, f"gpu_check exited {done.returncode}: {output[-3000:]}"
     lines = done.stdout.strip().splitlines()
@@ -95,7 +96,8 @@ def test_section_past_its_budget_is_killed_and_the_next_runs() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason=f"CUDA not available (torch {torch.__version__}): the engines section on a GPU needs one")
+                    reason=f"CUDA not available (torch {torch.__version__}): "
+                           "the engines section on a GPU needs one")
 def test_engines_section_runs_on_cuda() -> None:
     report, output = run_check(["--tiny", "--device", "cuda", "--sections", "engines"], timeout=300)
     engines = report["sections"]["engines"]

@@ -63,7 +63,8 @@ def test_adaptive_kl_coef_by_hand() -> None:
 
 
 def test_adaptive_kl_coef_converges_from_either_side() -> None:
-    # The KL falls as the coefficient rises (kl = .02 / beta): the controller settles where kl = target.
+    # The KL falls as the coefficient rises (kl = .02 / beta):
+    # the controller settles where kl = target.
     for beta in (0.01, 2.0):
         for _ in range(3000):
             beta = adaptive_kl_coef(beta, 0.02 / beta, 0.1, 1000, 64)

@@ -16,14 +16,15 @@ from pathlib import Path
 import pytest
 
 from bus.embedded import EmbeddedNats
-from bus.topology import TRAJECTORIES, Topology
 from bus.runtime import attach
+from bus.topology import TRAJECTORIES, Topology
 from producers.launcher import lag
 from tests.helpers import declare_run
 
 ROOT = Path(__file__).resolve().parent.parent
 STOPPED = re.compile(
-    r"^producers\.prompts: stopped by (SIG[A-Z]+) after (\d+) of 1000 steps; every worker stopped\. "
+    r"^producers\.prompts: stopped by (SIG[A-Z]+) after (\d+) of 1000 steps; "
+    r"every worker stopped\. "
     r"Resume with: python -m producers\.prompts --run \S+ --steps 1000 --out (\S+)$"
 )
 
@@ -55,7 +56,8 @@ def wait_for_a_step(job: subprocess.Popen[str], deadline_s: float = 120.0) -> No
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         line = job.stdout.readline()
-        assert line, f"the job ended before training a step: {job.wait()} {job.stderr.read() if job.stderr else ''}"
+        assert line, (f"the job ended before training a step: {job.wait()} "
+                      f"{job.stderr.read() if job.stderr else ''}")
         if (m := re.search(r"step\s+(\d+)/", line)) and int(m.group(1)) >= 1:
             return
     pytest.fail(f"no trained step within {deadline_s:.0f} s")

@@ -17,7 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+)
 
 from engines.megatron_config import spec_from_hf
 from engines.megatron_names import (
@@ -52,7 +58,7 @@ def tiny_llama(tie: bool = False) -> torch.nn.Module:
     config = LlamaConfig(
         vocab_size=15, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=tie, rope_theta=5e5,
-    )
+    )  # type: ignore[call-arg]  # transformers 5 takes rope_theta through **kwargs
     return LlamaForCausalLM(config)
 
 
@@ -65,7 +71,8 @@ def hf_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def test_qkv_is_fused_group_major_as_megatron_reads_it() -> None:
-    """4 query heads in 2 groups, head_dim 2: group g's rows are [q heads 2g, 2g+1; k head g; v head g]."""
+    """4 query heads in 2 groups, head_dim 2: group g's rows are [q heads 2g, 2g+1; k head g;
+    v head g]."""
     spec = spec_from_hf(Qwen2Config(hidden_size=8, num_attention_heads=4, num_key_value_heads=2, intermediate_size=8))
     assert (spec.head_dim, spec.num_query_groups) == (2, 2)
     # Row r of q is q head r // 2, element r % 2; values say which: q 0..7, k 100.., v 200..
@@ -192,13 +199,14 @@ def test_tiny_configs_translate(tiny_qwen2: torch.nn.Module) -> None:
     kwargs = spec.transformer_config_kwargs()
     assert kwargs == {
         "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2, "kv_channels": 16,
-        "ffn_hidden_size": 256, "normalization": "RMSNorm", "layernorm_epsilon": tiny_qwen2.config.rms_norm_eps,
+        "ffn_hidden_size": 256, "normalization": "RMSNorm", "layernorm_epsilon": tiny_qwen2.config.rms_norm_eps,  # type: ignore[union-attr]
         "gated_linear_unit": True, "add_bias_linear": False, "add_qkv_bias": True, "hidden_dropout": 0.0,
         "attention_dropout": 0.0, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
     }
     assert spec.gpt_model_kwargs() == {
         "vocab_size": len(VOCAB), "max_sequence_length": 64, "position_embedding_type": "rope",
-        "rotary_base": tiny_qwen2.config.rope_parameters["rope_theta"], "rotary_percent": 1.0,
+        "rotary_base": tiny_qwen2.config.rope_parameters["rope_theta"],  # type: ignore[union-attr, index]
+        "rotary_percent": 1.0,
         "share_embeddings_and_output_weights": True,
     }
     llama = spec_from_hf(tiny_llama().config, tensor_parallel_size=2)

@@ -2,8 +2,8 @@
 parallel 2, on CPU ranks (gloo).
 
 The local job starts `trainer` (rank 0) and `trainer-rank1`: `trainer.ranks` is dp_size x
-tensor x pipeline parallel. They meet through the run's KV as fsdp ranks do, both read `batches.0` (one
-model copy, cut in two: by tensor slices or by layer stages), and take each step together: the
+tensor x pipeline parallel. They meet through the run's KV as fsdp ranks do, both read `batches.0`
+(one model copy, cut in two: by tensor slices or by layer stages), and take each step together: the
 same loss on both (at pipeline parallel the last stage's, handed to the first), each step's
 samples trained once, one checkpoint of both parts, and every version gathered to rank 0 and
 loaded by the rollout worker under HF names. Needs megatron-core (the dev extra has it).

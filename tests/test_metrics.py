@@ -41,7 +41,8 @@ def test_prometheus_endpoint_serves_the_counters(
         page = urllib.request.urlopen(url, timeout=10).read().decode()
 
     def value(name: str, **labels: str) -> float:
-        """The sample of series `name` whose labels include `labels` (the exporter adds otel_scope_*)."""
+        """The sample of series `name` whose labels include `labels`
+        (the exporter adds otel_scope_*)."""
         for line in page.splitlines():
             match = re.fullmatch(r"(\w+)\{(.*)\} (\S+)", line)
             if match and match[1] == name and labels.items() <= dict(re.findall(r'(\w+)="([^"]*)"', match[2])).items():

@@ -23,9 +23,9 @@ import yaml
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
+from bus.runtime import publish_config
 from bus.topology import Topology
 from consumers.rollout import Rollout
-from bus.runtime import publish_config
 from engines.model_source import ModelNotFound, resolve_model_path
 from engines.tiny import build_tiny_model
 from producers.tasks import VOCAB
@@ -44,7 +44,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def hub_cache(root: Path, model: Path, repo: str = REPO, commit: str = COMMIT) -> Path:
-    """`root` laid out as huggingface_hub's cache holding `model` as `repo` at `commit` (refs/main)."""
+    """`root` laid out as huggingface_hub's cache holding `model` as `repo` at `commit`
+    (refs/main)."""
     repo_dir = root / f"models--{repo.replace('/', '--')}"
     snapshot = repo_dir / "snapshots" / commit
     shutil.copytree(model, snapshot)

@@ -50,10 +50,10 @@ def test_group_completes_and_names_its_drop_reason() -> None:
     assert not group.complete
     group.add(reward("r", 0, 1, 1.0), None)  # type: ignore[arg-type]
     assert group.complete and group.drop_reason() == "all 2 rewards equal (1)"
-    group.add(reward("r", 0, 1, 0.0), None)  # type: ignore[arg-type]
+    group.add(reward("r", 0, 1, 0.0), None)
     assert group.drop_reason() is None and group.min_version == 0
     failed = reward("r", 0, 1, 0.0).model_copy(update={"failed": True, "reason": "timeout after 5s"})
-    group.add(failed, None)  # type: ignore[arg-type]
+    group.add(failed, None)
     assert group.drop_reason() == "failed sample r/0/0/1: timeout after 5s"
 
 
@@ -146,12 +146,15 @@ def test_equal_reward_groups_are_kept_when_dynamic_sampling_is_off() -> None:
     [
         # Would stall at step 2 with no message: the gate waits for a version never published.
         ("trainer: {sync_every: 3}\nalgorithm: {max_staleness: 1}\n",
-         r"run.yaml: trainer.sync_every 3 > algorithm.max_staleness \+ 1 = 2: the gate would wait"),
+         r"run.yaml: trainer.sync_every 3 > algorithm.max_staleness \+ 1 = 2: "
+         r"the gate would wait"),
         # A typo used to stall the run at the first complete group (KeyError in the buffer).
-        ("algorithm: {advantage: grpoo}\n", r"algorithm.advantage: Input should be 'grpo', 'dr_grpo', 'rloo', 'reinforce_pp', 'reinforce_pp_baseline', 'passk' or 'gae'"),
+        ("algorithm: {advantage: grpoo}\n", r"algorithm.advantage: Input should be 'grpo', 'dr_grpo', 'rloo', 'reinforce_pp', "
+                                            r"'reinforce_pp_baseline', 'passk' or 'gae'"),
         ("algorithm: {policy_loss: ppo2}\n", r"algorithm.policy_loss: Input should be 'ppo', 'gspo' or 'cispo'"),
         ("algorithm: {loss_aggregation: mean}\n", r"algorithm.loss_aggregation: Input should be 'token-mean'"),
-        # A group of one has no baseline: its advantage is 0 or undefined, and it stalled the buffer.
+        # A group of one has no baseline: its advantage is 0 or undefined,
+        # and it stalled the buffer.
         ("data: {n: 1}\nalgorithm: {drop_equal_reward_groups: false}\n",
          r"data.n 1: group-relative advantages need at least 2 samples per prompt"),
     ],

@@ -224,8 +224,8 @@ def test_a_version_loads_between_two_tokens_and_the_samples_in_flight_go_on_with
             taken[int(versions[-1])] = taken.get(int(versions[-1]), 0) + 1
     # Each load came with every slot mid-way into a sample (more queued): those went on with it.
     assert all(taken.get(v, 0) >= 1 for v in range(1, LOADS + 1)), (
-        f"samples that took each version mid-way (partial rollout): {taken}; the samples in flight were "
-        f"drained instead of resumed with the new weights"
+        f"samples that took each version mid-way (partial rollout): {taken}; "
+        "the samples in flight were drained instead of resumed with the new weights"
     )
 
 

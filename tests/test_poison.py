@@ -45,6 +45,8 @@ from bus.connection import connect
 from bus.dead import HEADERS_ROOM, REASON, SEQUENCE, STAGE, SUBJECT, TRUNCATED
 from bus.embedded import MAX_PAYLOAD, EmbeddedNats
 from bus.publisher import Publisher
+from bus.runtime import Runtime, attach, publish_config
+from bus.stage import Builder, Stage, serve
 from bus.topology import (
     BATCHES,
     CHANNELS,
@@ -63,8 +65,6 @@ from consumers import reference as reference_stage
 from consumers import reward as reward_stage
 from consumers import rollout as rollout_stage
 from consumers.checks import ModelLimits
-from bus.runtime import Runtime, attach, publish_config
-from bus.stage import Builder, Stage, serve
 from engines.tiny import build_tiny_model
 from producers.tasks import VOCAB
 from schemas import (
@@ -260,7 +260,8 @@ def ids_tensor(values: list[int] | np.ndarray) -> Tensor:
 
 
 def scored(prompt_id: str, sample: int, group: int, response: list[int], reward: float) -> RewardEvent:
-    """A RewardEvent for `response` (ids, which need not be in the vocabulary) to prompt "c1234="."""
+    """A RewardEvent for `response` (ids, which need not be in the vocabulary) to prompt
+    "c1234="."""
     n = len(response)
     t = TrajectoryEvent(
         id=f"{prompt_id}/{sample}", run=prompt_id.split("/")[0], prompt_id=prompt_id, sample_index=sample,
@@ -308,9 +309,11 @@ class Fleet:
         self.runtimes: list[Runtime] = []
         self.stages: list[Stage[Any]] = []
         self.refused_weights: list[bytes] = []
-        """Weight events that decode but must be refused: forged checksum, missing object, bad bytes, wrong shapes."""
+        """Weight events that decode but must be refused: forged checksum, missing object,
+        bad bytes, wrong shapes."""
         self.held_group = f"{self.run}/held"
-        """A group of two of which the buffer holds one sample for good (poison claims another size for it)."""
+        """A group of two of which the buffer holds one sample for good
+        (poison claims another size for it)."""
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float = 120.0) -> T:
         """Run `coro` on the fleet's loop and return its result."""
@@ -564,7 +567,7 @@ def fleet(nats_server: EmbeddedNats, tmp_path_factory: pytest.TempPathFactory) -
 def check_dead(stream: str, keys: list[Key], dead: list[Dead]) -> None:
     """Each poison message is a dead letter of the stage that reads `stream`, with a reason,
     and was known for poison at once: never retried until the delivery limit."""
-    for key, letter in zip(keys, dead):
+    for key, letter in zip(keys, dead, strict=False):
         assert letter.stage == READER[stream] and letter.reason, (key, letter.stage, letter.reason)
         assert not letter.reason.startswith(("failed ", "gave up")), (key, letter.reason)
 
@@ -634,7 +637,9 @@ def other_step_batches() -> st.SearchStrategy[bytes]:
 def poison_for(stream: str, fleet: Fleet) -> st.SearchStrategy[bytes]:
     """Hypothesis-made poison for `stream`: mutated golden events that do not decode, and
     events that decode but the stage that reads the stream must refuse."""
-    broken = undecodable(GOLDEN_NAME[stream], EVENT[stream])
+    event_type = EVENT[stream]
+    assert event_type is not None  # the streams poisoned here carry events
+    broken = undecodable(GOLDEN_NAME[stream], event_type)
     refused = {
         "prompts": refused_prompts(),
         "trajectories": broken,
@@ -715,8 +720,8 @@ def test_reference_stage_poison(nats_server: EmbeddedNats, tmp_path: Path) -> No
     def refused_by_buffer() -> list[bytes]:
         bare = scored(f"{run}/b", 0, 2, [TOKEN["1"]], 1.0)  # never passed the reference stage
         fields = msgpack.unpackb(encode(bare))
-        positive = {**fields, "ref_logprobs": {"dtype": "float32", "shape": [1], "data": np.float32([0.5]).tobytes()}}
-        short = {**fields, "ref_logprobs": {"dtype": "float32", "shape": [2], "data": np.float32([-1, -1]).tobytes()}}
+        positive = {**fields, "ref_logprobs": {"dtype": "float32", "shape": [1], "data": np.array([0.5], dtype=np.float32).tobytes()}}
+        short = {**fields, "ref_logprobs": {"dtype": "float32", "shape": [2], "data": np.array([-1, -1], dtype=np.float32).tobytes()}}
         return [encode(bare), msgpack.packb(positive, use_bin_type=True), msgpack.packb(short, use_bin_type=True)]
 
     async def scenario() -> tuple[dict[str, list[Dead]], BatchEvent]:

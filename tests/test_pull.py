@@ -79,7 +79,8 @@ def test_pulled_messages_ack_nak_term_and_heartbeat_like_jetstream_messages(
                     await msg.ack_sync()
             beats.cancel()
             assert [(seq, n) for seq, n, _ in back] == [(3, 2)], (
-                f"expected only the nak'ed message back, on its second delivery; got (seq, delivery, after s) {back}"
+                "expected only the nak'ed message back, on its second delivery; got (seq, "
+                f"delivery, after s) {back}"
             )
             assert back[0][2] >= 0.25, f"the nak'ed message came back {back[0][2]:.2f} s after a 0.3 s delay"
             await held.ack_sync()  # waits for the server, which consumer_info then reflects
@@ -183,6 +184,6 @@ def test_bus_uses_no_private_attribute_of_another_object() -> None:
         for node in ast.walk(ast.parse(path.read_text())):
             private = isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
             own = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
-            if private and not own and ast.unparse(node) not in documented:
+            if isinstance(node, ast.Attribute) and private and not own and ast.unparse(node) not in documented:
                 reached.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
     assert not reached, f"private attributes reached: {reached}"

@@ -1,4 +1,5 @@
-"""The reward pool against misbehaving functions, and the reward worker against a real nats-server."""
+"""The reward pool against misbehaving functions, and the reward worker against a real
+nats-server."""
 
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.lag import queue_lag
 from bus.publisher import Publisher
+from bus.runtime import attach, publish_config
+from bus.stage import serve
 from bus.topology import REWARDS, TRAJECTORIES, Topology
 from consumers import reward as reward_stage
 from consumers.reward_pool import Limits, RewardPool, RewardSpecError, Score
 from consumers.reward_sandbox import Isolation
-from bus.runtime import attach, publish_config
-from bus.stage import serve
 from schemas import RewardEvent, TrajectoryEvent, decode
 from schemas.config import DataConfig, RewardConfig, RunConfig
 from tests import reward_fns
@@ -111,8 +112,10 @@ def test_bad_specs_are_refused_with_one_line() -> None:
         "tests.reward_fns": "reward function 'tests.reward_fns' must be 'module:function'",
         "no_such_module:f": "reward function 'no_such_module:f': cannot import 'no_such_module': "
         "ModuleNotFoundError: No module named 'no_such_module'",
-        f"{FNS}:missing": f"reward function '{FNS}:missing': module '{FNS}' has no attribute 'missing'",
-        f"{FNS}:NOT_CALLABLE": f"reward function '{FNS}:NOT_CALLABLE': 'NOT_CALLABLE' is not callable (it is int)",
+        f"{FNS}:missing": f"reward function '{FNS}:missing': module '{FNS}' has no attribute "
+                          "'missing'",
+        f"{FNS}:NOT_CALLABLE": f"reward function '{FNS}:NOT_CALLABLE': "
+                               "'NOT_CALLABLE' is not callable (it is int)",
     }
 
     async def main() -> None:
@@ -163,7 +166,8 @@ def descendants(root: int) -> set[int]:
                 parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
             except (OSError, IndexError, ValueError):
                 continue
-    found, frontier = set(), {root}
+    found: set[int] = set()
+    frontier = {root}
     while frontier:
         frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
         found |= frontier
@@ -183,7 +187,8 @@ def running(pid: int) -> bool:
 
 
 def run_config(topology: Topology, reward: str, batch: int = 16) -> RunConfig:
-    """A run scored by `reward` in two processes with a 1 s deadline, `batch` items per round trip."""
+    """A run scored by `reward` in two processes with a 1 s deadline,
+    `batch` items per round trip."""
     return RunConfig(
         run=topology.run, data=DataConfig(reward=reward), reward=RewardConfig(timeout=1.0, processes=2, batch=batch)
     )
@@ -194,7 +199,8 @@ Inputs = list[TrajectoryEvent | bytes]
 
 
 async def set_up_run(js: JetStreamContext, topology: Topology, config: RunConfig, inputs: Inputs) -> None:
-    """Declare the run, store its config, and put `inputs` (events or raw bytes) on the trajectories subject."""
+    """Declare the run, store its config, and put `inputs` (events or raw bytes) on the trajectories
+    subject."""
     await topology.apply(js)
     await publish_config(await js.key_value(topology.kv_bucket), config)
     publisher = Publisher(js, topology)
@@ -245,6 +251,7 @@ def run_reward_worker(
             stop.set()
             await task
         finally:
+            assert stage.close is not None  # the reward stage closes its pool
             await stage.close()
         try:
             return await stored_rewards(js, topology), await dead_letters(js, topology), rt.source
@@ -275,7 +282,7 @@ def test_worker_publishes_rewards_and_dead_letters_garbage(nats_server: Embedded
         t.id: RewardEvent(
             id=t.id, run=topology.run, time=rewards[t.id].time, source=source, trajectory=t, reward=expected
         )
-        for t, (_, _, expected) in zip(trajectories, cases)
+        for t, (_, _, expected) in zip(trajectories, cases, strict=True)
     }
     assert len(dead) == 1 and dead[0][0] == garbage and dead[0][1].startswith("not msgpack")
 

@@ -1,4 +1,5 @@
-"""The reward sandbox: reward code that tries to escape fails, its sample says why, the pool goes on.
+"""The reward sandbox: reward code that tries to escape fails, its sample says why,
+the pool goes on.
 
 These need the namespaces (`unshare` able to make user, network, pid and mount namespaces); where
 they cannot be made they are skipped, and `test_required_refuses_without_namespaces` still runs.
@@ -27,7 +28,14 @@ from consumers.reward_pool import Limits, RewardPool, Score
 from consumers.reward_sandbox import IsolationUnavailable
 from schemas.config import RewardConfig
 from tests.helpers import trajectory
-from tests.test_reward import FNS, ROOT, reverse_task, run_config, run_reward_worker, score_then_recover
+from tests.test_reward import (
+    FNS,
+    ROOT,
+    reverse_task,
+    run_config,
+    run_reward_worker,
+    score_then_recover,
+)
 
 ISOLATED = asyncio.run(reward_sandbox.choose("auto"))
 FORK_DEADLINE = 20.0
@@ -94,7 +102,8 @@ def test_reward_code_cannot_read_the_workers_identity_file(monkeypatch: pytest.M
 
 @needs_namespaces
 def test_an_identity_under_tmp_is_out_of_sight_already(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The local job's identities may sit under /tmp, which the sandbox replaces: nothing to hide, no failure."""
+    """The local job's identities may sit under /tmp, which the sandbox replaces:
+    nothing to hide, no failure."""
     seed = tmp_path / "identities" / "reward.nk"
     seed.parent.mkdir(mode=0o700)
     write_private(seed, new_seed())
@@ -132,7 +141,8 @@ def test_reward_code_cannot_fork_without_bound() -> None:
 
 @needs_namespaces
 def test_escapes_fail_their_samples_and_the_run_goes_on(nats_server: EmbeddedNats, topology: Topology) -> None:
-    """The reward worker on a real bus: each escape is one failed sample, the good ones are scored."""
+    """The reward worker on a real bus: each escape is one failed sample,
+    the good ones are scored."""
     outside = ROOT / f".escape-{secrets.token_hex(4)}"
     escapes: dict[str, dict[str, Any]] = {
         "connect_bus": {"port": nats_server.port},
@@ -166,13 +176,15 @@ def test_escapes_fail_their_samples_and_the_run_goes_on(nats_server: EmbeddedNat
 
 def test_required_refuses_without_namespaces(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                              caplog: pytest.LogCaptureFixture) -> None:
-    """No `unshare` on PATH: `required` refuses in one line, `auto` warns once and scores as before."""
+    """No `unshare` on PATH: `required` refuses in one line,
+    `auto` warns once and scores as before."""
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setattr(reward_sandbox, "_warned", False)
     with pytest.raises(IsolationUnavailable) as refused:
         asyncio.run(RewardPool(1, isolation="required").__aenter__())
     assert str(refused.value) == (
-        "reward.isolation is 'required' but namespaces cannot be made here: no unshare on PATH (util-linux)"
+        "reward.isolation is 'required' but namespaces cannot be made here: no unshare on PATH "
+        "(util-linux)"
     )
     assert "\n" not in str(refused.value)
 
@@ -192,7 +204,8 @@ def test_required_refuses_without_namespaces(monkeypatch: pytest.MonkeyPatch, tm
 
 @needs_namespaces
 def test_a_reward_module_under_tmp_is_still_importable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sandbox's /tmp is its own, but an import path under the worker's /tmp is bound back in (read-only)."""
+    """The sandbox's /tmp is its own, but an import path under the worker's /tmp is bound back in
+    (read-only)."""
     module = f"tmp_reward_{secrets.token_hex(4)}"
     (tmp_path / f"{module}.py").write_text("def two(text, task):\n    return 2.0\n")
     monkeypatch.syspath_prepend(str(tmp_path))

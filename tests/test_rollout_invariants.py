@@ -33,13 +33,13 @@ from nats.js.api import ConsumerInfo, DiscardPolicy
 from nats.js.errors import KeyNotFoundError
 from transformers import AutoTokenizer
 
-from bus.connection import connect
+from bus.connection import JetStream, connect
 from bus.embedded import EmbeddedNats
 from bus.publisher import Publisher
-from bus.topology import DEAD, PROMPTS, TRAJECTORIES, WEIGHTS, Topology, drop_key
-from consumers.rollout import Rollout, rollout_stage
 from bus.runtime import Runtime, attach, publish_config
 from bus.stage import serve
+from bus.topology import DEAD, PROMPTS, TRAJECTORIES, WEIGHTS, Topology, drop_key
+from consumers.rollout import Rollout, rollout_stage
 from consumers.weights import publish_version
 from consumers.weights.filesystem import FilesystemTransport
 from engines.hf_rollout import HFRolloutEngine
@@ -112,7 +112,7 @@ class RolloutUnderTest:
     """One real rollout worker (batcher, weights watcher, worker loop) in this event loop."""
 
     nc: Client
-    js: JetStreamContext
+    js: JetStream
     topology: Topology
     rt: Runtime
     engine: RecordingEngine
@@ -131,7 +131,8 @@ class RolloutUnderTest:
         return event
 
     async def publish_weights(self, version: int) -> None:
-        """Store version `version` (the model's weights, nudged) and announce it, as the trainer does."""
+        """Store version `version` (the model's weights, nudged) and announce it,
+        as the trainer does."""
         params = {name: p.detach().clone() + 1e-3 * version for name, p in self.engine.model.named_parameters()}
         event = await store_weights(self.js, self.topology, version, params)
         await self.js.publish(self.topology.subject(WEIGHTS), encode(event))
@@ -152,7 +153,7 @@ class RolloutUnderTest:
 async def served_rollout(
     url: str, topology: Topology, model_dir: Path, engines: RolloutEngine | Sequence[RolloutEngine], rollout: dict[str, Any],
     *, weights: dict[str, Any] | None = None, ack_timeout: float = 10.0,
-) -> AsyncIterator[tuple[Client, JetStreamContext, Runtime, Rollout]]:
+) -> AsyncIterator[tuple[Client, JetStream, Runtime, Rollout]]:
     """A rollout stage built as `consumers.rollout.build` builds it (production options) over
     `engines`, served in this event loop until the block ends: the run's config has `rollout`
     and `weights` as its sections; its publisher waits `ack_timeout` s for an ack. Yields the
@@ -218,7 +219,8 @@ the publisher's ack timeout (1 s here) and a few of its retries."""
 
 
 async def refuse_writes(js: JetStreamContext, stream: str) -> int:
-    """Make `stream` refuse every new message (discard new, at its current count); returns the count."""
+    """Make `stream` refuse every new message (discard new, at its current count);
+    returns the count."""
     info = await js.stream_info(stream)
     count = info.state.messages
     assert count > 0, "max_msgs 0 means no limit: store something first"
@@ -241,6 +243,7 @@ def test_prompt_is_acked_only_once_its_trajectories_are_stored(
 
             async def acked(count: int) -> bool:
                 info = await w.prompts_consumer()
+                assert info.ack_floor is not None  # the server sends it
                 return info.ack_floor.stream_seq == count and info.num_ack_pending == 0
 
             # A prompt flows while storing works: its trajectories stored, then it is acked.
@@ -256,6 +259,7 @@ def test_prompt_is_acked_only_once_its_trajectories_are_stored(
             deadline = time.monotonic() + REFUSAL_HOLD
             while time.monotonic() < deadline:
                 info = await w.prompts_consumer()
+                assert info.ack_floor is not None  # the server sends it
                 assert info.ack_floor.stream_seq == 1 and info.num_ack_pending == 1, (
                     f"{second.id} was acked while its trajectories could not be stored "
                     f"(ack floor {info.ack_floor.stream_seq}, ack pending {info.num_ack_pending})"
@@ -293,14 +297,17 @@ async def tick(stop: asyncio.Event, ticks: list[float]) -> None:
 
 def longest_stall(ticks: list[float], during: Call) -> float:
     """The longest the loop went without running, over the gaps between ticks that meet `during`."""
-    gaps = [b - a for a, b in zip(ticks, ticks[1:]) if a < during.end and b > during.start]
+    gaps = [b - a for a, b in zip(ticks, ticks[1:], strict=False) if a < during.end and b > during.start]
     return max(gaps, default=during.end - during.start)
 
 
 async def feed(w: RolloutUnderTest, stop: asyncio.Event, published_at: dict[str, float]) -> None:
-    """Keep prompts waiting in the queue until `stop`, so that the worker always has more to generate."""
+    """Keep prompts waiting in the queue until `stop`, so that the worker always has more to
+    generate."""
     while not stop.is_set():
-        if (await w.prompts_consumer()).num_pending < 4:
+        pending = (await w.prompts_consumer()).num_pending
+        assert pending is not None  # the server sends it
+        if pending < 4:
             for _ in range(8):
                 published_at[(await w.publish_prompt()).id] = time.monotonic()
         await asyncio.sleep(0.05)
@@ -345,14 +352,14 @@ def test_weights_load_only_between_generations_and_off_the_event_loop(
                 assert any(g.start >= load.end for g in generations), f"no generation after the load of {load}"
             stalls = [longest_stall(ticks, load) for load in loads]
             assert max(stalls) < MAX_LOOP_STALL, (
-                f"the event loop stood still for {max(stalls):.2f} s during a {LOAD_SECONDS} s load: "
-                f"the load ran on its thread, and no heartbeat went out meanwhile"
+                f"the event loop stood still for {max(stalls):.2f} s during a {LOAD_SECONDS} s "
+                "load: the load ran on its thread, and no heartbeat went out meanwhile"
             )
             for g in generations:
                 served = max((load.version_at_end for load in loads if load.end <= g.start), default=0)
                 assert g.version_at_start == g.version_at_end == served, (
-                    f"a generation that started after v{served} was loaded ran with v{g.version_at_start}"
-                    f"..v{g.version_at_end}: {g}"
+                    f"a generation that started after v{served} was loaded ran with "
+                    f"v{g.version_at_start}..v{g.version_at_end}: {g}"
                 )
             for t in await w.trajectories():
                 versions = set(t.versions.numpy().tolist())
@@ -360,7 +367,8 @@ def test_weights_load_only_between_generations_and_off_the_event_loop(
                 newest_before = max((load.version_at_end for load in loads if load.end <= published_at[t.prompt_id]),
                                     default=0)
                 assert versions.pop() >= newest_before, (
-                    f"{t.id}: published after v{newest_before} was loaded, yet generated with an older version"
+                    f"{t.id}: published after v{newest_before} was loaded, "
+                    "yet generated with an older version"
                 )
 
     asyncio.run(main())

@@ -1,4 +1,5 @@
-"""One rollout worker with two engine replicas behind its router, on a real nats-server with the tiny HF model.
+"""One rollout worker with two engine replicas behind its router,
+on a real nats-server with the tiny HF model.
 
 - least_in_flight: prompts published together are spread over both replicas, which generate
   at the same time (a batcher per replica, each generating in its own thread).
@@ -23,8 +24,8 @@ import numpy as np
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
-from bus.topology import PROMPTS, Topology
 from bus.runtime import publish_config
+from bus.topology import PROMPTS, Topology
 from engines.protocols import Sample, SamplingParams
 from schemas import PromptEvent, Tensor, encode
 from schemas import SamplingParams as PromptSampling
@@ -93,7 +94,8 @@ def test_least_in_flight_spreads_prompts_over_both_replicas_generating_at_once(
             assert min(per_replica) >= total // 4, f"prompts not spread over the replicas: {per_replica}"
             first, second = engines[0].of("generate"), engines[1].of("generate")
             assert any(overlaps(a, b) for a in first for b in second), (
-                "the two replicas never generated at the same time: one batcher, or one thread, for both"
+                "the two replicas never generated at the same time: one batcher, or one thread, "
+                "for both"
             )
 
     asyncio.run(main())
@@ -138,7 +140,10 @@ def test_sticky_by_key_keeps_a_conversation_on_its_replica(
                 for c in range(conversations):
                     await w.js.publish(topology.subject(PROMPTS), encode(conversation_prompt(topology, index, c, turn)))
                     index += 1
-                    await eventually(lambda: trajectories_stored(w, index * GROUP), f"c{c} turn {turn} generated")  # noqa: B023
+                    await eventually(
+                        lambda: trajectories_stored(w, index * GROUP),  # noqa: B023 - awaited here
+                        f"c{c} turn {turn} generated",
+                    )
             moved = {(c, t): replica_of(engines, c, t) for c in range(conversations) for t in range(1, turns)
                      if replica_of(engines, c, t) != home[c]}
             assert not moved, f"turns left their conversation's replica {home}: {moved}"
@@ -160,8 +165,13 @@ def test_a_weights_load_drains_and_loads_every_replica_and_no_generation_spans_t
                 for version in range(1, LOADS + 1):
                     # Both replicas are generating when each version comes.
                     before = [len(e.of("generate")) for e in engines]
-                    await eventually(lambda: all(len(e.of("generate")) >= b + 2 for e, b in zip(engines, before)),  # noqa: B023
-                                     f"two generations on each replica before v{version}")
+                    await eventually(
+                        lambda: all(
+                            len(e.of("generate")) >= b + 2
+                            for e, b in zip(engines, before, strict=True)  # noqa: B023 - awaited here
+                        ),
+                        f"two generations on each replica before v{version}",
+                    )
                     await w.publish_weights(version)
                     # The gate reopens once the load is over (checked below: on every replica).
                     await eventually(lambda: w.engine.version == version and w.rollout.open_for_requests.is_set(),  # noqa: B023
@@ -178,7 +188,8 @@ def test_a_weights_load_drains_and_loads_every_replica_and_no_generation_spans_t
             for i, e in enumerate(engines):
                 assert [c.version_at_end for c in e.of("load")] == list(range(1, LOADS + 1)), f"replica {i}"
             clashes = [(i, g, load) for i, g in generations for load in loads if overlaps(g, load)]
-            assert not clashes, f"{len(clashes)} generations ran while a replica loaded weights, first: {clashes[0]}"
+            assert not clashes, (f"{len(clashes)} generations ran while a replica loaded weights, first: "
+                                 f"{clashes[0]}")
             for i, e in enumerate(engines):  # each replica generated before and after each load
                 for load in e.of("load"):
                     assert any(g.end <= load.start for g in e.of("generate")), f"replica {i}: none before {load}"
@@ -220,5 +231,6 @@ def test_the_worker_refuses_a_router_that_is_not_one_with_one_line_before_loadin
     )
     assert worker.returncode == 1, worker.stderr
     assert worker.stderr.strip().splitlines()[-1] == (
-        "consumers.rollout: router 'tests.test_router:NoPick': NoPick is not a router (no pick(key, in_flight) method)"
+        "consumers.rollout: router 'tests.test_router:NoPick': "
+        "NoPick is not a router (no pick(key, in_flight) method)"
     ), worker.stderr

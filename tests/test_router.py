@@ -1,4 +1,5 @@
-"""The rollout router (`engines.router`): the built-ins' choices, option checks, `module:Class` loading."""
+"""The rollout router (`engines.router`): the built-ins' choices, option checks,
+`module:Class` loading."""
 
 from __future__ import annotations
 
@@ -80,10 +81,13 @@ def test_sticky_by_key_forgets_the_least_recently_used_key_past_max_keys() -> No
         ("sticky_by_key", {"max_key": 10}, "router 'sticky_by_key': option max_key: Extra inputs are not permitted"),
         ("sticky_by_key", {"max_keys": 0}, "router 'sticky_by_key': option max_keys: Input should be greater than or equal to 1"),
         ("least_in_flight", {"max_keys": 10}, "router 'least_in_flight': option max_keys: Extra inputs are not permitted"),
-        ("round_robin", {}, "router 'round_robin': expected one of least_in_flight, sticky_by_key or 'module:Class'"),
-        ("no_such_module_xyz:Router", {}, "router 'no_such_module_xyz:Router': cannot import no_such_module_xyz: ModuleNotFoundError"),
+        ("round_robin", {}, "router 'round_robin': expected one of least_in_flight, "
+                            "sticky_by_key or 'module:Class'"),
+        ("no_such_module_xyz:Router", {}, "router 'no_such_module_xyz:Router': cannot import no_such_module_xyz: "
+                                          "ModuleNotFoundError"),
         ("tests.test_router:Missing", {}, "router 'tests.test_router:Missing': tests.test_router has no class Missing"),
-        ("tests.test_router:NoPick", {}, "router 'tests.test_router:NoPick': NoPick is not a router (no pick(key, in_flight) method)"),
+        ("tests.test_router:NoPick", {}, "router 'tests.test_router:NoPick': NoPick is not a router (no pick(key, "
+                                         "in_flight) method)"),
         ("tests.test_router:LastReplica", {"offst": 1}, "router 'tests.test_router:LastReplica': cannot build it with options ['offst']"),
     ],
 )
@@ -112,7 +116,8 @@ def test_the_config_takes_engine_copies_and_a_router_and_refuses_a_malformed_nam
     assert rollout.router_options == {"max_keys": 8}
     assert parse_config({}).rollout.router == "least_in_flight"
     assert parse_config({"rollout": {"router": "tests.test_router:LastReplica"}}).rollout.router.endswith(":LastReplica")
-    with pytest.raises(ConfigError, match=r"^config: rollout.router: 'sticky': expected one of least_in_flight, sticky_by_key or 'module:Class'$"):
+    with pytest.raises(ConfigError, match=r"^config: rollout.router: 'sticky': expected one of least_in_flight, "
+                                          r"sticky_by_key or 'module:Class'$"):
         parse_config({"rollout": {"router": "sticky"}})
     with pytest.raises(ConfigError, match=r"^config: rollout.router: 'mod:not a class'"):
         parse_config({"rollout": {"router": "mod:not a class"}})

@@ -1,4 +1,5 @@
-"""The local job's embedded server takes per-run, per-role identities, and none is on a command line.
+"""The local job's embedded server takes per-run, per-role identities,
+and none is on a command line.
 
 The job (`python -m producers.prompts`) writes the run's seeds under `<out>/identities`, the
 server's config names their public keys, each worker reads its own seed file; while it runs,

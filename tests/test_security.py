@@ -35,6 +35,8 @@ from bus.identity import IDENTITY_ENV, identity_path, new_seed, public_key, writ
 from bus.lag import queue_lag
 from bus.objects import list_objects
 from bus.publisher import Publisher
+from bus.runtime import Runtime, attach, publish_config
+from bus.security import USERS_FILE, roles
 from bus.topology import (
     BATCHES,
     PROMPTS,
@@ -47,10 +49,8 @@ from bus.topology import (
     metrics_key,
 )
 from bus.worker import Worker, WorkerOptions
-from bus.runtime import Runtime, attach, publish_config
 from consumers.weights import publish_version
 from consumers.weights.object_store import ObjectStoreTransport
-from bus.security import USERS_FILE, roles
 from producers.stall import read_view
 from schemas import Event, PromptEvent, RewardEvent, TrajectoryEvent
 from schemas.config import RunConfig
@@ -256,7 +256,8 @@ def test_identities_are_files_only_their_owner_reads_and_keys_the_server_knows(s
 
 
 def test_wrong_credentials_fail_at_once_with_one_line(secured: Secured, tmp_path: Path) -> None:
-    """No identity, one the server does not know, or one others may read: refused at once in one line."""
+    """No identity, one the server does not know, or one others may read:
+    refused at once in one line."""
     stranger = tmp_path / "stranger.nk"
     write_private(stranger, new_seed())
     shared = tmp_path / "shared.nk"

@@ -1,5 +1,6 @@
 """The SGLang adapter on CPU, without SGLang: its request, its reading of recorded outputs, the
-log-prob alignment with the trainer, and its weight load. The real engine: tests/test_gpu_engines.py."""
+log-prob alignment with the trainer, and its weight load. The real engine:
+tests/test_gpu_engines.py."""
 
 from pathlib import Path
 from typing import Any
@@ -102,7 +103,8 @@ class _Engine:
     module: the model's loader copies each (HF name, tensor) into that parameter."""
 
     def __init__(self, module: torch.nn.Module) -> None:
-        self.module, self.flushed = module, []
+        self.module = module
+        self.flushed: list[Any] = []
 
     def update_weights_from_tensor(self, named_tensors: list[tuple[str, torch.Tensor]], flush_cache: bool = True) -> None:
         params = dict(self.module.named_parameters())

@@ -24,21 +24,21 @@ from nats.js.errors import BucketNotFoundError
 from transformers import AutoModelForCausalLM
 
 from bus.connection import connect
-from bus.embedded import EmbeddedNats
-from bus.lag import queue_lag
-from bus.publisher import Publisher
-from bus.tasks import cancel_until_done
-from bus.topology import REWARDS, TRAJECTORIES, WEIGHTS, Topology
-from bus.worker import WorkerOptions
 from bus.crashpoints import (
     CRASH_AT,
     CRASH_RECORD,
     FAIL_AT,
     ROLLOUT_MID_WEIGHT_LOAD,
 )
+from bus.embedded import EmbeddedNats
+from bus.lag import queue_lag
 from bus.membership import Membership
+from bus.publisher import Publisher
 from bus.runtime import attach, publish_config
 from bus.stage import LOSS_GUARD, MEMBERSHIP, Stage, serve
+from bus.tasks import cancel_until_done
+from bus.topology import REWARDS, TRAJECTORIES, WEIGHTS, Topology
+from bus.worker import WorkerOptions
 from engines.tiny import build_tiny_model
 from producers.tasks import VOCAB
 from schemas import RewardEvent, decode
@@ -68,7 +68,8 @@ def worker(role: str, topology: Topology, url: str, **env: str) -> subprocess.Po
 
 
 def exited(proc: subprocess.Popen[str], seconds: float, what: str) -> tuple[int, str]:
-    """The process's exit status and stderr; fails the test if it is still running after `seconds`."""
+    """The process's exit status and stderr; fails the test if it is still running after
+    `seconds`."""
     try:
         _, stderr = proc.communicate(timeout=seconds)
     except subprocess.TimeoutExpired:

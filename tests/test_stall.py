@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,13 +22,22 @@ from nats.js import JetStreamContext
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
-from bus.publisher import Publisher
-from bus.topology import BATCHES, PROMPTS, REWARDS, TRAJECTORIES, WEIGHTS, Topology, drop_key, metrics_key
 from bus.membership import Membership, live_members
+from bus.publisher import Publisher
 from bus.runtime import publish_config
-from producers.stall import stalled_line
+from bus.topology import (
+    BATCHES,
+    PROMPTS,
+    REWARDS,
+    TRAJECTORIES,
+    WEIGHTS,
+    Topology,
+    drop_key,
+    metrics_key,
+)
 from producers.gate import Producer
 from producers.launcher import attach_bootstrap, progress
+from producers.stall import stalled_line
 from schemas import BatchEvent, Tensor, WeightVersionEvent
 from schemas.config import ConfigError, RunConfig, load_config, parse_config
 from schemas.kv_records import StepMetrics
@@ -40,7 +50,7 @@ SHORT = 1.0
 
 def config(run: str, tmp_path: Path | None = None, steps: int = 5, **data: object) -> RunConfig:
     """2 prompts x 2 samples a step, staleness 1: the gate admits 4 prompts at v0."""
-    raw = {
+    raw: dict[str, Any] = {
         "run": run,
         "data": {"n": 2, **data},
         "algorithm": {"prompts_per_step": 2, "max_staleness": 1},
@@ -152,7 +162,8 @@ def test_a_producer_alone_names_its_gate_and_every_missing_role_once_in_the_log(
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     expected = [
-        "no live rollout worker: the run cannot progress until one joins (4 prompts wait in its queue)",
+        "no live rollout worker: the run cannot progress until one joins "
+        "(4 prompts wait in its queue)",
         "no live reward worker: the run cannot progress until one joins",
         "no live buffer: the run cannot progress until one joins",
         "no live trainer: the run cannot progress until one joins",
@@ -160,7 +171,8 @@ def test_a_producer_alone_names_its_gate_and_every_missing_role_once_in_the_log(
          "a step needs 2 complete groups of 2)"),
         "the gate has issued all 4 prompts it admits at weights v0 and waits for v1",
     ]
-    full, lines = [], []
+    full: list[str] = []
+    lines: list[str] = []
     try:
         assert job.stdout is not None
         deadline = time.monotonic() + 120
@@ -181,7 +193,8 @@ def test_a_producer_alone_names_its_gate_and_every_missing_role_once_in_the_log(
 
 
 def test_status_names_the_micro_batch_the_trainer_waits_for(nats_server: EmbeddedNats, topology: Topology) -> None:
-    """Steps 0-1 recorded, step 1 stored whole, step 2 stored in part (micro-batches 0 and 2 of 3)."""
+    """Steps 0-1 recorded, step 1 stored whole, step 2 stored in part
+    (micro-batches 0 and 2 of 3)."""
 
     async def scenario() -> tuple[str, str | None]:
         nc = await connect(nats_server.url, "test")
@@ -249,8 +262,8 @@ def test_status_names_the_gate_and_a_buffer_holding_samples_with_no_member(
     assert at_limit is not None, "no stall 5 s after the last step"
     assert "the gate has issued all 6 prompts it admits at weights v1 and waits for v2" in at_limit, at_limit
     assert (
-        "the buffer queue holds 3 scored samples in flight for a buffer that stopped heartbeating (no live buffer), "
-        "back to the queue 10s after its last heartbeat"
+        "the buffer queue holds 3 scored samples in flight for a buffer that stopped heartbeating "
+        "(no live buffer), back to the queue 10s after its last heartbeat"
     ) in at_limit, at_limit
     assert "trainer at step 1 waits for the buffer to form step 1 (it holds 3 scored samples" in at_limit, at_limit
     assert one_dropped is not None and "the gate" not in one_dropped, f"the gate is open after a drop: {one_dropped}"
@@ -310,10 +323,11 @@ def test_a_stuck_then_stopped_reward_worker_is_named_with_the_trajectories_it_ho
     finally:
         worker.kill()
         worker.wait()
-    assert "the reward queue has 3 trajectories in flight at 1 live reward worker and none acked for over 1s" in stuck, stuck
+    assert ("the reward queue has 3 trajectories in flight at 1 live reward worker and none acked for "
+            "over 1s") in stuck, stuck
     assert "no live reward worker" not in stuck, stuck
     assert (
-        "the reward queue holds 3 trajectories in flight for a reward worker that stopped heartbeating "
-        "(no live reward worker), back to the queue 10s after its last heartbeat"
+        "the reward queue holds 3 trajectories in flight for a reward worker that stopped "
+        "heartbeating (no live reward worker), back to the queue 10s after its last heartbeat"
     ) in stopped, stopped
     assert "no live reward worker: the run cannot progress until one joins" in stopped, stopped

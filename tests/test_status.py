@@ -1,4 +1,5 @@
-"""`ops.status` against a real run: the figures it prints are the ones the streams, consumers and KV hold."""
+"""`ops.status` against a real run: the figures it prints are the ones the streams,
+consumers and KV hold."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from nats.aio.msg import Msg
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
+from bus.membership import Membership, live_members
 from bus.publisher import Publisher
+from bus.runtime import publish_config
 from bus.topology import (
     BATCHES,
     DEAD,
@@ -27,8 +30,6 @@ from bus.topology import (
     WEIGHTS,
     Topology,
 )
-from bus.membership import Membership, live_members
-from bus.runtime import publish_config
 from ops.status import details, render, sample
 from schemas import BatchEvent, Tensor, WeightVersionEvent
 from schemas.config import RunConfig
@@ -50,7 +51,8 @@ def table(page: str, header: str) -> dict[str, list[str]]:
 
 
 def batch(run: str, step: int, versions: list[list[int]], loss_mask: list[list[int]]) -> BatchEvent:
-    """A micro-batch of len(versions) rows whose only meaningful figures are versions and loss mask."""
+    """A micro-batch of len(versions) rows whose only meaningful figures are versions and loss
+    mask."""
     rows, tokens = np.shape(versions)
     zeros = np.zeros((rows, tokens), np.float32)
     return BatchEvent(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from typing import Any
 
 import nats.errors
 import numpy as np
@@ -20,10 +21,10 @@ from bus import loss
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.publisher import Publisher
-from bus.topology import BATCHES, DEAD, REWARDS, TRAJECTORIES, Topology
-from bus.worker import WorkerOptions
 from bus.runtime import attach, publish_config
 from bus.stage import Stage, serve
+from bus.topology import BATCHES, DEAD, REWARDS, TRAJECTORIES, Topology
+from bus.worker import WorkerOptions
 from ops import status
 from ops import streams as streams_cli
 from ops.audit import audit
@@ -168,7 +169,7 @@ def test_streams_are_made_to_wait_not_to_drop(nats_server: EmbeddedNats) -> None
 
 def test_needs_follow_the_gate_bound_and_an_override_below_is_refused() -> None:
     """The issue's large run: eta 4, 512 prompts x 16 samples, 16k-token responses."""
-    large = {
+    large: dict[str, Any] = {
         "algorithm": {"max_staleness": 4, "prompts_per_step": 512},
         "data": {"n": 16, "sampling": {"max_tokens": 16384}},
         "streams": {"max_prompt_tokens": 1024, "safety_factor": 1.5},
@@ -249,7 +250,7 @@ def test_batches_are_bounded_by_the_checkpoint_interval_and_prompts_count_replac
     plus the gate's steps ahead and the checkpoint's last step, not the run; the prompts need
     covers the replacements of dropped groups (`streams.max_dropped_share`). `ops.streams show`
     prints both derivations."""
-    large = {
+    large: dict[str, Any] = {
         "algorithm": {"max_staleness": 4, "prompts_per_step": 512},
         "data": {"n": 16, "sampling": {"max_tokens": 16384}},
         "streams": {"max_prompt_tokens": 1024},
@@ -268,7 +269,8 @@ def test_batches_are_bounded_by_the_checkpoint_interval_and_prompts_count_replac
     short = parse_config({"trainer": {"steps": 5, "checkpoint_every": 10}})
     assert short.staleness.batch_steps_kept == 5
     shown = "\n".join(streams_cli.limits(config, "the test's config"))
-    derived = "min(checkpoint_every 10 + gate bound (max_staleness 4 + 1) + the checkpoint's last step 1, steps 1000)"
+    derived = ("min(checkpoint_every 10 + gate bound (max_staleness 4 + 1) + the checkpoint's last "
+               "step 1, steps 1000)")
     assert f"{derived} = 16 steps" in shown, shown
     assert "= 512000 trained / (1 - max_dropped_share 0.5) = 1024000 issued" in shown, shown
     with pytest.raises(ConfigError, match="max_dropped_share"):

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Awaitable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -94,7 +95,7 @@ def test_sync_mode_trains_each_step_on_its_own_version(nats_server: EmbeddedNats
                                                       tmp_path: Path) -> None:
     url = nats_server.url
     logs = {role: open(tmp_path / f"{role}.log", "wb") for role in (*ROLES, "producer")}  # noqa: SIM115
-    producer = subprocess.Popen(
+    producer: subprocess.Popen[Any] = subprocess.Popen(
         [sys.executable, "-m", "producers.prompts", "--config", str(sync_config(tmp_path, topology.run)),
          "--nats", url, "--out", str(tmp_path / "run")],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=logs["producer"], text=True,
@@ -124,7 +125,8 @@ def test_sync_mode_trains_each_step_on_its_own_version(nats_server: EmbeddedNats
     # limit is then (v + 1) * prompts_per_step + d, with d the drops (producers/gate.py).
     for k, prompt in enumerate(prompts):
         assert k < (prompt.admitted_version + 1) * PER_STEP + len(drops), (
-            f"prompt #{k} admitted at v{prompt.admitted_version}: more than one step's prompts ahead (drops: {drops})"
+            f"prompt #{k} admitted at v{prompt.admitted_version}: "
+            f"more than one step's prompts ahead (drops: {drops})"
         )
     assert len(prompts) == STEPS * PER_STEP + len(drops), f"drops: {drops}"
     assert sorted({b.step for b in batches}) == list(range(STEPS))
@@ -141,9 +143,11 @@ def test_sync_mode_trains_each_step_on_its_own_version(nats_server: EmbeddedNats
     ("yaml_text", "message"),
     [
         ("mode: sync\nalgorithm: {max_staleness: 1}\n",
-         r"run.yaml: mode sync is strictly on-policy: algorithm.max_staleness must be 0 \(or left out\), not 1"),
+         r"run.yaml: mode sync is strictly on-policy: algorithm.max_staleness must be 0 \(or "
+         r"left out\), not 1"),
         ("mode: sync\ntrainer: {sync_every: 2}\nalgorithm: {max_staleness: 0}\n",
-         r"run.yaml: mode sync publishes a version every step: trainer.sync_every must be 1 \(or left out\), not 2"),
+         r"run.yaml: mode sync publishes a version every step: "
+         r"trainer.sync_every must be 1 \(or left out\), not 2"),
         ("mode: synchronous\n", r"run.yaml: mode: Input should be 'async' or 'sync'"),
     ],
 )

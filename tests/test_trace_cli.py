@@ -137,8 +137,8 @@ def test_ops_trace_prints_the_timeline(jaeger: FakeJaeger, traced_run: str) -> N
     assert lines[0].startswith("trace ") and f"prompt {prompt_id} (run {traced_run})" in lines[0]
     names = [line.split()[2] for line in lines[2:]]  # offset, duration, then the (indented) span name
     assert names[:4] == ["prompt", "send", "process", "generate"]
-    assert sum(name == "outcome" and "step " in line for name, line in zip(names, lines[2:])) == 4
-    assert sum(name == "reward" and ", reward " in line for name, line in zip(names, lines[2:])) == 4
+    assert sum(name == "outcome" and "step " in line for name, line in zip(names, lines[2:], strict=True)) == 4
+    assert sum(name == "reward" and ", reward " in line for name, line in zip(names, lines[2:], strict=True)) == 4
     link_at = lines.index("linked from other traces (the steps that took this prompt's samples):")
     linked_text = "\n".join(lines[link_at + 1:])
     train = re.search(r"train step\s+\S+\s+v(\d+)\s+step (\d+), links 4 of these samples", linked_text)

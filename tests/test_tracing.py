@@ -21,8 +21,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from bus.embedded import EmbeddedNats
-from bus.tracing import SystemRandomIds
 from bus.topology import Topology
+from bus.tracing import SystemRandomIds
 from tests.traced_chain import chain
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,6 +48,9 @@ def test_publish_consume_chain_is_one_trace(nats_server: EmbeddedNats, topology:
     send_reward = by_name[f"send rl.{topology.run}.rewards"]
     process_reward = by_name[f"process rl.{topology.run}.rewards"]
     assert {s.context.trace_id for s in by_name.values()} == {root.context.trace_id}
+    assert send_traj.parent and process_traj.parent and send_reward.parent and process_reward.parent
+    assert root.context and send_traj.context and process_traj.context and send_reward.context
+    assert process_traj.attributes is not None
     assert send_traj.parent.span_id == root.context.span_id
     assert process_traj.parent.span_id == send_traj.context.span_id
     assert send_reward.parent.span_id == process_traj.context.span_id

@@ -38,7 +38,7 @@ def batch(eng: TorchTrainEngine, advantage: float, log_ratio: float | torch.Tens
     """ROWS rows of random tokens whose response tokens have behaviour log-probs
     `log_ratio` (a number, or one per position [WIDTH]) below the engine's current ones:
     pi / pi_behaviour = exp(log_ratio) on each."""
-    vocab = eng.model.config.vocab_size
+    vocab: int = eng.model.config.vocab_size  # type: ignore[union-attr, assignment]  # a HF config
     input_ids = torch.randint(0, vocab, (ROWS, WIDTH), generator=torch.Generator().manual_seed(1))
     attention_mask = torch.ones(ROWS, WIDTH, dtype=torch.long)
     loss_mask = torch.zeros(ROWS, WIDTH)
@@ -83,8 +83,9 @@ def test_the_configured_clip_range_decides_which_tokens_clip(
     stats = eng.train_step([batch(eng, advantage, log_ratio)])
     assert stats["ratio_mean"] == pytest.approx(math.exp(log_ratio), rel=1e-4)
     assert stats["clip_frac"] == clip_frac, (
-        f"clip_frac {stats['clip_frac']} at ratio {math.exp(log_ratio):.2f}, advantage {advantage}: "
-        f"the engine's clip range {eng.loss_config.eps_low}/{eng.loss_config.eps_high} is not the config's 0.05/0.4"
+        f"clip_frac {stats['clip_frac']} at ratio {math.exp(log_ratio):.2f}, "
+        f"advantage {advantage}: the engine's clip range "
+        f"{eng.loss_config.eps_low}/{eng.loss_config.eps_high} is not the config's 0.05/0.4"
     )
 
 

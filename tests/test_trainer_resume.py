@@ -27,6 +27,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
@@ -35,14 +36,13 @@ from nats.aio.msg import Msg
 from nats.js.errors import KeyNotFoundError
 
 from bus.embedded import EmbeddedNats
-from bus.topology import metrics_key
-from bus.topology import BATCHES
-from consumers.buffer import BatchedSoFar, Buffer, Group, read_batches
 from bus.runtime import Runtime
+from bus.topology import BATCHES, metrics_key
+from consumers.buffer import BatchedSoFar, Buffer, Group, read_batches
 from consumers.update_history import UpdateHistory
 from engines.tiny import build_tiny_model
-from producers.tasks import VOCAB
 from producers.launcher import attach_bootstrap
+from producers.tasks import VOCAB
 from schemas import BatchEvent, RewardEvent, Tensor, TrajectoryEvent, decode
 from schemas.config import RunConfig
 
@@ -79,7 +79,8 @@ def scored_group(run: str, step: int, prompt: int, rng: np.random.Generator, voc
         trajectory = TrajectoryEvent(
             id=f"{prompt_id}/{index}", run=run, prompt_id=prompt_id, sample_index=index, group_size=GROUP,
             prompt_ids=Tensor.from_numpy(prompt_ids), response_ids=Tensor.from_numpy(response),
-            # A random-init model is near uniform: behaviour log-probs near log(1/V) keep ratios near 1.
+            # A random-init model is near uniform: behaviour log-probs near log(1/V) keep ratios
+            # near 1.
             logprobs=Tensor.from_numpy(np.full(len(response), -np.log(vocab), np.float32)),
             versions=Tensor.from_numpy(np.zeros(len(response), np.int32)), response_text="", task={},
         )
@@ -168,18 +169,21 @@ def test_restarted_trainer_continues_from_the_next_batch(nats_server: EmbeddedNa
         replayed = await read_batches(rts["a"])
         for rt in rts.values():
             await rt.close()
-        return curves, killed_at, history, at_kill, at_end, replayed
+        # Every step was recorded (both runs finished); a missing one fails the checks below.
+        return cast(dict[str, list[dict]], curves), killed_at, history, at_kill, at_end, replayed
 
     curves, killed_at, history, at_kill, at_end, replayed = asyncio.run(scenario())
     assert at_kill == steps_of(CHECKPOINT_EVERY - 1, KILL_AFTER - 1), (
-        f"at B's kill the stream held (sequence, step) {at_kill}: the checkpoint's last step and every batch "
-        "after it must stay, nothing before"
+        f"at B's kill the stream held (sequence, step) {at_kill}: "
+        "the checkpoint's last step and every batch after it must stay, nothing before"
     )
-    # The run's end trims nothing: what the last checkpoint before it (6 steps) kept stays, in both runs.
+    # The run's end trims nothing: what the last checkpoint before it (6 steps) kept stays,
+    # in both runs.
     last_trim = (STEPS - 1) // CHECKPOINT_EVERY * CHECKPOINT_EVERY  # 6
     for name, kept in at_end.items():
         assert kept == steps_of(last_trim - 1, STEPS - 1), f"{name}: at the end the stream held {kept}"
-    # A buffer restarted now learns the next step from what is left, not step 0, and no step half stored.
+    # A buffer restarted now learns the next step from what is left, not step 0,
+    # and no step half stored.
     assert (replayed.next_step, replayed.partial) == (STEPS, None), (replayed.next_step, replayed.partial)
     a, b = curves["a"], curves["b"]
     # Steps inside B's checkpoint were trained once, before the kill; the rest after it.

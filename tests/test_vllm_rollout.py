@@ -1,5 +1,6 @@
 """The vLLM adapter on CPU, without vLLM: its request, its reading of recorded outputs, the
-log-prob alignment with the trainer, and its weight load. The real engine: tests/test_gpu_engines.py."""
+log-prob alignment with the trainer, and its weight load. The real engine:
+tests/test_gpu_engines.py."""
 
 from pathlib import Path
 from types import SimpleNamespace
@@ -141,7 +142,9 @@ class _LLM:
         return True
 
 
-def test_weights_reach_the_workers_model_by_hf_name_then_the_prefix_cache_is_dropped(model_dir: Path) -> None:  # noqa: F811
+def test_weights_reach_the_workers_model_by_hf_name_then_the_prefix_cache_is_dropped(
+    model_dir: Path,  # noqa: F811 - the fixture imported above
+) -> None:
     hf = HFRolloutEngine(model_dir)
     llm = _LLM(hf.model)
     new = {name: torch.randn_like(p) for name, p in hf.model.named_parameters()}

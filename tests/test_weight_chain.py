@@ -75,12 +75,13 @@ def test_rollout_workers_follow_delta_versions_bit_for_bit_and_a_late_one_catche
                 event = await announce(version, versions[version])
                 assert (event.base_version, event.full_version) == (version - 1, 0)
                 assert event.total_bytes < 0.25 * full.total_bytes, (event.total_bytes, full.total_bytes)
-                await eventually(lambda v=version: w.engine.version == v, f"v{version} was loaded")
+                await eventually(lambda v=version: w.engine.version == v, f"v{version} was loaded")  # type: ignore[misc]  # the default binds the loop value
                 assert serves(w.engine.model, versions[version]), f"v{version} is not the trainer's bits"
             # The chain's versions are pinned: the full v0 is kept though `keep` is 2.
             async with rollout_worker(nats_server.url, topology, model_dir, weights=settings) as late:
                 await eventually(lambda: late.engine.version == 3 or dead_stored(w, 1), "the late worker handled v3")
-                assert late.engine.version == 3, f"the late worker did not load v3: {[r for _, r in await dead_letters(w.js, topology)]}"
+                assert late.engine.version == 3, ("the late worker did not load v3: "
+                                                  f"{[r for _, r in await dead_letters(w.js, topology)]}")
                 assert serves(late.engine.model, versions[3]), "the late worker's v3 is not the trainer's bits"
                 assert [load.version_at_end for load in late.engine.of("load")] == [3]
 
@@ -112,8 +113,10 @@ def test_rollout_workers_follow_delta_versions_bit_for_bit_and_a_late_one_catche
                     if all(now[name] > before[name] for name in workers):
                         break
                     await w.publish_prompt()
+                    total = sum(now.values())
                     await eventually(
-                        lambda t=sum(now.values()): sum(generated().values()) > t, "a prompt was generated after v4"
+                        lambda t=total: sum(generated().values()) > t,  # type: ignore[misc]  # binds the loop value
+                        "a prompt was generated after v4",
                     )
                 for name, x in workers.items():
                     after = x.engine.of("generate")[before[name]:]

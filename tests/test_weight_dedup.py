@@ -27,9 +27,9 @@ import pytest
 import torch
 from nats.js import JetStreamContext
 
+from bus.crashpoints import CRASH_AT
 from bus.embedded import EmbeddedNats
 from bus.topology import WEIGHTS, Topology
-from bus.crashpoints import CRASH_AT
 from producers.launcher import attach_bootstrap
 from schemas import WeightVersionEvent, decode
 from schemas.config import RunConfig
@@ -96,7 +96,8 @@ def test_resumed_trainer_versions_reach_rollout_workers(
                 checkpoint_path = tmp_path / "ckpt" / "rank0.pt"
                 state = torch.load(checkpoint_path, weights_only=True)
                 assert state["step"] == CHECKPOINT_EVERY, state["step"]
-                # A retrained step that is not the one that died (as on a GPU): other weights from here on.
+                # A retrained step that is not the one that died (as on a GPU):
+                # other weights from here on.
                 state["model"] = {n: t + 1e-2 if t.is_floating_point() else t for n, t in state["model"].items()}
                 torch.save(state, checkpoint_path)
 
@@ -111,7 +112,8 @@ def test_resumed_trainer_versions_reach_rollout_workers(
                 versions = [e.version for e in events]
                 # v0..v5 before the kill, v4 and v5 again after it, each a distinct announcement.
                 assert versions == [*range(STEPS + 1), *range(CHECKPOINT_EVERY + 1, STEPS + 1)], (
-                    f"the weights stream holds versions {versions}: the resumed trainer's were dropped as duplicates"
+                    f"the weights stream holds versions {versions}: "
+                    "the resumed trainer's were dropped as duplicates"
                 )
                 assert len({e.id for e in events}) == len(events), [e.id for e in events]
                 if delta:  # the restart starts a new chain at its first version

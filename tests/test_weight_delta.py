@@ -14,7 +14,14 @@ import torch
 from safetensors.torch import save
 from transformers import AutoModelForCausalLM
 
-from engines.delta_plan import Chain, Fetch, ShardLayout, assign_shards, next_publication, plan_fetch
+from engines.delta_plan import (
+    Chain,
+    Fetch,
+    ShardLayout,
+    assign_shards,
+    next_publication,
+    plan_fetch,
+)
 from engines.weight_delta import META_KEY, apply_delta, encode_shard, read_shard
 from engines.weights import ChecksumMismatch, WeightsRefused
 from producers.tasks import VOCAB
@@ -31,7 +38,8 @@ def snapshot(model: torch.nn.Module, dtype: torch.dtype) -> Weights:
 
 
 def adamw_step(model_dir: Path, train: torch.dtype, publish: torch.dtype) -> tuple[Weights, Weights]:
-    """(before, after) one real AdamW step at lr 1e-6, trained in `train`, published in `publish`."""
+    """(before, after) one real AdamW step at lr 1e-6, trained in `train`,
+    published in `publish`."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=train)
     before = snapshot(model, publish)
     ids = torch.randint(0, len(VOCAB), (4, 32), generator=torch.Generator().manual_seed(1))
@@ -117,7 +125,8 @@ def test_a_full_version_in_the_same_format_loads_from_nothing(model_dir: Path) -
 
 
 def rewrite(payload: bytes, name: str, edit: Callable[[bytes], bytes]) -> bytes:
-    """`payload` with the stored changes of tensor `name` edited, as a valid zlib stream and header."""
+    """`payload` with the stored changes of tensor `name` edited,
+    as a valid zlib stream and header."""
     header, stored = read_shard(payload)
     raw = edit(zlib.decompress(stored[name].numpy().tobytes()))
     stored[name] = torch.frombuffer(bytearray(zlib.compress(raw)), dtype=torch.uint8)
@@ -242,7 +251,8 @@ def test_shards_cover_every_tensor_exactly_once_balanced_by_bytes(model_dir: Pat
         names = [name for shard in shards for name in shard]
         assert len(shards) == world and sorted(names) == sorted(sizes), world
         loads = [sum(sizes[n] for n in shard) for shard in shards]
-        # Largest first onto the least loaded: the fullest rank was the emptiest when it took its last tensor.
+        # Largest first onto the least loaded: the fullest rank was the emptiest when it took its
+        # last tensor.
         fullest = shards[loads.index(max(loads))]
         assert max(loads) - min(loads) <= min(sizes[n] for n in fullest), (world, loads)
         assert assign_shards(dict(reversed(sizes.items())), world) == tuple(

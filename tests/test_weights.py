@@ -22,13 +22,13 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from nats.js import JetStreamContext
 from pydantic import ValidationError
 
-from bus.connection import connect
+from bus.connection import JetStream, connect
 from bus.embedded import EmbeddedNats
 from bus.objects import (
     ObjectMissing,
@@ -106,7 +106,7 @@ def test_the_first_tampered_tensor_is_refused_before_the_rest_arrives() -> None:
     receiver = Receiver(manifest_of(original), len(data))
     with pytest.raises(ChecksumMismatch, match=r"tensor model\.\S+ does not match its manifest entry"):
         for offset in range(0, len(data), 256):
-            receiver.write(offset, data[offset:offset + 256])
+            receiver.write(offset, bytes(data[offset:offset + 256]))
             receiver.verify_through(offset + 256)
     assert receiver.received < len(data), "refused only once every byte was in"
 
@@ -132,7 +132,7 @@ def test_a_header_that_does_not_describe_the_manifest_is_refused(lie: str) -> No
 # --- object store ------------------------------------------------------------------------
 
 
-def with_store(server: EmbeddedNats, topology: Topology, body: Callable[[JetStreamContext], Awaitable[None]]) -> None:
+def with_store(server: EmbeddedNats, topology: Topology, body: Callable[[JetStream], Awaitable[None]]) -> None:
     async def main() -> None:
         nc = await connect(server.url, "test-weights")
         try:
@@ -147,7 +147,7 @@ def with_store(server: EmbeddedNats, topology: Topology, body: Callable[[JetStre
 
 
 def test_object_store_version_round_trips_bit_exactly(nats_server: EmbeddedNats, topology: Topology) -> None:
-    async def body(js: JetStreamContext) -> None:
+    async def body(js: JetStream) -> None:
         transport = ObjectStoreTransport(js, topology.object_bucket, chunk_bytes=1024)  # many chunks
         event = await publish_version(transport, topology.run, "test", 3, weights())
         assert (event.transport, event.version) == ("object_store", 3)
@@ -159,7 +159,7 @@ def test_object_store_version_round_trips_bit_exactly(nats_server: EmbeddedNats,
 
 
 def test_object_store_bytes_changed_in_the_store_are_refused(nats_server: EmbeddedNats, topology: Topology) -> None:
-    async def body(js: JetStreamContext) -> None:
+    async def body(js: JetStream) -> None:
         transport = ObjectStoreTransport(js, topology.object_bucket, chunk_bytes=1024)
         event = await publish_version(transport, topology.run, "test", 3, weights())
         store = await js.object_store(topology.object_bucket)
@@ -180,7 +180,7 @@ def test_object_store_bytes_changed_in_the_store_are_refused(nats_server: Embedd
 def test_object_store_keeps_the_last_versions_and_a_pruned_one_is_missing(
     nats_server: EmbeddedNats, topology: Topology
 ) -> None:
-    async def body(js: JetStreamContext) -> None:
+    async def body(js: JetStream) -> None:
         transport = ObjectStoreTransport(js, topology.object_bucket, keep=2)
         events = [await publish_version(transport, topology.run, "test", v, weights(v)) for v in range(4)]
         left = sorted(info.name for info in await list_objects(js, topology.object_bucket))
@@ -202,7 +202,7 @@ def test_an_object_deleted_while_it_is_read_ends_the_read_as_missing(
     """A version pruned while a worker reads it: the read ends, as missing, soon after the
     chunks stop (the object is looked up), not after the stall limit."""
 
-    async def body(js: JetStreamContext) -> None:
+    async def body(js: JetStream) -> None:
         transport = ObjectStoreTransport(js, topology.object_bucket, chunk_bytes=64 << 10)
         event = await publish_version(transport, topology.run, "test", 1, {"w": torch.zeros(64 * MB // 4)})
         info = await object_info(js, topology.object_bucket, event.location)
@@ -225,6 +225,7 @@ def test_an_object_deleted_while_it_is_read_ends_the_read_as_missing(
         seconds = time.monotonic() - started
         assert isinstance(ended, ObjectMissing), f"the read ended with {ended!r} after {seconds:.1f} s"
         assert seconds < STALL_SECONDS, "the read waited for the stall limit"
+        assert info.chunks is not None  # a stored object's info counts its chunks
         assert len(chunks) < info.chunks, f"all {info.chunks} chunks were read: the deletion came too late to tell"
         await deleting[0]
 
@@ -245,7 +246,7 @@ what came before at each chunk costs in their number squared, and big chunks wou
 def test_object_store_fetch_time_is_linear_in_size(nats_server: EmbeddedNats, topology: Topology) -> None:
     seconds: dict[int, float] = {}
 
-    async def body(js: JetStreamContext) -> None:
+    async def body(js: JetStream) -> None:
         transport = ObjectStoreTransport(js, topology.object_bucket, chunk_bytes=LINEAR_CHUNK, keep=1)
         for size in SIZES_MB:
             numel = size * MB // 4
@@ -263,10 +264,11 @@ def test_object_store_fetch_time_is_linear_in_size(nats_server: EmbeddedNats, to
     with_store(nats_server, topology, body)
     small, large = SIZES_MB
     ratio = seconds[large] / seconds[small]
-    print(f"fetch {small} MB {seconds[small]:.3f} s, {large} MB {seconds[large]:.3f} s, ratio {ratio:.2f}")
+    print(f"fetch {small} MB {seconds[small]:.3f} s, {large} MB {seconds[large]:.3f} s, "
+          f"ratio {ratio:.2f}")
     assert ratio < LINEAR_LIMIT, (
-        f"fetch of {large} MB took {seconds[large]:.2f} s, {ratio:.1f}x the {seconds[small]:.2f} s of {small} MB "
-        f"({large // small}x the size): not linear"
+        f"fetch of {large} MB took {seconds[large]:.2f} s, {ratio:.1f}x the {seconds[small]:.2f} s "
+        f"of {small} MB ({large // small}x the size): not linear"
     )
 
 
@@ -371,7 +373,7 @@ def test_weights_config_is_checked_at_load() -> None:
 
 
 def test_weight_event_says_where_its_bytes_are_or_is_refused() -> None:
-    base = {"id": "r/weights/1", "run": "r", "version": 1, "step": 1, "total_bytes": 64,
+    base: dict[str, Any] = {"id": "r/weights/1", "run": "r", "version": 1, "step": 1, "total_bytes": 64,
             "manifest": manifest_of({"w": torch.zeros(4, 4)})}
     assert WeightVersionEvent(**base, transport="nccl", location="group0").transport == "collective"
     WeightVersionEvent(**base, transport="filesystem", location="/w/r/v1-0a0b0c0d.safetensors")
@@ -401,13 +403,13 @@ def test_weight_event_says_where_its_bytes_are_or_is_refused() -> None:
 
 
 def test_a_delta_event_names_its_chain_and_shards_or_is_refused() -> None:
-    base = {"id": "r/weights/3", "run": "r", "version": 3, "step": 3, "location": "v3-0a0b0c0d.safetensors",
+    base: dict[str, Any] = {"id": "r/weights/3", "run": "r", "version": 3, "step": 3, "location": "v3-0a0b0c0d.safetensors",
             "manifest": manifest_of({"w": torch.zeros(4, 4), "b": torch.zeros(4)})}
     shard = WeightShard(location="v3-0a0b0c0d.safetensors", total_bytes=20, tensors=("w", "b"))
     delta = {**base, "base_version": 2, "full_version": 0, "total_bytes": 20, "shards": (shard,)}
     assert WeightVersionEvent(**delta).total_bytes == 20  # less than the tensors' data: a delta
     assert WeightVersionEvent(**{**base, "total_bytes": 80}, full_version=3).full_version == 3
-    for change, why in [
+    changes: list[tuple[dict[str, Any], str | None]] = [
         ({"full_version": None}, "needs its chain's full version"),
         ({"full_version": 2, "base_version": 2}, None),  # a delta on its chain's full version
         ({"full_version": 3}, "needs its chain's full version"),
@@ -416,7 +418,8 @@ def test_a_delta_event_names_its_chain_and_shards_or_is_refused() -> None:
         ({"shards": (shard.model_copy(update={"tensors": ("w", "b", "w")}),)}, "each manifest tensor exactly once"),
         ({"total_bytes": 21}, "the shards' sum"),
         ({"shards": (shard.model_copy(update={"location": "../x"}),)}, "not an object name"),
-    ]:
+    ]
+    for change, why in changes:
         if why is None:
             WeightVersionEvent(**{**delta, **change})
             continue
@@ -459,7 +462,8 @@ def test_a_sharded_full_version_carries_each_tensor_once_or_is_refused() -> None
 
 
 def short_run(tmp_path: Path, weights: dict, steps: int) -> tuple[str, Path]:
-    """A whole run of `steps` steps (`producers.prompts` starts every role) with `weights`; (run, out)."""
+    """A whole run of `steps` steps (`producers.prompts` starts every role) with `weights`;
+    (run, out)."""
     run = f"fs{uuid.uuid4().hex[:8]}"
     config = {
         "run": run, "model": {"hidden": 32, "layers": 1},

@@ -1,4 +1,5 @@
-"""The collective weight transport (`consumers.weights.collective`) over gloo, on a real nats-server.
+"""The collective weight transport (`consumers.weights.collective`) over gloo,
+on a real nats-server.
 
 - Two rollout workers that the membership lists receive a version by broadcast, bit for bit,
   and the version is also stored through the fallback (the object store).
@@ -95,7 +96,7 @@ def test_two_workers_get_a_version_by_broadcast_and_a_late_one_from_the_fallback
             missed: list[str] = []
             original = late.catch_up
 
-            async def recorded(e, reason):  # type: ignore[no-untyped-def]
+            async def recorded(e, reason):
                 missed.append(reason)
                 return await original(e, reason)
 

@@ -81,9 +81,11 @@ async def run(js: JetStreamContext, topology: Topology) -> None:
         stop.set()
         await asyncio.wait_for(loop, 10)
     assert deliveries == [1], (
-        f"the message was handed out {len(deliveries)} times (delivery counts {deliveries}) while its "
-        f"{HANDLER_SECONDS:.0f} s handler ran over a {ACK_WAIT:.0f} s ack_wait: no in_progress heartbeat held it"
+        f"the message was handed out {len(deliveries)} times (delivery counts {deliveries}) while "
+        f"its {HANDLER_SECONDS:.0f} s handler ran over a {ACK_WAIT:.0f} s ack_wait: no in_progress "
+        "heartbeat held it"
     )
     assert most_redelivered == 0 and info.delivered.consumer_seq == 1, (
-        f"the server redelivered it: {most_redelivered} redelivered, {info.delivered.consumer_seq} deliveries"
+        f"the server redelivered it: {most_redelivered} redelivered, "
+        f"{info.delivered.consumer_seq} deliveries"
     )

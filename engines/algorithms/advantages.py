@@ -76,7 +76,8 @@ def reinforce_pp(rewards: torch.Tensor) -> torch.Tensor:
 
 
 def passk(rewards: torch.Tensor, k: int) -> torch.Tensor:
-    """Pass@k group baseline (Chen et al. 2025, analytic form) for 0/1 rewards. [..., G] -> [..., G].
+    """Pass@k group baseline (Chen et al. 2025, analytic form) for 0/1 rewards.
+    [..., G] -> [..., G].
 
     The reward of a k-subset of the group is its best member's; a sample's advantage is the
     mean reward of the k-subsets holding it minus the mean over all k-subsets, over that
@@ -100,7 +101,8 @@ def passk(rewards: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _choose(n: torch.Tensor, k: int) -> torch.Tensor:
-    """C(n, k) elementwise for float n >= -1 (0 where n < k), exact for the small ints of a group."""
+    """C(n, k) elementwise for float n >= -1 (0 where n < k),
+    exact for the small ints of a group."""
     out = torch.ones_like(n)
     for i in range(k):
         out = out * (n - i).clamp(min=0) / (i + 1)

@@ -58,12 +58,12 @@ def whiten_step(advantages: list[torch.Tensor], masks: list[torch.Tensor]) -> li
     One token: centred only (no variance to divide by)."""
     total = sum(float(m.sum()) for m in masks)
     if total == 0:
-        return [a * m for a, m in zip(advantages, masks)]
-    mean = sum(float((a * m).sum()) for a, m in zip(advantages, masks)) / total
-    squares = sum(float((((a - mean) * m) ** 2).sum()) for a, m in zip(advantages, masks))
+        return [a * m for a, m in zip(advantages, masks, strict=True)]
+    mean = sum(float((a * m).sum()) for a, m in zip(advantages, masks, strict=True)) / total
+    squares = sum(float((((a - mean) * m) ** 2).sum()) for a, m in zip(advantages, masks, strict=True))
     var = squares / (total - 1) if total > 1 else 0.0
     scale = (var + WHITEN_EPS) ** -0.5 if total > 1 else 1.0
-    return [(a - mean) * scale * m for a, m in zip(advantages, masks)]
+    return [(a - mean) * scale * m for a, m in zip(advantages, masks, strict=True)]
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,8 @@ ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"
 def kl_in_reward(
     rewards: torch.Tensor, kl_tokens: torch.Tensor, mask: torch.Tensor, coef: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The KL penalty in the reward (verl's `apply_kl_penalty`): token-level rewards and their totals.
+    """The KL penalty in the reward (verl's `apply_kl_penalty`):
+    token-level rewards and their totals.
 
     rewards [B]: each sequence's score; kl_tokens [B, T]: a per-token estimator of KL(pi || pi_ref)
     (k1/k2/k3 above); mask [B, T]: 1 on response tokens. Returns token_rewards [B, T] = -coef *

@@ -25,7 +25,8 @@ import torch
 
 
 def _exact(dtype: torch.dtype) -> torch.dtype:
-    """float32, or float64 for float64 inputs: a softmax over a vocabulary needs at least float32."""
+    """float32, or float64 for float64 inputs: a softmax over a vocabulary needs at least
+    float32."""
     return torch.promote_types(dtype, torch.float32)
 
 
@@ -47,7 +48,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
     in place from the logits) and the softmax."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float, chunk: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.set_materialize_grads(False)  # an output nobody differentiates gets None, not zeros
@@ -65,7 +66,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         return logprobs, entropy
 
     @staticmethod
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: Any, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
         hidden, weight, targets = ctx.saved_tensors

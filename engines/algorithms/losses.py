@@ -136,9 +136,9 @@ def cispo_loss(
 ) -> PolicyLoss:
     """CISPO (MiniMax-M1, 2025): -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi per token.
 
-    logprobs [B, T] (with grad), old_logprobs [B, T], advantages [B] (or [B, T] per token). The clipped ratio is a
-    detached weight, so unlike PPO no token loses its gradient: a clipped one keeps
-    clip(r) A grad log pi. ``clipped`` marks where the weight was clipped.
+    logprobs [B, T] (with grad), old_logprobs [B, T], advantages [B] (or [B, T] per token). The
+    clipped ratio is a detached weight, so unlike PPO no token loses its gradient: a clipped one
+    keeps clip(r) A grad log pi. ``clipped`` marks where the weight was clipped.
     """
     log_ratio, clamped = clamped_log_ratio(logprobs.detach(), old_logprobs.detach())
     ratio = torch.exp(log_ratio)

@@ -95,8 +95,8 @@ def token_objective(
     entropy: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
 ) -> TokenObjective:
-    """The per-token loss [B, T] of `logprobs` [B, T] (with grad) for sequences with `advantages` [B]
-    (or per token, [B, T]: GAE).
+    """The per-token loss [B, T] of `logprobs` [B, T] (with grad) for sequences with `advantages`
+    [B] (or per token, [B, T]: GAE).
 
     behaviour [B, T]: the rollout's log-probs; proximal [B, T]: the policy before the step's
     first update (default: `logprobs` detached, right for one update per batch); entropy [B, T]

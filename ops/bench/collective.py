@@ -1,4 +1,5 @@
-"""`python -m ops.bench.collective [--quick]`: gloo weight broadcast vs plain TCP, same bytes, same fan-out.
+"""`python -m ops.bench.collective [--quick]`: gloo weight broadcast vs plain TCP, same bytes,
+same fan-out.
 
 One source (this process) and two receiver processes on loopback. For each version size
 (64 and 256 MB; 8 and 32 MB with --quick) and 1 or 2 receivers:
@@ -130,7 +131,7 @@ def run(quick: bool, repeats: int, bucket_mb: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="8 and 32 MB instead of 64 and 256 MB")
     parser.add_argument("--repeats", type=int, default=3, help="timed versions per configuration (median)")
     parser.add_argument("--bucket-mb", type=int, default=64, help="bytes per broadcast, MiB")
@@ -138,7 +139,8 @@ def main() -> None:
     args = parser.parse_args()
     figures = run(args.quick, args.repeats, args.bucket_mb)
     for name, row in figures["sizes"].items():
-        print(f"{name:>10}: gloo {row['mb_per_s']:8.1f} MB/s (first {row['first_s']} s)   tcp {row['tcp_mb_per_s']:8.1f} MB/s")
+        print(f"{name:>10}: gloo {row['mb_per_s']:8.1f} MB/s (first {row['first_s']} s)   tcp "
+              f"{row['tcp_mb_per_s']:8.1f} MB/s")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "collective.json").write_text(json.dumps(figures, indent=1))

@@ -1,4 +1,5 @@
-"""`python -m ops.bench.engine_copies [--quick] [--copies N] [--repeats R]`: what engine copies in one rollout worker buy.
+"""`python -m ops.bench.engine_copies [--quick] [--copies N] [--repeats R]`:
+what engine copies in one rollout worker buy.
 
 The rollout worker's own copy layer (`consumers.rollout_copies.EngineCopies`: the router, a
 batcher per copy, generation in threads) with the tiny HF model on this machine's CPU,
@@ -57,7 +58,9 @@ async def generate_all(model_dir: Path, copies: int, events: list[PromptEvent]) 
     loop = asyncio.get_running_loop()
     try:
         started = time.perf_counter()
-        pending = [Pending(e, e.token_ids.numpy().astype(int).tolist(), started, loop.create_future(),
+        # `prompts` gives every event its token ids.
+        pending = [Pending(e, e.token_ids.numpy().astype(int).tolist(),  # type: ignore[union-attr]
+                           started, loop.create_future(),
                            context.get_current()) for e in events]
         results = await asyncio.gather(*(layer.submit(p, p.prompt.id) for p in pending))
         seconds = time.perf_counter() - started
@@ -69,7 +72,7 @@ async def generate_all(model_dir: Path, copies: int, events: list[PromptEvent]) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer prompts, shorter responses")
     parser.add_argument("--copies", type=int, default=2, help="copies measured against one")
     parser.add_argument("--repeats", type=int, default=3)

@@ -83,11 +83,11 @@ def sync_loop(cfg: RunConfig, steps: int) -> dict:
             batch = [next(source)[2] for _ in range(missing)]
             prompt_ids = [tokenizer.encode(r["prompt"], add_special_tokens=False) for r in batch]
             groups = rollout.generate(prompt_ids, cfg.data.n, params)
-            for record, ids, samples in zip(batch, prompt_ids, groups):
+            for record, ids, samples in zip(batch, prompt_ids, groups, strict=True):
                 rewards = [score(tokenizer.decode(x.token_ids.tolist(), skip_special_tokens=True), record["task"]) for x in samples]
                 if algo.drop_equal_reward_groups and len(set(rewards)) == 1:
                     continue
-                for sample, reward, adv in zip(samples, rewards, grpo(torch.tensor(rewards)).tolist()):
+                for sample, reward, adv in zip(samples, rewards, grpo(torch.tensor(rewards)).tolist(), strict=True):
                     response = sample.token_ids.numpy().astype("int32")
                     rows.append(Row("", torch.tensor(ids, dtype=torch.int32).numpy(), response,
                                     sample.logprobs.numpy(), np.zeros_like(response), adv, reward, ""))

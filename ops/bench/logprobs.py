@@ -1,4 +1,5 @@
-"""`python -m ops.bench.logprobs [--quick]`: peak memory of the trainer's log-probs, chunked vs full logits.
+"""`python -m ops.bench.logprobs [--quick]`: peak memory of the trainer's log-probs,
+chunked vs full logits.
 
 One forward and backward of per-token log-probs and entropy at V = 32k vocabulary and
 T = 4k tokens (T = 2k with `--quick`), hidden size 1024, float32: from the final
@@ -68,6 +69,7 @@ def measure(path: str, tokens: int, chunk: int) -> dict:
     else:
         peak = rss_peak_bytes() - base
     seconds = time.perf_counter() - started
+    assert hidden.grad is not None  # backward ran on a leaf that requires grad
     return {
         "peak_mb": round(peak / 2**20, 1), "seconds": round(seconds, 3), "device": device.type,
         "logprobs": logprobs.detach().cpu().tolist()[:64], "grad_hidden_sum": float(hidden.grad.double().sum()),
@@ -83,7 +85,7 @@ def in_subprocess(path: str, tokens: int, chunk: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m ops.bench.logprobs", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m ops.bench.logprobs", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="T = 2k tokens instead of 4k")
     parser.add_argument("--one", choices=["ours", "naive"], help=argparse.SUPPRESS)
     parser.add_argument("--tokens", type=int, default=None, help=argparse.SUPPRESS)
@@ -97,9 +99,9 @@ def main() -> None:
     runs = {}
     for path in ("naive", "ours"):
         runs[path] = in_subprocess(path, tokens, chunk)
-        print(f"{path:5s}: peak {runs[path]['peak_mb']:8.1f} MiB over the inputs, {runs[path]['seconds']:.2f} s "
-              f"({runs[path]['device']})", flush=True)
-    difference = max(abs(a - b) for a, b in zip(runs["ours"]["logprobs"], runs["naive"]["logprobs"]))
+        print(f"{path:5s}: peak {runs[path]['peak_mb']:8.1f} MiB over the inputs, "
+              f"{runs[path]['seconds']:.2f} s ({runs[path]['device']})", flush=True)
+    difference = max(abs(a - b) for a, b in zip(runs["ours"]["logprobs"], runs["naive"]["logprobs"], strict=True))
     print(json.dumps({
         "bench": "logprobs", "quick": args.quick, "tokens": tokens, "vocab": VOCAB, "hidden": HIDDEN, "chunk": chunk,
         "device": runs["ours"]["device"],

@@ -57,7 +57,8 @@ def train(cfg: RunConfig, steps: int, eta: int, corrected: bool) -> tuple[list[f
     module, name = parse_spec(cfg.data.reward)
     score = getattr(importlib.import_module(module), name)
     source = records(cfg.data, 0)
-    # versions[0] is what generates: after step s the deque holds versions max(0, s + 1 - eta) .. s + 1.
+    # versions[0] is what generates: after step s the deque holds versions max(0,
+    # s + 1 - eta) .. s + 1.
     versions = deque([trainer.export_weights()], maxlen=eta + 1)
     rewards_by_step: list[float] = []
     seen: dict[str, list[float]] = {"clip_frac": [], "is_weight_mean": [], "logprob_gap": []}
@@ -66,10 +67,10 @@ def train(cfg: RunConfig, steps: int, eta: int, corrected: bool) -> tuple[list[f
         batch = [next(source)[2] for _ in range(algo.prompts_per_step)]
         prompt_ids = [tokenizer.encode(r["prompt"], add_special_tokens=False) for r in batch]
         rows: list[Row] = []
-        for record, ids, samples in zip(batch, prompt_ids, rollout.generate(prompt_ids, cfg.data.n, params)):
+        for record, ids, samples in zip(batch, prompt_ids, rollout.generate(prompt_ids, cfg.data.n, params), strict=True):
             rewards = [score(tokenizer.decode(x.token_ids.tolist(), skip_special_tokens=True), record["task"])
                        for x in samples]
-            for sample, reward, adv in zip(samples, rewards, grpo(torch.tensor(rewards)).tolist()):
+            for sample, reward, adv in zip(samples, rewards, grpo(torch.tensor(rewards)).tolist(), strict=True):
                 response = sample.token_ids.numpy().astype("int32")
                 rows.append(Row("", np.asarray(ids, dtype=np.int32), response, sample.logprobs.numpy(),
                                 np.zeros_like(response), adv, reward, ""))
@@ -125,7 +126,8 @@ def main() -> None:
                 label = f"eta {eta}, {'corrected' if corrected else 'uncorrected'}"
                 curves[label], off_policy[label] = train(prepared, steps, eta, corrected)
                 tenth = max(1, steps // 10)
-                print(f"{label}: final reward {np.mean(curves[label][-tenth:]):.3f} {off_policy[label]}", flush=True)
+                print(f"{label}: final reward {np.mean(curves[label][-tenth:]):.3f} "
+                      f"{off_policy[label]}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     plot(curves, args.out / "staleness.png")
     tenth = max(1, steps // 10)

@@ -35,7 +35,8 @@ Weights = dict[str, torch.Tensor]
 
 
 def pack(tensors: Weights) -> tuple[bytes, tuple]:
-    """A full version as the transports publish it: safetensors bytes and the manifest (sha256 per tensor)."""
+    """A full version as the transports publish it: safetensors bytes and the manifest
+    (sha256 per tensor)."""
     return serialize(tensors), manifest_of(tensors)
 
 

@@ -21,7 +21,8 @@ HTTP_PORT = 8222
 DEFAULT_HOSTS = (LOOPBACK,) * 3
 STORE = "nats-data"
 EXAMPLES = "ops/cluster"
-"""Where the example configs live, relative to the repository root (the --out they were written with)."""
+"""Where the example configs live, relative to the repository root
+(the --out they were written with)."""
 
 HEADER = """\
 # Node {name} of a {size}-node jetrl NATS JetStream cluster (cluster name "{cluster_name}").
@@ -60,7 +61,8 @@ SECURITY = """\
 def node_addresses(
     hosts: Sequence[str], client_port: int = CLIENT_PORT, cluster_port: int = CLUSTER_PORT, http_port: int = HTTP_PORT
 ) -> list[NodeAddress]:
-    """One address per host; nodes that share a host get consecutive ports so they do not collide."""
+    """One address per host; nodes that share a host get consecutive ports so they do not
+    collide."""
     shared = len(set(hosts)) < len(hosts)
     return [
         NodeAddress(f"n{i + 1}", host, *(port + i * shared for port in (client_port, cluster_port, http_port)))
@@ -69,7 +71,8 @@ def node_addresses(
 
 
 def node_configs(hosts: Sequence[str] = DEFAULT_HOSTS, out: str | None = None, store: str = STORE) -> dict[str, str]:
-    """File name -> config text of every node of a cluster on `hosts`, as `python -m ops.cluster` writes them."""
+    """File name -> config text of every node of a cluster on `hosts`,
+    as `python -m ops.cluster` writes them."""
     addresses = node_addresses(hosts)
     args = "".join(
         f" {flag} {value}"

@@ -1,4 +1,5 @@
-"""`python -m ops.cluster [--hosts H1,H2,H3] [--out DIR] [--store DIR]`: write a 3-node cluster's configs."""
+"""`python -m ops.cluster [--hosts H1,H2,H3] [--out DIR] [--store DIR]`:
+write a 3-node cluster's configs."""
 
 from __future__ import annotations
 

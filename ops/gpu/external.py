@@ -87,8 +87,8 @@ def make_continuous(name: str, model_dir: Path, dtype: str, mode: str, slots: in
     from engines.sglang_continuous import SGLangContinuousEngine
     from engines.sglang_rollout import SGLangSettings
 
-    settings = SGLangSettings(mem_fraction_static=0.25, context_length=256, dtype=dtype)
-    return SGLangContinuousEngine(model_dir, settings, slots=slots, partial_mode=mode)  # type: ignore[arg-type]
+    sglang_settings = SGLangSettings(mem_fraction_static=0.25, context_length=256, dtype=dtype)
+    return SGLangContinuousEngine(model_dir, sglang_settings, slots=slots, partial_mode=mode)  # type: ignore[arg-type]
 
 
 def check_continuous(name: str, model_dir: Path, mode: str = "resubmit", dtype: str = "float32",
@@ -105,7 +105,8 @@ def check_continuous(name: str, model_dir: Path, mode: str = "resubmit", dtype: 
     report["start_s"] = round(time.monotonic() - started, 1)
     trainer = TorchTrainEngine(model_dir, lr=1e-3, loss=LossConfig(temperature=TEMPERATURE), device="cuda")
     gen = torch.Generator().manual_seed(0)
-    vocab = trainer.model.get_input_embeddings().num_embeddings
+    # nn.Module's attributes are typed Tensor | Module; a HF model has this method.
+    vocab = trainer.model.get_input_embeddings().num_embeddings  # type: ignore[operator]
     prompts = torch.randint(1, vocab - 1, (samples, 12), generator=gen).tolist()
     params = SamplingParams(temperature=TEMPERATURE, max_tokens=200)
     old = trainer.export_weights()
@@ -154,7 +155,8 @@ def verdict_continuous(report: dict[str, Any]) -> list[str]:
     diff = report["logprob_diff"]
     if diff["max"] > worst or diff["mean"] > mean:
         failures.append(
-            f"logprob_diff {diff} exceeds (max {worst}, mean {mean}): tokens tagged with the wrong version?")
+            f"logprob_diff {diff} exceeds (max {worst}, mean {mean}): "
+            "tokens tagged with the wrong version?")
     if not report["monotone"]:
         failures.append("a sample's versions went back")
     if not report["spanning"]:
@@ -176,7 +178,7 @@ def check(name: str, model_dir: Path, dtype: str = "float32", put: Callable[[str
     report["start_s"] = round(time.monotonic() - started, 1)
     trainer = TorchTrainEngine(model_dir, lr=1e-3, loss=LossConfig(temperature=TEMPERATURE), device="cuda")
     gen = torch.Generator().manual_seed(0)
-    vocab = trainer.model.get_input_embeddings().num_embeddings
+    vocab = trainer.model.get_input_embeddings().num_embeddings  # type: ignore[operator]  # as above
     prompts = torch.randint(1, vocab - 1, (8, 12), generator=gen).tolist()
     params = SamplingParams(temperature=TEMPERATURE, max_tokens=32)
     try:

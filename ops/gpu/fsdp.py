@@ -66,7 +66,8 @@ def fsdp(args: argparse.Namespace, rec: Record) -> None:
                                  "s_per_step": round(seconds, 4), "tokens_per_s": round(rows * width / seconds, 1),
                                  "peak_gib": _peak_gib(args.device), "loss_finite": math.isfinite(metrics["loss"])}
         rec.put("train", train)
-        say("fsdp", f"train: {seconds:.3f} s/step, {rows * width / seconds:,.0f} tok/s, peak {train['peak_gib']} GiB")
+        say("fsdp", f"train: {seconds:.3f} s/step, {rows * width / seconds:,.0f} tok/s, "
+                    f"peak {train['peak_gib']} GiB")
 
         t0 = time.monotonic()
         full = engine.export_weights()

@@ -38,7 +38,8 @@ class Record:
     """A section's results, rewritten atomically after each measurement (a kill keeps them)."""
 
     def __init__(self, path: Path, deadline: float) -> None:
-        self.path, self.deadline, self.data = path, deadline, {}
+        self.path, self.deadline = path, deadline
+        self.data: dict[str, Any] = {}
 
     def left(self) -> float:
         return self.deadline - time.monotonic()

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,6 +29,7 @@ def qwen2_config(tiny: bool) -> Any:
     """Qwen2-0.5B's shape (or a tiny one), built from a config as `engines.tiny` does."""
     from transformers import Qwen2Config
 
+    dims: dict[str, Any]
     if tiny:
         dims = dict(vocab_size=1024, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
@@ -49,7 +50,8 @@ def save_random_model(config: Any, device: str, model_dir: Path) -> int:
     with torch.device(device):  # random init on the device: seconds, not a minute of CPU
         model = Qwen2ForCausalLM(config)
     params = sum(p.numel() for p in model.parameters())
-    model.to("cpu", torch.bfloat16).save_pretrained(model_dir)
+    # transformers types `to` through a decorator that mypy reads as unbound.
+    model.to("cpu", torch.bfloat16).save_pretrained(model_dir)  # type: ignore[arg-type]
     return params
 
 
@@ -122,7 +124,8 @@ def engines(args: argparse.Namespace, rec: Record) -> None:
                         "tokens_per_s": round(tokens / seconds, 1), "ms_per_step": round(1000 * seconds / steps, 2),
                         "peak_gib": _peak_gib(device)})
         rec.put("rollout", {"dtype": params_dtype, "device": device, "runs": rollout})
-        say("engines", f"rollout batch {batch}: {tokens / seconds:,.0f} tok/s ({1000 * seconds / steps:.1f} ms/step)")
+        say("engines", f"rollout batch {batch}: {tokens / seconds:,.0f} tok/s "
+                       f"({1000 * seconds / steps:.1f} ms/step)")
     del engine
     gc.collect()
     if device.startswith("cuda"):
@@ -134,12 +137,14 @@ def engines(args: argparse.Namespace, rec: Record) -> None:
     ids = torch.randint(0, config.vocab_size - 1, (rows, width), generator=gen)
     loss_mask = torch.zeros(rows, width, dtype=torch.long)
     loss_mask[:, width // 2 :] = 1  # the response half, as after a prompt
-    batch = MicroBatch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=loss_mask,
-                       advantages=torch.randn(rows, generator=gen),
-                       behaviour_logprobs=-torch.rand(rows, width, generator=gen) * loss_mask)
+    micro_batch = MicroBatch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=loss_mask,
+                             advantages=torch.randn(rows, generator=gen),
+                             behaviour_logprobs=-torch.rand(rows, width, generator=gen) * loss_mask)
     # "float32" is what the product does; the others show what a precision change would buy.
-    variants = [("float32", contextlib.nullcontext, False), ("tf32_matmul", contextlib.nullcontext, True),
-                ("autocast_bf16", lambda: torch.autocast(torch.device(device).type, dtype=torch.bfloat16), False)]
+    variants: list[tuple[str, Callable[[], contextlib.AbstractContextManager[Any]], bool]] = [
+        ("float32", contextlib.nullcontext, False), ("tf32_matmul", contextlib.nullcontext, True),
+        ("autocast_bf16", lambda: torch.autocast(torch.device(device).type, dtype=torch.bfloat16), False),
+    ]
     train: dict[str, Any] = {"param_dtype": train_dtype, "device": device, "rows": rows, "width": width}
     timed = 2 if args.tiny else 3
     for name, autocast, tf32 in variants:
@@ -148,12 +153,12 @@ def engines(args: argparse.Namespace, rec: Record) -> None:
             break
         torch.backends.cuda.matmul.allow_tf32 = tf32
         with autocast():
-            trainer.train_step([batch])  # warm-up
+            trainer.train_step([micro_batch])  # warm-up
             _reset_peak(device)
             _sync(device)
             t0 = time.monotonic()
             for _ in range(timed):
-                metrics = trainer.train_step([batch])
+                metrics = trainer.train_step([micro_batch])
             _sync(device)
         seconds = (time.monotonic() - t0) / timed
         tokens = rows * width
@@ -162,7 +167,8 @@ def engines(args: argparse.Namespace, rec: Record) -> None:
                        "tflops": round(flops / 1e12, 1), "mfu_vs_bf16_peak": round(flops / BF16_DENSE_PEAK, 3),
                        "peak_gib": _peak_gib(device), "loss_finite": math.isfinite(metrics["loss"])}
         rec.put("train", train)
-        say("engines", f"train {name}: {seconds:.3f} s/step, {tokens / seconds:,.0f} tok/s, peak {_peak_gib(device)} GiB")
+        say("engines", f"train {name}: {seconds:.3f} s/step, {tokens / seconds:,.0f} tok/s, "
+                       f"peak {_peak_gib(device)} GiB")
     torch.backends.cuda.matmul.allow_tf32 = False
 
 
@@ -243,10 +249,10 @@ async def _weights(args: argparse.Namespace, rec: Record) -> None:
     done = [r for r in runs if r.get("get_s")]
     growth: dict[str, Any] = {"note": "least-squares slope of log(time) on log(size): 1 is linear, 2 is quadratic"}
     if len(done) >= 2:
-        sizes = [r["mb"] for r in done]
-        growth.update(sizes_mb=sizes, get_version_exponent=growth_exponent(sizes, [r["get_s"] for r in done]),
-                      get_writeinto_exponent=growth_exponent(sizes, [r["get_writeinto_s"] for r in done]),
-                      put_exponent=growth_exponent(sizes, [r["put_s"] for r in done]))
+        mbs = [r["mb"] for r in done]
+        growth.update(sizes_mb=mbs, get_version_exponent=growth_exponent(mbs, [r["get_s"] for r in done]),
+                      get_writeinto_exponent=growth_exponent(mbs, [r["get_writeinto_s"] for r in done]),
+                      put_exponent=growth_exponent(mbs, [r["put_s"] for r in done]))
     timed_out = [r for r in runs if r.get("get_timeout_s")]
     if done and timed_out:  # a get cut off at its limit still bounds the growth from below
         a, b = done[-1], timed_out[0]
@@ -258,7 +264,7 @@ def growth_exponent(sizes: list[float], seconds: list[float]) -> float:
     """The k in time ~ size^k: slope of the least-squares line through (log size, log time)."""
     xs, ys = [math.log(v) for v in sizes], [math.log(max(t, 1e-6)) for t in seconds]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    return round(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs), 2)
+    return round(sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs), 2)
 
 
 def weights(args: argparse.Namespace, rec: Record) -> None:
