@@ -40,7 +40,7 @@ import torch
 from nats.aio.msg import Msg
 from nats.js.errors import KeyWrongLastSequenceError
 from opentelemetry import context
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from bus import metrics
 from bus.topology import PROMPTS, TRAJECTORIES, drop_key
@@ -68,7 +68,7 @@ log = logging.getLogger("jetrl.rollout")
 
 class Rollout:
     def __init__(
-        self, rt: Runtime, engines: RolloutEngine | Sequence[RolloutEngine], tokenizer: object,
+        self, rt: Runtime, engines: RolloutEngine | Sequence[RolloutEngine], tokenizer: PreTrainedTokenizerBase,
         router: Router | None = None,
     ) -> None:
         """`engines`: the copies (one engine: one copy); `router`: `rollout.router` when None."""

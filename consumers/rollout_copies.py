@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import cast
@@ -221,7 +221,9 @@ class EngineCopies:
         for copy in self.copies:
             await asyncio.to_thread(copy.engine.load_state_dict, tensors, version=version)
 
-    async def samples(self, pending: Pending, key: str | None) -> AsyncIterator[tuple[int, protocols.Sample, float]]:
+    async def samples(
+        self, pending: Pending, key: str | None
+    ) -> AsyncGenerator[tuple[int, protocols.Sample, float]]:
         """`pending`'s samples as each ends, on the copy the router picks: (index, sample,
         seconds it generated). Batch engines: all at once, when their batch returns."""
         if not self.continuous:

@@ -91,7 +91,7 @@ def build_rollout_engine(settings: RolloutEngineConfig, model: Path, *, seed: in
     simulated = SimulatedSettings(
         settings.median_tokens, settings.sigma, settings.seconds_per_token, settings.slots, seed
     )
-    vocab = hf.model.get_input_embeddings().num_embeddings  # type: ignore[operator]
+    vocab = hf.model.get_input_embeddings().num_embeddings
     return SimulatedRolloutEngine(hf.model, vocab, hf.eos_token_ids[0], simulated)
 
 

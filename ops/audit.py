@@ -53,7 +53,7 @@ AUDIT_SECONDS = 120.0
 """How long an audit refused by elections is started over: reading a long run takes a while itself."""
 
 
-async def _replay(js: JetStreamContext, topology: Topology, channel: Channel[E]) -> list[E]:
+async def replay_events(js: JetStreamContext, topology: Topology, channel: Channel[E]) -> list[E]:
     """Every event stored, up to the last sequence stored now (`bus.readers.Replay`); poison
     among them is logged and left out (an operator's tool has no dead letters of its own)."""
     replay: Replay[E] = Replay(js, topology, channel, Poison("audit"))
@@ -64,8 +64,8 @@ async def _replay(js: JetStreamContext, topology: Topology, channel: Channel[E])
 async def audit(
     js: JetStreamContext, topology: Topology, staleness: StalenessPolicy
 ) -> dict[str, Any]:
-    prompts = [p.id for p in await _replay(js, topology, PROMPTS)]
-    batches = await _replay(js, topology, BATCHES)
+    prompts = [p.id for p in await replay_events(js, topology, PROMPTS)]
+    batches = await replay_events(js, topology, BATCHES)
     kv = await js.key_value(topology.kv_bucket)
     # Not `kv.keys()`: its listing can end before the first key arrives, and an audit that
     # saw no drop records counted every dropped group as in flight (seen in the e2e test).

@@ -105,7 +105,10 @@ async def sample(js: JetStreamContext, topology: Topology) -> Sample:
     stages: dict[str, StageState | None] = {}
     for channel in CHANNELS:
         info = await or_unknown(lambda: js.stream_info(topology.stream(channel)), f"stream {channel.name}")  # noqa: B023
-        stages[channel.name] = info and StageState(info.state.messages, info.state.bytes, info.state.last_seq)
+        stages[channel.name] = (
+            None if info is None
+            else StageState(info.state.messages, info.state.bytes, info.state.last_seq)
+        )
     queues = await queue_lag(js, topology)
     dead_info = await or_unknown(
         lambda: js.stream_info(topology.stream(DEAD), subjects_filter=topology.subject(DEAD, ">")), "dead letters"

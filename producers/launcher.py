@@ -99,7 +99,12 @@ async def produce(
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, lambda name=sig.name: (received.append(name), stop.set()))
+
+        def on_signal(name: str = sig.name) -> None:
+            received.append(name)
+            stop.set()
+
+        loop.add_signal_handler(sig, on_signal)
     rt = await attach_bootstrap(cfg, url, replicas, identity)
     producer = Producer(rt)
 

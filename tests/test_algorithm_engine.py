@@ -102,6 +102,7 @@ def test_the_run_config_sets_the_lr_schedule_weight_decay_and_updates(model_dir:
                       "lr_min_ratio": 0.1, "ppo_epochs": 2, "ppo_mini_batches": 3},
     })
     eng = configured_engine(cfg, loss_config(cfg), torch.device("cpu"))
+    assert isinstance(eng, TorchTrainEngine)
     assert eng.optimizer.param_groups[0]["weight_decay"] == 0.03
     assert (eng.ppo_epochs, eng.ppo_mini_batches) == (2, 3)
     lrs = [eng.train_step([batch(eng, 1.0, seed=s)])["lr"] for s in range(4)]

@@ -21,6 +21,7 @@ from engines.build import build_rollout_engine
 from engines.external_rollout import EngineUnavailable, named_weights, require, skeleton
 from engines.hf_rollout import HFRolloutEngine
 from schemas.config import ConfigError, parse_config
+from schemas.rollout_config import SGLangRolloutConfig, VLLMRolloutConfig
 from tests.engine_records import model_dir  # noqa: F401 - a fixture
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,8 +56,10 @@ def test_named_weights_cast_and_refuse_wrong_names_or_shapes(model_dir: Path) ->
 
 def test_config_takes_the_engines_sections_and_refuses_top_p_below_1_on_vllm() -> None:
     cfg = parse_config({"rollout": {"engine": {"type": "vllm", "gpu_memory_utilization": 0.3, "max_model_len": 512}}})
+    assert isinstance(cfg.rollout.engine, VLLMRolloutConfig)
     assert (cfg.rollout.engine.gpu_memory_utilization, cfg.rollout.engine.max_model_len) == (0.3, 512)
-    assert parse_config({"rollout": {"engine": "sglang"}, "data": {"sampling": {"top_p": 0.9}}}).rollout.engine.tp_size == 1
+    sglang = parse_config({"rollout": {"engine": "sglang"}, "data": {"sampling": {"top_p": 0.9}}})
+    assert isinstance(sglang.rollout.engine, SGLangRolloutConfig) and sglang.rollout.engine.tp_size == 1
     with pytest.raises(ConfigError, match="rollout.engine vllm needs data.sampling.top_p 1, not 0.9"):
         parse_config({"rollout": {"engine": "vllm"}, "data": {"sampling": {"top_p": 0.9}}})
     with pytest.raises(ConfigError, match=r"rollout.engine.tp: Extra inputs are not permitted \(type sglang\)"):

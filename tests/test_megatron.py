@@ -38,6 +38,7 @@ from engines.megatron_names import (
 )
 from engines.tiny import build_tiny_model
 from producers.tasks import VOCAB
+from schemas.trainer_config import MegatronConfig
 
 
 @pytest.fixture(scope="module")
@@ -316,6 +317,7 @@ def test_trainer_config_takes_megatron_and_refuses_what_it_cannot_run() -> None:
     from schemas.config import RunConfig
 
     cfg = RunConfig.model_validate({"trainer": {"engine": "megatron"}})
+    assert isinstance(cfg.trainer.engine, MegatronConfig)
     assert (cfg.trainer.engine.tensor_parallel_size, cfg.trainer.engine.pipeline_parallel_size) == (1, 1)
     tp2 = RunConfig.model_validate({"trainer": {"engine": {"type": "megatron", "tensor_parallel_size": 2}}})
     assert tp2.trainer.ranks == 2  # tensor-parallel ranks are trainer processes (tests/test_megatron_job.py)

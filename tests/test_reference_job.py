@@ -158,4 +158,5 @@ def test_the_trainer_holds_no_reference_copy_when_the_stage_scores_it(tmp_path: 
     for enabled, holds in ((False, True), (True, False)):
         cfg = parse_config({**base, "reference": {"enabled": enabled}})
         engine = configured_engine(cfg, LossConfig(kl_coef=0.1), torch.device("cpu"))
+        assert isinstance(engine, TorchTrainEngine)
         assert (engine.reference is not None) is holds

@@ -19,6 +19,7 @@ from engines.simulated import (
     finish_times,
 )
 from schemas.config import ConfigError, parse_config
+from schemas.rollout_config import SimulatedRolloutConfig
 
 VOCAB, EOS = 32, 0  # the random ids must step over eos and still reach the last id
 
@@ -66,6 +67,7 @@ def test_generate_takes_the_makespan_and_returns_valid_samples() -> None:
 def test_the_engine_and_its_workload_are_config() -> None:
     cfg = parse_config({"rollout": {"engine": {"type": "simulated", "median_tokens": 200, "sigma": 1.2, "slots": 4}},
                         "trainer": {"simulated_seconds_per_token": 1e-4}})
+    assert isinstance(cfg.rollout.engine, SimulatedRolloutConfig)
     assert cfg.rollout.engine.slots == 4 and cfg.trainer.simulated_seconds_per_token == 1e-4
     with pytest.raises(ConfigError, match="rollout.engine: Input tag 'trtllm' found using 'type' does not match any of "
                                           "the expected tags: 'hf', 'simulated', 'vllm', 'sglang'"):

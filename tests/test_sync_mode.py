@@ -25,7 +25,7 @@ from nats.js.errors import NoKeysError
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.topology import BATCHES, PROMPTS, Topology, dropped_prompt
-from ops.audit import _replay
+from ops.audit import replay_events
 from schemas import BatchEvent, PromptEvent
 from schemas.config import ConfigError, load_config, parse_config
 from schemas.kv_records import DropRecord
@@ -69,8 +69,8 @@ async def read_back(url: str, topology: Topology) -> tuple[list[PromptEvent], li
     nc = await connect(url, "test-sync")
     js = nc.jetstream()
     try:
-        prompts = await _replay(js, topology, PROMPTS)  # poison left out
-        batches = await _replay(js, topology, BATCHES)
+        prompts = await replay_events(js, topology, PROMPTS)  # poison left out
+        batches = await replay_events(js, topology, BATCHES)
         kv = await js.key_value(topology.kv_bucket)
         try:
             keys = await kv.keys()

@@ -90,7 +90,10 @@ def test_rollout_workers_follow_delta_versions_bit_for_bit_and_a_late_one_catche
                 versions[4] = step(versions[3], 4)
                 await announce(4, versions[4])
                 for worker in (w, late):  # v4 handled: applied (copy at v4), or refused (copy dropped)
-                    await eventually(lambda x=worker: x.rollout.receiver.chain.version != 3, "v4 was handled")
+                    await eventually(
+                        lambda x=worker: x.rollout.receiver.chain.version != 3,  # type: ignore[misc]
+                        "v4 was handled",
+                    )
                     # Refused: the copy is dropped (the next version pulls the full one).
                     assert worker.rollout.receiver.chain.version is None, f"v4 applied: copy at v{worker.rollout.receiver.chain.version}"
                 await eventually(lambda: dead_stored(w, 1), "v4 was dead-lettered")

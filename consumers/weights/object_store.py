@@ -99,7 +99,7 @@ class ObjectStoreTransport:
     async def fetch_bytes(self, shard: WeightShard) -> bytes:
         """A delta shard's payload, whole; its checks are the delta's own (`apply_delta`)."""
         info = await self._info(shard.location, shard.total_bytes)
-        buffer = bytearray(info.size)
+        buffer = bytearray(info.size or 0)
 
         def arrived(offset: int, data: bytes) -> None:
             buffer[offset : offset + len(data)] = data

@@ -38,9 +38,9 @@ from dataclasses import dataclass
 
 import nats.errors
 import torch
-from nats.js import JetStreamContext
 
 from bus.publisher import Publisher
+from bus.connection import JetStream
 from bus.readers import Broadcast, LastStored, Poison, Stored
 from bus.topology import WEIGHTS, Topology
 from consumers.weights.factory import transport_for
@@ -172,7 +172,7 @@ class WeightsReceiver:
 
     def __init__(
         self,
-        js: JetStreamContext,
+        js: JetStream,
         topology: Topology,
         publisher: Publisher,
         config: WeightsConfig,

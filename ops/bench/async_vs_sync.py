@@ -37,7 +37,7 @@ from bus.embedded import EmbeddedNats
 from bus.topology import TRAJECTORIES, Topology
 from consumers.fleet_config import local_fleet
 from consumers.supervisor import Supervisor
-from ops.audit import _decoded, _replay
+from ops.audit import replay_events
 from producers.launcher import prepare, produce
 from schemas import TrajectoryEvent
 from schemas.config import RunConfig, parse_config, read_yaml
@@ -69,6 +69,7 @@ def bench_config(run: str, mode: str, staleness: int, steps: int) -> RunConfig:
 def real_config(run: str, mode: str, staleness: int, steps: int) -> RunConfig:
     """The built-in job, its model, engine and task, in `mode` for `steps` steps."""
     data = read_yaml(BUILTIN)
+    assert isinstance(data, dict), f"{BUILTIN}: not a mapping"
     data["run"], data["mode"] = run, mode
     data["trainer"] = {**data.get("trainer", {}), "steps": steps, "checkpoint_every": 100_000}
     algorithm = {k: v for k, v in data.get("algorithm", {}).items() if k != "max_staleness"}
@@ -95,7 +96,9 @@ async def generations(url: str, run: str) -> list[tuple[float, float]]:
     """(start, end) of each trajectory's generation, from the trajectory stream."""
     nc = await connect(url, "bench-async-vs-sync")
     try:
-        events = _decoded(await _replay(nc.jetstream(), Topology(run=run), TRAJECTORIES), TrajectoryEvent)
+        events: list[TrajectoryEvent] = await replay_events(
+            nc.jetstream(), Topology(run=run), TRAJECTORIES
+        )
     finally:
         await nc.close()
     return sorted({(t.time - t.timings["generate"], t.time) for t in events})
@@ -179,7 +182,7 @@ def real_figures(results: dict[str, dict], steps: int) -> dict:
         "target_reward": round(target, 4), "window_steps": window,
         "runs": {name: {"wall_seconds": round(r["wall_seconds"], 2),
                         "final_reward": round(smoothed(r["rewards"], window)[-1], 4),
-                        "seconds_to_target": None if reached[name] is None else round(reached[name], 2)}
+                        "seconds_to_target": None if (t := reached[name]) is None else round(t, 2)}
                  for name, r in results.items()},
         "real_ratio": round(sync_time / min(asyncs), 3) if asyncs and sync_time else None,
     }

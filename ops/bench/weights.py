@@ -32,6 +32,7 @@ import tempfile
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import torch
 from nats.js.api import StorageType, StreamConfig
@@ -166,17 +167,17 @@ class Bench:
         if self.alive != [f"w{i}" for i in range(workers)]:  # a new group pays its rendezvous untimed
             self.alive[:] = [f"w{i}" for i in range(workers)]
             tiny = {"warm": torch.zeros(8)}
-            answers = asyncio.gather(self.ask([("collective", manifest_of(tiny), self.source.address, self.version)] * workers))
+            warm = asyncio.ensure_future(self.ask([("collective", manifest_of(tiny), self.source.address, self.version)] * workers))
             await asyncio.to_thread(self.source.publish, self.version, tiny)
-            await answers
+            await warm
             self.version += 1
-        answers = asyncio.ensure_future(self.ask([("collective", manifest, self.source.address, self.version)] * workers))
+        pending: asyncio.Future[list[tuple[float, float, float]]] = asyncio.ensure_future(self.ask([("collective", manifest, self.source.address, self.version)] * workers))
         start = time.monotonic()
         published = await asyncio.to_thread(self.source.publish, self.version, tensors)
         seconds = time.monotonic() - start
         if len(published.members) != workers:
             raise RuntimeError(f"collective version {self.version}: {published}")
-        return seconds, await answers, self.source.address
+        return seconds, await pending, self.source.address
 
     async def fetch(self, name: str, tensors: Weights, workers: int, repeats: int, baseline: bool = False) -> dict:
         """Median publish and per-worker fetch / fetch-and-apply seconds over `repeats` versions;
@@ -248,7 +249,7 @@ async def bench(url: str, root: Path, quick: bool, repeats: int, conns: list[Con
         progress(f"    baseline: 1 worker {figures['baseline']['x1']:.2f} s, {WORKERS} workers "
                  f"{figures['baseline'][f'x{WORKERS}']:.2f} s each (plain nats-py)")
         for mb in (16, 64) if quick else (64, 256, 512):
-            tensors, row = shaped(mb), {}
+            tensors, row = shaped(mb), dict[str, Any]()
             for name in TRANSPORTS:
                 got = await b.fetch(name, tensors, 1, repeats, baseline=name == "object_store")
                 row[name] = {key: got[key] for key in ("publish_s", "fetch_s", "fetch_apply_s")}
