@@ -119,7 +119,7 @@ async def store_weights(
     `WeightVersionEvent` that announces them (not published)."""
     # Imported here: torch takes seconds, and most tests that use these helpers never need it.
     from consumers.weights.object_store import ObjectStoreTransport
-    from consumers.weights.transport import publish_version
+    from consumers.weights.sender import publish_version
 
     transport = ObjectStoreTransport(js, topology.object_bucket)  # type: ignore[arg-type]
     return await publish_version(transport, topology.run, source, version, tensors)

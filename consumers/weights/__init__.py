@@ -12,13 +12,12 @@ checksums, delta math) are in `engines/`. See docs/weights.md.
 
 from consumers.weights.factory import transport_for
 from consumers.weights.receiver import Ready, WeightsReceiver
-from consumers.weights.sender import WeightsSender
+from consumers.weights.sender import WeightsSender, publish_version
 from consumers.weights.transport import (
     Stored,
     WeightsMissing,
     WeightsUnavailable,
     WeightTransport,
-    publish_version,
 )
 
 __all__ = [

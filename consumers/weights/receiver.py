@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import nats.errors
 import torch
 
-from bus.publisher import Publisher
 from bus.connection import JetStream
+from bus.publisher import Publisher
 from bus.readers import Broadcast, LastStored, Poison, Stored
 from bus.topology import WEIGHTS, Topology
 from consumers.weights.factory import transport_for

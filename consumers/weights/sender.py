@@ -33,7 +33,7 @@ from bus.runtime import Runtime
 from bus.topology import WEIGHTS
 from consumers.weights.collective import CollectiveTransport
 from consumers.weights.factory import transport_for
-from consumers.weights.transport import Stored, WeightTransport, publish_version
+from consumers.weights.transport import Stored, WeightTransport
 from engines.collective_plan import Spec
 from engines.delta_plan import Chain, next_publication
 from engines.weight_delta import encode_shard
@@ -59,6 +59,27 @@ calls it once per version it publishes."""
 async def alone(note: ShardNote) -> list[ShardNote]:
     """The exchange of a single trainer rank."""
     return [note]
+
+
+async def publish_version(
+    transport: WeightTransport, run: str, source: str, version: int, tensors: dict[str, torch.Tensor],
+    *, full_version: int | None = None,
+) -> WeightVersionEvent:
+    """Store `tensors` as `version` with `transport`; the event that announces them
+    (`full_version`: `version`, when it starts a delta chain).
+
+    Hashing (the manifest, in a thread) and storing run at the same time: storing waits on
+    the server much of the time. A store refused during a leader election is retried: every
+    try writes under a new name, so a repeat never changes bytes an event already points to."""
+    manifest, stored = await asyncio.gather(
+        asyncio.to_thread(manifest_of, tensors),
+        ride_out(lambda: transport.publish(version, tensors), f"storing weights v{version}"),
+    )
+    return WeightVersionEvent.announce(
+        run=run, source=source, version=version, step=version,
+        transport=transport.name, location=stored.location, manifest=manifest, total_bytes=stored.total_bytes,
+        full_version=full_version,
+    )
 
 
 class WeightsSender:

@@ -9,14 +9,12 @@ transports (`object_store`, `filesystem`) differ only in where the bytes live; t
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Collection, Iterable
 from typing import ClassVar, NamedTuple, Protocol
 
 import torch
 
-from bus.election import ride_out
-from engines.weights import WeightsRefused, manifest_of
+from engines.weights import WeightsRefused
 from schemas.weight_event import TransportName, WeightShard, WeightVersionEvent
 
 
@@ -62,7 +60,7 @@ class WeightTransport(Protocol):
     async def publish(self, version: int, tensors: dict[str, torch.Tensor], pinned: Collection[str] = ()) -> Stored:
         """Store `tensors` (CPU, contiguous) as `version`, and delete versions older than the
         ones kept, never those at `pinned` locations (the delta chain in progress). The
-        manifest is made beside it (`publish_version`)."""
+        manifest is made beside it (`sender.publish_version`)."""
         ...
 
     async def publish_bytes(self, version: int, data: bytes, pinned: Collection[str] = ()) -> Stored:
@@ -78,27 +76,6 @@ class WeightTransport(Protocol):
         ChecksumMismatch, WeightsMissing) for bytes that must never be loaded;
         WeightsUnavailable when they cannot be read now."""
         ...
-
-
-async def publish_version(
-    transport: WeightTransport, run: str, source: str, version: int, tensors: dict[str, torch.Tensor],
-    *, full_version: int | None = None,
-) -> WeightVersionEvent:
-    """Store `tensors` as `version` with `transport`; the event that announces them
-    (`full_version`: `version`, when it starts a delta chain).
-
-    Hashing (the manifest, in a thread) and storing run at the same time: storing waits on
-    the server much of the time. A store refused during a leader election is retried: every
-    try writes under a new name, so a repeat never changes bytes an event already points to."""
-    manifest, stored = await asyncio.gather(
-        asyncio.to_thread(manifest_of, tensors),
-        ride_out(lambda: transport.publish(version, tensors), f"storing weights v{version}"),
-    )
-    return WeightVersionEvent.announce(
-        run=run, source=source, version=version, step=version,
-        transport=transport.name, location=stored.location, manifest=manifest, total_bytes=stored.total_bytes,
-        full_version=full_version,
-    )
 
 
 async def fetch_full(transport: WeightTransport, event: WeightVersionEvent) -> dict[str, torch.Tensor]:

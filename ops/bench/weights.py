@@ -41,7 +41,8 @@ from bus.connection import JetStream, connect
 from bus.embedded import MAX_PAYLOAD, EmbeddedNats
 from consumers.weights.filesystem import FilesystemTransport
 from consumers.weights.object_store import ObjectStoreTransport
-from consumers.weights.transport import WeightTransport, publish_version
+from consumers.weights.sender import publish_version
+from consumers.weights.transport import WeightTransport
 from engines.collective import CollectiveReceiver, CollectiveSettings, CollectiveSource, Received
 from engines.tiny import build_tiny_model
 from engines.weight_delta import encode_shard

@@ -193,7 +193,7 @@ async def _weights(args: argparse.Namespace, rec: Record) -> None:
     from bus.embedded import EmbeddedNats
     from bus.topology import Topology
     from consumers.weights.object_store import ObjectStoreTransport
-    from consumers.weights.transport import publish_version
+    from consumers.weights.sender import publish_version
 
     sizes = (1, 4, 8) if args.tiny else (64, 256, 512)
     runs: list[dict[str, Any]] = []
