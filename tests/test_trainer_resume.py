@@ -15,6 +15,12 @@ the batches no restart can need. At B's kill and at both runs' end the batch str
 exactly the last trimming checkpoint's last step and what follows it: every batch after the
 checkpoint's last sequence (what B's restart reads, and it then resumes exactly), and the
 last step whole (what a restarted buffer learns its next step from).
+
+Those runs are subprocesses: a trim or a resume that goes wrong leaves one waiting for
+batches that are gone, and it fails by timing out. The two in-process tests at the end check
+the same claims at the moment they are decided, by assertion, in seconds: each trim deletes
+only what the checkpoint in force when it runs (the one on disk) cannot need, and a trainer
+resumed from a checkpoint starts at its step and reads first the batch after its last sequence.
 """
 
 from __future__ import annotations
@@ -36,9 +42,11 @@ from nats.aio.msg import Msg
 from nats.js.errors import KeyNotFoundError
 
 from bus.embedded import EmbeddedNats
+from bus.readers import Stored
 from bus.runtime import Runtime
 from bus.topology import BATCHES, metrics_key
 from consumers.buffer import BatchedSoFar, Buffer, Group, read_batches
+from consumers.trainer import Trainer
 from consumers.update_history import UpdateHistory
 from engines.tiny import build_tiny_model
 from producers.launcher import attach_bootstrap
@@ -201,3 +209,150 @@ def test_restarted_trainer_continues_from_the_next_batch(nats_server: EmbeddedNa
     assert len(set(trained)) == len(trained) == STEPS * PROMPTS_PER_STEP * GROUP
     assert set(history) == {"steps", "samples", "digest"}, "the checkpoint keeps no list that grows with the run"
 
+
+
+def in_force(path: Path) -> tuple[int, int] | None:
+    """(step, last sequence) of the checkpoint on disk at `path`: the one a restart resumes
+    from; None if there is none yet (a restart starts at step 0, sequence 1)."""
+    if not path.exists():
+        return None
+    state = torch.load(path, weights_only=True)
+    return state["step"], state["extra"]["last_seq"]
+
+
+def first_seq(step: int) -> int:
+    return steps_of(step, step)[0][0]
+
+
+def last_seq(step: int) -> int:
+    return steps_of(step, step)[-1][0]
+
+
+@pytest.mark.timeout(120)
+def test_each_trim_deletes_only_what_the_checkpoint_in_force_cannot_need(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    """Trainer in process over STEPS recorded steps; every purge of its batch subject is
+    checked against the checkpoint on disk at that moment. A restart from that checkpoint
+    (step C, last sequence L) reads from L + 1, and a restarted buffer needs step C - 1 whole:
+    the purge may delete only what is stored before step C - 1's first sequence."""
+    model = build_tiny_model(tmp_path / "model", VOCAB, seed=0)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    run = f"trim-{uuid.uuid4().hex[:8]}"
+
+    async def scenario() -> tuple[list[tuple[int, tuple[int, int] | None]], list[tuple[int, int]]]:
+        cfg = run_config(run, model, tmp_path / "checkpoints")
+        rt = await attach_bootstrap(cfg, nats_server.url)
+        await record(rt, range(STEPS), vocab)
+        trainer = Trainer(rt, 0)
+        purges: list[tuple[int, tuple[int, int] | None]] = []
+        purge = rt.js.purge_stream
+
+        async def watched_purge(name: str, seq: int | None = None, subject: str | None = None,
+                                keep: int | None = None) -> bool:
+            if name == rt.topology.stream(BATCHES):  # the object store purges too (old versions)
+                assert subject == rt.topology.subject(BATCHES, 0) and seq, (subject, seq)
+                purges.append((seq, in_force(trainer.checkpoint_path)))
+            return await purge(name, seq=seq, subject=subject, keep=keep)
+
+        rt.js.purge_stream = watched_purge  # type: ignore[method-assign]
+        try:
+            # The deadline only guards a hang: the run takes a few seconds.
+            await asyncio.wait_for(trainer.run(asyncio.Event()), 90)
+            assert trainer.done(), f"the trainer stopped at step {trainer.engine.step} of {STEPS}"
+        finally:
+            await trainer.close()
+        left = await stored(rt)
+        await rt.close()
+        return purges, left
+
+    purges, left = asyncio.run(scenario())
+    for keep_from, checkpoint in purges:
+        assert checkpoint is not None, (
+            f"batches before sequence {keep_from} were deleted while no checkpoint was committed: "
+            "a restart now starts at step 0 and reads from sequence 1"
+        )
+        step, last = checkpoint
+        assert keep_from <= first_seq(step - 1), (
+            f"batches before sequence {keep_from} were deleted while the checkpoint in force was "
+            f"step {step}'s (last sequence {last}): a restart reads from {last + 1}, a restarted "
+            f"buffer needs step {step - 1} from sequence {first_seq(step - 1)}"
+        )
+    # A trim per checkpoint but the last (3, 6; not 8), each as far as its checkpoint allows.
+    assert purges == [(first_seq(c - 1), (c, last_seq(c - 1))) for c in (3, 6)], purges
+    assert left == steps_of(5, STEPS - 1), f"at the end the stream held (sequence, step) {left}"
+
+
+@pytest.mark.timeout(120)
+def test_a_resumed_trainer_starts_at_its_checkpoints_step_from_the_batch_after_it(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    """Trainer A trains KILL_AFTER steps in process and stops (its checkpoint holds
+    CHECKPOINT_EVERY steps; the steps after it are lost with it). Trainer B, a new engine on
+    the same checkpoint directory, must be at step CHECKPOINT_EVERY, read first the batch
+    after the checkpoint's last sequence (nothing before it: no skip), and train that step
+    to the loss A had for it."""
+    model = build_tiny_model(tmp_path / "model", VOCAB, seed=0)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    run = f"resume-in-process-{uuid.uuid4().hex[:8]}"
+    Result = tuple[int, int, tuple[list[BatchEvent], int] | None, list[int], dict, dict | None]
+
+    async def scenario() -> Result:
+        cfg = run_config(run, model, tmp_path / "checkpoints")
+        rt = await attach_bootstrap(cfg, nats_server.url)
+        await record(rt, range(KILL_AFTER), vocab)
+        a, stop = Trainer(rt, 0), asyncio.Event()
+        running = asyncio.create_task(a.run(stop))
+        deadline = time.monotonic() + 90  # guards a hang only
+        while a.engine.step < KILL_AFTER and not running.done() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        stop.set()
+        await asyncio.wait_for(running, 30)
+        await a.close()
+        assert a.engine.step == KILL_AFTER, f"A trained {a.engine.step} of {KILL_AFTER} steps"
+
+        b = Trainer(rt, 0)
+        skipped: list[int] = []
+        try:
+            await b.setup()
+            assert b.batches is not None
+            refuse = b.batches.refuse
+
+            async def watched_refuse(stored: Stored[BatchEvent], reason: str) -> None:
+                skipped.append(stored.seq)
+                await refuse(stored, reason)
+
+            b.batches.refuse = watched_refuse  # type: ignore[method-assign]
+            step, resumed_from = b.engine.step, b.last_seq
+            if step != CHECKPOINT_EVERY:  # collecting would only dead-letter every batch
+                return step, resumed_from, None, skipped, {}, None
+            give_up = asyncio.Event()
+            asyncio.get_running_loop().call_later(30, give_up.set)  # guards a hang only
+            collected = await b.collect(give_up)
+            trained = await b.train(collected[0]) if collected else {}
+        finally:
+            await b.close()
+        before = await metrics(rt, CHECKPOINT_EVERY)
+        await rt.close()
+        return step, resumed_from, collected, skipped, trained, before
+
+    step, resumed_from, collected, skipped, trained, before = asyncio.run(scenario())
+    assert step == CHECKPOINT_EVERY, (
+        f"resumed from the checkpoint of step {CHECKPOINT_EVERY}, the trainer is at step {step}"
+    )
+    assert resumed_from == last_seq(CHECKPOINT_EVERY - 1), (
+        f"the resumed trainer holds batches up to sequence {resumed_from}, its checkpoint up to "
+        f"{last_seq(CHECKPOINT_EVERY - 1)}"
+    )
+    assert not skipped, (
+        f"the resumed trainer read and skipped sequences {skipped} before its next step's batches"
+    )
+    assert collected is not None, f"the resumed trainer got no batch of step {CHECKPOINT_EVERY}"
+    batches, last = collected
+    assert [b.step for b in batches] == [CHECKPOINT_EVERY] * MICRO, [b.id for b in batches]
+    assert last == last_seq(CHECKPOINT_EVERY), last
+    assert before is not None and trained["step"] == before["step"] == CHECKPOINT_EVERY, (
+        trained, before
+    )
+    # The same model, optimizer and RNG as A had at that step, on the same batches.
+    np.testing.assert_allclose(trained["loss"], before["loss"], rtol=1e-5, atol=1e-7)
