@@ -42,7 +42,7 @@ from nats.aio.msg import Msg
 from nats.js.errors import KeyNotFoundError
 
 from bus.embedded import EmbeddedNats
-from bus.readers import Stored
+from bus import readers
 from bus.runtime import Runtime
 from bus.topology import BATCHES, metrics_key
 from consumers.buffer import BatchedSoFar, Buffer, Group, read_batches
@@ -318,7 +318,7 @@ def test_a_resumed_trainer_starts_at_its_checkpoints_step_from_the_batch_after_i
             assert b.batches is not None
             refuse = b.batches.refuse
 
-            async def watched_refuse(stored: Stored[BatchEvent], reason: str) -> None:
+            async def watched_refuse(stored: readers.Stored[BatchEvent], reason: str) -> None:
                 skipped.append(stored.seq)
                 await refuse(stored, reason)
 
