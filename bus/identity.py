@@ -80,11 +80,15 @@ def connect_options(path: str | Path | None) -> ConnectOptions:
     if not stat.S_ISREG(info.st_mode):
         raise IdentityError(f"identity file {file}: not a regular file")
     if info.st_mode & 0o077:
-        raise IdentityError(f"identity file {file}: mode {stat.S_IMODE(info.st_mode):o} lets others read it; "
-                            f"chmod 600 {file}")
+        raise IdentityError(
+            f"identity file {file}: mode {stat.S_IMODE(info.st_mode):o} lets others read it; "
+            f"chmod 600 {file}"
+        )
     if info.st_uid != os.geteuid():
-        raise IdentityError(f"identity file {file}: owned by uid {info.st_uid}, "
-                            f"not by this process's {os.geteuid()}")
+        raise IdentityError(
+            f"identity file {file}: owned by uid {info.st_uid}, "
+            f"not by this process's {os.geteuid()}"
+        )
     if file.suffix == CREDS_SUFFIX:
         return {"user_credentials": str(file)}
     return {"nkeys_seed": str(file)}

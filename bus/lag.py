@@ -61,6 +61,10 @@ async def queue_lag(js: JetStreamContext, topology: Topology) -> dict[str, Queue
             continue
         delivered = info.delivered.stream_seq if info.delivered and info.delivered.stream_seq else 0
         found[durable] = QueueLag(
-            channel, info.num_pending or 0, info.num_ack_pending or 0, info.num_redelivered or 0, delivered
+            channel,
+            info.num_pending or 0,
+            info.num_ack_pending or 0,
+            info.num_redelivered or 0,
+            delivered,
         )
     return found

@@ -39,7 +39,9 @@ async def lost(js: JetStreamContext, topology: Topology, channel: Channel) -> in
     except (nats.errors.Error, TimeoutError) as exc:
         log.info("loss guard on %s: no answer now: %s", channel.name, exc)
         return None
-    floor = consumer.ack_floor.stream_seq if consumer.ack_floor and consumer.ack_floor.stream_seq else 0
+    floor = (
+        consumer.ack_floor.stream_seq if consumer.ack_floor and consumer.ack_floor.stream_seq else 0
+    )
     first = stream.state.first_seq
     if stream.state.messages == 0:
         # An empty stream's first sequence is one past its last: deleted up to last_seq.
@@ -62,14 +64,18 @@ async def record(kv: KeyValue, channel: Channel, count: int) -> None:
         await kv.put(loss_key(channel.name), LossRecord(count=count).encode())
 
 
-async def check(js: JetStreamContext, kv: KeyValue, topology: Topology, channel: Channel) -> int | None:
+async def check(
+    js: JetStreamContext, kv: KeyValue, topology: Topology, channel: Channel
+) -> int | None:
     """One check: the gap now, recorded and reported loudly (ERROR) when there is one."""
     count = await lost(js, topology, channel)
     if count:
         log.error(
             "WORK LOST: stream %s deleted %d message(s) its work queue %s never acked (first sequence past "
             "the ack floor): a stream limit is too low (streams.max_bytes / streams.max_age_s)",
-            topology.stream(channel), count, channel.work_queue.durable,
+            topology.stream(channel),
+            count,
+            channel.work_queue.durable,
         )
         try:
             await record(kv, channel, count)
@@ -78,7 +84,9 @@ async def check(js: JetStreamContext, kv: KeyValue, topology: Topology, channel:
     return count
 
 
-async def watch(js: JetStreamContext, kv: KeyValue, topology: Topology, channel: Channel, every: float) -> None:
+async def watch(
+    js: JetStreamContext, kv: KeyValue, topology: Topology, channel: Channel, every: float
+) -> None:
     """Check `channel` every `every` seconds, for as long as the worker serves it (a stage helper)."""
     while True:
         await check(js, kv, topology, channel)

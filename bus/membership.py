@@ -51,12 +51,16 @@ class Membership:
         self.kv = kv
         self.interval = interval
         self.key = member_key(worker_id(role))
-        self.member = Member(role=role, node=socket.gethostname(), pid=os.getpid(), started_at=now, updated_at=now)
+        self.member = Member(
+            role=role, node=socket.gethostname(), pid=os.getpid(), started_at=now, updated_at=now
+        )
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     @classmethod
-    async def join(cls, js: JetStreamContext, topology: Topology, role: str, background: bool = True) -> Membership:
+    async def join(
+        cls, js: JetStreamContext, topology: Topology, role: str, background: bool = True
+    ) -> Membership:
         """Write the first entry; heartbeat from a task of its own if `background`, else the
         caller runs `beat()` (a stage runs it under its TaskGroup, where a failure is seen)."""
         kv = await js.key_value(topology.members_bucket)
@@ -95,7 +99,9 @@ class Membership:
             self._changed.clear()
             try:
                 await self.put()
-            except nats.errors.Error as exc:  # reconnecting: the work goes on, the next beat retries
+            except (
+                nats.errors.Error
+            ) as exc:  # reconnecting: the work goes on, the next beat retries
                 log.warning("membership heartbeat failed: %s", exc)
 
     async def put(self) -> None:
@@ -138,4 +144,6 @@ async def live_members(js: JetStreamContext, topology: Topology) -> list[Member]
 
 async def member_ids(js: JetStreamContext, topology: Topology, role: str) -> list[str]:
     """The worker ids (host:pid:role, `bus.connection.worker_id`) of `role`'s live members."""
-    return [f"{m.node}:{m.pid}:{m.role}" for m in await live_members(js, topology) if m.role == role]
+    return [
+        f"{m.node}:{m.pid}:{m.role}" for m in await live_members(js, topology) if m.role == role
+    ]

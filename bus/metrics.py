@@ -52,27 +52,36 @@ STALENESS_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 8.0, 16.0, 32.0)
 meter = metrics.get_meter("jetrl")
 
 SAMPLES = meter.create_counter(
-    "jetrl.samples", unit="{sample}",
+    "jetrl.samples",
+    unit="{sample}",
     description="Samples through a stage, by stage (rollout, reward, buffer, trainer) and outcome "
-                "(generated; scored or failed; batched or dropped; trained)",
+    "(generated; scored or failed; batched or dropped; trained)",
 )
-PROMPTS = meter.create_counter("jetrl.prompts", unit="{prompt}", description="Prompts issued by the producer")
+PROMPTS = meter.create_counter(
+    "jetrl.prompts", unit="{prompt}", description="Prompts issued by the producer"
+)
 GENERATE_SECONDS = meter.create_histogram(
-    "jetrl.generate.duration", unit="s", description="One batched generation call of a rollout worker",
+    "jetrl.generate.duration",
+    unit="s",
+    description="One batched generation call of a rollout worker",
     explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
 )
 TRAIN_STEP_SECONDS = meter.create_histogram(
-    "jetrl.train_step.duration", unit="s", description="One optimizer step of a trainer rank",
+    "jetrl.train_step.duration",
+    unit="s",
+    description="One optimizer step of a trainer rank",
     explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
 )
 REWARD = meter.create_histogram(
-    "jetrl.reward", description="Reward of each sample scored without failure",
+    "jetrl.reward",
+    description="Reward of each sample scored without failure",
     explicit_bucket_boundaries_advisory=REWARD_BUCKETS,
 )
 STALENESS = meter.create_histogram(
-    "jetrl.staleness", unit="{step}",
+    "jetrl.staleness",
+    unit="{step}",
     description="Per trained sample: the step training it minus the oldest weight version "
-                "among its tokens",
+    "among its tokens",
     explicit_bucket_boundaries_advisory=STALENESS_BUCKETS,
 )
 
@@ -94,13 +103,17 @@ def set_queue_depth(queue: str, pending: int, in_flight: int) -> None:
 def _observe_queue_depth(_options: CallbackOptions) -> Iterable[Observation]:
     with _queue_depth_lock:
         depths = list(_queue_depth.items())
-    return [Observation(value, {"queue": queue, "state": state}) for (queue, state), value in depths]
+    return [
+        Observation(value, {"queue": queue, "state": state}) for (queue, state), value in depths
+    ]
 
 
 meter.create_observable_gauge(
-    "jetrl.queue.depth", callbacks=[_observe_queue_depth], unit="{message}",
+    "jetrl.queue.depth",
+    callbacks=[_observe_queue_depth],
+    unit="{message}",
     description="Messages per work queue, pending (not yet delivered) or in flight (delivered, "
-                "not acked)",
+    "not acked)",
 )
 
 
@@ -120,7 +133,9 @@ def setup(service: str, instance: str | None = None) -> MeterProvider | None:
     if isinstance(current, MeterProvider):
         return current
     readers: list[MetricReader] = []
-    otlp = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
+    otlp = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"
+    )
     if otlp and os.environ.get("OTEL_METRICS_EXPORTER") != "none":
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
@@ -144,7 +159,9 @@ def _prometheus(spec: str) -> MetricReader:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
         from prometheus_client import start_http_server
     except ImportError as exc:
-        raise ImportError(f"{PROMETHEUS_ENV} is set: pip install 'jetrl[prometheus]' ({exc})") from exc
+        raise ImportError(
+            f"{PROMETHEUS_ENV} is set: pip install 'jetrl[prometheus]' ({exc})"
+        ) from exc
 
     host, _, port_text = spec.rpartition(":")
     try:

@@ -44,14 +44,18 @@ def chunk_subject(bucket: str, info: ObjectInfo) -> str:
     return f"$O.{bucket}.C.{info.nuid}"
 
 
-async def put_object(js: JetStream, bucket: str, name: str, data: bytes, chunk_bytes: int) -> ObjectInfo:
+async def put_object(
+    js: JetStream, bucket: str, name: str, data: bytes, chunk_bytes: int
+) -> ObjectInfo:
     """Store `data` as `name`, in chunks of `chunk_bytes` (at most the server's max payload).
 
     Each chunk is one awaited publish: with MiB chunks the round trips cost little, and the
     publishes never pile up past what the stream takes in."""
     size = max(1, min(chunk_bytes, js.client.max_payload))
     store = await js.object_store(bucket)
-    return await store.put(name, data, meta=ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=size)))
+    return await store.put(
+        name, data, meta=ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=size))
+    )
 
 
 async def object_info(js: JetStream, bucket: str, name: str) -> ObjectInfo:
@@ -69,7 +73,11 @@ async def object_info(js: JetStream, bucket: str, name: str) -> ObjectInfo:
 
 
 async def read_chunks(
-    js: JetStream, bucket: str, info: ObjectInfo, on_chunk: Callable[[int, bytes], None], stall: float = 10.0
+    js: JetStream,
+    bucket: str,
+    info: ObjectInfo,
+    on_chunk: Callable[[int, bytes], None],
+    stall: float = 10.0,
 ) -> None:
     """Every chunk of the object `info` describes, in order, to `on_chunk(offset, data)`.
 
@@ -112,7 +120,9 @@ async def read_chunks(
                     continue
                 now = await object_info(js, bucket, info.name)  # ObjectMissing if deleted meanwhile
                 if now.nuid != info.nuid:
-                    raise ObjectMissing(f"object {info.name!r} was replaced while it was read") from None
+                    raise ObjectMissing(
+                        f"object {info.name!r} was replaced while it was read"
+                    ) from None
                 if loop.time() - since >= stall:
                     raise ObjectStalled(
                         f"object {info.name!r}: no chunk for {stall:.0f} s "

@@ -56,7 +56,9 @@ def wire_size(data: bytes, headers: dict[str, str]) -> int:
 
     A message over it makes the server close the connection (nats-py checks the data alone).
     """
-    block = len(b"NATS/1.0\r\n\r\n") + sum(len(f"{key}: {value}\r\n".encode()) for key, value in headers.items())
+    block = len(b"NATS/1.0\r\n\r\n") + sum(
+        len(f"{key}: {value}\r\n".encode()) for key, value in headers.items()
+    )
     return len(data) + block
 
 
@@ -104,7 +106,11 @@ class Publisher:
         self._room: dict[str, asyncio.Lock] = {}
 
     async def send(
-        self, channel: Channel[E], event: E, *tokens: str | int, attributes: dict[str, str | int | float] | None = None
+        self,
+        channel: Channel[E],
+        event: E,
+        *tokens: str | int,
+        attributes: dict[str, str | int | float] | None = None,
     ) -> asyncio.Future[PubAck]:
         """Start publishing `event` on `channel` (with its rank or stage token, if it has one);
         return once it is in flight. Await the result for the ack.
@@ -114,11 +120,19 @@ class Publisher:
         """
         if channel.event is None or not isinstance(event, channel.event):
             expected = channel.event.__name__ if channel.event else "raw bytes (send_bytes)"
-            raise TypeError(f"channel {channel.name} carries {expected}, not {type(event).__name__}")
-        return await self.send_bytes(channel, encode(event), event.id, *tokens, attributes=attributes)
+            raise TypeError(
+                f"channel {channel.name} carries {expected}, not {type(event).__name__}"
+            )
+        return await self.send_bytes(
+            channel, encode(event), event.id, *tokens, attributes=attributes
+        )
 
     async def publish(
-        self, channel: Channel[E], event: E, *tokens: str | int, attributes: dict[str, str | int | float] | None = None
+        self,
+        channel: Channel[E],
+        event: E,
+        *tokens: str | int,
+        attributes: dict[str, str | int | float] | None = None,
     ) -> PubAck:
         """Publish `event` on `channel` and wait until the stream has stored it."""
         return await (await self.send(channel, event, *tokens, attributes=attributes))
@@ -134,9 +148,13 @@ class Publisher:
     ) -> asyncio.Future[PubAck]:
         """Start publishing bytes as they are (dead letters keep the original's)."""
         subject = self.topology.subject(channel, *tokens)
-        headers = tracing.send_headers(subject, msg_id, {**(headers or {}), MSG_ID: msg_id}, attributes)
+        headers = tracing.send_headers(
+            subject, msg_id, {**(headers or {}), MSG_ID: msg_id}, attributes
+        )
         if (size := wire_size(data, headers)) > self.max_payload:
-            raise EventTooLarge(f"{msg_id}: {size} bytes is over the {self.max_payload}-byte max payload")
+            raise EventTooLarge(
+                f"{msg_id}: {size} bytes is over the {self.max_payload}-byte max payload"
+            )
         # One message larger than the whole budget still goes, alone.
         while self._inflight_bytes and self._inflight_bytes + len(data) > self.max_inflight_bytes:
             self._freed.clear()
@@ -206,7 +224,9 @@ class Publisher:
         (log.debug if full else log.warning)("publish to %s failed (%s); retrying", subject, reason)
         self._start_retry(acked, subject, data, headers)
 
-    def _start_retry(self, acked: asyncio.Future[PubAck], subject: str, data: bytes, headers: dict[str, str]) -> None:
+    def _start_retry(
+        self, acked: asyncio.Future[PubAck], subject: str, data: bytes, headers: dict[str, str]
+    ) -> None:
         retry = asyncio.create_task(self._retry(subject, data, headers))
         self._retries.add(retry)
         retry.add_done_callback(self._retries.discard)
@@ -241,10 +261,14 @@ class Publisher:
         catch up; the caller is told only when `retry_for` is spent."""
         return await ride_out(
             lambda: self._publish_when_room(subject, data, headers),
-            f"publish to {subject}", self.retry_for, retry_on=(Exception,),
+            f"publish to {subject}",
+            self.retry_for,
+            retry_on=(Exception,),
         )
 
-    async def _publish_when_room(self, subject: str, data: bytes, headers: dict[str, str]) -> PubAck:
+    async def _publish_when_room(
+        self, subject: str, data: bytes, headers: dict[str, str]
+    ) -> PubAck:
         """Publish as a request; while the stream is full (its limits reached, discard new), wait
         for its consumers with no deadline: that is backpressure, not a failure. The publishes
         waiting for one subject take turns (FIFO), so one of them polls the server, not all."""
@@ -265,7 +289,10 @@ class Publisher:
                     if loop.time() - self._full_said >= FULL_LOG_EVERY:
                         log.warning(
                             "stream of %s is full (%s): publishes wait for its consumers to ack "
-                            "(backpressure); this one for %.0f s so far", subject, full, loop.time() - since,
+                            "(backpressure); this one for %.0f s so far",
+                            subject,
+                            full,
+                            loop.time() - since,
                         )
                         self._full_said = loop.time()
                 await asyncio.sleep(FULL_PAUSE)
@@ -313,7 +340,12 @@ def pub_ack(answer: Msg) -> PubAck:
     reply = json.loads(answer.data)
     if "error" in reply:
         raise nats.js.errors.APIError.from_error(reply["error"])
-    return PubAck(stream=reply["stream"], seq=reply["seq"], domain=reply.get("domain"), duplicate=reply.get("duplicate"))
+    return PubAck(
+        stream=reply["stream"],
+        seq=reply["seq"],
+        domain=reply.get("domain"),
+        duplicate=reply.get("duplicate"),
+    )
 
 
 def _copy_outcome(source: asyncio.Future[PubAck], target: asyncio.Future[PubAck]) -> None:

@@ -69,7 +69,11 @@ class Puller:
     async def _on_msg(self, msg: Msg) -> None:
         self._arrived.append(msg)
         waiter = self._waiter
-        if waiter is not None and not waiter.done() and (len(self._arrived) >= self._need or status(msg) is not None):
+        if (
+            waiter is not None
+            and not waiter.done()
+            and (len(self._arrived) >= self._need or status(msg) is not None)
+        ):
             waiter.set_result(None)
 
     async def fetch(self, want: int, fetch_timeout: float) -> list[Msg]:
@@ -90,7 +94,9 @@ class Puller:
         msgs = await self.pull({"batch": want, "no_wait": True}, DELIVERY_TIMEOUT)
         if msgs:
             return msgs
-        return await self.pull({"batch": 1, "expires": int(fetch_timeout * 1e9)}, fetch_timeout + DELIVERY_TIMEOUT)
+        return await self.pull(
+            {"batch": 1, "expires": int(fetch_timeout * 1e9)}, fetch_timeout + DELIVERY_TIMEOUT
+        )
 
     async def pull(self, request: dict[str, int | bool], timeout: float) -> list[Msg]:
         """Send one pull request and read what it delivers until it ends: its last message, or
@@ -113,7 +119,9 @@ class Puller:
         deadline = loop.time() + timeout
         msgs: list[Msg] = []
         while len(msgs) < request["batch"]:
-            if not self._arrived and not await self._arrival(request["batch"] - len(msgs), deadline, drops):
+            if not self._arrived and not await self._arrival(
+                request["batch"] - len(msgs), deadline, drops
+            ):
                 if msgs:
                     break
                 raise nats.errors.TimeoutError

@@ -65,8 +65,14 @@ class Runtime:
 
 
 async def attach(
-    role: str, run: str, url: str, replicas: int = 1, wait: float = 120.0, beat_in_background: bool = True,
-    rank: int = 0, identity: str | Path | None = None,
+    role: str,
+    run: str,
+    url: str,
+    replicas: int = 1,
+    wait: float = 120.0,
+    beat_in_background: bool = True,
+    rank: int = 0,
+    identity: str | Path | None = None,
 ) -> Runtime:
     """Connect, apply the run's topology, wait (up to `wait` s) for its config in KV,
     join the members.
@@ -93,30 +99,50 @@ async def attach(
             break
         except KeyNotFoundError:
             if asyncio.get_running_loop().time() > deadline:
-                raise CannotAttach(f"run {run}: no config in KV after {wait:.0f}s; is the producer running?") from None
+                raise CannotAttach(
+                    f"run {run}: no config in KV after {wait:.0f}s; is the producer running?"
+                ) from None
             await asyncio.sleep(0.5)
     config = parse_config(yaml.safe_load(entry.value or b""), f"run {run} config in KV")
     topology = Topology.for_config(config, replicas)
     await ride_out(lambda: topology.apply(js), f"declaring run {run}")
     member = await ride_out(
-        lambda: Membership.join(js, topology, role, background=beat_in_background), "joining the run's members"
+        lambda: Membership.join(js, topology, role, background=beat_in_background),
+        "joining the run's members",
     )
     return Runtime(role, nc, js, topology, kv, Publisher(js, topology), config, member, rank)
 
 
 async def publish_config(kv: KeyValue, config: RunConfig) -> None:
-    await kv.put(CONFIG_KEY, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False).encode())
+    await kv.put(
+        CONFIG_KEY, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False).encode()
+    )
 
 
 def worker_args(role: str, description: str, with_rank: bool = False) -> argparse.Namespace:
     """The command line every worker takes: --run R [--nats URL] [--replicas N] (+ --rank K)."""
     parser = argparse.ArgumentParser(prog=f"python -m consumers.{role}", description=description)
     parser.add_argument("--run", required=True, type=run_id_arg, help="run id")
-    parser.add_argument("--nats", default=os.environ.get("JETRL_NATS_URL", DEFAULT_URL), help="NATS URL(s), comma separated")
-    parser.add_argument("--replicas", type=int, choices=[1, 3, 5], default=1, help="stream replicas (3 on a cluster)")
-    parser.add_argument("--identity", help=f"this role's nkey seed or creds file, mode 600 (default ${IDENTITY_ENV})")
+    parser.add_argument(
+        "--nats",
+        default=os.environ.get("JETRL_NATS_URL", DEFAULT_URL),
+        help="NATS URL(s), comma separated",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        choices=[1, 3, 5],
+        default=1,
+        help="stream replicas (3 on a cluster)",
+    )
+    parser.add_argument(
+        "--identity",
+        help=f"this role's nkey seed or creds file, mode 600 (default ${IDENTITY_ENV})",
+    )
     if with_rank:
-        parser.add_argument("--rank", type=int, default=0, help="data-parallel rank this trainer trains")
+        parser.add_argument(
+            "--rank", type=int, default=0, help="data-parallel rank this trainer trains"
+        )
     args = parser.parse_args()
     if args.identity:  # a path, no secret: every connection of this process uses it
         os.environ[IDENTITY_ENV] = args.identity

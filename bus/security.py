@@ -101,10 +101,15 @@ def attach_rules(t: Topology, role: str) -> list[Rule]:
     """What every role does: attach to the run, heartbeat its membership, dead-letter,
     get replies."""
     return [
-        *(Rule(f"{API}.STREAM.INFO.{s}", "look the run's streams, KV buckets and object store up") for s in run_streams(t)),
+        *(
+            Rule(f"{API}.STREAM.INFO.{s}", "look the run's streams, KV buckets and object store up")
+            for s in run_streams(t)
+        ),
         *declare_rules(t),
-        Rule(f"{API}.STREAM.MSG.GET.{kv_stream(t.kv_bucket)}",
-             "read the run's KV (config at start-up; drops and metrics are not secret)"),
+        Rule(
+            f"{API}.STREAM.MSG.GET.{kv_stream(t.kv_bucket)}",
+            "read the run's KV (config at start-up; drops and metrics are not secret)",
+        ),
         # Membership keys are `<host>_<pid>_<role>`, one token:
         # a role cannot be told apart by subject.
         Rule(f"$KV.{t.members_bucket}.*", "write and delete this process's heartbeat entry"),
@@ -118,17 +123,32 @@ def declare_rules(t: Topology) -> list[Rule]:
     role needs STREAM.UPDATE.
     """
     return [
-        *(Rule(f"{API}.CONSUMER.INFO.{t.stream(c)}.{c.work_queue.durable}",
-               "see whether the work queue exists, and its lag") for c in EVERY_WORK_QUEUE),
-        *(Rule(f"{API}.CONSUMER.DURABLE.CREATE.{t.stream(c)}.{c.work_queue.durable}",
-               "declare the work queue if it is missing (Topology.apply at start-up)") for c in EVERY_WORK_QUEUE),
+        *(
+            Rule(
+                f"{API}.CONSUMER.INFO.{t.stream(c)}.{c.work_queue.durable}",
+                "see whether the work queue exists, and its lag",
+            )
+            for c in EVERY_WORK_QUEUE
+        ),
+        *(
+            Rule(
+                f"{API}.CONSUMER.DURABLE.CREATE.{t.stream(c)}.{c.work_queue.durable}",
+                "declare the work queue if it is missing (Topology.apply at start-up)",
+            )
+            for c in EVERY_WORK_QUEUE
+        ),
     ]
 
 
 def create_rules(t: Topology) -> list[Rule]:
     """`Topology.apply` on a new run: create every stream, bucket and the object store."""
-    return [Rule(f"{API}.STREAM.CREATE.{s}", "create the run (Topology.apply)") for s in run_streams(t)] + [
-        Rule(f"{API}.STREAM.UPDATE.{t.stream(c)}", "switch a new work stream to interest retention once its work queue exists")
+    return [
+        Rule(f"{API}.STREAM.CREATE.{s}", "create the run (Topology.apply)") for s in run_streams(t)
+    ] + [
+        Rule(
+            f"{API}.STREAM.UPDATE.{t.stream(c)}",
+            "switch a new work stream to interest retention once its work queue exists",
+        )
         for c in (TRAJECTORIES, REWARDS, SCORED)
     ]
 
@@ -137,7 +157,10 @@ def work_queue_rules(t: Topology, channel: Channel) -> list[Rule]:
     """Compete for messages on the channel's durable pull consumer and settle them."""
     durable, stream = channel.work_queue.durable, t.stream(channel)
     return [
-        Rule(f"{API}.CONSUMER.MSG.NEXT.{stream}.{durable}", f"fetch from its work queue on {channel.name}"),
+        Rule(
+            f"{API}.CONSUMER.MSG.NEXT.{stream}.{durable}",
+            f"fetch from its work queue on {channel.name}",
+        ),
         Rule(f"$JS.ACK.{stream}.{durable}.>", "ack, nak, term and in-progress its messages"),
     ]
 
@@ -152,7 +175,10 @@ def replay_rules(stream: str, what: str) -> list[Rule]:
 
 
 def stream_lookup_rule() -> Rule:
-    return Rule(f"{API}.STREAM.NAMES", "find the stream of a subject (ordered consumers do); reveals names only")
+    return Rule(
+        f"{API}.STREAM.NAMES",
+        "find the stream of a subject (ordered consumers do); reveals names only",
+    )
 
 
 def object_read_rules(t: Topology) -> list[Rule]:
@@ -168,7 +194,10 @@ def object_write_rules(t: Topology) -> list[Rule]:
     return [
         Rule(f"$O.{t.object_bucket}.>", "write weight chunks and their metadata"),
         Rule(f"{API}.STREAM.MSG.GET.{stream}", "see whether the object exists before replacing it"),
-        Rule(f"{API}.STREAM.PURGE.{stream}", "drop the chunks of the versions it prunes (this bucket only)"),
+        Rule(
+            f"{API}.STREAM.PURGE.{stream}",
+            "drop the chunks of the versions it prunes (this bucket only)",
+        ),
         stream_lookup_rule(),
         *replay_rules(stream, "the objects' metadata, to prune old versions"),
     ]
@@ -185,12 +214,18 @@ def publish_rules(t: Topology, role: str) -> list[Rule]:
         if role not in channel.publishers:
             continue
         if channel is DEAD:
-            rules.append(Rule(t.subject(DEAD, role), "dead-letter what it cannot process, under its own stage"))
+            rules.append(
+                Rule(
+                    t.subject(DEAD, role), "dead-letter what it cannot process, under its own stage"
+                )
+            )
         else:
             subject = t.subject(channel, "*") if channel.token else t.subject(channel)
             per = f", one subject per {channel.token}" if channel.token else ""
             rules.append(Rule(subject, f"publish {channel.name}{per}"))
-    return rules + [Rule(f"$KV.{t.kv_bucket}.{key.filter}", key.why) for key in KV_KEYS if role in key.writers]
+    return rules + [
+        Rule(f"$KV.{t.kv_bucket}.{key.filter}", key.why) for key in KV_KEYS if role in key.writers
+    ]
 
 
 def read_rules(t: Topology, role: str) -> list[Rule]:
@@ -213,40 +248,58 @@ def extra_rules(t: Topology, role: str) -> list[Rule]:
     return {
         "rollout": [
             *object_read_rules(t),
-            Rule(f"{API}.STREAM.MSG.GET.{t.stream(WEIGHTS)}",
-                 "a version whose bytes are gone: "
-                 "is a newer one announced (the last weights event)?"),
+            Rule(
+                f"{API}.STREAM.MSG.GET.{t.stream(WEIGHTS)}",
+                "a version whose bytes are gone: "
+                "is a newer one announced (the last weights event)?",
+            ),
         ],
         "trainer": [
             *object_write_rules(t),
-            Rule(f"{API}.STREAM.PURGE.{t.stream(BATCHES)}",
-                 "delete the batches no restart from its committed checkpoint can need "
-                 "(its own rank's subject)"),
-            Rule(f"{API}.STREAM.MSG.GET.{kv_stream(t.members_bucket)}",
-                 "collective weights: the live rollout workers a version is broadcast to"),
+            Rule(
+                f"{API}.STREAM.PURGE.{t.stream(BATCHES)}",
+                "delete the batches no restart from its committed checkpoint can need "
+                "(its own rank's subject)",
+            ),
+            Rule(
+                f"{API}.STREAM.MSG.GET.{kv_stream(t.members_bucket)}",
+                "collective weights: the live rollout workers a version is broadcast to",
+            ),
         ],
         "producer": [
             *create_rules(t),
             *replay_rules(kv_stream(t.kv_bucket), "drops and metrics (kv.watch)"),
-            Rule(f"{API}.CONSUMER.INFO.{kv_stream(t.kv_bucket)}.*",
-                 "kv.watch asks its own watcher how many entries are pending"),
-            Rule(f"{API}.STREAM.MSG.GET.{kv_stream(t.members_bucket)}",
-                 "a stalled run: name the roles with no live worker (producers.stall)"),
-            Rule(f"{API}.STREAM.MSG.GET.{t.stream(BATCHES)}",
-                 "a stalled run: name the micro-batches the trainer waits for (producers.stall)"),
+            Rule(
+                f"{API}.CONSUMER.INFO.{kv_stream(t.kv_bucket)}.*",
+                "kv.watch asks its own watcher how many entries are pending",
+            ),
+            Rule(
+                f"{API}.STREAM.MSG.GET.{kv_stream(t.members_bucket)}",
+                "a stalled run: name the roles with no live worker (producers.stall)",
+            ),
+            Rule(
+                f"{API}.STREAM.MSG.GET.{t.stream(BATCHES)}",
+                "a stalled run: name the micro-batches the trainer waits for (producers.stall)",
+            ),
         ],
     }.get(role, [])
 
 
 def table_roles() -> tuple[str, ...]:
     """Every role the channel and KV tables name, in the order they first appear."""
-    names = [r for c in DECLARED for r in (*c.publishers, *c.consumers)] + [w for k in KV_KEYS for w in k.writers]
+    names = [r for c in DECLARED for r in (*c.publishers, *c.consumers)] + [
+        w for k in KV_KEYS for w in k.writers
+    ]
     return tuple(dict.fromkeys(names))
 
 
 def does(role: str) -> str:
     """One line, from the table: what the role reads (and how) and writes."""
-    reads = list(dict.fromkeys(f"{c.name} ({r.read.value})" for c in DECLARED for r in c.readers if r.role == role))
+    reads = list(
+        dict.fromkeys(
+            f"{c.name} ({r.read.value})" for c in DECLARED for r in c.readers if r.role == role
+        )
+    )
     writes = [c.name for c in CHANNELS if role in c.publishers and c is not DEAD]
     writes += [f"KV {k.pattern}" for k in KV_KEYS if role in k.writers]
     return f"reads {', '.join(reads) or 'nothing'}; writes {', '.join(writes) or 'nothing'}"
@@ -256,10 +309,21 @@ def worker_roles(t: Topology) -> tuple[Role, ...]:
     """The roles of a run and exactly what their code does on the bus."""
     inbox = (Rule("_INBOX.>", "replies to its requests and deliveries of its consumers"),)
     return tuple(
-        Role(role, does(role),
-             tuple(dict.fromkeys([*attach_rules(t, role), *publish_rules(t, role), *read_rules(t, role),
-                                  *extra_rules(t, role)])),
-             inbox)
+        Role(
+            role,
+            does(role),
+            tuple(
+                dict.fromkeys(
+                    [
+                        *attach_rules(t, role),
+                        *publish_rules(t, role),
+                        *read_rules(t, role),
+                        *extra_rules(t, role),
+                    ]
+                )
+            ),
+            inbox,
+        )
         for role in table_roles()
     )
 
@@ -287,8 +351,12 @@ def admin_role(t: Topology) -> Role:
             Rule(f"$JS.ACK.{s}.>", "settle messages by hand"),
             Rule(f"$JS.FC.{s}.>", "read with ordered consumers"),
         ]
-    return Role("admin", "operator: declares, inspects, repairs and deletes this run", tuple(publish),
-                (Rule("_INBOX.>", "replies and deliveries"),))
+    return Role(
+        "admin",
+        "operator: declares, inspects, repairs and deletes this run",
+        tuple(publish),
+        (Rule("_INBOX.>", "replies and deliveries"),),
+    )
 
 
 def roles(t: Topology) -> tuple[Role, ...]:
@@ -329,7 +397,7 @@ def users_config(t: Topology, public_keys: Mapping[str, str]) -> str:
     return (
         f"# NATS users of jetrl run {t.run}, one per role: "
         f"`python -m ops.streams users --run {t.run}`.\n"
-        "# Include from every node's config (include \"users.conf\") and start each worker with\n"
+        '# Include from every node\'s config (include "users.conf") and start each worker with\n'
         "#     --identity <role>.nk   (the role's seed file, written beside this one, mode 600)\n"
         "# Only public keys are here: the seeds never reach a server.\n"
         "# One run per server: a second `authorization` block would replace this one.\n"
@@ -356,5 +424,8 @@ def write_identities(t: Topology, directory: Path) -> dict[str, Path]:
         paths[role] = identity_path(role, directory)
         write_private(paths[role], seed + b"\n")
     # No secret in it, but it decides who may do what: owner-only as well.
-    write_private(directory / USERS_FILE, users_config(t, {r: public_key(s) for r, s in seeds.items()}).encode())
+    write_private(
+        directory / USERS_FILE,
+        users_config(t, {r: public_key(s) for r, s in seeds.items()}).encode(),
+    )
     return paths

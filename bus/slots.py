@@ -27,7 +27,9 @@ class Slots(Generic[T]):
     variable must reset it (OpenTelemetry's `start_as_current_span` does, on exit).
     """
 
-    def __init__(self, name: str, work: Callable[[T], Awaitable[object]], size: int, group: asyncio.TaskGroup) -> None:
+    def __init__(
+        self, name: str, work: Callable[[T], Awaitable[object]], size: int, group: asyncio.TaskGroup
+    ) -> None:
         self.name = name
         self.held = 0
         self._work = work

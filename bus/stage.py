@@ -92,12 +92,21 @@ async def serve(rt: Runtime, stage: Stage[Any], stop: asyncio.Event) -> None:
         helpers[LOSS_GUARD] = lambda: loss.watch(rt.js, rt.kv, rt.topology, channel, every)
     try:
         async with asyncio.TaskGroup() as group:
-            running = [group.create_task(_watched(name, helper), name=name) for name, helper in helpers.items()]
+            running = [
+                group.create_task(_watched(name, helper), name=name)
+                for name, helper in helpers.items()
+            ]
             if stage.main is not None:
                 await stage.main(stop)
             elif stage.channel is not None and stage.handler is not None:
                 worker = Worker(
-                    rt.js, rt.topology, stage.channel, stage.handler, rt.publisher, stage.options, stage.on_dead
+                    rt.js,
+                    rt.topology,
+                    stage.channel,
+                    stage.handler,
+                    rt.publisher,
+                    stage.options,
+                    stage.on_dead,
                 )
                 await worker.run(stop)
             else:
@@ -130,7 +139,11 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 
 
 def _describe(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, _HelperFailed) else f"stage loop failed: {type(exc).__name__}: {exc}"
+    return (
+        str(exc)
+        if isinstance(exc, _HelperFailed)
+        else f"stage loop failed: {type(exc).__name__}: {exc}"
+    )
 
 
 async def _run(role: str, args: Namespace, build: Builder) -> None:
@@ -139,7 +152,9 @@ async def _run(role: str, args: Namespace, build: Builder) -> None:
     stop = asyncio.Event()
     stop_on_signals(stop)
     rank = getattr(args, "rank", 0)
-    rt = await _unless_stopped(attach(role, args.run, args.nats, args.replicas, beat_in_background=False, rank=rank), stop)
+    rt = await _unless_stopped(
+        attach(role, args.run, args.nats, args.replicas, beat_in_background=False, rank=rank), stop
+    )
     if rt is None:
         log.info("stopped before it joined the run")
         return

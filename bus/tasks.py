@@ -29,7 +29,9 @@ WARN_SECONDS = 5.0
 racing replies: something in it catches CancelledError)."""
 
 
-async def cancel_until_done(tasks: Iterable[asyncio.Task[Any]], again_after: float = RECANCEL_SECONDS) -> None:
+async def cancel_until_done(
+    tasks: Iterable[asyncio.Task[Any]], again_after: float = RECANCEL_SECONDS
+) -> None:
     """Cancel `tasks` and return once every one has ended, cancelling those still running again
     every `again_after` s. What they ended with (result, error, cancellation) is left to whoever
     awaits them (a TaskGroup sees a helper's error)."""
@@ -42,5 +44,7 @@ async def cancel_until_done(tasks: Iterable[asyncio.Task[Any]], again_after: flo
         _, pending = await asyncio.wait(pending, timeout=again_after)
         if pending and not warned and loop.time() - started >= WARN_SECONDS:
             names = ", ".join(sorted(task.get_name() for task in pending))
-            log.warning("still running %.0f s after their cancel, cancelling again: %s", WARN_SECONDS, names)
+            log.warning(
+                "still running %.0f s after their cancel, cancelling again: %s", WARN_SECONDS, names
+            )
             warned = True

@@ -73,12 +73,46 @@ if TYPE_CHECKING:
     from schemas.config import RunConfig
 
 __all__ = [
-    "ACK_WAIT", "BATCHES", "CHANNELS", "CONFIG", "CONFIG_KEY", "DEAD", "DECLARED", "DROPS", "EVERY_WORK_QUEUE", "KV_KEYS", "LOSS",
-    "MEMBERS", "METRICS", "PROMPTS", "REFUSED_PROMPT", "RENDEZVOUS", "RENDEZVOUS_KEY", "REWARDS",
+    "ACK_WAIT",
+    "BATCHES",
+    "CHANNELS",
+    "CONFIG",
+    "CONFIG_KEY",
+    "DEAD",
+    "DECLARED",
+    "DROPS",
+    "EVERY_WORK_QUEUE",
+    "KV_KEYS",
+    "LOSS",
+    "MEMBERS",
+    "METRICS",
+    "PROMPTS",
+    "REFUSED_PROMPT",
+    "RENDEZVOUS",
+    "RENDEZVOUS_KEY",
+    "REWARDS",
     "REWARDS_TO_REFERENCE",
-    "SCORED", "TRAJECTORIES", "WEIGHTS", "WORK_QUEUES", "Channel", "KvKey", "Read", "Reader", "Topology", "WorkQueue",
-    "channels_of", "drop_key", "dropped_prompt", "loss_key", "markdown_tables", "metrics_key",
-    "metrics_of", "metrics_prefix", "run_id_arg", "served_by", "work_queues",
+    "SCORED",
+    "TRAJECTORIES",
+    "WEIGHTS",
+    "WORK_QUEUES",
+    "Channel",
+    "KvKey",
+    "Read",
+    "Reader",
+    "Topology",
+    "WorkQueue",
+    "channels_of",
+    "drop_key",
+    "dropped_prompt",
+    "loss_key",
+    "markdown_tables",
+    "metrics_key",
+    "metrics_of",
+    "metrics_prefix",
+    "run_id_arg",
+    "served_by",
+    "work_queues",
 ]
 
 GiB = 1 << 30
@@ -93,7 +127,6 @@ def run_id_arg(value: str) -> str:
         return check_run_id(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
 
 
 # The run's objects ------------------------------------------------------------------------
@@ -133,9 +166,11 @@ class Topology:
     def for_config(cls, config: RunConfig, replicas: int = 1) -> Topology:
         """The run's objects with the limits its config derives (`schemas.streams_config.stream_needs`)."""
         return cls(
-            run=config.run, replicas=replicas,
+            run=config.run,
+            replicas=replicas,
             max_bytes={name: need.limit for name, need in stream_needs(config).items()},
-            max_age=config.streams.max_age_s, keep_consumed=config.streams.consumed == "keep",
+            max_age=config.streams.max_age_s,
+            keep_consumed=config.streams.consumed == "keep",
             reference=config.reference.enabled,
         )
 
@@ -206,7 +241,10 @@ class Topology:
         the oldest messages whether or not anyone received them. Trajectories, rewards and scored are
         deleted once acked (interest retention) unless `keep_consumed`; prompts, batches and
         weights are kept (gate resume, audit, trainer restart). Only `dead` discards its oldest."""
-        deleted_once_acked = channel.name in (TRAJECTORIES.name, REWARDS.name, SCORED.name) and not self.keep_consumed
+        deleted_once_acked = (
+            channel.name in (TRAJECTORIES.name, REWARDS.name, SCORED.name)
+            and not self.keep_consumed
+        )
         return StreamConfig(
             name=self.stream(channel),
             subjects=[self.subjects(channel)],
@@ -255,7 +293,9 @@ class Topology:
                 if config.retention is RetentionPolicy.INTEREST:
                     # An interest stream deletes at once a message stored while no consumer
                     # exists: it keeps everything until its work queue is made, then switches.
-                    await js.add_stream(dataclasses.replace(config, retention=RetentionPolicy.LIMITS))
+                    await js.add_stream(
+                        dataclasses.replace(config, retention=RetentionPolicy.LIMITS)
+                    )
                     interest_later.append(config)
                 else:
                     await js.add_stream(config)
@@ -281,12 +321,15 @@ class Topology:
             try:
                 await js.key_value(bucket)
             except BucketNotFoundError:
-                await js.create_key_value(KeyValueConfig(bucket=bucket, history=1, ttl=ttl, replicas=self.replicas))
+                await js.create_key_value(
+                    KeyValueConfig(bucket=bucket, history=1, ttl=ttl, replicas=self.replicas)
+                )
         try:
             await js.object_store(self.object_bucket)
         except (BucketNotFoundError, NotFoundError):
             await js.create_object_store(
-                self.object_bucket, ObjectStoreConfig(bucket=self.object_bucket, replicas=self.replicas)
+                self.object_bucket,
+                ObjectStoreConfig(bucket=self.object_bucket, replicas=self.replicas),
             )
 
     async def delete(self, js: JetStreamContext) -> None:

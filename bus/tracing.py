@@ -56,7 +56,10 @@ def setup(service: str, instance: str | None = None) -> TracerProvider | None:
     current = trace.get_tracer_provider()
     if isinstance(current, TracerProvider):
         return current
-    if not (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
+    if not (
+        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    ):
         return None
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
@@ -101,7 +104,9 @@ def link_to(traceparents: list[str] | tuple[str, ...]) -> list[Link]:
     return links
 
 
-def _attributes(subject: str, message_id: str, attributes: Mapping[str, str | int | float] | None) -> dict:
+def _attributes(
+    subject: str, message_id: str, attributes: Mapping[str, str | int | float] | None
+) -> dict:
     return {
         "messaging.system": "nats",
         "messaging.destination.name": subject,
@@ -128,7 +133,10 @@ def send_headers(
     with tracer.start_as_current_span(
         f"send {subject}",
         kind=SpanKind.PRODUCER,
-        attributes={**_attributes(subject, message_id, attributes), "messaging.operation.name": "send"},
+        attributes={
+            **_attributes(subject, message_id, attributes),
+            "messaging.operation.name": "send",
+        },
     ):
         return inject(headers)
 
@@ -143,7 +151,10 @@ def spans_in(
     span, with its own attributes, timed by the shared work. An exception marks every span
     failed and goes on.
     """
-    spans = [tracer.start_span(name, context=parent, attributes=attributes) for parent, attributes in parents]
+    spans = [
+        tracer.start_span(name, context=parent, attributes=attributes)
+        for parent, attributes in parents
+    ]
     try:
         yield spans
     except Exception as exc:
@@ -176,5 +187,8 @@ def process_span(
         f"process {subject}",
         context=extract(headers),
         kind=SpanKind.CONSUMER,
-        attributes={**_attributes(subject, message_id, attributes), "messaging.operation.name": "process"},
+        attributes={
+            **_attributes(subject, message_id, attributes),
+            "messaging.operation.name": "process",
+        },
     )

@@ -40,6 +40,7 @@ log = logging.getLogger("jetrl.worker")
 
 E = TypeVar("E", bound=Event)
 
+
 class Reject(Exception):
     """Raised by a handler for input that can never succeed: dead-letter it, don't retry."""
 
@@ -109,7 +110,11 @@ class Worker(Generic[E]):
         try:
             async with asyncio.TaskGroup() as group:
                 heartbeat = group.create_task(self._heartbeat(ack_wait))
-                await self._serve(puller, stop, Slots(self.queue.durable, self._handle, self.options.concurrency, group))
+                await self._serve(
+                    puller,
+                    stop,
+                    Slots(self.queue.durable, self._handle, self.options.concurrency, group),
+                )
                 await cancel_until_done([heartbeat])  # its `in_progress` can swallow one cancel
         finally:
             await puller.close()
@@ -120,7 +125,9 @@ class Worker(Generic[E]):
             # would make every message pay a request round trip.
             await slots.half_free()
             try:
-                msgs = await puller.fetch(self.options.concurrency - slots.held, self.options.fetch_timeout)
+                msgs = await puller.fetch(
+                    self.options.concurrency - slots.held, self.options.fetch_timeout
+                )
             except (TimeoutError, nats.errors.TimeoutError):
                 continue
             except nats.errors.Error as exc:  # connection trouble: the client reconnects
@@ -160,7 +167,13 @@ class Worker(Generic[E]):
             if deliveries >= self.options.max_deliver:
                 await self._dead(msg, f"failed {deliveries} times, last: {reason}", event)
             else:
-                log.warning("%s: %s failed (delivery %d): %s", self.queue.durable, event.id, deliveries, reason)
+                log.warning(
+                    "%s: %s failed (delivery %d): %s",
+                    self.queue.durable,
+                    event.id,
+                    deliveries,
+                    reason,
+                )
                 # A handler that acked before raising leaves nothing to nak.
                 with contextlib.suppress(MsgAlreadyAckdError):
                     await msg.nak(delay=min(self.options.nak_delay * 2 ** (deliveries - 1), 30.0))
@@ -185,7 +198,9 @@ class Worker(Generic[E]):
                 await msg.in_progress()
 
     async def _dead(self, msg: Msg, reason: str, event: E | None = None) -> None:
-        log.warning("%s: dead letter (seq %d): %s", self.queue.durable, msg.metadata.sequence.stream, reason)
+        log.warning(
+            "%s: dead letter (seq %d): %s", self.queue.durable, msg.metadata.sequence.stream, reason
+        )
         if event is not None and self.on_dead is not None:
             await self.on_dead(event, reason)
         await dead_letter(self.publisher, self.queue.durable, msg, reason)

@@ -16,7 +16,9 @@ from schemas import BatchEvent
 from schemas.config import AlgorithmConfig
 
 
-def next_kl_coef(algo: AlgorithmConfig, coef: float | None, kl_mean: float | None, samples: int) -> float:
+def next_kl_coef(
+    algo: AlgorithmConfig, coef: float | None, kl_mean: float | None, samples: int
+) -> float:
     """The KL-in-reward coefficient of the step after one formed with `coef` and KL `kl_mean` over
     `samples` samples: `algorithm.kl_coef` when fixed (or nothing stored yet), else the adaptive
     controller's step (`engines.algorithms.kl.adaptive_kl_coef`)."""
@@ -61,7 +63,9 @@ async def read_batches(rt: Runtime) -> BatchedSoFar:
     seen.next_step = last + 1
     dp_size = rt.config.trainer.dp_size
     coef, kl_mean = kl[last]
-    if any(counts.get((last, r), (0, 1))[0] < counts.get((last, r), (0, 1))[1] for r in range(dp_size)):
+    if any(
+        counts.get((last, r), (0, 1))[0] < counts.get((last, r), (0, 1))[1] for r in range(dp_size)
+    ):
         seen.partial, seen.next_step = (last, groups[last]), last
         # Its samples come back unacked and must be held again to re-form it: skipped as
         # batched already, their groups would never complete and no step would form again.

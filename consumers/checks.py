@@ -36,7 +36,11 @@ class ModelLimits:
         """Reject `what` unless `largest_id` is in the vocabulary and `positions` fit the
         context."""
         if largest_id >= self.vocab_size:
-            raise Reject(f"{what}: token id {largest_id} is outside the model's vocabulary of "
-                         f"{self.vocab_size}")
+            raise Reject(
+                f"{what}: token id {largest_id} is outside the model's vocabulary of "
+                f"{self.vocab_size}"
+            )
         if self.context is not None and positions > self.context:
-            raise Reject(f"{what}: needs {positions} positions, the model's context is {self.context}")
+            raise Reject(
+                f"{what}: needs {positions} positions, the model's context is {self.context}"
+            )

@@ -36,12 +36,22 @@ from schemas.config import ConfigError
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m consumers.fleet", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", type=Path, required=True, help="fleet YAML (see examples/fleet.yaml)")
-    parser.add_argument("--nats", help="NATS URL(s), comma separated (default: the YAML's, $JETRL_NATS_URL, localhost)")
+    parser = argparse.ArgumentParser(
+        prog="python -m consumers.fleet", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--config", type=Path, required=True, help="fleet YAML (see examples/fleet.yaml)"
+    )
+    parser.add_argument(
+        "--nats",
+        help="NATS URL(s), comma separated (default: the YAML's, $JETRL_NATS_URL, localhost)",
+    )
     parser.add_argument("--run", type=run_id_arg, help="run id (default: the YAML's run)")
-    parser.add_argument("--identities", type=Path,
-                        help="directory of the run's seeds (ops.streams users --out): each worker gets its role's")
+    parser.add_argument(
+        "--identities",
+        type=Path,
+        help="directory of the run's seeds (ops.streams users --out): each worker gets its role's",
+    )
     return parser.parse_args(argv)
 
 

@@ -89,11 +89,15 @@ class FleetConfig(Section):
     def _roles(cls, roles: dict[str, RoleConfig]) -> dict[str, RoleConfig]:
         for name, role in roles.items():
             if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
-                raise ValueError(f"role name {name!r} must be letters, digits, '_' or '-' (it names log files)")
+                raise ValueError(
+                    f"role name {name!r} must be letters, digits, '_' or '-' (it names log files)"
+                )
             module = role.module or f"consumers.{name}"
             if not _importable(module):
-                raise ValueError(f"role {name!r}: no module {module} (roles are {', '.join(ROLES)}, "
-                                 "or set `module`)")
+                raise ValueError(
+                    f"role {name!r}: no module {module} (roles are {', '.join(ROLES)}, "
+                    "or set `module`)"
+                )
         return roles
 
 
@@ -118,12 +122,12 @@ def local_fleet(logs: Path, trainer_ranks: int = 1, reference_workers: int = 0) 
     if reference_workers:
         roles["reference"] = RoleConfig(processes=reference_workers)
     for rank in range(1, trainer_ranks):
-        roles[f"trainer-rank{rank}"] = RoleConfig(module="consumers.trainer", args=["--rank", str(rank)])
+        roles[f"trainer-rank{rank}"] = RoleConfig(
+            module="consumers.trainer", args=["--rank", str(rank)]
+        )
     return FleetConfig(roles=roles, logs=logs)
 
 
 def worker_name(role: str, index: int) -> str:
     """A worker's name in its fleet, `<role>-<index>`; also its log file's stem."""
     return f"{role}-{index}"
-
-

@@ -41,8 +41,14 @@ class Row:
     def of(cls, reward: RewardEvent, advantage: float, traceparent: str) -> Row:
         t = reward.trajectory
         return cls(
-            t.id, t.prompt_ids.numpy(), t.response_ids.numpy(), t.logprobs.numpy(), t.versions.numpy(),
-            advantage, reward.reward, traceparent,
+            t.id,
+            t.prompt_ids.numpy(),
+            t.response_ids.numpy(),
+            t.logprobs.numpy(),
+            t.versions.numpy(),
+            advantage,
+            reward.reward,
+            traceparent,
             None if reward.ref_logprobs is None else reward.ref_logprobs.numpy(),
         )
 
@@ -59,7 +65,9 @@ class MicroBatchArrays:
     advantages: np.ndarray  # float32 [B]
     rewards: np.ndarray  # float32 [B]
     rows: tuple[Row, ...]
-    ref_logprobs: np.ndarray | None = None  # float32 [B, T], 0 off the loss mask; None unless every row has them
+    ref_logprobs: np.ndarray | None = (
+        None  # float32 [B, T], 0 off the loss mask; None unless every row has them
+    )
 
 
 def balance(rows: list[Row], ranks: int) -> list[list[Row]]:
@@ -84,7 +92,9 @@ def split(rows: Sequence[Row], max_tokens: int) -> list[list[Row]]:
     than max_tokens still gets a micro-batch of its own.
     """
     batches: list[list[Row]] = []
-    longest = 0  # of the last micro-batch, kept as it grows: a step of n rows costs O(n), not O(n^2)
+    longest = (
+        0  # of the last micro-batch, kept as it grows: a step of n rows costs O(n), not O(n^2)
+    )
     for row in rows:
         if batches and (len(batches[-1]) + 1) * longest <= max_tokens:
             batches[-1].append(row)
@@ -114,8 +124,14 @@ def arrays(rows: list[Row]) -> MicroBatchArrays:
         if ref is not None:
             ref[i, p:n] = row.ref_logprobs
     return MicroBatchArrays(
-        input_ids, attention, loss, logprobs, versions,
-        np.array([r.advantage for r in rows], np.float32), np.array([r.reward for r in rows], np.float32), tuple(rows),
+        input_ids,
+        attention,
+        loss,
+        logprobs,
+        versions,
+        np.array([r.advantage for r in rows], np.float32),
+        np.array([r.reward for r in rows], np.float32),
+        tuple(rows),
         ref,
     )
 

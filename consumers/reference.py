@@ -64,7 +64,9 @@ class Batcher:
             while len(items) < self.batch and not self.queue.empty():
                 items.append(self.queue.get_nowait())
             try:
-                scored = await asyncio.to_thread(self.engine.logprobs, [(p, r) for p, r, _ in items])
+                scored = await asyncio.to_thread(
+                    self.engine.logprobs, [(p, r) for p, r, _ in items]
+                )
             except Exception as exc:  # noqa: BLE001 - handed to each waiting handler
                 log.warning("reference forward of %d samples failed: %r", len(items), exc)
                 for _, _, future in items:
@@ -85,13 +87,21 @@ def reference_handler(rt: Runtime, batcher: Batcher, limits: ModelLimits) -> Han
         largest = int(max(prompt.max(initial=0), response.max(initial=0)))
         limits.check(largest, prompt.shape[0] + response.shape[0], f"sample {reward.id}")
         with tracing.tracer.start_as_current_span(
-            "reference", attributes={"jetrl.prompt_id": t.prompt_id, "jetrl.sample_index": t.sample_index,
-                                     "jetrl.worker": rt.source},
+            "reference",
+            attributes={
+                "jetrl.prompt_id": t.prompt_id,
+                "jetrl.sample_index": t.sample_index,
+                "jetrl.worker": rt.source,
+            },
         ):
             REFERENCE_MID_SCORING(reward.id)
             logprobs = await batcher.score(prompt, response)
         scored = RewardEvent.model_validate(
-            {**dict(reward), "source": rt.source, "ref_logprobs": Tensor.from_numpy(logprobs.astype(np.float32))}
+            {
+                **dict(reward),
+                "source": rt.source,
+                "ref_logprobs": Tensor.from_numpy(logprobs.astype(np.float32)),
+            }
         )
         try:
             await rt.publisher.publish(SCORED, scored)
@@ -108,15 +118,21 @@ async def build(rt: Runtime) -> Stage[RewardEvent]:
     temperature, in `model.dtype` on this worker's device, serving `rewards`."""
     cfg = rt.config
     if not cfg.reference.enabled:
-        raise CannotAttach(f"run {rt.topology.run} has no reference stage (reference.enabled is false)")
+        raise CannotAttach(
+            f"run {rt.topology.run} has no reference stage (reference.enabled is false)"
+        )
     torch.set_num_threads(1)  # the other workers share the node's cores with us
     try:
         device = resolve_device()
     except ValueError as exc:
         raise CannotAttach(str(exc)) from None
     engine = await asyncio.to_thread(
-        ReferenceEngine, Path(cfg.model.path or ""), temperature=cfg.data.sampling.temperature, device=device,
-        dtype=torch_dtype(cfg.model.dtype), chunk_tokens=cfg.trainer.logprob_chunk_tokens,
+        ReferenceEngine,
+        Path(cfg.model.path or ""),
+        temperature=cfg.data.sampling.temperature,
+        device=device,
+        dtype=torch_dtype(cfg.model.dtype),
+        chunk_tokens=cfg.trainer.logprob_chunk_tokens,
     )
     batcher = Batcher(engine, cfg.reference.batch)
     channel = rt.topology.served_by("reference")
@@ -125,7 +141,9 @@ async def build(rt: Runtime) -> Stage[RewardEvent]:
     rt.member.report(engine="reference")
     options = WorkerOptions(concurrency=cfg.reference.concurrency)
     return Stage(
-        channel, reference_handler(rt, batcher, ModelLimits.of(engine.model)), options,
+        channel,
+        reference_handler(rt, batcher, ModelLimits.of(engine.model)),
+        options,
         helpers={"reference forward passes": batcher.run},
     )
 

@@ -40,8 +40,12 @@ def reward_handler(rt: Runtime, pool: RewardPool) -> Handler[TrajectoryEvent]:
 
     async def handle(event: TrajectoryEvent, _msg: Msg) -> None:
         with tracing.tracer.start_as_current_span(
-            "reward", attributes={"jetrl.prompt_id": event.prompt_id, "jetrl.sample_index": event.sample_index,
-                                  "jetrl.worker": rt.source},
+            "reward",
+            attributes={
+                "jetrl.prompt_id": event.prompt_id,
+                "jetrl.sample_index": event.sample_index,
+                "jetrl.worker": rt.source,
+            },
         ) as span:
             REWARD_MID_SCORING(event.id)
             score = await scorer.score(event.response_text, event.task)
@@ -78,20 +82,32 @@ async def build(rt: Runtime) -> Stage[TrajectoryEvent]:
     process), so a process never waits for the next fetch.
     """
     reward = rt.config.reward
-    pool = await RewardPool(reward.processes, reward.timeout, isolation=reward.isolation).__aenter__()
+    pool = await RewardPool(
+        reward.processes, reward.timeout, isolation=reward.isolation
+    ).__aenter__()
     try:
         await pool.resolve(rt.config.data.reward)
     except BaseException:
         await pool.close()
         raise
-    log.info("scoring run %s with %s in %d processes", rt.topology.run, rt.config.data.reward, pool.processes)
+    log.info(
+        "scoring run %s with %s in %d processes",
+        rt.topology.run,
+        rt.config.data.reward,
+        pool.processes,
+    )
     options = WorkerOptions(concurrency=2 * pool.processes * rt.config.reward.batch)
     return Stage(TRAJECTORIES, reward_handler(rt, pool), options, close=pool.close)
 
 
 def main() -> None:
-    run_stage("reward", build, "Score trajectories with the run's reward function.", RewardSpecError,
-              IsolationUnavailable)
+    run_stage(
+        "reward",
+        build,
+        "Score trajectories with the run's reward function.",
+        RewardSpecError,
+        IsolationUnavailable,
+    )
 
 
 if __name__ == "__main__":

@@ -74,7 +74,9 @@ class BatchScorer:
             self.round_trips += 1
             self._busy += 1
             try:
-                scores = await self.pool.score_many(self.fn, [(text, task) for text, task, _ in taken])
+                scores = await self.pool.score_many(
+                    self.fn, [(text, task) for text, task, _ in taken]
+                )
             except BaseException as exc:  # a bad spec, or cancelled: every waiting handler hears it
                 for _, _, future in taken:
                     if not future.done():

@@ -72,7 +72,9 @@ def _child_main() -> None:
     if init["sandbox"] is not None:
         sys.dont_write_bytecode = True  # the tree is read-only now
         try:
-            reward_sandbox.enter(init["sandbox"]["tmp"], init["sandbox"]["processes"], init["sandbox"]["hide"])
+            reward_sandbox.enter(
+                init["sandbox"]["tmp"], init["sandbox"]["processes"], init["sandbox"]["hide"]
+            )
         except OSError as exc:  # a sandbox half made is no sandbox: the pool reports the exit
             print(f"reward sandbox: {exc}", file=sys.stderr)
             os._exit(70)
@@ -87,7 +89,9 @@ def _child_main() -> None:
         for one in _items(request):
             _renew_cpu_limit(request["cpu_seconds"])
             reply = _serve(one, functions)
-            if os.getpid() != server:  # a copy the function forked, back from the call: it must not reply
+            if (
+                os.getpid() != server
+            ):  # a copy the function forked, back from the call: it must not reply
                 os._exit(0)
             replies.write(frame(reply))
             replies.flush()
@@ -97,7 +101,10 @@ def _items(request: dict[str, Any]) -> list[dict[str, Any]]:
     """A "score_batch" request as one "score" request per item; any other request as itself."""
     if request["op"] != "score_batch":
         return [request]
-    return [{"op": "score", "fn": request["fn"], "text": text, "task": task} for text, task in request["items"]]
+    return [
+        {"op": "score", "fn": request["fn"], "text": text, "task": task}
+        for text, task in request["items"]
+    ]
 
 
 def _claim_protocol_fds() -> tuple[BinaryIO, BinaryIO]:
@@ -142,7 +149,9 @@ def _renew_cpu_limit(seconds: int) -> None:
     """Allow `seconds` more CPU time: RLIMIT_CPU counts the process's whole life, not one call."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     # The hard limit stays where it was: a lowered one could not be raised for the next call.
-    _set_limit(resource.RLIMIT_CPU, math.ceil(usage.ru_utime + usage.ru_stime) + seconds, keep_hard=True)
+    _set_limit(
+        resource.RLIMIT_CPU, math.ceil(usage.ru_utime + usage.ru_stime) + seconds, keep_hard=True
+    )
 
 
 def _serve(request: dict[str, Any], functions: dict[str, RewardFn]) -> dict[str, Any]:
@@ -171,13 +180,21 @@ def _load(spec: str) -> RewardFn:
     module_name, name = parse_spec(spec)
     try:
         module = importlib.import_module(module_name)
-    except BaseException as exc:  # an import runs arbitrary code: any failure means the spec is unusable
-        raise RewardSpecError(f"reward function {spec!r}: cannot import {module_name!r}: {_describe(exc)}") from None
+    except (
+        BaseException
+    ) as exc:  # an import runs arbitrary code: any failure means the spec is unusable
+        raise RewardSpecError(
+            f"reward function {spec!r}: cannot import {module_name!r}: {_describe(exc)}"
+        ) from None
     fn = getattr(module, name, None)
     if fn is None:
-        raise RewardSpecError(f"reward function {spec!r}: module {module_name!r} has no attribute {name!r}")
+        raise RewardSpecError(
+            f"reward function {spec!r}: module {module_name!r} has no attribute {name!r}"
+        )
     if not callable(fn):
-        raise RewardSpecError(f"reward function {spec!r}: {name!r} is not callable (it is {type(fn).__name__})")
+        raise RewardSpecError(
+            f"reward function {spec!r}: {name!r} is not callable (it is {type(fn).__name__})"
+        )
     return fn
 
 
@@ -185,8 +202,14 @@ def _interpret(value: object) -> tuple[float, dict[str, float]]:
     """A number, or a dict with "reward" and named numbers -> (reward, components)."""
     if isinstance(value, Mapping):
         if "reward" not in value:
-            raise _BadReturn(f"returned a dict without 'reward' (keys: {sorted(map(str, value))[:10]})")
-        components = {str(key): _as_float(part, f"component {key!r}") for key, part in value.items() if key != "reward"}
+            raise _BadReturn(
+                f"returned a dict without 'reward' (keys: {sorted(map(str, value))[:10]})"
+            )
+        components = {
+            str(key): _as_float(part, f"component {key!r}")
+            for key, part in value.items()
+            if key != "reward"
+        }
         return _as_float(value["reward"], "reward"), components
     return _as_float(value, "reward"), {}
 

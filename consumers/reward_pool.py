@@ -53,7 +53,15 @@ MAX_REPLY_BYTES = 64 << 10
 """A reply is a float and a few components; a bigger one would not fit a RewardEvent anyway."""
 MAX_REASON_CHARS = 500
 
-__all__ = ["Limits", "RewardPool", "RewardSpecError", "Score", "child_env", "one_line", "parse_spec"]
+__all__ = [
+    "Limits",
+    "RewardPool",
+    "RewardSpecError",
+    "Score",
+    "child_env",
+    "one_line",
+    "parse_spec",
+]
 
 
 @dataclass(frozen=True)
@@ -94,7 +102,9 @@ def one_line(text: str) -> str:
 
 def child_env() -> dict[str, str]:
     """The worker's environment without the variables a reward process must not see."""
-    return {key: value for key, value in os.environ.items() if not key.startswith(SCRUBBED_PREFIXES)}
+    return {
+        key: value for key, value in os.environ.items() if not key.startswith(SCRUBBED_PREFIXES)
+    }
 
 
 class RewardPool:
@@ -106,7 +116,12 @@ class RewardPool:
     """
 
     def __init__(
-        self, processes: int = 2, timeout: float = 5.0, *, import_timeout: float = 60.0, limits: Limits = Limits(),
+        self,
+        processes: int = 2,
+        timeout: float = 5.0,
+        *,
+        import_timeout: float = 60.0,
+        limits: Limits = Limits(),
         isolation: Isolation = "auto",
     ) -> None:
         if processes < 1 or timeout <= 0 or import_timeout <= 0:
@@ -165,14 +180,18 @@ class RewardPool:
         the reason, and the items after it are scored again on a fresh lease."""
         scores: list[Score] = []
         while len(scores) < len(items):
-            rest = items[len(scores):]
+            rest = items[len(scores) :]
             async with self._lease() as child:
                 try:
                     await self._resolve_in(child, fn)
                 except _ChildLost as exc:  # the import killed it: fail one item, as `score` does
                     scores.append(Score.failure(str(exc)))
                     continue
-                request = {"op": "score_batch", "fn": fn, "items": [[text, task] for text, task in rest]}
+                request = {
+                    "op": "score_batch",
+                    "fn": fn,
+                    "items": [[text, task] for text, task in rest],
+                }
                 replies, lost = await child.request_many(request, len(rest), self.timeout)
                 scores.extend(_score_from(reply) for reply in replies)
                 if lost is not None:
@@ -235,8 +254,10 @@ class _Child:
         argv = [sys.executable, "-m", CHILD_MODULE]
         proc = await asyncio.create_subprocess_exec(
             *(reward_sandbox.command(argv) if sandboxed else argv),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            env=child_env(), start_new_session=True,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            env=child_env(),
+            start_new_session=True,
             # `unshare` is the worker's child then: it must die with the worker too (its
             # --kill-child takes the namespaces along).
             preexec_fn=_kill_with_worker if sandboxed else None,
@@ -250,8 +271,13 @@ class _Child:
             "parent": 1 if sandboxed else os.getpid(),
             "memory": limits.memory_bytes,
             "file": limits.file_bytes,
-            "sandbox": {"tmp": limits.tmp_bytes, "processes": limits.processes, "hide": _identity_paths()}
-            if sandboxed else None,
+            "sandbox": {
+                "tmp": limits.tmp_bytes,
+                "processes": limits.processes,
+                "hide": _identity_paths(),
+            }
+            if sandboxed
+            else None,
         }
         proc.stdin.write(frame(init))
         return cls(proc, limits, sandboxed)
@@ -287,7 +313,9 @@ class _Child:
         None, or, when the process was lost at the next one (and killed), the reason."""
         assert self.proc.stdin is not None
         replies: list[dict[str, Any]] = []
-        self.proc.stdin.write(frame({**message, "cpu_seconds": math.ceil(deadline * self.limits.cpu_factor)}))
+        self.proc.stdin.write(
+            frame({**message, "cpu_seconds": math.ceil(deadline * self.limits.cpu_factor)})
+        )
         try:
             await self.proc.stdin.drain()
             for _ in range(count):
@@ -345,7 +373,11 @@ def _identity_paths() -> list[str]:
     if not any(entry == directory or entry.startswith(directory + os.sep) for entry in imports):
         return [directory]
     with suppress(OSError):
-        return [os.path.join(directory, name) for name in os.listdir(directory) if name.endswith((".nk", ".creds"))]
+        return [
+            os.path.join(directory, name)
+            for name in os.listdir(directory)
+            if name.endswith((".nk", ".creds"))
+        ]
     return []
 
 

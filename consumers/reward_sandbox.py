@@ -37,17 +37,41 @@ from typing import Literal
 log = logging.getLogger("jetrl.reward")
 
 Isolation = Literal["auto", "required", "off"]
-UNSHARE_FLAGS = ("--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc")
+UNSHARE_FLAGS = (
+    "--user",
+    "--map-root-user",
+    "--net",
+    "--pid",
+    "--fork",
+    "--kill-child",
+    "--mount",
+    "--mount-proc",
+)
 DESCRIPTION = "unshare (user, network, pid and mount namespaces; private /tmp, the rest read-only)"
 SIGNAL_EXIT = 128
 """sh exits with 128 + n when its child was killed by signal n."""
 
 # mount(2) flags, from <sys/mount.h>; a read-only remount must keep the flags the mount has
 # (a user namespace may not clear nosuid, nodev, noexec or the atime flags of a mount it inherited).
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND = 1, 2, 4, 8, 32, 1024, 2048, 4096
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND = (
+    1,
+    2,
+    4,
+    8,
+    32,
+    1024,
+    2048,
+    4096,
+)
 MS_RELATIME, MS_REC = 1 << 21, 16384
-MOUNT_OPTIONS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
-                 "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME}
+MOUNT_OPTIONS = {
+    "nosuid": MS_NOSUID,
+    "nodev": MS_NODEV,
+    "noexec": MS_NOEXEC,
+    "noatime": MS_NOATIME,
+    "nodiratime": MS_NODIRATIME,
+    "relatime": MS_RELATIME,
+}
 PID_MAX_MIN = 301
 """The least pid_max the kernel accepts."""
 PRIVATE_DIRS = ("/tmp", "/dev/shm")
@@ -72,13 +96,17 @@ async def _unshare_works() -> str:
     paths = json.dumps([os.path.abspath(entry) for entry in sys.path if isinstance(entry, str)])
     try:
         proc = await asyncio.create_subprocess_exec(
-            *command([sys.executable, "-c", PROBE, paths]), stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+            *command([sys.executable, "-c", PROBE, paths]),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
         )
         _, err = await asyncio.wait_for(proc.communicate(), 10)
     except (OSError, TimeoutError) as exc:
         return f"unshare failed: {exc}"
-    return "" if proc.returncode == 0 else " ".join(err.decode(errors="replace").split()[-30:])[:300]
+    return (
+        "" if proc.returncode == 0 else " ".join(err.decode(errors="replace").split()[-30:])[:300]
+    )
 
 
 async def choose(isolation: Isolation) -> bool:
@@ -89,7 +117,9 @@ async def choose(isolation: Isolation) -> bool:
     """
     global _warned
     if isolation == "off":
-        log.info("reward isolation: off (reward processes share the worker's network, /proc and files)")
+        log.info(
+            "reward isolation: off (reward processes share the worker's network, /proc and files)"
+        )
         return False
     unshare = shutil.which("unshare") if sys.platform == "linux" else None
     why = "no unshare on PATH (util-linux)" if unshare is None else await _unshare_works()
@@ -97,12 +127,17 @@ async def choose(isolation: Isolation) -> bool:
         log.info("reward isolation: %s", DESCRIPTION)
         return True
     if isolation == "required":
-        raise IsolationUnavailable(f"reward.isolation is 'required' but namespaces cannot be made here: {why}")
+        raise IsolationUnavailable(
+            f"reward.isolation is 'required' but namespaces cannot be made here: {why}"
+        )
     if not _warned:
         _warned = True
-        log.warning("reward isolation: none (%s); reward code can reach the network, "
-                    "other processes' /proc and the worker's files; "
-                    "set reward.isolation: required to refuse this", why)
+        log.warning(
+            "reward isolation: none (%s); reward code can reach the network, "
+            "other processes' /proc and the worker's files; "
+            "set reward.isolation: required to refuse this",
+            why,
+        )
     return False
 
 
@@ -122,9 +157,19 @@ def enter(tmp_bytes: int, processes: int, hide: list[str]) -> None:
 
     libc = ctypes.CDLL(None, use_errno=True)
 
-    def mount(source: str, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-        if libc.mount(source.encode(), target.encode(), fstype.encode() if fstype else None, flags,
-                      data.encode() if data else None) != 0:
+    def mount(
+        source: str, target: str, fstype: str | None, flags: int, data: str | None = None
+    ) -> None:
+        if (
+            libc.mount(
+                source.encode(),
+                target.encode(),
+                fstype.encode() if fstype else None,
+                flags,
+                data.encode() if data else None,
+            )
+            != 0
+        ):
             errno = ctypes.get_errno()
             raise OSError(errno, f"mount {target}: {os.strerror(errno)}")
 
@@ -138,8 +183,11 @@ def enter(tmp_bytes: int, processes: int, hide: list[str]) -> None:
         pid_max.write(str(max(PID_MAX_MIN, processes + 1)))
     # /proc goes read-only below: pid_max is written first.
     # Import paths under a private dir (a checkout in /tmp) are held open and bound back in.
-    kept = {path: os.open(path, os.O_PATH) for path in sys.path
-            if path.startswith(tuple(d + "/" for d in PRIVATE_DIRS)) and os.path.isdir(path)}
+    kept = {
+        path: os.open(path, os.O_PATH)
+        for path in sys.path
+        if path.startswith(tuple(d + "/" for d in PRIVATE_DIRS)) and os.path.isdir(path)
+    }
     for path in PRIVATE_DIRS:
         if os.path.isdir(path):
             mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={tmp_bytes},mode=1777")
@@ -147,11 +195,19 @@ def enter(tmp_bytes: int, processes: int, hide: list[str]) -> None:
         os.makedirs(path, exist_ok=True)
         mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
         os.close(fd)
-    for path in hide:  # the worker's identity: an empty tmpfs over its directory, /dev/null over a file
+    for (
+        path
+    ) in hide:  # the worker's identity: an empty tmpfs over its directory, /dev/null over a file
         if not os.path.lexists(path):  # under a private dir: gone already
             continue
         if os.path.isdir(path):
-            mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=755")
+            mount(
+                "tmpfs",
+                path,
+                "tmpfs",
+                MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                "size=4k,mode=755",
+            )
         else:
             mount("/dev/null", path, None, MS_BIND)
     for target, flags in _mounts():

@@ -43,32 +43,34 @@ from opentelemetry import context
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from bus import metrics
+from bus.crashpoints import ROLLOUT_MID_WEIGHT_LOAD, ROLLOUT_STORED_NOT_ACKED
+from bus.runtime import Runtime
+from bus.stage import Helper, Stage, run_stage
 from bus.topology import PROMPTS, TRAJECTORIES, drop_key
 from bus.worker import Reject, WorkerOptions
 from consumers.checks import ModelLimits
-from bus.crashpoints import ROLLOUT_MID_WEIGHT_LOAD, ROLLOUT_STORED_NOT_ACKED
-from consumers.rollout_copies import Pending, EngineCopies, stepwise
-from bus.runtime import Runtime
-from bus.stage import Helper, Stage, run_stage
+from consumers.rollout_copies import EngineCopies, Pending, stepwise
 from consumers.weights.receiver import WeightsReceiver
 from engines.build import build_rollout_engines
 from engines.model_source import ModelNotFound, resolve_model_path
 from engines.protocols import EngineUnavailable, RolloutEngine, Sample
 from engines.router import Router, RouterError, make_router
-from schemas.kv_records import DropRecord
 from schemas import (
     PromptEvent,
     Tensor,
     TrajectoryEvent,
 )
+from schemas.kv_records import DropRecord
 
 log = logging.getLogger("jetrl.rollout")
 
 
-
 class Rollout:
     def __init__(
-        self, rt: Runtime, engines: RolloutEngine | Sequence[RolloutEngine], tokenizer: PreTrainedTokenizerBase,
+        self,
+        rt: Runtime,
+        engines: RolloutEngine | Sequence[RolloutEngine],
+        tokenizer: PreTrainedTokenizerBase,
         router: Router | None = None,
     ) -> None:
         """`engines`: the copies (one engine: one copy); `router`: `rollout.router` when None."""
@@ -76,12 +78,25 @@ class Rollout:
         engines = list(engines) if isinstance(engines, Sequence) else [engines]
         cfg = rt.config.rollout
         router = router or make_router(cfg.router, len(engines), cfg.router_options)
-        self.copies = EngineCopies(engines, router, cfg.max_batch_prompts, cfg.engine.type, rt.source, cfg.continuous,
-                                 cfg.partial)
+        self.copies = EngineCopies(
+            engines,
+            router,
+            cfg.max_batch_prompts,
+            cfg.engine.type,
+            rt.source,
+            cfg.continuous,
+            cfg.partial,
+        )
         self.limits = ModelLimits.of(self.engine.model)
         self.receiver = WeightsReceiver(
-            rt.js, rt.topology, rt.publisher, rt.config.weights, self.engine.model,
-            member_id=rt.source, version=self.engine.version, handled=self.open_for_requests,
+            rt.js,
+            rt.topology,
+            rt.publisher,
+            rt.config.weights,
+            self.engine.model,
+            member_id=rt.source,
+            version=self.engine.version,
+            handled=self.open_for_requests,
         )
         """The weight versions to load, verified; it opens the gate once it has handled the
         first (a worker generates only once it knows the run's current version)."""
@@ -101,8 +116,14 @@ class Rollout:
             return prompt.token_ids.numpy().astype(int).tolist()
         if prompt.messages is not None:
             # return_dict=False: transformers 5 returns a BatchEncoding dict when tokenizing otherwise.
-            return list(self.tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True,
-                                                           tokenize=True, return_dict=False))
+            return list(
+                self.tokenizer.apply_chat_template(
+                    list(prompt.messages),
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=False,
+                )
+            )
         return list(self.tokenizer.encode(prompt.prompt, add_special_tokens=False))
 
     def checked_token_ids(self, prompt: PromptEvent) -> list[int]:
@@ -113,12 +134,18 @@ class Rollout:
         """
         try:
             ids = self.token_ids(prompt)
-        except Exception as exc:  # tokenizing is deterministic: what fails once fails on every retry
+        except (
+            Exception
+        ) as exc:  # tokenizing is deterministic: what fails once fails on every retry
             raise Reject(f"cannot tokenize the prompt: {type(exc).__name__}: {exc}") from None
         if not ids:
             raise Reject("the prompt has no tokens")
         max_tokens = prompt.sampling.max_tokens
-        self.limits.check(max(ids), len(ids) + max_tokens, f"prompt of {len(ids)} tokens + max_tokens {max_tokens}")
+        self.limits.check(
+            max(ids),
+            len(ids) + max_tokens,
+            f"prompt of {len(ids)} tokens + max_tokens {max_tokens}",
+        )
         return ids
 
     async def dropped(self, prompt: PromptEvent, reason: str) -> None:
@@ -126,17 +153,25 @@ class Rollout:
         dropped: the gate counts it and issues another in its place. Without the record the gate
         waits for a group that never comes and the run stops short of its last step."""
         with contextlib.suppress(KeyWrongLastSequenceError):  # recorded before a restart
-            await self.rt.kv.create(drop_key(prompt.id), DropRecord(reason=reason, refused=True).encode())
+            await self.rt.kv.create(
+                drop_key(prompt.id), DropRecord(reason=reason, refused=True).encode()
+            )
 
     async def handle(self, prompt: PromptEvent, msg: Msg) -> None:
         ids = self.checked_token_ids(prompt)
         pending = Pending(
-            prompt, ids, time.perf_counter(), asyncio.get_running_loop().create_future(), context.get_current()
+            prompt,
+            ids,
+            time.perf_counter(),
+            asyncio.get_running_loop().create_future(),
+            context.get_current(),
         )
         acks, count = [], 0
         # Each sample is stored as soon as it ends (continuous admission), or with its batch.
         generated = self.copies.samples(pending, routing_key(prompt))
-        async with contextlib.aclosing(generated):  # a failed send cancels the samples still generating
+        async with contextlib.aclosing(
+            generated
+        ):  # a failed send cancels the samples still generating
             async for index, sample, seconds in generated:
                 trajectory = self.trajectory(prompt, ids, index, sample, seconds)
                 acks.append(await self.rt.publisher.send(TRAJECTORIES, trajectory))
@@ -145,18 +180,28 @@ class Rollout:
         ROLLOUT_STORED_NOT_ACKED(prompt.id)
         metrics.count_samples("rollout", "generated", count)
 
-    def trajectory(self, prompt: PromptEvent, ids: list[int], index: int, sample: Sample, seconds: float
-                   ) -> TrajectoryEvent:
+    def trajectory(
+        self, prompt: PromptEvent, ids: list[int], index: int, sample: Sample, seconds: float
+    ) -> TrajectoryEvent:
         """Sample `index` of `prompt` as the event stored, its tokens' versions as the engine computed them."""
         assert sample.versions is not None  # `EngineCopies.samples` sets them
         return TrajectoryEvent(
-            id=f"{prompt.id}/{index}", run=prompt.run, source=self.rt.source, prompt_id=prompt.id,
-            sample_index=index, group_size=prompt.n, prompt_ids=Tensor.from_numpy(np.asarray(ids, np.int32)),
+            id=f"{prompt.id}/{index}",
+            run=prompt.run,
+            source=self.rt.source,
+            prompt_id=prompt.id,
+            sample_index=index,
+            group_size=prompt.n,
+            prompt_ids=Tensor.from_numpy(np.asarray(ids, np.int32)),
             response_ids=Tensor.from_numpy(sample.token_ids.numpy().astype(np.int32)),
             logprobs=Tensor.from_torch(sample.logprobs.float()),
             versions=Tensor.from_numpy(sample.versions.numpy().astype(np.int32)),
-            response_text=self.tokenizer.decode(sample.token_ids.tolist(), skip_special_tokens=True),
-            finish_reason=sample.finish_reason, task=prompt.task, engine=self.rt.config.rollout.engine.type,
+            response_text=self.tokenizer.decode(
+                sample.token_ids.tolist(), skip_special_tokens=True
+            ),
+            finish_reason=sample.finish_reason,
+            task=prompt.task,
+            engine=self.rt.config.rollout.engine.type,
             timings={"generate": seconds},
         )
 
@@ -194,11 +239,19 @@ def routing_key(prompt: PromptEvent) -> str:
 async def build(rt: Runtime) -> Stage[PromptEvent]:
     """The rollout stage: prompts served by `Rollout.handle`, beside its batcher and weights watcher."""
     cfg = rt.config.rollout
-    router = make_router(cfg.router, cfg.engine_copies, cfg.router_options)  # a bad router fails before a model loads
-    model = resolve_model_path(rt.config.model.path, rt.config.model.revision)  # a hub id: fetched or cached
+    router = make_router(
+        cfg.router, cfg.engine_copies, cfg.router_options
+    )  # a bad router fails before a model loads
+    model = resolve_model_path(
+        rt.config.model.path, rt.config.model.revision
+    )  # a hub id: fetched or cached
     log.info("model %s loads from %s", rt.config.model.path, model)
     engines = build_rollout_engines(  # seeded apart: copies do not draw the same samples
-        cfg.engine, model, cfg.engine_copies, seed=rt.config.data.seed, dtype=rt.config.model.dtype,
+        cfg.engine,
+        model,
+        cfg.engine_copies,
+        seed=rt.config.data.seed,
+        dtype=rt.config.model.dtype,
         continuous=cfg.continuous,
     )
     rollout = Rollout(rt, engines, AutoTokenizer.from_pretrained(model), router)
@@ -215,7 +268,9 @@ def rollout_stage(rollout: Rollout) -> Stage[PromptEvent]:
     if rollout.copies.continuous:
         per_copy = max(per_copy, 2 * max(stepwise(e).slots for e in rollout.copies.engines))
     return Stage(
-        PROMPTS, rollout.handle, WorkerOptions(concurrency=per_copy * len(rollout.copies.copies)),
+        PROMPTS,
+        rollout.handle,
+        WorkerOptions(concurrency=per_copy * len(rollout.copies.copies)),
         helpers={**rollout.batchers(), "weights watcher": rollout.watch_weights},
         on_dead=rollout.dropped,
     )
@@ -224,7 +279,9 @@ def rollout_stage(rollout: Rollout) -> Stage[PromptEvent]:
 def main() -> None:
     # One thread: the trainer and the other workers share the node's cores with us.
     torch.set_num_threads(1)
-    run_stage("rollout", build, __doc__.splitlines()[0], RouterError, EngineUnavailable, ModelNotFound)
+    run_stage(
+        "rollout", build, __doc__.splitlines()[0], RouterError, EngineUnavailable, ModelNotFound
+    )
 
 
 if __name__ == "__main__":

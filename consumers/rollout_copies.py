@@ -72,8 +72,16 @@ class EngineCopy:
 
 
 class EngineCopies:
-    def __init__(self, engines: Sequence[RolloutEngine], router: Router, max_batch_prompts: int, engine_name: str,
-                 worker: str, continuous: bool = False, partial: bool = False) -> None:
+    def __init__(
+        self,
+        engines: Sequence[RolloutEngine],
+        router: Router,
+        max_batch_prompts: int,
+        engine_name: str,
+        worker: str,
+        continuous: bool = False,
+        partial: bool = False,
+    ) -> None:
         """`continuous`, `partial`: `rollout.continuous` and `rollout.partial`, taken only where
         every engine is a `ContinuousEngine` (the others are given batches and drained)."""
         if not engines:
@@ -107,10 +115,14 @@ class EngineCopies:
         in_flight = [r.in_flight for r in self.copies]
         index = self.router.pick(key, in_flight)
         if not isinstance(index, int) or not 0 <= index < len(self.copies):
-            raise RouterError(f"router {type(self.router).__name__} picked copy {index!r} of {len(self.copies)}")
+            raise RouterError(
+                f"router {type(self.router).__name__} picked copy {index!r} of {len(self.copies)}"
+            )
         return self.copies[index]
 
-    async def submit(self, pending: Pending, key: str | None) -> tuple[list[protocols.Sample], int, float]:
+    async def submit(
+        self, pending: Pending, key: str | None
+    ) -> tuple[list[protocols.Sample], int, float]:
         """`pending` generated on the copy the router picks: its samples, version and seconds."""
         copy = self.route(key)
         copy.in_flight += 1
@@ -136,7 +148,11 @@ class EngineCopies:
                 copy.wake.clear()
                 continue
             first = copy.queue[0]
-            same = [p for p in copy.queue if (p.prompt.n, p.prompt.sampling) == (first.prompt.n, first.prompt.sampling)]
+            same = [
+                p
+                for p in copy.queue
+                if (p.prompt.n, p.prompt.sampling) == (first.prompt.n, first.prompt.sampling)
+            ]
             batch = same[: self.max_batch_prompts]
             copy.queue = [p for p in copy.queue if p not in batch]
             if not copy.queue:
@@ -157,10 +173,14 @@ class EngineCopies:
         params = protocols.SamplingParams(s.temperature, s.top_p, s.max_tokens, s.stop_token_ids)
         version, started = engine.version, time.perf_counter()
         try:
-            parents = [(p.trace, self.span_attributes(p, version, len(batch), copy.index)) for p in batch]
+            parents = [
+                (p.trace, self.span_attributes(p, version, len(batch), copy.index)) for p in batch
+            ]
             with tracing.spans_in("generate", parents) as spans:
                 ROLLOUT_MID_GENERATION(f"{len(batch)} prompts from {first.prompt.id}")
-                groups = await asyncio.to_thread(engine.generate, [p.token_ids for p in batch], first.prompt.n, params)
+                groups = await asyncio.to_thread(
+                    engine.generate, [p.token_ids for p in batch], first.prompt.n, params
+                )
                 for span, samples in zip(spans, groups):
                     span.set_attribute("jetrl.tokens", sum(len(s.token_ids) for s in samples))
         except Exception as exc:  # the prompts' handlers fail and are retried
@@ -174,12 +194,19 @@ class EngineCopies:
             if not p.done.done():
                 p.done.set_result((samples, version, seconds))
 
-    def span_attributes(self, pending: Pending, version: int, batch_prompts: int, copy: int) -> dict[str, str | int]:
+    def span_attributes(
+        self, pending: Pending, version: int, batch_prompts: int, copy: int
+    ) -> dict[str, str | int]:
         """What a prompt's `generate` span says: which prompt, weights, engine, worker, copy, batch."""
         return {
-            "jetrl.prompt_id": pending.prompt.id, "jetrl.policy_version": version, "jetrl.engine": self.engine_name,
-            "jetrl.worker": self.worker, "jetrl.engine_copy": copy, "jetrl.samples": pending.prompt.n,
-            "jetrl.prompt_tokens": len(pending.token_ids), "jetrl.batch_prompts": batch_prompts,
+            "jetrl.prompt_id": pending.prompt.id,
+            "jetrl.policy_version": version,
+            "jetrl.engine": self.engine_name,
+            "jetrl.worker": self.worker,
+            "jetrl.engine_copy": copy,
+            "jetrl.samples": pending.prompt.n,
+            "jetrl.prompt_tokens": len(pending.token_ids),
+            "jetrl.batch_prompts": batch_prompts,
         }
 
     @contextlib.asynccontextmanager
@@ -228,13 +255,24 @@ class EngineCopies:
         seconds it generated). Batch engines: all at once, when their batch returns."""
         if not self.continuous:
             samples, version, seconds = await self.submit(pending, key)
-            for index, sample in enumerate(samples):  # every token from the version the batch ran with
-                yield index, dataclasses.replace(sample, versions=torch.full((len(sample.token_ids),), version,
-                                                                             dtype=torch.int32)), seconds
+            for index, sample in enumerate(
+                samples
+            ):  # every token from the version the batch ran with
+                yield (
+                    index,
+                    dataclasses.replace(
+                        sample,
+                        versions=torch.full((len(sample.token_ids),), version, dtype=torch.int32),
+                    ),
+                    seconds,
+                )
             return
         copy = self.route(key)
         copy.in_flight += 1
-        tasks = [asyncio.create_task(self.generate_one(copy, pending, i)) for i in range(pending.prompt.n)]
+        tasks = [
+            asyncio.create_task(self.generate_one(copy, pending, i))
+            for i in range(pending.prompt.n)
+        ]
         try:
             for done in asyncio.as_completed(tasks):
                 yield await done
@@ -243,7 +281,9 @@ class EngineCopies:
             for task in tasks:
                 task.cancel()
 
-    async def generate_one(self, copy: EngineCopy, pending: Pending, index: int) -> tuple[int, protocols.Sample, float]:
+    async def generate_one(
+        self, copy: EngineCopy, pending: Pending, index: int
+    ) -> tuple[int, protocols.Sample, float]:
         """Sample `index` of `pending` on one of `copy`'s slots, in one of its threads."""
         assert copy.slots is not None and copy.threads is not None
         engine = stepwise(copy.engine)
@@ -264,7 +304,9 @@ class EngineCopies:
                 sample, seconds = await asyncio.wrap_future(job)
                 spans[0].set_attribute("jetrl.tokens", len(sample.token_ids))
         except BaseException:
-            if job is None:  # the slot was never handed to a thread (which gives it back when it ends)
+            if (
+                job is None
+            ):  # the slot was never handed to a thread (which gives it back when it ends)
                 copy.slots.release()
             raise
         metrics.GENERATE_SECONDS.record(seconds, {"engine": self.engine_name})
@@ -296,8 +338,11 @@ def stepwise(engine: RolloutEngine) -> ContinuousEngine:
     return cast(ContinuousEngine, engine)
 
 
-def timed(generate: Callable[[Sequence[int], protocols.SamplingParams], protocols.Sample], prompt: Sequence[int],
-          params: protocols.SamplingParams) -> tuple[protocols.Sample, float]:
+def timed(
+    generate: Callable[[Sequence[int], protocols.SamplingParams], protocols.Sample],
+    prompt: Sequence[int],
+    params: protocols.SamplingParams,
+) -> tuple[protocols.Sample, float]:
     """`generate(prompt, params)` and the seconds it took, measured in its own thread (not the
     time it waited for one)."""
     started = time.perf_counter()

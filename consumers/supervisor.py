@@ -100,7 +100,11 @@ class Supervisor:
     """
 
     def __init__(
-        self, config: FleetConfig, run: str, url: str, names: Collection[str] | None = None,
+        self,
+        config: FleetConfig,
+        run: str,
+        url: str,
+        names: Collection[str] | None = None,
         identities: Path | None = None,
     ) -> None:
         """`names`: the workers (`<role>-<index>`) of the fleet to run; default every one.
@@ -132,7 +136,11 @@ class Supervisor:
         """One pass: note exited workers, (re)start those whose backoff is over."""
         now = time.monotonic()
         for child in self.children.values():
-            if child.state == "running" and child.proc is not None and (code := child.proc.poll()) is not None:
+            if (
+                child.state == "running"
+                and child.proc is not None
+                and (code := child.proc.poll()) is not None
+            ):
                 self._exited(child, code, now)
             elif child.state == "waiting" and now >= child.restart_at:
                 self._spawn(child)
@@ -157,7 +165,9 @@ class Supervisor:
     @property
     def finished(self) -> bool:
         """Nothing is running or waiting to be restarted."""
-        return all(child.state in ("done", "gave up", "stopped") for child in self.children.values())
+        return all(
+            child.state in ("done", "gave up", "stopped") for child in self.children.values()
+        )
 
     @property
     def gave_up(self) -> list[str]:
@@ -166,7 +176,11 @@ class Supervisor:
     def stop(self) -> None:
         """SIGTERM every running worker (they drain), SIGKILL those still running after
         stop_timeout."""
-        running = {c.name: c.proc for c in self.children.values() if c.state == "running" and c.proc is not None}
+        running = {
+            c.name: c.proc
+            for c in self.children.values()
+            if c.state == "running" and c.proc is not None
+        }
         for proc in running.values():
             proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + self.config.stop_timeout
@@ -174,7 +188,9 @@ class Supervisor:
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.warning("%s still running %.0fs after SIGTERM: SIGKILL", name, self.config.stop_timeout)
+                log.warning(
+                    "%s still running %.0fs after SIGTERM: SIGKILL", name, self.config.stop_timeout
+                )
                 proc.kill()
                 proc.wait()
         for child in self.children.values():
@@ -196,11 +212,16 @@ class Supervisor:
 
     def _spawn(self, child: Child) -> None:
         with open(child.log, "ab") as out:
-            out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} "
-                      f"fleet starts {' '.join(child.command)}\n".encode())
+            out.write(
+                f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} "
+                f"fleet starts {' '.join(child.command)}\n".encode()
+            )
             out.flush()
             child.proc = subprocess.Popen(
-                child.command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **child.env},
+                child.command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **child.env},
                 preexec_fn=functools.partial(_term_with_parent, os.getpid()),
             )
         child.state = "running"
@@ -224,6 +245,6 @@ class Supervisor:
         delay = min(policy.backoff * 2 ** len(child.restarts), policy.max_backoff)
         child.restarts.append(now + delay)
         child.state, child.restart_at = "waiting", now + delay
-        log.warning("%s %s: restart %d in %.1fs", child.name, _how(code), len(child.restarts), delay)
-
-
+        log.warning(
+            "%s %s: restart %d in %.1fs", child.name, _how(code), len(child.restarts), delay
+        )

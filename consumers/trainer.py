@@ -40,19 +40,19 @@ import numpy as np
 import torch
 
 from bus import tracing
-from bus.election import TRANSIENT, ride_out
-from bus.metrics import STALENESS, TRAIN_STEP_SECONDS, count_samples
-from bus.topology import BATCHES, metrics_key
-from bus.worker import Reject
-from consumers.checks import ModelLimits
 from bus.crashpoints import (
     TRAINER_METRICS_WRITTEN,
     TRAINER_MID_CHECKPOINT,
     TRAINER_MID_STEP,
 )
+from bus.election import TRANSIENT, ride_out
+from bus.metrics import STALENESS, TRAIN_STEP_SECONDS, count_samples
 from bus.readers import ByPosition, Poison
 from bus.runtime import CannotAttach, Runtime
 from bus.stage import Stage, run_stage
+from bus.topology import BATCHES, metrics_key
+from bus.worker import Reject
+from consumers.checks import ModelLimits
 from consumers.trainer_dist import RankGroup, configured_engine, exchange, join, leave, watch
 from consumers.trainer_loggers import scalars, step_loggers
 from consumers.update_history import UpdateHistory
@@ -79,11 +79,15 @@ def micro_batch(batch: BatchEvent) -> MicroBatch:
     )
 
 
-def step_metrics(step: int, batches: list[BatchEvent], trained: dict[str, float], seconds: float) -> dict:
+def step_metrics(
+    step: int, batches: list[BatchEvent], trained: dict[str, float], seconds: float
+) -> dict:
     """What the producer's progress line and plots need from one step (`batches` may be empty:
     a step whose every micro-batch was refused)."""
     rewards = np.concatenate([np.zeros(0, np.float32), *(b.rewards.numpy() for b in batches)])
-    versions = np.concatenate([np.zeros(0, np.int32), *(b.versions.numpy()[b.loss_mask.numpy() == 1] for b in batches)])
+    versions = np.concatenate(
+        [np.zeros(0, np.int32), *(b.versions.numpy()[b.loss_mask.numpy() == 1] for b in batches)]
+    )
     return {
         "step": step,
         "time": time.time(),
@@ -98,8 +102,11 @@ def step_metrics(step: int, batches: list[BatchEvent], trained: dict[str, float]
         # above, so the KV key read `metrics.0.1.0` for step 0 and every reader was off by one.
         **{name: value for name, value in trained.items() if name != "step"},
         # KL in the reward: the coefficient the buffer penalised the step with, and the KL it measured.
-        **({"kl_coef": batches[0].kl_coef, "kl_reward": batches[0].kl_mean}
-           if batches and batches[0].kl_coef is not None else {}),
+        **(
+            {"kl_coef": batches[0].kl_coef, "kl_reward": batches[0].kl_mean}
+            if batches and batches[0].kl_coef is not None
+            else {}
+        ),
     }
 
 
@@ -123,7 +130,8 @@ def take_batch(batch: BatchEvent, step: int, rank: int, collected: list[BatchEve
             f"batch {batch.id} is for step {batch.step} rank {batch.dp_rank}, expected step {step} rank {rank}"
         )
     if collected and (
-        batch.micro_count != collected[0].micro_count or batch.micro_index in {b.micro_index for b in collected}
+        batch.micro_count != collected[0].micro_count
+        or batch.micro_index in {b.micro_index for b in collected}
     ):
         raise Reject(
             f"batch {batch.id}: micro-batch {batch.micro_index} of {batch.micro_count} clashes with the "
@@ -139,12 +147,21 @@ def loss_config(cfg: RunConfig) -> LossConfig:
     reward is the buffer's: the loss then has no KL term."""
     algo = cfg.algorithm
     return LossConfig(
-        policy_loss=algo.policy_loss, eps_low=algo.clip_low, eps_high=algo.clip_high, dual_clip_c=algo.dual_clip_c,
-        aggregation=algo.loss_aggregation, norm_tokens=algo.loss_scale_tokens or cfg.data.sampling.max_tokens,
-        tis_cap=algo.tis_cap, is_level=algo.is_level, is_mask_low=algo.is_mask_low, is_mask_high=algo.is_mask_high,
-        reject_log_ratio=algo.reject_log_ratio, entropy_coef=algo.entropy_coef,
+        policy_loss=algo.policy_loss,
+        eps_low=algo.clip_low,
+        eps_high=algo.clip_high,
+        dual_clip_c=algo.dual_clip_c,
+        aggregation=algo.loss_aggregation,
+        norm_tokens=algo.loss_scale_tokens or cfg.data.sampling.max_tokens,
+        tis_cap=algo.tis_cap,
+        is_level=algo.is_level,
+        is_mask_low=algo.is_mask_low,
+        is_mask_high=algo.is_mask_high,
+        reject_log_ratio=algo.reject_log_ratio,
+        entropy_coef=algo.entropy_coef,
         kl_coef=algo.kl_coef if algo.kl_placement == "loss" else 0.0,
-        kl_estimator=algo.kl_estimator, temperature=cfg.data.sampling.temperature,
+        kl_estimator=algo.kl_estimator,
+        temperature=cfg.data.sampling.temperature,
     )
 
 
@@ -152,7 +169,13 @@ class Trainer:
     """One trainer rank, as a recipe: `setup`, then `collect` -> `train` -> `record` ->
     `checkpoint` for each step; `run` is that loop."""
 
-    def __init__(self, rt: Runtime, rank: int, group: RankGroup | None = None, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        rt: Runtime,
+        rank: int,
+        group: RankGroup | None = None,
+        device: torch.device | None = None,
+    ) -> None:
         """`group`: this rank's process group (`consumers.trainer_dist.join`; fsdp); `device`:
         where the engine computes (default `engines.device.resolve_device()`)."""
         self.rt, self.rank, self.cfg = rt, rank, rt.config
@@ -182,16 +205,28 @@ class Trainer:
         from); then read this rank's batches from the one after the last the model holds."""
         if self.engine.has_checkpoint(self.checkpoint_path):
             state = self.engine.load_checkpoint(self.checkpoint_path)
-            self.last_seq, self.history = state["last_seq"], UpdateHistory.from_dict(state["history"])
+            self.last_seq, self.history = (
+                state["last_seq"],
+                UpdateHistory.from_dict(state["history"]),
+            )
         else:
             await self.sync_weights()
-        log.info("rank %d starts at step %d, batch sequence %d", self.rank, self.engine.step, self.last_seq + 1)
+        log.info(
+            "rank %d starts at step %d, batch sequence %d",
+            self.rank,
+            self.engine.step,
+            self.last_seq + 1,
+        )
         self.rt.member.report(engine=self.engine.name, weight_version=self.engine.step)
         # What is no batch goes to dead.trainer and is skipped: reading by position, there is
         # nothing to nak, and waiting on it would stall every later step.
         self.batches = ByPosition(
-            self.rt.js, self.rt.topology, BATCHES, Poison("trainer", self.rt.publisher),
-            start_seq=self.last_seq + 1, token=self.dp_rank,
+            self.rt.js,
+            self.rt.topology,
+            BATCHES,
+            Poison("trainer", self.rt.publisher),
+            start_seq=self.last_seq + 1,
+            token=self.dp_rank,
         )
         await self.batches.open()
 
@@ -216,7 +251,11 @@ class Trainer:
                 await self.batches.refuse(stored, str(exc))
                 continue
             try:
-                self.limits.check(int(batch.input_ids.numpy().max()), batch.input_ids.shape[1], f"batch {batch.id}")
+                self.limits.check(
+                    int(batch.input_ids.numpy().max()),
+                    batch.input_ids.shape[1],
+                    f"batch {batch.id}",
+                )
                 taken.append(batch)
             except Reject as exc:
                 await self.batches.refuse(stored, str(exc))
@@ -230,13 +269,18 @@ class Trainer:
         weights out if a sync is due. Returns the step's metrics."""
         step = self.engine.step
         with tracing.tracer.start_as_current_span(
-            "train step", links=tracing.link_to([tp for b in batches for tp in b.traceparents]),
+            "train step",
+            links=tracing.link_to([tp for b in batches for tp in b.traceparents]),
             attributes={"jetrl.step": step, "jetrl.run": self.rt.topology.run},
         ) as span:
             started = time.perf_counter()
-            trained = await asyncio.to_thread(self.engine.train_step, [micro_batch(b) for b in batches])
+            trained = await asyncio.to_thread(
+                self.engine.train_step, [micro_batch(b) for b in batches]
+            )
             if per_token := self.cfg.trainer.simulated_seconds_per_token:  # on top of the real step
-                await asyncio.sleep(per_token * sum(int(b.attention_mask.numpy().sum()) for b in batches))
+                await asyncio.sleep(
+                    per_token * sum(int(b.attention_mask.numpy().sum()) for b in batches)
+                )
             TRAINER_MID_STEP(f"step {step}")
             metrics = step_metrics(step, batches, trained, time.perf_counter() - started)
             # The version this step's update makes; it goes out now, or with a later sync.
@@ -272,7 +316,12 @@ class Trainer:
             TRAINER_METRICS_WRITTEN(f"step {metrics['step']}")
         for logger in self.loggers:
             logger.log(metrics["step"], scalars(metrics))
-        log.info("step %d: reward %.3f loss %.4f", metrics["step"], metrics["reward_mean"], metrics["loss"])
+        log.info(
+            "step %d: reward %.3f loss %.4f",
+            metrics["step"],
+            metrics["reward_mean"],
+            metrics["loss"],
+        )
 
     async def checkpoint(self, last_seq: int, sample_ids: list[str]) -> None:
         """Note the step in the resume state; write it if a checkpoint is due (or the run ends),
@@ -286,7 +335,10 @@ class Trainer:
         # Returns on every rank once the checkpoint is committed (collective engines: rank 0's
         # commit, then a barrier), so no rank trims what the checkpoint before still needs.
         await asyncio.to_thread(
-            self.engine.save_checkpoint, self.checkpoint_path, state, lambda: TRAINER_MID_CHECKPOINT(f"after step {step - 1}")
+            self.engine.save_checkpoint,
+            self.checkpoint_path,
+            state,
+            lambda: TRAINER_MID_CHECKPOINT(f"after step {step - 1}"),
         )
         # The run's last checkpoint trims nothing: the stream grows no more, and its last
         # interval stays for audit and replay. The tensor-parallel ranks of one copy share
@@ -303,16 +355,25 @@ class Trainer:
         try:
             await ride_out(
                 lambda: self.rt.js.purge_stream(
-                    topology.stream(BATCHES), subject=topology.subject(BATCHES, self.dp_rank), seq=keep_from
+                    topology.stream(BATCHES),
+                    subject=topology.subject(BATCHES, self.dp_rank),
+                    seq=keep_from,
                 ),
                 f"trimming batches.{self.dp_rank}",
             )
         except TRANSIENT as exc:
             log.warning(
-                "batches.%d before sequence %d not trimmed now (%r): the next checkpoint does", self.dp_rank, keep_from, exc
+                "batches.%d before sequence %d not trimmed now (%r): the next checkpoint does",
+                self.dp_rank,
+                keep_from,
+                exc,
             )
             return
-        log.info("batches.%d: deleted what is stored before sequence %d (no restart needs it)", self.dp_rank, keep_from)
+        log.info(
+            "batches.%d: deleted what is stored before sequence %d (no restart needs it)",
+            self.dp_rank,
+            keep_from,
+        )
 
     async def run(self, stop: asyncio.Event) -> None:
         """Set up, then train step after step until the run's last step or `stop`."""
@@ -345,7 +406,11 @@ async def build(rt: Runtime) -> Stage[Any]:
         raise CannotAttach(str(exc)) from None
     group = await join(rt, rt.rank, device)  # fsdp: every rank's process group; torch: alone
     trainer = Trainer(rt, group.rank, group, device)
-    helpers = {"process group watch": lambda: watch(group, trainer.done)} if group.store is not None else {}
+    helpers = (
+        {"process group watch": lambda: watch(group, trainer.done)}
+        if group.store is not None
+        else {}
+    )
     return Stage(channel=None, handler=None, main=trainer.run, close=trainer.close, helpers=helpers)
 
 

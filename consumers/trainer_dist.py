@@ -48,10 +48,10 @@ from engines.build import build_train_engine
 from engines.device import torch_dtype
 from engines.fsdp_train import init_group
 from engines.model_source import ModelNotFound, resolve_model_path
-from engines.torch_train import CriticConfig, LossConfig
-from schemas.kv_records import Rendezvous
 from engines.protocols import EngineUnavailable, TrainEngine
+from engines.torch_train import CriticConfig, LossConfig
 from schemas.config import RunConfig
+from schemas.kv_records import Rendezvous
 
 log = logging.getLogger("jetrl.trainer")
 
@@ -83,18 +83,30 @@ def configured_engine(cfg: RunConfig, loss: LossConfig, device: torch.device) ->
     with the run's optimizer, schedule and loss settings."""
     algo = cfg.algorithm
     schedule = partial(
-        lr_factor, warmup=algo.lr_warmup_steps, total=cfg.trainer.steps, schedule=algo.lr_schedule,
+        lr_factor,
+        warmup=algo.lr_warmup_steps,
+        total=cfg.trainer.steps,
+        schedule=algo.lr_schedule,
         min_ratio=algo.lr_min_ratio,
     )
     args: dict[str, Any] = {
-        "lr": algo.lr, "weight_decay": algo.weight_decay, "seed": cfg.trainer.seed, "loss": loss, "device": device,
-        "dtype": torch_dtype(cfg.model.dtype), "logprob_chunk_tokens": cfg.trainer.logprob_chunk_tokens,
-        "lr_schedule": schedule, "ppo_epochs": algo.ppo_epochs, "ppo_mini_batches": algo.ppo_mini_batches,
+        "lr": algo.lr,
+        "weight_decay": algo.weight_decay,
+        "seed": cfg.trainer.seed,
+        "loss": loss,
+        "device": device,
+        "dtype": torch_dtype(cfg.model.dtype),
+        "logprob_chunk_tokens": cfg.trainer.logprob_chunk_tokens,
+        "lr_schedule": schedule,
+        "ppo_epochs": algo.ppo_epochs,
+        "ppo_mini_batches": algo.ppo_mini_batches,
     }
     if cfg.reference.enabled:  # the reference stage scores it: no frozen copy here
         args["own_reference"] = False
     try:
-        model_dir = resolve_model_path(cfg.model.path, cfg.model.revision)  # a hub id: fetched or cached
+        model_dir = resolve_model_path(
+            cfg.model.path, cfg.model.revision
+        )  # a hub id: fetched or cached
     except ModelNotFound as exc:
         raise CannotAttach(str(exc)) from None
     try:
@@ -109,7 +121,10 @@ def critic_config(cfg: RunConfig) -> CriticConfig | None:
     if algo.advantage != "gae":
         return None
     return CriticConfig(
-        lr=algo.critic_lr or algo.lr, gamma=algo.gamma, lam=algo.gae_lambda, value_clip=algo.value_clip,
+        lr=algo.critic_lr or algo.lr,
+        gamma=algo.gamma,
+        lam=algo.gae_lambda,
+        value_clip=algo.value_clip,
         weight_decay=algo.weight_decay,
     )
 
@@ -125,15 +140,21 @@ async def join(rt: Runtime, rank: int, device: torch.device) -> RankGroup:
         try:
             rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         except (KeyError, ValueError):
-            raise RendezvousFailed("trainer.dist_init env: RANK and WORLD_SIZE must be set (start it with torchrun)") from None
+            raise RendezvousFailed(
+                "trainer.dist_init env: RANK and WORLD_SIZE must be set (start it with torchrun)"
+            ) from None
         if size != world:
-            raise RendezvousFailed(f"torchrun started {size} ranks, the trainer has {world} "
-                                   "(trainer.dp_size x tensor x pipeline parallel)")
+            raise RendezvousFailed(
+                f"torchrun started {size} ranks, the trainer has {world} "
+                "(trainer.dp_size x tensor x pipeline parallel)"
+            )
         await asyncio.to_thread(init_group, None, rank, world, device, tcfg.dist_timeout)
         return RankGroup(rank, world)
     if not 0 <= rank < world:
-        raise RendezvousFailed(f"--rank {rank}: the trainer has {world} ranks (dp_size x tensor x pipeline parallel), "
-                               f"so 0..{world - 1}")
+        raise RendezvousFailed(
+            f"--rank {rank}: the trainer has {world} ranks (dp_size x tensor x pipeline parallel), "
+            f"so 0..{world - 1}"
+        )
     group = await (_host(rt, world) if rank == 0 else _claim(rt, rank, world))
     assert group.store is not None
     await asyncio.to_thread(init_group, group.store, rank, world, device, tcfg.dist_timeout)
@@ -148,7 +169,12 @@ async def _host(rt: Runtime, world: int) -> RankGroup:
     listener = socket.create_server((host, 0))
     port = listener.getsockname()[1]
     server = dist.TCPStore(
-        host, port, world, True, timeout=timedelta(seconds=tcfg.dist_timeout), wait_for_workers=False,
+        host,
+        port,
+        world,
+        True,
+        timeout=timedelta(seconds=tcfg.dist_timeout),
+        wait_for_workers=False,
         master_listen_fd=listener.fileno(),
     )
     generation = uuid.uuid4().hex[:12]
@@ -179,14 +205,22 @@ async def _claim(rt: Runtime, rank: int, world: int) -> RankGroup:
             )
         store = await asyncio.to_thread(_connect, address, world, timeout)
         if store is None:
-            log.info("generation %s: rank 0 at %s:%d is gone; waiting for the next", generation, *address)
+            log.info(
+                "generation %s: rank 0 at %s:%d is gone; waiting for the next", generation, *address
+            )
         else:
             store = dist.PrefixStore(generation, store)
             if await asyncio.to_thread(store.add, f"rank/{rank}", 1) == 1:
                 return RankGroup(rank, world, store)
-            log.info("generation %s already had a rank %d: waiting for rank 0's next generation", generation, rank)
+            log.info(
+                "generation %s already had a rank %d: waiting for rank 0's next generation",
+                generation,
+                rank,
+            )
         refused.add(generation)
-    raise RendezvousFailed(f"rank {rank}: no trainer rank 0 to join after {timeout:.0f}s (trainer.dist_timeout)")
+    raise RendezvousFailed(
+        f"rank {rank}: no trainer rank 0 to join after {timeout:.0f}s (trainer.dist_timeout)"
+    )
 
 
 def _connect(address: tuple[str, int], world: int, timeout: float) -> dist.Store | None:
@@ -203,7 +237,9 @@ def route_address(rt: Runtime) -> str:
     """This host's address on the route to the NATS server it is connected to (no packet is sent:
     connecting a UDP socket only picks the route). Peers that reach NATS can reach it too."""
     url = rt.nc.connected_url
-    host, port = (url.hostname or "127.0.0.1", url.port or 4222) if url is not None else ("127.0.0.1", 4222)
+    host, port = (
+        (url.hostname or "127.0.0.1", url.port or 4222) if url is not None else ("127.0.0.1", 4222)
+    )
     family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         probe.connect(address)
@@ -221,14 +257,21 @@ async def watch(group: RankGroup, done: Callable[[], bool]) -> None:
     store = group.store
     while not done():
         try:
-            claims = [await asyncio.to_thread(store.add, f"rank/{k}", 0) for k in range(1, group.world_size)]
+            claims = [
+                await asyncio.to_thread(store.add, f"rank/{k}", 0)
+                for k in range(1, group.world_size)
+            ]
         except (RuntimeError, dist.DistError) as exc:
             if done():
                 break
-            raise RendezvousFailed(f"rank 0's store stopped answering ({exc}): the group is gone") from None
+            raise RendezvousFailed(
+                f"rank 0's store stopped answering ({exc}): the group is gone"
+            ) from None
         twice = [k + 1 for k, n in enumerate(claims) if n > 1]
         if twice:
-            raise RendezvousFailed(f"rank {twice[0]} restarted: the process group is broken, all ranks restart")
+            raise RendezvousFailed(
+                f"rank {twice[0]} restarted: the process group is broken, all ranks restart"
+            )
         await asyncio.sleep(WATCH_SECONDS)
     await asyncio.Event().wait()
 

@@ -65,7 +65,9 @@ def step_loggers(config: RunConfig) -> list[StepLogger]:
     if config.trainer.tensorboard_dir:
         loggers.append(TensorBoardLogger(Path(config.trainer.tensorboard_dir) / config.run))
     if config.trainer.wandb_project:
-        loggers.append(WandbLogger(config.trainer.wandb_project, config.run, config.model_dump(mode="json")))
+        loggers.append(
+            WandbLogger(config.trainer.wandb_project, config.run, config.model_dump(mode="json"))
+        )
     return loggers
 
 
@@ -75,5 +77,7 @@ def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
     return {
         name: float(value)
         for name, value in metrics.items()
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and name not in ("step", "time")
+        if isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and name not in ("step", "time")
     }

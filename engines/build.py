@@ -42,8 +42,15 @@ CONTINUOUS_KEYS = {"type", "slots", "partial_mode"}
 and the continuous adapter's)."""
 
 
-def build_rollout_engines(settings: RolloutEngineConfig, model: Path, copies: int, *, seed: int,
-                          dtype: DTypeName, continuous: bool) -> list[RolloutEngine]:
+def build_rollout_engines(
+    settings: RolloutEngineConfig,
+    model: Path,
+    copies: int,
+    *,
+    seed: int,
+    dtype: DTypeName,
+    continuous: bool,
+) -> list[RolloutEngine]:
     """`copies` engines of `settings` (`rollout.engine_copies`), each its own copy of the model,
     seeded apart (`seed + i`) so that they do not draw the same samples."""
     return [
@@ -52,8 +59,14 @@ def build_rollout_engines(settings: RolloutEngineConfig, model: Path, copies: in
     ]
 
 
-def build_rollout_engine(settings: RolloutEngineConfig, model: Path, *, seed: int,
-                         dtype: DTypeName = "float32", continuous: bool = False) -> RolloutEngine:
+def build_rollout_engine(
+    settings: RolloutEngineConfig,
+    model: Path,
+    *,
+    seed: int,
+    dtype: DTypeName = "float32",
+    continuous: bool = False,
+) -> RolloutEngine:
     """The engine `settings` (`rollout.engine`) names, on this worker's device
     (`engines.device`) in `dtype` (`model.dtype`); the simulated one keeps the real model for
     the worker's checks only. `continuous` (`rollout.continuous`): vllm and sglang as their
@@ -95,8 +108,13 @@ def build_rollout_engine(settings: RolloutEngineConfig, model: Path, *, seed: in
     return SimulatedRolloutEngine(hf.model, vocab, hf.eos_token_ids[0], simulated)
 
 
-def build_train_engine(settings: TrainEngineConfig, model_dir: Path, *,
-                       critic: CriticConfig | None = None, **common: Any) -> TrainEngine:
+def build_train_engine(
+    settings: TrainEngineConfig,
+    model_dir: Path,
+    *,
+    critic: CriticConfig | None = None,
+    **common: Any,
+) -> TrainEngine:
     """The engine `settings` (`trainer.engine`) names, from `model_dir`. `common`: the keyword
     arguments every train engine takes (`TorchTrainEngine`'s: lr, loss, device, dtype, ...);
     `critic`: the value model (`algorithm.advantage: gae`), which only the torch engine holds
@@ -106,8 +124,10 @@ def build_train_engine(settings: TrainEngineConfig, model_dir: Path, *,
         from engines.megatron_train import MegatronTrainEngine  # megatron-core: inside, only now
 
         return MegatronTrainEngine(
-            model_dir, tensor_parallel_size=settings.tensor_parallel_size,
-            pipeline_parallel_size=settings.pipeline_parallel_size, **common,
+            model_dir,
+            tensor_parallel_size=settings.tensor_parallel_size,
+            pipeline_parallel_size=settings.pipeline_parallel_size,
+            **common,
         )
     if isinstance(settings, FSDPEngineConfig):
         from engines.fsdp_train import FSDPTrainEngine

@@ -49,7 +49,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
 
 
-def atomic_save(state: dict[str, Any], path: Path, before_replace: Callable[[], None] | None = None) -> None:
+def atomic_save(
+    state: dict[str, Any], path: Path, before_replace: Callable[[], None] | None = None
+) -> None:
     """torch.save to a temporary sibling, fsync, then rename over `path`.
 
     A crash mid-write leaves the previous checkpoint intact: readers see the old file or

@@ -35,9 +35,13 @@ if TYPE_CHECKING:
     ProcessGroupBackend: TypeAlias = dist.ProcessGroupGloo | dist.ProcessGroupNCCL
 
 _POLL_S = (0.0001, 0.005)  # polling a key or a broadcast: first and longest sleep (it doubles)
-_ABANDON_CHECK_S = 0.2  # a receiver asks the store whether the attempt was abandoned this often per bucket
+_ABANDON_CHECK_S = (
+    0.2  # a receiver asks the store whether the attempt was abandoned this often per bucket
+)
 _GRACE_S = 2.0  # our own deadline = the op timeout + this, in case the backend's never fires
-_KEEP_VERSIONS = 4  # store keys of older versions are deleted (a late receiver then sees "superseded")
+_KEEP_VERSIONS = (
+    4  # store keys of older versions are deleted (a late receiver then sees "superseded")
+)
 
 
 @dataclass(frozen=True)
@@ -62,8 +66,15 @@ class CollectiveSettings:
     def __post_init__(self) -> None:
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"collective backend must be gloo or nccl, not {self.backend!r}")
-        if self.bucket_bytes < ALIGN or self.op_timeout_s <= 0 or self.join_timeout_s <= 0 or self.max_attempts < 1:
-            raise ValueError("collective settings: bucket_bytes >= 64, timeouts > 0, max_attempts >= 1")
+        if (
+            self.bucket_bytes < ALIGN
+            or self.op_timeout_s <= 0
+            or self.join_timeout_s <= 0
+            or self.max_attempts < 1
+        ):
+            raise ValueError(
+                "collective settings: bucket_bytes >= 64, timeouts > 0, max_attempts >= 1"
+            )
 
 
 @dataclass(frozen=True)
@@ -170,7 +181,9 @@ class _Group:
         return self.pending is None or self.pending.is_completed()
 
 
-_parked: list[_Group] = []  # dropped with a broadcast pending: destroying a gloo group would block until it ends
+_parked: list[
+    _Group
+] = []  # dropped with a broadcast pending: destroying a gloo group would block until it ends
 
 
 def _drop(group: _Group | None) -> None:
@@ -180,7 +193,9 @@ def _drop(group: _Group | None) -> None:
         _parked.append(group)
 
 
-def _poll(store: dist.Store, key: str, timeout_s: float, gone: Callable[[], bool] = lambda: False) -> str | None:
+def _poll(
+    store: dist.Store, key: str, timeout_s: float, gone: Callable[[], bool] = lambda: False
+) -> str | None:
     """The key's value once set; None after `timeout_s` or as soon as `gone()`."""
     _until(lambda: store.check([key]) or gone(), timeout_s)
     return store.get(key).decode() if store.check([key]) else None
@@ -198,7 +213,9 @@ def send_buckets(
     size = max((hi - lo for _, lo, hi in buckets), default=0)
     if bufs[0].numel() < size:  # kept across versions: fresh pages cost as much as the copy
         bufs = [torch.empty(size, dtype=torch.uint8, device=s.device) for _ in range(2)]
-    flat = {name: t.detach().contiguous().reshape(-1).view(torch.uint8) for name, t in tensors.items()}
+    flat = {
+        name: t.detach().contiguous().reshape(-1).view(torch.uint8) for name, t in tensors.items()
+    }
     sent, work = 0, None
     for k, (src, lo, hi) in enumerate(buckets):
         buf = bufs[k % 2][: hi - lo]
@@ -239,7 +256,10 @@ class CollectiveSource:
         self._store.set(key, value)
 
     def publish(
-        self, version: int, tensors: Mapping[str, torch.Tensor], owned: Sequence[Sequence[Spec]] | None = None
+        self,
+        version: int,
+        tensors: Mapping[str, torch.Tensor],
+        owned: Sequence[Sequence[Spec]] | None = None,
     ) -> Published:
         """Broadcast `version`; returns once delivered or given up (never hangs). `tensors`: this
         rank's own; `owned[r]`: the specs of the tensors sender r owns (default:
@@ -247,42 +267,77 @@ class CollectiveSource:
         started = time.monotonic()
         owned = owned if owned is not None else [specs_of(tensors)]
         if len(owned) != self.senders:
-            raise ValueError(f"v{version}: {len(owned)} senders' tensors, the source has {self.senders} senders")
+            raise ValueError(
+                f"v{version}: {len(owned)} senders' tensors, the source has {self.senders} senders"
+            )
         slots, total, buckets = layout(owned, self._s.bucket_bytes)
         self._store.set("latest", str(version))
         reason, attempt = "no attempt", 0
         for attempt in range(self._s.max_attempts):
             key = f"v{version}/a{attempt}"
             candidates = sorted(set(self._alive()))
-            plan = {"candidates": candidates, "slots": slots, "total": total, "buckets": buckets, "senders": self.senders}
+            plan = {
+                "candidates": candidates,
+                "slots": slots,
+                "total": total,
+                "buckets": buckets,
+                "senders": self.senders,
+            }
             self._set(version, f"{key}/plan", json.dumps(plan))
-            self._keys[version] += [f"{key}/ready/{m}" for m in candidates]  # written by the receivers
+            self._keys[version] += [
+                f"{key}/ready/{m}" for m in candidates
+            ]  # written by the receivers
             members = self._check_ins(key, candidates)
             if not members:
-                self._set(version, f"{key}/start", json.dumps({"epoch": self._epoch, "members": []}))
+                self._set(
+                    version, f"{key}/start", json.dumps({"epoch": self._epoch, "members": []})
+                )
                 reason = "no member checked in"
                 break
             if self._group is None or self._group.members != members:
                 _drop(self._group)
                 self._group, self._epoch = None, self._epoch + 1
-            self._set(version, f"{key}/start", json.dumps({"epoch": self._epoch, "members": list(members)}))
+            self._set(
+                version,
+                f"{key}/start",
+                json.dumps({"epoch": self._epoch, "members": list(members)}),
+            )
             try:
                 if self._group is None:
                     prefix = dist.PrefixStore(f"epoch{self._epoch}/", self._store)
                     size = self.senders + len(members)
-                    self._group = _Group(self._epoch, members, _open_group(prefix, 0, size, self._s))
+                    self._group = _Group(
+                        self._epoch, members, _open_group(prefix, 0, size, self._s)
+                    )
                 sent, self._bufs = send_buckets(self._group, 0, plan, tensors, self._bufs, self._s)
-            except (RuntimeError, TimeoutError) as exc:  # a member died or stalled: rebuild without it
+            except (
+                RuntimeError,
+                TimeoutError,
+            ) as exc:  # a member died or stalled: rebuild without it
                 _drop(self._group)
                 self._group = None
                 reason = f"attempt {attempt} failed: {str(exc).splitlines()[0][:200]}"
-                self._set(version, f"{key}/outcome", "gave_up" if attempt + 1 == self._s.max_attempts else "retry")
+                self._set(
+                    version,
+                    f"{key}/outcome",
+                    "gave_up" if attempt + 1 == self._s.max_attempts else "retry",
+                )
                 continue
             self._set(version, f"{key}/outcome", "delivered")
             self._forget(version)
-            return Published(version, self._epoch, members, attempt + 1, time.monotonic() - started, total, sent=sent)
+            return Published(
+                version,
+                self._epoch,
+                members,
+                attempt + 1,
+                time.monotonic() - started,
+                total,
+                sent=sent,
+            )
         self._forget(version)
-        return Published(version, self._epoch, (), attempt + 1, time.monotonic() - started, total, reason)
+        return Published(
+            version, self._epoch, (), attempt + 1, time.monotonic() - started, total, reason
+        )
 
     def _check_ins(self, key: str, candidates: list[str]) -> tuple[str, ...]:
         """The candidates that said yes within join_timeout_s
@@ -346,9 +401,16 @@ class CollectiveReceiver:
             return got
         plan, staging = got
         slots = plan["slots"]
-        tensors = {name: staging[off : off + n].view(getattr(torch, dt)).view(shape) for name, dt, shape, off, n in slots}
+        tensors = {
+            name: staging[off : off + n].view(getattr(torch, dt)).view(shape)
+            for name, dt, shape, off, n in slots
+        }
         for name, digest in (checksums or {}).items():
-            raw = tensors[name].reshape(-1).view(torch.uint8).cpu().numpy() if name in tensors else b""
+            raw = (
+                tensors[name].reshape(-1).view(torch.uint8).cpu().numpy()
+                if name in tensors
+                else b""
+            )
             # An ndarray is a buffer; numpy's stubs declare that for Python 3.12+ only.
             if hashlib.sha256(raw).hexdigest() != digest:  # type: ignore[arg-type]
                 return Missed(version, f"checksum mismatch on {name}")
@@ -361,34 +423,59 @@ class CollectiveReceiver:
         return Received(version, tensors, time.monotonic() - started, staging.numel(), by_src)
 
     def _attempts(
-        self, store: dist.TCPStore, version: int, into: Into, on_bucket: Callable[[int, int], None] | None
+        self,
+        store: dist.TCPStore,
+        version: int,
+        into: Into,
+        on_bucket: Callable[[int, int], None] | None,
     ) -> tuple[dict, torch.Tensor] | Missed:
         s, superseded = self._s, lambda: int(store.get("latest")) > version
         for attempt in range(s.max_attempts):
             key = f"v{version}/a{attempt}"
-            raw = _poll(store, f"{key}/plan", s.join_timeout_s, superseded if attempt == 0 else lambda: False)
+            raw = _poll(
+                store,
+                f"{key}/plan",
+                s.join_timeout_s,
+                superseded if attempt == 0 else lambda: False,
+            )
             if raw is None:
-                return Missed(version, "superseded by a newer version" if superseded() else "no plan from the source in time")
+                return Missed(
+                    version,
+                    "superseded by a newer version"
+                    if superseded()
+                    else "no plan from the source in time",
+                )
             plan = json.loads(raw)
             if self.member_id not in plan["candidates"]:
-                return Missed(version, "not a member of this version's group (alive() did not list it)")
+                return Missed(
+                    version, "not a member of this version's group (alive() did not list it)"
+                )
             why = misfit(plan["slots"], into)
             store.set(f"{key}/ready/{self.member_id}", "no" if why else "yes")
             if why:
                 return Missed(version, why)
-            start = json.loads(_poll(store, f"{key}/start", s.join_timeout_s + s.op_timeout_s) or '{"members": []}')
+            start = json.loads(
+                _poll(store, f"{key}/start", s.join_timeout_s + s.op_timeout_s) or '{"members": []}'
+            )
             if self.member_id not in start["members"]:
-                return Missed(version, "checked in too late: the version went out without this worker")
+                return Missed(
+                    version, "checked in too late: the version went out without this worker"
+                )
             if store.check([f"{key}/outcome"]) and store.get(f"{key}/outcome") == b"delivered":
                 return Missed(version, "the version already went out")
             try:
-                return plan, self._join_and_receive(store, key, plan, start, into is None, on_bucket)
+                return plan, self._join_and_receive(
+                    store, key, plan, start, into is None, on_bucket
+                )
             except (RuntimeError, TimeoutError) as exc:
                 _drop(self._group)
                 self._group = None
                 outcome = _poll(store, f"{key}/outcome", s.op_timeout_s + s.join_timeout_s)
                 if outcome != "retry":
-                    return Missed(version, f"broadcast failed ({str(exc).splitlines()[0][:120]}), outcome {outcome}")
+                    return Missed(
+                        version,
+                        f"broadcast failed ({str(exc).splitlines()[0][:120]}), outcome {outcome}",
+                    )
         return Missed(version, "the source gave up on this version")
 
     def _join_and_receive(
@@ -396,13 +483,21 @@ class CollectiveReceiver:
         on_bucket: Callable[[int, int], None] | None,
     ) -> torch.Tensor:  # fmt: skip
         members, s = tuple(start["members"]), self._s
-        if self._group is None or self._group.epoch != start["epoch"] or self._group.members != members:
+        if (
+            self._group is None
+            or self._group.epoch != start["epoch"]
+            or self._group.members != members
+        ):
             _drop(self._group)
             self._group = None
             prefix = dist.PrefixStore(f"epoch{start['epoch']}/", store)
-            senders = plan["senders"]  # the trainer ranks are group ranks 0..senders-1, the members follow
+            senders = plan[
+                "senders"
+            ]  # the trainer ranks are group ranks 0..senders-1, the members follow
             rank = senders + members.index(self.member_id)
-            self._group = _Group(start["epoch"], members, _open_group(prefix, rank, senders + len(members), s))
+            self._group = _Group(
+                start["epoch"], members, _open_group(prefix, rank, senders + len(members), s)
+            )
         total, buckets = plan["total"], plan["buckets"]
         # A new buffer when the caller keeps the views (into=None), so earlier versions stay intact.
         if fresh or self._staging is None or self._staging.numel() != total:
@@ -411,8 +506,14 @@ class CollectiveReceiver:
         def abandoned() -> bool:
             return store.check([f"{key}/outcome"]) and store.get(f"{key}/outcome") != b"delivered"
 
-        for k, (src, lo, hi) in enumerate(buckets):  # each straight into its slice of the staging buffer
-            _wait(self._group.broadcast(self._staging[lo:hi], src, s.op_timeout_s), s.op_timeout_s, abandoned)
+        for k, (src, lo, hi) in enumerate(
+            buckets
+        ):  # each straight into its slice of the staging buffer
+            _wait(
+                self._group.broadcast(self._staging[lo:hi], src, s.op_timeout_s),
+                s.op_timeout_s,
+                abandoned,
+            )
             if on_bucket is not None:
                 on_bucket(k, len(buckets))
         return self._staging

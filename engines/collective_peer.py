@@ -43,14 +43,18 @@ class CollectivePeer:
 
     def __init__(self, rank: int, settings: CollectiveSettings) -> None:
         if rank < 1:
-            raise ValueError(f"a peer is trainer rank 1 or above (rank 0 is the source), not {rank}")
+            raise ValueError(
+                f"a peer is trainer rank 1 or above (rank 0 is the source), not {rank}"
+            )
         self.rank, self._s = rank, settings
         self._address: tuple[str, int] | None = None
         self._store: dist.TCPStore | None = None
         self._group: _Group | None = None
         self._bufs = [torch.empty(0, dtype=torch.uint8, device=settings.device)] * 2
 
-    def publish(self, address: tuple[str, int], version: int, tensors: Mapping[str, torch.Tensor]) -> Published:
+    def publish(
+        self, address: tuple[str, int], version: int, tensors: Mapping[str, torch.Tensor]
+    ) -> Published:
         """Send this rank's `tensors` of `version` in the broadcast the source at `address` runs;
         returns once the source delivered it or gave up (never hangs: every wait is bounded)."""
         started, s = time.monotonic(), self._s
@@ -68,7 +72,11 @@ class CollectivePeer:
             return Published(version, 0, (), 0, time.monotonic() - started, 0, reason)
 
     def _attempts(
-        self, store: dist.TCPStore, version: int, tensors: Mapping[str, torch.Tensor], started: float
+        self,
+        store: dist.TCPStore,
+        version: int,
+        tensors: Mapping[str, torch.Tensor],
+        started: float,
     ) -> Published:
         s, reason, attempt, sent = self._s, "no plan from the source in time", 0, 0
         for attempt in range(s.max_attempts):
@@ -80,30 +88,51 @@ class CollectivePeer:
             if plan["senders"] <= self.rank:
                 reason = f"the source has {plan['senders']} senders, this is rank {self.rank}"
                 break
-            start = json.loads(_poll(store, f"{key}/start", 2 * s.join_timeout_s + s.op_timeout_s) or '{"members": []}')
+            start = json.loads(
+                _poll(store, f"{key}/start", 2 * s.join_timeout_s + s.op_timeout_s)
+                or '{"members": []}'
+            )
             members, epoch = tuple(start["members"]), start.get("epoch", -1)
             if not members:
                 reason = "no member checked in"
                 break
             try:
-                if self._group is None or self._group.epoch != epoch or self._group.members != members:
+                if (
+                    self._group is None
+                    or self._group.epoch != epoch
+                    or self._group.members != members
+                ):
                     _drop(self._group)
                     self._group = None
                     prefix = dist.PrefixStore(f"epoch{epoch}/", store)
                     size = plan["senders"] + len(members)
                     self._group = _Group(epoch, members, _open_group(prefix, self.rank, size, s))
-                sent, self._bufs = send_buckets(self._group, self.rank, plan, tensors, self._bufs, s)
+                sent, self._bufs = send_buckets(
+                    self._group, self.rank, plan, tensors, self._bufs, s
+                )
             except (RuntimeError, TimeoutError) as exc:
                 _drop(self._group)
                 self._group, sent = None, 0
                 reason = f"attempt {attempt} failed: {str(exc).splitlines()[0][:200]}"
             # Our part went through or not, the source decides:
             # a member may have failed it after our last bucket.
-            outcome = _poll(store, f"{key}/outcome", s.op_timeout_s + s.join_timeout_s + 2 * s.join_timeout_s)
+            outcome = _poll(
+                store, f"{key}/outcome", s.op_timeout_s + s.join_timeout_s + 2 * s.join_timeout_s
+            )
             if outcome == "delivered":
-                return Published(version, epoch, members, attempt + 1, time.monotonic() - started, plan["total"], sent=sent)
+                return Published(
+                    version,
+                    epoch,
+                    members,
+                    attempt + 1,
+                    time.monotonic() - started,
+                    plan["total"],
+                    sent=sent,
+                )
             if outcome != "retry":
-                reason = f"the source ended v{version} ({outcome or 'no outcome in time'}): {reason}"
+                reason = (
+                    f"the source ended v{version} ({outcome or 'no outcome in time'}): {reason}"
+                )
                 break
         return Published(version, 0, (), attempt + 1, time.monotonic() - started, 0, reason)
 

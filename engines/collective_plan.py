@@ -22,15 +22,21 @@ import torch
 
 ALIGN = 64  # byte alignment of every tensor in the stream, so uint8 slices view as any dtype
 
-Slot = tuple[str, str, list[int], int, int]  # per tensor: name, dtype, shape, byte offset in the stream, bytes
+Slot = tuple[
+    str, str, list[int], int, int
+]  # per tensor: name, dtype, shape, byte offset in the stream, bytes
 Spec = tuple[str, str, Sequence[int]]  # per tensor: name, dtype (torch's name, "float32"), shape
 Bucket = tuple[int, int, int]  # src (the sending rank), stream bytes [lo, hi)
-Into = torch.nn.Module | Mapping[str, torch.Tensor] | None  # a model (its state_dict) or a dict of tensors
+Into = (
+    torch.nn.Module | Mapping[str, torch.Tensor] | None
+)  # a model (its state_dict) or a dict of tensors
 
 
 def specs_of(tensors: Mapping[str, torch.Tensor]) -> list[Spec]:
     """The specs of `tensors`, in their order."""
-    return [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in tensors.items()]
+    return [
+        (name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in tensors.items()
+    ]
 
 
 def _nbytes(dtype: str, shape: Sequence[int]) -> int:
@@ -40,7 +46,9 @@ def _nbytes(dtype: str, shape: Sequence[int]) -> int:
     return numel * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
 
 
-def layout(owned: Sequence[Sequence[Spec]], bucket_bytes: int) -> tuple[list[Slot], int, list[Bucket]]:
+def layout(
+    owned: Sequence[Sequence[Spec]], bucket_bytes: int
+) -> tuple[list[Slot], int, list[Bucket]]:
     """(slots, stream bytes, buckets) for `owned[r]`: the specs of the tensors sender r owns."""
     slots: list[Slot] = []
     buckets: list[Bucket] = []
@@ -51,7 +59,9 @@ def layout(owned: Sequence[Sequence[Spec]], bucket_bytes: int) -> tuple[list[Slo
             nbytes = _nbytes(dtype, shape)
             slots.append((name, dtype, list(shape), offset, nbytes))
             offset += -(-nbytes // ALIGN) * ALIGN
-        buckets += [(src, lo, min(lo + bucket_bytes, offset)) for lo in range(start, offset, bucket_bytes)]
+        buckets += [
+            (src, lo, min(lo + bucket_bytes, offset)) for lo in range(start, offset, bucket_bytes)
+        ]
     return slots, offset, buckets
 
 
@@ -74,7 +84,11 @@ def misfit(slots: Sequence[Slot], into: Into) -> str:
     """Why the version cannot load into `into` (names or shapes differ), or ""."""
     dest = into.state_dict() if isinstance(into, torch.nn.Module) else into
     shapes = {name: list(shape) for name, _, shape, _, _ in slots}
-    if dest is not None and (set(shapes) != set(dest) or any(list(dest[n].shape) != shapes[n] for n in shapes)):
-        return ("the version does not match the model: names or shapes differ "
-                f"({len(set(shapes) ^ set(dest))} names)")
+    if dest is not None and (
+        set(shapes) != set(dest) or any(list(dest[n].shape) != shapes[n] for n in shapes)
+    ):
+        return (
+            "the version does not match the model: names or shapes differ "
+            f"({len(set(shapes) ^ set(dest))} names)"
+        )
     return ""

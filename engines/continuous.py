@@ -85,12 +85,21 @@ class ContinuousAdapter:
 
     name = "engine"
 
-    def __init__(self, slots: int, eos_token_ids: Sequence[int], partial_mode: PartialMode, loop: EngineLoop) -> None:
+    def __init__(
+        self, slots: int, eos_token_ids: Sequence[int], partial_mode: PartialMode, loop: EngineLoop
+    ) -> None:
         if slots < 1:
             raise ValueError(f"{self.name}: slots must be at least 1, not {slots}")
         if partial_mode not in ("resubmit", "keep"):
-            raise ValueError(f"{self.name}: partial_mode {partial_mode!r}, expected 'resubmit' or 'keep'")
-        self.slots, self.eos_token_ids, self.partial_mode, self.loop = slots, tuple(eos_token_ids), partial_mode, loop
+            raise ValueError(
+                f"{self.name}: partial_mode {partial_mode!r}, expected 'resubmit' or 'keep'"
+            )
+        self.slots, self.eos_token_ids, self.partial_mode, self.loop = (
+            slots,
+            tuple(eos_token_ids),
+            partial_mode,
+            loop,
+        )
         self.model: torch.nn.Module
         self.dtype: torch.dtype | None = None
         self.version = 0
@@ -109,7 +118,9 @@ class ContinuousAdapter:
         self._interrupted: set[str] = set()
 
     # -- engine hooks (subclasses) ------------------------------------------------------
-    def stream(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
+    def stream(
+        self, request_id: str, prompt: list[int], params: SamplingParams
+    ) -> AsyncIterator[Chunk]:
         """Submit one request (n = 1) and hand over its output as `Chunk`s until it finishes."""
         raise NotImplementedError
 
@@ -140,7 +151,8 @@ class ContinuousAdapter:
             if self.in_flight >= self.slots:
                 raise RuntimeError(
                     f"{self.name}: a sample beyond the engine's {self.slots} slots "
-                    "(the caller keeps that count)")
+                    "(the caller keeps that count)"
+                )
             self.in_flight += 1
         try:
             return self.loop.run(self._sample(list(prompt), params))
@@ -160,24 +172,32 @@ class ContinuousAdapter:
         """Loads `tensors` (named as `TrainEngine.export_weights`) into the running engine:
         between `pause` and `resume`, or while no sample generates."""
         if not self.paused and self.in_flight:
-            raise RuntimeError(f"{self.name}: weights loaded while {self.in_flight} samples generate, not paused")
+            raise RuntimeError(
+                f"{self.name}: weights loaded while {self.in_flight} samples generate, not paused"
+            )
         self.loop.run(self.engine_load(named_weights(tensors, self.model, self.dtype)))
         self.version = self.version + 1 if version is None else version
         if not self.paused:
             self.computing = self.version
 
     # -- RolloutEngine ----------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams) -> list[list[Sample]]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
+    ) -> list[list[Sample]]:
         """`n` samples per prompt, all submitted at once (the engine batches them)."""
         if not prompts or min(map(len, prompts)) == 0:
             raise ValueError("need at least one non-empty prompt")
         self.check(params)
 
         async def every() -> list[Sample]:
-            return list(await asyncio.gather(*(self._sample(list(p), params) for p in prompts for _ in range(n))))
+            return list(
+                await asyncio.gather(
+                    *(self._sample(list(p), params) for p in prompts for _ in range(n))
+                )
+            )
 
         samples = self.loop.run(every())
-        return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
+        return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def close(self) -> None:
         self.loop.close()
@@ -191,7 +211,9 @@ class ContinuousAdapter:
         finish: str | None = None
         while finish is None:
             await self._running.wait()
-            if tokens and tokens[-1] in stop_ids:  # interrupted after its last token was handed over
+            if (
+                tokens and tokens[-1] in stop_ids
+            ):  # interrupted after its last token was handed over
                 finish = "stop"
                 break
             if len(tokens) >= params.max_tokens:
@@ -200,7 +222,8 @@ class ContinuousAdapter:
             request_id = f"{self.name}-{next(self._ids)}"
             rest = replace(params, max_tokens=params.max_tokens - len(tokens))
             attempt = asyncio.ensure_future(
-                self._attempt(request_id, prompt + tokens, rest, tokens, logprobs, versions))
+                self._attempt(request_id, prompt + tokens, rest, tokens, logprobs, versions)
+            )
             self._attempts[request_id] = attempt
             try:
                 await asyncio.wait({attempt})
@@ -216,19 +239,29 @@ class ContinuousAdapter:
                     raise asyncio.CancelledError
                 continue
             finish = attempt.result()
-            if finish == "abort" and interrupted:  # the engine ended it for our pause: go on after resume
+            if (
+                finish == "abort" and interrupted
+            ):  # the engine ended it for our pause: go on after resume
                 finish = None
         sample = make_sample(tokens, logprobs, finish, stop_ids, self.name)
         return replace(sample, versions=torch.tensor(versions, dtype=torch.int32))
 
-    async def _attempt(self, request_id: str, ids: list[int], params: SamplingParams, tokens: list[int],
-                       logprobs: list[float], versions: list[int]) -> str:
+    async def _attempt(
+        self,
+        request_id: str,
+        ids: list[int],
+        params: SamplingParams,
+        tokens: list[int],
+        logprobs: list[float],
+        versions: list[int],
+    ) -> str:
         """One request's stream into the sample's lists; its finish reason."""
         async for chunk in self.stream(request_id, ids, params):
             if len(chunk.token_ids) != len(chunk.logprobs):
                 raise ValueError(
                     f"{self.name}: {len(chunk.token_ids)} tokens but {len(chunk.logprobs)} "
-                    "log-probs in one chunk")
+                    "log-probs in one chunk"
+                )
             tokens.extend(chunk.token_ids)
             logprobs.extend(chunk.logprobs)
             versions.extend([self.computing] * len(chunk.token_ids))

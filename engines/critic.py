@@ -91,12 +91,18 @@ class Critic:
     """The value model, its optimizer and the per-step GAE targets (see the module docstring)."""
 
     def __init__(
-        self, policy: torch.nn.Module, cfg: CriticConfig, device: torch.device,
-        autocast: Callable[[], AbstractContextManager[Any]], positions: PositionIds,
+        self,
+        policy: torch.nn.Module,
+        cfg: CriticConfig,
+        device: torch.device,
+        autocast: Callable[[], AbstractContextManager[Any]],
+        positions: PositionIds,
     ) -> None:
         self.cfg, self.device, self.autocast, self.positions = cfg, device, autocast, positions
         self.model = ValueModel(policy).to(device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
+        )
 
     def values(self, batch: MicroBatch) -> torch.Tensor:
         """[B, T] values of a micro-batch's rows (with grad if enabled)."""
@@ -124,10 +130,21 @@ class Critic:
             targets.append(Targets(old, returns))
             masks.append(mask)
         whitened = whiten_step(raw, masks)
-        out = [dataclasses.replace(b, advantages=a) for b, a in zip(micro_batches, whitened, strict=True)]
+        out = [
+            dataclasses.replace(b, advantages=a)
+            for b, a in zip(micro_batches, whitened, strict=True)
+        ]
         on = [m > 0 for m in masks]
-        flat_v = torch.cat([t.old_values[o] for t, o in zip(targets, on, strict=True)]) if on else torch.zeros(0)
-        flat_r = torch.cat([t.returns[o] for t, o in zip(targets, on, strict=True)]) if on else torch.zeros(0)
+        flat_v = (
+            torch.cat([t.old_values[o] for t, o in zip(targets, on, strict=True)])
+            if on
+            else torch.zeros(0)
+        )
+        flat_r = (
+            torch.cat([t.returns[o] for t, o in zip(targets, on, strict=True)])
+            if on
+            else torch.zeros(0)
+        )
         tokens = max(flat_v.numel(), 1)
         stats = {
             "value_mean": float(flat_v.sum()) / tokens,
@@ -140,15 +157,25 @@ class Critic:
         self.optimizer.zero_grad(set_to_none=True)
 
     def accumulate(
-        self, batch: MicroBatch, targets: Targets, mode: AggregationMode, denominator: int, norm_tokens: int | None
+        self,
+        batch: MicroBatch,
+        targets: Targets,
+        mode: AggregationMode,
+        denominator: int,
+        norm_tokens: int | None,
     ) -> dict[str, float]:
         """Backward of one micro-batch's value loss, aggregated as the policy loss is (the same
         step denominator); its sums: value_loss (the aggregated loss), value_clipped (tokens)."""
         mask = batch.loss_mask.to(self.device).float()
-        terms = value_loss(self.values(batch), targets.old_values, targets.returns, self.cfg.value_clip)
+        terms = value_loss(
+            self.values(batch), targets.old_values, targets.returns, self.cfg.value_clip
+        )
         loss = aggregate(terms.loss, mask, mode, denominator=denominator, norm_tokens=norm_tokens)
         loss.backward()
-        return {"value_loss": float(loss.item()), "value_clipped": float((terms.clipped.float() * mask).sum().item())}
+        return {
+            "value_loss": float(loss.item()),
+            "value_clipped": float((terms.clipped.float() * mask).sum().item()),
+        }
 
     def update(self) -> float:
         """Clips the critic's gradient and steps its AdamW (skipped if the norm is not finite, as

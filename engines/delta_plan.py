@@ -33,7 +33,9 @@ class Chain:
     deltas: int = 0
 
 
-def next_publication(version: int, chain: Chain | None, full_every: int) -> tuple[int | None, Chain]:
+def next_publication(
+    version: int, chain: Chain | None, full_every: int
+) -> tuple[int | None, Chain]:
     """(base version, or None for a full version; the chain after it) for publishing `version`.
 
     `chain` is None when the trainer holds no published base (start, resume): full. Otherwise
@@ -65,7 +67,9 @@ def plan_fetch(target: int, full: int, have: int | None, every: int) -> tuple[Fe
     pulls `full` first, then every delta up to `target`.
     """
     if every < 1 or target < full or (target - full) % every:
-        raise ValueError(f"version {target} is not on a chain from full version {full} with step {every}")
+        raise ValueError(
+            f"version {target} is not on a chain from full version {full} with step {every}"
+        )
     if have == target:
         return ()
     on_chain = have is not None and full <= have < target and (have - full) % every == 0
@@ -109,7 +113,10 @@ class ShardLayout(BaseModel):
     def _chain(self) -> ShardLayout:
         if self.base_version is None and self.full_version != self.version:
             raise ValueError("a full version is its own chain's full version")
-        if self.base_version is not None and not self.full_version <= self.base_version < self.version:
+        if (
+            self.base_version is not None
+            and not self.full_version <= self.base_version < self.version
+        ):
             raise ValueError("a delta's base must lie in its chain, before it")
         return self
 

@@ -41,12 +41,16 @@ def resolve_device(setting: str | None = None) -> torch.device:
     name = (setting or os.environ.get(DEVICE_ENV) or "auto").strip()
     if name == "auto":
         if torch.cuda.is_available():
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+            return torch.device(
+                "cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+            )
         return torch.device("cpu")
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise ValueError(f"{DEVICE_ENV}={name!r}: not a device (auto, cpu, cuda or cuda:N)") from None
+        raise ValueError(
+            f"{DEVICE_ENV}={name!r}: not a device (auto, cpu, cuda or cuda:N)"
+        ) from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{DEVICE_ENV}={name!r}: no CUDA device is visible to this process")
     if device.type not in ("cpu", "cuda"):

@@ -72,7 +72,9 @@ def named_weights(
     for name, param in params.items():
         tensor = tensors[name]
         if tuple(tensor.shape) != tuple(param.shape):
-            raise ValueError(f"{name}: shape {tuple(tensor.shape)}, the model's is {tuple(param.shape)}")
+            raise ValueError(
+                f"{name}: shape {tuple(tensor.shape)}, the model's is {tuple(param.shape)}"
+            )
         pairs.append((name, (tensor if dtype is None else tensor.to(dtype)).contiguous()))
     return pairs
 
@@ -104,7 +106,9 @@ def make_sample(
     elif finish_reason == "length":
         reason = "length"
     else:
-        raise ValueError(f"{engine}: response finished by {finish_reason!r}, expected 'stop' or 'length'")
+        raise ValueError(
+            f"{engine}: response finished by {finish_reason!r}, expected 'stop' or 'length'"
+        )
     return Sample(
         token_ids=torch.tensor(list(token_ids), dtype=torch.long),
         logprobs=torch.tensor(list(logprobs), dtype=torch.float32),

@@ -33,7 +33,9 @@ def rows_of(rows: int, rank: int, world: int) -> int:
     return max(0, min(chunk, rows - rank * chunk))
 
 
-def parameter_sizes(params: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, int]:
+def parameter_sizes(
+    params: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None
+) -> dict[str, int]:
     """Bytes of each full parameter (in `dtype`, default its own), from its global shape."""
     return {
         name: p.numel() * (torch.empty(0, dtype=dtype or p.dtype).element_size())
@@ -53,8 +55,10 @@ def gather_owned(
     """
     owner = {name: r for r, names in enumerate(layout) for name in names}
     if set(owner) != set(params) or sum(len(names) for names in layout) != len(owner):
-        raise ValueError("the layout does not give each parameter one owner: "
-                         f"{sorted(set(owner) ^ set(params))[:3]}")
+        raise ValueError(
+            "the layout does not give each parameter one owner: "
+            f"{sorted(set(owner) ^ set(params))[:3]}"
+        )
     own: dict[str, torch.Tensor] = {}
     received = 0
     for name, param in params.items():
@@ -69,8 +73,10 @@ def gather_owned(
         chunk = math.ceil(rows / world)
         local = param.to_local().detach().to("cpu")
         if local.shape[0] != rows_of(rows, rank, world):
-            raise ValueError(f"{name}: rank {rank} holds {local.shape[0]} rows, "
-                             f"expected {rows_of(rows, rank, world)}")
+            raise ValueError(
+                f"{name}: rank {rank} holds {local.shape[0]} rows, "
+                f"expected {rows_of(rows, rank, world)}"
+            )
         padded = torch.zeros((chunk, *local.shape[1:]), dtype=local.dtype)
         padded[: local.shape[0]] = local
         # Only the owner allocates the receive buffers: the other ranks never hold the tensor.
@@ -78,5 +84,7 @@ def gather_owned(
         dist.gather(padded, pieces, dst=dst)
         if pieces is not None:
             received += sum(p.nbytes for p in pieces)
-            own[name] = torch.cat([p[: rows_of(rows, r, world)] for r, p in enumerate(pieces)]).contiguous()
+            own[name] = torch.cat(
+                [p[: rows_of(rows, r, world)] for r, p in enumerate(pieces)]
+            ).contiguous()
     return own, received

@@ -64,7 +64,9 @@ from engines.torch_train import (
 )
 
 
-def init_group(store: dist.Store | None, rank: int, world_size: int, device: torch.device, timeout: float) -> None:
+def init_group(
+    store: dist.Store | None, rank: int, world_size: int, device: torch.device, timeout: float
+) -> None:
     """The default process group: gloo on CPU, NCCL for CUDA tensors (gloo beside it for CPU ones).
 
     `store` None: torchrun's environment (`env://`: MASTER_ADDR, MASTER_PORT). `timeout` (s)
@@ -74,7 +76,11 @@ def init_group(store: dist.Store | None, rank: int, world_size: int, device: tor
         torch.cuda.set_device(device)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout),
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout),
         init_method=None if store is not None else "env://",
     )
 
@@ -87,10 +93,14 @@ class FSDPTrainEngine(TorchTrainEngine):
 
     def __init__(self, model_dir: Path, **kwargs: Any) -> None:
         if kwargs.get("critic") is not None:
-            raise ValueError("fsdp engine: algorithm.advantage gae needs a value model, "
-                             "which it does not shard yet (use torch)")
+            raise ValueError(
+                "fsdp engine: algorithm.advantage gae needs a value model, "
+                "which it does not shard yet (use torch)"
+            )
         if not dist.is_initialized():
-            raise RuntimeError("FSDPTrainEngine needs the default process group (engines.fsdp_train.init_group)")
+            raise RuntimeError(
+                "FSDPTrainEngine needs the default process group (engines.fsdp_train.init_group)"
+            )
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.weight_shards = self.world_size
         """Every rank sends its own shard of a weight version (`export_own_weights`)."""
@@ -107,7 +117,9 @@ class FSDPTrainEngine(TorchTrainEngine):
         # bfloat16 compute: parameters gathered in bf16, gradients reduced in float32, the
         # sharded master weights (what AdamW updates) float32.
         policy = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
-        blocks = set(getattr(model, "_no_split_modules", None) or ())  # HF names its blocks' classes
+        blocks = set(
+            getattr(model, "_no_split_modules", None) or ()
+        )  # HF names its blocks' classes
         for module in list(model.modules()):
             if type(module).__name__ in blocks:
                 fully_shard(module, mesh=mesh, mp_policy=policy)
@@ -115,11 +127,15 @@ class FSDPTrainEngine(TorchTrainEngine):
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
+                module.set_force_sum_reduction_for_comms(
+                    True
+                )  # a plain SUM: gloo has no PREMUL_SUM
         return model
 
     def _autocast(self) -> AbstractContextManager[Any]:
-        return nullcontext()  # the mixed-precision policy casts; autocast on top would only add casts
+        return (
+            nullcontext()
+        )  # the mixed-precision policy casts; autocast on top would only add casts
 
     def _step_shape(self, micro_batches: Sequence[MicroBatch]) -> tuple[int, int]:
         mode = self.loss_config.aggregation
@@ -135,7 +151,9 @@ class FSDPTrainEngine(TorchTrainEngine):
         model.set_requires_gradient_sync(last)
 
     def _reduce(self, totals: dict[str, float]) -> dict[str, float]:
-        sums = torch.tensor([totals[name] for name in METRIC_SUMS], dtype=torch.float64, device=self.device)
+        sums = torch.tensor(
+            [totals[name] for name in METRIC_SUMS], dtype=torch.float64, device=self.device
+        )
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)
         return dict(zip(METRIC_SUMS, sums.tolist(), strict=True))
 
@@ -165,7 +183,10 @@ class FSDPTrainEngine(TorchTrainEngine):
         names = [name for name, _ in self.model.named_parameters()]
         # One rank: the "gathered" tensor can be the parameter's own storage; copy it, so an
         # optimizer step cannot change a version being published.
-        return {name: full[name].clone() if self.world_size == 1 else full[name].contiguous() for name in names}
+        return {
+            name: full[name].clone() if self.world_size == 1 else full[name].contiguous()
+            for name in names
+        }
 
     def export_own_weights(self) -> dict[str, torch.Tensor]:
         """This rank's shard of a weight version (`assign_shards`: the same layout on every
@@ -187,7 +208,9 @@ class FSDPTrainEngine(TorchTrainEngine):
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()  # the root may still hold full parameters after a forward
-        own, self.gathered_bytes = gather_owned(dict(self.model.named_parameters()), layout, self.rank, self.world_size)
+        own, self.gathered_bytes = gather_owned(
+            dict(self.model.named_parameters()), layout, self.rank, self.world_size
+        )
         return own
 
     # --- checkpoints -------------------------------------------------------------------------
@@ -213,7 +236,10 @@ class FSDPTrainEngine(TorchTrainEngine):
         return bool(seen.item())
 
     def save_checkpoint(
-        self, path: Path, extra: dict[str, Any] | None = None, before_replace: Callable[[], None] | None = None
+        self,
+        path: Path,
+        extra: dict[str, Any] | None = None,
+        before_replace: Callable[[], None] | None = None,
     ) -> None:
         """Model and optimizer shards (DCP), each rank's step, RNG and `extra`, then the commit.
 
@@ -232,7 +258,9 @@ class FSDPTrainEngine(TorchTrainEngine):
             before_replace()
         dist.barrier()  # every rank's part is on disk
         if self.rank == 0:
-            _atomic_save({"dir": step_dir.name, "step": self.step, "world_size": self.world_size}, path)
+            _atomic_save(
+                {"dir": step_dir.name, "step": self.step, "world_size": self.world_size}, path
+            )
             for old in _steps(path).iterdir():
                 if old.name != step_dir.name:
                     shutil.rmtree(old, ignore_errors=True)

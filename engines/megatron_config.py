@@ -95,7 +95,9 @@ class MegatronModelSpec:
         }
 
 
-def spec_from_hf(hf_config: Any, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> MegatronModelSpec:
+def spec_from_hf(
+    hf_config: Any, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1
+) -> MegatronModelSpec:
     """A transformers `LlamaConfig` / `Qwen2Config` (or anything with their fields) -> the spec.
 
     Raises ValueError, one line, for a config megatron's GPT layers would compute differently,
@@ -103,29 +105,39 @@ def spec_from_hf(hf_config: Any, tensor_parallel_size: int = 1, pipeline_paralle
     """
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_TYPES:
-        raise ValueError(f"megatron engine: model_type {model_type!r} is not supported "
-                         f"(only {', '.join(SUPPORTED_TYPES)})")
+        raise ValueError(
+            f"megatron engine: model_type {model_type!r} is not supported "
+            f"(only {', '.join(SUPPORTED_TYPES)})"
+        )
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
-        raise ValueError(f"megatron engine: hidden_act {act!r} is not supported (only silu: SwiGLU)")
+        raise ValueError(
+            f"megatron engine: hidden_act {act!r} is not supported (only silu: SwiGLU)"
+        )
     for flag in ("mlp_bias", "use_sliding_window"):
         if getattr(hf_config, flag, False):
             raise ValueError(f"megatron engine: {model_type} with {flag}=True is not supported")
     # Llama's attention_bias puts a bias on q, k, v *and* o_proj; megatron's add_bias_linear
     # would add one to the MLP as well, and add_qkv_bias leaves o_proj without: neither fits.
     if model_type == "llama" and getattr(hf_config, "attention_bias", False):
-        raise ValueError("megatron engine: llama with attention_bias=True (a bias on o_proj) is not supported")
+        raise ValueError(
+            "megatron engine: llama with attention_bias=True (a bias on o_proj) is not supported"
+        )
     rotary_base = _rope_theta(hf_config)
     heads = int(hf_config.num_attention_heads)
     groups = int(getattr(hf_config, "num_key_value_heads", None) or heads)
     hidden = int(hf_config.hidden_size)
     head_dim = int(getattr(hf_config, "head_dim", None) or hidden // heads)
     if heads % groups:
-        raise ValueError(f"megatron engine: num_attention_heads {heads} "
-                         f"is not a multiple of num_key_value_heads {groups}")
+        raise ValueError(
+            f"megatron engine: num_attention_heads {heads} "
+            f"is not a multiple of num_key_value_heads {groups}"
+        )
     tp, pp = int(tensor_parallel_size), int(pipeline_parallel_size)
     if tp < 1 or pp < 1:
-        raise ValueError(f"megatron engine: parallel sizes must be >= 1 (tensor {tp}, pipeline {pp})")
+        raise ValueError(
+            f"megatron engine: parallel sizes must be >= 1 (tensor {tp}, pipeline {pp})"
+        )
     if groups % tp:
         raise ValueError(
             f"megatron engine: tensor_parallel_size {tp} does not divide num_key_value_heads "
@@ -133,11 +145,15 @@ def spec_from_hf(hf_config: Any, tensor_parallel_size: int = 1, pipeline_paralle
         )
     ffn = int(hf_config.intermediate_size)
     if ffn % tp:
-        raise ValueError(f"megatron engine: tensor_parallel_size {tp} does not divide intermediate_size {ffn}")
+        raise ValueError(
+            f"megatron engine: tensor_parallel_size {tp} does not divide intermediate_size {ffn}"
+        )
     layers = int(hf_config.num_hidden_layers)
     if layers % pp:
-        raise ValueError(f"megatron engine: pipeline_parallel_size {pp} does not divide num_hidden_layers "
-                         f"{layers}")
+        raise ValueError(
+            f"megatron engine: pipeline_parallel_size {pp} does not divide num_hidden_layers "
+            f"{layers}"
+        )
     vocab = int(hf_config.vocab_size)
     return MegatronModelSpec(
         num_layers=layers,

@@ -62,10 +62,15 @@ def _norm_names(fused_layernorm: bool) -> dict[str, str]:
             "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
             "post_attention_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
         }
-    return {"input_layernorm.weight": "input_layernorm.weight", "post_attention_layernorm.weight": "pre_mlp_layernorm.weight"}
+    return {
+        "input_layernorm.weight": "input_layernorm.weight",
+        "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
+    }
 
 
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MegatronModelSpec) -> torch.Tensor:
+def fuse_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MegatronModelSpec
+) -> torch.Tensor:
     """q [nh d, ...], k and v [ng d, ...] -> [(nh + 2 ng) d, ...] group-major
     (see the module doc)."""
     ng, d = spec.num_query_groups, spec.head_dim
@@ -78,12 +83,16 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MegatronMo
     return torch.cat(grouped, dim=1).reshape(-1, *rest)
 
 
-def split_qkv(qkv: torch.Tensor, spec: MegatronModelSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_qkv(
+    qkv: torch.Tensor, spec: MegatronModelSpec
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inverse of `fuse_qkv`:
     [(nh + 2 ng) d, ...] -> q [nh d, ...], k [ng d, ...], v [ng d, ...]."""
     ng, d = spec.num_query_groups, spec.head_dim
     rest = qkv.shape[1:]
-    q, k, v = qkv.reshape(ng, (spec.heads_per_group + 2) * d, *rest).split([spec.heads_per_group * d, d, d], dim=1)
+    q, k, v = qkv.reshape(ng, (spec.heads_per_group + 2) * d, *rest).split(
+        [spec.heads_per_group * d, d, d], dim=1
+    )
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
@@ -123,7 +132,9 @@ def hf_to_megatron(
     else:
         out["output_layer.weight"] = _pad_vocab(take("lm_head.weight"), spec)
     if hf:
-        raise ValueError(f"HF -> megatron: {len(hf)} names this mapping does not know, e.g. {sorted(hf)[0]}")
+        raise ValueError(
+            f"HF -> megatron: {len(hf)} names this mapping does not know, e.g. {sorted(hf)[0]}"
+        )
     return out
 
 
@@ -143,7 +154,9 @@ def megatron_to_hf(
             raise ValueError(f"megatron -> HF: {name} is missing from the state dict")
         return mc.pop(name)
 
-    out["model.embed_tokens.weight"] = take("embedding.word_embeddings.weight")[: spec.vocab_size].clone()
+    out["model.embed_tokens.weight"] = take("embedding.word_embeddings.weight")[
+        : spec.vocab_size
+    ].clone()
     for i in range(spec.num_layers):
         hf_layer, mc_layer = f"model.layers.{i}.", f"decoder.layers.{i}."
         for hf_suffix, mc_suffix in (*_ONE_TO_ONE.items(), *norms.items()):
@@ -160,15 +173,19 @@ def megatron_to_hf(
     if not spec.tie_word_embeddings:
         out["lm_head.weight"] = take("output_layer.weight")[: spec.vocab_size].clone()
     if mc:
-        raise ValueError(f"megatron -> HF: {len(mc)} names this mapping does not know, e.g. {sorted(mc)[0]}")
+        raise ValueError(
+            f"megatron -> HF: {len(mc)} names this mapping does not know, e.g. {sorted(mc)[0]}"
+        )
     return out
 
 
 def _pad_vocab(table: torch.Tensor, spec: MegatronModelSpec) -> torch.Tensor:
     """[V, H] -> [Vp, H], zero rows past V (megatron's embedding needs Vp divisible by tp)."""
     if table.shape[0] != spec.vocab_size:
-        raise ValueError(f"HF -> megatron: a vocabulary table has {table.shape[0]} rows, "
-                         f"the config says {spec.vocab_size}")
+        raise ValueError(
+            f"HF -> megatron: a vocabulary table has {table.shape[0]} rows, "
+            f"the config says {spec.vocab_size}"
+        )
     pad = spec.padded_vocab_size - spec.vocab_size
     return torch.nn.functional.pad(table, (0, 0, 0, pad)) if pad else table.clone()
 
@@ -219,7 +236,9 @@ def merge(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
 # --- pipeline stages (rank r of p holds layers [r L/p, (r+1) L/p), renumbered from 0) ---------
 
 
-def stage_params(full: dict[str, torch.Tensor], spec: MegatronModelSpec, rank: int) -> dict[str, torch.Tensor]:
+def stage_params(
+    full: dict[str, torch.Tensor], spec: MegatronModelSpec, rank: int
+) -> dict[str, torch.Tensor]:
     """GPTModel's full parameters -> pipeline stage `rank`'s, under the names its GPTModel (built
     with pre_process on the first stage, post_process on the last) gives them: its layers
     renumbered from 0; the embedding on the first stage; the final norm and the output layer on
@@ -244,7 +263,9 @@ def stage_params(full: dict[str, torch.Tensor], spec: MegatronModelSpec, rank: i
     return out
 
 
-def unstage_params(stages: list[dict[str, torch.Tensor]], spec: MegatronModelSpec) -> dict[str, torch.Tensor]:
+def unstage_params(
+    stages: list[dict[str, torch.Tensor]], spec: MegatronModelSpec
+) -> dict[str, torch.Tensor]:
     """The inverse of `stage_params`: every stage's parameters, in stage order -> the full model's
     (a tied model's last-stage output layer dropped: the embedding is the weight)."""
     per, out = spec.num_layers // len(stages), {}

@@ -36,7 +36,10 @@ LossFn = Callable[[torch.Tensor, int], tuple[torch.Tensor, dict[str, Any]]]
 
 
 def run_schedule(
-    engine: MegatronTrainEngine, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_fn: LossFn, forward_only: bool
+    engine: MegatronTrainEngine,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: LossFn,
+    forward_only: bool,
 ) -> list[dict[str, Any]]:
     """Runs `batches` ([B, T] ids and attention masks, on the engine's device) through the
     pipeline; on the last stage `loss_fn(logits [B, T - 1, V] at the temperature, index)` gives
@@ -48,12 +51,16 @@ def run_schedule(
         (i, ids, mask) for i, (ids, mask) in enumerate(batches)
     )
 
-    def forward_step(data: Iterator[tuple[int, torch.Tensor, torch.Tensor]], model: torch.nn.Module) -> Any:
+    def forward_step(
+        data: Iterator[tuple[int, torch.Tensor, torch.Tensor]], model: torch.nn.Module
+    ) -> Any:
         index, ids, mask = next(data)
         logits = engine._stage_forward(ids, mask, model)  # last stage: [B, T, Vp]; else [T, B, H]
 
         def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-            scaled = output[:, :-1, : engine.spec.vocab_size].float() / engine.loss_config.temperature
+            scaled = (
+                output[:, :-1, : engine.spec.vocab_size].float() / engine.loss_config.temperature
+            )
             loss, extras = loss_fn(scaled, index)
             # The token count only matters to megatron's own averaging, which is off.
             return loss, torch.ones((), dtype=torch.int), extras
@@ -61,14 +68,23 @@ def run_schedule(
         return logits, loss_func
 
     ids0 = batches[0][0]
-    return get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=inputs, model=[engine.model],
-        num_microbatches=len(batches), seq_length=ids0.shape[1], micro_batch_size=ids0.shape[0],
-        forward_only=forward_only,
-    ) or []
+    return (
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=inputs,
+            model=[engine.model],
+            num_microbatches=len(batches),
+            seq_length=ids0.shape[1],
+            micro_batch_size=ids0.shape[0],
+            forward_only=forward_only,
+        )
+        or []
+    )
 
 
-def stage_logprobs(engine: MegatronTrainEngine, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+def stage_logprobs(
+    engine: MegatronTrainEngine, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+) -> list[torch.Tensor]:
     """[B, T] log-probs of each micro-batch (0 at t = 0), on the last stage; [] elsewhere."""
 
     def loss_fn(logits: torch.Tensor, index: int) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -82,8 +98,11 @@ def stage_logprobs(engine: MegatronTrainEngine, batches: Sequence[tuple[torch.Te
 
 
 def pipeline_update_passes(
-    engine: MegatronTrainEngine, micro_batches: Sequence[MicroBatch], proximal: Sequence[torch.Tensor] | None,
-    totals: dict[str, float], denominator: float,
+    engine: MegatronTrainEngine,
+    micro_batches: Sequence[MicroBatch],
+    proximal: Sequence[torch.Tensor] | None,
+    totals: dict[str, float],
+    denominator: float,
 ) -> None:
     """Forward and backward of every micro-batch of one update; the loss and metric sums land
     in `totals` on the last stage (the gradients in every stage's parameters)."""
@@ -92,16 +111,31 @@ def pipeline_update_passes(
 
     def loss_fn(logits: torch.Tensor, index: int) -> tuple[torch.Tensor, dict[str, Any]]:
         batch = micro_batches[index]
-        logprobs = torch.nn.functional.pad(gather_logprobs(logits, batches[index][0][:, 1:]), (1, 0))
+        logprobs = torch.nn.functional.pad(
+            gather_logprobs(logits, batches[index][0][:, 1:]), (1, 0)
+        )
         kept = logits if cfg.entropy_coef else logits.detach()
         entropy = torch.nn.functional.pad(entropy_from_logits(kept), (1, 0))
         mask = batch.loss_mask.to(device).float()
         objective = token_objective(
-            cfg, logprobs, batch.behaviour_logprobs.to(device), batch.advantages.to(device).float(), mask,
-            proximal=None if proximal is None else proximal[index].to(device), entropy=entropy,
-            ref_logprobs=None if batch.ref_logprobs is None else batch.ref_logprobs.to(device).float(),
+            cfg,
+            logprobs,
+            batch.behaviour_logprobs.to(device),
+            batch.advantages.to(device).float(),
+            mask,
+            proximal=None if proximal is None else proximal[index].to(device),
+            entropy=entropy,
+            ref_logprobs=None
+            if batch.ref_logprobs is None
+            else batch.ref_logprobs.to(device).float(),
         )
-        loss = aggregate(objective.loss, mask, cfg.aggregation, denominator=denominator, norm_tokens=cfg.norm_tokens)
+        loss = aggregate(
+            objective.loss,
+            mask,
+            cfg.aggregation,
+            denominator=denominator,
+            norm_tokens=cfg.norm_tokens,
+        )
         return loss, {"loss": loss.item(), **objective.sums}
 
     for extras in run_schedule(engine, batches, loss_fn, forward_only=False):
@@ -118,8 +152,16 @@ def reduce_totals(engine: MegatronTrainEngine, totals: dict[str, float]) -> dict
     return dict(zip(names, values.tolist(), strict=True))
 
 
-def broadcast_from_last(engine: MegatronTrainEngine, tensor: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
+def broadcast_from_last(
+    engine: MegatronTrainEngine, tensor: torch.Tensor | None, shape: torch.Size
+) -> torch.Tensor:
     """`tensor` (on the last stage; None elsewhere) of `shape`, float32, on every stage."""
-    buffer = tensor.float().contiguous() if tensor is not None else torch.empty(shape, dtype=torch.float32, device=engine.device)
-    dist.broadcast(buffer, src=dist.get_global_rank(engine.pp_group, engine.pp - 1), group=engine.pp_group)
+    buffer = (
+        tensor.float().contiguous()
+        if tensor is not None
+        else torch.empty(shape, dtype=torch.float32, device=engine.device)
+    )
+    dist.broadcast(
+        buffer, src=dist.get_global_rank(engine.pp_group, engine.pp - 1), group=engine.pp_group
+    )
     return buffer

@@ -115,29 +115,40 @@ class MegatronTrainEngine(TorchTrainEngine):
     collective = True
 
     def __init__(
-        self, model_dir: Path, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, **kwargs: Any
+        self,
+        model_dir: Path,
+        *,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        **kwargs: Any,
     ) -> None:
         """The default process group must hold exactly the tensor x pipeline parallel ranks (one
         model copy); with size 1 and no group, a one-rank group is made here."""
         try:
             from megatron.core import parallel_state
         except ImportError:
-            raise MegatronNotInstalled("trainer.engine megatron needs megatron-core: pip install 'jetrl[megatron]'") from None
+            raise MegatronNotInstalled(
+                "trainer.engine megatron needs megatron-core: pip install 'jetrl[megatron]'"
+            ) from None
         if getattr(kwargs.get("loss"), "kl_coef", 0.0) and kwargs.get("own_reference", True):
             raise ValueError(
                 "megatron engine: a KL loss term needs reference log-probs: enable the reference "
                 "stage (reference.enabled), since this engine holds no frozen copy"
             )
         if kwargs.get("critic") is not None:
-            raise ValueError("megatron engine: algorithm.advantage gae needs a value model, "
-                             "which it does not hold (use torch)")
+            raise ValueError(
+                "megatron engine: algorithm.advantage gae needs a value model, "
+                "which it does not hold (use torch)"
+            )
         self.tp, self.pp = tensor_parallel_size, pipeline_parallel_size
         copy = self.tp * self.pp
         device = torch.device(kwargs.get("device", "cpu"))
         if not dist.is_initialized():
             if copy != 1:
-                raise RuntimeError(f"megatron engine: {self.tp} x {self.pp} model-parallel ranks need the default "
-                                   "process group up")
+                raise RuntimeError(
+                    f"megatron engine: {self.tp} x {self.pp} model-parallel ranks need the default "
+                    "process group up"
+                )
             backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         if dist.get_world_size() != copy:
@@ -146,7 +157,9 @@ class MegatronTrainEngine(TorchTrainEngine):
                 f"tensor x pipeline parallel is {self.tp} x {self.pp} (no data parallel yet)"
             )
         if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp)
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp
+            )
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -170,15 +183,25 @@ class MegatronTrainEngine(TorchTrainEngine):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer import TransformerConfig
 
-        self.spec = spec_from_hf(model.config, tensor_parallel_size=self.tp, pipeline_parallel_size=self.pp)
+        self.spec = spec_from_hf(
+            model.config, tensor_parallel_size=self.tp, pipeline_parallel_size=self.pp
+        )
         first, last = self.pp_rank == 0, self.pp_rank == self.pp - 1
         # Pipeline: activations of any [T, B] cross stages (their shape sent first), float32;
         # our loss is already the step's mean, which megatron must not divide again.
-        piped = {"variable_seq_lengths": True, "batch_p2p_comm": False, "calculate_per_token_loss": True,
-                 "pipeline_dtype": torch.float32,
-                 # No experts here; megatron's check of the default MoE dispatcher refuses variable
-                 # lengths.
-                 "moe_token_dispatcher_type": "alltoall"} if self.pp > 1 else {}
+        piped = (
+            {
+                "variable_seq_lengths": True,
+                "batch_p2p_comm": False,
+                "calculate_per_token_loss": True,
+                "pipeline_dtype": torch.float32,
+                # No experts here; megatron's check of the default MoE dispatcher refuses variable
+                # lengths.
+                "moe_token_dispatcher_type": "alltoall",
+            }
+            if self.pp > 1
+            else {}
+        )
         config = TransformerConfig(
             **self.spec.transformer_config_kwargs(),
             activation_func=F.silu,
@@ -186,8 +209,12 @@ class MegatronTrainEngine(TorchTrainEngine):
             # Random init is overwritten below; CPU init needs no CUDA RNG.
             use_cpu_initialization=True,
             # The fused kernels need CUDA extensions (apex, TE) and some take no arbitrary mask.
-            bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-            masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+            bias_activation_fusion=False,
+            bias_dropout_fusion=False,
+            apply_rope_fusion=False,
+            masked_softmax_fusion=False,
+            persist_layer_norm=False,
+            gradient_accumulation_fusion=False,
             **piped,
         )
         with _no_cuda_copy(self.device.type == "cpu"):
@@ -196,7 +223,8 @@ class MegatronTrainEngine(TorchTrainEngine):
                 transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
                 # Logits gathered over the vocabulary: our loss takes all of it.
                 parallel_output=False,
-                pre_process=first, post_process=last,
+                pre_process=first,
+                post_process=last,
                 **self.spec.gpt_model_kwargs(),
             )
         full = hf_to_megatron({n: p.detach().cpu() for n, p in model.named_parameters()}, self.spec)
@@ -205,12 +233,17 @@ class MegatronTrainEngine(TorchTrainEngine):
         missing, unexpected = gpt.load_state_dict(mine, strict=False)
         missing = [n for n in missing if not n.endswith("._extra_state")]
         if missing or unexpected:
-            raise ValueError(f"megatron engine: GPTModel and the mapping disagree: missing {missing[:3]}, "
-                             f"unexpected {unexpected[:3]}")
+            raise ValueError(
+                f"megatron engine: GPTModel and the mapping disagree: missing {missing[:3]}, "
+                f"unexpected {unexpected[:3]}"
+            )
         return gpt.to(self.device)
 
     def _token_logits(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model: torch.nn.Module | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        model: torch.nn.Module | None = None,
     ) -> torch.Tensor:
         """[B, T] ids -> [B, T - 1, V] temperature-scaled logits
         (V: the HF vocabulary, pad cut off)."""
@@ -218,17 +251,24 @@ class MegatronTrainEngine(TorchTrainEngine):
         return logits[:, :-1, : self.spec.vocab_size].float() / self.loss_config.temperature
 
     def _stage_forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model: torch.nn.Module | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        model: torch.nn.Module | None = None,
     ) -> torch.Tensor:
         """This stage's forward of [B, T] ids: [B, T, Vp] logits on the last stage, [T, B, H]
         activations on the others (a later stage takes its input from `set_input_tensor`)."""
-        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as the torch engine: padding does not shift RoPE
+        positions = (attention_mask.cumsum(-1) - 1).clamp(
+            min=0
+        )  # as the torch engine: padding does not shift RoPE
         length = input_ids.shape[1]
         causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).triu(1)
         # [B, 1, T, T], True where a query may not look: the future, and padding keys.
         masked = causal[None, None] | (attention_mask[:, None, None, :] == 0)
         with self._autocast():
-            return (self.model if model is None else model)(input_ids, positions, attention_mask=masked)
+            return (self.model if model is None else model)(
+                input_ids, positions, attention_mask=masked
+            )
 
     def _clip_grad_norm(self) -> torch.Tensor:
         """Norm over the whole model: each rank's cut tensors summed over the tensor- and
@@ -284,11 +324,18 @@ class MegatronTrainEngine(TorchTrainEngine):
         if self.pp == 1:
             return super()._proximal(micro_batches)
         # Used by the loss only, which runs on the last stage: the others keep placeholders.
-        batches = [(b.input_ids.to(self.device), b.attention_mask.to(self.device)) for b in micro_batches]
-        return stage_logprobs(self, batches) or [torch.zeros(b.input_ids.shape) for b in micro_batches]
+        batches = [
+            (b.input_ids.to(self.device), b.attention_mask.to(self.device)) for b in micro_batches
+        ]
+        return stage_logprobs(self, batches) or [
+            torch.zeros(b.input_ids.shape) for b in micro_batches
+        ]
 
     def _update(
-        self, micro_batches: Sequence[MicroBatch], proximal: Sequence[torch.Tensor] | None, totals: dict[str, float],
+        self,
+        micro_batches: Sequence[MicroBatch],
+        proximal: Sequence[torch.Tensor] | None,
+        totals: dict[str, float],
         targets: Sequence[Any] | None = None,
     ) -> float | None:
         if self.pp == 1:
@@ -334,28 +381,43 @@ class MegatronTrainEngine(TorchTrainEngine):
         dist.all_reduce(seen)
         ranks = dist.get_world_size()
         if int(seen.item()) not in (0, ranks):
-            raise ValueError(f"{path}: {int(seen.item())} of {ranks} ranks see a checkpoint; "
-                             "the directory must be shared")
+            raise ValueError(
+                f"{path}: {int(seen.item())} of {ranks} ranks see a checkpoint; "
+                "the directory must be shared"
+            )
         return bool(seen.item())
 
     def save_checkpoint(
-        self, path: Path, extra: dict[str, Any] | None = None, before_replace: Callable[[], None] | None = None
+        self,
+        path: Path,
+        extra: dict[str, Any] | None = None,
+        before_replace: Callable[[], None] | None = None,
     ) -> None:
         step_dir = path.with_name(f"{path.name}.d") / f"step-{self.step}"
         if self.rank == 0 and step_dir.exists():
             shutil.rmtree(step_dir)  # a save of this step that was killed before its commit
         dist.barrier()
         own = {
-            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
-            "rng": _rng_state(), "extra": extra or {},
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "rng": _rng_state(),
+            "extra": extra or {},
         }
         _atomic_save(own, step_dir / f"rank{self.rank}.pt")
         if before_replace is not None:
             before_replace()
         dist.barrier()
         if self.rank == 0:
-            _atomic_save({"dir": step_dir.name, "step": self.step, "tensor_parallel_size": self.tp,
-                          "pipeline_parallel_size": self.pp}, path)
+            _atomic_save(
+                {
+                    "dir": step_dir.name,
+                    "step": self.step,
+                    "tensor_parallel_size": self.tp,
+                    "pipeline_parallel_size": self.pp,
+                },
+                path,
+            )
             for old in step_dir.parent.iterdir():
                 if old.name != step_dir.name:
                     shutil.rmtree(old, ignore_errors=True)
@@ -364,9 +426,15 @@ class MegatronTrainEngine(TorchTrainEngine):
         pointer = torch.load(path, weights_only=True)
         written = (pointer["tensor_parallel_size"], pointer.get("pipeline_parallel_size", 1))
         if written != (self.tp, self.pp):
-            raise ValueError(f"{path}: written at tensor x pipeline parallel {written[0]} x {written[1]}, "
-                             f"this run has {self.tp} x {self.pp}")
-        own = torch.load(path.with_name(f"{path.name}.d") / pointer["dir"] / f"rank{self.rank}.pt", map_location=self.device, weights_only=True)
+            raise ValueError(
+                f"{path}: written at tensor x pipeline parallel {written[0]} x {written[1]}, "
+                f"this run has {self.tp} x {self.pp}"
+            )
+        own = torch.load(
+            path.with_name(f"{path.name}.d") / pointer["dir"] / f"rank{self.rank}.pt",
+            map_location=self.device,
+            weights_only=True,
+        )
         self.model.load_state_dict(own["model"])
         self.optimizer.load_state_dict(own["optimizer"])
         self.step = own["step"]

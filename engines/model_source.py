@@ -36,16 +36,21 @@ def resolve_model_path(path: str | Path | None, revision: str | None = None) -> 
     `ModelNotFound` that says what was tried.
     """
     if path is None or str(path) == "":
-        raise ModelNotFound("model.path is empty: name a local Hugging Face model directory or a hub id")
+        raise ModelNotFound(
+            "model.path is empty: name a local Hugging Face model directory or a hub id"
+        )
     local = Path(path).expanduser()
     if local.is_dir():
         if not (local / "config.json").is_file():
             raise ModelNotFound(
                 f"model.path {str(path)!r} is a directory without config.json: "
-                "not a Hugging Face model")
+                "not a Hugging Face model"
+            )
         if revision is not None:
-            raise ModelNotFound(f"model.revision {revision!r} is set but model.path {str(path)!r} is a local "
-                                "directory")
+            raise ModelNotFound(
+                f"model.revision {revision!r} is set but model.path {str(path)!r} is a local "
+                "directory"
+            )
         return local.resolve()
     name = str(path)
     if local.is_absolute() or name.startswith((".", "~")) or not HUB_ID.match(name):
@@ -58,7 +63,10 @@ def hub_cache() -> Path:
     ``HF_HUB_CACHE``, else ``HF_HOME``/hub, else ~/.cache/huggingface/hub."""
     if cache := os.environ.get("HF_HUB_CACHE"):
         return Path(cache).expanduser()
-    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "huggingface"
+    home = (
+        os.environ.get("HF_HOME")
+        or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "huggingface"
+    )
     return Path(home).expanduser() / "hub"
 
 
@@ -81,17 +89,30 @@ def _snapshot(repo_id: str, revision: str | None) -> Path:
     at = f"{repo_id}@{revision}" if revision else repo_id
     where, offline = hub_cache(), hub_offline()
     try:
-        folder = Path(snapshot_download(repo_id, revision=revision, cache_dir=where, local_files_only=offline,
-                                        allow_patterns=list(WEIGHT_PATTERNS)))
+        folder = Path(
+            snapshot_download(
+                repo_id,
+                revision=revision,
+                cache_dir=where,
+                local_files_only=offline,
+                allow_patterns=list(WEIGHT_PATTERNS),
+            )
+        )
     except LocalEntryNotFoundError:
         if offline:
             raise ModelNotFound(
                 f"model {at} is not in the hub cache {where} and HF_HUB_OFFLINE is set: "
                 f"download it first (huggingface-cli download {repo_id}) or unset HF_HUB_OFFLINE"
             ) from None
-        raise ModelNotFound(f"model {at}: the hub cannot be reached and the cache {where} does not hold it") from None
+        raise ModelNotFound(
+            f"model {at}: the hub cannot be reached and the cache {where} does not hold it"
+        ) from None
     except (RepositoryNotFoundError, RevisionNotFoundError, HFValidationError) as exc:
-        raise ModelNotFound(f"model {at}: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}") from None
+        raise ModelNotFound(
+            f"model {at}: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        ) from None
     if not (folder / "config.json").is_file():
-        raise ModelNotFound(f"model {at}: the snapshot {folder} holds no config.json: not a Hugging Face model")
+        raise ModelNotFound(
+            f"model {at}: the snapshot {folder} holds no config.json: not a Hugging Face model"
+        )
     return folder

@@ -27,8 +27,13 @@ class ReferenceEngine:
     """Holds the frozen model; `logprobs` scores a batch of (prompt, response) rows."""
 
     def __init__(
-        self, model_dir: Path, *, temperature: float = 1.0, device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32, chunk_tokens: int = 1024,
+        self,
+        model_dir: Path,
+        *,
+        temperature: float = 1.0,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        chunk_tokens: int = 1024,
     ) -> None:
         """`temperature`: the rollout's sampling temperature (behaviour log-probs were taken at it);
         `dtype`: the compute dtype (bfloat16: autocast, float32 weights); `chunk_tokens`: positions
@@ -49,10 +54,16 @@ class ReferenceEngine:
         ids = torch.zeros(len(rows), max(lengths), dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, (prompt, response) in enumerate(rows):
-            ids[i, : lengths[i]] = torch.from_numpy(np.concatenate([prompt, response]).astype(np.int64))
+            ids[i, : lengths[i]] = torch.from_numpy(
+                np.concatenate([prompt, response]).astype(np.int64)
+            )
             mask[i, : lengths[i]] = 1
-        per_token = self.token_logprobs(ids.to(self.device), mask.to(self.device)).float().cpu().numpy()
-        return [per_token[i, len(p) : lengths[i]].astype(np.float32) for i, (p, _) in enumerate(rows)]
+        per_token = (
+            self.token_logprobs(ids.to(self.device), mask.to(self.device)).float().cpu().numpy()
+        )
+        return [
+            per_token[i, len(p) : lengths[i]].astype(np.float32) for i, (p, _) in enumerate(rows)
+        ]
 
     def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[B, T] ids -> [B, T] log pi_ref(x[t] | x[<t]), 0 at t = 0
@@ -61,7 +72,9 @@ class ReferenceEngine:
         targets = input_ids[:, 1:]
         with autocast(self.device, self.dtype):
             if not self.chunk_tokens:
-                logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
+                logits = self.model(
+                    input_ids=input_ids, attention_mask=attention_mask, position_ids=positions
+                ).logits
                 logprobs = gather_logprobs(logits[:, :-1].float() / self.temperature, targets)
             else:
                 hidden = self.model.get_decoder()(
@@ -69,5 +82,7 @@ class ReferenceEngine:
                 ).last_hidden_state[:, :-1]  # [B, T - 1, H]
         if self.chunk_tokens:
             head = self.model.get_output_embeddings().weight  # [V, H]
-            logprobs, _ = chunked_logprobs(hidden, head, targets, self.temperature, self.chunk_tokens)
+            logprobs, _ = chunked_logprobs(
+                hidden, head, targets, self.temperature, self.chunk_tokens
+            )
         return torch.nn.functional.pad(logprobs, (1, 0))

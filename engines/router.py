@@ -106,12 +106,16 @@ def router_class(name: str) -> type:
     try:
         RolloutConfig(router=name)
     except ValidationError:
-        raise RouterError(f"router {name!r}: expected one of {', '.join(BUILT_IN)} or 'module:Class'") from None
+        raise RouterError(
+            f"router {name!r}: expected one of {', '.join(BUILT_IN)} or 'module:Class'"
+        ) from None
     module_name, _, attr = name.partition(":")
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # any import failure is the config's fault, reported in one line
-        raise RouterError(f"router {name!r}: cannot import {module_name}: {type(exc).__name__}: {exc}") from None
+        raise RouterError(
+            f"router {name!r}: cannot import {module_name}: {type(exc).__name__}: {exc}"
+        ) from None
     cls = getattr(module, attr, None)
     if not isinstance(cls, type):
         raise RouterError(f"router {name!r}: {module_name} has no class {attr}")
@@ -139,7 +143,11 @@ def make_router(name: str, copies: int, options: Mapping[str, Any] | None = None
     try:
         router = cls(copies, **options)
     except TypeError as exc:  # an unknown or missing option of a plugged-in class
-        raise RouterError(f"router {name!r}: cannot build it with options {sorted(options)}: {exc}") from None
+        raise RouterError(
+            f"router {name!r}: cannot build it with options {sorted(options)}: {exc}"
+        ) from None
     if not isinstance(router, Router):
-        raise RouterError(f"router {name!r}: {cls.__name__} is not a router (no pick(key, in_flight) method)")
+        raise RouterError(
+            f"router {name!r}: {cls.__name__} is not a router (no pick(key, in_flight) method)"
+        )
     return router

@@ -45,7 +45,9 @@ from engines.protocols import SamplingParams
 from engines.sglang_rollout import SGLangSettings, check_logprob_env, engine_kwargs, sampling_params
 
 
-def continuous_engine_kwargs(model_dir: Path, settings: SGLangSettings, slots: int) -> dict[str, Any]:
+def continuous_engine_kwargs(
+    model_dir: Path, settings: SGLangSettings, slots: int
+) -> dict[str, Any]:
     """Keyword arguments of `sglang.Engine`: the batch adapter's,
     the running requests capped at `slots`."""
     return {**engine_kwargs(model_dir, settings), "max_running_requests": slots}
@@ -57,8 +59,10 @@ def stream_delta(output: dict[str, Any], seen: int) -> tuple[Chunk, int]:
     ``completion_tokens`` (the tokens so far), which tells them apart."""
     meta = output.get("meta_info")
     if not isinstance(meta, dict) or meta.get("output_token_logprobs") is None:
-        raise ValueError("sglang: an output without meta_info.output_token_logprobs "
-                         "(request return_logprob=True)")
+        raise ValueError(
+            "sglang: an output without meta_info.output_token_logprobs "
+            "(request return_logprob=True)"
+        )
     entries = list(meta["output_token_logprobs"])  # of (logprob, token id, text or None)
     total = int(meta.get("completion_tokens", seen + len(entries)))
     if len(entries) == total:  # cumulative: everything so far
@@ -66,8 +70,10 @@ def stream_delta(output: dict[str, Any], seen: int) -> tuple[Chunk, int]:
     elif len(entries) == total - seen:  # incremental: only what came since
         new = entries
     else:
-        raise ValueError(f"sglang: {len(entries)} log-probs in a chunk, {total} tokens so far, "
-                         f"{seen} seen before")
+        raise ValueError(
+            f"sglang: {len(entries)} log-probs in a chunk, {total} tokens so far, "
+            f"{seen} seen before"
+        )
     finish = meta.get("finish_reason")
     reason = finish.get("type") if isinstance(finish, dict) else finish
     chunk = Chunk(tuple(int(e[1]) for e in new), tuple(float(e[0]) for e in new), reason)
@@ -79,8 +85,10 @@ def sglang_io() -> SimpleNamespace:
     io = require("sglang.srt.managers.io_struct", "sglang")
     utils = importlib.import_module("sglang.srt.utils")
     return SimpleNamespace(
-        pause=getattr(io, "PauseGenerationReqInput", None), resume=getattr(io, "ContinueGenerationReqInput", None),
-        update=io.UpdateWeightsFromTensorReqInput, serialize=utils.MultiprocessingSerializer.serialize,
+        pause=getattr(io, "PauseGenerationReqInput", None),
+        resume=getattr(io, "ContinueGenerationReqInput", None),
+        update=io.UpdateWeightsFromTensorReqInput,
+        serialize=utils.MultiprocessingSerializer.serialize,
     )
 
 
@@ -89,8 +97,13 @@ class SGLangContinuousEngine(ContinuousAdapter):
 
     name = "sglang"
 
-    def __init__(self, model_dir: Path, settings: SGLangSettings = SGLangSettings(), slots: int = 64,
-                 partial_mode: PartialMode = "resubmit") -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        settings: SGLangSettings = SGLangSettings(),
+        slots: int = 64,
+        partial_mode: PartialMode = "resubmit",
+    ) -> None:
         sglang = require("sglang", "sglang")
         check_logprob_env()
         super().__init__(slots, eos_token_ids(model_dir), partial_mode, EngineLoop("sglang-engine"))
@@ -111,10 +124,15 @@ class SGLangContinuousEngine(ContinuousAdapter):
     async def _start(sglang: Any, kwargs: dict[str, Any]) -> Any:
         return sglang.Engine(**kwargs)  # inside the loop: the engine takes it as its own
 
-    async def stream(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
+    async def stream(
+        self, request_id: str, prompt: list[int], params: SamplingParams
+    ) -> AsyncIterator[Chunk]:
         outputs = await self.engine.async_generate(
-            input_ids=prompt, sampling_params=sampling_params(params, self.eos_token_ids), return_logprob=True,
-            stream=True, rid=request_id,
+            input_ids=prompt,
+            sampling_params=sampling_params(params, self.eos_token_ids),
+            return_logprob=True,
+            stream=True,
+            rid=request_id,
         )
         seen = 0
         async for output in outputs:
@@ -132,10 +150,17 @@ class SGLangContinuousEngine(ContinuousAdapter):
         await self.engine.tokenizer_manager.continue_generation(self.io.resume())
 
     async def engine_load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        request = self.io.update(serialized_named_tensors=[self.io.serialize(weights) for _ in range(self.tp_size)],
-                                 load_format=None, flush_cache=True)
+        request = self.io.update(
+            serialized_named_tensors=[self.io.serialize(weights) for _ in range(self.tp_size)],
+            load_format=None,
+            flush_cache=True,
+        )
         result = await self.engine.tokenizer_manager.update_weights_from_tensor(request, None)
-        success, message = (result[0], result[1]) if isinstance(result, Sequence) and len(result) >= 2 else (True, "")
+        success, message = (
+            (result[0], result[1])
+            if isinstance(result, Sequence) and len(result) >= 2
+            else (True, "")
+        )
         if not success:
             raise RuntimeError(f"sglang: update_weights_from_tensor failed: {message}")
 

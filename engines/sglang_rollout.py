@@ -92,8 +92,10 @@ def output_to_sample(output: dict[str, Any], stop_ids: Sequence[int]) -> Sample:
     """One element of `Engine.generate`'s list (``output_ids``, ``meta_info``) as a `Sample`."""
     meta = output.get("meta_info")
     if not isinstance(meta, dict) or meta.get("output_token_logprobs") is None:
-        raise ValueError("sglang: an output without meta_info.output_token_logprobs "
-                         "(request return_logprob=True)")
+        raise ValueError(
+            "sglang: an output without meta_info.output_token_logprobs "
+            "(request return_logprob=True)"
+        )
     entries = meta["output_token_logprobs"]  # [L] of (logprob, token id, text or None)
     token_ids = [int(entry[1]) for entry in entries]
     logprobs = [float(entry[0]) for entry in entries]
@@ -104,7 +106,9 @@ def output_to_sample(output: dict[str, Any], stop_ids: Sequence[int]) -> Sample:
     return make_sample(token_ids, logprobs, reason, stop_ids, "sglang")
 
 
-def outputs_to_groups(outputs: Sequence[dict[str, Any]], prompts: int, n: int, stop_ids: Sequence[int]) -> list[list[Sample]]:
+def outputs_to_groups(
+    outputs: Sequence[dict[str, Any]], prompts: int, n: int, stop_ids: Sequence[int]
+) -> list[list[Sample]]:
     """`Engine.generate`'s outputs for each prompt repeated `n` times, grouped per prompt."""
     if len(outputs) != prompts * n:
         raise ValueError(f"sglang: {len(outputs)} outputs for {prompts} prompts x n={n}")
@@ -146,9 +150,13 @@ class SGLangRolloutEngine:
             raise ValueError("need at least one non-empty prompt")
         rows = [list(p) for p in prompts for _ in range(n)]
         outputs = self.engine.generate(
-            input_ids=rows, sampling_params=sampling_params(params, self.eos_token_ids), return_logprob=True
+            input_ids=rows,
+            sampling_params=sampling_params(params, self.eos_token_ids),
+            return_logprob=True,
         )
-        return outputs_to_groups(outputs, len(prompts), n, (*self.eos_token_ids, *params.stop_token_ids))
+        return outputs_to_groups(
+            outputs, len(prompts), n, (*self.eos_token_ids, *params.stop_token_ids)
+        )
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
         """Loads `tensors` (named as `TrainEngine.export_weights`) into the running engine."""

@@ -43,7 +43,9 @@ class SimulatedSettings:
     seed: int = 0
 
 
-def draw_lengths(rng: np.random.Generator, count: int, median: float, sigma: float, cap: int) -> np.ndarray:
+def draw_lengths(
+    rng: np.random.Generator, count: int, median: float, sigma: float, cap: int
+) -> np.ndarray:
     """[count] int64 response lengths: log-normal with `median` and `sigma` (of the log),
     in [1, cap]."""
     lengths = np.rint(rng.lognormal(np.log(median), sigma, count)).astype(np.int64)
@@ -72,8 +74,19 @@ class SimulatedRolloutEngine:
     (`consumers.rollout_copies`).
     """
 
-    def __init__(self, model: torch.nn.Module, vocab_size: int, eos_token_id: int, settings: SimulatedSettings) -> None:
-        self.model, self.vocab_size, self.eos, self.settings = model, vocab_size, eos_token_id, settings
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        vocab_size: int,
+        eos_token_id: int,
+        settings: SimulatedSettings,
+    ) -> None:
+        self.model, self.vocab_size, self.eos, self.settings = (
+            model,
+            vocab_size,
+            eos_token_id,
+            settings,
+        )
         self.rng = np.random.default_rng(settings.seed)
         self.lock = threading.Lock()
         self.version = 0
@@ -84,19 +97,29 @@ class SimulatedRolloutEngine:
         self.computing = 0
         """Tokens being computed now, by all `generate_sample` threads."""
 
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams) -> list[list[Sample]]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
+    ) -> list[list[Sample]]:
         s = self.settings
         with self.lock:
             started = time.perf_counter()
-            lengths = draw_lengths(self.rng, len(prompts) * n, s.median_tokens, s.sigma, params.max_tokens)
+            lengths = draw_lengths(
+                self.rng, len(prompts) * n, s.median_tokens, s.sigma, params.max_tokens
+            )
             drawn = [self.sample(int(length), params.max_tokens) for length in lengths]
-            ends = finish_times([float(length) * s.seconds_per_token for length in lengths], s.slots)
+            ends = finish_times(
+                [float(length) * s.seconds_per_token for length in lengths], s.slots
+            )
             time.sleep(max(0.0, max(ends, default=0.0) - (time.perf_counter() - started)))
-        return [drawn[i * n:(i + 1) * n] for i in range(len(prompts))]
+        return [drawn[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def generate_sample(self, prompt: Sequence[int], params: SamplingParams) -> Sample:
         with self.lock:  # the generator is not thread-safe
-            length = int(draw_lengths(self.rng, 1, self.settings.median_tokens, self.settings.sigma, params.max_tokens)[0])
+            length = int(
+                draw_lengths(
+                    self.rng, 1, self.settings.median_tokens, self.settings.sigma, params.max_tokens
+                )[0]
+            )
             drawn = self.sample(length, params.max_tokens)
         versions = torch.empty(length, dtype=torch.int32)  # [L]: who computed each token
         # Each token ends `seconds_per_token` after the last one (plus any pause): a sleep that
@@ -106,7 +129,9 @@ class SimulatedRolloutEngine:
         for index in range(length):
             asked = time.perf_counter()
             versions[index] = self.start_token()
-            due += self.settings.seconds_per_token + (time.perf_counter() - asked)  # paused time not charged
+            due += self.settings.seconds_per_token + (
+                time.perf_counter() - asked
+            )  # paused time not charged
             try:
                 self.compute_token(due)
             finally:
@@ -148,12 +173,16 @@ class SimulatedRolloutEngine:
         stopped = length < max_tokens
         if stopped:
             ids[-1] = self.eos
-        return Sample(torch.from_numpy(ids), torch.full((length,), LOGPROB), "stop" if stopped else "length")
+        return Sample(
+            torch.from_numpy(ids), torch.full((length,), LOGPROB), "stop" if stopped else "length"
+        )
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
         """Takes the version only: nothing here runs the weights. Between generations, or
         between `pause` and `resume`: never while a token is being computed."""
         with self.state:
             if self.computing:
-                raise RuntimeError(f"weights loaded while {self.computing} tokens are being computed")
+                raise RuntimeError(
+                    f"weights loaded while {self.computing} tokens are being computed"
+                )
             self.version = self.version + 1 if version is None else version

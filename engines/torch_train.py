@@ -38,7 +38,13 @@ from engines.device import autocast
 from engines.protocols import MicroBatch
 
 __all__ = [
-    "METRIC_SUMS", "CriticConfig", "LossConfig", "TorchTrainEngine", "_atomic_save", "_rng_state", "_set_rng_state",
+    "METRIC_SUMS",
+    "CriticConfig",
+    "LossConfig",
+    "TorchTrainEngine",
+    "_atomic_save",
+    "_rng_state",
+    "_set_rng_state",
 ]
 
 
@@ -108,9 +114,15 @@ class TorchTrainEngine:
         if loss.kl_coef and own_reference:
             # transformers types `to` through a decorator that mypy reads as unbound.
             self.reference = copy.deepcopy(model).to(self.device).requires_grad_(False)  # type: ignore[arg-type]
-        self.critic = Critic(model, critic, self.device, self._autocast, _positions) if critic is not None else None
+        self.critic = (
+            Critic(model, critic, self.device, self._autocast, _positions)
+            if critic is not None
+            else None
+        )
         self.model = self._wrap(model.to(self.device))  # type: ignore[arg-type]  # as above
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=lr, weight_decay=weight_decay
+        )
         self.max_grad_norm = max_grad_norm
         self.loss_config = loss
         self.logprob_chunk_tokens = logprob_chunk_tokens
@@ -125,7 +137,10 @@ class TorchTrainEngine:
         return autocast(self.device, self.compute_dtype)
 
     def _token_logprobs(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, entropy: bool = True,
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        entropy: bool = True,
         model: torch.nn.Module | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[B, T] ids -> [B, T] log p(x[t] | x[<t]) at the configured temperature, and [B, T] the
@@ -142,11 +157,15 @@ class TorchTrainEngine:
             logits = self._token_logits(input_ids, attention_mask, model)
             # The entropy keeps its graph only when the loss has an entropy bonus.
             kept = logits if self.loss_config.entropy_coef else logits.detach()
-            return _aligned(gather_logprobs(logits, targets)), _aligned(entropy_from_logits(kept)) if entropy else None
+            return _aligned(gather_logprobs(logits, targets)), _aligned(
+                entropy_from_logits(kept)
+            ) if entropy else None
         with self._autocast():
             # nn.Module's attributes are typed Tensor | Module; a HF model has these methods.
             hidden = model.get_decoder()(  # type: ignore[operator]
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=_positions(attention_mask)
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=_positions(attention_mask),
             ).last_hidden_state[:, :-1]  # [B, T - 1, H]: position t predicts token t + 1
         head = model.get_output_embeddings().weight  # type: ignore[operator]  # [V, H]
         logprobs, entropies = chunked_logprobs(
@@ -155,16 +174,25 @@ class TorchTrainEngine:
         return _aligned(logprobs), _aligned(entropies) if entropy else None
 
     def _token_logits(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model: torch.nn.Module | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        model: torch.nn.Module | None = None,
     ) -> torch.Tensor:
         """[B, T] ids -> [B, T - 1, V] float32 logits of `model` (the policy by default) predicting
         tokens 1..T-1, divided by the temperature: the full-logits path
         (`logprob_chunk_tokens` 0)."""
         model = self.model if model is None else model
         with self._autocast():
-            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=_positions(attention_mask))
+            out = model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=_positions(attention_mask),
+            )
         logits = out.logits[:, :-1].float()
-        return logits / self.loss_config.temperature if self.loss_config.temperature != 1.0 else logits
+        return (
+            logits / self.loss_config.temperature if self.loss_config.temperature != 1.0 else logits
+        )
 
     @torch.no_grad()
     def token_limits(self) -> tuple[int, int | None]:
@@ -210,12 +238,16 @@ class TorchTrainEngine:
             group["lr"] = lr
         totals = dict.fromkeys(METRIC_SUMS, 0.0)
         norms: list[float] = []
-        chunks = [list(c) for c in np.array_split(np.arange(len(micro_batches)), self.ppo_mini_batches)]
+        chunks = [
+            list(c) for c in np.array_split(np.arange(len(micro_batches)), self.ppo_mini_batches)
+        ]
         for _ in range(self.ppo_epochs):
             for chunk in chunks:
                 norm = self._update(
-                    [micro_batches[i] for i in chunk], None if proximal is None else [proximal[i] for i in chunk],
-                    totals, None if targets is None else [targets[i] for i in chunk],
+                    [micro_batches[i] for i in chunk],
+                    None if proximal is None else [proximal[i] for i in chunk],
+                    totals,
+                    None if targets is None else [targets[i] for i in chunk],
                 )
                 if norm is not None:
                     norms.append(norm)
@@ -254,7 +286,10 @@ class TorchTrainEngine:
         }
 
     def _update(
-        self, micro_batches: Sequence[MicroBatch], proximal: Sequence[torch.Tensor] | None, totals: dict[str, float],
+        self,
+        micro_batches: Sequence[MicroBatch],
+        proximal: Sequence[torch.Tensor] | None,
+        totals: dict[str, float],
         targets: Sequence[Targets] | None = None,
     ) -> float | None:
         """One optimizer update over `micro_batches` (with their proximal log-probs, if any),
@@ -273,15 +308,25 @@ class TorchTrainEngine:
             real = index < len(micro_batches)
             batch = micro_batches[index] if real else _empty_like(micro_batches)
             self._before_backward(last=index == passes - 1)
-            objective = self._objective(batch, proximal[index] if proximal is not None and real else None)
+            objective = self._objective(
+                batch, proximal[index] if proximal is not None and real else None
+            )
             mask = batch.loss_mask.to(self.device).float()
-            loss = aggregate(objective.loss, mask, mode, denominator=denominator, norm_tokens=self.loss_config.norm_tokens)
+            loss = aggregate(
+                objective.loss,
+                mask,
+                mode,
+                denominator=denominator,
+                norm_tokens=self.loss_config.norm_tokens,
+            )
             loss.backward()
             totals["loss"] += loss.item()
             for name, value in objective.sums.items():
                 totals[name] += value
             if self.critic is not None and targets is not None and real:
-                sums = self.critic.accumulate(batch, targets[index], mode, denominator, self.loss_config.norm_tokens)
+                sums = self.critic.accumulate(
+                    batch, targets[index], mode, denominator, self.loss_config.norm_tokens
+                )
                 for name, value in sums.items():
                     totals[name] = totals.get(name, 0.0) + value
         grad_norm = self._clip_grad_norm()
@@ -301,11 +346,18 @@ class TorchTrainEngine:
         ref = None if batch.ref_logprobs is None else batch.ref_logprobs.to(self.device).float()
         if ref is None and self.reference is not None:
             with torch.no_grad():
-                ref, _ = self._token_logprobs(input_ids, attention, entropy=False, model=self.reference)
+                ref, _ = self._token_logprobs(
+                    input_ids, attention, entropy=False, model=self.reference
+                )
         return token_objective(
-            self.loss_config, logprobs, batch.behaviour_logprobs.to(self.device), batch.advantages.to(self.device).float(),
-            batch.loss_mask.to(self.device).float(), proximal=None if proximal is None else proximal.to(self.device),
-            entropy=entropy, ref_logprobs=ref,
+            self.loss_config,
+            logprobs,
+            batch.behaviour_logprobs.to(self.device),
+            batch.advantages.to(self.device).float(),
+            batch.loss_mask.to(self.device).float(),
+            proximal=None if proximal is None else proximal.to(self.device),
+            entropy=entropy,
+            ref_logprobs=ref,
         )
 
     @torch.no_grad()
@@ -315,7 +367,9 @@ class TorchTrainEngine:
         _, passes = self._step_shape(micro_batches)
         out = []
         for index in range(passes):
-            batch = micro_batches[index] if index < len(micro_batches) else _empty_like(micro_batches)
+            batch = (
+                micro_batches[index] if index < len(micro_batches) else _empty_like(micro_batches)
+            )
             logprobs, _ = self._token_logprobs(
                 batch.input_ids.to(self.device), batch.attention_mask.to(self.device), entropy=False
             )
@@ -325,7 +379,9 @@ class TorchTrainEngine:
     def _step_shape(self, micro_batches: Sequence[MicroBatch]) -> tuple[int, int]:
         """The loss denominator of the whole step (tokens or sequences) and the passes to run."""
         mode = self.loss_config.aggregation
-        return sum(aggregation_count(mb.loss_mask, mode) for mb in micro_batches), len(micro_batches)
+        return sum(aggregation_count(mb.loss_mask, mode) for mb in micro_batches), len(
+            micro_batches
+        )
 
     def _before_backward(self, last: bool) -> None:
         """Called before each pass; `last` is the step's final one (where gradients sync)."""
@@ -357,7 +413,10 @@ class TorchTrainEngine:
         return path.exists()
 
     def save_checkpoint(
-        self, path: Path, extra: dict[str, Any] | None = None, before_replace: Callable[[], None] | None = None
+        self,
+        path: Path,
+        extra: dict[str, Any] | None = None,
+        before_replace: Callable[[], None] | None = None,
     ) -> None:
         """Writes model, optimizer, step, RNG states, the critic (and its optimizer) if any, and
         `extra` to `path` atomically.
@@ -386,8 +445,10 @@ class TorchTrainEngine:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.critic is not None:
             if "critic" not in state:
-                raise ValueError(f"{path} holds no critic: a run without GAE cannot resume as "
-                                 "algorithm.advantage gae")
+                raise ValueError(
+                    f"{path} holds no critic: a run without GAE cannot resume as "
+                    "algorithm.advantage gae"
+                )
             self.critic.load_state_dict(state["critic"])
         self.step = state["step"]
         _set_rng_state(state["rng"])
@@ -403,6 +464,9 @@ def _empty_like(micro_batches: Sequence[MicroBatch]) -> MicroBatch:
     else:
         ids, attention = torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long)
     return MicroBatch(
-        input_ids=ids, attention_mask=attention, loss_mask=torch.zeros(ids.shape), advantages=torch.zeros(1),
+        input_ids=ids,
+        attention_mask=attention,
+        loss_mask=torch.zeros(ids.shape),
+        advantages=torch.zeros(1),
         behaviour_logprobs=torch.zeros(ids.shape),
     )

@@ -65,11 +65,15 @@ def delta_chunk(output: Any) -> Chunk:
         raise ValueError("vllm: a completion without log-probs (the request must set logprobs=0)")
     ranked_positions = list(completion.logprobs or [])
     if len(ranked_positions) != len(tokens):
-        raise ValueError(f"vllm: {len(tokens)} new tokens but {len(ranked_positions)} log-prob positions")
+        raise ValueError(
+            f"vllm: {len(tokens)} new tokens but {len(ranked_positions)} log-prob positions"
+        )
     logprobs = []
     for position, (token, ranked) in enumerate(zip(tokens, ranked_positions, strict=True)):
         if token not in ranked:
-            raise ValueError(f"vllm: new position {position} reports no log-prob for its sampled token {token}")
+            raise ValueError(
+                f"vllm: new position {position} reports no log-prob for its sampled token {token}"
+            )
         logprobs.append(float(ranked[token].logprob))
     finish = (completion.finish_reason or "abort") if output.finished else None
     return Chunk(tuple(tokens), tuple(logprobs), finish)
@@ -81,18 +85,30 @@ class VLLMContinuousEngine(ContinuousAdapter):
 
     name = "vllm"
 
-    def __init__(self, model_dir: Path, settings: VLLMSettings = VLLMSettings(), slots: int = 64,
-                 partial_mode: PartialMode = "resubmit") -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        settings: VLLMSettings = VLLMSettings(),
+        slots: int = 64,
+        partial_mode: PartialMode = "resubmit",
+    ) -> None:
         vllm = require("vllm", "vllm")
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with our loader function
+        os.environ.setdefault(
+            "VLLM_ALLOW_INSECURE_SERIALIZATION", "1"
+        )  # collective_rpc with our loader function
         super().__init__(slots, eos_token_ids(model_dir), partial_mode, EngineLoop("vllm-engine"))
         self.model = skeleton(model_dir, settings.max_model_len)
         self.dtype = torch_dtype(settings.dtype)
         self._vllm = vllm
         self._delta = require("vllm.sampling_params", "vllm").RequestOutputKind.DELTA
         args = vllm.AsyncEngineArgs(**async_engine_kwargs(model_dir, settings, slots))
-        self.engine = self.loop.run(self._start(args))  # built on the engine loop, which its output handler needs
-        if partial_mode == "keep" and "mode" not in inspect.signature(self.engine.pause_generation).parameters:
+        self.engine = self.loop.run(
+            self._start(args)
+        )  # built on the engine loop, which its output handler needs
+        if (
+            partial_mode == "keep"
+            and "mode" not in inspect.signature(self.engine.pause_generation).parameters
+        ):
             self.close()
             raise EngineUnavailable(
                 "rollout.engine.partial_mode keep (vllm) needs vLLM's pause_generation(mode='keep') "
@@ -106,9 +122,15 @@ class VLLMContinuousEngine(ContinuousAdapter):
     def check(self, params: SamplingParams) -> None:
         sampling_kwargs(params, 1, self.eos_token_ids)  # refuses top_p < 1
 
-    async def stream(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
-        sampling = self._vllm.SamplingParams(**request_kwargs(params, self.eos_token_ids, self._delta))
-        async for output in self.engine.generate({"prompt_token_ids": prompt}, sampling, request_id=request_id):
+    async def stream(
+        self, request_id: str, prompt: list[int], params: SamplingParams
+    ) -> AsyncIterator[Chunk]:
+        sampling = self._vllm.SamplingParams(
+            **request_kwargs(params, self.eos_token_ids, self._delta)
+        )
+        async for output in self.engine.generate(
+            {"prompt_token_ids": prompt}, sampling, request_id=request_id
+        ):
             yield delta_chunk(output)
 
     async def engine_abort(self, request_ids: list[str]) -> None:

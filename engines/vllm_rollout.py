@@ -108,10 +108,14 @@ def completion_to_sample(completion: Any, stop_ids: Sequence[int]) -> Sample:
     logprobs = []
     for position, (token, ranked) in enumerate(zip(token_ids, completion.logprobs, strict=False)):
         if token not in ranked:
-            raise ValueError(f"vllm: position {position} reports no log-prob for its sampled token {token}")
+            raise ValueError(
+                f"vllm: position {position} reports no log-prob for its sampled token {token}"
+            )
         logprobs.append(float(ranked[token].logprob))
     if len(completion.logprobs) != len(token_ids):
-        logprobs.extend([0.0] * (len(completion.logprobs) - len(token_ids)))  # make_sample names the mismatch
+        logprobs.extend(
+            [0.0] * (len(completion.logprobs) - len(token_ids))
+        )  # make_sample names the mismatch
     return make_sample(token_ids, logprobs, completion.finish_reason, stop_ids, "vllm")
 
 

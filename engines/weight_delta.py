@@ -105,7 +105,9 @@ def _narrowest(values: np.ndarray, candidates: tuple[type[np.integer], ...]) -> 
     raise AssertionError(f"no integer dtype holds {low}..{high}")
 
 
-def _encode(old: torch.Tensor | None, new: torch.Tensor) -> tuple[dict[str, object], torch.Tensor | None]:
+def _encode(
+    old: torch.Tensor | None, new: torch.Tensor
+) -> tuple[dict[str, object], torch.Tensor | None]:
     """(header fields, payload tensor or None) for one tensor."""
     full: tuple[dict[str, object], torch.Tensor | None] = ({"encoding": "full"}, new)
     if old is None or old.dtype != new.dtype or old.shape != new.shape or new.numel() == 0:
@@ -118,7 +120,11 @@ def _encode(old: torch.Tensor | None, new: torch.Tensor) -> tuple[dict[str, obje
     changes = _narrowest(_ordered(new_bits[where]) - _ordered(old_bits[where]), _SIGNED)
     gaps = _narrowest(np.diff(where, prepend=-1) - 1, _UNSIGNED)
     if where.size * gaps.itemsize < (new_bits.size - where.size) * changes.itemsize:
-        fields: dict[str, object] = {"encoding": "sparse", "count": int(where.size), "gaps": gaps.dtype.name}
+        fields: dict[str, object] = {
+            "encoding": "sparse",
+            "count": int(where.size),
+            "gaps": gaps.dtype.name,
+        }
         raw = gaps.tobytes() + changes.tobytes()
     else:
         dense = (_ordered(new_bits) - _ordered(old_bits)).astype(changes.dtype)
@@ -126,7 +132,9 @@ def _encode(old: torch.Tensor | None, new: torch.Tensor) -> tuple[dict[str, obje
     blob = zlib.compress(raw, ZLIB_LEVEL)
     if len(blob) >= new.nbytes:
         return full
-    return {**fields, "diffs": changes.dtype.name}, torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    return {**fields, "diffs": changes.dtype.name}, torch.frombuffer(
+        bytearray(blob), dtype=torch.uint8
+    )
 
 
 def encode_shard(
@@ -150,12 +158,19 @@ def encode_shard(
     for name in names:
         tensor = new[name].contiguous()
         fields, stored = _encode(base.get(name) if base_version is not None else None, tensor)
-        spec = TensorSpec(name=name, dtype=dtype_name(tensor), shape=tuple(tensor.shape), sha256=tensor_sha256(tensor))
+        spec = TensorSpec(
+            name=name,
+            dtype=dtype_name(tensor),
+            shape=tuple(tensor.shape),
+            sha256=tensor_sha256(tensor),
+        )
         entries.append(TensorDelta.model_validate({**spec.model_dump(), **fields}))
         specs.append(spec)
         if stored is not None:
             payload[name] = stored
-    header = ShardHeader(version=version, base_version=base_version, rank=rank, world=world, tensors=tuple(entries))
+    header = ShardHeader(
+        version=version, base_version=base_version, rank=rank, world=world, tensors=tuple(entries)
+    )
     return save(payload, metadata={META_KEY: header.model_dump_json()}), tuple(specs)
 
 
@@ -166,21 +181,31 @@ def read_shard(data: bytes) -> tuple[ShardHeader, dict[str, torch.Tensor]]:
         with_header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
         header = ShardHeader.model_validate_json(with_header.get("__metadata__", {})[META_KEY])
     except (SafetensorError, ValueError, KeyError, TypeError) as exc:
-        detail = f"{exc.error_count()} header errors, first: {exc.errors()[0]['msg']}" if isinstance(exc, ValidationError) else exc
+        detail = (
+            f"{exc.error_count()} header errors, first: {exc.errors()[0]['msg']}"
+            if isinstance(exc, ValidationError)
+            else exc
+        )
         raise ChecksumMismatch(f"not a {FORMAT} shard: {detail}") from None
     stored = {t.name for t in header.tensors if t.encoding != "same"}
     if set(tensors) != stored:
-        raise ChecksumMismatch(f"shard {header.rank}: stored tensors differ from its header: "
-                               f"{sorted(set(tensors) ^ stored)[:3]}")
+        raise ChecksumMismatch(
+            f"shard {header.rank}: stored tensors differ from its header: "
+            f"{sorted(set(tensors) ^ stored)[:3]}"
+        )
     return header, tensors
 
 
-def _changes(header: ShardHeader, entry: TensorDelta, blob: torch.Tensor, size: int) -> tuple[np.ndarray | None, np.ndarray]:
+def _changes(
+    header: ShardHeader, entry: TensorDelta, blob: torch.Tensor, size: int
+) -> tuple[np.ndarray | None, np.ndarray]:
     """(positions or None for all, changes) of a sparse or dense entry, checked for size."""
     gaps_dtype, diffs_dtype = np.dtype(entry.gaps), np.dtype(entry.diffs)
     n_gaps = entry.count if entry.encoding == "sparse" else 0
     expected = n_gaps * gaps_dtype.itemsize + entry.count * diffs_dtype.itemsize
-    mismatch = ChecksumMismatch(f"shard {header.rank}: tensor {entry.name}: changes do not match its header")
+    mismatch = ChecksumMismatch(
+        f"shard {header.rank}: tensor {entry.name}: changes do not match its header"
+    )
     if entry.count > size or (entry.encoding == "dense" and entry.count != size):
         raise mismatch
     # Bounded: a corrupt or hostile blob cannot inflate past what the header announces,
@@ -189,7 +214,9 @@ def _changes(header: ShardHeader, entry: TensorDelta, blob: torch.Tensor, size: 
     try:
         raw = inflate.decompress(blob.numpy().tobytes(), expected + 1)
     except zlib.error as exc:
-        raise ChecksumMismatch(f"shard {header.rank}: tensor {entry.name}: corrupt changes ({exc})") from None
+        raise ChecksumMismatch(
+            f"shard {header.rank}: tensor {entry.name}: corrupt changes ({exc})"
+        ) from None
     if len(raw) != expected or not inflate.eof:
         raise mismatch
     changes = np.frombuffer(raw, diffs_dtype, offset=n_gaps * gaps_dtype.itemsize)
@@ -197,7 +224,9 @@ def _changes(header: ShardHeader, entry: TensorDelta, blob: torch.Tensor, size: 
         return None, changes
     where = np.cumsum(np.frombuffer(raw, gaps_dtype, count=n_gaps).astype(np.int64) + 1) - 1
     if where.size and where[-1] >= size:
-        raise ChecksumMismatch(f"shard {header.rank}: tensor {entry.name}: a change lies past its {size} elements")
+        raise ChecksumMismatch(
+            f"shard {header.rank}: tensor {entry.name}: a change lies past its {size} elements"
+        )
     return where, changes
 
 
@@ -232,8 +261,10 @@ def apply_delta(
     _check_shards(parsed, manifest, version, base_version)
     names = {spec.name for spec in manifest}
     if (base_version is not None or weights) and set(weights) != names:
-        raise WeightsRefused(f"base weights' names differ from v{version}'s manifest: "
-                             f"{sorted(set(weights) ^ names)[:3]}")
+        raise WeightsRefused(
+            f"base weights' names differ from v{version}'s manifest: "
+            f"{sorted(set(weights) ^ names)[:3]}"
+        )
     undo: list[tuple[str, torch.Tensor | None, np.ndarray | None, np.ndarray | None]] = []
     try:
         for header, stored in parsed:
@@ -261,13 +292,21 @@ def _apply_entry(
     if entry.encoding == "full":
         assert stored is not None  # read_shard checked it
         if dtype_name(stored) != entry.dtype or tuple(stored.shape) != entry.shape:
-            raise ChecksumMismatch(f"shard {header.rank}: tensor {name}: stored dtype or shape differs from its header")
+            raise ChecksumMismatch(
+                f"shard {header.rank}: tensor {name}: stored dtype or shape differs from its header"
+            )
         undo.append((name, weights.get(name), None, None))
         weights[name] = stored
     else:
         tensor = weights[name]
-        if dtype_name(tensor) != entry.dtype or tuple(tensor.shape) != entry.shape or not tensor.is_contiguous():
-            raise WeightsRefused(f"base tensor {name} is not a contiguous {entry.dtype} {list(entry.shape)}")
+        if (
+            dtype_name(tensor) != entry.dtype
+            or tuple(tensor.shape) != entry.shape
+            or not tensor.is_contiguous()
+        ):
+            raise WeightsRefused(
+                f"base tensor {name} is not a contiguous {entry.dtype} {list(entry.shape)}"
+            )
         if entry.encoding != "same":
             assert stored is not None
             where, changes = _changes(header, entry, stored, tensor.numel())
@@ -290,8 +329,10 @@ def _check_shards(
     ranks = sorted(header.rank for header, _ in parsed)
     worlds = {header.world for header, _ in parsed}
     if worlds != {len(parsed)} or ranks != list(range(len(parsed))):
-        raise WeightsRefused(f"v{version}: shards of ranks {ranks} with world sizes {sorted(worlds)} are not one "
-                             "whole version")
+        raise WeightsRefused(
+            f"v{version}: shards of ranks {ranks} with world sizes {sorted(worlds)} are not one "
+            "whole version"
+        )
     for header, _ in parsed:
         if (header.version, header.base_version) != (version, base_version):
             raise WeightsRefused(
@@ -304,9 +345,13 @@ def _check_shards(
     carried = [entry for header, _ in parsed for entry in header.tensors]
     names = [entry.name for entry in carried]
     if len(names) != len(set(names)) or set(names) != set(expected):
-        raise WeightsRefused(f"v{version}: shards do not carry each manifest tensor once: "
-                             f"{sorted(set(names) ^ set(expected))[:3]}")
+        raise WeightsRefused(
+            f"v{version}: shards do not carry each manifest tensor once: "
+            f"{sorted(set(names) ^ set(expected))[:3]}"
+        )
     for entry in carried:
         spec = expected[entry.name]
         if (entry.dtype, entry.shape, entry.sha256) != (spec.dtype, spec.shape, spec.sha256):
-            raise ChecksumMismatch(f"tensor {entry.name}: shard header disagrees with v{version}'s manifest")
+            raise ChecksumMismatch(
+                f"tensor {entry.name}: shard header disagrees with v{version}'s manifest"
+            )

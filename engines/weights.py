@@ -21,8 +21,16 @@ from schemas.weight_event import TensorSpec
 
 # safetensors' dtype codes <-> the wire dtype names of `schemas.tensor.DType`.
 _CODES = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64",
-    "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "I32": "int32",
+    "I64": "int64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
 }
 _TORCH = {name: getattr(torch, name) for name in _CODES.values()}
 _ITEMSIZE = {name: torch.empty(0, dtype=dtype).element_size() for name, dtype in _TORCH.items()}
@@ -49,7 +57,9 @@ def check_manifest(manifest: tuple[TensorSpec, ...], model: torch.nn.Module) -> 
     announced = {spec.name: spec.shape for spec in manifest}
     if announced != expected:
         names = sorted(set(announced) ^ set(expected))
-        shapes = sorted(name for name in set(announced) & set(expected) if announced[name] != expected[name])
+        shapes = sorted(
+            name for name in set(announced) & set(expected) if announced[name] != expected[name]
+        )
         raise WeightsRefused(
             f"manifest does not match the model: {len(names)} names differ {names[:3]}, "
             f"{len(shapes)} shapes differ {shapes[:3]}"
@@ -93,11 +103,19 @@ def verify(tensors: dict[str, torch.Tensor], manifest: tuple[TensorSpec, ...]) -
     shapes, sha256."""
     expected = {spec.name: spec for spec in manifest}
     if set(tensors) != set(expected):
-        raise ChecksumMismatch(f"tensor names differ from the manifest: {sorted(set(tensors) ^ set(expected))[:5]}")
+        raise ChecksumMismatch(
+            f"tensor names differ from the manifest: {sorted(set(tensors) ^ set(expected))[:5]}"
+        )
     for name, tensor in tensors.items():
         spec = expected[name]
-        if tuple(tensor.shape) != spec.shape or dtype_name(tensor) != spec.dtype or tensor_sha256(tensor) != spec.sha256:
-            raise ChecksumMismatch(f"tensor {name} does not match its manifest entry (shape, dtype or sha256)")
+        if (
+            tuple(tensor.shape) != spec.shape
+            or dtype_name(tensor) != spec.dtype
+            or tensor_sha256(tensor) != spec.sha256
+        ):
+            raise ChecksumMismatch(
+                f"tensor {name} does not match its manifest entry (shape, dtype or sha256)"
+            )
 
 
 def byte_buffer(size: int) -> mmap.mmap:
@@ -146,7 +164,9 @@ class Receiver:
     def write(self, offset: int, data: bytes | memoryview) -> None:
         end = offset + len(data)
         if offset != self.received or end > self.total:
-            raise ChecksumMismatch(f"bytes {offset}..{end} out of order or past the announced {self.total}")
+            raise ChecksumMismatch(
+                f"bytes {offset}..{end} out of order or past the announced {self.total}"
+            )
         self._view[offset:end] = data
         self.received = end
 
@@ -160,11 +180,13 @@ class Receiver:
         while self._next < len(self._layout) and self.hashed < end:
             _, stop, spec = self._layout[self._next]
             upto = min(stop, end)
-            self._hash.update(self._view[self.hashed:upto])
+            self._hash.update(self._view[self.hashed : upto])
             self.hashed = upto
             if upto == stop:
                 if self._hash.hexdigest() != spec.sha256:
-                    raise ChecksumMismatch(f"tensor {spec.name} does not match its manifest entry (sha256)")
+                    raise ChecksumMismatch(
+                        f"tensor {spec.name} does not match its manifest entry (sha256)"
+                    )
                 self._hash = hashlib.sha256()
                 self._next += 1
 
@@ -175,28 +197,47 @@ class Receiver:
             return None
         (length,) = struct.unpack("<Q", self._view[:8])
         if length > min(HEADER_LIMIT, self.total - 8):
-            raise ChecksumMismatch(f"not a safetensors payload: a header of {length} bytes in {self.total}")
+            raise ChecksumMismatch(
+                f"not a safetensors payload: a header of {length} bytes in {self.total}"
+            )
         if end < 8 + length:
             return None
         try:
-            header = json.loads(bytes(self._view[8:8 + length]))
+            header = json.loads(bytes(self._view[8 : 8 + length]))
             entries = {name: entry for name, entry in header.items() if name != "__metadata__"}
-            ranges = sorted((int(e["data_offsets"][0]), int(e["data_offsets"][1]), name) for name, e in entries.items())
-            codes = {name: (_CODES.get(e["dtype"]), tuple(e["shape"])) for name, e in entries.items()}
+            ranges = sorted(
+                (int(e["data_offsets"][0]), int(e["data_offsets"][1]), name)
+                for name, e in entries.items()
+            )
+            codes = {
+                name: (_CODES.get(e["dtype"]), tuple(e["shape"])) for name, e in entries.items()
+            }
         except (ValueError, TypeError, KeyError, AttributeError, IndexError) as exc:
-            raise ChecksumMismatch(f"not a safetensors payload: {type(exc).__name__} in its header") from None
+            raise ChecksumMismatch(
+                f"not a safetensors payload: {type(exc).__name__} in its header"
+            ) from None
         if set(entries) != set(self.manifest):
-            raise ChecksumMismatch("tensor names differ from the manifest: "
-                                   f"{sorted(set(entries) ^ set(self.manifest))[:5]}")
+            raise ChecksumMismatch(
+                "tensor names differ from the manifest: "
+                f"{sorted(set(entries) ^ set(self.manifest))[:5]}"
+            )
         layout, base, cursor = [], 8 + length, 0
         for start, stop, name in ranges:  # offsets within the data section
             spec = self.manifest[name]
-            if codes[name] != (spec.dtype, spec.shape) or start != cursor or stop - start != nbytes(spec):
-                raise ChecksumMismatch(f"tensor {name} does not match its manifest entry (dtype, shape or place)")
+            if (
+                codes[name] != (spec.dtype, spec.shape)
+                or start != cursor
+                or stop - start != nbytes(spec)
+            ):
+                raise ChecksumMismatch(
+                    f"tensor {name} does not match its manifest entry (dtype, shape or place)"
+                )
             layout.append((base + start, base + stop, spec))
             cursor = stop
         if base + cursor != self.total:
-            raise ChecksumMismatch(f"the payload is {self.total} bytes, its header describes {base + cursor}")
+            raise ChecksumMismatch(
+                f"the payload is {self.total} bytes, its header describes {base + cursor}"
+            )
         return layout
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -204,7 +245,9 @@ class Receiver:
         matched."""
         self.verify_through(self.received)
         if self.received != self.total or self._layout is None or self._next != len(self._layout):
-            raise ChecksumMismatch(f"{self.received} of {self.total} bytes arrived, not all verified")
+            raise ChecksumMismatch(
+                f"{self.received} of {self.total} bytes arrived, not all verified"
+            )
         return {spec.name: self._tensor(begin, spec) for begin, _, spec in self._layout}
 
     def _tensor(self, start: int, spec: TensorSpec) -> torch.Tensor:
@@ -214,4 +257,8 @@ class Receiver:
         view = torch.frombuffer(self.buffer, dtype=_TORCH[spec.dtype], count=count, offset=start)
         # safetensors aligns every tensor; a payload that does not gets a copy,
         # never a misaligned view.
-        return view.reshape(spec.shape) if start % _ITEMSIZE[spec.dtype] == 0 else view.clone().reshape(spec.shape)
+        return (
+            view.reshape(spec.shape)
+            if start % _ITEMSIZE[spec.dtype] == 0
+            else view.clone().reshape(spec.shape)
+        )

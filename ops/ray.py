@@ -69,7 +69,9 @@ class WorkerActor:
         self.name = name
         self.supervisor = Supervisor(config, run, url, names=[name])
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.supervisor.serve, args=(self.stop,), name=name, daemon=True)
+        self.thread = threading.Thread(
+            target=self.supervisor.serve, args=(self.stop,), name=name, daemon=True
+        )
         self.thread.start()
 
     def started(self) -> str:
@@ -119,8 +121,12 @@ def up(config: FleetConfig, fleet: str, run: str, url: str, timeout: float = STA
         actor = (
             ray.remote(WorkerActor)
             .options(
-                name=actor_name(run, fleet, name), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-                num_cpus=spec.num_cpus, num_gpus=spec.num_gpus,
+                name=actor_name(run, fleet, name),
+                namespace=NAMESPACE,
+                lifetime="detached",
+                get_if_exists=True,
+                num_cpus=spec.num_cpus,
+                num_gpus=spec.num_gpus,
                 max_restarts=-1,  # its node lost: Ray starts it again elsewhere
             )
             .remote(ray_fleet, run, url, name)
@@ -132,8 +138,10 @@ def up(config: FleetConfig, fleet: str, run: str, url: str, timeout: float = STA
     for ref, (name, spec) in starting.items():
         if ref not in ready:
             failed = True
-            print(f"{name}: not placed in {timeout:.0f}s (needs {spec.num_cpus:g} CPU, "
-                  f"{spec.num_gpus:g} GPU); it starts when the cluster has room, or `down` removes it")
+            print(
+                f"{name}: not placed in {timeout:.0f}s (needs {spec.num_cpus:g} CPU, "
+                f"{spec.num_gpus:g} GPU); it starts when the cluster has room, or `down` removes it"
+            )
             continue
         try:
             print(f"{name}: {ray.get(ref)}")
@@ -157,7 +165,9 @@ def down(config: FleetConfig, fleet: str, run: str) -> int:
             continue
         draining[actor.drain.remote()] = (name, actor)
     wait = config.stop_timeout + DRAIN_MARGIN
-    ready, _ = ray.wait(list(draining), num_returns=len(draining), timeout=wait) if draining else ([], [])
+    ready, _ = (
+        ray.wait(list(draining), num_returns=len(draining), timeout=wait) if draining else ([], [])
+    )
     failed = False
     for ref, (name, actor) in draining.items():
         if ref in ready:
@@ -186,11 +196,21 @@ def describe(state: State, code: int | None) -> tuple[str, bool]:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m ops.ray", description=__doc__.split("\n\n")[0])
-    parser.add_argument("action", choices=["up", "down"], help="start the fleet's workers, or drain and remove them")
-    parser.add_argument("config", type=Path, help="fleet YAML (see consumers/fleet.py); it must set `run`")
-    parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"),
-                        help="Ray cluster HOST:PORT (default: $RAY_ADDRESS, then the one `ray start` began here)")
-    parser.add_argument("--nats", help="NATS URL(s) the workers use (default: the YAML's, $JETRL_NATS_URL, localhost)")
+    parser.add_argument(
+        "action", choices=["up", "down"], help="start the fleet's workers, or drain and remove them"
+    )
+    parser.add_argument(
+        "config", type=Path, help="fleet YAML (see consumers/fleet.py); it must set `run`"
+    )
+    parser.add_argument(
+        "--address",
+        default=os.environ.get("RAY_ADDRESS", "auto"),
+        help="Ray cluster HOST:PORT (default: $RAY_ADDRESS, then the one `ray start` began here)",
+    )
+    parser.add_argument(
+        "--nats",
+        help="NATS URL(s) the workers use (default: the YAML's, $JETRL_NATS_URL, localhost)",
+    )
     return parser.parse_args(argv)
 
 
@@ -206,7 +226,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         # The workers' own logs are in their log files; the CLI prints one line per worker.
-        ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
+        ray.init(
+            address=args.address,
+            namespace=NAMESPACE,
+            log_to_driver=False,
+            logging_level=logging.WARNING,
+        )
     except ConnectionError as exc:  # no cluster there: say so in one line, not a traceback
         sys.exit(f"ops.ray: {exc}")
     try:

@@ -104,18 +104,27 @@ class Details:
 async def sample(js: JetStreamContext, topology: Topology) -> Sample:
     stages: dict[str, StageState | None] = {}
     for channel in CHANNELS:
-        info = await or_unknown(lambda: js.stream_info(topology.stream(channel)), f"stream {channel.name}")  # noqa: B023
+        info = await or_unknown(
+            lambda: js.stream_info(topology.stream(channel)), f"stream {channel.name}"
+        )  # noqa: B023
         stages[channel.name] = (
-            None if info is None
+            None
+            if info is None
             else StageState(info.state.messages, info.state.bytes, info.state.last_seq)
         )
     queues = await queue_lag(js, topology)
     dead_info = await or_unknown(
-        lambda: js.stream_info(topology.stream(DEAD), subjects_filter=topology.subject(DEAD, ">")), "dead letters"
+        lambda: js.stream_info(topology.stream(DEAD), subjects_filter=topology.subject(DEAD, ">")),
+        "dead letters",
     )
-    dead = None if dead_info is None else {
-        subject.rsplit(".", 1)[1]: count for subject, count in (dead_info.state.subjects or {}).items()
-    }
+    dead = (
+        None
+        if dead_info is None
+        else {
+            subject.rsplit(".", 1)[1]: count
+            for subject, count in (dead_info.state.subjects or {}).items()
+        }
+    )
     return Sample(time.monotonic(), stages, queues, dead)
 
 
@@ -163,7 +172,9 @@ def lost_line(lost: dict[str, int | None] | None) -> str:
     )
 
 
-async def recent_batches(js: JetStreamContext, topology: Topology, batches: int) -> list[BatchEvent]:
+async def recent_batches(
+    js: JetStreamContext, topology: Topology, batches: int
+) -> list[BatchEvent]:
     """The last `batches` readable batch events of the run, oldest first (deleted ones and
     garbage the trainer dead-letters are stepped over)."""
     reader: LastStored[BatchEvent] = LastStored(js, topology, BATCHES, Poison("status"))
@@ -184,7 +195,13 @@ def _size(n: int) -> str:
 def _duration(seconds: float) -> str:
     minutes, secs = divmod(int(seconds), 60)
     hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{seconds:.1f}s"
+    return (
+        f"{hours}h{minutes:02d}m"
+        if hours
+        else f"{minutes}m{secs:02d}s"
+        if minutes
+        else f"{seconds:.1f}s"
+    )
 
 
 def staleness_line(batches: list[BatchEvent]) -> str:
@@ -214,7 +231,10 @@ def render(topology: Topology, before: Sample, now: Sample, info: Details) -> st
         was = before.stages.get(stage)
         rate = "?" if was is None else f"{(s.last_seq - was.last_seq) / seconds:.1f}"
         lines.append(f"{stage:<13} {s.messages:>9} {_size(s.bytes):>10} {rate:>8}")
-    lines += ["", f"{'queue':<9} {'reads':<13} {'pending':>8} {'in flight':>10} {'redelivered':>12} {'done/s':>8}"]
+    lines += [
+        "",
+        f"{'queue':<9} {'reads':<13} {'pending':>8} {'in flight':>10} {'redelivered':>12} {'done/s':>8}",
+    ]
     for role, q in now.queues.items():
         stage = next(c.name for c in topology.work_queues if c.work_queue.durable == role)
         if q is None:
@@ -222,24 +242,48 @@ def render(topology: Topology, before: Sample, now: Sample, info: Details) -> st
             continue
         was_q = before.queues.get(role)
         rate = "?" if was_q is None else f"{(q.done - was_q.done) / seconds:.1f}"
-        lines.append(f"{role:<9} {stage:<13} {q.pending:>8} {q.in_flight:>10} {q.redelivered:>12} {rate:>8}")
-    dead = "?" if now.dead is None else ", ".join(f"{stage} {n}" for stage, n in sorted(now.dead.items())) or "none"
+        lines.append(
+            f"{role:<9} {stage:<13} {q.pending:>8} {q.in_flight:>10} {q.redelivered:>12} {rate:>8}"
+        )
+    dead = (
+        "?"
+        if now.dead is None
+        else ", ".join(f"{stage} {n}" for stage, n in sorted(now.dead.items())) or "none"
+    )
     lines += ["", f"dead letters: {dead}", lost_line(info.lost)]
     members = info.members
-    trainer_steps = [m.weight_version for m in members or [] if m.role == "trainer" and m.weight_version is not None]
+    trainer_steps = [
+        m.weight_version
+        for m in members or []
+        if m.role == "trainer" and m.weight_version is not None
+    ]
     trainer = (
-        "trainer step ?" if members is None else f"trainer at step {max(trainer_steps)}" if trainer_steps else "no live trainer"
+        "trainer step ?"
+        if members is None
+        else f"trainer at step {max(trainer_steps)}"
+        if trainer_steps
+        else "no live trainer"
     )
-    weights = "?" if "weights" in info.unknown else f"v{info.weights}" if info.weights is not None else "none yet"
+    weights = (
+        "?"
+        if "weights" in info.unknown
+        else f"v{info.weights}"
+        if info.weights is not None
+        else "none yet"
+    )
     staleness = "staleness: ?" if info.batches is None else staleness_line(info.batches)
     lines += [f"{trainer}; latest weights {weights}", staleness]
     lines += [info.stalled, ""] if info.stalled else [""]
     lines.append(f"workers: {'?' if members is None else len(members)} live")
-    lines.append(f"{'role':<9} {'node':<20} {'pid':>8} {'engine':<7} {'weights':<9} {'up':>7} {'last beat':>10}")
+    lines.append(
+        f"{'role':<9} {'node':<20} {'pid':>8} {'engine':<7} {'weights':<9} {'up':>7} {'last beat':>10}"
+    )
     wall = time.time()
     for m in members or []:
         version = m.weight_version
-        held = "-" if version is None else f"step {version}" if m.role == "trainer" else f"v{version}"
+        held = (
+            "-" if version is None else f"step {version}" if m.role == "trainer" else f"v{version}"
+        )
         lines.append(
             f"{m.role:<9} {m.node[:20]:<20} {m.pid:>8} {m.engine or '-':<7} {held:<9} "
             f"{_duration(wall - m.started_at):>7} {_duration(wall - m.updated_at) + ' ago':>10}"
@@ -267,7 +311,9 @@ async def show(url: str, topology: Topology, watch: bool, batches: int) -> None:
         pages.result()  # re-raises what ended the loop (no such run, no server)
 
 
-async def _draw(url: str, topology: Topology, watch: bool, batches: int, stop: asyncio.Event) -> None:
+async def _draw(
+    url: str, topology: Topology, watch: bool, batches: int, stop: asyncio.Event
+) -> None:
     # The bus connection retries forever, right for a worker; a person asking for status wants an answer.
     nc = await asyncio.wait_for(connect(url, "ops-status"), CONNECT_SECONDS)
     js = nc.jetstream()
@@ -277,7 +323,10 @@ async def _draw(url: str, topology: Topology, watch: bool, batches: int, stop: a
         except nats.errors.Error as e:
             # No quorum for the run's KV (or no server answering): draw the default pipeline's
             # queues, each `?` where it cannot be read, rather than nothing.
-            print(f"ops.status: run {topology.run}'s config unreadable ({e or type(e).__name__}): default queues shown", file=sys.stderr)
+            print(
+                f"ops.status: run {topology.run}'s config unreadable ({e or type(e).__name__}): default queues shown",
+                file=sys.stderr,
+            )
         before = await sample(js, topology)
         while not stop.is_set():
             await asyncio.sleep(WATCH_SECONDS if watch else 1.0)
@@ -292,11 +341,19 @@ async def _draw(url: str, topology: Topology, watch: bool, batches: int, stop: a
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m ops.status", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m ops.status", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--run", required=True, type=run_id_arg, help="run id")
-    parser.add_argument("--nats", default=os.environ.get("JETRL_NATS_URL", DEFAULT_URL), help="NATS URL(s)")
-    parser.add_argument("--watch", action="store_true", help=f"redraw every {WATCH_SECONDS:.0f} s until Ctrl-C")
-    parser.add_argument("--batches", type=int, default=16, help="recent batch events the staleness is measured over")
+    parser.add_argument(
+        "--nats", default=os.environ.get("JETRL_NATS_URL", DEFAULT_URL), help="NATS URL(s)"
+    )
+    parser.add_argument(
+        "--watch", action="store_true", help=f"redraw every {WATCH_SECONDS:.0f} s until Ctrl-C"
+    )
+    parser.add_argument(
+        "--batches", type=int, default=16, help="recent batch events the staleness is measured over"
+    )
     return parser.parse_args(argv)
 
 

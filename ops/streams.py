@@ -41,7 +41,9 @@ async def stored_config(js: JetStreamContext, run: str) -> tuple[RunConfig, str]
         entry = await kv.get(CONFIG_KEY)
     except (BucketNotFoundError, KeyNotFoundError, NotFoundError):
         return RunConfig(run=run), "no config stored yet: the defaults"
-    return parse_config(yaml.safe_load(entry.value or b""), f"run {run} config in KV"), "the run's config in KV"
+    return parse_config(
+        yaml.safe_load(entry.value or b""), f"run {run} config in KV"
+    ), "the run's config in KV"
 
 
 async def as_stored(js: JetStreamContext, topology: Topology) -> Topology:
@@ -64,7 +66,9 @@ def limits(config: RunConfig, origin: str) -> list[str]:
 async def show(js: JetStreamContext, topology: Topology, config: RunConfig, origin: str) -> None:
     print("\n".join(limits(config, origin)))
     print()
-    print(f"{'stream':<34} {'messages':>9} {'bytes':>12} {'max bytes':>16} {'discard':>7}  consumers")
+    print(
+        f"{'stream':<34} {'messages':>9} {'bytes':>12} {'max bytes':>16} {'discard':>7}  consumers"
+    )
     lags = await queue_lag(js, topology)
     for channel in topology.channels:
         name = topology.stream(channel)
@@ -80,8 +84,12 @@ async def show(js: JetStreamContext, topology: Topology, config: RunConfig, orig
             consumers.append(f"{channel.queue.durable}: {figures}")
         messages, size = ("?", "?") if info is None else (info.state.messages, info.state.bytes)
         # nats-py gives the server's discard policy as a plain string ("new", "old").
-        limit, discard = ("?", "?") if info is None else (f"{info.config.max_bytes:,}", str(info.config.discard))
-        print(f"{name:<34} {messages:>9} {size:>12} {limit:>16} {discard:>7}  {'; '.join(consumers)}")
+        limit, discard = (
+            ("?", "?") if info is None else (f"{info.config.max_bytes:,}", str(info.config.discard))
+        )
+        print(
+            f"{name:<34} {messages:>9} {size:>12} {limit:>16} {discard:>7}  {'; '.join(consumers)}"
+        )
 
 
 def write_users(topology: Topology, out: str) -> None:
@@ -91,10 +99,12 @@ def write_users(topology: Topology, out: str) -> None:
         paths = write_identities(topology, Path(out))
     except OSError as exc:
         sys.exit(f"ops.streams: cannot write {out}: {exc.strerror}")
-    print(f"wrote {Path(out) / USERS_FILE} (public keys; include it in each node's config) and the "
-          f"seeds {', '.join(p.name for p in paths.values())} (mode 600; give each worker its own: "
-          "--identity)",
-          file=sys.stderr)
+    print(
+        f"wrote {Path(out) / USERS_FILE} (public keys; include it in each node's config) and the "
+        f"seeds {', '.join(p.name for p in paths.values())} (mode 600; give each worker its own: "
+        "--identity)",
+        file=sys.stderr,
+    )
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -104,8 +114,10 @@ async def main(args: argparse.Namespace) -> None:
     topology = Topology.for_config(config, args.replicas)
     if args.action == "apply":
         await ride_out(lambda: topology.apply(js, update=True), f"applying run {args.run}")
-        print(f"applied run {args.run}: {len(CHANNELS)} streams, "
-              f"{len(topology.work_queues)} consumers, KV and object store")
+        print(
+            f"applied run {args.run}: {len(CHANNELS)} streams, "
+            f"{len(topology.work_queues)} consumers, KV and object store"
+        )
     elif args.action == "delete":
         await ride_out(lambda: topology.delete(js), f"deleting run {args.run}")
         print(f"deleted run {args.run}")
@@ -117,10 +129,24 @@ async def main(args: argparse.Namespace) -> None:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m ops.streams", description=__doc__)
     parser.add_argument("action", choices=["apply", "show", "delete", "users"])
-    parser.add_argument("--run", required=True, type=run_id_arg, help="run id (letters, digits, _ and -)")
-    parser.add_argument("--nats", default=os.environ.get("JETRL_NATS_URL", DEFAULT_URL), help="NATS URL(s), comma separated")
-    parser.add_argument("--replicas", type=int, choices=[1, 3, 5], default=1, help="stream replicas (3 on a cluster)")
-    parser.add_argument("--out", help="users: directory to write users.conf and the seeds <role>.nk to")
+    parser.add_argument(
+        "--run", required=True, type=run_id_arg, help="run id (letters, digits, _ and -)"
+    )
+    parser.add_argument(
+        "--nats",
+        default=os.environ.get("JETRL_NATS_URL", DEFAULT_URL),
+        help="NATS URL(s), comma separated",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        choices=[1, 3, 5],
+        default=1,
+        help="stream replicas (3 on a cluster)",
+    )
+    parser.add_argument(
+        "--out", help="users: directory to write users.conf and the seeds <role>.nk to"
+    )
     return parser.parse_args(argv)
 
 
@@ -128,7 +154,9 @@ if __name__ == "__main__":
     arguments = parse()
     if arguments.action == "users":
         if arguments.out is None:
-            sys.exit("ops.streams: users needs --out DIR (the seeds are written there, not printed)")
+            sys.exit(
+                "ops.streams: users needs --out DIR (the seeds are written there, not printed)"
+            )
         write_users(Topology(run=arguments.run), arguments.out)
         sys.exit()
     try:

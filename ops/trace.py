@@ -79,7 +79,9 @@ class SpanView:
             duration=int(span["duration"]),
             tags={t["key"]: t["value"] for t in span.get("tags", [])},
             parent=next((r["spanID"] for r in references if r["refType"] == "CHILD_OF"), None),
-            links=tuple((r["traceID"], r["spanID"]) for r in references if r["refType"] == "FOLLOWS_FROM"),
+            links=tuple(
+                (r["traceID"], r["spanID"]) for r in references if r["refType"] == "FOLLOWS_FROM"
+            ),
         )
 
 
@@ -99,27 +101,42 @@ class Jaeger:
         except urllib.error.HTTPError as exc:
             if exc.code == 404:
                 return []
-            raise TraceError(f"Jaeger at {self.url} answered {exc.code} to {path}: {exc.read()[:200]!r}") from None
+            raise TraceError(
+                f"Jaeger at {self.url} answered {exc.code} to {path}: {exc.read()[:200]!r}"
+            ) from None
         except (urllib.error.URLError, TimeoutError) as exc:
-            raise TraceError(f"cannot reach Jaeger at {self.url}: {getattr(exc, 'reason', exc)}") from None
+            raise TraceError(
+                f"cannot reach Jaeger at {self.url}: {getattr(exc, 'reason', exc)}"
+            ) from None
         except ValueError:  # not JSON: a URL that is not Jaeger's query service (its UI port is)
-            raise TraceError(f"{url} did not answer with Jaeger's JSON; is --jaeger the query port (16686)?") from None
+            raise TraceError(
+                f"{url} did not answer with Jaeger's JSON; is --jaeger the query port (16686)?"
+            ) from None
 
     @staticmethod
     def _spans(traces: Iterable[dict[str, Any]]) -> list[list[SpanView]]:
-        return [[SpanView.of(span, trace.get("processes", {})) for span in trace["spans"]] for trace in traces]
+        return [
+            [SpanView.of(span, trace.get("processes", {})) for span in trace["spans"]]
+            for trace in traces
+        ]
 
     def trace(self, trace_id: str) -> list[SpanView]:
         """Every span of one trace; empty if Jaeger has none."""
         found = self._spans(self._get(f"/api/traces/{trace_id}"))
         return found[0] if found else []
 
-    def search(self, service: str, operation: str, tags: dict[str, str], limit: int = 20) -> list[list[SpanView]]:
+    def search(
+        self, service: str, operation: str, tags: dict[str, str], limit: int = 20
+    ) -> list[list[SpanView]]:
         """The traces (their spans) with a `service` span named `operation` carrying `tags`."""
         end = int(time.time() * 1e6)
         params = {
-            "service": service, "operation": operation, "tags": json.dumps(tags), "limit": str(limit),
-            "start": str(end - int(self.lookback_hours * 3600e6)), "end": str(end),
+            "service": service,
+            "operation": operation,
+            "tags": json.dumps(tags),
+            "limit": str(limit),
+            "start": str(end - int(self.lookback_hours * 3600e6)),
+            "end": str(end),
         }
         return self._spans(self._get("/api/traces", params))
 
@@ -136,14 +153,19 @@ def linked(jaeger: Jaeger, spans: list[SpanView]) -> list[SpanView]:
     """The spans of other traces that link into `spans`, with their descendants (what a train
     step did next: publish the weights it made)."""
     ours = {span.span_id for span in spans}
-    steps = sorted({
-        (str(s.tags["jetrl.run"]), int(s.tags["jetrl.step"]))
-        for s in spans if s.name == "outcome" and "jetrl.step" in s.tags and "jetrl.run" in s.tags
-    })
+    steps = sorted(
+        {
+            (str(s.tags["jetrl.run"]), int(s.tags["jetrl.step"]))
+            for s in spans
+            if s.name == "outcome" and "jetrl.step" in s.tags and "jetrl.run" in s.tags
+        }
+    )
     found: dict[str, SpanView] = {}
     for run, step in steps:
         for service, operation in LINKING:
-            for trace in jaeger.search(service, operation, {"jetrl.run": run, "jetrl.step": str(step)}):
+            for trace in jaeger.search(
+                service, operation, {"jetrl.run": run, "jetrl.step": str(step)}
+            ):
                 roots = {s.span_id for s in trace if any(span_id in ours for _, span_id in s.links)}
                 found.update((s.span_id, s) for s in subtrees(trace, roots))
     return list(found.values())
@@ -202,8 +224,10 @@ def details(span: SpanView) -> str:
     elif "jetrl.reward" in tags:
         parts.append(f"reward {float(tags['jetrl.reward']):.3g}")
     if "jetrl.tokens" in tags:
-        parts.append(f"{tags.get('jetrl.samples', '?')} samples, {tags['jetrl.tokens']} tokens, engine "
-                     f"{tags.get('jetrl.engine', '?')}, batch of {tags.get('jetrl.batch_prompts', '?')}")
+        parts.append(
+            f"{tags.get('jetrl.samples', '?')} samples, {tags['jetrl.tokens']} tokens, engine "
+            f"{tags.get('jetrl.engine', '?')}, batch of {tags.get('jetrl.batch_prompts', '?')}"
+        )
     elif "jetrl.samples" in tags:
         parts.append(f"{tags['jetrl.samples']} samples")
     if tags.get("error") is True and "jetrl.failed" not in tags:
@@ -215,8 +239,14 @@ def _row(origin: int, depth: int, span: SpanView, note: str = "") -> tuple[str, 
     """The columns of one span: offset, duration, indented name, worker, version, details."""
     version = next((f"v{span.tags[t]}" for t in VERSION_TAGS if t in span.tags), "")
     text = ", ".join(part for part in (details(span), note) if part)
-    return (f"{(span.start - origin) / 1e6:+.3f}s", _duration(span.duration), "  " * depth + span.name, span.worker,
-            version, text)
+    return (
+        f"{(span.start - origin) / 1e6:+.3f}s",
+        _duration(span.duration),
+        "  " * depth + span.name,
+        span.worker,
+        version,
+        text,
+    )
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:
@@ -225,7 +255,10 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
     right = (True, True, False, False, True)
     lines = []
     for row in rows:
-        cells = [cell.rjust(w) if r else cell.ljust(w) for cell, w, r in zip(row, widths, right, strict=False)]
+        cells = [
+            cell.rjust(w) if r else cell.ljust(w)
+            for cell, w, r in zip(row, widths, right, strict=False)
+        ]
         lines.append("  ".join([*cells, row[-1]]).rstrip())
     return lines
 
@@ -237,8 +270,10 @@ def timeline(spans: list[SpanView], linked_spans: list[SpanView]) -> str:
     end = max(s.start + s.duration for s in spans)
     title = f"trace {spans[0].trace_id}"
     if root is not None:
-        title += (f": prompt {root.tags.get('jetrl.prompt_id', '?')} "
-                  f"(run {root.tags.get('jetrl.run', '?')})")
+        title += (
+            f": prompt {root.tags.get('jetrl.prompt_id', '?')} "
+            f"(run {root.tags.get('jetrl.run', '?')})"
+        )
     rows: list[tuple[str, ...]] = [("offset", "duration", "span", "worker", "ver", "details")]
     rows += [_row(origin, depth, span) for depth, span in tree_order(spans)]
     ours = {s.span_id for s in spans}
@@ -250,23 +285,37 @@ def timeline(spans: list[SpanView], linked_spans: list[SpanView]) -> str:
     lines = _table(rows + linked_rows)
     if linked_rows:
         # Same columns as the trace above: the offsets say when the step came after the prompt.
-        lines.insert(len(rows), "linked from other traces (the steps that took this prompt's samples):")
+        lines.insert(
+            len(rows), "linked from other traces (the steps that took this prompt's samples):"
+        )
     return "\n".join([f"{title}, {len(spans)} spans over {_duration(end - origin)}", *lines])
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ops.trace", description=__doc__.splitlines()[0])
-    parser.add_argument("key", metavar="PROMPT_ID_OR_TRACE_ID",
-                        help="a prompt id (<run>/<epoch>/<index>) or a trace id")
-    parser.add_argument("--jaeger", default=os.environ.get("JETRL_JAEGER_URL", DEFAULT_JAEGER),
-                        help=f"Jaeger query URL (default: $JETRL_JAEGER_URL, then {DEFAULT_JAEGER})")
-    parser.add_argument("--lookback", type=float, default=48.0, help="hours back to search (default 48)")
+    parser = argparse.ArgumentParser(
+        prog="python -m ops.trace", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "key",
+        metavar="PROMPT_ID_OR_TRACE_ID",
+        help="a prompt id (<run>/<epoch>/<index>) or a trace id",
+    )
+    parser.add_argument(
+        "--jaeger",
+        default=os.environ.get("JETRL_JAEGER_URL", DEFAULT_JAEGER),
+        help=f"Jaeger query URL (default: $JETRL_JAEGER_URL, then {DEFAULT_JAEGER})",
+    )
+    parser.add_argument(
+        "--lookback", type=float, default=48.0, help="hours back to search (default 48)"
+    )
     args = parser.parse_args(argv)
     jaeger = Jaeger(args.jaeger, args.lookback)
     try:
         traces = find(jaeger, args.key)
         if not traces:
-            raise TraceError(f"no trace for {args.key} in Jaeger at {args.jaeger} (last {args.lookback:g} h)")
+            raise TraceError(
+                f"no trace for {args.key} in Jaeger at {args.jaeger} (last {args.lookback:g} h)"
+            )
         print("\n\n".join(timeline(spans, linked(jaeger, spans)) for spans in traces))
     except TraceError as exc:
         print(f"ops.trace: {exc}", file=sys.stderr)

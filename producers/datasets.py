@@ -56,7 +56,9 @@ def records(cfg: DataConfig, start: int) -> Iterator[tuple[int, int, dict[str, A
     """(epoch, index, record) from global cursor `start` on, for `cfg.epochs` epochs."""
     if cfg.dataset is None:
         if cfg.task not in tasks.TASKS:
-            raise ValueError(f"data.task: unknown built-in task {cfg.task!r}; choose from {sorted(tasks.TASKS)}")
+            raise ValueError(
+                f"data.task: unknown built-in task {cfg.task!r}; choose from {sorted(tasks.TASKS)}"
+            )
         size, task = GENERATED_EPOCH, cfg.task
 
         def row_at(epoch: int, index: int) -> dict[str, Any]:

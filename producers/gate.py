@@ -67,8 +67,10 @@ def merge_ranks(records: list[dict]) -> dict:
         "time": max(r["time"] for r in records),
         "train_seconds": max(r["train_seconds"] for r in records),
         "samples": samples,
-        "reward_mean": sum(r["reward_mean"] * r["samples"] for r in records if r["samples"]) / samples
-        if samples else records[0]["reward_mean"],
+        "reward_mean": sum(r["reward_mean"] * r["samples"] for r in records if r["samples"])
+        / samples
+        if samples
+        else records[0]["reward_mean"],
         "staleness_max": max(r["staleness_max"] for r in records),
         "staleness_hist": [sum(h[i] for h in hists if i < len(h)) for i in range(width)],
         "sample_ids": [sid for r in records for sid in r["sample_ids"]],
@@ -168,13 +170,25 @@ class Producer:
                 await self.changed.wait()
             prompt_id = f"{self.rt.topology.run}/{epoch}/{index}"
             with tracing.tracer.start_as_current_span(
-                "prompt", attributes={"jetrl.prompt_id": prompt_id, "jetrl.run": self.rt.topology.run,
-                                      "jetrl.admitted_version": self.version},
+                "prompt",
+                attributes={
+                    "jetrl.prompt_id": prompt_id,
+                    "jetrl.run": self.rt.topology.run,
+                    "jetrl.admitted_version": self.version,
+                },
             ):
                 event = PromptEvent(
-                    id=prompt_id, run=self.rt.topology.run, source=self.rt.source, epoch=epoch, index=index,
-                    prompt=record.get("prompt"), messages=record.get("messages"), task=record["task"],
-                    n=self.cfg.data.n, sampling=self.cfg.data.sampling, admitted_version=self.version,
+                    id=prompt_id,
+                    run=self.rt.topology.run,
+                    source=self.rt.source,
+                    epoch=epoch,
+                    index=index,
+                    prompt=record.get("prompt"),
+                    messages=record.get("messages"),
+                    task=record["task"],
+                    n=self.cfg.data.n,
+                    sampling=self.cfg.data.sampling,
+                    admitted_version=self.version,
                 )
                 await self.rt.publisher.publish(PROMPTS, event)
                 PRODUCER_MID_PUBLISH(prompt_id)

@@ -22,15 +22,15 @@ from bus.connection import connect
 from bus.election import ride_out
 from bus.embedded import EmbeddedNats
 from bus.lag import queue_lag
+from bus.runtime import Runtime, attach, publish_config
+from bus.security import USERS_FILE, write_identities
 from bus.tasks import cancel_until_done
 from bus.topology import Topology
 from consumers.fleet_config import local_fleet
-from bus.runtime import Runtime, attach, publish_config
 from consumers.supervisor import Supervisor
-from bus.security import USERS_FILE, write_identities
-from producers.stall import StallWatch
 from producers import report
 from producers.gate import Producer
+from producers.stall import StallWatch
 from schemas.config import RunConfig
 
 log = logging.getLogger("jetrl.producer")
@@ -87,7 +87,12 @@ async def progress(producer: Producer, started: float, every: float = PROGRESS_S
 
 
 async def produce(
-    cfg: RunConfig, url: str, out: Path, fleet: Supervisor | None, replicas: int = 1, identity: Path | None = None
+    cfg: RunConfig,
+    url: str,
+    out: Path,
+    fleet: Supervisor | None,
+    replicas: int = 1,
+    identity: Path | None = None,
 ) -> dict:
     """Feed and watch a run until its last step; return the summary. Stopped on SIGINT/SIGTERM.
 
@@ -112,8 +117,12 @@ async def produce(
         await stop.wait()
         raise Stopped(received[0], len(producer.metrics))
 
-    beside = {"gate feed": producer.feed(), "gate watch": producer.watch(),
-              "membership heartbeat": rt.member.beat(), "signals": stopped()}
+    beside = {
+        "gate feed": producer.feed(),
+        "gate watch": producer.watch(),
+        "membership heartbeat": rt.member.beat(),
+        "signals": stopped(),
+    }
     if fleet is not None:
         beside["fleet"] = watch_fleet(fleet)
     try:
@@ -185,7 +194,9 @@ async def attach_bootstrap(
     kv = await ride_out(lambda: js.key_value(topology.kv_bucket), "opening the run's KV bucket")
     await ride_out(lambda: publish_config(kv, cfg), "writing the run config")
     await nc.close()
-    return await attach("producer", cfg.run, url, replicas, beat_in_background=False, identity=identity)
+    return await attach(
+        "producer", cfg.run, url, replicas, beat_in_background=False, identity=identity
+    )
 
 
 def prepare(cfg: RunConfig, out: Path) -> RunConfig:
@@ -200,13 +211,23 @@ def prepare(cfg: RunConfig, out: Path) -> RunConfig:
 
         model_dir = out / "model"
         if not (model_dir / "config.json").exists():
-            build_tiny_model(model_dir, VOCAB, hidden=cfg.model.hidden, layers=cfg.model.layers, seed=cfg.model.seed)
+            build_tiny_model(
+                model_dir,
+                VOCAB,
+                hidden=cfg.model.hidden,
+                layers=cfg.model.layers,
+                seed=cfg.model.seed,
+            )
         updates["model"] = cfg.model.model_copy(update={"path": str(model_dir.resolve())})
     elif Path(cfg.model.path).is_dir() and not Path(cfg.model.path).is_absolute():
         # A relative directory here, absolute for the workers (a hub id is left for each to resolve).
-        updates["model"] = cfg.model.model_copy(update={"path": str(Path(cfg.model.path).resolve())})
+        updates["model"] = cfg.model.model_copy(
+            update={"path": str(Path(cfg.model.path).resolve())}
+        )
     if not cfg.trainer.checkpoint_dir:
-        updates["trainer"] = cfg.trainer.model_copy(update={"checkpoint_dir": str((out / "checkpoints").resolve())})
+        updates["trainer"] = cfg.trainer.model_copy(
+            update={"checkpoint_dir": str((out / "checkpoints").resolve())}
+        )
     if not Path(cfg.weights.dir).is_absolute():
         weights_dir = Path(cfg.weights.dir) if cfg.weights.dir else out / "weights"
         updates["weights"] = cfg.weights.model_copy(update={"dir": str(weights_dir.resolve())})
@@ -227,7 +248,10 @@ def run(cfg: RunConfig, out: Path, nats: str | None = None, replicas: int = 1) -
         server = stack.enter_context(EmbeddedNats(out / "nats", extra_config=users))
         reference = cfg.reference.workers if cfg.reference.enabled else 0
         fleet = Supervisor(
-            local_fleet(out / "logs", cfg.trainer.ranks, reference), cfg.run, server.url, identities=identities
+            local_fleet(out / "logs", cfg.trainer.ranks, reference),
+            cfg.run,
+            server.url,
+            identities=identities,
         )
         fleet.start()
         stack.callback(fleet.stop)

@@ -33,16 +33,36 @@ BUILTIN = Path(__file__).resolve().parent.parent / "examples" / "digits.yaml"
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m producers.prompts", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", type=Path, default=BUILTIN, help="run config YAML (default: the built-in example)")
-    parser.add_argument("--nats", help="NATS URL of a running cluster; omitted: embedded server + local fleet")
+    parser = argparse.ArgumentParser(
+        prog="python -m producers.prompts", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=BUILTIN,
+        help="run config YAML (default: the built-in example)",
+    )
+    parser.add_argument(
+        "--nats", help="NATS URL of a running cluster; omitted: embedded server + local fleet"
+    )
     # A fleet supervisor starts every process with `--run R --nats URL`: the producer too
     # (`ops.chaos` supervises it to kill and restart it).
     parser.add_argument("--run", type=run_id_arg, help="run id (overrides the config's `run`)")
-    parser.add_argument("--replicas", type=int, choices=[1, 3, 5], default=1,
-                        help="stream replicas when this run's streams are created (3 on a NATS cluster)")
-    parser.add_argument("--steps", type=int, help="stop after this many optimizer steps (overrides trainer.steps)")
-    parser.add_argument("--out", type=Path, help="run directory; an existing one is resumed (default: runs/<run>-<time>)")
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        choices=[1, 3, 5],
+        default=1,
+        help="stream replicas when this run's streams are created (3 on a NATS cluster)",
+    )
+    parser.add_argument(
+        "--steps", type=int, help="stop after this many optimizer steps (overrides trainer.steps)"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="run directory; an existing one is resumed (default: runs/<run>-<time>)",
+    )
     args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
@@ -69,7 +89,9 @@ def run_config(args: argparse.Namespace) -> RunConfig:
     except ConfigError as exc:
         sys.exit(f"producers.prompts: {exc}")
     if args.steps is not None:
-        cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"steps": args.steps})})
+        cfg = cfg.model_copy(
+            update={"trainer": cfg.trainer.model_copy(update={"steps": args.steps})}
+        )
     if args.run is not None:
         cfg = cfg.model_copy(update={"run": args.run})
     return cfg
@@ -78,21 +100,32 @@ def run_config(args: argparse.Namespace) -> RunConfig:
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     signal.signal(signal.SIGTERM, stop_on_sigterm)  # the run's loop takes it over once it runs
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s producer %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s producer %(levelname)s %(message)s"
+    )
     cfg = run_config(args)
     out: Path = args.out or Path("runs") / f"{cfg.run}-{time.strftime('%Y%m%d-%H%M%S')}"
     cfg = prepare(cfg, out)
-    print(f"run {cfg.run}: {cfg.trainer.steps} steps of {cfg.algorithm.prompts_per_step} prompts x "
-          f"{cfg.data.n} samples; output in {out}", flush=True)
+    print(
+        f"run {cfg.run}: {cfg.trainer.steps} steps of {cfg.algorithm.prompts_per_step} prompts x "
+        f"{cfg.data.n} samples; output in {out}",
+        flush=True,
+    )
     try:
         summary = run(cfg, out, args.nats, args.replicas)
     except (Stopped, KeyboardInterrupt) as exc:
         # Every child is stopped by now: the fleet and the embedded server were left on the way out.
         stopped = exc if isinstance(exc, Stopped) else Stopped("SIGINT", None)
-        where = "while starting" if stopped.steps is None else f"after {stopped.steps} of {cfg.trainer.steps} steps"
+        where = (
+            "while starting"
+            if stopped.steps is None
+            else f"after {stopped.steps} of {cfg.trainer.steps} steps"
+        )
         resume = shlex.join(["python", "-m", "producers.prompts", *resume_args(argv, out)])
-        sys.exit(f"producers.prompts: stopped by {stopped.signal_name} {where}; "
-                 f"every worker stopped. Resume with: {resume}")
+        sys.exit(
+            f"producers.prompts: stopped by {stopped.signal_name} {where}; "
+            f"every worker stopped. Resume with: {resume}"
+        )
     except (ConnectRefused, CannotAttach, PromptsRefused) as exc:
         sys.exit(f"producers.prompts: {exc}")
     print(json.dumps(summary))

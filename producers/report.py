@@ -25,8 +25,18 @@ def write(out: Path, metrics: list[dict[str, Any]], summary: dict[str, Any]) -> 
     elapsed = [m["time"] - t0 for m in metrics]
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [m["reward_mean"] for m in metrics], marker=".", label="mean reward of the step's batch")
-    ax.set(xlabel="optimizer step", ylabel="reward", title=f"run {summary['run']}: reward", ylim=(0, 1.05))
+    ax.plot(
+        steps,
+        [m["reward_mean"] for m in metrics],
+        marker=".",
+        label="mean reward of the step's batch",
+    )
+    ax.set(
+        xlabel="optimizer step",
+        ylabel="reward",
+        title=f"run {summary['run']}: reward",
+        ylim=(0, 1.05),
+    )
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()
@@ -39,13 +49,20 @@ def write(out: Path, metrics: list[dict[str, Any]], summary: dict[str, Any]) -> 
             hist[staleness] += count
     fig, ax = plt.subplots(figsize=(5, 4))
     ax.bar(range(len(hist)), hist)
-    ax.set(xlabel="staleness (versions behind the trained step)", ylabel="response tokens",
-           title=f"token staleness (max allowed {summary['max_staleness']})", xticks=range(len(hist)))
+    ax.set(
+        xlabel="staleness (versions behind the trained step)",
+        ylabel="response tokens",
+        title=f"token staleness (max allowed {summary['max_staleness']})",
+        xticks=range(len(hist)),
+    )
     fig.tight_layout()
     fig.savefig(out / "staleness.png", dpi=110)
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    rates = [m["samples"] / max(b - a, 1e-6) for m, a, b in zip(metrics[1:], elapsed, elapsed[1:], strict=False)]
+    rates = [
+        m["samples"] / max(b - a, 1e-6)
+        for m, a, b in zip(metrics[1:], elapsed, elapsed[1:], strict=False)
+    ]
     ax.plot(elapsed[1:], rates, marker=".")
     ax.set(xlabel="seconds since start", ylabel="trained samples / s", title="throughput")
     ax.grid(alpha=0.3)

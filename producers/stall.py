@@ -55,11 +55,21 @@ from schemas.kv_records import StepMetrics
 log = logging.getLogger("jetrl.stall")
 T = TypeVar("T")
 
-ROLES = {"producer": "producer", "rollout": "rollout worker", "reward": "reward worker", "buffer": "buffer",
-         "trainer": "trainer", "reference": "reference worker"}
+ROLES = {
+    "producer": "producer",
+    "rollout": "rollout worker",
+    "reward": "reward worker",
+    "buffer": "buffer",
+    "trainer": "trainer",
+    "reference": "reference worker",
+}
 """Every role a run may need, and how a line names one worker of it (`needed`: those of this run)."""
-ITEMS = {"prompts": "prompts", "trajectories": "trajectories", "rewards": "scored samples",
-         "scored": "samples with reference log-probs"}
+ITEMS = {
+    "prompts": "prompts",
+    "trajectories": "trajectories",
+    "rewards": "scored samples",
+    "scored": "samples with reference log-probs",
+}
 """What a message of each work queue's stream is, in words."""
 SCAN_BATCHES = 256
 """Most batch-stream messages read back to find the micro-batches of the trainer's next step."""
@@ -121,19 +131,29 @@ def diagnose(view: RunView) -> list[str]:
                 continue
             if not live[role]:
                 queue = view.queues.get(role)
-                waiting = f" ({queue.pending} {ITEMS[queue.stage]} wait in its queue)" if queue and queue.pending else ""
+                waiting = (
+                    f" ({queue.pending} {ITEMS[queue.stage]} wait in its queue)"
+                    if queue and queue.pending
+                    else ""
+                )
                 lines.append(f"no live {noun}: the run cannot progress until one joins{waiting}")
     s = view.next_step
     if s is not None and s < cfg.trainer.steps:
         for rank in range(cfg.trainer.dp_size):
             lines.append(trainer_line(view, rank, s))
     for role, queue in view.queues.items():
-        if queue is not None and live is not None and (line := queue_line(cfg, role, queue, live[role])):
+        if (
+            queue is not None
+            and live is not None
+            and (line := queue_line(cfg, role, queue, live[role]))
+        ):
             lines.append(line)
     if (gate := gate_line(view)) is not None:
         lines.append(gate)
     if not lines:
-        lines.append("no stage found holding the work: every role is live and no queue holds work in flight")
+        lines.append(
+            "no stage found holding the work: every role is live and no queue holds work in flight"
+        )
     return lines
 
 
@@ -143,8 +163,10 @@ def trainer_line(view: RunView, rank: int, step: int) -> str:
     stored = view.stored.get(rank)
     if stored is not None and len(stored.indices) < stored.count:
         missing = min(set(range(stored.count)) - stored.indices)
-        return (f"{who} at step {step} has {len(stored.indices)} of {stored.count} micro-batches of step {step}, "
-                f"waiting for micro-batch {missing}")
+        return (
+            f"{who} at step {step} has {len(stored.indices)} of {stored.count} micro-batches of step {step}, "
+            f"waiting for micro-batch {missing}"
+        )
     if stored is not None:
         return f"{who} at step {step} has all {stored.count} micro-batches of step {step} and has not recorded the step"
     algo, held = view.cfg.algorithm, view.queues.get("buffer")
@@ -161,13 +183,19 @@ def queue_line(cfg: RunConfig, role: str, queue: QueueView, live: int) -> str | 
     if not queue.in_flight:
         return None
     if not live:
-        return (f"the {role} queue holds {queue.in_flight} {items} in flight for a {noun} that stopped "
-                f"heartbeating (no live {noun}), back to the queue {queue.ack_wait:.0f}s after its last heartbeat")
+        return (
+            f"the {role} queue holds {queue.in_flight} {items} in flight for a {noun} that stopped "
+            f"heartbeating (no live {noun}), back to the queue {queue.ack_wait:.0f}s after its last heartbeat"
+        )
     after = cfg.trainer.stall_after
     if role == "buffer" or queue.idle < after:
         return None
     workers = f"{live} live {noun}" + ("s" if live > 1 else "")
-    again = f", {queue.redelivered} of them redelivered past ack_wait {queue.ack_wait:.0f}s" if queue.redelivered else ""
+    again = (
+        f", {queue.redelivered} of them redelivered past ack_wait {queue.ack_wait:.0f}s"
+        if queue.redelivered
+        else ""
+    )
     return f"the {role} queue has {queue.in_flight} {items} in flight at {workers} and none acked for over {after:.0f}s{again}"
 
 
@@ -188,8 +216,14 @@ def stall_text(seconds: float, reasons: list[str]) -> str:
 
 
 async def read_view(
-    js: JetStreamContext, topology: Topology, cfg: RunConfig, *, next_step: int | None = None,
-    issued: int | None = None, version: int | None = None, dropped: int | None = None,
+    js: JetStreamContext,
+    topology: Topology,
+    cfg: RunConfig,
+    *,
+    next_step: int | None = None,
+    issued: int | None = None,
+    version: int | None = None,
+    dropped: int | None = None,
 ) -> RunView:
     """The run as the bus shows it now. Figures the caller knows better (the producer knows its
     own issued count, version and drops) are taken as given; the others are read."""
@@ -197,7 +231,10 @@ async def read_view(
         last = await _read(last_step(js, topology))
         next_step = None if last is None else last[0] + 1
     live = await _read(_live_roles(js, topology))
-    queues = {c.work_queue.durable: await _read(_queue(js, topology, c.work_queue.durable)) for c in topology.work_queues}
+    queues = {
+        c.work_queue.durable: await _read(_queue(js, topology, c.work_queue.durable))
+        for c in topology.work_queues
+    }
     stored: dict[int, StoredStep | None] = {}
     if next_step is not None:
         for rank in range(cfg.trainer.dp_size):
@@ -229,14 +266,24 @@ async def _queue(js: JetStreamContext, topology: Topology, role: str) -> QueueVi
     assert channel is not None, f"{role} serves no work queue"
     queue = channel.work_queue
     info = await queue_info(js, topology, channel)
-    acked = info.ack_floor.last_active if info.ack_floor and info.ack_floor.last_active else info.created
+    acked = (
+        info.ack_floor.last_active
+        if info.ack_floor and info.ack_floor.last_active
+        else info.created
+    )
     return QueueView(
-        channel.name, info.num_pending or 0, info.num_ack_pending or 0, info.num_redelivered or 0,
-        info.config.ack_wait or queue.ack_wait, max(0.0, time.time() - acked.timestamp()),
+        channel.name,
+        info.num_pending or 0,
+        info.num_ack_pending or 0,
+        info.num_redelivered or 0,
+        info.config.ack_wait or queue.ack_wait,
+        max(0.0, time.time() - acked.timestamp()),
     )
 
 
-async def _stored(js: JetStreamContext, topology: Topology, rank: int, step: int) -> StoredStep | None:
+async def _stored(
+    js: JetStreamContext, topology: Topology, rank: int, step: int
+) -> StoredStep | None:
     """The micro-batches of `step` on batches.<rank>, read back from the stream's end: the buffer
     stores a step's micro-batches together and the steps in order, so they are the last ones of
     that step before an earlier step (or a later one) begins."""
@@ -326,8 +373,13 @@ class StallWatch:
             return ""
         rt = producer.rt
         view = await read_view(
-            rt.js, rt.topology, producer.cfg, next_step=max(producer.metrics, default=-1) + 1,
-            issued=producer.issued, version=producer.version, dropped=len(producer.dropped),
+            rt.js,
+            rt.topology,
+            producer.cfg,
+            next_step=max(producer.metrics, default=-1) + 1,
+            issued=producer.issued,
+            version=producer.version,
+            dropped=len(producer.dropped),
         )
         reasons = diagnose(view)
         for reason in reasons:

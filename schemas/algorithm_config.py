@@ -11,13 +11,19 @@ from pydantic import Field, model_validator
 
 from schemas.section import Section
 
-AdvantageName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "passk", "gae"]
+AdvantageName = Literal[
+    "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "passk", "gae"
+]
 GAE_KNOBS = ("gamma", "gae_lambda", "value_clip", "critic_lr")
 """Keys that apply to advantage gae only (off their defaults with another estimator:
 refused at load)."""
 PolicyLossName = Literal["ppo", "gspo", "cispo"]
 AggregationName = Literal[
-    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
 ]
 
 
@@ -118,13 +124,19 @@ class AlgorithmFamily(Section):
     @model_validator(mode="after")
     def _consistent(self) -> AlgorithmFamily:
         if self.dual_clip_c is not None and self.policy_loss != "ppo":
-            raise ValueError(f"algorithm.dual_clip_c applies to policy_loss ppo, not {self.policy_loss}")
+            raise ValueError(
+                f"algorithm.dual_clip_c applies to policy_loss ppo, not {self.policy_loss}"
+            )
         if self.kl_target is not None and self.kl_placement != "reward":
-            raise ValueError("algorithm.kl_target (adaptive KL) applies to kl_placement reward, "
-                             "as verl's controller does")
+            raise ValueError(
+                "algorithm.kl_target (adaptive KL) applies to kl_placement reward, "
+                "as verl's controller does"
+            )
         if self.kl_placement == "reward" and not self.kl_coef:
-            raise ValueError("algorithm.kl_placement reward needs kl_coef > 0 "
-                             "(the starting coefficient with kl_target)")
+            raise ValueError(
+                "algorithm.kl_placement reward needs kl_coef > 0 "
+                "(the starting coefficient with kl_target)"
+            )
         if self.kl_placement == "reward" and self.advantage == "gae":
             raise ValueError(
                 "algorithm.kl_placement reward does not apply to advantage gae yet: its critic "
@@ -134,7 +146,9 @@ class AlgorithmFamily(Section):
         # Off their defaults rather than "set": a config read back from the run's KV has every key
         # set.
         defaults = {name: type(self).model_fields[name].default for name in GAE_KNOBS}
-        if self.advantage != "gae" and (knobs := [k for k in GAE_KNOBS if getattr(self, k) != defaults[k]]):
+        if self.advantage != "gae" and (
+            knobs := [k for k in GAE_KNOBS if getattr(self, k) != defaults[k]]
+        ):
             raise ValueError(f"algorithm.{knobs[0]} applies to advantage gae, not {self.advantage}")
         if self.advantage == "gae" and self.overlong_filter:
             raise ValueError(
@@ -143,6 +157,8 @@ class AlgorithmFamily(Section):
                 "responses)"
             )
         if self.advantage == "passk" and self.overlong_buffer_tokens:
-            raise ValueError("algorithm.advantage passk takes 0/1 rewards: the overlong penalty would change "
-                             "them")
+            raise ValueError(
+                "algorithm.advantage passk takes 0/1 rewards: the overlong penalty would change "
+                "them"
+            )
         return self

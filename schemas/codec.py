@@ -19,7 +19,13 @@ from schemas.weight_event import WeightVersionEvent
 E = TypeVar("E", bound=Event)
 Upgrade = Callable[[dict[str, Any]], dict[str, Any]]
 
-EVENT_TYPES: tuple[type[Event], ...] = (PromptEvent, TrajectoryEvent, RewardEvent, BatchEvent, WeightVersionEvent)
+EVENT_TYPES: tuple[type[Event], ...] = (
+    PromptEvent,
+    TrajectoryEvent,
+    RewardEvent,
+    BatchEvent,
+    WeightVersionEvent,
+)
 """The five events of a run."""
 REGISTRY: dict[str, type[Event]] = {cls.TYPE: cls for cls in EVENT_TYPES}
 # (type, version) -> function turning a map of that version into one of version + 1.
@@ -79,11 +85,15 @@ def decode(data: bytes, expected: type[E] = Event) -> E:  # type: ignore[assignm
     if not isinstance(version, int) or isinstance(version, bool):
         raise DecodeError(f"{type_name}: schema_version must be an integer, got {_short(version)}")
     if version > cls.VERSION:
-        raise DecodeError(f"{type_name} schema_version {version} is newer than this worker's {cls.VERSION}")
+        raise DecodeError(
+            f"{type_name} schema_version {version} is newer than this worker's {cls.VERSION}"
+        )
     while version < cls.VERSION:
         upgrade = UPGRADES.get((type_name, version))
         if upgrade is None:
-            raise DecodeError(f"{type_name} schema_version {version} has no upgrade to {version + 1}")
+            raise DecodeError(
+                f"{type_name} schema_version {version} has no upgrade to {version + 1}"
+            )
         fields = {**upgrade(fields), "schema_version": version + 1}
         version += 1
     if not issubclass(cls, expected):
@@ -93,4 +103,6 @@ def decode(data: bytes, expected: type[E] = Event) -> E:  # type: ignore[assignm
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "event"
-        raise DecodeError(f"{type_name}: {where}: {first['msg']} ({exc.error_count()} error(s))") from None
+        raise DecodeError(
+            f"{type_name}: {where}: {first['msg']} ({exc.error_count()} error(s))"
+        ) from None

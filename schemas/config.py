@@ -164,7 +164,9 @@ class CollectiveConfig(Section):
     @model_validator(mode="after")
     def _device(self) -> CollectiveConfig:
         if (self.backend == "nccl") != self.device.startswith("cuda"):
-            raise ValueError(f"backend {self.backend} with device {self.device!r}: nccl needs cuda:N, gloo cpu")
+            raise ValueError(
+                f"backend {self.backend} with device {self.device!r}: nccl needs cuda:N, gloo cpu"
+            )
         return self
 
 
@@ -213,7 +215,9 @@ class WeightsConfig(Section):
     @model_validator(mode="after")
     def _delta_moves_bytes(self) -> WeightsConfig:
         if self.delta and self.transport == "collective":
-            raise ValueError("delta versions go through object_store or filesystem; collective broadcasts full versions")
+            raise ValueError(
+                "delta versions go through object_store or filesystem; collective broadcasts full versions"
+            )
         return self
 
     @property
@@ -262,8 +266,11 @@ class RunConfig(Section):
         algorithm, trainer = (
             # The keys set, their values as they are: a dump would turn a nested engine section
             # whose `type` was left at its default into a dict without the tag.
-            ({name: getattr(section, name) for name in section.model_fields_set}
-             if isinstance(section, BaseModel) else dict(section or {}))
+            (
+                {name: getattr(section, name) for name in section.model_fields_set}
+                if isinstance(section, BaseModel)
+                else dict(section or {})
+            )
             for section in (data.get("algorithm"), data.get("trainer"))
         )
         sync_mode_sections(algorithm, trainer)
@@ -291,7 +298,9 @@ class RunConfig(Section):
             )
         algo, max_tokens = self.algorithm, self.data.sampling.max_tokens
         if algo.advantage == "passk" and algo.passk_k > self.data.n:
-            raise ValueError(f"algorithm.passk_k {algo.passk_k} > data.n {self.data.n}: a group has no k-subset")
+            raise ValueError(
+                f"algorithm.passk_k {algo.passk_k} > data.n {self.data.n}: a group has no k-subset"
+            )
         if algo.overlong_buffer_tokens >= max_tokens:
             raise ValueError(
                 f"algorithm.overlong_buffer_tokens {algo.overlong_buffer_tokens} must be below "

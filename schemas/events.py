@@ -40,8 +40,10 @@ _INT32 = np.dtype("<i4")
 def _expect(name: str, tensor: Tensor, dtype: DType, ndim: int) -> None:
     """Raise unless `tensor` has the documented dtype and rank, and bytes to match."""
     if tensor.dtype != dtype or len(tensor.shape) != ndim:
-        raise ValueError(f"{name} must be {dtype} with {ndim} dimension(s), "
-                         f"got {tensor.dtype}{list(tensor.shape)}")
+        raise ValueError(
+            f"{name} must be {dtype} with {ndim} dimension(s), "
+            f"got {tensor.dtype}{list(tensor.shape)}"
+        )
     tensor.check()
 
 
@@ -59,7 +61,11 @@ def _vectors(dtype: DType, tensors: dict[str, Tensor]) -> None:
     """
     itemsize = ITEMSIZE[dtype]
     for name, tensor in tensors.items():
-        if tensor.dtype != dtype or len(tensor.shape) != 1 or len(tensor.data) != tensor.shape[0] * itemsize:
+        if (
+            tensor.dtype != dtype
+            or len(tensor.shape) != 1
+            or len(tensor.data) != tensor.shape[0] * itemsize
+        ):
             _expect(name, tensor, dtype, 1)
 
 
@@ -83,7 +89,9 @@ def _at_least(name: str, values: np.ndarray, low: int) -> None:
 
 def _log_probs(name: str, values: np.ndarray) -> None:
     # A NaN makes max() NaN, which fails `<= 0`; two reductions cost half of an elementwise test.
-    if values.size and not (np.maximum.reduce(values, axis=None) <= 0 and np.minimum.reduce(values, axis=None) > -np.inf):
+    if values.size and not (
+        np.maximum.reduce(values, axis=None) <= 0 and np.minimum.reduce(values, axis=None) > -np.inf
+    ):
         raise ValueError(f"{name} must be finite and <= 0 (log-probabilities)")
 
 
@@ -216,7 +224,11 @@ class TrajectoryEvent(Event):
         # The buffer groups by prompt id and sample index and dedups by id: they must agree.
         if self.id != f"{self.prompt_id}/{self.sample_index}":
             raise ValueError(f"id {self.id!r} must be <prompt_id>/<sample_index>")
-        ints = {"prompt_ids": self.prompt_ids, "response_ids": self.response_ids, "versions": self.versions}
+        ints = {
+            "prompt_ids": self.prompt_ids,
+            "response_ids": self.response_ids,
+            "versions": self.versions,
+        }
         _vectors("int32", ints)
         if self.prompt_ids.shape == (0,):
             raise ValueError("prompt_ids is empty: nothing conditions the response")
@@ -342,7 +354,10 @@ class BatchEvent(Event):
             raise ValueError("masks must be 0/1, with loss_mask only where attention_mask is 1")
         _finite("advantages", _values("advantages", self.advantages, "float32", 1))
         _finite("rewards", _values("rewards", self.rewards, "float32", 1))
-        _log_probs("behaviour_logprobs", _values("behaviour_logprobs", self.behaviour_logprobs, "float32", 2))
+        _log_probs(
+            "behaviour_logprobs",
+            _values("behaviour_logprobs", self.behaviour_logprobs, "float32", 2),
+        )
         if self.ref_logprobs is not None:
             if self.ref_logprobs.shape != bt:
                 raise ValueError(f"ref_logprobs has shape {self.ref_logprobs.shape}, expected {bt}")

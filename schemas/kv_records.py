@@ -71,8 +71,16 @@ class DropRecord(KvRecord):
 
 
 STEP_FIELDS = (
-    "step", "time", "train_seconds", "samples", "reward_mean", "staleness_max", "staleness_hist",
-    "sample_ids", "kl_coef", "kl_reward",
+    "step",
+    "time",
+    "train_seconds",
+    "samples",
+    "reward_mean",
+    "staleness_max",
+    "staleness_hist",
+    "sample_ids",
+    "kl_coef",
+    "kl_reward",
 )
 
 

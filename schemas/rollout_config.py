@@ -161,5 +161,7 @@ class RolloutConfig(Section):
             return value
         module, sep, name = value.partition(":")
         if not sep or not module or not name.isidentifier():
-            raise ValueError(f"{value!r}: expected one of {', '.join(BUILT_IN_ROUTERS)} or 'module:Class'")
+            raise ValueError(
+                f"{value!r}: expected one of {', '.join(BUILT_IN_ROUTERS)} or 'module:Class'"
+            )
         return value

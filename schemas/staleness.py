@@ -44,8 +44,10 @@ class StalenessPolicy:
     def of(cls, cfg: RunConfig) -> StalenessPolicy:
         algo = cfg.algorithm
         return cls(
-            bound=algo.max_staleness, prompts_per_step=algo.prompts_per_step,
-            steps=cfg.trainer.steps, checkpoint_every=cfg.trainer.checkpoint_every,
+            bound=algo.max_staleness,
+            prompts_per_step=algo.prompts_per_step,
+            steps=cfg.trainer.steps,
+            checkpoint_every=cfg.trainer.checkpoint_every,
             max_group_wait_steps=algo.max_group_wait_steps,
         )
 
@@ -96,7 +98,7 @@ class StalenessPolicy:
 
     def over_bound(self, staleness_hist: Sequence[int]) -> int:
         """Tokens past the bound in a staleness histogram (index: step - version; value: tokens)."""
-        return sum(staleness_hist[self.bound + 1:])
+        return sum(staleness_hist[self.bound + 1 :])
 
     @property
     def group_wait_steps(self) -> int:

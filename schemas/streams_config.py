@@ -118,27 +118,36 @@ def _needs(cfg: RunConfig) -> dict[str, tuple[float, str]]:
     run_samples = cfg.trainer.steps * group
     prompt = EVENT_OVERHEAD + prompt_tokens * PROMPT_BYTES_PER_TOKEN
     trajectory = (
-        EVENT_OVERHEAD + prompt_tokens * TRAJECTORY_PROMPT_BYTES_PER_TOKEN
+        EVENT_OVERHEAD
+        + prompt_tokens * TRAJECTORY_PROMPT_BYTES_PER_TOKEN
         + response_tokens * TRAJECTORY_RESPONSE_BYTES_PER_TOKEN
     )
     reward = trajectory + EVENT_OVERHEAD
     scored = reward + response_tokens * REFERENCE_BYTES_PER_TOKEN
-    per_position = BATCH_BYTES_PER_TOKEN + (REFERENCE_BYTES_PER_TOKEN if cfg.reference.enabled else 0)
+    per_position = BATCH_BYTES_PER_TOKEN + (
+        REFERENCE_BYTES_PER_TOKEN if cfg.reference.enabled else 0
+    )
     step = group * (prompt_tokens + response_tokens) * per_position + EVENT_OVERHEAD
     versions = cfg.trainer.steps // cfg.trainer.sync_every + 1
     trained_prompts = cfg.trainer.steps * a.prompts_per_step
     issued = math.ceil(trained_prompts / (1 - s.max_dropped_share))
     kept_steps = staleness.batch_steps_kept
     if s.consumed == "delete":
-        samples, why = in_flight, (
-            f"gate bound (max_staleness {staleness.bound} + 1) x prompts_per_step "
-            f"{a.prompts_per_step} "
-            f"x n {cfg.data.n} = {in_flight} samples"
+        samples, why = (
+            in_flight,
+            (
+                f"gate bound (max_staleness {staleness.bound} + 1) x prompts_per_step "
+                f"{a.prompts_per_step} "
+                f"x n {cfg.data.n} = {in_flight} samples"
+            ),
         )
     else:
-        samples, why = run_samples, (
-            f"consumed: keep, every sample of the run: steps {cfg.trainer.steps} x prompts_per_step "
-            f"{a.prompts_per_step} x n {cfg.data.n} = {run_samples} samples"
+        samples, why = (
+            run_samples,
+            (
+                f"consumed: keep, every sample of the run: steps {cfg.trainer.steps} x prompts_per_step "
+                f"{a.prompts_per_step} x n {cfg.data.n} = {run_samples} samples"
+            ),
         )
     tokens = f"{prompt_tokens} prompt + {response_tokens} response tokens"
     return {
@@ -155,7 +164,8 @@ def _needs(cfg: RunConfig) -> dict[str, tuple[float, str]]:
         "rewards": (samples * reward, f"{why} x {reward:,} B (a trajectory and its score)"),
         "scored": (
             samples * scored if cfg.reference.enabled else 0.0,
-            f"{why} x {scored:,} B (a reward and its reference log-probs)" if cfg.reference.enabled
+            f"{why} x {scored:,} B (a reward and its reference log-probs)"
+            if cfg.reference.enabled
             else "reference.enabled false: nothing is written to it",
         ),
         "batches": (
@@ -197,7 +207,14 @@ def stream_needs(cfg: RunConfig) -> dict[str, Need]:
     """Every stream's need and limit; ValueError naming the key for an override below its need."""
     s = cfg.streams
     dead = s.max_bytes.get("dead", DEAD_BYTES)
-    found = {"dead": Need("dead", DEAD_BYTES, dead, "fixed: dead letters are not bounded by the gate (discard old)")}
+    found = {
+        "dead": Need(
+            "dead",
+            DEAD_BYTES,
+            dead,
+            "fixed: dead letters are not bounded by the gate (discard old)",
+        )
+    }
     for name, (raw, how) in _needs(cfg).items():
         need = max(int(raw * s.safety_factor), MIN_STREAM_BYTES)
         how = f"{how} = {_mib(raw)}, x safety_factor {s.safety_factor:g} = {_mib(raw * s.safety_factor)}"

@@ -20,14 +20,26 @@ if TYPE_CHECKING:
 # are viewed as uint16 in numpy, as torch.bfloat16 in torch.
 _NUMPY: dict[str, np.dtype] = {
     name: np.dtype(name)
-    for name in ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64")
+    for name in (
+        "bool",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "float16",
+        "float32",
+        "float64",
+    )
 }
 _NUMPY["bfloat16"] = np.dtype("uint16")
 # The same, little endian, made once: building it per call was a fifth of a trajectory's decode.
 _LITTLE: dict[str, np.dtype] = {name: dtype.newbyteorder("<") for name, dtype in _NUMPY.items()}
 ITEMSIZE: dict[str, int] = {name: dtype.itemsize for name, dtype in _NUMPY.items()}
 """Bytes per element of each wire dtype."""
-DType = Literal["bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
+DType = Literal[
+    "bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"
+]
 
 
 def itemsize(dtype: DType) -> int:
@@ -79,7 +91,9 @@ class Tensor(BaseModel):
 
         t = tensor.detach().to("cpu").contiguous()
         if t.dtype == torch.bfloat16:
-            return cls(dtype="bfloat16", shape=tuple(t.shape), data=t.view(torch.uint16).numpy().tobytes())
+            return cls(
+                dtype="bfloat16", shape=tuple(t.shape), data=t.view(torch.uint16).numpy().tobytes()
+            )
         return cls.from_numpy(t.numpy())
 
     def torch(self) -> torch.Tensor:

@@ -38,12 +38,21 @@ _OBJECT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 
 def _check_location(transport: str, location: str) -> None:
     if transport == "object_store" and not _OBJECT_NAME.fullmatch(location):
-        raise ValueError(f"object_store location {location[:64]!r} is not an object name (letters, digits, ._-)")
+        raise ValueError(
+            f"object_store location {location[:64]!r} is not an object name (letters, digits, ._-)"
+        )
     if transport == "filesystem":
         path = PurePosixPath(location)
-        if not path.is_absolute() or ".." in path.parts or path.suffix != ".safetensors" or "\x00" in location:
-            raise ValueError(f"filesystem location {location[:64]!r} must be an absolute path to a .safetensors "
-                             "file")
+        if (
+            not path.is_absolute()
+            or ".." in path.parts
+            or path.suffix != ".safetensors"
+            or "\x00" in location
+        ):
+            raise ValueError(
+                f"filesystem location {location[:64]!r} must be an absolute path to a .safetensors "
+                "file"
+            )
 
 
 class WeightShard(BaseModel):
@@ -115,7 +124,9 @@ class WeightVersionEvent(Event):
     def announce(cls, **fields: Any) -> WeightVersionEvent:
         """The event of `fields` (all but `id`), its id naming its content (`content_digest`)."""
         draft = cls(id="-", **fields)
-        return draft.model_copy(update={"id": f"{draft.run}/weights/{draft.version}/{content_digest(draft)}"})
+        return draft.model_copy(
+            update={"id": f"{draft.run}/weights/{draft.version}/{content_digest(draft)}"}
+        )
 
     @model_validator(mode="before")
     @classmethod
@@ -127,13 +138,17 @@ class WeightVersionEvent(Event):
     @model_validator(mode="after")
     def _where(self) -> WeightVersionEvent:
         if self.base_version is not None and self.base_version >= self.version:
-            raise ValueError(f"base_version {self.base_version} must be older than version {self.version}")
+            raise ValueError(
+                f"base_version {self.base_version} must be older than version {self.version}"
+            )
         _check_location(self.transport, self.location)
         if (self.fallback_transport is None) != (self.fallback_location is None):
             raise ValueError("fallback_transport and fallback_location come together")
         if self.fallback_transport is not None and self.fallback_location is not None:
             if self.transport != "collective":
-                raise ValueError(f"a fallback copy is for collective versions, not {self.transport}")
+                raise ValueError(
+                    f"a fallback copy is for collective versions, not {self.transport}"
+                )
             _check_location(self.fallback_transport, self.fallback_location)
         names = [spec.name for spec in self.manifest]
         if len(set(names)) != len(names):
@@ -143,22 +158,30 @@ class WeightVersionEvent(Event):
             return self
         if self.shards:
             if self.transport == "collective" and self.fallback_transport is None:
-                raise ValueError("a collective version's shards are those of its fallback copy, and it has none")
+                raise ValueError(
+                    "a collective version's shards are those of its fallback copy, and it has none"
+                )
             self._check_shards(names)
         if self.full_version is not None and self.full_version != self.version:
-            raise ValueError(f"a full version is its own chain's full version, not {self.full_version}")
+            raise ValueError(
+                f"a full version is its own chain's full version, not {self.full_version}"
+            )
         data = sum(math.prod(spec.shape) * itemsize(spec.dtype) for spec in self.manifest)
         if self.total_bytes < data:
-            raise ValueError(f"total_bytes {self.total_bytes} is less than the manifest's {data} "
-                             "bytes of tensor data")
+            raise ValueError(
+                f"total_bytes {self.total_bytes} is less than the manifest's {data} "
+                "bytes of tensor data"
+            )
         return self
 
     def _check_delta(self, names: list[str]) -> None:
         """A delta names its chain and its shards, which carry every manifest tensor once."""
         assert self.base_version is not None
         if self.full_version is None or not self.full_version <= self.base_version:
-            raise ValueError(f"a delta on v{self.base_version} needs its chain's full version, "
-                             "at or before its base")
+            raise ValueError(
+                f"a delta on v{self.base_version} needs its chain's full version, "
+                "at or before its base"
+            )
         if not self.shards:
             raise ValueError("a delta needs its shards")
         self._check_shards(names)
@@ -167,15 +190,22 @@ class WeightVersionEvent(Event):
         """The shards carry every manifest tensor once; `location` and `total_bytes` say theirs."""
         stored, where = self.transport, self.location
         if self.transport == "collective" and self.fallback_transport and self.fallback_location:
-            stored, where = self.fallback_transport, self.fallback_location  # the shards are the copy's
+            stored, where = (
+                self.fallback_transport,
+                self.fallback_location,
+            )  # the shards are the copy's
         for shard in self.shards:
             _check_location(stored, shard.location)
         carried = [name for shard in self.shards for name in shard.tensors]
         if len(carried) != len(set(carried)) or set(carried) != set(names):
             raise ValueError("the shards do not carry each manifest tensor exactly once")
-        if where != self.shards[0].location or self.total_bytes != sum(s.total_bytes for s in self.shards):
-            raise ValueError("a sharded version's location and total_bytes are its first shard's "
-                             "and the shards' sum")
+        if where != self.shards[0].location or self.total_bytes != sum(
+            s.total_bytes for s in self.shards
+        ):
+            raise ValueError(
+                "a sharded version's location and total_bytes are its first shard's "
+                "and the shards' sum"
+            )
 
 
 DIGEST_CHARS = 16

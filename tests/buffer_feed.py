@@ -39,12 +39,21 @@ PROMPT_TOKENS = 5
 
 
 def scored(
-    run: str, prompt: str, sample: int, reward: float, group: int, response_tokens: int = 8,
+    run: str,
+    prompt: str,
+    sample: int,
+    reward: float,
+    group: int,
+    response_tokens: int = 8,
     version: int = 0,
 ) -> RewardEvent:
     """One scored sample of group `prompt` (a prompt id of `run`), made by weights `version`."""
     t = TrajectoryEvent(
-        id=f"{prompt}/{sample}", run=run, prompt_id=prompt, sample_index=sample, group_size=group,
+        id=f"{prompt}/{sample}",
+        run=run,
+        prompt_id=prompt,
+        sample_index=sample,
+        group_size=group,
         prompt_ids=Tensor.from_numpy(np.arange(PROMPT_TOKENS, dtype=np.int32)),
         response_ids=Tensor.from_numpy(np.arange(response_tokens, dtype=np.int32)),
         logprobs=Tensor.from_numpy(np.full(response_tokens, -1.0, np.float32)),
@@ -73,18 +82,25 @@ def expected_advantages(estimator: str, rewards: Iterable[float]) -> np.ndarray:
         return centred
     if estimator == "rloo":
         return np.array([r[i] - np.delete(r, i).mean() for i in range(len(r))])
-    if estimator == "gae":  # the trainer's critic forms token advantages from the rewards themselves
+    if (
+        estimator == "gae"
+    ):  # the trainer's critic forms token advantages from the rewards themselves
         return r
     raise ValueError(estimator)
 
 
-async def declare(js: JetStreamContext, topology: Topology, config: RunConfig, ack_wait: float | None = None) -> None:
+async def declare(
+    js: JetStreamContext, topology: Topology, config: RunConfig, ack_wait: float | None = None
+) -> None:
     """Declare the run and put `config` in KV, as a producer would; with `ack_wait`, the buffer's
     work queue is declared with it (before any buffer reads it), so that held or orphaned
     samples come back within a test's time."""
     await topology.apply(js)
     if ack_wait is not None:
-        await js.add_consumer(topology.stream(REWARDS), topology.consumer_config(REWARDS.with_queue(ack_wait=ack_wait)))
+        await js.add_consumer(
+            topology.stream(REWARDS),
+            topology.consumer_config(REWARDS.with_queue(ack_wait=ack_wait)),
+        )
     await publish_config(await js.key_value(topology.kv_bucket), config)
 
 
@@ -95,7 +111,9 @@ async def publish(js: JetStreamContext, topology: Topology, rewards: Iterable[Re
         await publisher.publish(REWARDS, reward)
 
 
-def start_buffer(url: str, topology: Topology, log: Path, crash_at: str | None = None) -> subprocess.Popen[bytes]:
+def start_buffer(
+    url: str, topology: Topology, log: Path, crash_at: str | None = None
+) -> subprocess.Popen[bytes]:
     """The buffer as a process, its output appended to `log`; `crash_at` arms a crash point."""
     env = {k: v for k, v in os.environ.items() if k not in (CRASH_AT, CRASH_RECORD)}
     if crash_at is not None:
@@ -103,7 +121,10 @@ def start_buffer(url: str, topology: Topology, log: Path, crash_at: str | None =
     with log.open("ab") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "consumers.buffer", "--run", topology.run, "--nats", url],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
 
 
@@ -120,7 +141,11 @@ def stop_buffer(proc: subprocess.Popen[bytes]) -> int:
 
 
 def tail(log: Path, lines: int = 15) -> str:
-    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else "(no log)"
+    return (
+        "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+        if log.exists()
+        else "(no log)"
+    )
 
 
 async def batches(js: JetStreamContext, topology: Topology) -> list[BatchEvent]:
@@ -155,7 +180,9 @@ async def drop_record(js: JetStreamContext, topology: Topology, prompt: str) -> 
     return DropRecord.decode(entry.value).reason
 
 
-async def until(check: Callable[[], Awaitable[bool]], timeout: float, what: Callable[[], Awaitable[str]]) -> None:
+async def until(
+    check: Callable[[], Awaitable[bool]], timeout: float, what: Callable[[], Awaitable[str]]
+) -> None:
     """Poll `check` until it holds; past `timeout` s fail the test saying `await what()`."""
     deadline = time.monotonic() + timeout
     while not await check():
@@ -189,11 +216,15 @@ def summary(stored: list[BatchEvent]) -> str:
     lines = []
     for step, events in sorted(by_step(stored).items()):
         names = sorted({p for b in events for p in b.step_prompt_ids})
-        lines.append(f"step {step}: {len(events)}/{events[0].micro_count} micro-batches, groups {names}")
+        lines.append(
+            f"step {step}: {len(events)}/{events[0].micro_count} micro-batches, groups {names}"
+        )
     return "; ".join(lines) or "no batches"
 
 
-def check_steps(stored: list[BatchEvent], groups: dict[str, list[str]]) -> dict[int, tuple[str, ...]]:
+def check_steps(
+    stored: list[BatchEvent], groups: dict[str, list[str]]
+) -> dict[int, tuple[str, ...]]:
     """Assert the batch stream is whole: each step has all its micro-batches, once each, all
     naming the same groups; a step's samples are exactly the samples of those groups; no
     sample is in two batches. `groups`: prompt id -> its sample ids. Returns step -> groups."""
@@ -209,9 +240,13 @@ def check_steps(stored: list[BatchEvent], groups: dict[str, list[str]]) -> dict[
             f"step {step} has micro-batches {indices} of {events[0].micro_count}: {summary(stored)}"
         )
         names = {b.step_prompt_ids for b in events}
-        assert len(names) == 1, f"the micro-batches of step {step} name different groups: {sorted(names)}"
+        assert len(names) == 1, (
+            f"the micro-batches of step {step} name different groups: {sorted(names)}"
+        )
         named[step] = names.pop()
         want = sorted(sid for p in named[step] for sid in groups[p])
         got = sorted(sid for b in events for sid in b.sample_ids)
-        assert got == want, f"step {step} names groups {named[step]} but holds samples {got}, not {want}"
+        assert got == want, (
+            f"step {step} names groups {named[step]} but holds samples {got}, not {want}"
+        )
     return named

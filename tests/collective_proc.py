@@ -48,7 +48,9 @@ def weights(version: int, mb: float) -> dict[str, torch.Tensor]:
     n = int(mb * (1 << 20))
     return {
         "embed": torch.randn(n // 8, generator=g),  # fp32, half the bytes
-        "layers.0.w": torch.randn(n // 4 + 3, generator=g).to(torch.bfloat16),  # bf16, the other half
+        "layers.0.w": torch.randn(n // 4 + 3, generator=g).to(
+            torch.bfloat16
+        ),  # bf16, the other half
         "layers.0.b": torch.randn(37, generator=g),
         "mask": torch.rand(5, generator=g) > 0.5,
         "step": torch.tensor(version, dtype=torch.int64),
@@ -71,8 +73,18 @@ def owned(tensors: dict[str, torch.Tensor], senders: int) -> list[dict[str, torc
 
 
 def published(p: Published, tensors: dict[str, torch.Tensor]) -> None:
-    say(event="published", version=p.version, epoch=p.epoch, members=list(p.members), attempts=p.attempts,
-        seconds=p.seconds, nbytes=p.nbytes, reason=p.reason, sent=p.sent, digest=digest(tensors))
+    say(
+        event="published",
+        version=p.version,
+        epoch=p.epoch,
+        members=list(p.members),
+        attempts=p.attempts,
+        seconds=p.seconds,
+        nbytes=p.nbytes,
+        reason=p.reason,
+        sent=p.sent,
+        digest=digest(tensors),
+    )
 
 
 def say(**fields: object) -> None:
@@ -91,7 +103,9 @@ def source(settings: CollectiveSettings, senders: int) -> None:
             published(src.publish(cmd["version"], tensors), tensors)
         else:  # the digest is the whole version's, to compare with what receivers got
             shards = owned(tensors, senders)
-            published(src.publish(cmd["version"], shards[0], [specs_of(s) for s in shards]), tensors)
+            published(
+                src.publish(cmd["version"], shards[0], [specs_of(s) for s in shards]), tensors
+            )
 
 
 def peer(rank: int, settings: CollectiveSettings, senders: int) -> None:
@@ -111,7 +125,12 @@ def receiver(member_id: str, settings: CollectiveSettings) -> None:
         cmd = json.loads(line)
         stalls = [cmd["stall_at"]] if "stall_at" in cmd else []
 
-        def progress(k: int, count: int, stalls: list[int] = stalls, stall_s: float = cmd.get("stall_s", 3600.0)) -> None:
+        def progress(
+            k: int,
+            count: int,
+            stalls: list[int] = stalls,
+            stall_s: float = cmd.get("stall_s", 3600.0),
+        ) -> None:
             say(event="bucket", k=k, count=count)
             if k in stalls:  # once: a retry of the same version runs through
                 stalls.clear()
@@ -120,15 +139,24 @@ def receiver(member_id: str, settings: CollectiveSettings) -> None:
 
         got = rcv.receive((cmd["host"], cmd["port"]), cmd["version"], on_bucket=progress)
         if isinstance(got, Received):
-            say(event="received", version=got.version, digest=digest(got.tensors), seconds=got.seconds,
-                nbytes=got.nbytes, by_src={str(k): v for k, v in got.by_src.items()})
+            say(
+                event="received",
+                version=got.version,
+                digest=digest(got.tensors),
+                seconds=got.seconds,
+                nbytes=got.nbytes,
+                by_src={str(k): v for k, v in got.by_src.items()},
+            )
         else:
             say(event="missed", version=got.version, reason=got.reason)
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "source":
-        source(CollectiveSettings(**json.loads(sys.argv[-1])), int(sys.argv[2]) if len(sys.argv) > 3 else 1)
+        source(
+            CollectiveSettings(**json.loads(sys.argv[-1])),
+            int(sys.argv[2]) if len(sys.argv) > 3 else 1,
+        )
     elif sys.argv[1] == "peer":
         peer(int(sys.argv[2]), CollectiveSettings(**json.loads(sys.argv[-1])), int(sys.argv[3]))
     else:

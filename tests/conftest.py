@@ -43,7 +43,9 @@ def _release_session_streams(request: pytest.FixtureRequest) -> Iterator[None]:
 async def _stream_names(url: str) -> set[str]:
     nc = await connect(url, "test-streams")
     try:
-        return {info.config.name for info in await nc.jetstream().streams_info() if info.config.name}
+        return {
+            info.config.name for info in await nc.jetstream().streams_info() if info.config.name
+        }
     finally:
         await nc.close()
 

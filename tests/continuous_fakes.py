@@ -50,11 +50,19 @@ class FakeCore:
         else:
             logprobs = torch.log_softmax(logits / temperature, -1)
             seed = hash((request_id, len(ids))) % 2**31  # the same draw whatever the interleaving
-            token = int(torch.multinomial(logprobs.exp(), 1, generator=torch.Generator().manual_seed(seed)))
+            token = int(
+                torch.multinomial(logprobs.exp(), 1, generator=torch.Generator().manual_seed(seed))
+            )
         return token, float(logprobs[token])
 
-    async def tokens(self, request_id: str, prompt: list[int], temperature: float, max_tokens: int,
-                     stop_ids: Sequence[int]) -> AsyncIterator[tuple[int, float, str | None]]:
+    async def tokens(
+        self,
+        request_id: str,
+        prompt: list[int],
+        temperature: float,
+        max_tokens: int,
+        stop_ids: Sequence[int],
+    ) -> AsyncIterator[tuple[int, float, str | None]]:
         """Decode one request: (token, log-prob, finish reason on the last)."""
         self.submitted.append((request_id, list(prompt), max_tokens))
         self.active[request_id] = 0
@@ -67,7 +75,9 @@ class FakeCore:
                 token, logprob = self.draw(request_id, ids, temperature)
                 ids.append(token)
                 self.active[request_id] += 1
-                finish = "stop" if token in stop_ids else "length" if index == max_tokens - 1 else None
+                finish = (
+                    "stop" if token in stop_ids else "length" if index == max_tokens - 1 else None
+                )
                 yield token, logprob, finish
                 if finish:
                     return
@@ -95,18 +105,28 @@ class FakeAsyncLLM:
         model = SimpleNamespace(load_weights=lambda weights: core.load(list(weights)))
         self.worker = SimpleNamespace(model_runner=SimpleNamespace(model=model))
 
-    async def generate(self, prompt: dict[str, list[int]], sampling: dict[str, Any], request_id: str
-                       ) -> AsyncIterator[SimpleNamespace]:
-        assert (sampling["n"], sampling["logprobs"], sampling["output_kind"]) == (1, 0, DELTA), sampling
+    async def generate(
+        self, prompt: dict[str, list[int]], sampling: dict[str, Any], request_id: str
+    ) -> AsyncIterator[SimpleNamespace]:
+        assert (sampling["n"], sampling["logprobs"], sampling["output_kind"]) == (1, 0, DELTA), (
+            sampling
+        )
         async for token, logprob, finish in self.core.tokens(
-            request_id, prompt["prompt_token_ids"], sampling["temperature"], sampling["max_tokens"],
+            request_id,
+            prompt["prompt_token_ids"],
+            sampling["temperature"],
+            sampling["max_tokens"],
             sampling["stop_token_ids"],
         ):
             if finish and self.finish_override:
                 finish = self.finish_override
             ranked = {token: SimpleNamespace(logprob=logprob, rank=1, decoded_token=None)}
-            completion = SimpleNamespace(index=0, token_ids=[token], finish_reason=finish, logprobs=[ranked])
-            yield SimpleNamespace(request_id=request_id, finished=finish is not None, outputs=[completion])
+            completion = SimpleNamespace(
+                index=0, token_ids=[token], finish_reason=finish, logprobs=[ranked]
+            )
+            yield SimpleNamespace(
+                request_id=request_id, finished=finish is not None, outputs=[completion]
+            )
 
     async def abort(self, request_ids: list[str]) -> None:
         self.core.events.append(f"abort {len(request_ids)}")
@@ -120,8 +140,13 @@ class FakeAsyncLLM:
         self.core.paused = False
         self.core.events.append("resume")
 
-    async def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple[Any, ...] = (),
-                             kwargs: dict[str, Any] | None = None) -> list[Any]:
+    async def collective_rpc(
+        self,
+        method: Any,
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
         return [method(self.worker, *args, **(kwargs or {}))]
 
     async def reset_prefix_cache(self) -> bool:
@@ -161,22 +186,44 @@ class FakeSGLangEngine:
         self.core = core
         self.tokenizer_manager = FakeTokenizerManager(core)
 
-    async def async_generate(self, input_ids: list[int], sampling_params: dict[str, Any], return_logprob: bool,
-                             stream: bool, rid: str) -> AsyncIterator[dict[str, Any]]:
+    async def async_generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        return_logprob: bool,
+        stream: bool,
+        rid: str,
+    ) -> AsyncIterator[dict[str, Any]]:
         assert stream and return_logprob and sampling_params["no_stop_trim"], sampling_params
         core = self.core
 
         async def outputs() -> AsyncIterator[dict[str, Any]]:
             entries: list[list[Any]] = []
-            async for token, logprob, finish in core.tokens(rid, input_ids, sampling_params["temperature"],
-                                                            sampling_params["max_new_tokens"],
-                                                            sampling_params["stop_token_ids"]):
+            async for token, logprob, finish in core.tokens(
+                rid,
+                input_ids,
+                sampling_params["temperature"],
+                sampling_params["max_new_tokens"],
+                sampling_params["stop_token_ids"],
+            ):
                 entries.append([logprob, token, None])
-                reason = None if finish is None else ({"type": "stop", "matched": token} if finish == "stop"
-                                                      else {"type": "length", "length": len(entries)})
-                yield {"output_ids": [e[1] for e in entries], "meta_info": {
-                    "output_token_logprobs": [list(e) for e in entries], "completion_tokens": len(entries),
-                    "finish_reason": reason}}
+                reason = (
+                    None
+                    if finish is None
+                    else (
+                        {"type": "stop", "matched": token}
+                        if finish == "stop"
+                        else {"type": "length", "length": len(entries)}
+                    )
+                )
+                yield {
+                    "output_ids": [e[1] for e in entries],
+                    "meta_info": {
+                        "output_token_logprobs": [list(e) for e in entries],
+                        "completion_tokens": len(entries),
+                        "finish_reason": reason,
+                    },
+                }
 
         return outputs()
 
@@ -184,19 +231,31 @@ class FakeSGLangEngine:
         pass
 
 
-def adapter(kind: str, model_dir: Path, core: FakeCore, slots: int = 8, mode: PartialMode = "resubmit",
-            **fake: Any) -> ContinuousAdapter:
+def adapter(
+    kind: str,
+    model_dir: Path,
+    core: FakeCore,
+    slots: int = 8,
+    mode: PartialMode = "resubmit",
+    **fake: Any,
+) -> ContinuousAdapter:
     """The `kind` ("vllm" / "sglang") adapter as its constructor leaves it, over a fake engine."""
     cls = VLLMContinuousEngine if kind == "vllm" else SGLangContinuousEngine
     engine: Any = object.__new__(cls)
-    ContinuousAdapter.__init__(engine, slots, eos_token_ids(model_dir), mode, EngineLoop(f"test-{kind}"))
+    ContinuousAdapter.__init__(
+        engine, slots, eos_token_ids(model_dir), mode, EngineLoop(f"test-{kind}")
+    )
     engine.model, engine.dtype = skeleton(model_dir), None
     if kind == "vllm":
         engine._vllm, engine._delta = SimpleNamespace(SamplingParams=lambda **kw: kw), DELTA
         engine.engine = FakeAsyncLLM(core, **fake)
     else:
         engine.tp_size = 1
-        engine.io = SimpleNamespace(pause=lambda mode: SimpleNamespace(mode=mode), resume=SimpleNamespace,
-                                    update=lambda **kw: SimpleNamespace(**kw), serialize=lambda pairs: pairs)
+        engine.io = SimpleNamespace(
+            pause=lambda mode: SimpleNamespace(mode=mode),
+            resume=SimpleNamespace,
+            update=lambda **kw: SimpleNamespace(**kw),
+            serialize=lambda pairs: pairs,
+        )
         engine.engine = FakeSGLangEngine(core)
     return engine

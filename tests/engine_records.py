@@ -31,7 +31,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny"), VOCAB, seed=0)
 
 
-def trainer_logprobs(model_dir: Path, prompts: list[list[int]], groups: list[list[Sample]]) -> torch.Tensor:
+def trainer_logprobs(
+    model_dir: Path, prompts: list[list[int]], groups: list[list[Sample]]
+) -> torch.Tensor:
     """[sum of response lengths] what the trainer computes for every response token,
     at `TEMPERATURE`."""
     engine = TorchTrainEngine(model_dir, lr=1e-3, loss=LossConfig(temperature=TEMPERATURE))
@@ -46,12 +48,19 @@ def vllm_objects(requests: list[dict[str, Any]]) -> list[SimpleNamespace]:
     """JSON `RequestOutput`s as objects: ``outputs`` of completions, logprobs keyed by int."""
 
     def completion(c: dict[str, Any]) -> SimpleNamespace:
-        logprobs = None if c["logprobs"] is None else [
-            {int(token): SimpleNamespace(**entry) for token, entry in position.items()} for position in c["logprobs"]
-        ]
+        logprobs = (
+            None
+            if c["logprobs"] is None
+            else [
+                {int(token): SimpleNamespace(**entry) for token, entry in position.items()}
+                for position in c["logprobs"]
+            ]
+        )
         return SimpleNamespace(**{**c, "logprobs": logprobs})
 
-    return [SimpleNamespace(**{**r, "outputs": [completion(c) for c in r["outputs"]]}) for r in requests]
+    return [
+        SimpleNamespace(**{**r, "outputs": [completion(c) for c in r["outputs"]]}) for r in requests
+    ]
 
 
 def vllm_report(prompts: list[list[int]], groups: list[list[Sample]]) -> list[dict[str, Any]]:
@@ -62,13 +71,30 @@ def vllm_report(prompts: list[list[int]], groups: list[list[Sample]]) -> list[di
         outputs = []
         for index, sample in enumerate(group):
             ids, logprobs = sample.token_ids.tolist(), sample.logprobs.tolist()
-            outputs.append({
-                "index": index, "text": "", "token_ids": ids, "cumulative_logprob": sum(logprobs),
-                "logprobs": [{str(t): {"logprob": lp, "rank": None, "decoded_token": None}} for t, lp in zip(ids, logprobs, strict=True)],
-                "finish_reason": sample.finish_reason, "stop_reason": None,
-            })
-        requests.append({"request_id": str(i), "prompt": None, "prompt_token_ids": prompt, "prompt_logprobs": None,
-                         "finished": True, "outputs": outputs})
+            outputs.append(
+                {
+                    "index": index,
+                    "text": "",
+                    "token_ids": ids,
+                    "cumulative_logprob": sum(logprobs),
+                    "logprobs": [
+                        {str(t): {"logprob": lp, "rank": None, "decoded_token": None}}
+                        for t, lp in zip(ids, logprobs, strict=True)
+                    ],
+                    "finish_reason": sample.finish_reason,
+                    "stop_reason": None,
+                }
+            )
+        requests.append(
+            {
+                "request_id": str(i),
+                "prompt": None,
+                "prompt_token_ids": prompt,
+                "prompt_logprobs": None,
+                "finished": True,
+                "outputs": outputs,
+            }
+        )
     return requests
 
 
@@ -78,16 +104,37 @@ def sglang_report(groups: list[list[Sample]]) -> list[dict[str, Any]]:
     for group in groups:
         for sample in group:
             ids, logprobs = sample.token_ids.tolist(), sample.logprobs.tolist()
-            finish = ({"type": "stop", "matched": ids[-1]} if sample.finish_reason == "stop"
-                      else {"type": "length", "length": len(ids)})
-            outputs.append({"output_ids": ids, "meta_info": {
-                "finish_reason": finish, "prompt_tokens": 0, "completion_tokens": len(ids),
-                "output_token_logprobs": [[lp, t, None] for t, lp in zip(ids, logprobs, strict=True)],
-            }})
+            finish = (
+                {"type": "stop", "matched": ids[-1]}
+                if sample.finish_reason == "stop"
+                else {"type": "length", "length": len(ids)}
+            )
+            outputs.append(
+                {
+                    "output_ids": ids,
+                    "meta_info": {
+                        "finish_reason": finish,
+                        "prompt_tokens": 0,
+                        "completion_tokens": len(ids),
+                        "output_token_logprobs": [
+                            [lp, t, None] for t, lp in zip(ids, logprobs, strict=True)
+                        ],
+                    },
+                }
+            )
     return outputs
 
 
 def as_plain(groups: list[list[Sample]]) -> list[list[dict[str, Any]]]:
     """Samples as the fixtures' "expected" lists (exact: the values are binary fractions)."""
-    return [[{"token_ids": s.token_ids.tolist(), "logprobs": s.logprobs.tolist(), "finish_reason": s.finish_reason}
-             for s in group] for group in groups]
+    return [
+        [
+            {
+                "token_ids": s.token_ids.tolist(),
+                "logprobs": s.logprobs.tolist(),
+                "finish_reason": s.finish_reason,
+            }
+            for s in group
+        ]
+        for group in groups
+    ]

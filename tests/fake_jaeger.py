@@ -61,16 +61,21 @@ def _jaeger_span(span: Span) -> dict[str, Any]:
     trace_id = span.trace_id.hex()
     references = []
     if span.parent_span_id:
-        references.append({"refType": "CHILD_OF", "traceID": trace_id, "spanID": span.parent_span_id.hex()})
+        references.append(
+            {"refType": "CHILD_OF", "traceID": trace_id, "spanID": span.parent_span_id.hex()}
+        )
     references += [
-        {"refType": "FOLLOWS_FROM", "traceID": link.trace_id.hex(), "spanID": link.span_id.hex()} for link in span.links
+        {"refType": "FOLLOWS_FROM", "traceID": link.trace_id.hex(), "spanID": link.span_id.hex()}
+        for link in span.links
     ]
     tags = _tags(list(span.attributes))
     if span.kind in KINDS:
         tags.append({"key": "span.kind", "type": "string", "value": KINDS[span.kind]})
     if span.status.code == Status.STATUS_CODE_ERROR:
-        tags += [{"key": "otel.status_code", "type": "string", "value": "ERROR"},
-                 {"key": "error", "type": "bool", "value": True}]
+        tags += [
+            {"key": "otel.status_code", "type": "string", "value": "ERROR"},
+            {"key": "error", "type": "bool", "value": True},
+        ]
     return {
         "traceID": trace_id,
         "spanID": span.span_id.hex(),
@@ -81,8 +86,13 @@ def _jaeger_span(span: Span) -> dict[str, Any]:
         "duration": (span.end_time_unix_nano - span.start_time_unix_nano) // 1000,
         "tags": tags,
         "logs": [
-            {"timestamp": e.time_unix_nano // 1000, "fields": [{"key": "event", "type": "string", "value": e.name},
-                                                                *_tags(list(e.attributes))]}
+            {
+                "timestamp": e.time_unix_nano // 1000,
+                "fields": [
+                    {"key": "event", "type": "string", "value": e.name},
+                    *_tags(list(e.attributes)),
+                ],
+            }
             for e in span.events
         ],
         "warnings": None,
@@ -120,8 +130,13 @@ class FakeJaeger:
         with self.lock:
             for resource_spans in request.resource_spans:
                 attributes = list(resource_spans.resource.attributes)
-                service = next((a.value.string_value for a in attributes if a.key == "service.name"), "unknown")
-                process = {"serviceName": service, "tags": _tags([a for a in attributes if a.key != "service.name"])}
+                service = next(
+                    (a.value.string_value for a in attributes if a.key == "service.name"), "unknown"
+                )
+                process = {
+                    "serviceName": service,
+                    "tags": _tags([a for a in attributes if a.key != "service.name"]),
+                }
                 for scope_spans in resource_spans.scope_spans:
                     self.spans += [(_jaeger_span(span), process) for span in scope_spans.spans]
 
@@ -139,13 +154,18 @@ class FakeJaeger:
     def trace(self, trace_id: str) -> dict[str, Any] | None:
         """One trace in Jaeger's JSON, with a process id per distinct process."""
         with self.lock:
-            members = [(span, process) for span, process in self.spans if span["traceID"] == trace_id]
+            members = [
+                (span, process) for span, process in self.spans if span["traceID"] == trace_id
+            ]
         if not members:
             return None
         processes: dict[str, dict[str, Any]] = {}
         spans = []
         for span, process in members:
-            pid = next((key for key, known in processes.items() if known == process), f"p{len(processes) + 1}")
+            pid = next(
+                (key for key, known in processes.items() if known == process),
+                f"p{len(processes) + 1}",
+            )
             processes[pid] = process
             spans.append({**span, "processID": pid})
         return {"traceID": trace_id, "spans": spans, "processes": processes, "warnings": None}
@@ -169,7 +189,11 @@ class FakeJaeger:
             )
 
         with self.lock:
-            ids = list(dict.fromkeys(span["traceID"] for span, process in self.spans if matches(span, process)))
+            ids = list(
+                dict.fromkeys(
+                    span["traceID"] for span, process in self.spans if matches(span, process)
+                )
+            )
         return [trace for trace_id in ids[:limit] if (trace := self.trace(trace_id)) is not None]
 
     def _handler(self) -> type[http.server.BaseHTTPRequestHandler]:
@@ -195,7 +219,9 @@ class FakeJaeger:
                 if url.path.startswith("/api/traces/"):
                     trace = jaeger.trace(url.path.rsplit("/", 1)[1])
                     if trace is None:
-                        self.reply(404, {"data": None, "errors": [{"code": 404, "msg": "trace not found"}]})
+                        self.reply(
+                            404, {"data": None, "errors": [{"code": 404, "msg": "trace not found"}]}
+                        )
                     else:
                         self.reply(200, {"data": [trace], "errors": None})
                 elif url.path == "/api/traces":

@@ -20,18 +20,23 @@ import torch.distributed as dist
 from bus.connection import connect
 from consumers.trainer_dist import exchange
 from consumers.weights import transport_for
-from consumers.weights.sender import WeightsSender
 from consumers.weights.collective import CollectiveTransport
+from consumers.weights.sender import WeightsSender
 from engines.delta_plan import assign_shards
 from engines.fsdp_train import FSDPTrainEngine, init_group
 from schemas.config import WeightsConfig
 from tests.fsdp_proc import ENGINE_ARGS, WORLD, steps
 
 MEMBERS = ["worker-a", "worker-b"]
-SETTINGS = {"transport": "collective", "collective": {"join_timeout_s": 30, "op_timeout_s": 10, "bucket_mib": 1}}
+SETTINGS = {
+    "transport": "collective",
+    "collective": {"join_timeout_s": 30, "op_timeout_s": 10, "bucket_mib": 1},
+}
 
 
-def rank_main(rank: int, port: int, model_dir: str, out: str, vocab: int, url: str, run: str, bucket: str) -> None:
+def rank_main(
+    rank: int, port: int, model_dir: str, out: str, vocab: int, url: str, run: str, bucket: str
+) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, WORLD, rank == 0, wait_for_workers=False)
     init_group(store, rank, WORLD, torch.device("cpu"), timeout=120)
@@ -39,7 +44,9 @@ def rank_main(rank: int, port: int, model_dir: str, out: str, vocab: int, url: s
     dist.destroy_process_group()
 
 
-async def publish(rank: int, model_dir: str, out: str, vocab: int, url: str, run: str, bucket: str) -> None:
+async def publish(
+    rank: int, model_dir: str, out: str, vocab: int, url: str, run: str, bucket: str
+) -> None:
     engine = FSDPTrainEngine(Path(model_dir), **ENGINE_ARGS)
     engine.train_step(steps(vocab)[0][rank])
     layout = assign_shards(engine.weight_sizes(), WORLD)
@@ -52,7 +59,9 @@ async def publish(rank: int, model_dir: str, out: str, vocab: int, url: str, run
 
     transport = transport_for(config, nc.jetstream(), bucket, run, members=members, writer=rank)
     assert isinstance(transport, CollectiveTransport)
-    publisher = WeightsSender(transport, config, run, f"rank{rank}", rank=rank, world=WORLD, exchange=exchange)
+    publisher = WeightsSender(
+        transport, config, run, f"rank{rank}", rank=rank, world=WORLD, exchange=exchange
+    )
     event = await publisher.store(1, own)
     if rank == 0:
         tmp = os.path.join(out, "event.json.tmp")
@@ -63,5 +72,10 @@ async def publish(rank: int, model_dir: str, out: str, vocab: int, url: str, run
     await publisher.close()
     await nc.close()
     full = engine.export_weights()  # every rank takes part; rank 0 gets the whole model
-    seen = {"names": list(own), "published": published, "full": full, "event": event.model_dump_json()}
+    seen = {
+        "names": list(own),
+        "published": published,
+        "full": full,
+        "event": event.model_dump_json(),
+    }
     torch.save(seen, os.path.join(out, f"rank{rank}.pt"))

@@ -49,7 +49,9 @@ def micro_batch(rng: np.random.Generator, rows: int, vocab: int) -> MicroBatch:
         attention[i, : p + r] = 1
         loss[i, p : p + r] = 1
         # Near a random-init model's own log-probs, so ratios stay near 1 and some clip.
-        behaviour[i, p : p + r] = torch.from_numpy(np.log(1 / vocab) + rng.normal(0, 0.3, size=r)).float()
+        behaviour[i, p : p + r] = torch.from_numpy(
+            np.log(1 / vocab) + rng.normal(0, 0.3, size=r)
+        ).float()
     advantages = torch.from_numpy(rng.normal(0, 1, size=rows)).float()
     return MicroBatch(ids, attention, loss, advantages, behaviour)
 
@@ -90,7 +92,9 @@ def rank_main(rank: int, port: int, model_dir: str, out: str, vocab: int) -> Non
     seen["b_step"] = b.step
     seen["b"] = [b.train_step(step[rank]) for step in recorded[CHECKPOINT_AFTER:]]
     seen["b_weights"] = b.export_weights()
-    seen["files"] = sorted(str(p.relative_to(checkpoint.parent)) for p in checkpoint.parent.rglob("*") if p.is_file())
+    seen["files"] = sorted(
+        str(p.relative_to(checkpoint.parent)) for p in checkpoint.parent.rglob("*") if p.is_file()
+    )
 
     # bfloat16 compute: float32 shards (what AdamW updates), a finite step.
     c = FSDPTrainEngine(Path(model_dir), dtype=torch.bfloat16, **ENGINE_ARGS)

@@ -31,12 +31,28 @@ def settings(transport: str, root: str, delta: bool) -> WeightsConfig:
     """With deltas `keep` 2: the chain's v0 outlives v2 only by its pins. Without: nothing is
     pruned by v3 (the follower then reads every version)."""
     return WeightsConfig.model_validate(
-        {"transport": transport, "dir": root, "delta": delta, "full_every": 8, "keep": 2 if delta else 5}
+        {
+            "transport": transport,
+            "dir": root,
+            "delta": delta,
+            "full_every": 8,
+            "keep": 2 if delta else 5,
+        }
     )
 
 
-def rank_main(rank: int, port: int, model_dir: str, out: str, vocab: int, url: str, run: str, bucket: str,
-              transport: str, root: str) -> None:
+def rank_main(
+    rank: int,
+    port: int,
+    model_dir: str,
+    out: str,
+    vocab: int,
+    url: str,
+    run: str,
+    bucket: str,
+    transport: str,
+    root: str,
+) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, WORLD, rank == 0, wait_for_workers=False)
     init_group(store, rank, WORLD, torch.device("cpu"), timeout=60)
@@ -44,8 +60,17 @@ def rank_main(rank: int, port: int, model_dir: str, out: str, vocab: int, url: s
     dist.destroy_process_group()
 
 
-async def publish_versions(rank: int, model_dir: str, out: str, vocab: int, url: str, run: str, bucket: str,
-                           transport: str, root: str) -> None:
+async def publish_versions(
+    rank: int,
+    model_dir: str,
+    out: str,
+    vocab: int,
+    url: str,
+    run: str,
+    bucket: str,
+    transport: str,
+    root: str,
+) -> None:
     engine = FSDPTrainEngine(Path(model_dir), **ENGINE_ARGS)
     recorded = steps(vocab)
     layout = assign_shards(engine.weight_sizes(), WORLD)
@@ -53,10 +78,24 @@ async def publish_versions(rank: int, model_dir: str, out: str, vocab: int, url:
     js = nc.jetstream()
     versions: list[dict[str, object]] = []
     seen: dict[str, object] = {"layout": layout, "versions": versions}
-    chain = WeightsSender(transport_for(settings(transport, root, True), js, bucket, run, writer=rank),
-                             settings(transport, root, True), run, f"rank{rank}", rank=rank, world=WORLD, exchange=exchange)
-    plain = WeightsSender(transport_for(settings(transport, root, False), js, bucket, run, writer=rank),
-                             settings(transport, root, False), run, f"rank{rank}", rank=rank, world=WORLD, exchange=exchange)
+    chain = WeightsSender(
+        transport_for(settings(transport, root, True), js, bucket, run, writer=rank),
+        settings(transport, root, True),
+        run,
+        f"rank{rank}",
+        rank=rank,
+        world=WORLD,
+        exchange=exchange,
+    )
+    plain = WeightsSender(
+        transport_for(settings(transport, root, False), js, bucket, run, writer=rank),
+        settings(transport, root, False),
+        run,
+        f"rank{rank}",
+        rank=rank,
+        world=WORLD,
+        exchange=exchange,
+    )
     for version, publisher in ((0, chain), (1, chain), (2, chain), (3, plain)):
         if version:
             engine.train_step(recorded[version - 1][rank])
@@ -64,10 +103,15 @@ async def publish_versions(rank: int, model_dir: str, out: str, vocab: int, url:
         gathered = engine.gathered_bytes
         event = await publisher.store(version, own)
         full = engine.export_weights()  # rank 0: every tensor, what the one-rank path publishes
-        versions.append({
-            "version": version, "names": list(own), "gathered_bytes": gathered,
-            "event": event.model_dump_json(), "full": full,
-        })
+        versions.append(
+            {
+                "version": version,
+                "names": list(own),
+                "gathered_bytes": gathered,
+                "event": event.model_dump_json(),
+                "full": full,
+            }
+        )
         dist.barrier()  # the event is built on every rank before the next version is stored
     await nc.close()
     torch.save(seen, os.path.join(out, f"rank{rank}.pt"))

@@ -30,7 +30,10 @@ from schemas.config import RunConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
-def trajectory(run: str, prompt: int = 0, sample: int = 0, tokens: int = 8, group: int = 4) -> TrajectoryEvent:
+
+def trajectory(
+    run: str, prompt: int = 0, sample: int = 0, tokens: int = 8, group: int = 4
+) -> TrajectoryEvent:
     return TrajectoryEvent(
         id=f"{run}/0/{prompt}/{sample}",
         run=run,
@@ -47,7 +50,9 @@ def trajectory(run: str, prompt: int = 0, sample: int = 0, tokens: int = 8, grou
 
 
 def prompt(run: str, index: int, epoch: int = 0) -> PromptEvent:
-    return PromptEvent(id=f"{run}/{epoch}/{index}", run=run, epoch=epoch, index=index, prompt=f"p{index}", n=2)
+    return PromptEvent(
+        id=f"{run}/{epoch}/{index}", run=run, epoch=epoch, index=index, prompt=f"p{index}", n=2
+    )
 
 
 def reward(run: str, prompt_index: int = 0, sample: int = 0, value: float = 1.0) -> RewardEvent:
@@ -84,7 +89,9 @@ def declare_run(url: str, topology: Topology) -> None:
         nc = await connect(url, "test-declare")
         try:
             await topology.apply(nc.jetstream())
-            await publish_config(await nc.jetstream().key_value(topology.kv_bucket), RunConfig(run=topology.run))
+            await publish_config(
+                await nc.jetstream().key_value(topology.kv_bucket), RunConfig(run=topology.run)
+            )
         finally:
             await nc.close()
 
@@ -109,7 +116,9 @@ def require_extra(module: str, extra: str) -> ModuleType:
     (CI=true), which installs the `dev` extras, so that their tests cannot quietly stop running."""
     if os.environ.get("CI"):
         return importlib.import_module(module)
-    return pytest.importorskip(module, reason=f"{module} is the optional [{extra}] extra: pip install -e '.[{extra}]'")
+    return pytest.importorskip(
+        module, reason=f"{module} is the optional [{extra}] extra: pip install -e '.[{extra}]'"
+    )
 
 
 async def store_weights(
@@ -143,7 +152,11 @@ class LocalJob:
 
     def losses(self, log: str) -> list[str]:
         """The loss of each step, as the trainer log `log` prints it."""
-        return [line.rsplit("loss ", 1)[1] for line in self.logs[log].splitlines() if ": reward " in line]
+        return [
+            line.rsplit("loss ", 1)[1]
+            for line in self.logs[log].splitlines()
+            if ": reward " in line
+        ]
 
     def rollout_log(self) -> str:
         """Every rollout worker's log, one after another."""
@@ -152,11 +165,17 @@ class LocalJob:
     def served_versions(self) -> list[int]:
         """The weight versions the rollout workers said they serve, in the order they said it."""
         lines = self.rollout_log().splitlines()
-        return [int(line.rsplit("weights v", 1)[1]) for line in lines if "now serving weights v" in line]
+        return [
+            int(line.rsplit("weights v", 1)[1]) for line in lines if "now serving weights v" in line
+        ]
 
 
 def run_local_job(
-    config: dict[str, Any], tmp_path: Path, steps: int, timeout: float, env: dict[str, str] | None = None
+    config: dict[str, Any],
+    tmp_path: Path,
+    steps: int,
+    timeout: float,
+    env: dict[str, str] | None = None,
 ) -> LocalJob:
     """`python -m producers.prompts --config <config> --steps <steps> --out <tmp_path>/run`: the
     whole local job (embedded server, a fleet of every role) run to its end; fails the test with
@@ -164,9 +183,28 @@ def run_local_job(
     path, out = tmp_path / "job.yaml", tmp_path / "run"
     path.write_text(yaml.safe_dump(config))
     job = subprocess.run(
-        [sys.executable, "-m", "producers.prompts", "--config", str(path), "--steps", str(steps), "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False,
+        [
+            sys.executable,
+            "-m",
+            "producers.prompts",
+            "--config",
+            str(path),
+            "--steps",
+            str(steps),
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
-    logs = {p.name: p.read_text() for p in (out / "logs").glob("*.log")} if (out / "logs").exists() else {}
+    logs = (
+        {p.name: p.read_text() for p in (out / "logs").glob("*.log")}
+        if (out / "logs").exists()
+        else {}
+    )
     assert job.returncode == 0, job.stderr[-2000:] + "".join(text[-1500:] for text in logs.values())
     return LocalJob(out, json.loads(job.stdout.strip().splitlines()[-1]), logs)

@@ -44,16 +44,36 @@ TOLERANCE = 1e-5
 
 def hf_models() -> dict[str, torch.nn.Module]:
     torch.manual_seed(0)
-    qwen2 = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=15, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
-    ))
-    llama = LlamaForCausalLM(LlamaConfig(
-        vocab_size=15, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False, rope_theta=5e5,
-    ))  # type: ignore[call-arg]  # transformers 5 takes rope_theta through **kwargs
+    qwen2 = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=15,
+            hidden_size=64,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=True,
+        )
+    )
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=15,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+            rope_theta=5e5,
+        )
+    )  # type: ignore[call-arg]  # transformers 5 takes rope_theta through **kwargs
     for model in (qwen2, llama):
-        with torch.no_grad():  # every tensor away from its init (zero biases, unit norms hide swaps)
+        with (
+            torch.no_grad()
+        ):  # every tensor away from its init (zero biases, unit norms hide swaps)
             for param in model.parameters():
                 param.add_(torch.randn_like(param) * 0.05)
     return {"qwen2": qwen2, "llama": llama}
@@ -66,7 +86,9 @@ def main() -> int:
         import torch.multiprocessing as mp
 
         tp, pp = layouts[device]
-        mp.spawn(tp_rank_main, args=(free_port(), str(out), tp, pp), nprocs=tp * pp, join=True)  # raises if a rank fails
+        mp.spawn(
+            tp_rank_main, args=(free_port(), str(out), tp, pp), nprocs=tp * pp, join=True
+        )  # raises if a rank fails
         print(f"{device} engine matches torch")
         return 0
     if device != "cpu":  # on a GPU: the engine against the torch engine there, nothing patched
@@ -79,17 +101,26 @@ def main() -> int:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1
+    )
     matched = []
     for name, hf in hf_models().items():
         spec = spec_from_hf(hf.config)
         config = TransformerConfig(
-            **spec.transformer_config_kwargs(), activation_func=F.silu, use_cpu_initialization=True,
-            bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-            masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+            **spec.transformer_config_kwargs(),
+            activation_func=F.silu,
+            use_cpu_initialization=True,
+            bias_activation_fusion=False,
+            bias_dropout_fusion=False,
+            apply_rope_fusion=False,
+            masked_softmax_fusion=False,
+            persist_layer_norm=False,
+            gradient_accumulation_fusion=False,
         )
         model = GPTModel(
-            config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
             **spec.gpt_model_kwargs(),
         )
         hf_state = {n: p.detach().clone() for n, p in hf.named_parameters()}
@@ -100,18 +131,24 @@ def main() -> int:
             return 1
         ids = torch.randint(0, spec.vocab_size, (2, 10))
         positions = torch.arange(ids.shape[1]).expand_as(ids)
-        causal = torch.triu(torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool), 1)[None, None]  # True: masked
+        causal = torch.triu(torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool), 1)[
+            None, None
+        ]  # True: masked
         model.eval()
         with torch.no_grad():
             got = model(ids, positions, attention_mask=causal)  # [B, T, V]
             want = hf(input_ids=ids).logits
         diff = (got - want).abs().max().item()
-        print(f"{name}: max |megatron - HF| logit {diff:.3g} (logits up to "
-              f"{want.abs().max().item():.3g})")
+        print(
+            f"{name}: max |megatron - HF| logit {diff:.3g} (logits up to "
+            f"{want.abs().max().item():.3g})"
+        )
         if diff > TOLERANCE:
             return 1
         back = megatron_to_hf(dict(model.state_dict()), spec)
-        if back.keys() != hf_state.keys() or not all(torch.equal(back[n], t) for n, t in hf_state.items()):
+        if back.keys() != hf_state.keys() or not all(
+            torch.equal(back[n], t) for n, t in hf_state.items()
+        ):
             print(f"{name}: megatron's state_dict does not map back to the HF weights")
             return 1
         matched.append(name)
@@ -134,7 +171,9 @@ def tp_rank_main(rank: int, port: int, out: str, tp: int, pp: int) -> None:
     code = engine_matches_torch(Path(out), "cpu", tp=tp, pp=pp)
     dist.destroy_process_group()
     if code:
-        raise SystemExit(f"rank {rank} (tp {tp}, pp {pp}): the engine differs from the torch engine")
+        raise SystemExit(
+            f"rank {rank} (tp {tp}, pp {pp}): the engine differs from the torch engine"
+        )
 
 
 def engine_matches_torch(out: Path, device: str, tp: int = 1, pp: int = 1) -> int:
@@ -148,7 +187,9 @@ def engine_matches_torch(out: Path, device: str, tp: int = 1, pp: int = 1) -> in
         dist.barrier()  # rank 0 wrote the model
     args: dict[str, Any] = {"lr": 1e-4, "seed": 0, "device": device}
     torch_engine = TorchTrainEngine(model_dir, **args)
-    megatron = MegatronTrainEngine(model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, **args)
+    megatron = MegatronTrainEngine(
+        model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, **args
+    )
     lead = megatron.rank == 0  # the rank export_weights returns the weights on
     # Its own generator: the engines' inits draw from the global one differently per tp size.
     ids = torch.randint(1, len(VOCAB), (3, 9), generator=torch.Generator().manual_seed(3))
@@ -167,18 +208,31 @@ def engine_matches_torch(out: Path, device: str, tp: int = 1, pp: int = 1) -> in
     print(f"engine: max |log-prob difference| {diff:.3g}")
     if diff > TOLERANCE:
         return 1
-    batch = MicroBatch(ids, attention, loss_mask, torch.tensor([1.0, -0.5, 2.0]), (want - 0.02) * loss_mask)
+    batch = MicroBatch(
+        ids, attention, loss_mask, torch.tensor([1.0, -0.5, 2.0]), (want - 0.02) * loss_mask
+    )
     # A second micro-batch of another [B, T]: the step accumulates over both (at pipeline
     # parallel they pass the stages in megatron's schedule, each activation's shape sent first).
-    short = MicroBatch(ids[:2, :7], attention[:2, :7], loss_mask[:2, :7], torch.tensor([-1.0, 0.5]), (want[:2, :7] + 0.01) * loss_mask[:2, :7])
+    short = MicroBatch(
+        ids[:2, :7],
+        attention[:2, :7],
+        loss_mask[:2, :7],
+        torch.tensor([-1.0, 0.5]),
+        (want[:2, :7] + 0.01) * loss_mask[:2, :7],
+    )
     checkpoint = out / "checkpoints" / "megatron.pt"
     for step in range(2):
         if step == 1:
             megatron.save_checkpoint(checkpoint, {"last_seq": 7})
         a, b = torch_engine.train_step([batch, short]), megatron.train_step([batch, short])
-        print(f"engine step {step}: loss {a['loss']:.6g} / {b['loss']:.6g}, "
-              f"grad_norm {a['grad_norm']:.6g} / {b['grad_norm']:.6g}")
-        if any(abs(a[k] - b[k]) > TOLERANCE * max(1.0, abs(a[k])) for k in ("loss", "grad_norm", "entropy", "ratio_mean")):
+        print(
+            f"engine step {step}: loss {a['loss']:.6g} / {b['loss']:.6g}, "
+            f"grad_norm {a['grad_norm']:.6g} / {b['grad_norm']:.6g}"
+        )
+        if any(
+            abs(a[k] - b[k]) > TOLERANCE * max(1.0, abs(a[k]))
+            for k in ("loss", "grad_norm", "entropy", "ratio_mean")
+        ):
             return 1
         if not a["grad_norm"] > 0:  # every token clipped: the step would check no gradient
             print("engine: a step with no gradient checks nothing")
@@ -196,8 +250,12 @@ def engine_matches_torch(out: Path, device: str, tp: int = 1, pp: int = 1) -> in
     if worst > 0.1 * args["lr"]:
         return 1
     # Resume: a new engine from the checkpoint written before step 1 takes step 1 as the first did.
-    resumed = MegatronTrainEngine(model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, **args)
-    if not resumed.has_checkpoint(checkpoint) or resumed.load_checkpoint(checkpoint) != {"last_seq": 7}:
+    resumed = MegatronTrainEngine(
+        model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, **args
+    )
+    if not resumed.has_checkpoint(checkpoint) or resumed.load_checkpoint(checkpoint) != {
+        "last_seq": 7
+    }:
         print("engine: the checkpoint did not load back")
         return 1
     resumed.train_step([batch, short])

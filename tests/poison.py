@@ -33,7 +33,11 @@ BAD_INTS = (-1, -(2**31), 10**9, 2**31 - 1)
 # Any value msgpack can carry, big and small, right and wrong for whatever field it lands in.
 msgpack_values: st.SearchStrategy[Any] = st.recursive(
     st.one_of(
-        st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(), st.text(max_size=20),
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**63), 2**64 - 1),
+        st.floats(),
+        st.text(max_size=20),
         st.binary(max_size=20),
     ),
     lambda inner: st.one_of(
@@ -46,7 +50,13 @@ msgpack_values: st.SearchStrategy[Any] = st.recursive(
 def paths(value: Any, prefix: KeyPath = ()) -> list[KeyPath]:
     """Every key/index path inside nested maps and lists, outermost first."""
     found: list[KeyPath] = []
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
+        else ()
+    )
     for key, child in items:
         found.append((*prefix, key))
         found += paths(child, (*prefix, key))
@@ -83,7 +93,11 @@ def _drop(tree: WireMap, path: KeyPath) -> WireMap:
 
 def _array(tensor: WireMap) -> np.ndarray:
     """A writable copy of a wire tensor's values (golden tensors have numpy dtypes)."""
-    return np.frombuffer(tensor["data"], np.dtype(tensor["dtype"]).newbyteorder("<")).reshape(tensor["shape"]).copy()
+    return (
+        np.frombuffer(tensor["data"], np.dtype(tensor["dtype"]).newbyteorder("<"))
+        .reshape(tensor["shape"])
+        .copy()
+    )
 
 
 def _wire(array: np.ndarray) -> WireMap:
@@ -99,18 +113,26 @@ def poisoned_tensor(tensor: WireMap) -> st.SearchStrategy[WireMap]:
     def with_value(index: int, value: float) -> WireMap:
         # Keep the tensor's dtype when the value is of its kind, so that only the value is wrong.
         same_kind = isinstance(value, float) == (values.dtype.kind == "f")
-        changed = values.copy() if same_kind else values.astype(np.float64 if isinstance(value, float) else np.int64)
+        changed = (
+            values.copy()
+            if same_kind
+            else values.astype(np.float64 if isinstance(value, float) else np.int64)
+        )
         changed.flat[index] = np.array(value).astype(changed.dtype)  # wraps where it does not fit
         return _wire(changed)
 
     return st.one_of(
         st.builds(with_value, flat, st.sampled_from(SPECIAL_FLOATS)),
         st.builds(with_value, flat, st.sampled_from(BAD_INTS)),
-        st.sampled_from(["float64", "int64", "bool", "int8", "float16"]).map(lambda d: _wire(values.astype(d))),
+        st.sampled_from(["float64", "int64", "bool", "int8", "float16"]).map(
+            lambda d: _wire(values.astype(d))
+        ),
         st.sampled_from([(*values.shape, 1), values.shape[:-1], (values.size + 1,)]).map(
             lambda shape: {**tensor, "shape": list(shape)}
         ),
-        st.integers(0, max(len(tensor["data"]) - 1, 0)).map(lambda n: {**tensor, "data": tensor["data"][:n]}),
+        st.integers(0, max(len(tensor["data"]) - 1, 0)).map(
+            lambda n: {**tensor, "data": tensor["data"][:n]}
+        ),
     )
 
 
@@ -121,16 +143,20 @@ def mutated_map(fields: WireMap) -> st.SearchStrategy[WireMap]:
     strategies = [
         st.sampled_from(every).map(lambda p: _drop(fields, p)),
         st.tuples(st.sampled_from(every), msgpack_values).map(lambda pv: _set(fields, *pv)),
-        st.tuples(st.text(min_size=1, max_size=8), msgpack_values).map(lambda kv: {**fields, kv[0]: kv[1]}),
+        st.tuples(st.text(min_size=1, max_size=8), msgpack_values).map(
+            lambda kv: {**fields, kv[0]: kv[1]}
+        ),
         st.integers(2, 2**63 - 1).map(lambda v: {**fields, "schema_version": v}),
         st.sampled_from(["jetrl.nope", "", *{m["type"] for m in GOLDEN_MAPS.values()}]).map(
             lambda t: {**fields, "type": t}
         ),
     ]
     if tensors:
-        strategies.append(st.sampled_from(tensors).flatmap(
-            lambda p: poisoned_tensor(_get(fields, p)).map(lambda t: _set(fields, p, t))
-        ))
+        strategies.append(
+            st.sampled_from(tensors).flatmap(
+                lambda p: poisoned_tensor(_get(fields, p)).map(lambda t: _set(fields, p, t))
+            )
+        )
     return st.one_of(strategies)
 
 
@@ -189,4 +215,3 @@ def _refused(data: bytes, expected: type[Event]) -> bool:
     except DecodeError:
         return True
     return False
-

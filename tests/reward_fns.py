@@ -96,7 +96,9 @@ def sees_credentials(response_text: str, task: dict[str, Any]) -> float:
     exec_time = Path("/proc/self/environ")
     names = list(os.environ)
     if exec_time.exists():  # Linux: what the process was started with, whatever os.environ says now
-        names += [entry.partition("=")[0] for entry in exec_time.read_text(errors="replace").split("\0")]
+        names += [
+            entry.partition("=")[0] for entry in exec_time.read_text(errors="replace").split("\0")
+        ]
     return 1.0 if any(name.startswith(SCRUBBED_PREFIXES) for name in names) else 0.0
 
 

@@ -20,7 +20,9 @@ from engines.algorithms import (
 
 def close(actual: torch.Tensor | None, expected: float | list[Any], atol: float = 1e-5) -> None:
     assert actual is not None  # a gradient the test expects to exist
-    torch.testing.assert_close(actual.float(), torch.tensor(expected, dtype=torch.float32), atol=atol, rtol=0)
+    torch.testing.assert_close(
+        actual.float(), torch.tensor(expected, dtype=torch.float32), atol=atol, rtol=0
+    )
 
 
 # ---- advantages --------------------------------------------------------------------------
@@ -48,7 +50,10 @@ def test_step_advantages_whiten_over_the_step_and_group_estimators_stay_per_grou
     assert not torch.allclose(got[1], advantages.grpo(b))
     # reinforce_pp over ragged groups = reinforce_pp of the concatenation.
     flat = torch.cat([a, b])
-    close(torch.cat(advantages.step_advantages("reinforce_pp", [a, b])), advantages.reinforce_pp(flat).tolist())
+    close(
+        torch.cat(advantages.step_advantages("reinforce_pp", [a, b])),
+        advantages.reinforce_pp(flat).tolist(),
+    )
     close(advantages.step_advantages("rloo", [a, b])[1], advantages.rloo(b).tolist())
     with pytest.raises(ValueError, match="unknown advantage"):
         advantages.step_advantages("nope", [a])
@@ -77,8 +82,10 @@ def naive_passk(rewards: list[float], k: int) -> list[float]:
     std = math.sqrt(sum((v - mean) ** 2 for v in value.values()) / len(subsets))
     if std < 1e-6:
         return [0.0] * len(rewards)
-    return [(sum(value[s] for s in subsets if i in s) / sum(1 for s in subsets if i in s) - mean) / std
-            for i in range(len(rewards))]
+    return [
+        (sum(value[s] for s in subsets if i in s) / sum(1 for s in subsets if i in s) - mean) / std
+        for i in range(len(rewards))
+    ]
 
 
 def test_passk_matches_enumerating_every_subset() -> None:
@@ -92,11 +99,15 @@ def test_passk_matches_enumerating_every_subset() -> None:
 
 def test_overlong_penalty_by_hand() -> None:
     # L = 16, C = 4: free up to 12, then -(len - 12) / 4, -1 from 16 on.
-    close(shaping.overlong_penalty(torch.tensor([3, 12, 14, 16, 20]), 16, 4), [0.0, 0.0, -0.5, -1.0, -1.0])
+    close(
+        shaping.overlong_penalty(torch.tensor([3, 12, 14, 16, 20]), 16, 4),
+        [0.0, 0.0, -0.5, -1.0, -1.0],
+    )
     close(shaping.overlong_penalty(torch.tensor([13]), 16, 4, penalty=2.0), [-0.5])
 
 
 # ---- policy losses -----------------------------------------------------------------------
+
 
 def test_dual_clip_bounds_the_loss_of_a_negative_advantage() -> None:
     # A = -1, eps .2/.28, c = 3. ratio 5: PPO loss = -min(-5, -1.28) = 5 > 3 -> 3 (dual, no grad).
@@ -111,7 +122,9 @@ def test_dual_clip_bounds_the_loss_of_a_negative_advantage() -> None:
     out.loss.sum().backward()
     assert logp.grad is not None
     close(logp.grad[:, :3], [[0.0, 2.0, 0.0]])  # d(-A r)/dlogp = -A r = 2 at ratio 2
-    pos = losses.ppo_clip_loss(logp[:, 3:].detach(), old[:, 3:], torch.tensor([1.0]), dual_clip_c=3.0)
+    pos = losses.ppo_clip_loss(
+        logp[:, 3:].detach(), old[:, 3:], torch.tensor([1.0]), dual_clip_c=3.0
+    )
     close(pos.loss, [[-1.28]])
     # Without dual-clip the first token's loss is 5.
     close(losses.ppo_clip_loss(logp[:, :1].detach(), old[:, :1], adv).loss, [[5.0]])
@@ -128,7 +141,9 @@ def test_cispo_keeps_the_gradient_of_clipped_tokens() -> None:
     close(logp.grad, [[-1.28, -1.0, -0.8]])
 
 
-def naive_ppo(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, lo: float, hi: float, c: float) -> torch.Tensor:
+def naive_ppo(
+    logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, lo: float, hi: float, c: float
+) -> torch.Tensor:
     """Token by token, as the dual-clip paper writes it."""
     rows = []
     for b in range(logp.shape[0]):
@@ -144,13 +159,21 @@ def naive_ppo(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, lo: floa
     return torch.stack(rows)
 
 
-def naive_cispo(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+def naive_cispo(
+    logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, lo: float, hi: float
+) -> torch.Tensor:
     rows = []
     for b in range(logp.shape[0]):
-        rows.append(torch.stack([
-            -torch.clamp(torch.exp(logp[b, t] - old[b, t]), 1 - lo, 1 + hi).detach() * adv[b] * logp[b, t]
-            for t in range(logp.shape[1])
-        ]))
+        rows.append(
+            torch.stack(
+                [
+                    -torch.clamp(torch.exp(logp[b, t] - old[b, t]), 1 - lo, 1 + hi).detach()
+                    * adv[b]
+                    * logp[b, t]
+                    for t in range(logp.shape[1])
+                ]
+            )
+        )
     return torch.stack(rows)
 
 
@@ -178,7 +201,9 @@ def test_losses_match_a_naive_reference_in_value_and_gradient(kind: str) -> None
 # ---- aggregation -------------------------------------------------------------------------
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
-MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # row 3 empty: not a sequence
+MASK = torch.tensor(
+    [[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+)  # row 3 empty: not a sequence
 
 
 def test_token_sum_and_seq_mean_token_sum_norm() -> None:
@@ -191,7 +216,10 @@ def test_token_sum_and_seq_mean_token_sum_norm() -> None:
 
 
 def naive_aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, norm: int) -> float:
-    seqs = [[float(loss[b, t]) for t in range(loss.shape[1]) if mask[b, t]] for b in range(loss.shape[0])]
+    seqs = [
+        [float(loss[b, t]) for t in range(loss.shape[1]) if mask[b, t]]
+        for b in range(loss.shape[0])
+    ]
     seqs = [s for s in seqs if s]  # verl: a row without a loss token is no sequence
     tokens = [x for s in seqs for x in s]
     return {
@@ -209,11 +237,15 @@ def test_every_aggregation_mode_matches_a_naive_reference(mode: losses.Aggregati
     loss = torch.randn(6, 7, generator=gen, dtype=torch.float64)
     mask = (torch.rand(6, 7, generator=gen) < 0.6).double()
     mask[2] = 0  # an empty row
-    assert math.isclose(float(losses.aggregate(loss, mask, mode, norm_tokens=9)), naive_aggregate(loss, mask, mode, 9),
-                        rel_tol=1e-9)
+    assert math.isclose(
+        float(losses.aggregate(loss, mask, mode, norm_tokens=9)),
+        naive_aggregate(loss, mask, mode, 9),
+        rel_tol=1e-9,
+    )
 
 
 # ---- importance weights ------------------------------------------------------------------
+
 
 def test_is_weights_token_and_sequence_level_by_hand() -> None:
     # r = [2, 1, .5 | 4, .25, (pad)] per token (proximal 0, behaviour -log r).
@@ -244,21 +276,30 @@ def test_is_weights_match_a_naive_reference() -> None:
     beh = prox + torch.randn(4, 5, generator=gen, dtype=torch.float64) * 0.7
     mask = (torch.rand(4, 5, generator=gen) < 0.8).double()
     for level in ("token", "sequence"):
-        got = correction.is_weights(prox, beh, mask, level=level, cap=2.0, mask_low=0.3, mask_high=1.8,
-                                    reject_log_ratio=1.5).weight
+        got = correction.is_weights(
+            prox, beh, mask, level=level, cap=2.0, mask_low=0.3, mask_high=1.8, reject_log_ratio=1.5
+        ).weight
         for b in range(4):
             ratios = [math.exp(prox[b, t] - beh[b, t]) for t in range(5)]
             seq = math.prod(x for x, m in zip(ratios, mask[b], strict=True) if m)
-            reject = max((abs(prox[b, t] - beh[b, t]) for t in range(5) if mask[b, t]), default=0.0) > 1.5
+            reject = (
+                max((abs(prox[b, t] - beh[b, t]) for t in range(5) if mask[b, t]), default=0.0)
+                > 1.5
+            )
             for t in range(5):
                 if not mask[b, t]:
                     continue
                 raw = ratios[t] if level == "token" else seq
                 want = 0.0 if reject or raw < 0.3 or raw > 1.8 else min(raw, 2.0)
-                assert math.isclose(float(got[b, t]), want, rel_tol=1e-9, abs_tol=1e-12), (level, b, t)
+                assert math.isclose(float(got[b, t]), want, rel_tol=1e-9, abs_tol=1e-12), (
+                    level,
+                    b,
+                    t,
+                )
 
 
 # ---- the whole objective -----------------------------------------------------------------
+
 
 def test_objective_adds_the_entropy_bonus_and_the_kl_term() -> None:
     # On-policy (ratio 1), A = 1, one token: PPO loss -1; entropy .5, coef .1 -> -.05;
@@ -266,8 +307,15 @@ def test_objective_adds_the_entropy_bonus_and_the_kl_term() -> None:
     logp = torch.tensor([[-1.0]], requires_grad=True)
     ent = torch.tensor([[0.5]], requires_grad=True)
     cfg = objective.LossConfig(entropy_coef=0.1, kl_coef=0.2, kl_estimator="k1")
-    out = objective.token_objective(cfg, logp, logp.detach(), torch.tensor([1.0]), torch.ones(1, 1),
-                                    entropy=ent, ref_logprobs=torch.tensor([[-1.5]]))
+    out = objective.token_objective(
+        cfg,
+        logp,
+        logp.detach(),
+        torch.tensor([1.0]),
+        torch.ones(1, 1),
+        entropy=ent,
+        ref_logprobs=torch.tensor([[-1.5]]),
+    )
     close(out.loss, [[-0.95]])
     out.loss.sum().backward()
     assert ent.grad is not None and logp.grad is not None
@@ -281,8 +329,14 @@ def test_objective_decoupled_takes_the_ratio_against_the_proximal_policy() -> No
     # (IS weight .25 / .5 = .5): loss = -.5 * 1.28 = -.64; clip_high counted, not clip_low.
     logp = torch.log(torch.tensor([[0.5]]))
     cfg = objective.LossConfig(tis_cap=2.0)
-    out = objective.token_objective(cfg, logp, torch.log(torch.tensor([[0.5]])), torch.tensor([1.0]), torch.ones(1, 1),
-                                    proximal=torch.log(torch.tensor([[0.25]])))
+    out = objective.token_objective(
+        cfg,
+        logp,
+        torch.log(torch.tensor([[0.5]])),
+        torch.tensor([1.0]),
+        torch.ones(1, 1),
+        proximal=torch.log(torch.tensor([[0.25]])),
+    )
     close(out.loss, [[-0.64]])
     assert out.sums["clipped_high"] == 1.0 and out.sums["clipped_low"] == 0.0
     assert out.sums["is_weight"] == pytest.approx(0.5)
@@ -291,16 +345,28 @@ def test_objective_decoupled_takes_the_ratio_against_the_proximal_policy() -> No
 
 # ---- learning-rate schedule --------------------------------------------------------------
 
+
 def test_lr_warmup_then_cosine_by_hand() -> None:
-    f = [schedule.lr_factor(s, warmup=2, total=6, schedule="cosine", min_ratio=0.1) for s in range(8)]
+    f = [
+        schedule.lr_factor(s, warmup=2, total=6, schedule="cosine", min_ratio=0.1) for s in range(8)
+    ]
     # warmup 1/2, 2/2; then p = 0, .25, .5, .75, 1, 1: .1 + .9 (1 + cos(pi p)) / 2.
-    expected = [0.5, 1.0, 1.0, 0.1 + 0.9 * (1 + math.cos(math.pi / 4)) / 2, 0.55,
-                0.1 + 0.9 * (1 + math.cos(3 * math.pi / 4)) / 2, 0.1, 0.1]
+    expected = [
+        0.5,
+        1.0,
+        1.0,
+        0.1 + 0.9 * (1 + math.cos(math.pi / 4)) / 2,
+        0.55,
+        0.1 + 0.9 * (1 + math.cos(3 * math.pi / 4)) / 2,
+        0.1,
+        0.1,
+    ]
     assert f == pytest.approx(expected)
     assert schedule.lr_factor(5, warmup=0, schedule="constant") == 1.0
 
 
 # ---- the config names each option, and refuses what cannot run ---------------------------
+
 
 @pytest.mark.parametrize(
     ("algorithm", "message"),
@@ -317,7 +383,10 @@ def test_lr_warmup_then_cosine_by_hand() -> None:
         ({"kl_coef": 0.1, "kl_placement": "reward"}, "needs reference.enabled"),
         ({"kl_placement": "reward"}, "needs kl_coef > 0"),
         ({"kl_coef": 0.1, "kl_target": 0.05}, "kl_target .* applies to kl_placement reward"),
-        ({"kl_coef": 0.1, "kl_placement": "reward", "advantage": "gae"}, "does not apply to advantage gae"),
+        (
+            {"kl_coef": 0.1, "kl_placement": "reward", "advantage": "gae"},
+            "does not apply to advantage gae",
+        ),
         ({"kl_placement": "in-reward"}, "'loss' or 'reward'"),
     ],
 )
@@ -334,7 +403,10 @@ def test_every_name_is_selectable() -> None:
     from schemas.config import RunConfig
 
     for key, names in (
-        ("advantage", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "passk", "gae"]),
+        (
+            "advantage",
+            ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "passk", "gae"],
+        ),
         ("policy_loss", ["ppo", "gspo", "cispo"]),
         ("loss_aggregation", list(losses.AggregationMode.__args__)),  # type: ignore[attr-defined]
         ("kl_estimator", ["k1", "k2", "k3"]),
@@ -345,5 +417,7 @@ def test_every_name_is_selectable() -> None:
         for name in names:
             # kl_placement reward needs a coefficient and the reference stage
             extra = {"kl_coef": 0.1, "kl_target": 0.05} if name == "reward" else {}
-            config = RunConfig.model_validate({"algorithm": {key: name, **extra}, "reference": {"enabled": bool(extra)}})
+            config = RunConfig.model_validate(
+                {"algorithm": {key: name, **extra}, "reference": {"enabled": bool(extra)}}
+            )
             assert getattr(config.algorithm, key) == name

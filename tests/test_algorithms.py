@@ -11,7 +11,9 @@ from engines.algorithms import advantages, kl, losses
 
 def close(actual: torch.Tensor | None, expected: float | list[Any], atol: float = 1e-5) -> None:
     assert actual is not None  # a gradient the test expects to exist
-    torch.testing.assert_close(actual, torch.tensor(expected, dtype=actual.dtype), atol=atol, rtol=0)
+    torch.testing.assert_close(
+        actual, torch.tensor(expected, dtype=actual.dtype), atol=atol, rtol=0
+    )
 
 
 # ---- advantages --------------------------------------------------------------------------
@@ -54,6 +56,7 @@ def test_a_group_of_one_has_no_baseline() -> None:
 
 # ---- log-probs, entropy ------------------------------------------------------------------
 
+
 def test_gather_logprobs_and_entropy() -> None:
     # logits [0, ln 3] -> p = [.25, .75]; H = .25 ln 4 + .75 ln(4/3) = .346574 + .215762.
     logits = torch.tensor([[0.0, math.log(3.0)]])
@@ -64,13 +67,16 @@ def test_gather_logprobs_and_entropy() -> None:
 
 # ---- policy losses -----------------------------------------------------------------------
 
+
 def test_ppo_clip_higher_values_clip_flags_and_gradients() -> None:
     # Ratios [.5, 1, 1.5] (old = 0, logp = ln r), eps_low .2, eps_high .28 -> clip to [.8, 1.28].
     # A = +1: min(r, clip r) = [.5, 1, 1.28] -> loss [-.5, -1, -1.28]; only r = 1.5 clipped.
     # A = -1: min(-r, -clip r) = [-.8, -1, -1.5] -> loss [.8, 1, 1.5]; only r = .5 clipped.
     # d loss / d logp = -A r where not clipped, 0 where clipped.
     logp = torch.log(torch.tensor([[0.5, 1.0, 1.5], [0.5, 1.0, 1.5]])).requires_grad_()
-    out = losses.ppo_clip_loss(logp, torch.zeros(2, 3), torch.tensor([1.0, -1.0]), eps_low=0.2, eps_high=0.28)
+    out = losses.ppo_clip_loss(
+        logp, torch.zeros(2, 3), torch.tensor([1.0, -1.0]), eps_low=0.2, eps_high=0.28
+    )
     close(out.loss.detach(), [[-0.5, -1.0, -1.28], [0.8, 1.0, 1.5]])
     assert out.clipped.tolist() == [[False, False, True], [True, False, False]]
     out.loss.sum().backward()
@@ -85,7 +91,9 @@ def test_gspo_uses_one_length_normalised_ratio_per_sequence() -> None:
     #   d/d logp_t (row 1) = -A * s * (1 / |y| = 1/2) * (1 / B = 1/2) = -.25.
     logp = torch.tensor([[0.2, 0.4, 9.0], [0.1, -0.1, 0.0]], requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
-    out = losses.gspo_loss(logp, torch.zeros(2, 3), torch.tensor([1.0, 1.0]), mask, eps_low=0.2, eps_high=0.2)
+    out = losses.gspo_loss(
+        logp, torch.zeros(2, 3), torch.tensor([1.0, 1.0]), mask, eps_low=0.2, eps_high=0.2
+    )
     close(out.ratio, [[1.349859] * 3, [1.0] * 3])
     close((out.loss * mask).detach(), [[-1.2, -1.2, 0.0], [-1.0, -1.0, 0.0]])
     losses.aggregate(out.loss, mask, "seq-mean-token-mean").backward()
@@ -115,7 +123,9 @@ def test_ppo_ratio_of_a_far_off_behaviour_logprob_is_finite() -> None:
     # -A r = 1 on token 1. Unclamped, r_0 = exp(1e4) = inf: an inf loss and a NaN gradient.
     logp = torch.zeros(1, 3, requires_grad=True)
     out = losses.ppo_clip_loss(logp, torch.tensor([[-1e4, 0.0, 30.0]]), torch.tensor([-1.0]))
-    torch.testing.assert_close(out.loss.detach(), torch.tensor([[math.exp(20), 1.0, 0.8]]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        out.loss.detach(), torch.tensor([[math.exp(20), 1.0, 0.8]]), rtol=1e-6, atol=0
+    )
     out.loss.sum().backward()
     close(logp.grad, [[0.0, 1.0, 0.0]])
     assert out.log_ratio_clamped.tolist() == [[True, False, True]]
@@ -166,6 +176,7 @@ def test_aggregation_modes(mode: losses.AggregationMode, expected: float, count:
 
 
 # ---- KL estimators -----------------------------------------------------------------------
+
 
 def test_kl_estimators() -> None:
     # pi = .5, pi_ref = .25: log r = ln .5 = -.693147.

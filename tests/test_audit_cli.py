@@ -14,7 +14,10 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_an_unknown_run_is_one_line(nats_server: EmbeddedNats) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "ops.audit", "--run", "nosuchrun", "--nats", nats_server.url],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 1
     assert done.stderr.strip() == (

@@ -16,17 +16,32 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def last_json(args: list[str], timeout: float) -> dict:
-    proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     assert isinstance(figures, dict)
-    assert isinstance(figures.get("ratio"), float) and math.isfinite(figures["ratio"]) and figures["ratio"] > 0, figures
+    assert (
+        isinstance(figures.get("ratio"), float)
+        and math.isfinite(figures["ratio"])
+        and figures["ratio"] > 0
+    ), figures
     return figures
 
 
 BUS_FIGURES = {
-    "event_bytes", "ours_per_s", "baseline_per_s", "bare_per_s", "ratio", "ratio_vs_bare",
-    "codec_us", "bare_msgpack_us", "codec_ratio", "validate_us", "wire_ratio",
+    "event_bytes",
+    "ours_per_s",
+    "baseline_per_s",
+    "bare_per_s",
+    "ratio",
+    "ratio_vs_bare",
+    "codec_us",
+    "bare_msgpack_us",
+    "codec_ratio",
+    "validate_us",
+    "wire_ratio",
 }
 
 
@@ -54,7 +69,9 @@ def test_bench_bus_quick(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_bench_collective_quick(tmp_path: Path) -> None:
-    figures = last_json(["ops.bench.collective", "--quick", "--repeats", "2", "--out", str(tmp_path)], timeout=280)
+    figures = last_json(
+        ["ops.bench.collective", "--quick", "--repeats", "2", "--out", str(tmp_path)], timeout=280
+    )
     assert figures["quick"] is True
     assert set(figures["sizes"]) == {"8MB_x1", "8MB_x2", "32MB_x1", "32MB_x2"}
     for row in figures["sizes"].values():
@@ -67,7 +84,9 @@ def test_bench_collective_quick(tmp_path: Path) -> None:
 def test_bench_learn_quick() -> None:
     figures = last_json(["ops.bench.learn", "--quick"], timeout=580)
     assert figures["quick"] is True
-    assert figures["steps"] > 0 and figures["samples_per_s"] > 0 and figures["sync_samples_per_s"] > 0
+    assert (
+        figures["steps"] > 0 and figures["samples_per_s"] > 0 and figures["sync_samples_per_s"] > 0
+    )
     assert figures["steady_samples_per_s"] > 0 and figures["sync_steady_samples_per_s"] > 0
     assert 0.0 <= figures["reward_start"] <= 1.0 and 0.0 <= figures["reward_end"] <= 1.0
 
@@ -97,10 +116,16 @@ def test_bench_weights_quick(tmp_path: Path) -> None:
     for name, rows in figures["transports"].items():
         assert set(rows) == {"x1", "x4"}
         for workers, row in ((1, rows["x1"]), (4, rows["x4"])):
-            assert row["workers"] == workers and row["publish_s"] > 0 and 0 < row["fetch_s"] <= row["fetch_apply_s"]
+            assert (
+                row["workers"] == workers
+                and row["publish_s"] > 0
+                and 0 < row["fetch_s"] <= row["fetch_apply_s"]
+            )
             # The stores hold the version once, then each worker reads it;
             # the collective's publish is its delivery.
-            assert row["bytes_moved"] == row["bytes"] * (workers if name == "collective" else workers + 1)
+            assert row["bytes_moved"] == row["bytes"] * (
+                workers if name == "collective" else workers + 1
+            )
     assert figures["baseline"]["x1"] > 0 and figures["baseline"]["x4"] > 0
     assert json.loads((tmp_path / "weights.json").read_text())["ratio"] == figures["ratio"]
     assert (tmp_path / "weights.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -145,9 +170,13 @@ def test_bench_replicas_quick() -> None:
 def test_bench_staleness_runs_every_eta_with_and_without_correction(tmp_path: Path) -> None:
     # A handful of steps only: the study itself (`--quick`,
     # 100 steps a run) is far too long for a test.
-    figures = last_json(["ops.bench.staleness", "--steps", "5", "--out", str(tmp_path)], timeout=380)
+    figures = last_json(
+        ["ops.bench.staleness", "--steps", "5", "--out", str(tmp_path)], timeout=380
+    )
     final = figures["final_reward"]
-    assert sorted(final) == sorted(f"eta {e}, {c}" for e in (0, 2, 4) for c in ("corrected", "uncorrected")), final
+    assert sorted(final) == sorted(
+        f"eta {e}, {c}" for e in (0, 2, 4) for c in ("corrected", "uncorrected")
+    ), final
     # Staler weights generate other samples (the same seed everywhere:
     # without the lag all three match).
     assert len({final[f"eta {e}, uncorrected"] for e in (0, 2, 4)}) > 1, final

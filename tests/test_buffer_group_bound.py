@@ -53,7 +53,9 @@ def config(topology: Topology) -> RunConfig:
     # weights v0: the wide staleness bound keeps step 2 from dropping any as stale.
     return RunConfig(
         run=topology.run,
-        algorithm=AlgorithmConfig(prompts_per_step=1, max_staleness=10, max_group_wait_steps=WAIT_STEPS),
+        algorithm=AlgorithmConfig(
+            prompts_per_step=1, max_staleness=10, max_group_wait_steps=WAIT_STEPS
+        ),
         trainer=TrainerConfig(micro_batch_tokens=64),
     )
 
@@ -92,13 +94,19 @@ def test_an_incomplete_group_is_dropped_once_max_group_wait_steps_steps_have_for
                     f"{proc.poll()}; log:\n{tail(log)}"
                 )
 
-            await until(lambda: held(4), SETTLE, lambda: state("the buffer never held the orphan and the slow group"))
+            await until(
+                lambda: held(4),
+                SETTLE,
+                lambda: state("the buffer never held the orphan and the slow group"),
+            )
             await publish(js, topology, [r for g in fillers for r in g])
 
             async def two_steps() -> bool:
                 return sorted(by_step(await batches(js, topology))) == [0, 1] and await held(4)
 
-            await until(two_steps, SETTLE, lambda: state("steps 0 and 1 of the two complete groups"))
+            await until(
+                two_steps, SETTLE, lambda: state("steps 0 and 1 of the two complete groups")
+            )
             assert await drop_record(js, topology, orphan_id) is None, (
                 f"the orphan was dropped after {WAIT_STEPS} steps, not more: "
                 f"{await state('too eager')}"
@@ -107,28 +115,47 @@ def test_an_incomplete_group_is_dropped_once_max_group_wait_steps_steps_have_for
             await publish(js, topology, slow[3:])
 
             async def settled() -> bool:
-                return await drained(js, topology) and await drop_record(js, topology, orphan_id) is not None
+                return (
+                    await drained(js, topology)
+                    and await drop_record(js, topology, orphan_id) is not None
+                )
 
-            await until(settled, SETTLE, lambda: state(f"the orphan dropped after {WAIT_STEPS + 1} steps"))
+            await until(
+                settled, SETTLE, lambda: state(f"the orphan dropped after {WAIT_STEPS + 1} steps")
+            )
             # The orphan's other sample, late: rejected at once, not held as a new group.
             await publish(js, topology, [late])
-            await until(lambda: drained(js, topology), SETTLE, lambda: state("the late sample of the dropped orphan"))
+            await until(
+                lambda: drained(js, topology),
+                SETTLE,
+                lambda: state("the late sample of the dropped orphan"),
+            )
         finally:
             stop_buffer(proc)
         assert proc.returncode == 0, f"buffer exit code {proc.returncode}:\n{tail(log)}"
 
         stored = await batches(js, topology)
-        named = check_steps(stored, {g[0].trajectory.prompt_id: [r.id for r in g] for g in (slow, *fillers)})
-        assert named == {0: (fillers[0][0].trajectory.prompt_id,), 1: (fillers[1][0].trajectory.prompt_id,),
-                         2: (slow_id,)}, f"the slow group, complete within the bound, must be step 2: {summary(stored)}"
+        named = check_steps(
+            stored, {g[0].trajectory.prompt_id: [r.id for r in g] for g in (slow, *fillers)}
+        )
+        assert named == {
+            0: (fillers[0][0].trajectory.prompt_id,),
+            1: (fillers[1][0].trajectory.prompt_id,),
+            2: (slow_id,),
+        }, f"the slow group, complete within the bound, must be step 2: {summary(stored)}"
         assert await drop_record(js, topology, slow_id) is None, "the slow group was dropped"
 
         reason = await drop_record(js, topology, orphan_id)
         assert reason is not None and "max_group_wait_steps" in reason and "1 of 2" in reason, (
             f"the orphan's drop record does not say why: {reason!r}"
         )
-        dead = [(decode(data, RewardEvent).id, why) for data, why in await dead_letters(js, topology)]
-        assert dead == [(orphan.id, reason), (late.id, f"rejected: group {orphan_id} was dropped: {reason}")], (
+        dead = [
+            (decode(data, RewardEvent).id, why) for data, why in await dead_letters(js, topology)
+        ]
+        assert dead == [
+            (orphan.id, reason),
+            (late.id, f"rejected: group {orphan_id} was dropped: {reason}"),
+        ], (
             f"the dead stream must hold the orphan's sample with the drop reason {reason!r}, "
             f"then the late one rejected: {dead}"
         )
@@ -146,5 +173,7 @@ def test_max_group_wait_steps_defaults_to_the_wait_past_which_a_group_is_stale_a
     assert RunConfig(algorithm=AlgorithmConfig(max_staleness=5)).staleness.group_wait_steps == 6
     waits = AlgorithmConfig(max_staleness=5, max_group_wait_steps=3)
     assert RunConfig(algorithm=waits).staleness.group_wait_steps == 3
-    with pytest.raises(ConfigError, match=r"config: algorithm.max_group_wait_steps: Input should be greater than"):
+    with pytest.raises(
+        ConfigError, match=r"config: algorithm.max_group_wait_steps: Input should be greater than"
+    ):
         parse_config({"algorithm": {"max_group_wait_steps": 0}})

@@ -61,7 +61,8 @@ def config(topology: Topology, **algorithm: object) -> RunConfig:
     # 64-token micro-batches: a 45-token row (5 prompt + 40 response, as the kill tests feed)
     # fills one, so a step of 2 groups of 4 is 8 micro-batches and a kill can fall between them.
     return RunConfig(
-        run=topology.run, algorithm=AlgorithmConfig(prompts_per_step=2, **algorithm),
+        run=topology.run,
+        algorithm=AlgorithmConfig(prompts_per_step=2, **algorithm),
         trainer=TrainerConfig(micro_batch_tokens=64),
     )
 
@@ -87,7 +88,9 @@ def advantages_by_sample(stored: list[BatchEvent]) -> dict[str, tuple[float, flo
     """sample id -> (advantage, reward) as the batches carry them."""
     out: dict[str, tuple[float, float]] = {}
     for batch in stored:
-        for sid, adv, rew in zip(batch.sample_ids, batch.advantages.numpy(), batch.rewards.numpy(), strict=True):
+        for sid, adv, rew in zip(
+            batch.sample_ids, batch.advantages.numpy(), batch.rewards.numpy(), strict=True
+        ):
             out[sid] = (float(adv), float(rew))
     return out
 
@@ -113,7 +116,9 @@ def test_batched_advantages_are_the_configured_estimators(
             stop_buffer(proc)
         assert proc.returncode == 0, f"buffer exit code {proc.returncode}:\n{tail(log)}"
         stored = await batches(js, topology)
-        named = check_steps(stored, {a[0].trajectory.prompt_id: ids(a), b[0].trajectory.prompt_id: ids(b)})
+        named = check_steps(
+            stored, {a[0].trajectory.prompt_id: ids(a), b[0].trajectory.prompt_id: ids(b)}
+        )
         assert list(named) == [0], summary(stored)
         got = advantages_by_sample(stored)
         for samples, rewards in ((a, REWARDS_A), (b, REWARDS_B)):
@@ -123,7 +128,9 @@ def test_batched_advantages_are_the_configured_estimators(
                 f"{estimator}: rewards {rewards} were batched with advantages {have.tolist()}, "
                 f"expected {want.tolist()}"
             )
-            assert [got[r.id][1] for r in samples] == list(rewards), "the batch carries other rewards than were scored"
+            assert [got[r.id][1] for r in samples] == list(rewards), (
+                "the batch carries other rewards than were scored"
+            )
 
     run_with_js(nats_server.url, body)
 
@@ -156,7 +163,9 @@ def test_drop_equal_reward_groups_reaches_the_buffer(
                 "with drop_equal_reward_groups the all-equal group must not be trained: "
                 f"{summary(stored)}"
             )
-            assert record is not None and "equal" in record, f"no drop record for the all-equal group: {record!r}"
+            assert record is not None and "equal" in record, (
+                f"no drop record for the all-equal group: {record!r}"
+            )
         else:
             assert named == {0: (equal_id, a[0].trajectory.prompt_id)}, (
                 "without drop_equal_reward_groups the all-equal group must be trained: "
@@ -164,18 +173,27 @@ def test_drop_equal_reward_groups_reaches_the_buffer(
             )
             assert record is None, f"the all-equal group was recorded as dropped: {record!r}"
             got = advantages_by_sample(stored)
-            assert [got[r.id][0] for r in equal] == [0.0] * 4, "equal rewards must give zero advantages"
+            assert [got[r.id][0] for r in equal] == [0.0] * 4, (
+                "equal rewards must give zero advantages"
+            )
 
     run_with_js(nats_server.url, body)
 
 
-def kill_then_restart(url: str, topology: Topology, tmp_path: Path, point: str, ack_wait: float) -> None:
+def kill_then_restart(
+    url: str, topology: Topology, tmp_path: Path, point: str, ack_wait: float
+) -> None:
     """Four groups (two steps) fed to a buffer armed to die at `point` on step 0; then two more
     groups, and a second buffer without the crash point. It gets the two new groups at once
     (the first buffer's samples come back only once `ack_wait` has run out), and must still
     store step 0 whole from the groups the first one chose, then the rest, each sample once."""
-    fed = [group(topology.run, i, np.roll(REWARDS_A, i).tolist(), response_tokens=40) for i in range(4)]
-    fresh = [group(topology.run, i, np.roll(REWARDS_B, i).tolist(), response_tokens=40) for i in range(4, 6)]
+    fed = [
+        group(topology.run, i, np.roll(REWARDS_A, i).tolist(), response_tokens=40) for i in range(4)
+    ]
+    fresh = [
+        group(topology.run, i, np.roll(REWARDS_B, i).tolist(), response_tokens=40)
+        for i in range(4, 6)
+    ]
     groups = {g[0].trajectory.prompt_id: ids(g) for g in fed + fresh}
     log = tmp_path / "buffer.log"
 
@@ -190,7 +208,9 @@ def kill_then_restart(url: str, topology: Topology, tmp_path: Path, point: str, 
             first.kill()
             died = f"the buffer armed at {point} did not die within {SETTLE:.0f} s"
             raise AssertionError(f"{died}:\n{tail(log)}") from None
-        assert first.returncode == -signal.SIGKILL, f"buffer exit code {first.returncode}, not SIGKILL:\n{tail(log)}"
+        assert first.returncode == -signal.SIGKILL, (
+            f"buffer exit code {first.returncode}, not SIGKILL:\n{tail(log)}"
+        )
         assert f"crash point {point}" in tail(log), tail(log)
         before = await batches(js, topology)
         assert before, f"the buffer died at {point} with nothing stored"
@@ -211,7 +231,9 @@ def kill_then_restart(url: str, topology: Topology, tmp_path: Path, point: str, 
         batched = sorted(sid for b in stored for sid in b.sample_ids)
         assert batched == sorted(sid for g in groups.values() for sid in g), "a sample was lost"
         info = await buffer_consumer(js, topology)
-        assert (info.num_pending, info.num_ack_pending) == (0, 0), "rewards left unacked after all steps"
+        assert (info.num_pending, info.num_ack_pending) == (0, 0), (
+            "rewards left unacked after all steps"
+        )
         dropped = {p: r for p in groups if (r := await drop_record(js, topology, p)) is not None}
         assert not dropped, f"groups dropped: {dropped}"
 
@@ -258,8 +280,10 @@ def test_held_samples_are_not_redelivered_while_the_buffer_holds_them(
 
             async def not_holding() -> str:
                 info = await buffer_consumer(js, topology)
-                return (f"the buffer never held all {len(held)} samples: "
-                        f"{info.num_ack_pending} unacked:\n{tail(log)}")
+                return (
+                    f"the buffer never held all {len(held)} samples: "
+                    f"{info.num_ack_pending} unacked:\n{tail(log)}"
+                )
 
             await until(holding, SETTLE, not_holding)
             await asyncio.sleep(3.5 * ACK_WAIT)
@@ -275,7 +299,9 @@ def test_held_samples_are_not_redelivered_while_the_buffer_holds_them(
                 f"{info.delivered.consumer_seq} deliveries for {len(held)} samples: "
                 "some were delivered twice"
             )
-            assert info.num_ack_pending == len(held), f"{info.num_ack_pending} held, not {len(held)}"
+            assert info.num_ack_pending == len(held), (
+                f"{info.num_ack_pending} held, not {len(held)}"
+            )
             assert await batches(js, topology) == [], "a step was formed from an incomplete group"
 
             await publish(js, topology, b[3:])
@@ -283,6 +309,9 @@ def test_held_samples_are_not_redelivered_while_the_buffer_holds_them(
         finally:
             stop_buffer(proc)
         assert proc.returncode == 0, f"buffer exit code {proc.returncode}:\n{tail(log)}"
-        check_steps(await batches(js, topology), {a[0].trajectory.prompt_id: ids(a), b[0].trajectory.prompt_id: ids(b)})
+        check_steps(
+            await batches(js, topology),
+            {a[0].trajectory.prompt_id: ids(a), b[0].trajectory.prompt_id: ids(b)},
+        )
 
     run_with_js(url, body)

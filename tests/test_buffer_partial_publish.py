@@ -73,7 +73,9 @@ def config(topology: Topology) -> RunConfig:
     # 64-token micro-batches and 45-token rows (5 prompt + 40 response): a step of 2 groups
     # of 4 is 8 micro-batches, so the stream can take the first and refuse the rest.
     return RunConfig(
-        run=topology.run, algorithm=AlgorithmConfig(prompts_per_step=2), trainer=TrainerConfig(micro_batch_tokens=64)
+        run=topology.run,
+        algorithm=AlgorithmConfig(prompts_per_step=2),
+        trainer=TrainerConfig(micro_batch_tokens=64),
     )
 
 
@@ -92,8 +94,13 @@ def prompt_id(samples: list[RewardEvent]) -> str:
 def test_a_step_whose_publish_fails_part_way_is_finished_from_the_same_groups(
     nats_server: EmbeddedNats, topology: Topology, tmp_path: Path
 ) -> None:
-    first = [group(topology.run, i, np.roll(REWARDS, i).tolist(), response_tokens=40) for i in range(2)]
-    later = [group(topology.run, i, np.roll(REWARDS, i + 1).tolist(), response_tokens=40) for i in range(2, 4)]
+    first = [
+        group(topology.run, i, np.roll(REWARDS, i).tolist(), response_tokens=40) for i in range(2)
+    ]
+    later = [
+        group(topology.run, i, np.roll(REWARDS, i + 1).tolist(), response_tokens=40)
+        for i in range(2, 4)
+    ]
     groups = {prompt_id(g): [r.id for r in g] for g in first + later}
     url, log = nats_server.url, tmp_path / "buffer.log"
 
@@ -113,16 +120,22 @@ def test_a_step_whose_publish_fails_part_way_is_finished_from_the_same_groups(
 
             await until(one_stored, SETTLE, none_stored)
             begun = await batches(js, topology)
-            assert [(b.step, b.micro_count) for b in begun] == [(0, 8)], f"expected 1 of 8 of step 0: {summary(begun)}"
+            assert [(b.step, b.micro_count) for b in begun] == [(0, 8)], (
+                f"expected 1 of 8 of step 0: {summary(begun)}"
+            )
             chosen = begun[0].step_prompt_ids
-            assert sorted(chosen) == sorted(prompt_id(g) for g in first), f"step 0 begun with {chosen}"
+            assert sorted(chosen) == sorted(prompt_id(g) for g in first), (
+                f"step 0 begun with {chosen}"
+            )
 
             await publish(js, topology, [r for g in later for r in g])
             deadline = time.monotonic() + REFUSED_FOR
             while time.monotonic() < deadline:
                 held = (await js.stream_info(stream)).state.messages
                 assert held == 1, f"the batch stream was to refuse writes, yet holds {held}"
-                assert proc.poll() is None, f"the buffer died while the stream refused writes:\n{tail(log)}"
+                assert proc.poll() is None, (
+                    f"the buffer died while the stream refused writes:\n{tail(log)}"
+                )
                 await asyncio.sleep(0.5)
             await cap_messages(js, stream, -1)
 
@@ -144,15 +157,21 @@ def test_a_step_whose_publish_fails_part_way_is_finished_from_the_same_groups(
         )
         batched = {p for step in named.values() for p in step}
         dropped = {p: r for p in groups if (r := await drop_record(js, topology, p)) is not None}
-        assert not batched & dropped.keys(), f"groups both batched and dropped: {sorted(batched & dropped.keys())}"
+        assert not batched & dropped.keys(), (
+            f"groups both batched and dropped: {sorted(batched & dropped.keys())}"
+        )
 
         # Which rewards are unacked the server does not say, only how many: every reward neither
         # undelivered nor unacked was acked (or terminated: dropped, or dead-lettered, which
         # nothing here should be), so more acked than stored batches and drop records cover
         # means that some were lost.
-        assert info.num_pending is not None and info.num_ack_pending is not None  # the server sends both
+        assert (
+            info.num_pending is not None and info.num_ack_pending is not None
+        )  # the server sends both
         acked = sum(map(len, groups.values())) - info.num_pending - info.num_ack_pending
-        covered = {sid for b in stored for sid in b.sample_ids} | {sid for p in dropped for sid in groups[p]}
+        covered = {sid for b in stored for sid in b.sample_ids} | {
+            sid for p in dropped for sid in groups[p]
+        }
         uncovered = sorted(sid for sids in groups.values() for sid in sids if sid not in covered)
         assert acked <= len(covered), (
             f"the buffer acked {acked} rewards but only {len(covered)} are in a stored batch or a "

@@ -32,7 +32,10 @@ what it was waiting for, instead of at the 300 s test timeout."""
 
 
 def run_bus(
-    server: EmbeddedNats, topology: Topology, body: Callable[[JetStreamContext], Awaitable[None]], apply: bool = True
+    server: EmbeddedNats,
+    topology: Topology,
+    body: Callable[[JetStreamContext], Awaitable[None]],
+    apply: bool = True,
 ) -> None:
     async def main() -> None:
         nc = await connect(server.url, "test")
@@ -43,7 +46,9 @@ def run_bus(
             try:
                 await asyncio.wait_for(body(js), BODY_SECONDS)
             except TimeoutError:
-                pytest.fail(f"{body.__qualname__} did not finish in {BODY_SECONDS:.0f} s", pytrace=True)
+                pytest.fail(
+                    f"{body.__qualname__} did not finish in {BODY_SECONDS:.0f} s", pytrace=True
+                )
         finally:
             await nc.close()
 
@@ -65,7 +70,9 @@ async def run_until(worker: Worker, done: Callable[[], bool], timeout: float = 3
         pytest.fail("the worker did not return within 15 s of its stop (its drain is stuck)")
 
 
-def test_apply_is_idempotent_and_declares_everything(nats_server: EmbeddedNats, topology: Topology) -> None:
+def test_apply_is_idempotent_and_declares_everything(
+    nats_server: EmbeddedNats, topology: Topology
+) -> None:
     async def body(js: JetStreamContext) -> None:
         await topology.apply(js)  # second time: nothing to do, no error
         await topology.apply(js, update=True)
@@ -82,7 +89,9 @@ def test_apply_is_idempotent_and_declares_everything(nats_server: EmbeddedNats, 
     run_bus(nats_server, topology, body)
 
 
-def test_same_event_published_twice_is_stored_once(nats_server: EmbeddedNats, topology: Topology) -> None:
+def test_same_event_published_twice_is_stored_once(
+    nats_server: EmbeddedNats, topology: Topology
+) -> None:
     async def body(js: JetStreamContext) -> None:
         publisher = Publisher(js, topology)
         event = trajectory(topology.run)
@@ -94,7 +103,9 @@ def test_same_event_published_twice_is_stored_once(nats_server: EmbeddedNats, to
     run_bus(nats_server, topology, body)
 
 
-def test_publish_without_ack_is_retried_until_the_stream_takes_it(nats_server: EmbeddedNats, topology: Topology) -> None:
+def test_publish_without_ack_is_retried_until_the_stream_takes_it(
+    nats_server: EmbeddedNats, topology: Topology
+) -> None:
     """No stream yet: the async publish gets no ack, times out, and is retried as a request
     until the stream exists; then it is stored once and the caller gets the ack."""
 
@@ -111,7 +122,9 @@ def test_publish_without_ack_is_retried_until_the_stream_takes_it(nats_server: E
     run_bus(nats_server, topology, body, apply=False)
 
 
-def test_publish_the_stream_refuses_fails_after_retry_for(nats_server: EmbeddedNats, topology: Topology) -> None:
+def test_publish_the_stream_refuses_fails_after_retry_for(
+    nats_server: EmbeddedNats, topology: Topology
+) -> None:
     """The server answers with an error (here: the stream is not the one the header expects).
     nats-py 2.16 leaves such an async publish pending forever; ours times out, retries, and
     fails with the server's reason once `retry_for` has passed."""
@@ -119,7 +132,9 @@ def test_publish_the_stream_refuses_fails_after_retry_for(nats_server: EmbeddedN
     async def body(js: JetStreamContext) -> None:
         publisher = Publisher(js, topology, ack_timeout=0.3, retry_for=1.0)
         data, started = encode(trajectory(topology.run)), time.monotonic()
-        ack = await publisher.send_bytes(TRAJECTORIES, data, "x", headers={"Nats-Expected-Stream": "other"})
+        ack = await publisher.send_bytes(
+            TRAJECTORIES, data, "x", headers={"Nats-Expected-Stream": "other"}
+        )
         with pytest.raises(nats.js.errors.APIError, match="expected stream does not match"):
             await asyncio.wait_for(ack, 10.0)  # nats-py alone leaves this pending forever
         assert time.monotonic() - started < 5.0
@@ -150,23 +165,31 @@ def test_a_closed_publisher_retries_what_awaits_its_ack_and_publishes_again(
     run_bus(nats_server, topology, body)
 
 
-def test_event_over_max_payload_is_refused_before_sending(nats_server: EmbeddedNats, topology: Topology) -> None:
+def test_event_over_max_payload_is_refused_before_sending(
+    nats_server: EmbeddedNats, topology: Topology
+) -> None:
     async def body(js: JetStreamContext) -> None:
         with pytest.raises(EventTooLarge, match="over the 8388608-byte max payload"):
-            await Publisher(js, topology).publish(TRAJECTORIES, trajectory(topology.run, tokens=1 << 20))
+            await Publisher(js, topology).publish(
+                TRAJECTORIES, trajectory(topology.run, tokens=1 << 20)
+            )
         assert await messages(js, topology, TRAJECTORIES) == 0
 
     run_bus(nats_server, topology, body)
 
 
-def test_a_channel_takes_only_its_event_class_and_its_token(nats_server: EmbeddedNats, topology: Topology) -> None:
+def test_a_channel_takes_only_its_event_class_and_its_token(
+    nats_server: EmbeddedNats, topology: Topology
+) -> None:
     """Publishing a reward on the trajectories channel, or a batch without its rank, is a
     caller's bug: refused before anything is sent, so no reader ever dead-letters it."""
 
     async def body(js: JetStreamContext) -> None:
         publisher = Publisher(js, topology)
         wrong = reward(topology.run)
-        with pytest.raises(TypeError, match="channel trajectories carries TrajectoryEvent, not RewardEvent"):
+        with pytest.raises(
+            TypeError, match="channel trajectories carries TrajectoryEvent, not RewardEvent"
+        ):
             await publisher.publish(TRAJECTORIES, wrong)  # type: ignore[misc]  # wrong on purpose
         with pytest.raises(TypeError, match="channel dead carries raw bytes"):
             await publisher.publish(DEAD, wrong)
@@ -181,7 +204,9 @@ def test_a_channel_takes_only_its_event_class_and_its_token(nats_server: Embedde
     run_bus(nats_server, topology, body)
 
 
-def test_failing_handler_is_retried_with_delay_then_dead_lettered(nats_server: EmbeddedNats, topology: Topology) -> None:
+def test_failing_handler_is_retried_with_delay_then_dead_lettered(
+    nats_server: EmbeddedNats, topology: Topology
+) -> None:
     attempts: list[float] = []
 
     async def handler(event: TrajectoryEvent, msg: Msg) -> None:
@@ -198,14 +223,18 @@ def test_failing_handler_is_retried_with_delay_then_dead_lettered(nats_server: E
         await run_until(worker, lambda: len(attempts) == 3 and publisher._inflight_bytes == 0)
         await asyncio.sleep(0.3)
         dead = await dead_letters(js, topology)
-        assert dead == [(encode(event), "failed 3 times, last: RuntimeError: reward model unavailable")]
+        assert dead == [
+            (encode(event), "failed 3 times, last: RuntimeError: reward model unavailable")
+        ]
 
     run_bus(nats_server, topology, body)
     gaps = [b - a for a, b in zip(attempts, attempts[1:], strict=False)]
     assert gaps[0] >= 0.25 and gaps[1] >= 0.55, gaps  # 0.3 s then 0.6 s
 
 
-def test_a_worker_takes_no_more_messages_than_its_concurrency(nats_server: EmbeddedNats, topology: Topology) -> None:
+def test_a_worker_takes_no_more_messages_than_its_concurrency(
+    nats_server: EmbeddedNats, topology: Topology
+) -> None:
     # What it fetched but cannot run yet, no other worker can have: a newcomer would starve.
     handled: list[str] = []
 
@@ -218,12 +247,18 @@ def test_a_worker_takes_no_more_messages_than_its_concurrency(nats_server: Embed
         for i in range(20):
             await publisher.publish(TRAJECTORIES, trajectory(topology.run, prompt=i))
         queue = TRAJECTORIES.work_queue
-        worker = Worker(js, topology, TRAJECTORIES, handler, publisher, WorkerOptions(concurrency=2))
+        worker = Worker(
+            js, topology, TRAJECTORIES, handler, publisher, WorkerOptions(concurrency=2)
+        )
         held: list[int] = []
 
         async def sample() -> None:
             while True:
-                held.append((await js.consumer_info(topology.stream(TRAJECTORIES), queue.durable)).num_ack_pending)
+                held.append(
+                    (
+                        await js.consumer_info(topology.stream(TRAJECTORIES), queue.durable)
+                    ).num_ack_pending
+                )
                 await asyncio.sleep(0.05)
 
         sampler = asyncio.create_task(sample())
@@ -237,7 +272,9 @@ def test_a_worker_takes_no_more_messages_than_its_concurrency(nats_server: Embed
     run_bus(nats_server, topology, body)
 
 
-def test_garbage_and_unknown_version_go_dead_and_worker_goes_on(nats_server: EmbeddedNats, topology: Topology) -> None:
+def test_garbage_and_unknown_version_go_dead_and_worker_goes_on(
+    nats_server: EmbeddedNats, topology: Topology
+) -> None:
     handled: list[str] = []
 
     async def handler(event: TrajectoryEvent, msg: Msg) -> None:
@@ -252,8 +289,9 @@ def test_garbage_and_unknown_version_go_dead_and_worker_goes_on(nats_server: Emb
         await js.publish(subject, b"\x00\xffnot an event")
         await js.publish(subject, future)
         await publisher.publish(TRAJECTORIES, good)
-        worker = Worker(js, topology, TRAJECTORIES, handler, publisher,
-                        WorkerOptions(fetch_timeout=0.2))
+        worker = Worker(
+            js, topology, TRAJECTORIES, handler, publisher, WorkerOptions(fetch_timeout=0.2)
+        )
         await run_until(worker, lambda: bool(handled))
         await asyncio.sleep(0.3)
         reasons = sorted(reason for _, reason in await dead_letters(js, topology))
@@ -267,7 +305,9 @@ def test_garbage_and_unknown_version_go_dead_and_worker_goes_on(nats_server: Emb
 def _spawn(url: str, run: str, mode: str, markers: Path) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.worker_proc", url, run, mode, str(markers)],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
     return proc
@@ -295,7 +335,9 @@ def test_killed_worker_message_is_redelivered_and_effect_happens_once(
     async def check(js: JetStreamContext) -> None:
         deadline = time.monotonic() + 20
         while True:
-            info = await js.consumer_info(topology.stream(TRAJECTORIES), TRAJECTORIES.work_queue.durable)
+            info = await js.consumer_info(
+                topology.stream(TRAJECTORIES), TRAJECTORIES.work_queue.durable
+            )
             if info.num_ack_pending == 0 and info.num_pending == 0:
                 break
             assert time.monotonic() < deadline, info
@@ -313,7 +355,9 @@ def test_killed_worker_message_is_redelivered_and_effect_happens_once(
         second.wait(10)
 
 
-def test_sigterm_drains_in_flight_work_and_exits_zero(nats_server: EmbeddedNats, topology: Topology, tmp_path: Path) -> None:
+def test_sigterm_drains_in_flight_work_and_exits_zero(
+    nats_server: EmbeddedNats, topology: Topology, tmp_path: Path
+) -> None:
     async def setup(js: JetStreamContext) -> None:
         publisher = Publisher(js, topology)
         for i in range(3):
@@ -327,7 +371,9 @@ def test_sigterm_drains_in_flight_work_and_exits_zero(nats_server: EmbeddedNats,
     started = {p.name for p in tmp_path.iterdir()}
 
     async def check(js: JetStreamContext) -> None:
-        info = await js.consumer_info(topology.stream(TRAJECTORIES), TRAJECTORIES.work_queue.durable)
+        info = await js.consumer_info(
+            topology.stream(TRAJECTORIES), TRAJECTORIES.work_queue.durable
+        )
         assert info.num_ack_pending == 0  # everything it took was finished and acked
         kv = await js.key_value(topology.kv_bucket)
         done = {k for k in await kv.keys()}
@@ -338,18 +384,39 @@ def test_sigterm_drains_in_flight_work_and_exits_zero(nats_server: EmbeddedNats,
     assert os.path.exists(tmp_path)
 
 
-def test_streams_cli_applies_shows_and_deletes(nats_server: EmbeddedNats, topology: Topology) -> None:
+def test_streams_cli_applies_shows_and_deletes(
+    nats_server: EmbeddedNats, topology: Topology
+) -> None:
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "ops.streams", *args, "--run", topology.run, "--nats", nats_server.url],
-            cwd=ROOT, capture_output=True, text=True, timeout=60,
+            [
+                sys.executable,
+                "-m",
+                "ops.streams",
+                *args,
+                "--run",
+                topology.run,
+                "--nats",
+                nats_server.url,
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
 
     assert "applied run" in cli("apply").stdout
     shown = cli("show").stdout
     assert f"RL_{topology.run}_PROMPTS" in shown and "rollout: pending 0, in flight 0" in shown
-    assert "limits from no config stored yet" in shown and "gate bound (max_staleness 1 + 1)" in shown
+    assert (
+        "limits from no config stored yet" in shown and "gate bound (max_staleness 1 + 1)" in shown
+    )
     assert "deleted run" in cli("delete").stdout
     assert "(missing)" in cli("show").stdout
-    bad = subprocess.run([sys.executable, "-m", "ops.streams", "show", "--run", "a.b"], cwd=ROOT, capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "ops.streams", "show", "--run", "a.b"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and "run id 'a.b' must be 1-64 characters" in bad.stderr

@@ -35,19 +35,27 @@ DEADLINE = 280.0
 
 
 @pytest.mark.timeout(DEADLINE + 40)
-def test_every_crash_point_armed_is_hit_and_nothing_is_lost_or_trained_twice(tmp_path: Path) -> None:
+def test_every_crash_point_armed_is_hit_and_nothing_is_lost_or_trained_twice(
+    tmp_path: Path,
+) -> None:
     # A session of its own: on our deadline the tool and its fleet go down together (its
     # nats-server, in a session of its own, dies with the tool).
     proc = subprocess.Popen(
         [sys.executable, "-m", "ops.chaos", "--quick", "--runs", "1", "--out", str(tmp_path)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     try:
         stdout, stderr = proc.communicate(timeout=DEADLINE)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        raise AssertionError(f"ops.chaos --quick did not finish within {DEADLINE:.0f} s:\n{stdout}{stderr[-3000:]}") from None
+        raise AssertionError(
+            f"ops.chaos --quick did not finish within {DEADLINE:.0f} s:\n{stdout}{stderr[-3000:]}"
+        ) from None
     report = stdout + stderr[-3000:]
     last = stdout.strip().splitlines()[-1:] or [""]
     assert last[0].startswith("{"), f"ops.chaos printed no figures:\n{report}"
@@ -56,29 +64,41 @@ def test_every_crash_point_armed_is_hit_and_nothing_is_lost_or_trained_twice(tmp
     assert figures["unfinished"] == 0, f"the run did not finish:\n{report}"
     missed = [name for name, fault in figures["faults"].items() if not fault["hit"]]
     assert not missed, f"crash points armed but never hit: {missed}\n{report}"
-    assert (figures["lost"], figures["duplicates"], figures["staleness_violations"]) == (0, 0, 0), report
+    assert (figures["lost"], figures["duplicates"], figures["staleness_violations"]) == (0, 0, 0), (
+        report
+    )
     assert figures["issued"] == figures["trained"] + figures["dropped"] + figures["held"], report
     # Recovery at the default settings: training resumes within 15 s of a restart (measured on a
     # quiet machine); twice that here, where other tests share the two cores.
-    slow = {role: r["resume_s"] for role, r in figures["roles"].items() if (r["resume_s"]["max"] or 0) > 2 * 15}
+    slow = {
+        role: r["resume_s"]
+        for role, r in figures["roles"].items()
+        if (r["resume_s"]["max"] or 0) > 2 * 15
+    }
     assert not slow, f"training stood still too long after a restart: {slow}\n{report}"
     assert proc.returncode == 0, report
 
 
-def test_held_prompts_are_those_a_queue_never_had_acked(nats_server: EmbeddedNats, tmp_path: Path) -> None:
+def test_held_prompts_are_those_a_queue_never_had_acked(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
     """`held` (in flight, not lost): never delivered, or delivered and not acked when its worker
     stopped."""
 
     async def scenario() -> tuple[set[str], list[str]]:
         nc = await connect(nats_server.url, "test-chaos")
-        run = ChaosRun(nats_server.url, nc, tmp_path, f"held-{uuid.uuid4().hex[:8]}", QUICK, random.Random(0))
+        run = ChaosRun(
+            nats_server.url, nc, tmp_path, f"held-{uuid.uuid4().hex[:8]}", QUICK, random.Random(0)
+        )
         await run.declare()
         ids = []
         for i in range(3):
             event = prompt(run.topology.run, i)
             await Publisher(nc.jetstream(), run.topology).publish(PROMPTS, event)
             ids.append(event.id)
-        worker = await nc.jetstream().pull_subscribe_bind(PROMPTS.work_queue.durable, stream=run.topology.stream(PROMPTS))
+        worker = await nc.jetstream().pull_subscribe_bind(
+            PROMPTS.work_queue.durable, stream=run.topology.stream(PROMPTS)
+        )
         done, _unacked = await worker.fetch(2, timeout=5)
         await done.ack()
         await worker.unsubscribe()  # stopped holding the second; the third was never delivered

@@ -57,7 +57,9 @@ class Consumption:
         return max(b - a for a, b in zip(inside, inside[1:], strict=False))
 
 
-async def produce(publisher: Publisher, topology: Topology, stop: asyncio.Event, acked: list[str]) -> float:
+async def produce(
+    publisher: Publisher, topology: Topology, stop: asyncio.Event, acked: list[str]
+) -> float:
     """Publish trajectories back to back until `stop`; return the longest single publish."""
     longest = 0.0
     index = 0
@@ -80,11 +82,16 @@ def node_stream_state(cluster: EmbeddedCluster, index: int, stream: str) -> dict
     for account in jsz.get("account_details", []):
         for detail in account.get("stream_detail", []):
             if detail["name"] == stream:
-                return {"messages": detail["state"]["messages"], "last_seq": detail["state"]["last_seq"]}
+                return {
+                    "messages": detail["state"]["messages"],
+                    "last_seq": detail["state"]["last_seq"],
+                }
     return {"messages": 0, "last_seq": 0}
 
 
-async def wait_caught_up(cluster: EmbeddedCluster, index: int, stream: str, timeout: float = 20.0) -> float:
+async def wait_caught_up(
+    cluster: EmbeddedCluster, index: int, stream: str, timeout: float = 20.0
+) -> float:
     """Wait until every replica is current and node `index` stores the leader's last sequence."""
     nc = await connect(cluster.urls[index], "test-catch-up")  # this node only
     js = nc.jetstream()
@@ -134,7 +141,11 @@ def test_killed_node_loses_nothing_stalls_briefly_and_catches_up(tmp_path: Path)
         consumer_js = consumer_nc.jetstream()
         seen = Consumption()
         worker = Worker(
-            consumer_js, topology, channel, seen.handle, Publisher(consumer_js, topology),
+            consumer_js,
+            topology,
+            channel,
+            seen.handle,
+            Publisher(consumer_js, topology),
             WorkerOptions(concurrency=8, fetch_timeout=0.5),
         )
         acked: list[str] = []
@@ -160,7 +171,9 @@ def test_killed_node_loses_nothing_stalls_briefly_and_catches_up(tmp_path: Path)
 
         deadline = time.monotonic() + 3 * ACK_WAIT
         while seen.effects != set(acked):
-            assert time.monotonic() < deadline, f"{len(set(acked) - seen.effects)} acked ids never consumed"
+            assert time.monotonic() < deadline, (
+                f"{len(set(acked) - seen.effects)} acked ids never consumed"
+            )
             await asyncio.sleep(0.1)
         stop_consuming.set()
         await consuming
@@ -168,7 +181,9 @@ def test_killed_node_loses_nothing_stalls_briefly_and_catches_up(tmp_path: Path)
         figures["published"] = len(acked)
         figures["redeliveries"] = seen.deliveries - len(seen.effects)
         figures["longest_stall_s"] = seen.longest_gap(killed_at, published_until)
-        figures["first_consumption_after_kill_s"] = min(t for t in seen.times if t > killed_at) - killed_at
+        figures["first_consumption_after_kill_s"] = (
+            min(t for t in seen.times if t > killed_at) - killed_at
+        )
         figures["catch_up_s"] = await wait_caught_up(cluster, leader, stream)
         await producer_nc.close()
         await consumer_nc.close()
@@ -182,21 +197,31 @@ def test_killed_node_loses_nothing_stalls_briefly_and_catches_up(tmp_path: Path)
 def test_example_configs_are_current_and_valid() -> None:
     for filename, text in node_configs(out=EXAMPLES).items():
         path = ROOT / EXAMPLES / filename
-        assert path.read_text() == text, f"{path} is stale: run python -m ops.cluster --out {EXAMPLES}"
-        checked = subprocess.run([server_binary(), "-t", "-c", str(path)], capture_output=True, text=True, timeout=30)
+        assert path.read_text() == text, (
+            f"{path} is stale: run python -m ops.cluster --out {EXAMPLES}"
+        )
+        checked = subprocess.run(
+            [server_binary(), "-t", "-c", str(path)], capture_output=True, text=True, timeout=30
+        )
         assert checked.returncode == 0, checked.stderr
 
 
 def test_nodes_share_ports_only_on_separate_hosts() -> None:
     one_machine = node_addresses(["127.0.0.1"] * 3)
     assert [a.client_port for a in one_machine] == [4222, 4223, 4224]
-    assert [a.route for a in node_addresses(["a", "b", "c"])] == [f"nats-route://{h}:6222" for h in "abc"]
+    assert [a.route for a in node_addresses(["a", "b", "c"])] == [
+        f"nats-route://{h}:6222" for h in "abc"
+    ]
 
 
 def test_cluster_cli_writes_the_configs_and_refuses_two_hosts(tmp_path: Path) -> None:
     main(["--out", str(tmp_path)])
     assert {p.name: p.read_text() for p in tmp_path.iterdir()} == node_configs(out=str(tmp_path))
     refused = subprocess.run(
-        [sys.executable, "-m", "ops.cluster", "--hosts", "a,b"], cwd=ROOT, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "ops.cluster", "--hosts", "a,b"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert refused.returncode == 2 and "give 3 or 5 comma-separated hosts" in refused.stderr

@@ -50,7 +50,11 @@ class Job:
     def __init__(self, args: list[str], log: Path | None = None) -> None:
         self.lines: list[str] = []
         self.process = subprocess.Popen(
-            [sys.executable, "-m", *args], cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", *args],
+            cwd=ROOT,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
         )
         self._log = log
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -100,7 +104,9 @@ def leader(url: str, stream: str, deadline_s: float = 60.0) -> str:
                         return info.cluster.leader
                 except Exception:  # not created yet, or electing
                     pass
-                assert time.monotonic() - started < deadline_s, f"stream {stream} has no leader after {deadline_s:.0f} s"
+                assert time.monotonic() - started < deadline_s, (
+                    f"stream {stream} has no leader after {deadline_s:.0f} s"
+                )
                 await asyncio.sleep(0.5)
         finally:
             await nc.close()
@@ -112,15 +118,22 @@ def wait_for_steps(job: Job, target: int, what: str, deadline_s: float = PROGRES
     """Wait until `job` reports step `target`; fail saying `what` did not happen."""
     deadline = time.monotonic() + deadline_s
     while job.step < target:
-        assert job.process.poll() is None, f"the main job exited {job.process.returncode} {what}:\n{job.tail()}"
-        assert time.monotonic() < deadline, f"no step {target} within {deadline_s:.0f} s {what}:\n{job.tail()}"
+        assert job.process.poll() is None, (
+            f"the main job exited {job.process.returncode} {what}:\n{job.tail()}"
+        )
+        assert time.monotonic() < deadline, (
+            f"no step {target} within {deadline_s:.0f} s {what}:\n{job.tail()}"
+        )
         time.sleep(0.5)
 
 
 def audit(url: str, run: str) -> dict:
     done = subprocess.run(
         [sys.executable, "-m", "ops.audit", "--run", run, "--nats", url],
-        cwd=ROOT, capture_output=True, text=True, timeout=180,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -133,18 +146,43 @@ def test_the_main_job_rides_out_the_loss_of_each_node_in_turn(tmp_path: Path) ->
     topology = Topology(run=run, replicas=3)
     fleet_yaml = tmp_path / "fleet.yaml"
     fleet_yaml.write_text(
-        (ROOT / "examples" / "fleet.yaml").read_text().replace("logs: logs/demo", f"logs: {tmp_path / 'logs'}")
+        (ROOT / "examples" / "fleet.yaml")
+        .read_text()
+        .replace("logs: logs/demo", f"logs: {tmp_path / 'logs'}")
     )
     with EmbeddedCluster(tmp_path / "cluster") as cluster:
-        job = Job(["producers.prompts", "--nats", cluster.url, "--replicas", "3", "--steps", str(STEPS),
-                   "--run", run, "--out", str(tmp_path / "run")])
+        job = Job(
+            [
+                "producers.prompts",
+                "--nats",
+                cluster.url,
+                "--replicas",
+                "3",
+                "--steps",
+                str(STEPS),
+                "--run",
+                run,
+                "--out",
+                str(tmp_path / "run"),
+            ]
+        )
         fleet: Job | None = None
         killed: list[str] = []
         try:
             # The fleet joins once the producer has declared the run at 3 replicas (its workers
             # would declare a missing run at 1).
             first = leader(cluster.url, topology.stream(REWARDS))
-            fleet = Job(["consumers.fleet", "--config", str(fleet_yaml), "--nats", cluster.url, "--run", run])
+            fleet = Job(
+                [
+                    "consumers.fleet",
+                    "--config",
+                    str(fleet_yaml),
+                    "--nats",
+                    cluster.url,
+                    "--run",
+                    run,
+                ]
+            )
             wait_for_steps(job, 3, "before any node was killed")
             for name in [first, *(a.name for a in cluster.addresses if a.name != first)]:
                 index = cluster.index(name)
@@ -152,22 +190,34 @@ def test_the_main_job_rides_out_the_loss_of_each_node_in_turn(tmp_path: Path) ->
                 cluster.kill(index)
                 killed.append(f"{name} at step {at}")
                 if name == first:  # the leader's loss: the run must go on without it
-                    wait_for_steps(job, at + STEPS_WITHOUT_THE_NODE, f"while node {name} was down (killed: {killed})")
+                    wait_for_steps(
+                        job,
+                        at + STEPS_WITHOUT_THE_NODE,
+                        f"while node {name} was down (killed: {killed})",
+                    )
                 else:
                     # Seen here after two earlier restarts: JetStream answering 503 "temporarily
                     # unavailable" for minutes with one node down. The job must still ride it out
                     # and finish once the node is back: it is given OUTAGE_S, then the node returns.
                     with contextlib.suppress(AssertionError):
                         wait_for_steps(job, at + STEPS_WITHOUT_THE_NODE, "", deadline_s=OUTAGE_S)
-                    assert job.process.poll() is None, f"the main job exited while {name} was down:\n{job.tail()}"
+                    assert job.process.poll() is None, (
+                        f"the main job exited while {name} was down:\n{job.tail()}"
+                    )
                 cluster.restart(index)
-            assert job.step < STEPS, f"the run ended before every node was killed; make it longer ({killed})"
+            assert job.step < STEPS, (
+                f"the run ended before every node was killed; make it longer ({killed})"
+            )
             try:
                 job.process.wait(timeout=PROGRESS_DEADLINE + 60 * STEPS / 10)
             except subprocess.TimeoutExpired:
-                pytest.fail(f"the main job did not finish after the kills ({killed}):\n{job.tail()}")
+                pytest.fail(
+                    f"the main job did not finish after the kills ({killed}):\n{job.tail()}"
+                )
             output = job.output()
-            assert job.process.returncode == 0, f"the main job exited {job.process.returncode} ({killed}):\n{job.tail()}"
+            assert job.process.returncode == 0, (
+                f"the main job exited {job.process.returncode} ({killed}):\n{job.tail()}"
+            )
             assert "Traceback" not in output, output[-4000:]
             summary = json.loads(output.strip().splitlines()[-1])
             assert summary["steps"] == STEPS, summary
@@ -177,7 +227,9 @@ def test_the_main_job_rides_out_the_loss_of_each_node_in_turn(tmp_path: Path) ->
             if fleet is not None:
                 fleet.stop()
     assert result["duplicates"] == 0 and result["trained_and_dropped"] == 0, result
-    assert result["in_flight"] == 0, f"issued but neither trained nor dropped: {result['in_flight_ids'][:20]}"
+    assert result["in_flight"] == 0, (
+        f"issued but neither trained nor dropped: {result['in_flight_ids'][:20]}"
+    )
     assert result["issued"] == result["trained"] + result["dropped"] > 0, result
 
 
@@ -201,9 +253,16 @@ def test_ops_tools_wait_out_a_lost_quorum_or_show_unknowns(tmp_path: Path) -> No
         tools = {
             name: subprocess.Popen(
                 [sys.executable, "-m", *args, "--run", topology.run, "--nats", cluster.url],
-                cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                cwd=ROOT,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
             )
-            for name, args in {"status": ["ops.status"], "show": ["ops.streams", "show"], "audit": ["ops.audit"]}.items()
+            for name, args in {
+                "status": ["ops.status"],
+                "show": ["ops.streams", "show"],
+                "audit": ["ops.audit"],
+            }.items()
         }
         try:
             time.sleep(8.0)
@@ -214,7 +273,9 @@ def test_ops_tools_wait_out_a_lost_quorum_or_show_unknowns(tmp_path: Path) -> No
                 if tool.poll() is None:
                     tool.kill()
     for name, (_, err) in outputs.items():
-        assert tools[name].returncode == 0 and "Traceback" not in err, f"{name} exited {tools[name].returncode}: {err[-3000:]}"
+        assert tools[name].returncode == 0 and "Traceback" not in err, (
+            f"{name} exited {tools[name].returncode}: {err[-3000:]}"
+        )
     # Which figures the lost quorum hides depends on when each request lands (a stream read
     # may get through just before): some are unknown, and the page still shows.
     page = outputs["status"][0]
@@ -238,6 +299,7 @@ def test_the_producer_starts_and_resumes_through_a_lost_quorum(tmp_path: Path) -
         await nc.close()
         cluster.kill(0)
         cluster.kill(1)
+
         def restart_later() -> None:
             time.sleep(6.0)
             cluster.restart(1)
@@ -254,6 +316,8 @@ def test_the_producer_starts_and_resumes_through_a_lost_quorum(tmp_path: Path) -
         try:
             cursor = asyncio.run(scenario(cluster))
         except (TimeoutError, nats.errors.Error) as exc:
-            pytest.fail(f"the producer gave up during the outage instead of waiting: {type(exc).__name__}: "
-                        f"{exc}")
+            pytest.fail(
+                f"the producer gave up during the outage instead of waiting: {type(exc).__name__}: "
+                f"{exc}"
+            )
     assert cursor == 3, f"resumes at prompt {cursor}, not after the 3 stored"

@@ -48,11 +48,21 @@ class Participant:
     deadline."""
 
     def __init__(self, tmp: Path, settings: dict, *args: str) -> None:
-        self.name = "source" if args[0] == "source" else args[1] if args[0] == "receiver" else f"peer{args[1]}"
+        self.name = (
+            "source"
+            if args[0] == "source"
+            else args[1]
+            if args[0] == "receiver"
+            else f"peer{args[1]}"
+        )
         self.log = tmp / f"{self.name}.stderr"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.collective_proc", *args, json.dumps(settings)],
-            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log.open("w"), text=True,
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log.open("w"),
+            text=True,
         )
         self.lines: queue.Queue[dict] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -73,8 +83,10 @@ class Participant:
             while (line := self.lines.get(timeout=within))["event"] not in events:
                 pass
         except queue.Empty:
-            pytest.fail(f"{self.name}: no {events} within {within:.0f} s; "
-                        f"stderr:\n{self.log.read_text()[-2000:]}")
+            pytest.fail(
+                f"{self.name}: no {events} within {within:.0f} s; "
+                f"stderr:\n{self.log.read_text()[-2000:]}"
+            )
         return line
 
 
@@ -92,7 +104,9 @@ def spawn(tmp_path: Path) -> Iterator:
         p.proc.wait()
 
 
-def start_all(spawn, *receivers: str, settings: dict = SETTINGS) -> tuple[Participant, dict, list[Participant]]:
+def start_all(
+    spawn, *receivers: str, settings: dict = SETTINGS
+) -> tuple[Participant, dict, list[Participant]]:
     src = spawn("source", settings=settings)
     rcv = [spawn("receiver", r, settings=settings) for r in receivers]
     address = src.expect("address", within=STARTUP_S)
@@ -114,7 +128,9 @@ def test_a_member_killed_mid_broadcast_leaves_the_other_with_the_version(spawn) 
     assert got["event"] == "received", got
     assert got["digest"] == published["digest"]  # bit for bit
     assert published["members"] == ["a"]
-    assert published["attempts"] == 2, published  # the first attempt broke mid-way; the group was rebuilt
+    assert published["attempts"] == 2, (
+        published
+    )  # the first attempt broke mid-way; the group was rebuilt
     assert published["seconds"] < DEADLINE_S
 
 
@@ -179,7 +195,9 @@ def test_a_late_joiner_misses_a_version_then_gets_the_next(spawn) -> None:
     c.send(cmd="receive", version=0, **at)  # older than anything the source still holds
     stale = c.expect("received", "missed", within=DEADLINE_S)
     assert stale["event"] == "missed" and "superseded" in stale["reason"], stale
-    assert time.monotonic() - asked < SETTINGS["join_timeout_s"] / 2  # told at once, not after the join timeout
+    assert (
+        time.monotonic() - asked < SETTINGS["join_timeout_s"] / 2
+    )  # told at once, not after the join timeout
 
 
 class Tiny(torch.nn.Module):
@@ -189,7 +207,9 @@ class Tiny(torch.nn.Module):
         super().__init__()
         self.a = torch.nn.Linear(61, 37, dtype=dtype)
         self.b = torch.nn.Linear(37, 129, dtype=dtype)
-        self.register_buffer("scale", torch.ones(3, dtype=torch.bfloat16))  # 6 bytes: the int64 after it needs padding
+        self.register_buffer(
+            "scale", torch.ones(3, dtype=torch.bfloat16)
+        )  # 6 bytes: the int64 after it needs padding
         self.register_buffer("count", torch.tensor([3, 1, 4], dtype=torch.int64))
 
 
@@ -208,7 +228,9 @@ def test_buckets_land_in_a_model_whole_or_not_at_all() -> None:
             refused = pool.submit(rcv.receive, src.address, 1, served, {"b.bias": "0" * 64})
             assert src.publish(1, tensors).members == ("r",)
             missed = refused.result(timeout=30)
-            assert isinstance(missed, Missed) and "checksum mismatch on b.bias" in missed.reason, missed
+            assert isinstance(missed, Missed) and "checksum mismatch on b.bias" in missed.reason, (
+                missed
+            )
             assert all(torch.equal(before[n], t) for n, t in served.state_dict().items())
 
             loaded = pool.submit(rcv.receive, src.address, 2, served)

@@ -29,7 +29,10 @@ SENDERS = 2
 
 def own_bytes(version: int, mb: float) -> list[int]:
     """Stream bytes of each sender's own tensors, each padded to the stream's alignment."""
-    return [sum(-(-t.nbytes // ALIGN) * ALIGN for t in mine.values()) for mine in owned(weights(version, mb), SENDERS)]
+    return [
+        sum(-(-t.nbytes // ALIGN) * ALIGN for t in mine.values())
+        for mine in owned(weights(version, mb), SENDERS)
+    ]
 
 
 def start_ranks(spawn, *receivers: str) -> tuple[Participant, Participant, dict, list[Participant]]:
@@ -54,11 +57,15 @@ def test_two_trainer_ranks_each_send_their_own_tensors_to_two_receivers(spawn) -
         assert p["members"] == ["a", "b"] and p["attempts"] == 1, p
     expected = own_bytes(1, mb)
     assert [p["sent"] for p in sent] == expected, (sent, expected)
-    assert all(0 < n < 0.75 * sent[0]["nbytes"] for n in expected), "a rank sent (nearly) the whole version"
+    assert all(0 < n < 0.75 * sent[0]["nbytes"] for n in expected), (
+        "a rank sent (nearly) the whole version"
+    )
     for r in (a, b):
         got = r.expect("received", "missed", within=DEADLINE_S)
         assert got["event"] == "received", got
-        assert got["digest"] == sent[0]["digest"], "the version arrived different from the trainer's"
+        assert got["digest"] == sent[0]["digest"], (
+            "the version arrived different from the trainer's"
+        )
         assert got["by_src"] == {"0": expected[0], "1": expected[1]}, got["by_src"]
 
 
@@ -74,11 +81,16 @@ def test_a_receiver_killed_in_rank_1s_buckets_leaves_the_other_with_the_version(
     b.expect("stalled", within=DEADLINE_S)
     os.kill(b.proc.pid, signal.SIGKILL)
 
-    published = [src.expect("published", within=DEADLINE_S), peer.expect("published", within=DEADLINE_S)]
+    published = [
+        src.expect("published", within=DEADLINE_S),
+        peer.expect("published", within=DEADLINE_S),
+    ]
     got = a.expect("received", "missed", within=DEADLINE_S)
     assert got["event"] == "received" and got["digest"] == published[0]["digest"], got
     for p in published:
-        assert p["members"] == ["a"] and p["attempts"] == 2, p  # the first attempt broke; rebuilt without b
+        assert p["members"] == ["a"] and p["attempts"] == 2, (
+            p
+        )  # the first attempt broke; rebuilt without b
     assert got["by_src"] == {"0": published[0]["sent"], "1": published[1]["sent"]}, (got, published)
     assert torch.tensor([p["sent"] for p in published]).gt(0).all()
 
@@ -95,7 +107,10 @@ def test_a_receiver_that_stops_reading_is_dropped_by_both_senders(spawn) -> None
     peer.send(cmd="publish", version=1, mb=VERSION_MB, **at)
     b.expect("stalled", within=DEADLINE_S)
 
-    published = [src.expect("published", within=DEADLINE_S), peer.expect("published", within=DEADLINE_S)]
+    published = [
+        src.expect("published", within=DEADLINE_S),
+        peer.expect("published", within=DEADLINE_S),
+    ]
     got = a.expect("received", "missed", within=DEADLINE_S)
     for p in published:
         assert p["members"] == ["a"] and p["seconds"] < stall_s, p

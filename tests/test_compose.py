@@ -20,7 +20,9 @@ def test_compose_runs_the_cluster_configs_jaeger_and_a_fleet() -> None:
         source, target = node["volumes"][0].split(":")[:2]
         config = node["command"][-1]
         assert config.startswith(f"{target}/")
-        conf = (OPS / source / config.removeprefix(f"{target}/")).read_text()  # the node's file in ops/cluster
+        conf = (
+            OPS / source / config.removeprefix(f"{target}/")
+        ).read_text()  # the node's file in ops/cluster
         assert f"server_name: n{i}" in conf
         listen = re.search(r"^listen: (\S+)", conf, re.M)
         assert listen, conf
@@ -34,7 +36,9 @@ def test_compose_runs_the_cluster_configs_jaeger_and_a_fleet() -> None:
     fleet = services["fleet"]
     env = fleet["environment"]
     assert env["JETRL_NATS_URL"].split(",") == client_urls
-    assert env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == "http://127.0.0.1:4318/v1/traces"  # Jaeger's OTLP/HTTP port
+    assert (
+        env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == "http://127.0.0.1:4318/v1/traces"
+    )  # Jaeger's OTLP/HTTP port
     script = fleet["command"][-1]
     assert "pip install -q -e '.[prometheus]'" in script  # the workers serve JETRL_PROMETHEUS_PORT
     assert "python -m ops.streams apply --run demo --replicas 3" in script

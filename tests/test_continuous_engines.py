@@ -45,20 +45,35 @@ PROMPTS_IDS = [[3, 4, 5, 6 + i % 4] for i in range(8)]
 def test_requests_are_one_sample_each_streamed_as_deltas_in_the_engines_field_names() -> None:
     params = SamplingParams(temperature=0.7, max_tokens=12, stop_token_ids=(7,))
     kwargs = request_kwargs(params, (2,), DELTA)
-    assert set(kwargs) <= set(API["vllm"]["SamplingParams"]), set(kwargs) - set(API["vllm"]["SamplingParams"])
-    assert (kwargs["n"], kwargs["logprobs"], kwargs["output_kind"], kwargs["stop_token_ids"]) == (1, 0, DELTA, [2, 7])
+    assert set(kwargs) <= set(API["vllm"]["SamplingParams"]), set(kwargs) - set(
+        API["vllm"]["SamplingParams"]
+    )
+    assert (kwargs["n"], kwargs["logprobs"], kwargs["output_kind"], kwargs["stop_token_ids"]) == (
+        1,
+        0,
+        DELTA,
+        [2, 7],
+    )
     engine = async_engine_kwargs(Path("/m"), VLLMSettings(), slots=48)
     assert set(engine) <= set(API["vllm"]["EngineArgs"]) and engine["max_num_seqs"] == 48, engine
     assert engine["logprobs_mode"] == "processed_logprobs"
     server = continuous_engine_kwargs(Path("/m"), SGLangSettings(), slots=48)
-    assert set(server) <= set(API["sglang"]["ServerArgs"]) and server["max_running_requests"] == 48, server
+    assert (
+        set(server) <= set(API["sglang"]["ServerArgs"]) and server["max_running_requests"] == 48
+    ), server
     with pytest.raises(ValueError, match="needs top_p 1"):
         request_kwargs(SamplingParams(top_p=0.9), (2,), DELTA)
 
 
-def vllm_output(tokens: list[int], logprobs: list[float], finish: str | None, finished: bool) -> SimpleNamespace:
-    completion = SimpleNamespace(index=0, token_ids=tokens, finish_reason=finish,
-                                 logprobs=[{t: SimpleNamespace(logprob=lp)} for t, lp in zip(tokens, logprobs, strict=True)])
+def vllm_output(
+    tokens: list[int], logprobs: list[float], finish: str | None, finished: bool
+) -> SimpleNamespace:
+    completion = SimpleNamespace(
+        index=0,
+        token_ids=tokens,
+        finish_reason=finish,
+        logprobs=[{t: SimpleNamespace(logprob=lp)} for t, lp in zip(tokens, logprobs, strict=True)],
+    )
     return SimpleNamespace(finished=finished, outputs=[completion])
 
 
@@ -66,17 +81,26 @@ def test_engine_outputs_become_chunks_and_malformed_ones_are_refused() -> None:
     chunk = delta_chunk(vllm_output([5, 2], [-0.5, -0.25], "stop", True))
     assert (chunk.token_ids, chunk.logprobs, chunk.finish_reason) == ((5, 2), (-0.5, -0.25), "stop")
     assert delta_chunk(vllm_output([5], [-0.5], None, False)).finish_reason is None
-    assert delta_chunk(vllm_output([], [], None, True)).finish_reason == "abort"  # finished with no reason
+    assert (
+        delta_chunk(vllm_output([], [], None, True)).finish_reason == "abort"
+    )  # finished with no reason
     wrong = vllm_output([5], [-0.5], None, False)
     wrong.outputs[0].logprobs = [{6: SimpleNamespace(logprob=-1.0)}]
     with pytest.raises(ValueError, match="no log-prob for its sampled token 5"):
         delta_chunk(wrong)
 
     def sglang(entries: list[tuple[float, int]], total: int, finish: dict | None = None) -> dict:
-        return {"meta_info": {"output_token_logprobs": [[lp, t, None] for lp, t in entries],
-                              "completion_tokens": total, "finish_reason": finish}}
+        return {
+            "meta_info": {
+                "output_token_logprobs": [[lp, t, None] for lp, t in entries],
+                "completion_tokens": total,
+                "finish_reason": finish,
+            }
+        }
 
-    cumulative, seen = stream_delta(sglang([(-0.5, 5), (-0.25, 6)], 2), 1)  # everything so far: one new
+    cumulative, seen = stream_delta(
+        sglang([(-0.5, 5), (-0.25, 6)], 2), 1
+    )  # everything so far: one new
     assert (cumulative.token_ids, cumulative.logprobs, seen) == ((6,), (-0.25,), 2)
     incremental, seen = stream_delta(sglang([(-0.125, 2)], 3, {"type": "stop", "matched": 2}), 2)
     assert (incremental.token_ids, incremental.finish_reason, seen) == ((2,), "stop", 3)
@@ -86,13 +110,19 @@ def test_engine_outputs_become_chunks_and_malformed_ones_are_refused() -> None:
         stream_delta({"meta_info": {}}, 0)
 
 
-def trainer_logprobs(trainer: TorchTrainEngine, prompt: list[int], response: list[int]) -> torch.Tensor:
+def trainer_logprobs(
+    trainer: TorchTrainEngine, prompt: list[int], response: list[int]
+) -> torch.Tensor:
     ids = torch.tensor([prompt + response])
-    return trainer.logprobs(ids, torch.ones_like(ids))[0, len(prompt):]
+    return trainer.logprobs(ids, torch.ones_like(ids))[0, len(prompt) :]
 
 
-def logprobs_under(trainer: TorchTrainEngine, weights: dict[str, torch.Tensor], prompt: list[int],
-                   response: list[int]) -> torch.Tensor:
+def logprobs_under(
+    trainer: TorchTrainEngine,
+    weights: dict[str, torch.Tensor],
+    prompt: list[int],
+    response: list[int],
+) -> torch.Tensor:
     """The trainer's log-probs of `response` after `prompt` with its parameters set to `weights`."""
     with torch.no_grad():
         for name, p in trainer.model.named_parameters():
@@ -106,8 +136,10 @@ def tokens_in(core: FakeCore, least: int) -> bool:
     return bool(active) and min(active.values()) >= least
 
 
-@pytest.mark.parametrize("kind, mode", [("vllm", "resubmit"), ("vllm", "keep"), ("sglang", "resubmit"),
-                                        ("sglang", "keep")])
+@pytest.mark.parametrize(
+    "kind, mode",
+    [("vllm", "resubmit"), ("vllm", "keep"), ("sglang", "resubmit"), ("sglang", "keep")],
+)
 def test_samples_in_flight_go_on_with_the_new_weights_each_token_tagged_and_aligned(
     model_dir: Path,  # noqa: F811 - the fixture imported above
     kind: str,
@@ -118,7 +150,10 @@ def test_samples_in_flight_go_on_with_the_new_weights_each_token_tagged_and_alig
     assert isinstance(engine, ContinuousEngine)
     trainer = TorchTrainEngine(model_dir, lr=1e-3, loss=LossConfig(temperature=TEMPERATURE))
     old = trainer.export_weights()
-    new = {k: v + 0.05 * torch.randn(v.shape, generator=torch.Generator().manual_seed(1)) for k, v in old.items()}
+    new = {
+        k: v + 0.05 * torch.randn(v.shape, generator=torch.Generator().manual_seed(1))
+        for k, v in old.items()
+    }
     params = SamplingParams(temperature=TEMPERATURE, max_tokens=24)
     try:
         with ThreadPoolExecutor(8) as pool:
@@ -150,8 +185,10 @@ def test_samples_in_flight_go_on_with_the_new_weights_each_token_tagged_and_alig
         torch.testing.assert_close(sample.logprobs, expected, atol=1e-5, rtol=0)
     assert spanning, f"no sample spanned the load: {[s.versions.tolist() for s in samples]}"  # type: ignore[union-attr]
     if mode == "resubmit":  # each sample went on as prompt + its tokens so far
-        resubmitted = [(prompt, limit) for _, prompt, limit in core.submitted[len(PROMPTS_IDS):]]
-        assert resubmitted and all(limit == 24 - (len(prompt) - 4) for prompt, limit in resubmitted), resubmitted
+        resubmitted = [(prompt, limit) for _, prompt, limit in core.submitted[len(PROMPTS_IDS) :]]
+        assert resubmitted and all(
+            limit == 24 - (len(prompt) - 4) for prompt, limit in resubmitted
+        ), resubmitted
         assert any(event.startswith("abort") for event in core.events), core.events
     else:
         assert core.events[:3] == ["pause", "load", "resume"] or "pause" in core.events, core.events
@@ -198,7 +235,9 @@ def test_generate_batches_through_the_same_requests(model_dir: Path) -> None:  #
     core = FakeCore(model_dir)
     engine: ContinuousAdapter = adapter("sglang", model_dir, core)
     try:
-        groups = engine.generate(PROMPTS_IDS[:2], 3, SamplingParams(temperature=TEMPERATURE, max_tokens=5))
+        groups = engine.generate(
+            PROMPTS_IDS[:2], 3, SamplingParams(temperature=TEMPERATURE, max_tokens=5)
+        )
     finally:
         engine.close()
     assert [len(g) for g in groups] == [3, 3] and len(core.submitted) == 6
@@ -207,15 +246,22 @@ def test_generate_batches_through_the_same_requests(model_dir: Path) -> None:  #
 
 
 def test_the_rollout_worker_drives_the_vllm_adapter_through_a_version_change(
-    nats_server: EmbeddedNats, topology: Topology, model_dir: Path  # noqa: F811
+    nats_server: EmbeddedNats,
+    topology: Topology,
+    model_dir: Path,  # noqa: F811
 ) -> None:
     """Continuous admission and partial rollout on the (faked) vLLM engine over the real bus:
     v1 is published while samples are mid-way; they go on with it, each token's version and
     log-prob as the trainer computes them under that version."""
     trainer = TorchTrainEngine(model_dir, lr=1e-3, loss=LossConfig(temperature=TEMPERATURE))
     old = trainer.export_weights()
-    new = {k: v + 0.05 * torch.randn(v.shape, generator=torch.Generator().manual_seed(2)) for k, v in old.items()}
-    core = FakeCore(model_dir, seconds_per_token=0.03)  # ~1 s a sample: longer than a load takes here
+    new = {
+        k: v + 0.05 * torch.randn(v.shape, generator=torch.Generator().manual_seed(2))
+        for k, v in old.items()
+    }
+    core = FakeCore(
+        model_dir, seconds_per_token=0.03
+    )  # ~1 s a sample: longer than a load takes here
     engine = adapter("vllm", model_dir, core, slots=8)
     group, count = 2, 4
 
@@ -223,8 +269,13 @@ def test_the_rollout_worker_drives_the_vllm_adapter_through_a_version_change(
         nc = await connect(nats_server.url, "test-continuous-worker")
         js = nc.jetstream()
         await topology.apply(js)
-        config = RunConfig.model_validate({"run": topology.run, "model": {"path": str(model_dir)},
-                                           "rollout": {"engine": "vllm", "continuous": True, "partial": True}})
+        config = RunConfig.model_validate(
+            {
+                "run": topology.run,
+                "model": {"path": str(model_dir)},
+                "rollout": {"engine": "vllm", "continuous": True, "partial": True},
+            }
+        )
         await publish_config(await js.key_value(topology.kv_bucket), config)
         rt = await attach("rollout", topology.run, nats_server.url)
         rollout = Rollout(rt, engine, AutoTokenizer.from_pretrained(model_dir))
@@ -232,24 +283,43 @@ def test_the_rollout_worker_drives_the_vllm_adapter_through_a_version_change(
         stop = asyncio.Event()
         loop = asyncio.create_task(serve(rt, rollout_stage(rollout), stop))
         try:
-            await js.publish(topology.subject(WEIGHTS), encode(await store_weights(js, topology, 0, old)))
+            await js.publish(
+                topology.subject(WEIGHTS), encode(await store_weights(js, topology, 0, old))
+            )
             for index in range(count):
                 event = PromptEvent(
-                    id=f"{topology.run}/0/{index}", run=topology.run, epoch=0, index=index,
-                    token_ids=Tensor.from_numpy(np.array(PROMPTS_IDS[index], np.int32)), n=group,
+                    id=f"{topology.run}/0/{index}",
+                    run=topology.run,
+                    epoch=0,
+                    index=index,
+                    token_ids=Tensor.from_numpy(np.array(PROMPTS_IDS[index], np.int32)),
+                    n=group,
                     sampling=PromptSampling(temperature=TEMPERATURE, max_tokens=30),
                 )
                 await js.publish(topology.subject(PROMPTS), encode(event))
             deadline = time.monotonic() + 60
-            while len(core.submitted) < count * group or not tokens_in(core, 4):  # all started, all mid-way
-                assert time.monotonic() < deadline and not loop.done(), f"samples not mid-way: {core.active}"
+            while len(core.submitted) < count * group or not tokens_in(
+                core, 4
+            ):  # all started, all mid-way
+                assert time.monotonic() < deadline and not loop.done(), (
+                    f"samples not mid-way: {core.active}"
+                )
                 await asyncio.sleep(0.005)
-            await js.publish(topology.subject(WEIGHTS), encode(await store_weights(js, topology, 1, new)))
-            while (await js.stream_info(topology.stream(TRAJECTORIES))).state.messages < count * group:
-                assert time.monotonic() < deadline and not loop.done(), "trajectories not stored in 60 s"
+            await js.publish(
+                topology.subject(WEIGHTS), encode(await store_weights(js, topology, 1, new))
+            )
+            while (
+                await js.stream_info(topology.stream(TRAJECTORIES))
+            ).state.messages < count * group:
+                assert time.monotonic() < deadline and not loop.done(), (
+                    "trajectories not stored in 60 s"
+                )
                 await asyncio.sleep(0.05)
             sub = await js.subscribe(topology.subject(TRAJECTORIES), ordered_consumer=True)
-            stored = [decode((await sub.next_msg(timeout=5)).data, TrajectoryEvent) for _ in range(count * group)]
+            stored = [
+                decode((await sub.next_msg(timeout=5)).data, TrajectoryEvent)
+                for _ in range(count * group)
+            ]
             await sub.unsubscribe()
             return stored
         finally:
@@ -263,16 +333,28 @@ def test_the_rollout_worker_drives_the_vllm_adapter_through_a_version_change(
         stored = asyncio.run(main())
     finally:
         engine.close()
-    assert core.violations == [] and core.loads == 1 and engine.version == 1, (core.violations, core.loads)
+    assert core.violations == [] and core.loads == 1 and engine.version == 1, (
+        core.violations,
+        core.loads,
+    )
     spanning = 0
     for t in stored:
         versions = torch.from_numpy(t.versions.numpy().astype(np.int64))
-        assert versions.tolist() == sorted(versions.tolist()), f"{t.id}: versions go back: {versions.tolist()}"
+        assert versions.tolist() == sorted(versions.tolist()), (
+            f"{t.id}: versions go back: {versions.tolist()}"
+        )
         spanning += {0, 1} <= set(versions.tolist())
         prompt, response = t.prompt_ids.numpy().tolist(), t.response_ids.numpy().tolist()
         under_old = logprobs_under(trainer, old, prompt, response)
         under_new = logprobs_under(trainer, new, prompt, response)
         got = torch.from_numpy(t.logprobs.numpy().copy())
-        torch.testing.assert_close(got, torch.where(versions == 1, under_new, under_old), atol=1e-5, rtol=0,
-                                   msg=lambda m, t=t: f"{t.id}: {m}")  # type: ignore[misc]  # the default binds the loop value
-    assert spanning, f"no trajectory spanned v0 -> v1: {[t.versions.numpy().tolist() for t in stored]}"
+        torch.testing.assert_close(
+            got,
+            torch.where(versions == 1, under_new, under_old),
+            atol=1e-5,
+            rtol=0,
+            msg=lambda m, t=t: f"{t.id}: {m}",
+        )  # type: ignore[misc]  # the default binds the loop value
+    assert spanning, (
+        f"no trajectory spanned v0 -> v1: {[t.versions.numpy().tolist() for t in stored]}"
+    )

@@ -19,9 +19,17 @@ from producers.datasets import epoch_size, records
 from schemas import PromptEvent
 from schemas.config import DataConfig
 
-ROWS: list[dict[str, Any]] = [{"prompt": f"q{i}=", "answer": str(i), "level": i % 3} for i in range(7)]
+ROWS: list[dict[str, Any]] = [
+    {"prompt": f"q{i}=", "answer": str(i), "level": i % 3} for i in range(7)
+]
 CHATS = [
-    {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"c{i}="}], "answer": str(i)}
+    {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": f"c{i}="},
+        ],
+        "answer": str(i),
+    }
     for i in range(5)
 ]
 
@@ -56,7 +64,10 @@ def test_every_row_once_per_epoch_in_a_seeded_order(tmp_path: Path, write) -> No
     by_prompt = {row["prompt"]: row for row in ROWS}
     for _, _, record in out:
         assert record["messages"] is None
-        assert record["task"] == {"answer": by_prompt[record["prompt"]]["answer"], "level": by_prompt[record["prompt"]]["level"]}
+        assert record["task"] == {
+            "answer": by_prompt[record["prompt"]]["answer"],
+            "level": by_prompt[record["prompt"]]["level"],
+        }
 
 
 def test_jsonl_and_parquet_of_the_same_rows_give_the_same_records(tmp_path: Path) -> None:
@@ -66,7 +77,9 @@ def test_jsonl_and_parquet_of_the_same_rows_give_the_same_records(tmp_path: Path
 
 
 @pytest.mark.parametrize("cursor", [0, 1, 6, 7, 8, 13])
-def test_a_restart_at_any_cursor_goes_on_with_no_gap_and_no_duplicate(tmp_path: Path, cursor: int) -> None:
+def test_a_restart_at_any_cursor_goes_on_with_no_gap_and_no_duplicate(
+    tmp_path: Path, cursor: int
+) -> None:
     cfg = data(write_jsonl(tmp_path / "rows.jsonl", ROWS))
     whole = list(records(cfg, 0))
     assert list(records(cfg, cursor)) == whole[cursor:]
@@ -80,10 +93,20 @@ def test_chat_messages_rows_become_prompt_events(tmp_path: Path) -> None:
         assert record["prompt"] is None and record["task"].keys() == {"answer"}
         # What the producer builds from the record (the rollout renders the chat template).
         event = PromptEvent(
-            id=f"r/{epoch}/{index}", run="r", source="test", epoch=epoch, index=index, prompt=record["prompt"],
-            messages=record["messages"], task=record["task"], n=2,
+            id=f"r/{epoch}/{index}",
+            run="r",
+            source="test",
+            epoch=epoch,
+            index=index,
+            prompt=record["prompt"],
+            messages=record["messages"],
+            task=record["task"],
+            n=2,
         )
-        assert event.messages is not None and event.messages[-1] == {"role": "user", "content": f"c{record['task']['answer']}="}
+        assert event.messages is not None and event.messages[-1] == {
+            "role": "user",
+            "content": f"c{record['task']['answer']}=",
+        }
         assert event.messages[0]["role"] == "system"
 
 

@@ -79,9 +79,23 @@ async def audit_run(url: str, topology: Topology) -> tuple[dict, list[str]]:
 def assert_run_directory(run: Path, summary: dict) -> None:
     """What the demo promises under its run directory (README, producers/report.py)."""
     assert json.loads((run / "summary.json").read_text()) == summary
-    assert set(summary) >= {"run", "started_at", "seconds", "steps", "samples_trained", "reward_start", "reward_end",
-                            "max_staleness", "staleness_max_seen", "groups_dropped", "samples_per_s"}
-    assert summary["samples_trained"] == STEPS * 16 * 8 and summary["staleness_max_seen"] <= summary["max_staleness"]
+    assert set(summary) >= {
+        "run",
+        "started_at",
+        "seconds",
+        "steps",
+        "samples_trained",
+        "reward_start",
+        "reward_end",
+        "max_staleness",
+        "staleness_max_seen",
+        "groups_dropped",
+        "samples_per_s",
+    }
+    assert (
+        summary["samples_trained"] == STEPS * 16 * 8
+        and summary["staleness_max_seen"] <= summary["max_staleness"]
+    )
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(STEPS))
     assert all({"reward_mean", "loss", "grad_norm", "staleness_hist"} <= set(m) for m in lines)
@@ -91,17 +105,34 @@ def assert_run_directory(run: Path, summary: dict) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_the_loop_learns_and_keeps_its_invariants(own_nats_server: EmbeddedNats, tmp_path: Path) -> None:
+def test_the_loop_learns_and_keeps_its_invariants(
+    own_nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
     url, topology = own_nats_server.url, Topology(run="e2e")
     logs = {role: open(tmp_path / f"{role}.log", "wb") for role in ROLES}  # noqa: SIM115
     producer: subprocess.Popen[Any] = subprocess.Popen(
-        [sys.executable, "-m", "producers.prompts", "--config", str(e2e_config(tmp_path)), "--nats", url,
-         "--out", str(tmp_path / "run")],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "producers.prompts",
+            "--config",
+            str(e2e_config(tmp_path)),
+            "--nats",
+            url,
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     workers = {
-        role: subprocess.Popen([sys.executable, "-m", f"consumers.{role}", "--run", "e2e", "--nats", url],
-                               cwd=ROOT, stdout=logs[role], stderr=subprocess.STDOUT)
+        role: subprocess.Popen(
+            [sys.executable, "-m", f"consumers.{role}", "--run", "e2e", "--nats", url],
+            cwd=ROOT,
+            stdout=logs[role],
+            stderr=subprocess.STDOUT,
+        )
         for role in ROLES
     }
     out = None
@@ -122,14 +153,19 @@ def test_the_loop_learns_and_keeps_its_invariants(own_nats_server: EmbeddedNats,
                 proc.kill()
     if out is None:  # a prompt lost on the way never gets its replacement: the run stalls
         stalled, _ = asyncio.run(audit_run(url, topology))
-        raise AssertionError(f"the run did not finish in 480 s; in flight: {stalled['in_flight_ids'][:20]}")
+        raise AssertionError(
+            f"the run did not finish in 480 s; in flight: {stalled['in_flight_ids'][:20]}"
+        )
     assert producer.returncode == 0, out
     assert {role: p.returncode for role, p in workers.items()} == dict.fromkeys(ROLES, 0)
 
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["steps"] == STEPS
     assert summary["reward_start"] <= 0.3
-    rewards = [json.loads(line)["reward_mean"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rewards = [
+        json.loads(line)["reward_mean"]
+        for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     first, last = np.array(rewards[:25]), np.array(rewards[-25:])
     # Significantly higher: the gap is over 4 standard errors of the difference of means.
     se = np.sqrt(first.var(ddof=1) / len(first) + last.var(ddof=1) / len(last))
@@ -137,15 +173,29 @@ def test_the_loop_learns_and_keeps_its_invariants(own_nats_server: EmbeddedNats,
     assert_run_directory(tmp_path / "run", summary)
 
     result, dead_stages = asyncio.run(audit_run(url, topology))
-    assert result["duplicates"] == 0 and result["trained_and_dropped"] == 0 and result["unknown_trained"] == 0
+    assert (
+        result["duplicates"] == 0
+        and result["trained_and_dropped"] == 0
+        and result["unknown_trained"] == 0
+    )
     assert result["staleness_violations"] == 0 and result["max_staleness_seen"] <= 1
     # Nothing lost: the gate issues steps * prompts_per_step + one replacement per drop, and the
     # trainer takes exactly that many groups, so at the end none may be left in flight.
-    assert result["in_flight"] == 0, f"issued but neither trained nor dropped: {result['in_flight_ids']}"
-    assert result["issued"] == result["trained"] + result["dropped"] == STEPS * 16 + result["dropped"]
-    assert result["dropped_without_reason"] == [], f"drop records without a reason: {result['dropped_without_reason'][:10]}"
+    assert result["in_flight"] == 0, (
+        f"issued but neither trained nor dropped: {result['in_flight_ids']}"
+    )
+    assert (
+        result["issued"] == result["trained"] + result["dropped"] == STEPS * 16 + result["dropped"]
+    )
+    assert result["dropped_without_reason"] == [], (
+        f"drop records without a reason: {result['dropped_without_reason'][:10]}"
+    )
     assert result["unknown_dropped"] == 0, "drop records for prompts never issued"
-    assert result["dropped"] == summary["groups_dropped"], "the producer replaced other drops than the audit found"
-    assert result["batched_not_trained"] == 0, "stored in a batch, but in no step the trainer reported"
+    assert result["dropped"] == summary["groups_dropped"], (
+        "the producer replaced other drops than the audit found"
+    )
+    assert result["batched_not_trained"] == 0, (
+        "stored in a batch, but in no step the trainer reported"
+    )
     assert result["steps"] == STEPS and result["samples_trained"] == STEPS * 16 * 8
     assert dead_stages == ["buffer", "reward", "rollout", "trainer"]

@@ -72,7 +72,9 @@ def elastic_config(tmp_path: Path) -> Path:
     # each version. A learning rate too small to change the policy keeps the work per
     # trajectory the same from start to end.
     config["model"].update(hidden=32, layers=24)
-    config["algorithm"].update(prompts_per_step=PROMPTS_PER_STEP, max_staleness=MAX_STALENESS, lr=1e-6)
+    config["algorithm"].update(
+        prompts_per_step=PROMPTS_PER_STEP, max_staleness=MAX_STALENESS, lr=1e-6
+    )
     config["trainer"].update(steps=STEPS, checkpoint_every=STEPS, sync_every=2)
     # One prompt per generate call and a worker holds two: queued prompts are left for newcomers
     # (up to (max_staleness + 1) x prompts_per_step are admitted at once).
@@ -120,7 +122,9 @@ class Window:
     """The fewest prompts waiting: above 0, generation was the bottleneck throughout."""
 
 
-def measure(url: str, topology: Topology, fleets: list[Supervisor], producer: subprocess.Popen[str]) -> Window:
+def measure(
+    url: str, topology: Topology, fleets: list[Supervisor], producer: subprocess.Popen[str]
+) -> Window:
     """Throughput while WINDOW more trajectories are stored, the fleets supervised meanwhile."""
     first, started = progress(url, topology), time.monotonic()
     now, most_in_flight, least_queued = first, 0, first.queued
@@ -130,8 +134,13 @@ def measure(url: str, topology: Topology, fleets: list[Supervisor], producer: su
             fleet.check()
         time.sleep(0.25)
         now = progress(url, topology)
-        most_in_flight, least_queued = max(most_in_flight, now.in_flight), min(least_queued, now.queued)
-    return Window((now.stored - first.stored) / (time.monotonic() - started), most_in_flight, least_queued)
+        most_in_flight, least_queued = (
+            max(most_in_flight, now.in_flight),
+            min(least_queued, now.queued),
+        )
+    return Window(
+        (now.stored - first.stored) / (time.monotonic() - started), most_in_flight, least_queued
+    )
 
 
 def serving_rollouts(url: str, topology: Topology) -> int:
@@ -141,15 +150,32 @@ def serving_rollouts(url: str, topology: Topology) -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_rollout_workers_join_and_leave_a_running_run(own_nats_server: EmbeddedNats, tmp_path: Path) -> None:
+def test_rollout_workers_join_and_leave_a_running_run(
+    own_nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
     url, topology = own_nats_server.url, Topology(run=RUN)
     producer = subprocess.Popen(
-        [sys.executable, "-m", "producers.prompts", "--config", str(elastic_config(tmp_path)), "--nats", url,
-         "--out", str(tmp_path / "run")],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "producers.prompts",
+            "--config",
+            str(elastic_config(tmp_path)),
+            "--nats",
+            url,
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     base = Supervisor(local_fleet(tmp_path / "logs"), RUN, url)
-    extra = Supervisor(FleetConfig(roles={"rollout": RoleConfig(processes=2)}, logs=tmp_path / "extra-logs"), RUN, url)
+    extra = Supervisor(
+        FleetConfig(roles={"rollout": RoleConfig(processes=2)}, logs=tmp_path / "extra-logs"),
+        RUN,
+        url,
+    )
     base.start()
     try:
         # Warm: the model is built, every worker serves, trajectories flow.
@@ -161,7 +187,9 @@ def test_rollout_workers_join_and_leave_a_running_run(own_nats_server: EmbeddedN
         joining = time.monotonic()
         wait_for(lambda: base.check() or extra.check() or serving_rollouts(url, topology) == 3, 120)  # type: ignore[func-returns-value]
         joined = time.monotonic() - joining
-        measure(url, topology, [base, extra], producer)  # settling: a new worker's first calls are slow
+        measure(
+            url, topology, [base, extra], producer
+        )  # settling: a new worker's first calls are slow
         after = measure(url, topology, [base, extra], producer)
 
         extra.stop()  # SIGTERM: they finish their prompts and leave
@@ -169,13 +197,15 @@ def test_rollout_workers_join_and_leave_a_running_run(own_nats_server: EmbeddedN
         wait_for(lambda: serving_rollouts(url, topology) == 1, 5)
         again = measure(url, topology, [base], producer)
         baseline = (before.rate + again.rate) / 2
-        print(f"\nrollout throughput, trajectories/s: {before.rate:.1f} with 1 worker, "
-              f"{after.rate:.1f} with 3, {again.rate:.1f} with 1 again "
-              f"(x{after.rate / baseline:.2f}); joining took {joined:.0f}s; "
-              "prompts in flight at most "
-              f"{before.most_in_flight}/{after.most_in_flight}/{again.most_in_flight}, "
-              "queued at least "
-              f"{before.least_queued}/{after.least_queued}/{again.least_queued}")
+        print(
+            f"\nrollout throughput, trajectories/s: {before.rate:.1f} with 1 worker, "
+            f"{after.rate:.1f} with 3, {again.rate:.1f} with 1 again "
+            f"(x{after.rate / baseline:.2f}); joining took {joined:.0f}s; "
+            "prompts in flight at most "
+            f"{before.most_in_flight}/{after.most_in_flight}/{again.most_in_flight}, "
+            "queued at least "
+            f"{before.least_queued}/{after.least_queued}/{again.least_queued}"
+        )
 
         out, _ = producer.communicate(timeout=240)
         assert producer.returncode == 0, out
@@ -203,6 +233,12 @@ def test_rollout_workers_join_and_leave_a_running_run(own_nats_server: EmbeddedN
             await nc.close()
 
     result = asyncio.run(audited())
-    assert result["duplicates"] == 0 and result["trained_and_dropped"] == 0 and result["staleness_violations"] == 0
+    assert (
+        result["duplicates"] == 0
+        and result["trained_and_dropped"] == 0
+        and result["staleness_violations"] == 0
+    )
     assert result["issued"] == result["trained"] + result["dropped"] + result["in_flight"]
-    assert result["steps"] == STEPS and result["samples_trained"] == STEPS * PROMPTS_PER_STEP * SAMPLES
+    assert (
+        result["steps"] == STEPS and result["samples_trained"] == STEPS * PROMPTS_PER_STEP * SAMPLES
+    )

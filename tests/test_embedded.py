@@ -37,7 +37,11 @@ def alive(pid: int) -> bool:
 
 def test_server_dies_when_its_owner_is_sigkilled(tmp_path: Path) -> None:
     owner = subprocess.Popen(
-        [sys.executable, "-c", OWNER, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-c", OWNER, str(tmp_path)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     server = None
     try:
@@ -52,7 +56,9 @@ def test_server_dies_when_its_owner_is_sigkilled(tmp_path: Path) -> None:
         deadline = time.monotonic() + 10
         while alive(server) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not alive(server), f"nats-server {server} still running 10 s after its owner was SIGKILLed"
+        assert not alive(server), (
+            f"nats-server {server} still running 10 s after its owner was SIGKILLed"
+        )
     finally:
         if owner.poll() is None:
             owner.kill()

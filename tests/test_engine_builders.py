@@ -24,8 +24,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_a_bare_engine_type_is_its_section_with_the_defaults() -> None:
-    for side, kind in [("rollout", "vllm"), ("rollout", "simulated"),
-                       ("trainer", "fsdp"), ("trainer", "megatron")]:
+    for side, kind in [
+        ("rollout", "vllm"),
+        ("rollout", "simulated"),
+        ("trainer", "fsdp"),
+        ("trainer", "megatron"),
+    ]:
         bare = parse_config({side: {"engine": kind}})
         full = parse_config({side: {"engine": {"type": kind}}})
         assert bare == full and getattr(bare, side).engine.type == kind
@@ -34,22 +38,30 @@ def test_a_bare_engine_type_is_its_section_with_the_defaults() -> None:
 
 
 def test_each_section_holds_its_engines_settings_only_and_says_which_key_is_wrong() -> None:
-    cfg = parse_config({"rollout": {"engine": {"type": "sglang", "tp_size": 2, "slots": 8}},
-                        "trainer": {"engine": {"type": "megatron", "pipeline_parallel_size": 2}}})
+    cfg = parse_config(
+        {
+            "rollout": {"engine": {"type": "sglang", "tp_size": 2, "slots": 8}},
+            "trainer": {"engine": {"type": "megatron", "pipeline_parallel_size": 2}},
+        }
+    )
     sglang = cfg.rollout.engine
     assert (sglang.tp_size, sglang.slots) == (2, 8)  # type: ignore[union-attr]
     assert (cfg.trainer.copy_size, cfg.trainer.ranks) == (2, 2)
     refused = {
-        "config: rollout.engine.max_model_len: Extra inputs are not permitted (type sglang)":
-            {"rollout": {"engine": {"type": "sglang", "max_model_len": 512}}},
-        "config: rollout.engine.slots: Extra inputs are not permitted (type hf)":
-            {"rollout": {"engine": {"type": "hf", "slots": 3}}},
-        "config: trainer.engine.tensor_parallel_size: Extra inputs are not permitted (type fsdp)":
-            {"trainer": {"engine": {"type": "fsdp", "tensor_parallel_size": 2}}},
-        "config: rollout.engine: an engine section names its engine in `type` (e.g. `type: vllm`)":
-            {"rollout": {"engine": {"gpu_memory_utilization": 0.3}}},
+        "config: rollout.engine.max_model_len: Extra inputs are not permitted (type sglang)": {
+            "rollout": {"engine": {"type": "sglang", "max_model_len": 512}}
+        },
+        "config: rollout.engine.slots: Extra inputs are not permitted (type hf)": {
+            "rollout": {"engine": {"type": "hf", "slots": 3}}
+        },
+        "config: trainer.engine.tensor_parallel_size: Extra inputs are not permitted (type fsdp)": {
+            "trainer": {"engine": {"type": "fsdp", "tensor_parallel_size": 2}}
+        },
+        "config: rollout.engine: an engine section names its engine in `type` (e.g. `type: vllm`)": {
+            "rollout": {"engine": {"gpu_memory_utilization": 0.3}}
+        },
         "config: rollout.vllm: Extra inputs are not permitted":  # the old sibling section
-            {"rollout": {"engine": "vllm", "vllm": {"gpu_memory_utilization": 0.3}}},
+        {"rollout": {"engine": "vllm", "vllm": {"gpu_memory_utilization": 0.3}}},
     }
     for message, data in refused.items():
         with pytest.raises(ConfigError) as error:
@@ -59,8 +71,12 @@ def test_each_section_holds_its_engines_settings_only_and_says_which_key_is_wron
 
 def test_the_config_a_worker_reads_back_is_the_one_stored() -> None:
     """`bus.runtime` stores `model_dump(mode="json")` in KV; every worker parses it again."""
-    cfg = parse_config({"rollout": {"engine": {"type": "vllm", "max_model_len": 512, "slots": 4}},
-                        "trainer": {"engine": {"type": "megatron", "tensor_parallel_size": 2}}})
+    cfg = parse_config(
+        {
+            "rollout": {"engine": {"type": "vllm", "max_model_len": 512, "slots": 4}},
+            "trainer": {"engine": {"type": "megatron", "tensor_parallel_size": 2}},
+        }
+    )
     assert parse_config(cfg.model_dump(mode="json")) == cfg
     # mode sync validates again the sections it is given: an engine section whose type was
     # left at its default too.
@@ -103,9 +119,13 @@ def engine_classes() -> set[str]:
     """The engine classes `engines.build` builds (what it imports inside its builders)."""
     tree = ast.parse((ROOT / "engines" / "build.py").read_text())
     return {
-        alias.name for function in tree.body if isinstance(function, ast.FunctionDef)
-        for node in ast.walk(function) if isinstance(node, ast.ImportFrom)
-        for alias in node.names if alias.name.endswith("Engine")
+        alias.name
+        for function in tree.body
+        if isinstance(function, ast.FunctionDef)
+        for node in ast.walk(function)
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+        if alias.name.endswith("Engine")
     }
 
 

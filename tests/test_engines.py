@@ -55,6 +55,7 @@ def collate(prompt_ids: Sequence[Sequence[int]], groups: list[list[Sample]]) -> 
 
 # ---- the tiny model ----------------------------------------------------------------------
 
+
 def test_tiny_model_loads_through_the_auto_classes(model_dir: Path, tokenizer) -> None:  # noqa: ANN001
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     assert model.config.model_type == "qwen2"
@@ -73,7 +74,9 @@ def test_tasks_are_deterministic_and_scored_by_position() -> None:
     assert first == tasks.task_record("digits", 7, seed=3)
     record = tasks.task_record("increment", 0)
     letter, rest = record["prompt"][0], record["prompt"][1:-1]
-    assert letter == "i" and record["task"]["target"] == "".join(str((int(d) + 1) % 10) for d in rest)
+    assert letter == "i" and record["task"]["target"] == "".join(
+        str((int(d) + 1) % 10) for d in rest
+    )
     task = {"target": "4250"}
     assert tasks.score_digits("4250", task) == 1.0
     assert tasks.score_increment("4 2 5 0", task) == 1.0  # spaces from a decoder are ignored
@@ -83,6 +86,7 @@ def test_tasks_are_deterministic_and_scored_by_position() -> None:
 
 
 # ---- rollout -----------------------------------------------------------------------------
+
 
 def test_generation_shapes_and_logprobs_match_a_forward_pass(model_dir: Path, tokenizer) -> None:  # noqa: ANN001
     engine = HFRolloutEngine(model_dir, seed=0)
@@ -102,7 +106,9 @@ def test_generation_shapes_and_logprobs_match_a_forward_pass(model_dir: Path, to
 
     batch = collate(prompt_ids, groups)
     recomputed = trainer(model_dir).logprobs(batch.input_ids, batch.attention_mask)
-    torch.testing.assert_close(recomputed * batch.loss_mask, batch.behaviour_logprobs, atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        recomputed * batch.loss_mask, batch.behaviour_logprobs, atol=1e-4, rtol=0
+    )
 
 
 def test_stop_tokens_greedy_and_top_p(model_dir: Path, tokenizer) -> None:  # noqa: ANN001
@@ -110,10 +116,14 @@ def test_stop_tokens_greedy_and_top_p(model_dir: Path, tokenizer) -> None:  # no
     prompt_ids = prompts(tokenizer, 3)
     greedy = SamplingParams(temperature=0.0, max_tokens=5)
     first, second = engine.generate(prompt_ids, 2, greedy), engine.generate(prompt_ids, 2, greedy)
-    assert [s.token_ids.tolist() for g in first for s in g] == [s.token_ids.tolist() for g in second for s in g]
+    assert [s.token_ids.tolist() for g in first for s in g] == [
+        s.token_ids.tolist() for g in second for s in g
+    ]
 
     every_digit = tuple(tasks.VOCAB.index(d) for d in tasks.DIGITS)
-    letters = tuple(i for i, tok in enumerate(tasks.VOCAB) if i not in every_digit and tok != "<eos>")
+    letters = tuple(
+        i for i, tok in enumerate(tasks.VOCAB) if i not in every_digit and tok != "<eos>"
+    )
     stop_on_anything = SamplingParams(max_tokens=5, stop_token_ids=every_digit + letters)
     for sample in (s for g in engine.generate(prompt_ids, 3, stop_on_anything) for s in g):
         assert len(sample.token_ids) == 1 and sample.finish_reason == "stop"
@@ -123,7 +133,9 @@ def test_stop_tokens_greedy_and_top_p(model_dir: Path, tokenizer) -> None:  # no
     torch.testing.assert_close(_top_p_filter(probs, 0.6), torch.tensor([[0.3, 0.0, 0.5]]))
 
 
-def test_load_state_dict_swaps_weights_and_rejects_unknown_names(model_dir: Path, tokenizer) -> None:  # noqa: ANN001
+def test_load_state_dict_swaps_weights_and_rejects_unknown_names(
+    model_dir: Path, tokenizer
+) -> None:  # noqa: ANN001
     engine, train = HFRolloutEngine(model_dir), trainer(model_dir)
     prompt_ids = prompts(tokenizer, 2)
     greedy = SamplingParams(temperature=0.0, max_tokens=tasks.MAX_RESPONSE_TOKENS)
@@ -134,17 +146,22 @@ def test_load_state_dict_swaps_weights_and_rejects_unknown_names(model_dir: Path
     engine.load_state_dict(train.export_weights(), version=7)
     assert engine.version == 7
     after = engine.generate(prompt_ids, 1, greedy)
-    assert [s.logprobs.tolist() for g in before for s in g] != [s.logprobs.tolist() for g in after for s in g]
+    assert [s.logprobs.tolist() for g in before for s in g] != [
+        s.logprobs.tolist() for g in after for s in g
+    ]
     # The rollout now samples from exactly the trainer's weights.
     groups = engine.generate(prompt_ids, 2, SamplingParams(temperature=TEMPERATURE, max_tokens=4))
     batch = collate(prompt_ids, groups)
     recomputed = train.logprobs(batch.input_ids, batch.attention_mask)
-    torch.testing.assert_close(recomputed * batch.loss_mask, batch.behaviour_logprobs, atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        recomputed * batch.loss_mask, batch.behaviour_logprobs, atol=1e-4, rtol=0
+    )
     with pytest.raises(KeyError):
         engine.load_state_dict({"nope": torch.zeros(1)})
 
 
 # ---- training ----------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def batch(model_dir: Path, tokenizer) -> MicroBatch:  # noqa: ANN001
@@ -155,7 +172,10 @@ def batch(model_dir: Path, tokenizer) -> MicroBatch:  # noqa: ANN001
 
 def split(batch: MicroBatch, at: int) -> list[MicroBatch]:
     fields = ("input_ids", "attention_mask", "loss_mask", "advantages", "behaviour_logprobs")
-    return [MicroBatch(**{f: getattr(batch, f)[part] for f in fields}) for part in (slice(0, at), slice(at, None))]
+    return [
+        MicroBatch(**{f: getattr(batch, f)[part] for f in fields})
+        for part in (slice(0, at), slice(at, None))
+    ]
 
 
 @pytest.mark.parametrize(
@@ -163,7 +183,12 @@ def split(batch: MicroBatch, at: int) -> list[MicroBatch]:
     [
         {},
         {"aggregation": "seq-mean-token-sum", "tis_cap": 2.0},
-        {"policy_loss": "gspo", "eps_low": 3e-4, "eps_high": 4e-4, "aggregation": "seq-mean-token-mean"},
+        {
+            "policy_loss": "gspo",
+            "eps_low": 3e-4,
+            "eps_high": 4e-4,
+            "aggregation": "seq-mean-token-mean",
+        },
     ],
 )
 def test_train_step_is_on_policy_and_micro_batching_does_not_change_it(
@@ -187,8 +212,16 @@ def test_train_step_is_on_policy_and_micro_batching_does_not_change_it(
 
 @pytest.mark.parametrize(
     "loss",
-    [{}, {"policy_loss": "gspo", "eps_low": 3e-4, "eps_high": 4e-4, "aggregation": "seq-mean-token-mean"},
-     {"tis_cap": 2.0}],
+    [
+        {},
+        {
+            "policy_loss": "gspo",
+            "eps_low": 3e-4,
+            "eps_high": 4e-4,
+            "aggregation": "seq-mean-token-mean",
+        },
+        {"tis_cap": 2.0},
+    ],
     ids=["ppo", "gspo", "tis"],
 )
 def test_a_behaviour_logprob_far_below_the_policy_is_clamped_and_the_step_trains(
@@ -199,13 +232,25 @@ def test_a_behaviour_logprob_far_below_the_policy_is_clamped_and_the_step_trains
     whole step would be skipped. Clamped at e^20, the step is finite, trains, and counts it."""
     train = trainer(model_dir, **loss)
     before = {name: p.detach().clone() for name, p in train.model.named_parameters()}
-    far = MicroBatch(**{f: getattr(batch, f).clone() for f in
-                        ("input_ids", "attention_mask", "loss_mask", "advantages", "behaviour_logprobs")})
+    far = MicroBatch(
+        **{
+            f: getattr(batch, f).clone()
+            for f in (
+                "input_ids",
+                "attention_mask",
+                "loss_mask",
+                "advantages",
+                "behaviour_logprobs",
+            )
+        }
+    )
     row = int(torch.nonzero(far.advantages < 0)[0])
     token = int(torch.nonzero(far.loss_mask[row])[0])
     far.behaviour_logprobs[row, token] = -1e4
     metrics = train.train_step([far])
-    assert np.isfinite(metrics["loss"]), f"loss {metrics['loss']} with one behaviour log-prob of -1e4"
+    assert np.isfinite(metrics["loss"]), (
+        f"loss {metrics['loss']} with one behaviour log-prob of -1e4"
+    )
     assert np.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0, (
         f"grad_norm {metrics['grad_norm']}: the step's gradient is not finite, "
         "so the step was skipped"
@@ -248,7 +293,9 @@ def test_checkpoint_round_trip(model_dir: Path, batch: MicroBatch, tmp_path: Pat
     saved_opt, restored_opt = saved.optimizer.state_dict(), restored.optimizer.state_dict()
     for key, state in saved_opt["state"].items():
         for name, value in state.items():
-            assert torch.equal(torch.as_tensor(value), torch.as_tensor(restored_opt["state"][key][name]))
+            assert torch.equal(
+                torch.as_tensor(value), torch.as_tensor(restored_opt["state"][key][name])
+            )
     # Same model + same optimizer state -> the next step is identical too.
     saved.train_step([batch])
     restored.train_step([batch])
@@ -262,27 +309,37 @@ def test_bfloat16_computes_in_bf16_on_float32_weights(model_dir: Path, batch: Mi
     half = TorchTrainEngine(model_dir, lr=1e-2, seed=0, loss=config, dtype=torch.bfloat16)
     exact = full.logprobs(batch.input_ids, batch.attention_mask)
     rounded = half.logprobs(batch.input_ids, batch.attention_mask)
-    assert rounded.dtype == torch.float32 and not torch.equal(rounded, exact), "the forward ran in bf16"
+    assert rounded.dtype == torch.float32 and not torch.equal(rounded, exact), (
+        "the forward ran in bf16"
+    )
     torch.testing.assert_close(rounded, exact, atol=0.05, rtol=0)
     metrics = half.train_step([batch])
     assert metrics["loss"] == pytest.approx(full.train_step([batch])["loss"], abs=0.01)
-    assert {p.dtype for p in half.model.parameters()} == {torch.float32}, "master weights stay float32"
+    assert {p.dtype for p in half.model.parameters()} == {torch.float32}, (
+        "master weights stay float32"
+    )
     assert {t.dtype for t in half.export_weights().values()} == {torch.float32}
 
 
 def test_the_device_is_the_processes_own(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(DEVICE_ENV, raising=False)
-    assert resolve_device() == (torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"))
+    assert resolve_device() == (
+        torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    )
     monkeypatch.setenv(DEVICE_ENV, "cpu")
     assert resolve_device() == torch.device("cpu")
     assert resolve_device("auto").type in ("cpu", "cuda")
     monkeypatch.setenv(DEVICE_ENV, "tpu0")
-    with pytest.raises(ValueError, match=r"JETRL_DEVICE='tpu0': not a device \(auto, cpu, cuda or cuda:N\)"):
+    with pytest.raises(
+        ValueError, match=r"JETRL_DEVICE='tpu0': not a device \(auto, cpu, cuda or cuda:N\)"
+    ):
         resolve_device()
     with pytest.raises(ValueError, match="JETRL_DEVICE='meta': only cpu and cuda are supported"):
         resolve_device("meta")
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="JETRL_DEVICE='cuda:1': no CUDA device is visible to this process"):
+        with pytest.raises(
+            ValueError, match="JETRL_DEVICE='cuda:1': no CUDA device is visible to this process"
+        ):
             resolve_device("cuda:1")
 
 
@@ -294,9 +351,13 @@ def test_the_rollout_worker_builds_its_engine_in_the_run_dtype_on_its_device(
     from engines.build import build_rollout_engine
     from schemas.config import RunConfig
 
-    config = RunConfig.model_validate({"run": "r", "model": {"path": str(model_dir), "dtype": "bfloat16"}})
+    config = RunConfig.model_validate(
+        {"run": "r", "model": {"path": str(model_dir), "dtype": "bfloat16"}}
+    )
     monkeypatch.setenv(DEVICE_ENV, "cpu")
-    engine = build_rollout_engine(config.rollout.engine, model_dir, seed=0, dtype=config.model.dtype)
+    engine = build_rollout_engine(
+        config.rollout.engine, model_dir, seed=0, dtype=config.model.dtype
+    )
     assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
     assert {p.device.type for p in engine.model.parameters()} == {"cpu"}
     [[sample]] = engine.generate([[3, 4, 5]], 1, SamplingParams(max_tokens=4))

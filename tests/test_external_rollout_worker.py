@@ -49,10 +49,16 @@ class StandInLLM:
         self.worker = SimpleNamespace(model_runner=SimpleNamespace(model=self))
         self.events: list[str] = []
 
-    def generate(self, prompts: list[dict[str, list[int]]], sampling: dict[str, Any], use_tqdm: bool) -> list[Any]:
+    def generate(
+        self, prompts: list[dict[str, list[int]]], sampling: dict[str, Any], use_tqdm: bool
+    ) -> list[Any]:
         ids = [p["prompt_token_ids"] for p in prompts]
-        params = SamplingParams(sampling["temperature"], sampling["top_p"], sampling["max_tokens"],
-                                tuple(sampling["stop_token_ids"]))
+        params = SamplingParams(
+            sampling["temperature"],
+            sampling["top_p"],
+            sampling["max_tokens"],
+            tuple(sampling["stop_token_ids"]),
+        )
         return vllm_objects(vllm_report(ids, self.hf.generate(ids, sampling["n"], params)))
 
     def load_weights(self, weights: Any) -> None:  # the worker's model_runner.model
@@ -76,12 +82,18 @@ def vllm_adapter(model_dir: Path) -> tuple[VLLMRolloutEngine, StandInLLM]:  # no
     engine = object.__new__(VLLMRolloutEngine)
     llm = StandInLLM(hf)
     engine.model, engine.eos_token_ids, engine.dtype = skeleton(model_dir), hf.eos_token_ids, None
-    engine._vllm, engine.llm, engine.version = SimpleNamespace(SamplingParams=lambda **kw: kw), llm, 0  # type: ignore[assignment]  # a stand-in vllm module
+    engine._vllm, engine.llm, engine.version = (
+        SimpleNamespace(SamplingParams=lambda **kw: kw),
+        llm,
+        0,
+    )  # type: ignore[assignment]  # a stand-in vllm module
     return engine, llm
 
 
 def test_trajectories_carry_the_trainers_logprobs_and_weights_load_into_the_running_engine(
-    nats_server: EmbeddedNats, topology: Topology, model_dir: Path  # noqa: F811
+    nats_server: EmbeddedNats,
+    topology: Topology,
+    model_dir: Path,  # noqa: F811
 ) -> None:
     trainer = TorchTrainEngine(model_dir, lr=1e-3, loss=LossConfig(temperature=TEMPERATURE))
 
@@ -89,21 +101,36 @@ def test_trajectories_carry_the_trainers_logprobs_and_weights_load_into_the_runn
         nc = await connect(nats_server.url, "test-vllm-worker")
         js = nc.jetstream()
         await topology.apply(js)
-        config = RunConfig.model_validate({"run": topology.run, "model": {"path": str(model_dir)},
-                                           "rollout": {"engine": "vllm", "max_batch_prompts": 2}})
+        config = RunConfig.model_validate(
+            {
+                "run": topology.run,
+                "model": {"path": str(model_dir)},
+                "rollout": {"engine": "vllm", "max_batch_prompts": 2},
+            }
+        )
         await publish_config(await js.key_value(topology.kv_bucket), config)
         rt = await attach("rollout", topology.run, nats_server.url)
         engine, llm = vllm_adapter(model_dir)
         stop = asyncio.Event()
-        loop = asyncio.create_task(serve(rt, rollout_stage(Rollout(rt, engine, AutoTokenizer.from_pretrained(model_dir))), stop))
+        loop = asyncio.create_task(
+            serve(
+                rt,
+                rollout_stage(Rollout(rt, engine, AutoTokenizer.from_pretrained(model_dir))),
+                stop,
+            )
+        )
         published = 0
 
         async def prompts(count: int) -> None:
             nonlocal published
             for _ in range(count):
                 event = PromptEvent(
-                    id=f"{topology.run}/0/{published}", run=topology.run, epoch=0, index=published,
-                    token_ids=Tensor.from_numpy(np.array([3, 4, 5, 6 + published % 4], np.int32)), n=GROUP,
+                    id=f"{topology.run}/0/{published}",
+                    run=topology.run,
+                    epoch=0,
+                    index=published,
+                    token_ids=Tensor.from_numpy(np.array([3, 4, 5, 6 + published % 4], np.int32)),
+                    n=GROUP,
                     sampling=PromptSampling(temperature=TEMPERATURE, max_tokens=6),
                 )
                 published += 1
@@ -112,19 +139,29 @@ def test_trajectories_carry_the_trainers_logprobs_and_weights_load_into_the_runn
         async def trajectories(count: int) -> list[TrajectoryEvent]:
             deadline = time.monotonic() + 60
             while (await js.stream_info(topology.stream(TRAJECTORIES))).state.messages < count:
-                assert time.monotonic() < deadline and not loop.done(), f"{count} trajectories not stored in 60 s"
+                assert time.monotonic() < deadline and not loop.done(), (
+                    f"{count} trajectories not stored in 60 s"
+                )
                 await asyncio.sleep(0.05)
             sub = await js.subscribe(topology.subject(TRAJECTORIES), ordered_consumer=True)
             try:
-                return [decode((await sub.next_msg(timeout=5)).data, TrajectoryEvent) for _ in range(count)]
+                return [
+                    decode((await sub.next_msg(timeout=5)).data, TrajectoryEvent)
+                    for _ in range(count)
+                ]
             finally:
                 await sub.unsubscribe()
 
         async def publish_weights(version: int, tensors: dict[str, torch.Tensor]) -> None:
-            await js.publish(topology.subject(WEIGHTS), encode(await store_weights(js, topology, version, tensors)))
+            await js.publish(
+                topology.subject(WEIGHTS),
+                encode(await store_weights(js, topology, version, tensors)),
+            )
 
         try:
-            await publish_weights(0, trainer.export_weights())  # opens the gate, as the trainer's v0 does
+            await publish_weights(
+                0, trainer.export_weights()
+            )  # opens the gate, as the trainer's v0 does
             await prompts(2)
             first = await trajectories(2 * GROUP)
             new = {k: v + 0.05 * torch.randn(v.shape) for k, v in trainer.export_weights().items()}
@@ -161,4 +198,6 @@ def check_logprobs(trainer: TorchTrainEngine, trajectories: list[TrajectoryEvent
         ids = torch.tensor([prompt + response])
         expected = trainer.logprobs(ids, torch.ones_like(ids))[0, len(prompt) :]
         got = torch.from_numpy(t.logprobs.numpy().copy())
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0, msg=lambda m, t=t: f"{t.id}: {m}")  # type: ignore[misc]  # the default binds the loop value
+        torch.testing.assert_close(
+            got, expected, atol=1e-5, rtol=0, msg=lambda m, t=t: f"{t.id}: {m}"
+        )  # type: ignore[misc]  # the default binds the loop value

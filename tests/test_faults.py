@@ -17,11 +17,17 @@ SHAPE = Shape(prompts_per_step=16, samples_per_prompt=8, sync_every=1, checkpoin
 def test_each_point_gets_its_own_slot_of_the_run() -> None:
     for seed in range(20):
         planned = plan(ALL, 3, 90, random.Random(seed))
-        assert sorted(p.name for p, _ in planned) == sorted(p.name for p in ALL), f"seed {seed}: {planned}"
+        assert sorted(p.name for p, _ in planned) == sorted(p.name for p in ALL), (
+            f"seed {seed}: {planned}"
+        )
         targets = [t for _, t in planned]
-        assert targets == sorted(targets) and len(set(targets)) == len(ALL), f"seed {seed}: targets {targets}"
+        assert targets == sorted(targets) and len(set(targets)) == len(ALL), (
+            f"seed {seed}: targets {targets}"
+        )
         assert 3 <= targets[0] and targets[-1] <= 90, f"seed {seed}: targets {targets} outside 3-90"
-        assert planned != plan(ALL, 3, 90, random.Random(seed + 1)), "the seed does not change the plan"
+        assert planned != plan(ALL, 3, 90, random.Random(seed + 1)), (
+            "the seed does not change the plan"
+        )
 
 
 def test_a_fresh_process_is_armed_at_a_pass_made_by_its_target() -> None:
@@ -30,7 +36,9 @@ def test_a_fresh_process_is_armed_at_a_pass_made_by_its_target() -> None:
         for target in range(3, 40):
             k = arm_at(SHAPE, point, target, None, rng)
             made = SHAPE.passes_by(point, target)
-            assert 1 <= k <= max(1, made), f"{point.name} at step {target}: pass {k}, but only {made} made by then"
+            assert 1 <= k <= max(1, made), (
+                f"{point.name} at step {target}: pass {k}, but only {made} made by then"
+            )
             assert k > SHAPE.passes_by(point, target - 2) - SHAPE.per_step(point) or k == 1, (
                 f"{point.name} at step {target}: pass {k} comes long before the target"
             )
@@ -39,7 +47,11 @@ def test_a_fresh_process_is_armed_at_a_pass_made_by_its_target() -> None:
 def test_a_replacement_counts_its_passes_from_its_own_start() -> None:
     rng = random.Random(0)
     # Trainer restarted after step 10, next point meant for step 20: ten steps' passes.
-    assert [p.name for p in ALL if p.role == "trainer"] == ["trainer.mid_step", "trainer.metrics_written", "trainer.mid_checkpoint"]
+    assert [p.name for p in ALL if p.role == "trainer"] == [
+        "trainer.mid_step",
+        "trainer.metrics_written",
+        "trainer.mid_checkpoint",
+    ]
     mid_step, _, checkpoint = (p for p in ALL if p.role == "trainer")
     assert arm_at(SHAPE, mid_step, 20, 10, rng) == 10
     assert arm_at(SHAPE, checkpoint, 20, 10, rng) == 21 // 4 - 11 // 4

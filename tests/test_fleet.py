@@ -30,21 +30,40 @@ def fleet_cli(config: dict, tmp_path: Path) -> subprocess.Popen[str]:
     path = tmp_path / "fleet.yaml"
     path.write_text(yaml.safe_dump({"run": "fleet-test", "logs": str(tmp_path / "logs"), **config}))
     return subprocess.Popen(
-        [sys.executable, "-m", "consumers.fleet", "--config", str(path), "--nats", "nats://127.0.0.1:1"],
-        cwd=ROOT, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "consumers.fleet",
+            "--config",
+            str(path),
+            "--nats",
+            "nats://127.0.0.1:1",
+        ],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
-def test_killed_worker_is_restarted_and_membership_follows_it(nats_server: EmbeddedNats, tmp_path: Path) -> None:
+def test_killed_worker_is_restarted_and_membership_follows_it(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
     # A short TTL: the killed worker's entry must expire within the test.
     topology = Topology(run=f"t{uuid.uuid4().hex[:10]}", member_ttl=2.0)
     declare_run(nats_server.url, topology)
-    config = FleetConfig(roles={"buffer": RoleConfig()}, logs=tmp_path, restart=RestartPolicy(backoff=0.1))
+    config = FleetConfig(
+        roles={"buffer": RoleConfig()}, logs=tmp_path, restart=RestartPolicy(backoff=0.1)
+    )
     fleet = Supervisor(config, topology.run, nats_server.url)
     fleet.start()
     try:
         first = fleet.pid("buffer-0")
-        wait_for(lambda: [(m.role, m.pid) for m in members(nats_server.url, topology)] == [("buffer", first)], 30)
+        wait_for(
+            lambda: (
+                [(m.role, m.pid) for m in members(nats_server.url, topology)] == [("buffer", first)]
+            ),
+            30,
+        )
         fleet.kill("buffer-0")
 
         def restarted() -> bool:
@@ -62,7 +81,9 @@ def test_killed_worker_is_restarted_and_membership_follows_it(nats_server: Embed
     assert members(nats_server.url, topology) == []  # a clean exit deletes its entry at once
 
 
-def test_a_crashing_worker_is_given_up_on_and_a_finished_one_is_not_restarted(tmp_path: Path) -> None:
+def test_a_crashing_worker_is_given_up_on_and_a_finished_one_is_not_restarted(
+    tmp_path: Path,
+) -> None:
     fleet = fleet_cli(
         {
             "roles": {
@@ -88,7 +109,12 @@ def test_sigterm_drains_every_worker_kills_stragglers_and_exits_zero(tmp_path: P
     fleet = fleet_cli(
         {
             "roles": {
-                "drainer": {**stand_in, "processes": 2, "devices": [0, 1], "args": [*stand_in["args"], "drain"]},
+                "drainer": {
+                    **stand_in,
+                    "processes": 2,
+                    "devices": [0, 1],
+                    "args": [*stand_in["args"], "drain"],
+                },
                 "stubborn": {**stand_in, "args": [*stand_in["args"], "stubborn"]},
             },
             "stop_timeout": 1,
@@ -124,7 +150,15 @@ def test_workers_of_a_killed_fleet_get_sigterm_and_exit(tmp_path: Path) -> None:
     markers = tmp_path / "markers"
     markers.mkdir()
     fleet = fleet_cli(
-        {"roles": {"drainer": {"module": STAND_IN, "processes": 2, "args": ["--marker", str(markers), "--mode", "drain"]}}},
+        {
+            "roles": {
+                "drainer": {
+                    "module": STAND_IN,
+                    "processes": 2,
+                    "args": ["--marker", str(markers), "--mode", "drain"],
+                }
+            }
+        },
         tmp_path,
     )
     pids: set[int] = set()
@@ -149,11 +183,22 @@ def test_workers_of_a_killed_fleet_get_sigterm_and_exit(tmp_path: Path) -> None:
     ("text", "message"),
     [
         ("run: r\nroles: {rollout: {}}\nreplica: 2\n", "replica: Extra inputs are not permitted"),
-        ("run: r\nroles: {rollout: {gpus: [0]}}\n", "roles.rollout.gpus: Extra inputs are not permitted"),
-        ("run: r\nroles: {rollout: {processes: 0}}\n", "roles.rollout.processes: Input should be greater"),
-        ("run: r\nroles: {rollout: {replicas: 2}}\n",
-         "roles.rollout: replicas was renamed to processes: write processes: 2"),
-        ("run: r\nroles: {trainer: {device: gpu0}}\n", "roles.trainer.device: String should match pattern"),
+        (
+            "run: r\nroles: {rollout: {gpus: [0]}}\n",
+            "roles.rollout.gpus: Extra inputs are not permitted",
+        ),
+        (
+            "run: r\nroles: {rollout: {processes: 0}}\n",
+            "roles.rollout.processes: Input should be greater",
+        ),
+        (
+            "run: r\nroles: {rollout: {replicas: 2}}\n",
+            "roles.rollout: replicas was renamed to processes: write processes: 2",
+        ),
+        (
+            "run: r\nroles: {trainer: {device: gpu0}}\n",
+            "roles.trainer.device: String should match pattern",
+        ),
         ("run: r\nroles: {rollot: {}}\n", "roles: role 'rollot': no module consumers.rollot"),
         ("run: r\nroles: {x: {module: no.such}}\n", "roles: role 'x': no module no.such"),
         ("run: a.b\nroles: {}\n", "run: run id 'a.b' must be 1-64 characters"),
@@ -185,13 +230,30 @@ def test_cli_reports_a_config_error_in_one_line(tmp_path: Path) -> None:
     ]
 
 
-def test_a_role_device_reaches_its_workers_and_the_local_job_starts_a_trainer_per_rank(tmp_path: Path) -> None:
-    config = FleetConfig(roles={"trainer": RoleConfig(device="cuda:1", devices=[2, 3]), "reward": RoleConfig()})
+def test_a_role_device_reaches_its_workers_and_the_local_job_starts_a_trainer_per_rank(
+    tmp_path: Path,
+) -> None:
+    config = FleetConfig(
+        roles={"trainer": RoleConfig(device="cuda:1", devices=[2, 3]), "reward": RoleConfig()}
+    )
     children = Supervisor(config, "r", "nats://127.0.0.1:4222").children
     assert children["trainer-0"].env == {"CUDA_VISIBLE_DEVICES": "2", "JETRL_DEVICE": "cuda:1"}
     assert children["reward-0"].env == {}
     fleet = local_fleet(tmp_path, trainer_ranks=3)
-    assert [r for r in fleet.roles if r.startswith("trainer")] == ["trainer", "trainer-rank1", "trainer-rank2"]
+    assert [r for r in fleet.roles if r.startswith("trainer")] == [
+        "trainer",
+        "trainer-rank1",
+        "trainer-rank2",
+    ]
     commands = {name: child.command for name, child in Supervisor(fleet, "r", "u").children.items()}
-    assert commands["trainer-rank2-0"][1:] == ["-m", "consumers.trainer", "--run", "r", "--nats", "u", "--rank", "2"]
+    assert commands["trainer-rank2-0"][1:] == [
+        "-m",
+        "consumers.trainer",
+        "--run",
+        "r",
+        "--nats",
+        "u",
+        "--rank",
+        "2",
+    ]
     assert commands["trainer-0"][1:] == ["-m", "consumers.trainer", "--run", "r", "--nats", "u"]

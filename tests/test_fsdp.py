@@ -41,7 +41,12 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, list[dic
     out = tmp_path_factory.mktemp("fsdp")
     model = build_tiny_model(out / "model", VOCAB, seed=0)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    mp.spawn(fsdp_proc.rank_main, args=(free_port(), str(model), str(out), vocab), nprocs=WORLD, join=True)
+    mp.spawn(
+        fsdp_proc.rank_main,
+        args=(free_port(), str(model), str(out), vocab),
+        nprocs=WORLD,
+        join=True,
+    )
     return model, vocab, [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
 
 
@@ -62,7 +67,10 @@ def test_two_ranks_train_as_one_process_on_the_union(ranks, single) -> None:
     for rank in range(WORLD):
         for name in COMPARED:
             np.testing.assert_allclose(
-                [m[name] for m in seen[rank]["a"]], [m[name] for m in metrics], rtol=2e-5, atol=1e-6,
+                [m[name] for m in seen[rank]["a"]],
+                [m[name] for m in metrics],
+                rtol=2e-5,
+                atol=1e-6,
                 err_msg=f"rank {rank}: {name} per step",
             )
     # The step really had something to clip and to sync: a loss that moved the weights.
@@ -78,19 +86,25 @@ def test_two_ranks_train_as_one_process_on_the_union(ranks, single) -> None:
         # constant added to every key of a query cancels in the softmax): its whole update is
         # such noise, allowed 1% of one step.
         atol = 1e-4 if name.endswith("k_proj.bias") else 1e-5
-        torch.testing.assert_close(exported[name], tensor, rtol=1e-5, atol=atol, msg=lambda m, n=name: f"{n}: {m}")  # type: ignore[misc]  # the default binds the loop value
+        torch.testing.assert_close(
+            exported[name], tensor, rtol=1e-5, atol=atol, msg=lambda m, n=name: f"{n}: {m}"
+        )  # type: ignore[misc]  # the default binds the loop value
 
 
 def test_a_resumed_engine_continues_exactly(ranks) -> None:
     _, _, seen = ranks
     for rank in range(WORLD):
         assert seen[rank]["has_checkpoint_before"] is False and seen[rank]["has_checkpoint"] is True
-        assert seen[rank]["extra"] == {"last_seq": 100 * rank + CHECKPOINT_AFTER - 1}, "each rank's own resume state"
+        assert seen[rank]["extra"] == {"last_seq": 100 * rank + CHECKPOINT_AFTER - 1}, (
+            "each rank's own resume state"
+        )
         assert seen[rank]["b_step"] == CHECKPOINT_AFTER
         for name in ("loss", "grad_norm"):
             np.testing.assert_allclose(
-                [m[name] for m in seen[rank]["b"]], [m[name] for m in seen[rank]["a"][CHECKPOINT_AFTER:]],
-                rtol=1e-6, err_msg=f"rank {rank}: {name} after resume",
+                [m[name] for m in seen[rank]["b"]],
+                [m[name] for m in seen[rank]["a"][CHECKPOINT_AFTER:]],
+                rtol=1e-6,
+                err_msg=f"rank {rank}: {name} after resume",
             )
     for name, tensor in seen[0]["a_weights"].items():
         torch.testing.assert_close(seen[0]["b_weights"][name], tensor, rtol=1e-6, atol=1e-7)

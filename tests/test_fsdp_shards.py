@@ -40,7 +40,8 @@ from tests.test_fsdp import free_port
 
 def bits_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return set(a) == set(b) and all(
-        a[n].dtype == b[n].dtype and a[n].shape == b[n].shape
+        a[n].dtype == b[n].dtype
+        and a[n].shape == b[n].shape
         and torch.equal(a[n].contiguous().view(torch.uint8), b[n].contiguous().view(torch.uint8))
         for n in a
     )
@@ -65,9 +66,19 @@ def test_each_rank_stores_its_own_shard_and_a_follower_rebuilds_the_weights_bit_
     asyncio.run(apply())
     mp.spawn(
         fsdp_shard_proc.rank_main,
-        args=(free_port(), str(model), str(out), vocab, nats_server.url, topology.run, topology.object_bucket,
-              transport, root),
-        nprocs=WORLD, join=True,
+        args=(
+            free_port(),
+            str(model),
+            str(out),
+            vocab,
+            nats_server.url,
+            topology.run,
+            topology.object_bucket,
+            transport,
+            root,
+        ),
+        nprocs=WORLD,
+        join=True,
     )
     seen = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     layout = seen[0]["layout"]
@@ -78,24 +89,41 @@ def test_each_rank_stores_its_own_shard_and_a_follower_rebuilds_the_weights_bit_
     assert set(params) == {n for names in layout for n in names}
     for r in range(WORLD):
         for v in seen[r]["versions"]:
-            assert v["names"] == [n for n in params if n in set(layout[r])], f"rank {r} v{v['version']}: {v['names']}"
+            assert v["names"] == [n for n in params if n in set(layout[r])], (
+                f"rank {r} v{v['version']}: {v['names']}"
+            )
             # What rank r received: its own tensors, each as WORLD pieces of ceil(rows / WORLD)
             # rows.
-            owned = sum(WORLD * math.ceil(params[n].shape[0] / WORLD) * params[n][0].nbytes for n in layout[r])
+            owned = sum(
+                WORLD * math.ceil(params[n].shape[0] / WORLD) * params[n][0].nbytes
+                for n in layout[r]
+            )
             assert v["gathered_bytes"] == owned, (r, v["gathered_bytes"], owned, total)
-            assert v["gathered_bytes"] < 0.75 * total, f"rank {r} gathered {v['gathered_bytes']} of {total} bytes"
+            assert v["gathered_bytes"] < 0.75 * total, (
+                f"rank {r} gathered {v['gathered_bytes']} of {total} bytes"
+            )
     events = [WeightVersionEvent.model_validate_json(v["event"]) for v in seen[0]["versions"]]
     same = {"location", "manifest", "total_bytes", "shards", "base_version", "full_version"}
-    assert [WeightVersionEvent.model_validate_json(v["event"]).model_dump(include=same) for v in seen[1]["versions"]] == [
-        e.model_dump(include=same) for e in events
-    ], "the ranks built different events"
-    assert [(e.base_version, e.full_version) for e in events] == [(None, 0), (0, 0), (1, 0), (None, None)]
+    assert [
+        WeightVersionEvent.model_validate_json(v["event"]).model_dump(include=same)
+        for v in seen[1]["versions"]
+    ] == [e.model_dump(include=same) for e in events], "the ranks built different events"
+    assert [(e.base_version, e.full_version) for e in events] == [
+        (None, 0),
+        (0, 0),
+        (1, 0),
+        (None, None),
+    ]
 
     async def follow() -> None:
         nc = await connect(nats_server.url, "shard-follower")
         try:
-            store = transport_for(fsdp_shard_proc.settings(transport, root, True), nc.jetstream(),
-                                  topology.object_bucket, topology.run)
+            store = transport_for(
+                fsdp_shard_proc.settings(transport, root, True),
+                nc.jetstream(),
+                topology.object_bucket,
+                topology.run,
+            )
             for event in events:  # each shard holds its rank's names, nothing else
                 assert [s.tensors for s in event.shards] == [tuple(names) for names in layout]
                 for rank, shard in enumerate(event.shards):
@@ -105,10 +133,14 @@ def test_each_rank_stores_its_own_shard_and_a_follower_rebuilds_the_weights_bit_
                         payload = None
                     assert payload is not None, f"v{event.version}: rank {rank}'s shard was pruned"
                     if event.base_version is None:
-                        assert sorted(load(payload)) == sorted(layout[rank]), f"v{event.version} shard {rank}"
+                        assert sorted(load(payload)) == sorted(layout[rank]), (
+                            f"v{event.version} shard {rank}"
+                        )
                     else:
                         header, _ = read_shard(payload)
-                        assert header.rank == rank and [t.name for t in header.tensors] == list(shard.tensors)
+                        assert header.rank == rank and [t.name for t in header.tensors] == list(
+                            shard.tensors
+                        )
 
             async def earlier(versions: set[int], _full: int) -> dict[int, WeightVersionEvent]:
                 return {e.version: e for e in events if e.version in versions}
@@ -116,7 +148,9 @@ def test_each_rank_stores_its_own_shard_and_a_follower_rebuilds_the_weights_bit_
             follower = Copy()
             for event in events[:3]:
                 got = await follower.fetch(event, lambda _e: store, earlier)
-                assert bits_equal(got, full[event.version]), f"v{event.version} rebuilt differs from export_weights"
+                assert bits_equal(got, full[event.version]), (
+                    f"v{event.version} rebuilt differs from export_weights"
+                )
             late = Copy()  # its first event a delta: v0's shards, then v1 and v2
             assert bits_equal(await late.fetch(events[2], lambda _e: store, earlier), full[2])
             assert bits_equal(await Copy().fetch(events[3], lambda _e: store, earlier), full[3])

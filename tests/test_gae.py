@@ -26,14 +26,20 @@ from schemas.config import RunConfig
 
 def close(actual: torch.Tensor | None, expected: float | list[Any], atol: float = 1e-5) -> None:
     assert actual is not None  # a gradient the test expects to exist
-    torch.testing.assert_close(actual.float(), torch.tensor(expected, dtype=torch.float32), atol=atol, rtol=0)
+    torch.testing.assert_close(
+        actual.float(), torch.tensor(expected, dtype=torch.float32), atol=atol, rtol=0
+    )
 
 
 # ---- pure functions by hand ----------------------------------------------------------------
 
+
 def test_outcome_rewards_sit_on_each_rows_last_loss_token() -> None:
     mask = torch.tensor([[0, 1, 1, 0], [1, 0, 1, 1], [0, 0, 0, 0]], dtype=torch.float32)
-    close(gae.outcome_rewards(torch.tensor([2.0, -1.0, 5.0]), mask), [[0, 0, 2, 0], [0, 0, 0, -1], [0, 0, 0, 0]])
+    close(
+        gae.outcome_rewards(torch.tensor([2.0, -1.0, 5.0]), mask),
+        [[0, 0, 2, 0], [0, 0, 0, -1], [0, 0, 0, 0]],
+    )
 
 
 def test_gae_by_hand() -> None:
@@ -83,14 +89,21 @@ def test_explained_variance_by_hand() -> None:
     returns = torch.tensor([1.0, 2.0, 3.0])
     assert gae.explained_variance(returns.clone(), returns) == pytest.approx(1.0)
     assert gae.explained_variance(torch.full((3,), 2.0), returns) == pytest.approx(0.0)
-    assert gae.explained_variance(torch.zeros(3), returns) == pytest.approx(0.0)  # Var(R - 0) = Var(R)
-    assert gae.explained_variance(torch.full((3,), 2.0) - returns + 2.0, returns) == pytest.approx(-3.0)
+    assert gae.explained_variance(torch.zeros(3), returns) == pytest.approx(
+        0.0
+    )  # Var(R - 0) = Var(R)
+    assert gae.explained_variance(torch.full((3,), 2.0) - returns + 2.0, returns) == pytest.approx(
+        -3.0
+    )
     assert math.isnan(gae.explained_variance(torch.zeros(1), torch.ones(1)))
 
 
 # ---- against a naive per-step loop on random tensors ---------------------------------------
 
-def naive_gae(rewards: list[float], values: list[float], mask: list[float], gamma: float, lam: float) -> list[float]:
+
+def naive_gae(
+    rewards: list[float], values: list[float], mask: list[float], gamma: float, lam: float
+) -> list[float]:
     """Textbook GAE over the row's loss tokens only, one step at a time; 0 off the mask."""
     steps = [t for t, m in enumerate(mask) if m > 0]
     out = [0.0] * len(mask)
@@ -109,12 +122,18 @@ def test_gae_matches_a_naive_loop(gamma: float, lam: float) -> None:
     mask = (torch.rand(5, 12, generator=gen) > 0.3).float()
     mask[3] = 0  # a row with no loss token
     values = torch.randn(5, 12, generator=gen, dtype=torch.float64)
-    rewards = torch.randn(5, 12, generator=gen, dtype=torch.float64) * mask  # dense per-token rewards too
+    rewards = (
+        torch.randn(5, 12, generator=gen, dtype=torch.float64) * mask
+    )  # dense per-token rewards too
     adv, ret = gae.gae_advantages(rewards, values, mask, gamma, lam)
     for row in range(5):
-        want = naive_gae(rewards[row].tolist(), values[row].tolist(), mask[row].tolist(), gamma, lam)
+        want = naive_gae(
+            rewards[row].tolist(), values[row].tolist(), mask[row].tolist(), gamma, lam
+        )
         torch.testing.assert_close(adv[row], torch.tensor(want, dtype=torch.float64))
-        torch.testing.assert_close(ret[row], (torch.tensor(want, dtype=torch.float64) + values[row]) * mask[row])
+        torch.testing.assert_close(
+            ret[row], (torch.tensor(want, dtype=torch.float64) + values[row]) * mask[row]
+        )
 
 
 def test_value_loss_matches_a_naive_loop_in_value_and_gradient() -> None:
@@ -167,7 +186,7 @@ def fixed_batch(eng: TorchTrainEngine) -> MicroBatch:
     ids = torch.randint(0, eng.model.config.vocab_size, (ROWS, WIDTH), generator=gen)  # type: ignore[union-attr, arg-type]
     attention = torch.ones(ROWS, WIDTH, dtype=torch.long)
     loss_mask = torch.zeros(ROWS, WIDTH)
-    loss_mask[:, WIDTH - RESPONSE:] = 1
+    loss_mask[:, WIDTH - RESPONSE :] = 1
     behaviour = eng.logprobs(ids, attention) * loss_mask
     return MicroBatch(ids, attention, loss_mask, torch.tensor([1.0, 0.0, 1.0, 0.5]), behaviour)
 
@@ -176,10 +195,20 @@ def test_the_critic_learns_a_fixed_batch(model_dir: Path) -> None:
     eng = TorchTrainEngine(model_dir, lr=1e-3, critic=CriticConfig(lr=1e-2))
     batch = fixed_batch(eng)
     steps = [eng.train_step([batch]) for _ in range(12)]
-    for name in ("value_loss", "value_clip_frac", "explained_variance", "value_mean", "return_mean"):
-        assert all(name in s and (math.isfinite(s[name]) or name == "explained_variance") for s in steps), name
+    for name in (
+        "value_loss",
+        "value_clip_frac",
+        "explained_variance",
+        "value_mean",
+        "return_mean",
+    ):
+        assert all(
+            name in s and (math.isfinite(s[name]) or name == "explained_variance") for s in steps
+        ), name
     # The head starts at zero: V = 0, so nothing of the returns' variance is explained.
-    assert steps[0]["value_mean"] == 0.0 and steps[0]["explained_variance"] == pytest.approx(0.0, abs=1e-6)
+    assert steps[0]["value_mean"] == 0.0 and steps[0]["explained_variance"] == pytest.approx(
+        0.0, abs=1e-6
+    )
     first, last = steps[0]["value_loss"], steps[-1]["value_loss"]
     assert last < 0.25 * first, [round(s["value_loss"], 4) for s in steps]
     assert steps[-1]["explained_variance"] > 0.5, [round(s["explained_variance"], 3) for s in steps]
@@ -202,13 +231,17 @@ def test_the_policy_trains_on_the_critics_whitened_gae(model_dir: Path) -> None:
     torch.testing.assert_close(prepared.advantages, want)
     torch.testing.assert_close(targets.returns, ret)
     torch.testing.assert_close(targets.old_values, values)
-    assert stats["value_mean"] == pytest.approx(float(values.sum() / batch.loss_mask.sum()), rel=1e-5)
+    assert stats["value_mean"] == pytest.approx(
+        float(values.sum() / batch.loss_mask.sum()), rel=1e-5
+    )
 
 
 def test_the_policy_step_takes_the_gae_advantages_in_place_of_the_scores(model_dir: Path) -> None:
     # The head starts at zero, so the first step's advantages are whiten(GAE(R, V = 0)): a plain
     # engine given those [B, T] advantages must make the very same policy update.
-    with_critic = TorchTrainEngine(model_dir, lr=1e-2, critic=CriticConfig(lr=1e-2, gamma=0.9, lam=0.8))
+    with_critic = TorchTrainEngine(
+        model_dir, lr=1e-2, critic=CriticConfig(lr=1e-2, gamma=0.9, lam=0.8)
+    )
     plain = TorchTrainEngine(model_dir, lr=1e-2)
     batch = fixed_batch(with_critic)
     rewards = gae.outcome_rewards(batch.advantages, batch.loss_mask)
@@ -216,12 +249,18 @@ def test_the_policy_step_takes_the_gae_advantages_in_place_of_the_scores(model_d
     (token_adv,) = gae.whiten_step([adv], [batch.loss_mask])
     with_critic.train_step([batch])
     plain.train_step([dataclasses.replace(batch, advantages=token_adv)])
-    for (name, p), q in zip(with_critic.model.named_parameters(), plain.model.parameters(), strict=True):
+    for (name, p), q in zip(
+        with_critic.model.named_parameters(), plain.model.parameters(), strict=True
+    ):
         torch.testing.assert_close(p, q, msg=name)
 
 
-def test_value_clipping_binds_over_several_updates_and_the_critic_updates_with_each(model_dir: Path) -> None:
-    eng = TorchTrainEngine(model_dir, lr=1e-3, critic=CriticConfig(lr=5e-2, value_clip=0.01), ppo_epochs=4)
+def test_value_clipping_binds_over_several_updates_and_the_critic_updates_with_each(
+    model_dir: Path,
+) -> None:
+    eng = TorchTrainEngine(
+        model_dir, lr=1e-3, critic=CriticConfig(lr=5e-2, value_clip=0.01), ppo_epochs=4
+    )
     before = {n: p.detach().clone() for n, p in eng.critic.model.named_parameters()}  # type: ignore[union-attr]
     stats = eng.train_step([fixed_batch(eng)])
     assert stats["updates"] == 4.0
@@ -248,14 +287,27 @@ def test_the_checkpoint_holds_the_critic_and_its_optimizer(model_dir: Path, tmp_
 
 # ---- the run config ------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        ({"algorithm": {"advantage": "gae"}, "trainer": {"engine": "fsdp"}}, "gae needs trainer.engine torch"),
-        ({"algorithm": {"advantage": "gae"}, "trainer": {"engine": "megatron"}}, "gae needs trainer.engine torch"),
+        (
+            {"algorithm": {"advantage": "gae"}, "trainer": {"engine": "fsdp"}},
+            "gae needs trainer.engine torch",
+        ),
+        (
+            {"algorithm": {"advantage": "gae"}, "trainer": {"engine": "megatron"}},
+            "gae needs trainer.engine torch",
+        ),
         ({"algorithm": {"gamma": 0.9}}, "algorithm.gamma applies to advantage gae, not grpo"),
-        ({"algorithm": {"advantage": "rloo", "critic_lr": 1e-5}}, "critic_lr applies to advantage gae"),
-        ({"algorithm": {"advantage": "gae", "overlong_filter": True}}, "overlong_filter does not apply"),
+        (
+            {"algorithm": {"advantage": "rloo", "critic_lr": 1e-5}},
+            "critic_lr applies to advantage gae",
+        ),
+        (
+            {"algorithm": {"advantage": "gae", "overlong_filter": True}},
+            "overlong_filter does not apply",
+        ),
         ({"algorithm": {"advantage": "gae"}, "data": {"n": 1}}, "drop_equal_reward_groups false"),
         ({"algorithm": {"advantage": "gae", "gae_lambda": 1.5}}, "less than or equal to 1"),
         ({"algorithm": {"advantage": "gae", "value_clip": 0}}, "greater than 0"),
@@ -270,11 +322,21 @@ def test_the_config_refuses_gae_where_it_cannot_run(config: dict, message: str) 
 def test_the_config_builds_the_critic(model_dir: Path) -> None:
     from consumers.trainer_dist import critic_config
 
-    cfg = RunConfig.model_validate({
-        "algorithm": {"advantage": "gae", "gamma": 0.99, "gae_lambda": 0.9, "value_clip": None, "critic_lr": 1e-5},
-    })
+    cfg = RunConfig.model_validate(
+        {
+            "algorithm": {
+                "advantage": "gae",
+                "gamma": 0.99,
+                "gae_lambda": 0.9,
+                "value_clip": None,
+                "critic_lr": 1e-5,
+            },
+        }
+    )
     assert critic_config(cfg) == CriticConfig(lr=1e-5, gamma=0.99, lam=0.9, value_clip=None)
-    gae_critic = critic_config(RunConfig.model_validate({"algorithm": {"advantage": "gae", "lr": 2e-4}}))
+    gae_critic = critic_config(
+        RunConfig.model_validate({"algorithm": {"advantage": "gae", "lr": 2e-4}})
+    )
     assert gae_critic is not None and gae_critic.lr == 2e-4
     assert critic_config(RunConfig.model_validate({})) is None
     one = RunConfig.model_validate(
@@ -286,10 +348,14 @@ def test_the_config_builds_the_critic(model_dir: Path) -> None:
 def test_the_sharded_engines_refuse_a_critic(model_dir: Path) -> None:
     from engines.fsdp_train import FSDPTrainEngine
 
-    with pytest.raises(ValueError, match="fsdp engine: algorithm.advantage gae needs a value model"):
+    with pytest.raises(
+        ValueError, match="fsdp engine: algorithm.advantage gae needs a value model"
+    ):
         FSDPTrainEngine(model_dir, lr=1e-3, critic=CriticConfig(lr=1e-3))
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     from engines.megatron_train import MegatronTrainEngine
 
-    with pytest.raises(ValueError, match="megatron engine: algorithm.advantage gae needs a value model"):
+    with pytest.raises(
+        ValueError, match="megatron engine: algorithm.advantage gae needs a value model"
+    ):
         MegatronTrainEngine(model_dir, lr=1e-3, critic=CriticConfig(lr=1e-3))

@@ -53,7 +53,11 @@ async def prompts(js: JetStreamContext, topology: Topology) -> int:
 
 
 async def holds_exactly(
-    js: JetStreamContext, topology: Topology, producer: subprocess.Popen[bytes], expected: int, why: str,
+    js: JetStreamContext,
+    topology: Topology,
+    producer: subprocess.Popen[bytes],
+    expected: int,
+    why: str,
     within: float = 15.0,
 ) -> None:
     """The prompt count reaches `expected` within `within` s, then stays there for HOLD s."""
@@ -61,22 +65,35 @@ async def holds_exactly(
     while (count := await prompts(js, topology)) < expected and time.monotonic() < deadline:
         assert producer.poll() is None, f"the producer exited with {producer.returncode}"
         await asyncio.sleep(0.1)
-    assert count >= expected, f"{why}: the producer issued {count} prompts in {within:.0f} s, the gate admits {expected}"
+    assert count >= expected, (
+        f"{why}: the producer issued {count} prompts in {within:.0f} s, the gate admits {expected}"
+    )
     until = time.monotonic() + HOLD
     while time.monotonic() < until:
         count = await prompts(js, topology)
-        assert count == expected, f"{why}: {count} prompts issued, the gate admits exactly {expected}"
+        assert count == expected, (
+            f"{why}: {count} prompts issued, the gate admits exactly {expected}"
+        )
         await asyncio.sleep(0.1)
 
 
 async def weights(js: JetStreamContext, topology: Topology, version: int) -> None:
     """What the trainer announces after each step (the producer reads only the version)."""
-    event = WeightVersionEvent(id=f"{topology.run}/weights/{version}", run=topology.run, version=version,
-                               step=version, location="unused", manifest=(), total_bytes=0)
+    event = WeightVersionEvent(
+        id=f"{topology.run}/weights/{version}",
+        run=topology.run,
+        version=version,
+        step=version,
+        location="unused",
+        manifest=(),
+        total_bytes=0,
+    )
     await js.publish(topology.subject(WEIGHTS), encode(event), headers={MSG_ID: event.id})
 
 
-async def play_trainer_and_buffer(url: str, topology: Topology, producer: subprocess.Popen[bytes]) -> None:
+async def play_trainer_and_buffer(
+    url: str, topology: Topology, producer: subprocess.Popen[bytes]
+) -> None:
     nc = await connect(url, "test-gate")
     js = nc.jetstream()
     try:
@@ -88,27 +105,45 @@ async def play_trainer_and_buffer(url: str, topology: Topology, producer: subpro
             except NotFoundError:
                 await asyncio.sleep(0.2)
         # No weights yet: the gate starts at version 0. A minute for a loaded machine's start-up.
-        await holds_exactly(js, topology, producer, (0 + STALENESS + 1) * PER_STEP, "at v0", within=60)
+        await holds_exactly(
+            js, topology, producer, (0 + STALENESS + 1) * PER_STEP, "at v0", within=60
+        )
         await weights(js, topology, 2)
         await holds_exactly(js, topology, producer, (2 + STALENESS + 1) * PER_STEP, "at v2")
         kv = await js.key_value(topology.kv_bucket)
         await kv.put(drop_key(f"{topology.run}/0/1"), b"all 2 rewards equal (1)")
-        await holds_exactly(js, topology, producer, (2 + STALENESS + 1) * PER_STEP + 1, "at v2, one group dropped")
+        await holds_exactly(
+            js, topology, producer, (2 + STALENESS + 1) * PER_STEP + 1, "at v2, one group dropped"
+        )
         # Past the last step the gate admits the whole run, plus one replacement per drop.
         await weights(js, topology, STEPS + 5)
-        await holds_exactly(js, topology, producer, STEPS * PER_STEP + 1, "at the last step, one group dropped")
+        await holds_exactly(
+            js, topology, producer, STEPS * PER_STEP + 1, "at the last step, one group dropped"
+        )
     finally:
         await nc.close()
 
 
 @pytest.mark.timeout(240)
-def test_the_producer_issues_exactly_what_the_gate_admits(nats_server: EmbeddedNats, topology: Topology,
-                                                          tmp_path: Path) -> None:
+def test_the_producer_issues_exactly_what_the_gate_admits(
+    nats_server: EmbeddedNats, topology: Topology, tmp_path: Path
+) -> None:
     log = open(tmp_path / "producer.log", "wb")  # noqa: SIM115 - closed below, after the process
     producer = subprocess.Popen(
-        [sys.executable, "-m", "producers.prompts", "--config", str(gate_config(tmp_path, topology.run)),
-         "--nats", nats_server.url, "--out", str(tmp_path / "run")],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "producers.prompts",
+            "--config",
+            str(gate_config(tmp_path, topology.run)),
+            "--nats",
+            nats_server.url,
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     try:
         asyncio.run(play_trainer_and_buffer(nats_server.url, topology, producer))
@@ -164,9 +199,21 @@ def test_a_rollout_that_refuses_every_prompt_stops_the_run_with_its_reason(
     outcome, which the stop rule fixes however the refusals interleave with the producer's
     reads of them."""
     producer = subprocess.Popen(
-        [sys.executable, "-m", "producers.prompts", "--config", str(gate_config(tmp_path, topology.run)),
-         "--nats", nats_server.url, "--out", str(tmp_path / "run")],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "producers.prompts",
+            "--config",
+            str(gate_config(tmp_path, topology.run)),
+            "--nats",
+            nats_server.url,
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     # The producer stops at its first chance: the gate admits A = (STALENESS + 1) * PER_STEP at
     # v0 plus one per refusal seen, and a prompt is issued only after a check that did not stop,

@@ -17,11 +17,15 @@ def test_kl_in_reward_by_hand() -> None:
     kl_tokens = torch.tensor([[0.0, 0.1, 0.2, 0.3], [0.0, 0.4, -0.2, 9.0], [0.0, 5.0, 5.0, 5.0]])
     mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 0], [0, 0, 0, 0]])
     token, total = kl_in_reward(torch.tensor([1.0, -1.0, 2.0]), kl_tokens, mask, 0.5)
-    torch.testing.assert_close(token, torch.tensor([[0, -0.05, -0.1, 0.85], [0, -0.2, -0.9, 0], [0, 0, 0, 0.0]]))
+    torch.testing.assert_close(
+        token, torch.tensor([[0, -0.05, -0.1, 0.85], [0, -0.2, -0.9, 0], [0, 0, 0, 0.0]])
+    )
     torch.testing.assert_close(total, torch.tensor([0.7, -1.1, 2.0]))
 
 
-def naive_kl_in_reward(rewards: list[float], kl: list[list[float]], mask: list[list[int]], beta: float):
+def naive_kl_in_reward(
+    rewards: list[float], kl: list[list[float]], mask: list[list[int]], beta: float
+):
     token = [[0.0] * len(row) for row in kl]
     total = []
     for b, row in enumerate(kl):
@@ -44,7 +48,9 @@ def test_kl_in_reward_matches_a_naive_loop_and_totals_are_token_sums(seed: int) 
     rewards, beta = torch.randn(6, generator=g), float(torch.rand(1, generator=g))
     kl_tokens = kl_k3(logp, ref)
     token, total = kl_in_reward(rewards, kl_tokens, mask, beta)
-    want_token, want_total = naive_kl_in_reward(rewards.tolist(), kl_tokens.tolist(), mask.tolist(), beta)
+    want_token, want_total = naive_kl_in_reward(
+        rewards.tolist(), kl_tokens.tolist(), mask.tolist(), beta
+    )
     torch.testing.assert_close(token, torch.tensor(want_token), atol=1e-5, rtol=0)
     torch.testing.assert_close(total, torch.tensor(want_total), atol=1e-5, rtol=0)
     has = mask.sum(-1) > 0
@@ -77,4 +83,6 @@ def test_mean_sequence_kl_averages_each_rows_token_mean() -> None:
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
     assert mean_sequence_kl(kl_tokens, mask) == pytest.approx(0.4)
     assert mean_sequence_kl(kl_tokens, torch.zeros_like(mask)) == 0.0
-    assert math.isclose(mean_sequence_kl(kl_k1(torch.zeros(1, 2), torch.zeros(1, 2)), torch.ones(1, 2)), 0.0)
+    assert math.isclose(
+        mean_sequence_kl(kl_k1(torch.zeros(1, 2), torch.zeros(1, 2)), torch.ones(1, 2)), 0.0
+    )

@@ -41,7 +41,11 @@ OLD_MEMBER = (
 
 def test_every_key_family_names_its_record() -> None:
     assert (DROPS.record, METRICS.record, LOSS.record, RENDEZVOUS.record, MEMBERS.record) == (
-        DropRecord, StepMetrics, LossRecord, Rendezvous, Member
+        DropRecord,
+        StepMetrics,
+        LossRecord,
+        Rendezvous,
+        Member,
     )
     assert [k.pattern for k in KV_KEYS if k.record is None] == ["config"]  # the run's YAML
 
@@ -67,8 +71,13 @@ def test_an_old_refused_record_reads_as_refused_by_its_field() -> None:
     assert record.text == OLD_REFUSED.decode()  # what the audit and the logs show, as before
 
 
-@pytest.mark.parametrize("record", [DropRecord(reason="stale: version 0 < 1 at step 1"),
-                                    DropRecord(reason="rejected: too long", refused=True)])
+@pytest.mark.parametrize(
+    "record",
+    [
+        DropRecord(reason="stale: version 0 < 1 at step 1"),
+        DropRecord(reason="rejected: too long", refused=True),
+    ],
+)
 def test_a_drop_record_reads_back_what_it_wrote(record: DropRecord) -> None:
     assert DropRecord.decode(record.encode()) == record
 
@@ -83,8 +92,17 @@ def test_an_old_step_record_reads_with_the_engines_numbers_apart() -> None:
 
 
 def test_a_step_record_without_samples_or_kl_keeps_its_form() -> None:
-    record = StepMetrics(step=0, time=1.0, train_seconds=0.1, samples=0, reward_mean=math.nan,
-                         staleness_max=0, staleness_hist=[], sample_ids=[], trained={"loss": 0.0})
+    record = StepMetrics(
+        step=0,
+        time=1.0,
+        train_seconds=0.1,
+        samples=0,
+        reward_mean=math.nan,
+        staleness_max=0,
+        staleness_hist=[],
+        sample_ids=[],
+        trained={"loss": 0.0},
+    )
     flat = record.flat()
     assert "kl_coef" not in flat and "kl_reward" not in flat
     assert math.isnan(StepMetrics.decode(record.encode()).reward_mean)

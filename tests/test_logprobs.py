@@ -15,7 +15,9 @@ import torch
 from engines.algorithms.logprobs import chunked_logprobs, naive_logprobs
 
 
-def case(seed: int, n: int = 37, hidden: int = 16, vocab: int = 50, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, ...]:
+def case(
+    seed: int, n: int = 37, hidden: int = 16, vocab: int = 50, dtype: torch.dtype = torch.float64
+) -> tuple[torch.Tensor, ...]:
     """Logits of a few units, as a trained model's are (scaled so that float32 rounding stays
     well under the tolerance)."""
     gen = torch.Generator().manual_seed(seed)
@@ -40,10 +42,15 @@ def test_chunked_log_probs_and_entropy_match_the_full_logits_with_their_gradient
     reference = naive_logprobs(h, w, y, temperature)
     ref_loss = (reference[0].double() * g_logp).sum() + (reference[1].double() * g_ent).sum()
     ref_h, ref_w = torch.autograd.grad(ref_loss, (h, w))
-    for name, got, want in (("log-probs", ours[0], reference[0]), ("entropy", ours[1], reference[1]),
-                            ("d/d hidden", grad_h, ref_h), ("d/d weight", grad_w, ref_w)):
+    for name, got, want in (
+        ("log-probs", ours[0], reference[0]),
+        ("entropy", ours[1], reference[1]),
+        ("d/d hidden", grad_h, ref_h),
+        ("d/d weight", grad_w, ref_w),
+    ):
         assert torch.allclose(got.double(), want.double(), atol=1e-5, rtol=1e-5), (
-            f"{name}: max |diff| {(got.double() - want.double()).abs().max():.3g}")
+            f"{name}: max |diff| {(got.double() - want.double()).abs().max():.3g}"
+        )
 
 
 def test_a_hand_computed_position() -> None:
@@ -74,12 +81,18 @@ def test_the_trainer_log_probs_equal_the_full_logits_path(tmp_path: Path) -> Non
     ids = torch.randint(3, len(VOCAB), (2, 9))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # left padding
-    chunked = TorchTrainEngine(model, lr=1e-3, loss=LossConfig(temperature=0.8), logprob_chunk_tokens=4)
-    full = TorchTrainEngine(model, lr=1e-3, loss=LossConfig(temperature=0.8), logprob_chunk_tokens=0)
+    chunked = TorchTrainEngine(
+        model, lr=1e-3, loss=LossConfig(temperature=0.8), logprob_chunk_tokens=4
+    )
+    full = TorchTrainEngine(
+        model, lr=1e-3, loss=LossConfig(temperature=0.8), logprob_chunk_tokens=0
+    )
     assert torch.allclose(chunked.logprobs(ids, mask), full.logprobs(ids, mask), atol=1e-5)
 
 
-def test_a_train_step_through_the_chunks_makes_the_same_update_as_through_the_full_logits(tmp_path: Path) -> None:
+def test_a_train_step_through_the_chunks_makes_the_same_update_as_through_the_full_logits(
+    tmp_path: Path,
+) -> None:
     from engines.protocols import MicroBatch
     from engines.tiny import build_tiny_model
     from engines.torch_train import LossConfig, TorchTrainEngine
@@ -91,8 +104,19 @@ def test_a_train_step_through_the_chunks_makes_the_same_update_as_through_the_fu
     attention = torch.ones_like(ids)
     loss_mask = torch.zeros(3, 10)
     loss_mask[:, 5:] = 1
-    batch = MicroBatch(ids, attention, loss_mask, torch.tensor([1.0, -0.5, 0.25]), -torch.rand(3, 10, generator=gen) * loss_mask)
-    engines = [TorchTrainEngine(model, lr=1e-2, loss=LossConfig(temperature=0.9), logprob_chunk_tokens=chunk) for chunk in (7, 0)]
+    batch = MicroBatch(
+        ids,
+        attention,
+        loss_mask,
+        torch.tensor([1.0, -0.5, 0.25]),
+        -torch.rand(3, 10, generator=gen) * loss_mask,
+    )
+    engines = [
+        TorchTrainEngine(
+            model, lr=1e-2, loss=LossConfig(temperature=0.9), logprob_chunk_tokens=chunk
+        )
+        for chunk in (7, 0)
+    ]
     metrics = [engine.train_step([batch]) for engine in engines]
     for key in ("loss", "entropy", "ratio_mean", "grad_norm"):
         assert metrics[0][key] == pytest.approx(metrics[1][key], rel=1e-5, abs=1e-6), key

@@ -34,7 +34,12 @@ def processes_naming(*needles: str) -> list[str]:
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cmdline = (
+                Path(f"/proc/{pid}/cmdline")
+                .read_bytes()
+                .replace(b"\0", b" ")
+                .decode(errors="replace")
+            )
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
@@ -45,8 +50,21 @@ def processes_naming(*needles: str) -> list[str]:
 
 def start(out: Path, run: str, steps: int) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "producers.prompts", "--out", str(out), "--run", run, "--steps", str(steps)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "producers.prompts",
+            "--out",
+            str(out),
+            "--run",
+            run,
+            "--steps",
+            str(steps),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -56,8 +74,10 @@ def wait_for_a_step(job: subprocess.Popen[str], deadline_s: float = 120.0) -> No
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         line = job.stdout.readline()
-        assert line, (f"the job ended before training a step: {job.wait()} "
-                      f"{job.stderr.read() if job.stderr else ''}")
+        assert line, (
+            f"the job ended before training a step: {job.wait()} "
+            f"{job.stderr.read() if job.stderr else ''}"
+        )
         if (m := re.search(r"step\s+(\d+)/", line)) and int(m.group(1)) >= 1:
             return
     pytest.fail(f"no trained step within {deadline_s:.0f} s")
@@ -65,7 +85,9 @@ def wait_for_a_step(job: subprocess.Popen[str], deadline_s: float = 120.0) -> No
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_stops_every_child_says_how_to_resume_and_the_resume_works(tmp_path: Path, sig: signal.Signals) -> None:
+def test_a_signal_stops_every_child_says_how_to_resume_and_the_resume_works(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
     run, out = f"stop{uuid.uuid4().hex[:8]}", tmp_path / "run"
     job = start(out, run, steps=1000)
     try:
@@ -88,14 +110,29 @@ def test_a_signal_stops_every_child_says_how_to_resume_and_the_resume_works(tmp_
         return  # one resume is enough to show the command works
     trained = int(match.group(2))
     resumed = subprocess.run(
-        [sys.executable, "-m", "producers.prompts", "--out", str(out), "--run", run, "--steps", str(trained + 2)],
-        cwd=ROOT, capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            "-m",
+            "producers.prompts",
+            "--out",
+            str(out),
+            "--run",
+            run,
+            "--steps",
+            str(trained + 2),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert '"steps": ' + str(trained + 2) in resumed.stdout.strip().splitlines()[-1]
 
 
-def test_the_progress_line_shows_a_figure_it_cannot_read_as_unknown(nats_server: EmbeddedNats, topology: Topology) -> None:
+def test_the_progress_line_shows_a_figure_it_cannot_read_as_unknown(
+    nats_server: EmbeddedNats, topology: Topology
+) -> None:
     """A queue whose consumer the server cannot describe now (here: deleted; in a cluster: its
     stream electing a leader) shows as `?`, and the other figures still show."""
     declare_run(nats_server.url, topology)
@@ -103,7 +140,9 @@ def test_the_progress_line_shows_a_figure_it_cannot_read_as_unknown(nats_server:
     async def scenario() -> str:
         rt = await attach("producer", topology.run, nats_server.url)
         try:
-            await rt.js.delete_consumer(topology.stream(TRAJECTORIES), TRAJECTORIES.work_queue.durable)
+            await rt.js.delete_consumer(
+                topology.stream(TRAJECTORIES), TRAJECTORIES.work_queue.durable
+            )
             return await lag(rt)
         finally:
             await rt.close()

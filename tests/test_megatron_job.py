@@ -20,7 +20,9 @@ from consumers.fleet_config import local_fleet
 from schemas.config import parse_config
 from tests.helpers import ROOT, run_local_job
 
-pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'jetrl[megatron]')")
+pytest.importorskip(
+    "megatron.core", reason="megatron-core is not installed (pip install 'jetrl[megatron]')"
+)
 
 STEPS = 4
 
@@ -30,22 +32,33 @@ SIZES = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2
 
 def config(run: str, sizes: str = "tp2") -> dict:
     example = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
-    trainer = {**example["trainer"], "engine": {"type": "megatron", **SIZES[sizes]}, "checkpoint_every": 2}
+    trainer = {
+        **example["trainer"],
+        "engine": {"type": "megatron", **SIZES[sizes]},
+        "checkpoint_every": 2,
+    }
     return {**example, "run": run, "trainer": trainer}
 
 
-def test_tensor_parallel_ranks_are_trainer_processes_reading_one_batch_stream(tmp_path: Path) -> None:
+def test_tensor_parallel_ranks_are_trainer_processes_reading_one_batch_stream(
+    tmp_path: Path,
+) -> None:
     cfg = parse_config(config("tp2"), "tp2")
     assert (cfg.trainer.tp_size, cfg.trainer.ranks) == (2, 2)
     assert set(local_fleet(tmp_path, cfg.trainer.ranks).roles) >= {"trainer", "trainer-rank1"}
     torch_cfg = parse_config({**config("tp2"), "trainer": {"engine": "torch"}}, "torch")
-    assert (torch_cfg.trainer.tp_size, torch_cfg.trainer.ranks) == (1, 1)  # tp applies to megatron only
+    assert (torch_cfg.trainer.tp_size, torch_cfg.trainer.ranks) == (
+        1,
+        1,
+    )  # tp applies to megatron only
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sizes", ["tp2", "pp2"])
 def test_the_job_trains_on_two_model_parallel_megatron_ranks(tmp_path: Path, sizes: str) -> None:
-    job = run_local_job(config(f"{sizes}-{tmp_path.name[-12:]}", sizes), tmp_path, STEPS, timeout=280)
+    job = run_local_job(
+        config(f"{sizes}-{tmp_path.name[-12:]}", sizes), tmp_path, STEPS, timeout=280
+    )
     summary, logs = job.summary, job.logs
     cfg = parse_config(config(sizes, sizes), sizes)
     assert (cfg.trainer.copy_size, cfg.trainer.ranks) == (2, 2)
@@ -58,11 +71,16 @@ def test_the_job_trains_on_two_model_parallel_megatron_ranks(tmp_path: Path, siz
     # One model copy: both parts take every step on the same micro-batches, so the same loss.
     losses = {name: job.losses(name) for name in names}
     assert losses[names[0]] == losses[names[1]] and len(losses[names[0]]) == STEPS, losses
-    assert [(m["step"], m["samples"]) for m in job.merged_metrics()] == [(step, per_step) for step in range(STEPS)]
+    assert [(m["step"], m["samples"]) for m in job.merged_metrics()] == [
+        (step, per_step) for step in range(STEPS)
+    ]
 
     checkpoints = job.out / "checkpoints"
     assert (checkpoints / "megatron.pt").exists()
-    assert {p.name for p in (checkpoints / "megatron.pt.d" / f"step-{STEPS}").iterdir()} == {"rank0.pt", "rank1.pt"}
+    assert {p.name for p in (checkpoints / "megatron.pt.d" / f"step-{STEPS}").iterdir()} == {
+        "rank0.pt",
+        "rank1.pt",
+    }
     # Each version is gathered to rank 0 under HF names: the rollout worker's HF model loads it.
     served = job.served_versions()
     assert served and max(served) >= STEPS - 1, served

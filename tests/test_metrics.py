@@ -31,7 +31,9 @@ def test_prometheus_endpoint_serves_the_counters(
         assert logged, caplog.text
         url = logged[1]
         assert int(url.split(":")[2].split("/")[0]) > first
-        assert metrics.setup("jetrl-test") is otel_metrics.get_meter_provider()  # a second call: the same
+        assert (
+            metrics.setup("jetrl-test") is otel_metrics.get_meter_provider()
+        )  # a second call: the same
 
         metrics.count_samples("reward", "scored", 3)
         metrics.count_samples("buffer", "dropped")
@@ -45,13 +47,19 @@ def test_prometheus_endpoint_serves_the_counters(
         (the exporter adds otel_scope_*)."""
         for line in page.splitlines():
             match = re.fullmatch(r"(\w+)\{(.*)\} (\S+)", line)
-            if match and match[1] == name and labels.items() <= dict(re.findall(r'(\w+)="([^"]*)"', match[2])).items():
+            if (
+                match
+                and match[1] == name
+                and labels.items() <= dict(re.findall(r'(\w+)="([^"]*)"', match[2])).items()
+            ):
                 return float(match[3])
         raise AssertionError(f"{name} {labels} not in\n{page}")
 
     assert value("jetrl_samples_total", stage="reward", outcome="scored") == 3
     assert value("jetrl_samples_total", stage="buffer", outcome="dropped") == 1
-    assert value("jetrl_reward_bucket", le="0.8") == 1 and value("jetrl_reward_bucket", le="0.7") == 0
+    assert (
+        value("jetrl_reward_bucket", le="0.8") == 1 and value("jetrl_reward_bucket", le="0.7") == 0
+    )
     assert value("jetrl_generate_duration_seconds_count", engine="hf") == 1
     assert value("jetrl_queue_depth", queue="rollout", state="pending") == 5
     assert value("jetrl_queue_depth", queue="rollout", state="in_flight") == 2

@@ -72,14 +72,22 @@ def test_a_hub_id_resolves_to_its_snapshot_in_the_cache_offline(
     assert resolve_model_path(REPO, COMMIT) == snapshot
 
 
-@pytest.mark.parametrize("path, revision, says", [
-    ("", None, "model.path is empty"),
-    ("/nonexistent/model", None, "no such directory, and not a hub id"),
-    ("jetrl-test/not-cached", None, "is not in the hub cache"),
-    (REPO, "feedfacefeedfacefeedfacefeedfacefeedface", "is not in the hub cache"),
-])
+@pytest.mark.parametrize(
+    "path, revision, says",
+    [
+        ("", None, "model.path is empty"),
+        ("/nonexistent/model", None, "no such directory, and not a hub id"),
+        ("jetrl-test/not-cached", None, "is not in the hub cache"),
+        (REPO, "feedfacefeedfacefeedfacefeedfacefeedface", "is not in the hub cache"),
+    ],
+)
 def test_what_cannot_be_used_is_one_line_naming_it(
-    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str, revision: str | None, says: str
+    model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    path: str,
+    revision: str | None,
+    says: str,
 ) -> None:
     offline(monkeypatch, hub_cache(tmp_path / "cache", model_dir))
     with pytest.raises(ModelNotFound) as error:
@@ -99,15 +107,21 @@ def test_a_directory_without_a_config_and_a_revision_on_a_local_directory_are_re
         resolve_model_path(str(model_dir), "main")
 
 
-def test_chat_messages_are_token_ids_through_the_chat_template(model_dir: Path, tmp_path: Path) -> None:
+def test_chat_messages_are_token_ids_through_the_chat_template(
+    model_dir: Path, tmp_path: Path
+) -> None:
     """transformers 5's `apply_chat_template(tokenize=True)` returns a dict unless told not to:
     the rollout must hand the engine the ids, not the dict's keys."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
-                               "{% if add_generation_prompt %}={% endif %}")
-    prompt = PromptEvent(id="r/0/0", run="r", epoch=0, index=0, messages=({"role": "user", "content": "A1234"},))
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}={% endif %}"
+    )
+    prompt = PromptEvent(
+        id="r/0/0", run="r", epoch=0, index=0, messages=({"role": "user", "content": "A1234"},)
+    )
     ids = Rollout.token_ids(SimpleNamespace(tokenizer=tokenizer), prompt)  # type: ignore[arg-type]
     assert ids == tokenizer.encode("A1234=", add_special_tokens=False), ids
     assert all(isinstance(i, int) for i in ids)
@@ -117,17 +131,42 @@ def run_job(tmp_path: Path, model: str, env: dict[str, str]) -> tuple[dict, dict
     """The built-in job for STEPS steps with `model` as model.path; its summary and logs."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     config = tmp_path / "job.yaml"
-    config.write_text(yaml.safe_dump({
-        "run": f"mp-{tmp_path.name[-12:]}", "model": {"path": model},
-        "data": {"task": "digits", "n": 4, "sampling": {"max_tokens": 6}},
-        "algorithm": {"prompts_per_step": 4, "max_staleness": 1}, "trainer": {"steps": STEPS},
-    }))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "run": f"mp-{tmp_path.name[-12:]}",
+                "model": {"path": model},
+                "data": {"task": "digits", "n": 4, "sampling": {"max_tokens": 6}},
+                "algorithm": {"prompts_per_step": 4, "max_staleness": 1},
+                "trainer": {"steps": STEPS},
+            }
+        )
+    )
     out = tmp_path / "run"
     job = subprocess.run(
-        [sys.executable, "-m", "producers.prompts", "--config", str(config), "--steps", str(STEPS), "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=220, check=False, env=env,
+        [
+            sys.executable,
+            "-m",
+            "producers.prompts",
+            "--config",
+            str(config),
+            "--steps",
+            str(STEPS),
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=220,
+        check=False,
+        env=env,
     )
-    logs = {p.name: p.read_text() for p in (out / "logs").glob("*.log")} if (out / "logs").exists() else {}
+    logs = (
+        {p.name: p.read_text() for p in (out / "logs").glob("*.log")}
+        if (out / "logs").exists()
+        else {}
+    )
     assert job.returncode == 0, job.stderr[-2000:] + "".join(text[-1500:] for text in logs.values())
     return json.loads(job.stdout.strip().splitlines()[-1]), logs
 
@@ -145,12 +184,18 @@ def test_the_built_in_job_runs_on_an_hf_directory_and_on_a_hub_id_from_the_cache
     assert f"loads from {model_dir.resolve()}" in rollout, rollout[-2000:]
 
     cache = hub_cache(tmp_path / "cache", model_dir)
-    summary, logs = run_job(tmp_path / "hub", REPO, {**base, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
+    summary, logs = run_job(
+        tmp_path / "hub", REPO, {**base, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    )
     assert summary["steps"] == STEPS and summary["samples_trained"] == STEPS * 4 * 4, summary
     rollout = "".join(text for name, text in logs.items() if name.startswith("rollout"))
     snapshot = cache / f"models--{REPO.replace('/', '--')}" / "snapshots" / COMMIT
     assert f"model {REPO} loads from {snapshot}" in rollout, rollout[-2000:]
-    served = [int(line.rsplit("weights v", 1)[1]) for line in rollout.splitlines() if "now serving weights v" in line]
+    served = [
+        int(line.rsplit("weights v", 1)[1])
+        for line in rollout.splitlines()
+        if "now serving weights v" in line
+    ]
     assert served and max(served) >= STEPS - 1, f"weights did not come back to rollout: {served}"
 
 
@@ -165,20 +210,40 @@ def test_a_worker_whose_hub_model_is_not_cached_offline_stops_with_one_line(
         nc = await connect(nats_server.url, "test")
         js = nc.jetstream()
         await topology.apply(js)
-        config = parse_config({"run": topology.run, "model": {"path": "jetrl-test/not-cached", "revision": "main"},
-                               "trainer": {"checkpoint_dir": str(tmp_path / "ckpt")}})
+        config = parse_config(
+            {
+                "run": topology.run,
+                "model": {"path": "jetrl-test/not-cached", "revision": "main"},
+                "trainer": {"checkpoint_dir": str(tmp_path / "ckpt")},
+            }
+        )
         await publish_config(await js.key_value(topology.kv_bucket), config)
         await nc.close()
 
     asyncio.run(setup())
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "empty-cache"), "HF_HUB_OFFLINE": "1"}
     worker = subprocess.run(
-        [sys.executable, "-m", f"consumers.{role}", "--run", topology.run, "--nats", nats_server.url],
-        check=False, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env,
+        [
+            sys.executable,
+            "-m",
+            f"consumers.{role}",
+            "--run",
+            topology.run,
+            "--nats",
+            nats_server.url,
+        ],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
     last = worker.stderr.strip().splitlines()[-1] if worker.stderr.strip() else ""
     assert worker.returncode == 1, worker.stderr[-2000:]
-    assert last.startswith(f"consumers.{role}: model jetrl-test/not-cached@main is not in the hub cache"), last
+    assert last.startswith(
+        f"consumers.{role}: model jetrl-test/not-cached@main is not in the hub cache"
+    ), last
     assert "HF_HUB_OFFLINE" in last and "Traceback" not in worker.stderr, worker.stderr[-2000:]
 
 
@@ -189,7 +254,9 @@ def test_the_local_job_makes_a_relative_model_directory_absolute_and_leaves_a_hu
     from schemas.config import RunConfig
 
     monkeypatch.chdir(model_dir.parent)
-    relative = prepare(RunConfig.model_validate({"model": {"path": model_dir.name}}), tmp_path / "run")
+    relative = prepare(
+        RunConfig.model_validate({"model": {"path": model_dir.name}}), tmp_path / "run"
+    )
     assert relative.model.path == str(model_dir.resolve())  # workers may start in another directory
     hub = prepare(RunConfig.model_validate({"model": {"path": REPO}}), tmp_path / "run")
     assert hub.model.path == REPO

@@ -89,8 +89,12 @@ class RecordingSimulated(SimulatedRolloutEngine):
 
     def __init__(self, model_dir: Path) -> None:
         hf = HFRolloutEngine(model_dir, seed=0)  # the real model, for the worker's checks only
-        settings = SimulatedSettings(median_tokens=TOKENS, sigma=0.0, seconds_per_token=SECONDS_PER_TOKEN, slots=4)
-        super().__init__(hf.model, ModelLimits.of(hf.model).vocab_size, hf.eos_token_ids[0], settings)
+        settings = SimulatedSettings(
+            median_tokens=TOKENS, sigma=0.0, seconds_per_token=SECONDS_PER_TOKEN, slots=4
+        )
+        super().__init__(
+            hf.model, ModelLimits.of(hf.model).vocab_size, hf.eos_token_ids[0], settings
+        )
         self.spans: list[Span] = []
         self._record = threading.Lock()
         self._released = threading.Event()
@@ -126,8 +130,9 @@ class RecordingSimulated(SimulatedRolloutEngine):
 
 
 @asynccontextmanager
-async def worker(url: str, topology: Topology, model_dir: Path, partial: bool) -> AsyncIterator[
-        tuple[JetStreamContext, RecordingSimulated]]:
+async def worker(
+    url: str, topology: Topology, model_dir: Path, partial: bool
+) -> AsyncIterator[tuple[JetStreamContext, RecordingSimulated]]:
     engine = RecordingSimulated(model_dir)
     rollout = {"engine": "simulated", "partial": partial}
     async with served_rollout(url, topology, model_dir, engine, rollout) as (_, js, _, served):
@@ -138,14 +143,20 @@ async def worker(url: str, topology: Topology, model_dir: Path, partial: bool) -
 async def publish_prompts(js: JetStreamContext, topology: Topology, first: int, count: int) -> None:
     for index in range(first, first + count):
         event = PromptEvent(
-            id=f"{topology.run}/0/{index}", run=topology.run, epoch=0, index=index,
-            token_ids=Tensor.from_numpy(np.array([3, 4, 5, 6], np.int32)), n=GROUP,
+            id=f"{topology.run}/0/{index}",
+            run=topology.run,
+            epoch=0,
+            index=index,
+            token_ids=Tensor.from_numpy(np.array([3, 4, 5, 6], np.int32)),
+            n=GROUP,
             sampling=PromptSampling(max_tokens=TOKENS + 10),
         )
         await js.publish(topology.subject(PROMPTS), encode(event))
 
 
-async def publish_weights(js: JetStreamContext, topology: Topology, engine: RecordingSimulated, version: int) -> None:
+async def publish_weights(
+    js: JetStreamContext, topology: Topology, engine: RecordingSimulated, version: int
+) -> None:
     params = {name: p.detach().clone() for name, p in engine.model.named_parameters()}
     event = await store_weights(js, topology, version, params)
     await js.publish(topology.subject(WEIGHTS), encode(event))
@@ -167,8 +178,9 @@ async def eventually(check: object, what: str, timeout: float = 30.0) -> None:
         await asyncio.sleep(0.05)
 
 
-def run_flow(url: str, topology: Topology, model_dir: Path, partial: bool) -> tuple[
-        RecordingSimulated, list[TrajectoryEvent]]:
+def run_flow(
+    url: str, topology: Topology, model_dir: Path, partial: bool
+) -> tuple[RecordingSimulated, list[TrajectoryEvent]]:
     """Prompts flowing on 4 slots, versions 1..LOADS published while samples are mid-way."""
 
     async def main() -> tuple[RecordingSimulated, list[TrajectoryEvent]]:
@@ -176,7 +188,9 @@ def run_flow(url: str, topology: Topology, model_dir: Path, partial: bool) -> tu
             await publish_weights(js, topology, engine, 0)
             prompts = 0
             for version in range(1, LOADS + 1):
-                await publish_prompts(js, topology, prompts, 8)  # 16 samples: four rounds of the 4 slots
+                await publish_prompts(
+                    js, topology, prompts, 8
+                )  # 16 samples: four rounds of the 4 slots
                 prompts += 8
                 before = len(engine.of("token"))
 
@@ -196,7 +210,9 @@ def run_flow(url: str, topology: Topology, model_dir: Path, partial: bool) -> tu
                 await eventually(loaded, f"v{version} loaded")
 
             async def all_stored() -> bool:
-                return (await js.stream_info(topology.stream(TRAJECTORIES))).state.messages == prompts * GROUP
+                return (
+                    await js.stream_info(topology.stream(TRAJECTORIES))
+                ).state.messages == prompts * GROUP
 
             await eventually(all_stored, f"{prompts * GROUP} trajectories stored")
             return engine, await stored(js, topology)
@@ -210,7 +226,9 @@ def test_a_version_loads_between_two_tokens_and_the_samples_in_flight_go_on_with
     engine, trajectories = run_flow(nats_server.url, topology, model_dir, partial=True)
     loads, tokens = engine.of("load"), engine.of("token")
     assert [load.version_at_end for load in loads] == list(range(1, LOADS + 1))
-    clashes = [(t, load) for t in tokens for load in loads if t.start < load.end and load.start < t.end]
+    clashes = [
+        (t, load) for t in tokens for load in loads if t.start < load.end and load.start < t.end
+    ]
     assert not clashes, f"{len(clashes)} tokens computed while weights loaded, first: {clashes[0]}"
     mixed = [t for t in tokens if t.version_at_start != t.version_at_end]
     assert not mixed, f"a token computed across a load: {mixed[0]}"
@@ -219,7 +237,9 @@ def test_a_version_loads_between_two_tokens_and_the_samples_in_flight_go_on_with
         versions = t.versions.numpy()
         steps = np.diff(versions)
         assert (steps >= 0).all(), f"{t.id}: versions go backwards: {versions.tolist()}"
-        assert (steps > 0).sum() <= 1, f"{t.id}: versions change at more than one point: {versions.tolist()}"
+        assert (steps > 0).sum() <= 1, (
+            f"{t.id}: versions change at more than one point: {versions.tolist()}"
+        )
         if steps.any():
             taken[int(versions[-1])] = taken.get(int(versions[-1]), 0) + 1
     # Each load came with every slot mid-way into a sample (more queued): those went on with it.
@@ -243,7 +263,9 @@ def with_versions(reward: RewardEvent, versions: list[int]) -> RewardEvent:
     """`reward` with its tokens computed by `versions` (one per response token)."""
     t = reward.trajectory
     data = t.model_dump() | {"versions": Tensor.from_numpy(np.asarray(versions, np.int32))}
-    return RewardEvent(id=reward.id, run=reward.run, trajectory=TrajectoryEvent(**data), reward=reward.reward)
+    return RewardEvent(
+        id=reward.id, run=reward.run, trajectory=TrajectoryEvent(**data), reward=reward.reward
+    )
 
 
 def test_a_group_whose_first_tokens_are_too_old_is_dropped_though_its_last_are_new(
@@ -256,9 +278,11 @@ def test_a_group_whose_first_tokens_are_too_old_is_dropped_though_its_last_are_n
     fillers = [group(run, i, (float(i), 0.0, 1.0, 0.5)) for i in (0, 1)]
     old_start = [with_versions(r, [0] * 4 + [2] * 4) for r in group(run, 2, (1.0, 0.0, 1.0, 0.0))]
     new_start = [with_versions(r, [1] * 4 + [2] * 4) for r in group(run, 3, (1.0, 0.0, 0.0, 0.0))]
-    config = RunConfig(run=run, algorithm=AlgorithmConfig(prompts_per_step=1, max_staleness=1,
-                                                          max_group_wait_steps=10),
-                       trainer=TrainerConfig(micro_batch_tokens=64))
+    config = RunConfig(
+        run=run,
+        algorithm=AlgorithmConfig(prompts_per_step=1, max_staleness=1, max_group_wait_steps=10),
+        trainer=TrainerConfig(micro_batch_tokens=64),
+    )
     log = tmp_path / "buffer.log"
 
     async def body(js: JetStreamContext) -> None:
@@ -286,7 +310,9 @@ def test_a_group_whose_first_tokens_are_too_old_is_dropped_though_its_last_are_n
         old_id, new_id = (g[0].trajectory.prompt_id for g in (old_start, new_start))
         trained = {p for b in by_step(stored)[2] for p in b.step_prompt_ids}
         reason = await drop_record(js, topology, old_id)
-        assert trained == {new_id}, f"step 2 trained {trained}, not only {new_id}: {summary(stored)}"
+        assert trained == {new_id}, (
+            f"step 2 trained {trained}, not only {new_id}: {summary(stored)}"
+        )
         assert reason is not None and "stale: version 0 < 1 at step 2" in reason, (
             f"the group begun under v0 was not dropped as stale by its oldest token: {reason!r}"
         )

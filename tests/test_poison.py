@@ -97,14 +97,23 @@ VOCAB_SIZE, CONTEXT = len(VOCAB), 64
 MAX_TOKENS = 4
 FAR_VERSION = 10**6
 """A weight version no trainer reaches in these tests: offered, it is always newer."""
-CHANNEL = {channel.name: channel for channel in CHANNELS if channel.event is not None and channel is not SCORED}
+CHANNEL = {
+    channel.name: channel
+    for channel in CHANNELS
+    if channel.event is not None and channel is not SCORED
+}
 """Every channel that carries events in a run without the reference stage, by name (the tests'
 parameter); `scored`, and `rewards` read by the reference stage: `test_reference_stage_poison`."""
 STREAMS = tuple(CHANNEL)
 READER = {name: channel.readers[0].role for name, channel in CHANNEL.items()}
 """The stage that consumes each stream, and so dead-letters what it cannot use."""
-GOLDEN_NAME = {"prompts": "prompt.v1", "trajectories": "trajectory.v1", "rewards": "reward.v1",
-               "batches": "batch.v1", "weights": "weights.v1"}
+GOLDEN_NAME = {
+    "prompts": "prompt.v1",
+    "trajectories": "trajectory.v1",
+    "rewards": "reward.v1",
+    "batches": "batch.v1",
+    "weights": "weights.v1",
+}
 EVENT = {name: channel.event for name, channel in CHANNEL.items()}
 
 
@@ -126,9 +135,15 @@ def assert_safe(event: Event) -> None:
             assert tensor.numpy().dtype == np.int32 and (tensor.numpy() >= 0).all()
         assert event.prompt_ids.numpy().size > 0
         logprobs = event.logprobs.numpy()
-        assert logprobs.dtype == np.float32 and np.isfinite(logprobs).all() and (logprobs <= 0).all()
+        assert (
+            logprobs.dtype == np.float32 and np.isfinite(logprobs).all() and (logprobs <= 0).all()
+        )
     if isinstance(event, BatchEvent):
-        ids, attention, loss = event.input_ids.numpy(), event.attention_mask.numpy(), event.loss_mask.numpy()
+        ids, attention, loss = (
+            event.input_ids.numpy(),
+            event.attention_mask.numpy(),
+            event.loss_mask.numpy(),
+        )
         assert ids.dtype == np.int32 and ids.size > 0 and ids.min() >= 0
         assert set(np.unique(attention)) <= {0, 1} and (loss <= attention).all()
         for tensor in (event.advantages, event.rewards, event.behaviour_logprobs):
@@ -139,8 +154,13 @@ def assert_safe(event: Event) -> None:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.sampled_from(sorted(GOLDEN_MAPS)).flatmap(malformed), expected=st.sampled_from([Event, *EVENT_TYPES]))
-def test_decode_returns_a_safe_event_or_raises_decode_error(data: bytes, expected: type[Event]) -> None:
+@given(
+    data=st.sampled_from(sorted(GOLDEN_MAPS)).flatmap(malformed),
+    expected=st.sampled_from([Event, *EVENT_TYPES]),
+)
+def test_decode_returns_a_safe_event_or_raises_decode_error(
+    data: bytes, expected: type[Event]
+) -> None:
     try:
         event = decode(data, expected)
     except DecodeError as exc:
@@ -200,20 +220,29 @@ def test_a_burst_of_max_size_messages_goes_dead_without_dropping_the_connection(
         js = nc.jetstream()
         await topology.apply(js)
         subject = topology.subject(TRAJECTORIES)
-        keys = {(subject, (await js.publish(subject, bytes([0xC1]) * MAX_PAYLOAD)).seq) for _ in range(count)}
+        keys = {
+            (subject, (await js.publish(subject, bytes([0xC1]) * MAX_PAYLOAD)).seq)
+            for _ in range(count)
+        }
         publisher = Publisher(js, topology)
         await publisher.publish(TRAJECTORIES, trajectory(topology.run))
         options = WorkerOptions(concurrency=32, fetch_timeout=0.2)
         stop = asyncio.Event()
-        task = asyncio.create_task(Worker(js, topology, TRAJECTORIES, handler, publisher, options).run(stop))
+        task = asyncio.create_task(
+            Worker(js, topology, TRAJECTORIES, handler, publisher, options).run(stop)
+        )
         try:
-            await eventually(lambda: bool(handled) and len(keys) == count, "the valid event is handled")
-            await eventually_async(lambda: dead_count(js, topology, count), "every max-size message is dead", 60)
+            await eventually(
+                lambda: bool(handled) and len(keys) == count, "the valid event is handled"
+            )
+            await eventually_async(
+                lambda: dead_count(js, topology, count), "every max-size message is dead", 60
+            )
             dead = await dead_letters(js, topology)
             assert set(dead) == keys
-            assert {(d.original_size, len(d.data), d.reason.split(":")[0]) for d in dead.values()} == {
-                (MAX_PAYLOAD, MAX_PAYLOAD - HEADERS_ROOM, "not msgpack")
-            }
+            assert {
+                (d.original_size, len(d.data), d.reason.split(":")[0]) for d in dead.values()
+            } == {(MAX_PAYLOAD, MAX_PAYLOAD - HEADERS_ROOM, "not msgpack")}
             assert nc.stats["reconnects"] == 0
         finally:
             stop.set()
@@ -238,7 +267,9 @@ async def eventually(predicate: Callable[[], bool], what: str, timeout: float = 
     await eventually_async(check, what, timeout)
 
 
-async def eventually_async(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 30.0) -> None:
+async def eventually_async(
+    check: Callable[[], Awaitable[bool]], what: str, timeout: float = 30.0
+) -> None:
     """Wait until `check()` holds; fail the test after `timeout` s."""
     deadline = time.monotonic() + timeout
     while not await check():
@@ -259,15 +290,24 @@ def ids_tensor(values: list[int] | np.ndarray) -> Tensor:
     return Tensor.from_numpy(np.asarray(values, dtype=np.int32))
 
 
-def scored(prompt_id: str, sample: int, group: int, response: list[int], reward: float) -> RewardEvent:
+def scored(
+    prompt_id: str, sample: int, group: int, response: list[int], reward: float
+) -> RewardEvent:
     """A RewardEvent for `response` (ids, which need not be in the vocabulary) to prompt
     "c1234="."""
     n = len(response)
     t = TrajectoryEvent(
-        id=f"{prompt_id}/{sample}", run=prompt_id.split("/")[0], prompt_id=prompt_id, sample_index=sample,
-        group_size=group, prompt_ids=ids_tensor(tokens("c1234=")), response_ids=ids_tensor(response),
-        logprobs=Tensor.from_numpy(np.full(n, -1.0, np.float32)), versions=ids_tensor(np.zeros(n, np.int32)),
-        response_text="", task={"name": "digits", "rule": "copy", "target": "1234"},
+        id=f"{prompt_id}/{sample}",
+        run=prompt_id.split("/")[0],
+        prompt_id=prompt_id,
+        sample_index=sample,
+        group_size=group,
+        prompt_ids=ids_tensor(tokens("c1234=")),
+        response_ids=ids_tensor(response),
+        logprobs=Tensor.from_numpy(np.full(n, -1.0, np.float32)),
+        versions=ids_tensor(np.zeros(n, np.int32)),
+        response_text="",
+        task={"name": "digits", "rule": "copy", "target": "1234"},
     )
     return RewardEvent(id=t.id, run=t.run, trajectory=t, reward=reward)
 
@@ -290,16 +330,26 @@ class Fleet:
     def __init__(self, url: str, topology: Topology, model_dir: Path, work: Path) -> None:
         self.url, self.topology, self.model_dir, self.work = url, topology, model_dir, work
         self.run = topology.run
-        self.config = RunConfig.model_validate({
-            "run": self.run,
-            "model": {"path": str(model_dir)},
-            "data": {"reward": "producers.tasks:score_digits", "n": 2, "sampling": {"max_tokens": MAX_TOKENS}},
-            # One group a step: every valid group behind poison makes a step of its own.
-            "algorithm": {"prompts_per_step": 1, "max_staleness": 10**6},
-            "trainer": {"steps": 10**6, "checkpoint_every": 10**6, "checkpoint_dir": str(work / "checkpoints")},
-            "rollout": {"max_batch_prompts": 4},
-            "reward": {"processes": 1, "timeout": 10.0},
-        })
+        self.config = RunConfig.model_validate(
+            {
+                "run": self.run,
+                "model": {"path": str(model_dir)},
+                "data": {
+                    "reward": "producers.tasks:score_digits",
+                    "n": 2,
+                    "sampling": {"max_tokens": MAX_TOKENS},
+                },
+                # One group a step: every valid group behind poison makes a step of its own.
+                "algorithm": {"prompts_per_step": 1, "max_staleness": 10**6},
+                "trainer": {
+                    "steps": 10**6,
+                    "checkpoint_every": 10**6,
+                    "checkpoint_dir": str(work / "checkpoints"),
+                },
+                "rollout": {"max_batch_prompts": 4},
+                "reward": {"processes": 1, "timeout": 10.0},
+            }
+        )
         self.seen = Observed()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -332,7 +382,9 @@ class Fleet:
         self.trainer_log = open(self.work / "trainer.log", "wb")  # noqa: SIM115 - closed in stop()
         self.trainer = subprocess.Popen(
             [sys.executable, "-m", "consumers.trainer", "--run", self.run, "--nats", self.url],
-            cwd=ROOT, stdout=self.trainer_log, stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            stdout=self.trainer_log,
+            stderr=subprocess.STDOUT,
         )
         for channel in (TRAJECTORIES, REWARDS, WEIGHTS, BATCHES):
             observer = self._observe(self.topology.subjects(channel), channel.event)  # type: ignore[arg-type]
@@ -347,7 +399,9 @@ class Fleet:
         await eventually_async(self._watching_weights, "the rollout watches the weights stream")
         await self.until(lambda: 0 in self.seen.weights, "the trainer publishes version 0", 120)
         await self._store_refused_weights()
-        await self.js.publish(self.subject(REWARDS), encode(scored(self.held_group, 0, 2, [1], 1.0)))
+        await self.js.publish(
+            self.subject(REWARDS), encode(scored(self.held_group, 0, 2, [1], 1.0))
+        )
 
     async def _start_stage(self, role: str, build: Builder) -> Runtime:
         """Build the role's stage as its `python -m consumers.<role>` does, and serve it."""
@@ -370,14 +424,21 @@ class Fleet:
         model = self.model
         params = {name: param.detach().clone() for name, param in model.named_parameters()}
         good = await store_weights(self.js, self.topology, FAR_VERSION, params)
-        await (await self.js.object_store(self.topology.object_bucket)).put("corrupt.safetensors", b"\x00" * 64)
+        await (await self.js.object_store(self.topology.object_bucket)).put(
+            "corrupt.safetensors", b"\x00" * 64
+        )
         first, *rest = good.manifest
         self.refused_weights = [
-            encode(event) for event in (
-                good.model_copy(update={"manifest": (first.model_copy(update={"sha256": "0" * 64}), *rest)}),
+            encode(event)
+            for event in (
+                good.model_copy(
+                    update={"manifest": (first.model_copy(update={"sha256": "0" * 64}), *rest)}
+                ),
                 good.model_copy(update={"location": "missing.safetensors"}),
                 good.model_copy(update={"location": "corrupt.safetensors"}),
-                good.model_copy(update={"manifest": (first.model_copy(update={"shape": (1, 1)}), *rest)}),
+                good.model_copy(
+                    update={"manifest": (first.model_copy(update={"shape": (1, 1)}), *rest)}
+                ),
                 good.model_copy(update={"manifest": tuple(rest)}),
             )
         ]
@@ -438,7 +499,9 @@ class Fleet:
     def assert_alive(self) -> None:
         """No worker stopped: every task still runs and the trainer process too."""
         stopped = {name: task for name, task in self.tasks.items() if task.done()}
-        assert not stopped, {name: task.exception() for name, task in stopped.items() if not task.cancelled()}
+        assert not stopped, {
+            name: task.exception() for name, task in stopped.items() if not task.cancelled()
+        }
         assert self.trainer.poll() is None, self.trainer_tail()
 
     def trainer_tail(self) -> str:
@@ -456,7 +519,9 @@ class Fleet:
     # Poison and valid events ------------------------------------------------------------
     def subject(self, channel: Channel) -> str:
         """The subject of `channel` (rank 0's for batches)."""
-        return self.topology.subject(channel, 0) if channel.token else self.topology.subject(channel)
+        return (
+            self.topology.subject(channel, 0) if channel.token else self.topology.subject(channel)
+        )
 
     async def send(self, stream: str, data: bytes) -> Key:
         """Publish raw bytes (no message id: poison is not deduplicated) and return their key."""
@@ -465,27 +530,39 @@ class Fleet:
 
     async def dead_letters(self, keys: list[Key]) -> list[Dead]:
         """The dead letters of `keys`, once they are all there."""
-        await self.until(lambda: all(key in self.seen.dead for key in keys), f"{len(keys)} messages are dead", 60)
+        await self.until(
+            lambda: all(key in self.seen.dead for key in keys), f"{len(keys)} messages are dead", 60
+        )
         return [self.seen.dead[key] for key in keys]
 
     async def valid_prompt(self) -> None:
         """A prompt behind the poison: wait for its n trajectories."""
         index = next(self.counter)
         prompt = PromptEvent(
-            id=f"{self.run}/0/{index}", run=self.run, epoch=0, index=index, token_ids=ids_tensor(tokens("c1234=")),
-            task={"name": "digits", "rule": "copy", "target": "1234"}, n=2,
+            id=f"{self.run}/0/{index}",
+            run=self.run,
+            epoch=0,
+            index=index,
+            token_ids=ids_tensor(tokens("c1234=")),
+            task={"name": "digits", "rule": "copy", "target": "1234"},
+            n=2,
             sampling=SamplingParams(max_tokens=MAX_TOKENS),
         )
         await self.js.publish(self.subject(PROMPTS), encode(prompt))
         expected = {f"{prompt.id}/{i}" for i in range(prompt.n)}
-        await self.until(lambda: expected <= self.seen.trajectories, f"trajectories for {prompt.id}")
+        await self.until(
+            lambda: expected <= self.seen.trajectories, f"trajectories for {prompt.id}"
+        )
 
     async def valid_trajectories(self) -> None:
         """Three trajectories behind the poison: scored, scored with an empty response, and
         failed by the reward function (its task has no target): wait for their rewards."""
         index = next(self.counter)
-        cases = {"ok": ("12", {"target": "1234"}, 0.5, False), "empty": ("", {"target": "1234"}, 0.0, False),
-                 "no target": ("1", {}, 0.0, True)}
+        cases = {
+            "ok": ("12", {"target": "1234"}, 0.5, False),
+            "empty": ("", {"target": "1234"}, 0.0, False),
+            "no target": ("1", {}, 0.0, True),
+        }
         sent = {}
         for name, (text, task, reward, failed) in cases.items():
             prompt_id = f"{self.run}/t{index}/{name.replace(' ', '-')}"
@@ -494,15 +571,21 @@ class Fleet:
             t = t.model_copy(update={"response_text": text, "task": task})
             await self.js.publish(self.subject(TRAJECTORIES), encode(t))
             sent[t.id] = (reward, failed)
-        await self.until(lambda: set(sent) <= set(self.seen.rewards), "rewards for the valid trajectories")
+        await self.until(
+            lambda: set(sent) <= set(self.seen.rewards), "rewards for the valid trajectories"
+        )
         got = {i: (self.seen.rewards[i].reward, self.seen.rewards[i].failed) for i in sent}
         assert got == sent
-        assert "KeyError" in next(self.seen.rewards[i].reason for i, (_, failed) in sent.items() if failed)
+        assert "KeyError" in next(
+            self.seen.rewards[i].reason for i, (_, failed) in sent.items() if failed
+        )
 
     async def group(self, responses: tuple[list[int], list[int]]) -> list[str]:
         """Publish a complete group of two scored samples (rewards 1 and 0); their ids."""
         prompt_id = f"{self.run}/g{next(self.counter)}"
-        events = [scored(prompt_id, i, 2, response, 1.0 - i) for i, response in enumerate(responses)]
+        events = [
+            scored(prompt_id, i, 2, response, 1.0 - i) for i, response in enumerate(responses)
+        ]
         for event in events:
             await self.js.publish(self.subject(REWARDS), encode(event))
         return [event.id for event in events]
@@ -522,7 +605,9 @@ class Fleet:
 
     def step_of(self, sample_ids: list[str]) -> int | None:
         """The step of the batch holding `sample_ids`, once the buffer stored one."""
-        return next((b.step for b in self.seen.batches if set(sample_ids) <= set(b.sample_ids)), None)
+        return next(
+            (b.step for b in self.seen.batches if set(sample_ids) <= set(b.sample_ids)), None
+        )
 
     async def refused_by_trainer(self, sample_ids: list[str]) -> str:
         """The reason the trainer gave for the batch holding `sample_ids`, once it gave one."""
@@ -558,7 +643,9 @@ def batch_ids(data: bytes) -> tuple[str, ...]:
 def fleet(nats_server: EmbeddedNats, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     work = tmp_path_factory.mktemp("poison")
     model_dir = build_tiny_model(work / "model", VOCAB)
-    fleet = Fleet(nats_server.url, Topology(run=f"poison{int(time.time() * 1000) % 10**8}"), model_dir, work)
+    fleet = Fleet(
+        nats_server.url, Topology(run=f"poison{int(time.time() * 1000) % 10**8}"), model_dir, work
+    )
     fleet.start()
     yield fleet
     fleet.stop_all()
@@ -585,9 +672,12 @@ def test_one_of_each_kind_in_every_stream_goes_dead_and_valid_events_flow(fleet:
         dead = fleet.call(fleet.dead_letters(keys))
         check_dead(stream, keys, dead)
         oversize = next(d for d in dead if d.original_size is not None)
-        assert oversize.original_size == MAX_PAYLOAD and len(oversize.data) == MAX_PAYLOAD - HEADERS_ROOM
+        assert (
+            oversize.original_size == MAX_PAYLOAD
+            and len(oversize.data) == MAX_PAYLOAD - HEADERS_ROOM
+        )
         if stream == "weights":
-            reasons = [d.reason for d in dead[-len(fleet.refused_weights):]]
+            reasons = [d.reason for d in dead[-len(fleet.refused_weights) :]]
             assert all(r.startswith("weights refused:") for r in reasons), reasons
         fleet.call(fleet.valid_events(stream))
     assert fleet.serving() < FAR_VERSION
@@ -598,8 +688,17 @@ def refused_prompts() -> st.SearchStrategy[bytes]:
     """Prompts that decode but this model can never generate from."""
 
     def prompt(**fields: Any) -> bytes:
-        return encode(PromptEvent(id="p/0/0", run="p", epoch=0, index=0, n=2,
-                                  sampling=SamplingParams(max_tokens=MAX_TOKENS), **fields))
+        return encode(
+            PromptEvent(
+                id="p/0/0",
+                run="p",
+                epoch=0,
+                index=0,
+                n=2,
+                sampling=SamplingParams(max_tokens=MAX_TOKENS),
+                **fields,
+            )
+        )
 
     in_vocab = st.integers(0, VOCAB_SIZE - 1)
     past_vocab = st.tuples(st.lists(in_vocab, max_size=6), st.integers(VOCAB_SIZE, 2**31 - 1)).map(
@@ -608,8 +707,12 @@ def refused_prompts() -> st.SearchStrategy[bytes]:
     too_long = st.integers(CONTEXT - MAX_TOKENS + 1, 4 * CONTEXT).map(lambda n: [TOKEN["1"]] * n)
     return st.one_of(
         st.one_of(past_vocab, too_long).map(lambda ids: prompt(token_ids=ids_tensor(ids))),
-        st.text(alphabet=" xyzXYZ!?", max_size=8).map(lambda text: prompt(prompt=text)),  # no token of the vocabulary
-        st.just(prompt(messages=({"role": "user", "content": "c1234="},))),  # the tokenizer has no chat template
+        st.text(alphabet=" xyzXYZ!?", max_size=8).map(
+            lambda text: prompt(prompt=text)
+        ),  # no token of the vocabulary
+        st.just(
+            prompt(messages=({"role": "user", "content": "c1234="},))
+        ),  # the tokenizer has no chat template
     )
 
 
@@ -631,7 +734,9 @@ def refused_rewards(held_group: str) -> st.SearchStrategy[bytes]:
 def other_step_batches() -> st.SearchStrategy[bytes]:
     """Batches that decode but are for a step the trainer is not at (the golden one, moved)."""
     batch = golden()["batch.v1"]
-    return st.integers(10**4, 2**31 - 1).map(lambda step: encode(batch.model_copy(update={"step": step})))
+    return st.integers(10**4, 2**31 - 1).map(
+        lambda step: encode(batch.model_copy(update={"step": step}))
+    )
 
 
 def poison_for(stream: str, fleet: Fleet) -> st.SearchStrategy[bytes]:
@@ -654,7 +759,9 @@ def poison_for(stream: str, fleet: Fleet) -> st.SearchStrategy[bytes]:
 @pytest.mark.parametrize("stream", STREAMS)
 @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
-def test_hypothesis_poison_goes_dead_and_valid_events_flow(fleet: Fleet, stream: str, data: st.DataObject) -> None:
+def test_hypothesis_poison_goes_dead_and_valid_events_flow(
+    fleet: Fleet, stream: str, data: st.DataObject
+) -> None:
     poison = data.draw(st.lists(poison_for(stream, fleet), min_size=2, max_size=4), label="poison")
     keys = [fleet.call(fleet.send(stream, message)) for message in poison]
     check_dead(stream, keys, fleet.call(fleet.dead_letters(keys)))
@@ -670,7 +777,9 @@ def test_hypothesis_poison_goes_dead_and_valid_events_flow(fleet: Fleet, stream:
         st.integers(CONTEXT, 2 * CONTEXT).map(lambda n: [TOKEN["1"]] * n),
     )
 )
-def test_ids_or_lengths_the_model_cannot_take_are_refused_by_the_trainer(fleet: Fleet, response: list[int]) -> None:
+def test_ids_or_lengths_the_model_cannot_take_are_refused_by_the_trainer(
+    fleet: Fleet, response: list[int]
+) -> None:
     """A response with a token id past the vocabulary, or too long for the context, decodes
     and is batched (the buffer holds no model); the trainer refuses the micro-batch holding it,
     with the reason, and counts it toward its step, so the next valid group still trains."""
@@ -684,7 +793,12 @@ def test_ids_or_lengths_the_model_cannot_take_are_refused_by_the_trainer(fleet: 
 # --- the reference stage's streams ------------------------------------------------------
 
 
-async def _until(check: Callable[[], Awaitable[bool]], what: str, tasks: list[asyncio.Task[Any]], timeout: float = 60) -> None:
+async def _until(
+    check: Callable[[], Awaitable[bool]],
+    what: str,
+    tasks: list[asyncio.Task[Any]],
+    timeout: float = 60,
+) -> None:
     """Wait for `check`, failing at once if a stage stopped meanwhile."""
     deadline = time.monotonic() + timeout
     while not await check():
@@ -703,13 +817,21 @@ def test_reference_stage_poison(nats_server: EmbeddedNats, tmp_path: Path) -> No
     batched with its reference log-probs and its KL coefficient, and no stage stopped."""
     run = f"refpoison{int(time.time() * 1000) % 10**8}"
     model_dir = build_tiny_model(tmp_path / "model", VOCAB)
-    config = RunConfig.model_validate({
-        "run": run, "model": {"path": str(model_dir)},
-        "data": {"n": 2, "sampling": {"max_tokens": MAX_TOKENS}},
-        "algorithm": {"prompts_per_step": 1, "max_staleness": 10**6, "kl_coef": 0.1, "kl_placement": "reward"},
-        "trainer": {"steps": 10**6},
-        "reference": {"enabled": True, "batch": 2},
-    })
+    config = RunConfig.model_validate(
+        {
+            "run": run,
+            "model": {"path": str(model_dir)},
+            "data": {"n": 2, "sampling": {"max_tokens": MAX_TOKENS}},
+            "algorithm": {
+                "prompts_per_step": 1,
+                "max_staleness": 10**6,
+                "kl_coef": 0.1,
+                "kl_placement": "reward",
+            },
+            "trainer": {"steps": 10**6},
+            "reference": {"enabled": True, "batch": 2},
+        }
+    )
     topology = Topology.for_config(config)
 
     def refused_by_reference() -> list[bytes]:
@@ -720,9 +842,27 @@ def test_reference_stage_poison(nats_server: EmbeddedNats, tmp_path: Path) -> No
     def refused_by_buffer() -> list[bytes]:
         bare = scored(f"{run}/b", 0, 2, [TOKEN["1"]], 1.0)  # never passed the reference stage
         fields = msgpack.unpackb(encode(bare))
-        positive = {**fields, "ref_logprobs": {"dtype": "float32", "shape": [1], "data": np.array([0.5], dtype=np.float32).tobytes()}}
-        short = {**fields, "ref_logprobs": {"dtype": "float32", "shape": [2], "data": np.array([-1, -1], dtype=np.float32).tobytes()}}
-        return [encode(bare), msgpack.packb(positive, use_bin_type=True), msgpack.packb(short, use_bin_type=True)]
+        positive = {
+            **fields,
+            "ref_logprobs": {
+                "dtype": "float32",
+                "shape": [1],
+                "data": np.array([0.5], dtype=np.float32).tobytes(),
+            },
+        }
+        short = {
+            **fields,
+            "ref_logprobs": {
+                "dtype": "float32",
+                "shape": [2],
+                "data": np.array([-1, -1], dtype=np.float32).tobytes(),
+            },
+        }
+        return [
+            encode(bare),
+            msgpack.packb(positive, use_bin_type=True),
+            msgpack.packb(short, use_bin_type=True),
+        ]
 
     async def scenario() -> tuple[dict[str, list[Dead]], BatchEvent]:
         nc = await connect(nats_server.url, "test-reference-poison")
@@ -738,10 +878,18 @@ def test_reference_stage_poison(nats_server: EmbeddedNats, tmp_path: Path) -> No
             tasks.append(asyncio.create_task(serve(rt, stage, stop)))
         try:
             dead: dict[str, list[Dead]] = {}
-            for channel, refused in ((REWARDS, refused_by_reference()), (SCORED, refused_by_buffer())):
+            for channel, refused in (
+                (REWARDS, refused_by_reference()),
+                (SCORED, refused_by_buffer()),
+            ):
                 poison = one_of_each_kind("reward.v1", MAX_PAYLOAD) + refused
-                keys = [(topology.subject(channel), (await js.publish(topology.subject(channel), data)).seq)
-                        for data in poison]
+                keys = [
+                    (
+                        topology.subject(channel),
+                        (await js.publish(topology.subject(channel), data)).seq,
+                    )
+                    for data in poison
+                ]
                 found: dict[Key, Dead] = {}
 
                 async def all_dead(keys: list[Key] = keys, found: dict[Key, Dead] = found) -> bool:
@@ -750,7 +898,10 @@ def test_reference_stage_poison(nats_server: EmbeddedNats, tmp_path: Path) -> No
 
                 await _until(all_dead, f"the poison in {channel.name} is dead", tasks)
                 dead[channel.name] = [found[key] for key in keys]
-            group = [scored(f"{run}/good", i, 2, [TOKEN["1"], TOKEN["2"]][: 2 - i], 1.0 - i) for i in range(2)]
+            group = [
+                scored(f"{run}/good", i, 2, [TOKEN["1"], TOKEN["2"]][: 2 - i], 1.0 - i)
+                for i in range(2)
+            ]
             for event in group:
                 await js.publish(topology.subject(REWARDS), encode(event))
 
@@ -780,7 +931,9 @@ def test_reference_stage_poison(nats_server: EmbeddedNats, tmp_path: Path) -> No
             assert letter.stage == stage and letter.reason, (stream, letter.stage, letter.reason)
             assert not letter.reason.startswith(("failed ", "gave up")), (stream, letter.reason)
     reasons = [d.reason for d in dead["rewards"][-2:]] + [d.reason for d in dead["scored"][-3:]]
-    assert "outside the model's vocabulary" in reasons[0] and "the model's context is" in reasons[1], reasons
+    assert (
+        "outside the model's vocabulary" in reasons[0] and "the model's context is" in reasons[1]
+    ), reasons
     assert "no reference log-probs" in reasons[2], reasons
     assert "ref_logprobs" in reasons[3] and "ref_logprobs" in reasons[4], reasons
     assert set(batch.sample_ids) == {f"{run}/good/0", f"{run}/good/1"}

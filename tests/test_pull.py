@@ -52,7 +52,10 @@ def test_pulled_messages_ack_nak_term_and_heartbeat_like_jetstream_messages(
         try:
             first = await puller.fetch(4, 1.0)
             assert [(m.metadata.sequence.stream, m.metadata.num_delivered) for m in first] == [
-                (1, 1), (2, 1), (3, 1), (4, 1)
+                (1, 1),
+                (2, 1),
+                (3, 1),
+                (4, 1),
             ]
             acked, termed, naked, held = first
             await acked.ack()
@@ -75,14 +78,22 @@ def test_pulled_messages_ack_nak_term_and_heartbeat_like_jetstream_messages(
                 except nats.errors.TimeoutError:
                     continue
                 for msg in msgs:
-                    back.append((msg.metadata.sequence.stream, msg.metadata.num_delivered, time.monotonic() - naked_at))
+                    back.append(
+                        (
+                            msg.metadata.sequence.stream,
+                            msg.metadata.num_delivered,
+                            time.monotonic() - naked_at,
+                        )
+                    )
                     await msg.ack_sync()
             beats.cancel()
             assert [(seq, n) for seq, n, _ in back] == [(3, 2)], (
                 "expected only the nak'ed message back, on its second delivery; got (seq, "
                 f"delivery, after s) {back}"
             )
-            assert back[0][2] >= 0.25, f"the nak'ed message came back {back[0][2]:.2f} s after a 0.3 s delay"
+            assert back[0][2] >= 0.25, (
+                f"the nak'ed message came back {back[0][2]:.2f} s after a 0.3 s delay"
+            )
             await held.ack_sync()  # waits for the server, which consumer_info then reflects
             info = await js.consumer_info(stream, queue.durable)
             assert (info.num_ack_pending, info.num_pending) == (0, 0), info
@@ -110,10 +121,19 @@ def test_a_message_carrying_its_own_status_header_is_handled_not_taken_for_a_sta
         js = nc.jetstream()
         await topology.apply(js)
         event = trajectory(topology.run)
-        await js.publish(topology.subject(TRAJECTORIES), encode(event),
-                         headers={"Status": "404", "Description": "No Messages"})
-        worker = Worker(js, topology, TRAJECTORIES, handler, Publisher(js, topology),
-                        WorkerOptions(fetch_timeout=0.2))
+        await js.publish(
+            topology.subject(TRAJECTORIES),
+            encode(event),
+            headers={"Status": "404", "Description": "No Messages"},
+        )
+        worker = Worker(
+            js,
+            topology,
+            TRAJECTORIES,
+            handler,
+            Publisher(js, topology),
+            WorkerOptions(fetch_timeout=0.2),
+        )
         stop = asyncio.Event()
         task = asyncio.create_task(worker.run(stop))
         deadline = time.monotonic() + 10
@@ -123,7 +143,9 @@ def test_a_message_carrying_its_own_status_header_is_handled_not_taken_for_a_sta
         await asyncio.wait_for(task, 15)
         await topology.delete(js)
         await nc.close()
-        assert handled == [event.id], "the event with a 'Status: 404' header of its own was not handled in 10 s"
+        assert handled == [event.id], (
+            "the event with a 'Status: 404' header of its own was not handled in 10 s"
+        )
 
     asyncio.run(main())
 
@@ -182,8 +204,21 @@ def test_bus_uses_no_private_attribute_of_another_object() -> None:
     reached = []
     for path in sorted((ROOT / "bus").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            private = isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
-            own = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
-            if isinstance(node, ast.Attribute) and private and not own and ast.unparse(node) not in documented:
+            private = (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            )
+            own = (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("self", "cls")
+            )
+            if (
+                isinstance(node, ast.Attribute)
+                and private
+                and not own
+                and ast.unparse(node) not in documented
+            ):
                 reached.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
     assert not reached, f"private attributes reached: {reached}"

@@ -46,15 +46,35 @@ def test_up_runs_the_fleet_as_actors_and_down_drains_them(
     declare_run(nats_server.url, topology)
     fleet = tmp_path / "fleet.yaml"
     # One CPU each (the default) on a 2-CPU cluster: both fit, nothing more would.
-    fleet.write_text(yaml.safe_dump({
-        "run": topology.run, "logs": str(tmp_path / "logs"), "stop_timeout": 20,
-        "roles": {"buffer": {}, "reward": {"env": {"OMP_NUM_THREADS": "1"}}},
-    }))
+    fleet.write_text(
+        yaml.safe_dump(
+            {
+                "run": topology.run,
+                "logs": str(tmp_path / "logs"),
+                "stop_timeout": 20,
+                "roles": {"buffer": {}, "reward": {"env": {"OMP_NUM_THREADS": "1"}}},
+            }
+        )
+    )
 
     def cli(action: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "ops.ray", action, str(fleet), "--address", ray_address, "--nats", nats_server.url],
-            check=False, cwd=ROOT, capture_output=True, text=True, timeout=120,
+            [
+                sys.executable,
+                "-m",
+                "ops.ray",
+                action,
+                str(fleet),
+                "--address",
+                ray_address,
+                "--nats",
+                nats_server.url,
+            ],
+            check=False,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
 
     started = cli("up")
@@ -64,11 +84,16 @@ def test_up_runs_the_fleet_as_actors_and_down_drains_them(
     assert named_actors() == [f"{topology.run}/fleet/buffer-0", f"{topology.run}/fleet/reward-0"]
     # The processes the actors started are the run's members.
     expected = sorted((role, int(pid)) for role, pid in placed.items())
-    wait_for(lambda: sorted((m.role, m.pid) for m in members(nats_server.url, topology)) == expected, 60)
+    wait_for(
+        lambda: sorted((m.role, m.pid) for m in members(nats_server.url, topology)) == expected, 60
+    )
 
     stopped = cli("down")
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-    assert stopped.stdout.splitlines() == ["buffer-0: drained (exit 0)", "reward-0: drained (exit 0)"]
+    assert stopped.stdout.splitlines() == [
+        "buffer-0: drained (exit 0)",
+        "reward-0: drained (exit 0)",
+    ]
     assert members(nats_server.url, topology) == []  # a clean exit deletes its entry at once
     assert named_actors() == []
     assert "buffer-0: not up" in cli("down").stdout  # nothing left to stop

@@ -46,8 +46,12 @@ def job_config(run: str) -> dict:
     config["run"] = run
     config["trainer"] = {**config["trainer"], "steps": STEPS}
     config["algorithm"] = {
-        **config["algorithm"], "prompts_per_step": 8, "kl_coef": 0.05, "kl_placement": "reward",
-        "kl_target": 0.01, "kl_horizon": 200,
+        **config["algorithm"],
+        "prompts_per_step": 8,
+        "kl_coef": 0.05,
+        "kl_placement": "reward",
+        "kl_target": 0.01,
+        "kl_horizon": 200,
     }
     config["reference"] = {"enabled": True, "workers": 1, "batch": 4}
     config["streams"] = {"consumed": "keep"}  # rewards and scored stay, to be compared
@@ -63,15 +67,26 @@ async def read_all(js: JetStreamContext, subject: str, stream: str) -> list[byte
         await sub.unsubscribe()
 
 
-async def inspect(url: str, admin: Path, cfg: RunConfig) -> tuple[dict, list[RewardEvent], list[RewardEvent], list[BatchEvent], list[str]]:
+async def inspect(
+    url: str, admin: Path, cfg: RunConfig
+) -> tuple[dict, list[RewardEvent], list[RewardEvent], list[BatchEvent], list[str]]:
     nc = await connect(url, "test-reference-job", identity=admin)
     js = nc.jetstream()
     topology = Topology.for_config(cfg)
     try:
         result = await audit(js, topology, cfg.staleness)
-        rewards = [decode(d, RewardEvent) for d in await read_all(js, topology.subject(REWARDS), topology.stream(REWARDS))]
-        scored = [decode(d, RewardEvent) for d in await read_all(js, topology.subject(SCORED), topology.stream(SCORED))]
-        batches = [decode(d, BatchEvent) for d in await read_all(js, topology.subjects(BATCHES), topology.stream(BATCHES))]
+        rewards = [
+            decode(d, RewardEvent)
+            for d in await read_all(js, topology.subject(REWARDS), topology.stream(REWARDS))
+        ]
+        scored = [
+            decode(d, RewardEvent)
+            for d in await read_all(js, topology.subject(SCORED), topology.stream(SCORED))
+        ]
+        batches = [
+            decode(d, BatchEvent)
+            for d in await read_all(js, topology.subjects(BATCHES), topology.stream(BATCHES))
+        ]
         stages = []
         if count := (await js.stream_info(topology.stream(DEAD))).state.messages:
             sub = await js.subscribe(topology.subjects(DEAD), ordered_consumer=True)
@@ -83,7 +98,9 @@ async def inspect(url: str, admin: Path, cfg: RunConfig) -> tuple[dict, list[Rew
 
 
 @pytest.mark.timeout(600)
-def test_reference_stage_survives_kill_9_and_the_trainer_gets_its_frozen_copys_logprobs(tmp_path: Path) -> None:
+def test_reference_stage_survives_kill_9_and_the_trainer_gets_its_frozen_copys_logprobs(
+    tmp_path: Path,
+) -> None:
     run, out, record = f"ref{uuid.uuid4().hex[:8]}", tmp_path / "run", tmp_path / "crashes"
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(job_config(run)))
@@ -91,17 +108,24 @@ def test_reference_stage_survives_kill_9_and_the_trainer_gets_its_frozen_copys_l
     # Killed -9 twice (after storing a scored sample, before acking its reward; then mid-scoring
     # in its replacement), and the buffer once after a stored step: the fleet restarts each.
     env = {
-        **os.environ, CRASH_RECORD: str(record),
+        **os.environ,
+        CRASH_RECORD: str(record),
         CRASH_AT: f"{REFERENCE_STORED_NOT_ACKED.name}@7,{REFERENCE_MID_SCORING.name}@40,"
-                  f"{BUFFER_STEP_STORED.name}@3",
+        f"{BUFFER_STEP_STORED.name}@3",
     }
     job = subprocess.run(
         [sys.executable, "-m", "producers.prompts", "--config", str(path), "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=480,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=480,
     )
     assert job.returncode == 0, job.stdout[-2000:] + job.stderr[-4000:]
     fired = sorted(p.name for p in record.iterdir())
-    assert fired == sorted([REFERENCE_STORED_NOT_ACKED.name, REFERENCE_MID_SCORING.name, BUFFER_STEP_STORED.name]), fired
+    assert fired == sorted(
+        [REFERENCE_STORED_NOT_ACKED.name, REFERENCE_MID_SCORING.name, BUFFER_STEP_STORED.name]
+    ), fired
     logs = (out / "logs" / "reference-0.log").read_text()
     assert logs.count("scoring run") >= 3, "the reference worker was not restarted twice"
 
@@ -114,17 +138,28 @@ def test_reference_stage_survives_kill_9_and_the_trainer_gets_its_frozen_copys_l
 
     # Nothing lost, nothing twice: every prompt trained or dropped;
     # every reward scored exactly once.
-    assert result["in_flight"] == 0 and result["duplicates"] == 0 and result["batched_not_trained"] == 0, result
+    assert (
+        result["in_flight"] == 0
+        and result["duplicates"] == 0
+        and result["batched_not_trained"] == 0
+    ), result
     assert result["issued"] == result["trained"] + result["dropped"], result
-    assert all(not n for n in result["lost"].values()) and set(result["lost"]) >= {"rewards", "scored"}, result
+    assert all(not n for n in result["lost"].values()) and set(result["lost"]) >= {
+        "rewards",
+        "scored",
+    }, result
     assert result["without_reference"] == 0, result
     assert "reference" not in dead_stages, dead_stages
     assert len({s.id for s in scored}) == len(scored), "a scored sample stored twice"
-    assert {s.id for s in scored} == {r.id for r in rewards}, "a reward never scored, or a scored sample from nowhere"
+    assert {s.id for s in scored} == {r.id for r in rewards}, (
+        "a reward never scored, or a scored sample from nowhere"
+    )
     assert all(s.ref_logprobs is not None for s in scored)
 
     # The trainer got reference log-probs equal to its own frozen copy's.
-    engine = TorchTrainEngine(Path(cfg.model.path or out / "model"), lr=1e-3, loss=LossConfig(kl_coef=1.0))
+    engine = TorchTrainEngine(
+        Path(cfg.model.path or out / "model"), lr=1e-3, loss=LossConfig(kl_coef=1.0)
+    )
     assert engine.reference is not None
     steps = sorted({b.step for b in batches})
     assert steps == list(range(STEPS))
@@ -137,12 +172,20 @@ def test_reference_stage_survives_kill_9_and_the_trainer_gets_its_frozen_copys_l
         torch.testing.assert_close(batch.ref_logprobs.torch()[loss], own[loss], atol=1e-5, rtol=0)
 
     # The adaptive coefficient: step 0 at kl_coef, each next one from the step before, as stored.
-    per_step = {b.step: (b.kl_coef, b.kl_mean, len(set().union(*(x.sample_ids for x in batches if x.step == b.step))))
-                for b in batches}
+    per_step = {
+        b.step: (
+            b.kl_coef,
+            b.kl_mean,
+            len(set().union(*(x.sample_ids for x in batches if x.step == b.step))),
+        )
+        for b in batches
+    }
     assert per_step[0][0] == pytest.approx(cfg.algorithm.kl_coef)
     for step in range(1, STEPS):
         coef, kl_mean, samples = per_step[step - 1]
-        assert per_step[step][0] == pytest.approx(next_kl_coef(cfg.algorithm, coef, kl_mean, samples), rel=1e-9)
+        assert per_step[step][0] == pytest.approx(
+            next_kl_coef(cfg.algorithm, coef, kl_mean, samples), rel=1e-9
+        )
     # Every step's batch carries its coefficient (compared with approx above).
     assert len({round(c, 12) for c, _, _ in per_step.values()}) > 1, "the coefficient never moved"  # type: ignore[arg-type]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -43,7 +43,11 @@ def reverse_task(target: str, **extra: Any) -> dict[str, Any]:
 
 
 def score_then_recover(
-    fn: str, task: dict[str, Any], limits: Limits = Limits(), isolation: Isolation = "auto", timeout: float = 0.5
+    fn: str,
+    task: dict[str, Any],
+    limits: Limits = Limits(),
+    isolation: Isolation = "auto",
+    timeout: float = 0.5,
 ) -> tuple[Score, float, Score]:
     """Score with `fn` on a one-process pool (`timeout`), then a good call on the same pool.
 
@@ -51,7 +55,9 @@ def score_then_recover(
     """
 
     async def main() -> tuple[Score, float, Score]:
-        async with RewardPool(processes=1, timeout=timeout, limits=limits, isolation=isolation) as pool:
+        async with RewardPool(
+            processes=1, timeout=timeout, limits=limits, isolation=isolation
+        ) as pool:
             await pool.resolve(fn)  # the import is not what is being timed
             start = time.monotonic()
             first = await pool.score(fn, "321", task)
@@ -76,7 +82,9 @@ def score_then_recover(
         ("huge_file", "raised OSError: [Errno 27] File too large"),
     ],
 )
-def test_misbehaving_function_fails_with_reason_and_pool_recovers(name: str, reason: str, tmp_path: Path) -> None:
+def test_misbehaving_function_fails_with_reason_and_pool_recovers(
+    name: str, reason: str, tmp_path: Path
+) -> None:
     first, elapsed, after = score_then_recover(f"{FNS}:{name}", {"dir": str(tmp_path)})
     assert first == Score(0.0, {}, failed=True, reason=reason)
     assert elapsed < 3.0  # the deadline holds, and a crash is noticed at once
@@ -85,12 +93,16 @@ def test_misbehaving_function_fails_with_reason_and_pool_recovers(name: str, rea
 
 def test_huge_file_is_cut_at_the_file_size_limit(tmp_path: Path) -> None:
     # Without isolation: a sandboxed process writes into its own /tmp, which the test cannot see.
-    score_then_recover(f"{FNS}:huge_file", {"dir": str(tmp_path)}, Limits(file_bytes=1 << 20), "off")
+    score_then_recover(
+        f"{FNS}:huge_file", {"dir": str(tmp_path)}, Limits(file_bytes=1 << 20), "off"
+    )
     assert (tmp_path / "huge.bin").stat().st_size == 1 << 20
 
 
 def test_limits_apply_and_dict_return_gives_components() -> None:
-    score, _, _ = score_then_recover(f"{FNS}:limits", {}, Limits(memory_bytes=1 << 30, file_bytes=1 << 20))
+    score, _, _ = score_then_recover(
+        f"{FNS}:limits", {}, Limits(memory_bytes=1 << 30, file_bytes=1 << 20)
+    )
     assert score == Score(1.0, {"memory": float(1 << 30), "file": float(1 << 20)})
 
 
@@ -99,7 +111,9 @@ def test_printing_does_not_corrupt_the_protocol() -> None:
     assert score == Score(0.5)
 
 
-def test_worker_credentials_are_not_in_the_reward_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_worker_credentials_are_not_in_the_reward_process_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     for key in ("NATS_URL", "JETRL_NATS_URL", "OTEL_SERVICE_NAME"):
         monkeypatch.setenv(key, "nats://user:secret@example:4222")
     assert reward_fns.sees_credentials("", {}) == 1.0  # the probe does see them in this process
@@ -113,9 +127,9 @@ def test_bad_specs_are_refused_with_one_line() -> None:
         "no_such_module:f": "reward function 'no_such_module:f': cannot import 'no_such_module': "
         "ModuleNotFoundError: No module named 'no_such_module'",
         f"{FNS}:missing": f"reward function '{FNS}:missing': module '{FNS}' has no attribute "
-                          "'missing'",
+        "'missing'",
         f"{FNS}:NOT_CALLABLE": f"reward function '{FNS}:NOT_CALLABLE': "
-                               "'NOT_CALLABLE' is not callable (it is int)",
+        "'NOT_CALLABLE' is not callable (it is int)",
     }
 
     async def main() -> None:
@@ -142,7 +156,9 @@ def test_reward_process_dies_with_its_worker(isolation: str) -> None:
         "asyncio.run(main())\n"
     )
     worker = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
-    wait_for(lambda: any(b"consumers.reward_child" in cmdline(pid) for pid in descendants(worker.pid)))
+    wait_for(
+        lambda: any(b"consumers.reward_child" in cmdline(pid) for pid in descendants(worker.pid))
+    )
     started = descendants(worker.pid)
     time.sleep(0.5)  # into the call
     worker.kill()
@@ -163,7 +179,9 @@ def descendants(root: int) -> set[int]:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                parents[int(entry.name)] = int(
+                    (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]
+                )
             except (OSError, IndexError, ValueError):
                 continue
     found: set[int] = set()
@@ -190,7 +208,9 @@ def run_config(topology: Topology, reward: str, batch: int = 16) -> RunConfig:
     """A run scored by `reward` in two processes with a 1 s deadline,
     `batch` items per round trip."""
     return RunConfig(
-        run=topology.run, data=DataConfig(reward=reward), reward=RewardConfig(timeout=1.0, processes=2, batch=batch)
+        run=topology.run,
+        data=DataConfig(reward=reward),
+        reward=RewardConfig(timeout=1.0, processes=2, batch=batch),
     )
 
 
@@ -198,7 +218,9 @@ Inputs = list[TrajectoryEvent | bytes]
 """Events, or raw bytes, to put on the trajectories subject."""
 
 
-async def set_up_run(js: JetStreamContext, topology: Topology, config: RunConfig, inputs: Inputs) -> None:
+async def set_up_run(
+    js: JetStreamContext, topology: Topology, config: RunConfig, inputs: Inputs
+) -> None:
     """Declare the run, store its config, and put `inputs` (events or raw bytes) on the trajectories
     subject."""
     await topology.apply(js)
@@ -246,7 +268,9 @@ def run_reward_worker(
             task = asyncio.create_task(serve(rt, stage, stop))
             deadline = time.monotonic() + 20
             while not await queue_empty(js, topology):
-                assert time.monotonic() < deadline and not task.done(), "worker did not settle every trajectory"
+                assert time.monotonic() < deadline and not task.done(), (
+                    "worker did not settle every trajectory"
+                )
                 await asyncio.sleep(0.05)
             stop.set()
             await task
@@ -262,7 +286,9 @@ def run_reward_worker(
     return asyncio.run(main())
 
 
-def test_worker_publishes_rewards_and_dead_letters_garbage(nats_server: EmbeddedNats, topology: Topology) -> None:
+def test_worker_publishes_rewards_and_dead_letters_garbage(
+    nats_server: EmbeddedNats, topology: Topology
+) -> None:
     cases = [  # response, finish reason, expected reward for target "321"
         ("321", "stop", 1.0),
         ("32", "length", 2 / 3),
@@ -280,7 +306,12 @@ def test_worker_publishes_rewards_and_dead_letters_garbage(nats_server: Embedded
     )
     assert rewards == {
         t.id: RewardEvent(
-            id=t.id, run=topology.run, time=rewards[t.id].time, source=source, trajectory=t, reward=expected
+            id=t.id,
+            run=topology.run,
+            time=rewards[t.id].time,
+            source=source,
+            trajectory=t,
+            reward=expected,
         )
         for t, (_, _, expected) in zip(trajectories, cases, strict=True)
     }
@@ -291,17 +322,26 @@ def test_worker_publishes_rewards_and_dead_letters_garbage(nats_server: Embedded
 def test_hanging_reward_fails_one_sample_and_the_others_flow(
     batch: int, nats_server: EmbeddedNats, topology: Topology
 ) -> None:
-    stuck = trajectory(topology.run, prompt=0).model_copy(update={"task": reverse_task("321", misbehave="hang")})
+    stuck = trajectory(topology.run, prompt=0).model_copy(
+        update={"task": reverse_task("321", misbehave="hang")}
+    )
     others = [
-        trajectory(topology.run, prompt=i).model_copy(update={"response_text": "321", "task": reverse_task("321")})
+        trajectory(topology.run, prompt=i).model_copy(
+            update={"response_text": "321", "task": reverse_task("321")}
+        )
         for i in range(1, 6)
     ]
     rewards, dead, _ = run_reward_worker(
-        nats_server, topology, run_config(topology, f"{FNS}:reverse_or_misbehave", batch), [stuck, *others]
+        nats_server,
+        topology,
+        run_config(topology, f"{FNS}:reverse_or_misbehave", batch),
+        [stuck, *others],
     )
     failed = rewards.pop(stuck.id)
     assert (failed.failed, failed.reason, failed.reward) == (True, "timed out after 1s", 0.0)
-    assert {i: (r.reward, r.failed) for i, r in rewards.items()} == {t.id: (1.0, False) for t in others}
+    assert {i: (r.reward, r.failed) for i, r in rewards.items()} == {
+        t.id: (1.0, False) for t in others
+    }
     # Scored while the stuck call was still waiting for its deadline, not after it: all of them
     # one per trip; batched, those that shared the stuck one's trip wait for its deadline, the
     # rest (at least the other process's share) do not.
@@ -310,7 +350,9 @@ def test_hanging_reward_fails_one_sample_and_the_others_flow(
     assert dead == []
 
 
-def test_cli_refuses_a_bad_reward_function_and_drains_on_sigterm(nats_server: EmbeddedNats, topology: Topology) -> None:
+def test_cli_refuses_a_bad_reward_function_and_drains_on_sigterm(
+    nats_server: EmbeddedNats, topology: Topology
+) -> None:
     async def setup(config: RunConfig, inputs: Inputs) -> None:
         nc = await connect(nats_server.url, "test")
         await set_up_run(nc.jetstream(), topology, config, inputs)
@@ -318,17 +360,33 @@ def test_cli_refuses_a_bad_reward_function_and_drains_on_sigterm(nats_server: Em
 
     def cli(stderr: int | None = None) -> subprocess.Popen[str]:
         return subprocess.Popen(
-            [sys.executable, "-m", "consumers.reward", "--run", topology.run, "--nats", nats_server.url],
-            cwd=ROOT, stderr=stderr, text=True,
+            [
+                sys.executable,
+                "-m",
+                "consumers.reward",
+                "--run",
+                topology.run,
+                "--nats",
+                nats_server.url,
+            ],
+            cwd=ROOT,
+            stderr=stderr,
+            text=True,
         )
 
     asyncio.run(setup(run_config(topology, "no_such_module:score"), []))
     refused = cli(stderr=subprocess.PIPE)
     _, stderr = refused.communicate(timeout=30)
     assert refused.returncode == 1
-    assert stderr.strip().splitlines()[-1].startswith("consumers.reward: reward function 'no_such_module:score': cannot import")
+    assert (
+        stderr.strip()
+        .splitlines()[-1]
+        .startswith("consumers.reward: reward function 'no_such_module:score': cannot import")
+    )
 
-    good = trajectory(topology.run).model_copy(update={"response_text": "321", "task": reverse_task("321")})
+    good = trajectory(topology.run).model_copy(
+        update={"response_text": "321", "task": reverse_task("321")}
+    )
     asyncio.run(setup(run_config(topology, REVERSE), [good]))
     worker = cli()
 

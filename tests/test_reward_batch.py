@@ -16,7 +16,9 @@ from consumers.reward_pool import RewardPool, Score
 LOGGED = "tests.reward_fns:logged"
 
 
-def test_a_batch_keeps_the_scores_before_a_bad_item_and_scores_the_rest_once(tmp_path: Path) -> None:
+def test_a_batch_keeps_the_scores_before_a_bad_item_and_scores_the_rest_once(
+    tmp_path: Path,
+) -> None:
     log = tmp_path / "calls"
     plain: dict[str, Any] = {"log": str(log)}
     items = [
@@ -52,7 +54,9 @@ def test_concurrent_calls_share_round_trips_and_each_gets_its_own_score(tmp_path
         async with RewardPool(processes=2, timeout=5.0, isolation="off") as pool:
             await pool.resolve(LOGGED)
             scorer = BatchScorer(pool, LOGGED, batch=16)
-            scores = await asyncio.gather(*(scorer.score(text, {"log": str(tmp_path / "calls")}) for text in texts))
+            scores = await asyncio.gather(
+                *(scorer.score(text, {"log": str(tmp_path / "calls")}) for text in texts)
+            )
             return scores, scorer.round_trips
 
     scores, round_trips = asyncio.run(main())
@@ -67,7 +71,9 @@ def test_a_lone_call_is_sent_at_once_and_a_bad_spec_reaches_every_caller() -> No
             assert await scorer.score("321", {"name": "reverse", "target": "321"}) == Score(1.0)
             assert scorer.round_trips == 1
             bad = BatchScorer(pool, "no_such_module:f", batch=16)
-            results = await asyncio.gather(*(bad.score("", {}) for _ in range(3)), return_exceptions=True)
+            results = await asyncio.gather(
+                *(bad.score("", {}) for _ in range(3)), return_exceptions=True
+            )
             assert [type(r).__name__ for r in results] == ["RewardSpecError"] * 3
 
     asyncio.run(main())
@@ -80,7 +86,9 @@ def test_a_small_queue_is_spread_over_the_free_processes(tmp_path: Path) -> None
         async with RewardPool(processes=2, timeout=5.0, isolation="off") as pool:
             await pool.resolve(LOGGED)
             scorer = BatchScorer(pool, LOGGED, batch=16)
-            await asyncio.gather(*(scorer.score("x", {"log": str(tmp_path / "calls")}) for _ in range(6)))
+            await asyncio.gather(
+                *(scorer.score("x", {"log": str(tmp_path / "calls")}) for _ in range(6))
+            )
             return scorer.round_trips
 
     assert asyncio.run(main()) == 2

@@ -40,7 +40,9 @@ from tests.test_reward import (
 ISOLATED = asyncio.run(reward_sandbox.choose("auto"))
 FORK_DEADLINE = 20.0
 """Long enough for 300 forks (the least pid_max) on a loaded machine."""
-needs_namespaces = pytest.mark.skipif(not ISOLATED, reason="user/net/pid/mount namespaces cannot be made here")
+needs_namespaces = pytest.mark.skipif(
+    not ISOLATED, reason="user/net/pid/mount namespaces cannot be made here"
+)
 
 
 @needs_namespaces
@@ -66,8 +68,14 @@ def test_reward_code_cannot_read_the_workers_cmdline_or_environ() -> None:
         "asyncio.run(main())\n"
     )
     env = {**os.environ, "JETRL_NATS_PASSWORD": secret}
-    out = subprocess.run([sys.executable, "-c", script, secret], cwd=ROOT, env=env, capture_output=True, timeout=60,
-                         check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", script, secret],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
     assert json.loads(out.stdout.decode().splitlines()[-1]) == [0.0, False, ""]
 
 
@@ -76,7 +84,9 @@ def test_reward_code_cannot_write_outside_its_directory() -> None:
     outside = ROOT / f".escape-{secrets.token_hex(4)}"
     try:
         score, _, after = score_then_recover(f"{FNS}:write_outside", {"path": str(outside)})
-        assert score == Score.failure(f"raised OSError: [Errno 30] Read-only file system: '{outside}'")
+        assert score == Score.failure(
+            f"raised OSError: [Errno 30] Read-only file system: '{outside}'"
+        )
         assert not outside.exists()
         assert after == Score(1.0)
     finally:
@@ -93,7 +103,9 @@ def test_reward_code_cannot_read_the_workers_identity_file(monkeypatch: pytest.M
         write_private(seed, new_seed())
         monkeypatch.setenv(IDENTITY_ENV, str(seed))
         score, _, after = score_then_recover(f"{FNS}:read_identity", {"path": str(seed)})
-        assert score == Score.failure(f"raised FileNotFoundError: [Errno 2] No such file or directory: '{seed}'")
+        assert score == Score.failure(
+            f"raised FileNotFoundError: [Errno 2] No such file or directory: '{seed}'"
+        )
         assert after == Score(1.0)
     finally:
         seed.unlink(missing_ok=True)
@@ -101,7 +113,9 @@ def test_reward_code_cannot_read_the_workers_identity_file(monkeypatch: pytest.M
 
 
 @needs_namespaces
-def test_an_identity_under_tmp_is_out_of_sight_already(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_identity_under_tmp_is_out_of_sight_already(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The local job's identities may sit under /tmp, which the sandbox replaces:
     nothing to hide, no failure."""
     seed = tmp_path / "identities" / "reward.nk"
@@ -109,12 +123,16 @@ def test_an_identity_under_tmp_is_out_of_sight_already(tmp_path: Path, monkeypat
     write_private(seed, new_seed())
     monkeypatch.setenv(IDENTITY_ENV, str(seed))
     score, _, after = score_then_recover(f"{FNS}:read_identity", {"path": str(seed)})
-    assert score == Score.failure(f"raised FileNotFoundError: [Errno 2] No such file or directory: '{seed}'")
+    assert score == Score.failure(
+        f"raised FileNotFoundError: [Errno 2] No such file or directory: '{seed}'"
+    )
     assert after == Score(1.0)
 
 
 @needs_namespaces
-def test_a_seed_beside_the_code_is_hidden_and_the_code_still_imports(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_seed_beside_the_code_is_hidden_and_the_code_still_imports(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """An identity in a directory on the import path: its seeds read empty, its modules import."""
     directory = ROOT / f".identity-{secrets.token_hex(4)}"
     seed, module = directory / "reward.nk", f"beside_{secrets.token_hex(4)}"
@@ -135,12 +153,16 @@ def test_reward_code_cannot_fork_without_bound() -> None:
     score, _, after = score_then_recover(
         f"{FNS}:fork_bomb", {"count": 400}, Limits(processes=32), timeout=FORK_DEADLINE
     )
-    assert score == Score.failure("raised BlockingIOError: [Errno 11] Resource temporarily unavailable")
+    assert score == Score.failure(
+        "raised BlockingIOError: [Errno 11] Resource temporarily unavailable"
+    )
     assert after == Score(1.0)
 
 
 @needs_namespaces
-def test_escapes_fail_their_samples_and_the_run_goes_on(nats_server: EmbeddedNats, topology: Topology) -> None:
+def test_escapes_fail_their_samples_and_the_run_goes_on(
+    nats_server: EmbeddedNats, topology: Topology
+) -> None:
     """The reward worker on a real bus: each escape is one failed sample,
     the good ones are scored."""
     outside = ROOT / f".escape-{secrets.token_hex(4)}"
@@ -150,32 +172,37 @@ def test_escapes_fail_their_samples_and_the_run_goes_on(nats_server: EmbeddedNat
         "fork_bomb": {"count": 400},
     }
     bad = [
-        trajectory(topology.run, prompt=i).model_copy(update={"task": reverse_task("321", misbehave=name, **extra)})
+        trajectory(topology.run, prompt=i).model_copy(
+            update={"task": reverse_task("321", misbehave=name, **extra)}
+        )
         for i, (name, extra) in enumerate(escapes.items())
     ]
     good = [
-        trajectory(topology.run, prompt=10 + i).model_copy(update={"response_text": "321", "task": reverse_task("321")})
+        trajectory(topology.run, prompt=10 + i).model_copy(
+            update={"response_text": "321", "task": reverse_task("321")}
+        )
         for i in range(3)
     ]
     config = run_config(topology, f"{FNS}:reverse_or_misbehave")
     config = config.model_copy(update={"reward": RewardConfig(timeout=FORK_DEADLINE, processes=2)})
-    rewards, dead, _ = run_reward_worker(
-        nats_server, topology, config, [*bad, *good]
-    )
+    rewards, dead, _ = run_reward_worker(nats_server, topology, config, [*bad, *good])
     try:
         assert {t.id: (rewards[t.id].failed, rewards[t.id].reason.split(":")[0]) for t in bad} == {
             bad[0].id: (True, "raised OSError"),
             bad[1].id: (True, "raised OSError"),
             bad[2].id: (True, "raised BlockingIOError"),
         }
-        assert {t.id: (rewards[t.id].reward, rewards[t.id].failed) for t in good} == {t.id: (1.0, False) for t in good}
+        assert {t.id: (rewards[t.id].reward, rewards[t.id].failed) for t in good} == {
+            t.id: (1.0, False) for t in good
+        }
         assert dead == [] and not outside.exists()
     finally:
         outside.unlink(missing_ok=True)
 
 
-def test_required_refuses_without_namespaces(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                             caplog: pytest.LogCaptureFixture) -> None:
+def test_required_refuses_without_namespaces(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """No `unshare` on PATH: `required` refuses in one line,
     `auto` warns once and scores as before."""
     monkeypatch.setenv("PATH", str(tmp_path))
@@ -193,17 +220,23 @@ def test_required_refuses_without_namespaces(monkeypatch: pytest.MonkeyPatch, tm
         for _ in range(2):
             async with RewardPool(1, 5, isolation="auto") as pool:
                 assert not pool.sandboxed
-                scores.append(await pool.score("producers.tasks:score_reverse", "321", reverse_task("321")))
+                scores.append(
+                    await pool.score("producers.tasks:score_reverse", "321", reverse_task("321"))
+                )
         return scores
 
     with caplog.at_level(logging.INFO, logger="jetrl.reward"):
         assert asyncio.run(twice()) == [Score(1.0), Score(1.0)]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and warnings[0].startswith("reward isolation: none (no unshare on PATH")
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "reward isolation: none (no unshare on PATH"
+    )
 
 
 @needs_namespaces
-def test_a_reward_module_under_tmp_is_still_importable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_reward_module_under_tmp_is_still_importable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The sandbox's /tmp is its own, but an import path under the worker's /tmp is bound back in
     (read-only)."""
     module = f"tmp_reward_{secrets.token_hex(4)}"

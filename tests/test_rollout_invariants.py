@@ -83,12 +83,16 @@ class RecordingEngine(HFRolloutEngine):
         self.calls: list[Call] = []
         self._lock = threading.Lock()  # generate and load run in worker threads
 
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams) -> list[list[Sample]]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
+    ) -> list[list[Sample]]:
         start, version = time.monotonic(), self.version
         try:
             return super().generate(prompts, n, params)
         finally:
-            self._record(Call("generate", start, time.monotonic(), version, self.version, len(prompts)))
+            self._record(
+                Call("generate", start, time.monotonic(), version, self.version, len(prompts))
+            )
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
         start, before = time.monotonic(), self.version
@@ -123,8 +127,12 @@ class RolloutUnderTest:
         index = self.published
         self.published += 1
         event = PromptEvent(
-            id=f"{self.topology.run}/0/{index}", run=self.topology.run, epoch=0, index=index,
-            token_ids=Tensor.from_numpy(np.array([3, 4, 5, 6 + index % 4], np.int32)), n=GROUP,
+            id=f"{self.topology.run}/0/{index}",
+            run=self.topology.run,
+            epoch=0,
+            index=index,
+            token_ids=Tensor.from_numpy(np.array([3, 4, 5, 6 + index % 4], np.int32)),
+            n=GROUP,
             sampling=PromptSampling(max_tokens=MAX_TOKENS),
         )
         await self.js.publish(self.topology.subject(PROMPTS), encode(event))
@@ -133,26 +141,39 @@ class RolloutUnderTest:
     async def publish_weights(self, version: int) -> None:
         """Store version `version` (the model's weights, nudged) and announce it,
         as the trainer does."""
-        params = {name: p.detach().clone() + 1e-3 * version for name, p in self.engine.model.named_parameters()}
+        params = {
+            name: p.detach().clone() + 1e-3 * version
+            for name, p in self.engine.model.named_parameters()
+        }
         event = await store_weights(self.js, self.topology, version, params)
         await self.js.publish(self.topology.subject(WEIGHTS), encode(event))
 
     async def prompts_consumer(self) -> ConsumerInfo:
-        return await self.js.consumer_info(self.topology.stream(PROMPTS), PROMPTS.work_queue.durable)
+        return await self.js.consumer_info(
+            self.topology.stream(PROMPTS), PROMPTS.work_queue.durable
+        )
 
     async def trajectories(self) -> list[TrajectoryEvent]:
         count = (await self.js.stream_info(self.topology.stream(TRAJECTORIES))).state.messages
         sub = await self.js.subscribe(self.topology.subject(TRAJECTORIES), ordered_consumer=True)
         try:
-            return [decode((await sub.next_msg(timeout=5)).data, TrajectoryEvent) for _ in range(count)]
+            return [
+                decode((await sub.next_msg(timeout=5)).data, TrajectoryEvent) for _ in range(count)
+            ]
         finally:
             await sub.unsubscribe()
 
 
 @asynccontextmanager
 async def served_rollout(
-    url: str, topology: Topology, model_dir: Path, engines: RolloutEngine | Sequence[RolloutEngine], rollout: dict[str, Any],
-    *, weights: dict[str, Any] | None = None, ack_timeout: float = 10.0,
+    url: str,
+    topology: Topology,
+    model_dir: Path,
+    engines: RolloutEngine | Sequence[RolloutEngine],
+    rollout: dict[str, Any],
+    *,
+    weights: dict[str, Any] | None = None,
+    ack_timeout: float = 10.0,
 ) -> AsyncIterator[tuple[Client, JetStream, Runtime, Rollout]]:
     """A rollout stage built as `consumers.rollout.build` builds it (production options) over
     `engines`, served in this event loop until the block ends: the run's config has `rollout`
@@ -161,8 +182,14 @@ async def served_rollout(
     nc = await connect(url, "test-rollout")
     js = nc.jetstream()
     await topology.apply(js)
-    config = RunConfig.model_validate({"run": topology.run, "model": {"path": str(model_dir)},
-                                       "rollout": rollout, "weights": weights or {}})
+    config = RunConfig.model_validate(
+        {
+            "run": topology.run,
+            "model": {"path": str(model_dir)},
+            "rollout": rollout,
+            "weights": weights or {},
+        }
+    )
     await publish_config(await js.key_value(topology.kv_bucket), config)
     rt = await attach("rollout", topology.run, url)
     rt.publisher = Publisher(rt.js, rt.topology, ack_timeout=ack_timeout)
@@ -186,19 +213,31 @@ async def served_rollout(
 
 @asynccontextmanager
 async def rollout_worker(
-    url: str, topology: Topology, model_dir: Path, load_seconds: float = 0.0, ack_timeout: float = 10.0,
+    url: str,
+    topology: Topology,
+    model_dir: Path,
+    load_seconds: float = 0.0,
+    ack_timeout: float = 10.0,
     weights: dict | None = None,
 ) -> AsyncIterator[RolloutUnderTest]:
     """`served_rollout` on one recording engine, two prompts a batch; `weights` is the run
     config's `weights` section."""
     engine = RecordingEngine(model_dir, load_seconds)
     async with served_rollout(
-        url, topology, model_dir, engine, {"max_batch_prompts": 2}, weights=weights, ack_timeout=ack_timeout
+        url,
+        topology,
+        model_dir,
+        engine,
+        {"max_batch_prompts": 2},
+        weights=weights,
+        ack_timeout=ack_timeout,
     ) as (nc, js, rt, rollout):
         yield RolloutUnderTest(nc, js, topology, rt, engine, rollout)
 
 
-async def eventually(check: Callable[[], bool | Awaitable[bool]], what: str, timeout: float = 30.0) -> None:
+async def eventually(
+    check: Callable[[], bool | Awaitable[bool]], what: str, timeout: float = 30.0
+) -> None:
     """Poll `check` until it holds; fail saying `what` did not happen within `timeout` s."""
     deadline = time.monotonic() + timeout
     while not await holds(check):
@@ -224,7 +263,9 @@ async def refuse_writes(js: JetStreamContext, stream: str) -> int:
     info = await js.stream_info(stream)
     count = info.state.messages
     assert count > 0, "max_msgs 0 means no limit: store something first"
-    await js.update_stream(dataclasses.replace(info.config, discard=DiscardPolicy.NEW, max_msgs=count))
+    await js.update_stream(
+        dataclasses.replace(info.config, discard=DiscardPolicy.NEW, max_msgs=count)
+    )
     return count
 
 
@@ -265,15 +306,19 @@ def test_prompt_is_acked_only_once_its_trajectories_are_stored(
                     f"(ack floor {info.ack_floor.stream_seq}, ack pending {info.num_ack_pending})"
                 )
                 messages = (await w.js.stream_info(stream)).state.messages
-                assert messages == stored, f"the stream was to refuse writes, yet holds {messages} (had {stored})"
+                assert messages == stored, (
+                    f"the stream was to refuse writes, yet holds {messages} (had {stored})"
+                )
                 await asyncio.sleep(0.1)
 
             await accept_writes(w.js, stream)
-            await eventually(lambda: acked(2), f"{second.id} was acked once its trajectories could be stored")
-            ids = sorted(t.id for t in await w.trajectories())
-            assert ids == sorted(f"{p}/{i}" for p in (f"{topology.run}/0/0", second.id) for i in range(GROUP)), (
-                f"each trajectory stored once: {ids}"
+            await eventually(
+                lambda: acked(2), f"{second.id} was acked once its trajectories could be stored"
             )
+            ids = sorted(t.id for t in await w.trajectories())
+            assert ids == sorted(
+                f"{p}/{i}" for p in (f"{topology.run}/0/0", second.id) for i in range(GROUP)
+            ), f"each trajectory stored once: {ids}"
 
     asyncio.run(main())
 
@@ -297,7 +342,9 @@ async def tick(stop: asyncio.Event, ticks: list[float]) -> None:
 
 def longest_stall(ticks: list[float], during: Call) -> float:
     """The longest the loop went without running, over the gaps between ticks that meet `during`."""
-    gaps = [b - a for a, b in zip(ticks, ticks[1:], strict=False) if a < during.end and b > during.start]
+    gaps = [
+        b - a for a, b in zip(ticks, ticks[1:], strict=False) if a < during.end and b > during.start
+    ]
     return max(gaps, default=during.end - during.start)
 
 
@@ -317,7 +364,9 @@ def test_weights_load_only_between_generations_and_off_the_event_loop(
     nats_server: EmbeddedNats, topology: Topology, model_dir: Path
 ) -> None:
     async def main() -> None:
-        async with rollout_worker(nats_server.url, topology, model_dir, load_seconds=LOAD_SECONDS) as w:
+        async with rollout_worker(
+            nats_server.url, topology, model_dir, load_seconds=LOAD_SECONDS
+        ) as w:
             await w.publish_weights(0)
             published_at: dict[str, float] = {}
             ticks: list[float] = []
@@ -328,11 +377,15 @@ def test_weights_load_only_between_generations_and_off_the_event_loop(
                 for version in range(1, LOADS + 1):
                     # Generation is under way (more prompts waiting) when each version comes.
                     before = len(w.engine.of("generate"))
-                    await eventually(lambda: len(w.engine.of("generate")) >= before + 2,  # noqa: B023
-                                     f"two generations before v{version}")
+                    await eventually(
+                        lambda: len(w.engine.of("generate")) >= before + 2,  # noqa: B023
+                        f"two generations before v{version}",
+                    )
                     await w.publish_weights(version)
-                    await eventually(lambda: len(w.engine.of("load")) == version,  # noqa: B023
-                                     f"v{version} was loaded")
+                    await eventually(
+                        lambda: len(w.engine.of("load")) == version,  # noqa: B023
+                        f"v{version} was loaded",
+                    )
             finally:
                 stop.set()
                 await asyncio.gather(feeder, ticker)
@@ -341,22 +394,35 @@ def test_weights_load_only_between_generations_and_off_the_event_loop(
                 lambda: sum(c.prompts for c in w.engine.of("generate")) >= total,
                 f"all {total} prompts were generated",
             )
-            await eventually(lambda: trajectories_stored(w, total * GROUP), f"{total * GROUP} trajectories stored")
+            await eventually(
+                lambda: trajectories_stored(w, total * GROUP),
+                f"{total * GROUP} trajectories stored",
+            )
 
             loads, generations = w.engine.of("load"), w.engine.of("generate")
             assert [load.version_at_end for load in loads] == list(range(1, LOADS + 1))
             clashes = [(g, load) for g in generations for load in loads if overlaps(g, load)]
-            assert not clashes, f"{len(clashes)} generations ran while weights loaded, first: {clashes[0]}"
-            for load in loads:  # each load came in the middle of the flow, or the check above proves nothing
-                assert any(g.end <= load.start for g in generations), f"no generation before the load of {load}"
-                assert any(g.start >= load.end for g in generations), f"no generation after the load of {load}"
+            assert not clashes, (
+                f"{len(clashes)} generations ran while weights loaded, first: {clashes[0]}"
+            )
+            for load in (
+                loads
+            ):  # each load came in the middle of the flow, or the check above proves nothing
+                assert any(g.end <= load.start for g in generations), (
+                    f"no generation before the load of {load}"
+                )
+                assert any(g.start >= load.end for g in generations), (
+                    f"no generation after the load of {load}"
+                )
             stalls = [longest_stall(ticks, load) for load in loads]
             assert max(stalls) < MAX_LOOP_STALL, (
                 f"the event loop stood still for {max(stalls):.2f} s during a {LOAD_SECONDS} s "
                 "load: the load ran on its thread, and no heartbeat went out meanwhile"
             )
             for g in generations:
-                served = max((load.version_at_end for load in loads if load.end <= g.start), default=0)
+                served = max(
+                    (load.version_at_end for load in loads if load.end <= g.start), default=0
+                )
                 assert g.version_at_start == g.version_at_end == served, (
                     f"a generation that started after v{served} was loaded ran with "
                     f"v{g.version_at_start}..v{g.version_at_end}: {g}"
@@ -364,8 +430,14 @@ def test_weights_load_only_between_generations_and_off_the_event_loop(
             for t in await w.trajectories():
                 versions = set(t.versions.numpy().tolist())
                 assert len(versions) == 1, f"{t.id}: tokens from several versions {versions}"
-                newest_before = max((load.version_at_end for load in loads if load.end <= published_at[t.prompt_id]),
-                                    default=0)
+                newest_before = max(
+                    (
+                        load.version_at_end
+                        for load in loads
+                        if load.end <= published_at[t.prompt_id]
+                    ),
+                    default=0,
+                )
                 assert versions.pop() >= newest_before, (
                     f"{t.id}: published after v{newest_before} was loaded, "
                     "yet generated with an older version"
@@ -392,7 +464,11 @@ def test_a_prompt_the_model_cannot_take_is_recorded_as_dropped_for_the_gate(
             await w.publish_weights(0)
             unknown_token = w.engine.model.config.vocab_size + 5
             refused = PromptEvent(
-                id=f"{topology.run}/0/99", run=topology.run, epoch=0, index=99, n=GROUP,
+                id=f"{topology.run}/0/99",
+                run=topology.run,
+                epoch=0,
+                index=99,
+                n=GROUP,
                 token_ids=Tensor.from_numpy(np.array([3, unknown_token], np.int32)),
                 sampling=PromptSampling(max_tokens=MAX_TOKENS),
             )
@@ -410,7 +486,9 @@ def test_a_prompt_the_model_cannot_take_is_recorded_as_dropped_for_the_gate(
             assert drop.refused and drop.reason.startswith("rejected:"), drop
             assert str(unknown_token) in drop.reason, drop
             await w.publish_prompt()
-            await eventually(lambda: trajectories_stored(w, GROUP), "the next prompt's trajectories were stored")
+            await eventually(
+                lambda: trajectories_stored(w, GROUP), "the next prompt's trajectories were stored"
+            )
 
     asyncio.run(main())
 
@@ -428,12 +506,16 @@ def test_a_version_whose_file_is_damaged_or_pruned_leaves_the_worker_serving_the
 
     async def main() -> None:
         weights = {"transport": "filesystem", "dir": str(tmp_path), "keep": 5}
-        async with rollout_worker(nats_server.url, topology, model_dir, load_seconds=LOAD_SECONDS,
-                                  weights=weights) as w:
+        async with rollout_worker(
+            nats_server.url, topology, model_dir, load_seconds=LOAD_SECONDS, weights=weights
+        ) as w:
             transport = FilesystemTransport(tmp_path / topology.run, keep=5)
 
             async def store(version: int) -> WeightVersionEvent:
-                params = {n: p.detach().clone() + 1e-3 * version for n, p in w.engine.model.named_parameters()}
+                params = {
+                    n: p.detach().clone() + 1e-3 * version
+                    for n, p in w.engine.model.named_parameters()
+                }
                 return await publish_version(transport, topology.run, "test", version, params)
 
             async def announce(event: WeightVersionEvent) -> None:
@@ -447,12 +529,16 @@ def test_a_version_whose_file_is_damaged_or_pruned_leaves_the_worker_serving_the
             data[-1] ^= 0x01
             path.write_bytes(bytes(data))
             await announce(damaged)
-            await eventually(lambda: w.engine.version != 1 or dead_stored(w, 1), "v2 was loaded or refused")
+            await eventually(
+                lambda: w.engine.version != 1 or dead_stored(w, 1), "v2 was loaded or refused"
+            )
             assert w.engine.version == 1, f"the damaged v2 was loaded: now v{w.engine.version}"
             assert w.rollout.open_for_requests.is_set(), "v2 refused, yet the gate stayed closed"
             before = len(w.engine.of("generate"))
             await w.publish_prompt()
-            await eventually(lambda: len(w.engine.of("generate")) > before, "a prompt was generated after v2")
+            await eventually(
+                lambda: len(w.engine.of("generate")) > before, "a prompt was generated after v2"
+            )
             assert w.engine.of("generate")[-1].version_at_start == 1
 
             loading, pruned, newest = await store(3), await store(4), await store(5)
@@ -465,7 +551,9 @@ def test_a_version_whose_file_is_damaged_or_pruned_leaves_the_worker_serving_the
             await eventually(lambda: w.engine.version == 5, "v5 was loaded")
             assert [load.version_at_end for load in w.engine.of("load")] == [1, 3, 5]
             reasons = [reason for _, reason in await dead_letters(w.js, topology)]
-            assert len(reasons) == 1 and "tensor" in reasons[0] and "does not match" in reasons[0], reasons
+            assert (
+                len(reasons) == 1 and "tensor" in reasons[0] and "does not match" in reasons[0]
+            ), reasons
 
     asyncio.run(main())
 

@@ -58,7 +58,9 @@ class PromptRecordingEngine(RecordingEngine):
         self.prompts: list[tuple[int, ...]] = []
         self._prompts_lock = threading.Lock()
 
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams) -> list[list[Sample]]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
+    ) -> list[list[Sample]]:
         with self._prompts_lock:
             self.prompts.extend(tuple(p) for p in prompts)
         return super().generate(prompts, n, params)
@@ -83,15 +85,23 @@ def test_least_in_flight_spreads_prompts_over_both_replicas_generating_at_once(
     nats_server: EmbeddedNats, topology: Topology, model_dir: Path
 ) -> None:
     async def main() -> None:
-        async with replicated_worker(nats_server.url, topology, model_dir, "least_in_flight") as (w, engines):
+        async with replicated_worker(nats_server.url, topology, model_dir, "least_in_flight") as (
+            w,
+            engines,
+        ):
             await w.publish_weights(0)
             total = 12
             for _ in range(total):
                 await w.publish_prompt()
-            await eventually(lambda: trajectories_stored(w, total * GROUP), f"{total * GROUP} trajectories stored")
+            await eventually(
+                lambda: trajectories_stored(w, total * GROUP),
+                f"{total * GROUP} trajectories stored",
+            )
             per_replica = [sum(c.prompts for c in e.of("generate")) for e in engines]
             assert sum(per_replica) == total, per_replica
-            assert min(per_replica) >= total // 4, f"prompts not spread over the replicas: {per_replica}"
+            assert min(per_replica) >= total // 4, (
+                f"prompts not spread over the replicas: {per_replica}"
+            )
             first, second = engines[0].of("generate"), engines[1].of("generate")
             assert any(overlaps(a, b) for a in first for b in second), (
                 "the two replicas never generated at the same time: one batcher, or one thread, "
@@ -101,13 +111,20 @@ def test_least_in_flight_spreads_prompts_over_both_replicas_generating_at_once(
     asyncio.run(main())
 
 
-def conversation_prompt(topology: Topology, index: int, conversation: int, turn: int) -> PromptEvent:
+def conversation_prompt(
+    topology: Topology, index: int, conversation: int, turn: int
+) -> PromptEvent:
     """Turn `turn` of conversation `conversation`: token ids unique to the pair, so the engine that
     generated it can be told from its recorded prompts."""
     return PromptEvent(
-        id=f"{topology.run}/0/{index}", run=topology.run, epoch=0, index=index,
-        token_ids=Tensor.from_numpy(np.array([3, 10 + conversation, 5 + turn], np.int32)), n=GROUP,
-        sampling=PromptSampling(max_tokens=MAX_TOKENS), task={"conversation_id": f"c{conversation}"},
+        id=f"{topology.run}/0/{index}",
+        run=topology.run,
+        epoch=0,
+        index=index,
+        token_ids=Tensor.from_numpy(np.array([3, 10 + conversation, 5 + turn], np.int32)),
+        n=GROUP,
+        sampling=PromptSampling(max_tokens=MAX_TOKENS),
+        task={"conversation_id": f"c{conversation}"},
     )
 
 
@@ -124,28 +141,42 @@ def test_sticky_by_key_keeps_a_conversation_on_its_replica(
     conversations, turns = 4, 3
 
     async def main() -> None:
-        async with replicated_worker(nats_server.url, topology, model_dir, "sticky_by_key") as (w, engines):
+        async with replicated_worker(nats_server.url, topology, model_dir, "sticky_by_key") as (
+            w,
+            engines,
+        ):
             await w.publish_weights(0)
             index = 0
             # First turns together: new keys go to the least loaded, so both replicas get some.
             for c in range(conversations):
-                await w.js.publish(topology.subject(PROMPTS), encode(conversation_prompt(topology, index, c, 0)))
+                await w.js.publish(
+                    topology.subject(PROMPTS), encode(conversation_prompt(topology, index, c, 0))
+                )
                 index += 1
-            await eventually(lambda: trajectories_stored(w, index * GROUP), "the first turns were generated")
+            await eventually(
+                lambda: trajectories_stored(w, index * GROUP), "the first turns were generated"
+            )
             home = {c: replica_of(engines, c, 0) for c in range(conversations)}
             assert set(home.values()) == set(range(REPLICAS)), f"first turns not spread: {home}"
             # Later turns one at a time, each with every replica idle: least-in-flight would send
             # all of them to replica 0; each must go where its conversation lives.
             for turn in range(1, turns):
                 for c in range(conversations):
-                    await w.js.publish(topology.subject(PROMPTS), encode(conversation_prompt(topology, index, c, turn)))
+                    await w.js.publish(
+                        topology.subject(PROMPTS),
+                        encode(conversation_prompt(topology, index, c, turn)),
+                    )
                     index += 1
                     await eventually(
                         lambda: trajectories_stored(w, index * GROUP),  # noqa: B023 - awaited here
                         f"c{c} turn {turn} generated",
                     )
-            moved = {(c, t): replica_of(engines, c, t) for c in range(conversations) for t in range(1, turns)
-                     if replica_of(engines, c, t) != home[c]}
+            moved = {
+                (c, t): replica_of(engines, c, t)
+                for c in range(conversations)
+                for t in range(1, turns)
+                if replica_of(engines, c, t) != home[c]
+            }
             assert not moved, f"turns left their conversation's replica {home}: {moved}"
 
     asyncio.run(main())
@@ -155,8 +186,9 @@ def test_a_weights_load_drains_and_loads_every_replica_and_no_generation_spans_t
     nats_server: EmbeddedNats, topology: Topology, model_dir: Path
 ) -> None:
     async def main() -> None:
-        async with replicated_worker(nats_server.url, topology, model_dir, "least_in_flight",
-                                     load_seconds=LOAD_SECONDS) as (w, engines):
+        async with replicated_worker(
+            nats_server.url, topology, model_dir, "least_in_flight", load_seconds=LOAD_SECONDS
+        ) as (w, engines):
             await w.publish_weights(0)
             published_at: dict[str, float] = {}
             stop = asyncio.Event()
@@ -174,26 +206,45 @@ def test_a_weights_load_drains_and_loads_every_replica_and_no_generation_spans_t
                     )
                     await w.publish_weights(version)
                     # The gate reopens once the load is over (checked below: on every replica).
-                    await eventually(lambda: w.engine.version == version and w.rollout.open_for_requests.is_set(),  # noqa: B023
-                                     f"v{version} was loaded")
+                    await eventually(
+                        lambda: (
+                            w.engine.version == version and w.rollout.open_for_requests.is_set()
+                        ),  # noqa: B023
+                        f"v{version} was loaded",
+                    )
             finally:
                 stop.set()
                 await feeder
             total = len(published_at)
-            await eventually(lambda: generated(engines) >= total, f"all {total} prompts were generated")
-            await eventually(lambda: trajectories_stored(w, total * GROUP), f"{total * GROUP} trajectories stored")
+            await eventually(
+                lambda: generated(engines) >= total, f"all {total} prompts were generated"
+            )
+            await eventually(
+                lambda: trajectories_stored(w, total * GROUP),
+                f"{total * GROUP} trajectories stored",
+            )
 
             loads: list[Call] = [c for e in engines for c in e.of("load")]
-            generations: list[tuple[int, Call]] = [(i, g) for i, e in enumerate(engines) for g in e.of("generate")]
+            generations: list[tuple[int, Call]] = [
+                (i, g) for i, e in enumerate(engines) for g in e.of("generate")
+            ]
             for i, e in enumerate(engines):
-                assert [c.version_at_end for c in e.of("load")] == list(range(1, LOADS + 1)), f"replica {i}"
+                assert [c.version_at_end for c in e.of("load")] == list(range(1, LOADS + 1)), (
+                    f"replica {i}"
+                )
             clashes = [(i, g, load) for i, g in generations for load in loads if overlaps(g, load)]
-            assert not clashes, (f"{len(clashes)} generations ran while a replica loaded weights, first: "
-                                 f"{clashes[0]}")
+            assert not clashes, (
+                f"{len(clashes)} generations ran while a replica loaded weights, first: "
+                f"{clashes[0]}"
+            )
             for i, e in enumerate(engines):  # each replica generated before and after each load
                 for load in e.of("load"):
-                    assert any(g.end <= load.start for g in e.of("generate")), f"replica {i}: none before {load}"
-                    assert any(g.start >= load.end for g in e.of("generate")), f"replica {i}: none after {load}"
+                    assert any(g.end <= load.start for g in e.of("generate")), (
+                        f"replica {i}: none before {load}"
+                    )
+                    assert any(g.start >= load.end for g in e.of("generate")), (
+                        f"replica {i}: none after {load}"
+                    )
             for i, g in generations:
                 served = max((c.version_at_end for c in loads if c.end <= g.start), default=0)
                 assert g.version_at_start == g.version_at_end == served, (
@@ -217,17 +268,32 @@ def test_the_worker_refuses_a_router_that_is_not_one_with_one_line_before_loadin
         nc = await connect(nats_server.url, "test-rollout-router")
         js = nc.jetstream()
         await topology.apply(js)
-        config = RunConfig.model_validate({
-            "run": topology.run, "model": {"path": str(tmp_path / "no-model")},
-            "rollout": {"engine_copies": 2, "router": "tests.test_router:NoPick"},
-        })
+        config = RunConfig.model_validate(
+            {
+                "run": topology.run,
+                "model": {"path": str(tmp_path / "no-model")},
+                "rollout": {"engine_copies": 2, "router": "tests.test_router:NoPick"},
+            }
+        )
         await publish_config(await js.key_value(topology.kv_bucket), config)
         await nc.close()
 
     asyncio.run(setup())
     worker = subprocess.run(
-        [sys.executable, "-m", "consumers.rollout", "--run", topology.run, "--nats", nats_server.url],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
+        [
+            sys.executable,
+            "-m",
+            "consumers.rollout",
+            "--run",
+            topology.run,
+            "--nats",
+            nats_server.url,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert worker.returncode == 1, worker.stderr
     assert worker.stderr.strip().splitlines()[-1] == (

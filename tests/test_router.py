@@ -78,20 +78,54 @@ def test_sticky_by_key_forgets_the_least_recently_used_key_past_max_keys() -> No
 @pytest.mark.parametrize(
     ("name", "options", "error"),
     [
-        ("sticky_by_key", {"max_key": 10}, "router 'sticky_by_key': option max_key: Extra inputs are not permitted"),
-        ("sticky_by_key", {"max_keys": 0}, "router 'sticky_by_key': option max_keys: Input should be greater than or equal to 1"),
-        ("least_in_flight", {"max_keys": 10}, "router 'least_in_flight': option max_keys: Extra inputs are not permitted"),
-        ("round_robin", {}, "router 'round_robin': expected one of least_in_flight, "
-                            "sticky_by_key or 'module:Class'"),
-        ("no_such_module_xyz:Router", {}, "router 'no_such_module_xyz:Router': cannot import no_such_module_xyz: "
-                                          "ModuleNotFoundError"),
-        ("tests.test_router:Missing", {}, "router 'tests.test_router:Missing': tests.test_router has no class Missing"),
-        ("tests.test_router:NoPick", {}, "router 'tests.test_router:NoPick': NoPick is not a router (no pick(key, "
-                                         "in_flight) method)"),
-        ("tests.test_router:LastReplica", {"offst": 1}, "router 'tests.test_router:LastReplica': cannot build it with options ['offst']"),
+        (
+            "sticky_by_key",
+            {"max_key": 10},
+            "router 'sticky_by_key': option max_key: Extra inputs are not permitted",
+        ),
+        (
+            "sticky_by_key",
+            {"max_keys": 0},
+            "router 'sticky_by_key': option max_keys: Input should be greater than or equal to 1",
+        ),
+        (
+            "least_in_flight",
+            {"max_keys": 10},
+            "router 'least_in_flight': option max_keys: Extra inputs are not permitted",
+        ),
+        (
+            "round_robin",
+            {},
+            "router 'round_robin': expected one of least_in_flight, "
+            "sticky_by_key or 'module:Class'",
+        ),
+        (
+            "no_such_module_xyz:Router",
+            {},
+            "router 'no_such_module_xyz:Router': cannot import no_such_module_xyz: "
+            "ModuleNotFoundError",
+        ),
+        (
+            "tests.test_router:Missing",
+            {},
+            "router 'tests.test_router:Missing': tests.test_router has no class Missing",
+        ),
+        (
+            "tests.test_router:NoPick",
+            {},
+            "router 'tests.test_router:NoPick': NoPick is not a router (no pick(key, "
+            "in_flight) method)",
+        ),
+        (
+            "tests.test_router:LastReplica",
+            {"offst": 1},
+            "router 'tests.test_router:LastReplica': cannot build it with options ['offst']",
+        ),
     ],
 )
-def test_a_router_that_cannot_be_built_is_one_line_naming_it(name: str, options: dict, error: str) -> None:
+def test_a_router_that_cannot_be_built_is_one_line_naming_it(
+    name: str, options: dict, error: str
+) -> None:
     with pytest.raises(RouterError) as raised:
         make_router(name, 2, options)
     message = str(raised.value)
@@ -108,16 +142,26 @@ def test_a_module_class_router_is_built_with_its_options() -> None:
 
 def test_the_config_takes_engine_copies_and_a_router_and_refuses_a_malformed_name() -> None:
     config = parse_config(
-        {"rollout": {"engine_copies": 2, "router": "sticky_by_key",
-                     "router_options": {"max_keys": 8}}}
+        {
+            "rollout": {
+                "engine_copies": 2,
+                "router": "sticky_by_key",
+                "router_options": {"max_keys": 8},
+            }
+        }
     )
     rollout = config.rollout
     assert (rollout.engine_copies, rollout.router) == (2, "sticky_by_key")
     assert rollout.router_options == {"max_keys": 8}
     assert parse_config({}).rollout.router == "least_in_flight"
-    assert parse_config({"rollout": {"router": "tests.test_router:LastReplica"}}).rollout.router.endswith(":LastReplica")
-    with pytest.raises(ConfigError, match=r"^config: rollout.router: 'sticky': expected one of least_in_flight, "
-                                          r"sticky_by_key or 'module:Class'$"):
+    assert parse_config(
+        {"rollout": {"router": "tests.test_router:LastReplica"}}
+    ).rollout.router.endswith(":LastReplica")
+    with pytest.raises(
+        ConfigError,
+        match=r"^config: rollout.router: 'sticky': expected one of least_in_flight, "
+        r"sticky_by_key or 'module:Class'$",
+    ):
         parse_config({"rollout": {"router": "sticky"}})
     with pytest.raises(ConfigError, match=r"^config: rollout.router: 'mod:not a class'"):
         parse_config({"rollout": {"router": "mod:not a class"}})

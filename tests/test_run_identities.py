@@ -39,18 +39,39 @@ def command_lines() -> list[bytes]:
 def test_the_local_job_runs_on_per_role_identities_kept_off_command_lines(tmp_path: Path) -> None:
     run, out = f"ids{uuid.uuid4().hex[:8]}", tmp_path / "run"
     job = subprocess.Popen(
-        [sys.executable, "-m", "producers.prompts", "--out", str(out), "--run", run, "--steps", "1000"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "producers.prompts",
+            "--out",
+            str(out),
+            "--run",
+            run,
+            "--steps",
+            "1000",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         wait_for_a_step(job)  # every role attached with its seed and trained a step
         seeds = {path.stem: path.read_bytes().strip() for path in (out / "identities").glob("*.nk")}
         assert set(seeds) >= {"producer", "trainer", "buffer", "reward", "rollout", "admin"}
-        assert all((out / "identities" / f"{role}.nk").stat().st_mode & 0o777 == 0o600 for role in seeds)
+        assert all(
+            (out / "identities" / f"{role}.nk").stat().st_mode & 0o777 == 0o600 for role in seeds
+        )
         lines = command_lines()
         assert any(run.encode() in line for line in lines)  # the workers are there to be looked at
-        assert not [line for line in lines if SEED.search(line) or any(seed in line for seed in seeds.values())]
-        assert not [line for line in lines if re.search(rb"nats://[^/\s\0]*@", line)]  # no user:password@
+        assert not [
+            line
+            for line in lines
+            if SEED.search(line) or any(seed in line for seed in seeds.values())
+        ]
+        assert not [
+            line for line in lines if re.search(rb"nats://[^/\s\0]*@", line)
+        ]  # no user:password@
         url = re.search(r"listen: (\S+)", (out / "nats" / "nats.conf").read_text()).group(1)  # type: ignore[union-attr]
 
         async def anonymous() -> None:

@@ -20,10 +20,22 @@ from tests.golden_events import GOLDEN, golden
 
 DTYPES = ["bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64"]
 arrays = st.sampled_from(DTYPES).flatmap(
-    lambda d: hnp.arrays(np.dtype(d), hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=5))
+    lambda d: hnp.arrays(
+        np.dtype(d), hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=5)
+    )
 )
-json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=False), st.text())
-metadata = st.dictionaries(st.text(min_size=1, max_size=10), st.recursive(json_scalars, lambda c: st.lists(c, max_size=3)), max_size=4)
+json_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**63 - 1),
+    st.floats(allow_nan=False),
+    st.text(),
+)
+metadata = st.dictionaries(
+    st.text(min_size=1, max_size=10),
+    st.recursive(json_scalars, lambda c: st.lists(c, max_size=3)),
+    max_size=4,
+)
 
 
 @given(arrays)
@@ -51,15 +63,23 @@ def decode_tensor(t: Tensor) -> Tensor:
     text=st.text(max_size=50),
     sample=st.integers(0, 7),
 )
-def test_trajectory_and_reward_round_trip(tokens: np.ndarray, meta: dict, text: str, sample: int) -> None:
+def test_trajectory_and_reward_round_trip(
+    tokens: np.ndarray, meta: dict, text: str, sample: int
+) -> None:
     n = tokens.shape[0]
     traj = TrajectoryEvent(
-        id=f"r/0/1/{sample}", run="r", prompt_id="r/0/1", sample_index=sample, group_size=8,
+        id=f"r/0/1/{sample}",
+        run="r",
+        prompt_id="r/0/1",
+        sample_index=sample,
+        group_size=8,
         # A prompt has at least one token; the response may be empty.
         prompt_ids=Tensor.from_numpy(np.concatenate([tokens[: n // 2], np.ones(1, np.int32)])),
         response_ids=Tensor.from_numpy(tokens),
-        logprobs=Tensor.from_numpy(-np.abs(tokens.astype(np.float32))), versions=Tensor.from_numpy(np.zeros(n, np.int32)),
-        response_text=text, task=meta,
+        logprobs=Tensor.from_numpy(-np.abs(tokens.astype(np.float32))),
+        versions=Tensor.from_numpy(np.zeros(n, np.int32)),
+        response_text=text,
+        task=meta,
     )
     assert decode(encode(traj)) == traj
     reward = RewardEvent(id=traj.id, run="r", trajectory=traj, reward=0.25, components={"a": 1.0})
@@ -76,7 +96,10 @@ def test_golden_fixture_decodes(name: str) -> None:
     written, stored = msgpack.unpackb(encode(event)), msgpack.unpackb(data)
     added = {key: written.pop(key) for key in set(written) - set(stored)}
     assert msgpack.packb(written) == data
-    assert all(value == msgpack.unpackb(msgpack.packb(type(event).model_fields[key].default)) for key, value in added.items())
+    assert all(
+        value == msgpack.unpackb(msgpack.packb(type(event).model_fields[key].default))
+        for key, value in added.items()
+    )
 
 
 def _prompt_fields() -> dict:
@@ -88,12 +111,23 @@ def _prompt_fields() -> dict:
     [
         (b"\xc1garbage", "not msgpack"),
         (msgpack.packb([1, 2, 3]), "must be a msgpack map"),
-        (msgpack.packb({**_prompt_fields(), "type": "jetrl.nope"}), "unknown event type 'jetrl.nope'"),
+        (
+            msgpack.packb({**_prompt_fields(), "type": "jetrl.nope"}),
+            "unknown event type 'jetrl.nope'",
+        ),
         (msgpack.packb({**_prompt_fields(), "schema_version": 9}), "newer than this worker's 1"),
         (msgpack.packb({**_prompt_fields(), "schema_version": 0}), "has no upgrade to 1"),
         (msgpack.packb({**_prompt_fields(), "n": 0}), "jetrl.prompt: n:"),
         (msgpack.packb({**_prompt_fields(), "surprise": 1}), "surprise"),
-        (msgpack.packb({**_prompt_fields(), "token_ids": {"dtype": "int32", "shape": [3], "data": b"\0" * 5}}), "needs 12"),
+        (
+            msgpack.packb(
+                {
+                    **_prompt_fields(),
+                    "token_ids": {"dtype": "int32", "shape": [3], "data": b"\0" * 5},
+                }
+            ),
+            "needs 12",
+        ),
         ((GOLDEN / "prompt.v1.msgpack").read_bytes()[:-7], "not msgpack"),
     ],
 )
@@ -110,8 +144,12 @@ def test_wrong_event_type_for_the_stream_is_rejected() -> None:
 def test_a_value_msgpack_cannot_pack_fails_encode_by_name() -> None:
     """Task fields are free-form: a numpy scalar (or any object) must not slip through as
     something else, nor fail with an unrelated error."""
-    prompt = PromptEvent(id="r/0/0", run="r", epoch=0, index=0, prompt="c1=", task={"answer": np.float32(1.0)})
-    with pytest.raises(TypeError, match="an event field holds a float32, which msgpack cannot encode"):
+    prompt = PromptEvent(
+        id="r/0/0", run="r", epoch=0, index=0, prompt="c1=", task={"answer": np.float32(1.0)}
+    )
+    with pytest.raises(
+        TypeError, match="an event field holds a float32, which msgpack cannot encode"
+    ):
         encode(prompt)
 
 
@@ -134,7 +172,11 @@ def test_an_old_version_is_upgraded_on_decode() -> None:
 
 
 def test_export_writes_json_schema_for_every_event(tmp_path: Path) -> None:
-    subprocess.run([sys.executable, "-m", "schemas.export", str(tmp_path)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "schemas.export", str(tmp_path)], check=True, capture_output=True
+    )
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == [f"jetrl.{k}.v1.json" for k in ("batch", "prompt", "reward", "trajectory", "weights")]
+    assert names == [
+        f"jetrl.{k}.v1.json" for k in ("batch", "prompt", "reward", "trajectory", "weights")
+    ]
     assert '"response_ids"' in (tmp_path / "jetrl.trajectory.v1.json").read_text()

@@ -84,7 +84,10 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
     store = tmp_path_factory.mktemp("secured")
     subprocess.run(
         [sys.executable, "-m", "ops.streams", "users", "--run", topology.run, "--out", str(store)],
-        cwd=ROOT, check=True, capture_output=True, timeout=60,
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=60,
     )
     # `include` paths are relative to the including file: the server's config sits in `store`.
     with EmbeddedNats(store, extra_config='include "users.conf"\n') as server:
@@ -95,7 +98,9 @@ def violations(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if VIOLATION in r.getMessage()]
 
 
-async def work_one(rt: Runtime, channel: Channel[E], handle: Callable[[E], Awaitable[None]]) -> None:
+async def work_one(
+    rt: Runtime, channel: Channel[E], handle: Callable[[E], Awaitable[None]]
+) -> None:
     """Serve the channel's work queue until the handler has run once."""
     done = asyncio.Event()
 
@@ -104,7 +109,9 @@ async def work_one(rt: Runtime, channel: Channel[E], handle: Callable[[E], Await
         done.set()
 
     stop = asyncio.Event()
-    worker = Worker(rt.js, rt.topology, channel, handler, rt.publisher, WorkerOptions(fetch_timeout=0.5))
+    worker = Worker(
+        rt.js, rt.topology, channel, handler, rt.publisher, WorkerOptions(fetch_timeout=0.5)
+    )
     task = asyncio.create_task(worker.run(stop))
     await asyncio.wait_for(done.wait(), 10)
     stop.set()
@@ -118,7 +125,9 @@ async def read_one(js: JetStreamContext, subject: str, **options: object) -> byt
     return data
 
 
-def test_every_role_does_its_job_with_its_own_credential(secured: Secured, caplog: pytest.LogCaptureFixture) -> None:
+def test_every_role_does_its_job_with_its_own_credential(
+    secured: Secured, caplog: pytest.LogCaptureFixture
+) -> None:
     t, run = secured.topology, secured.topology.run
     caplog.set_level(logging.WARNING)
 
@@ -151,10 +160,15 @@ def test_every_role_does_its_job_with_its_own_credential(secured: Secured, caplo
             await rollout.publisher.publish(TRAJECTORIES, trajectory(run, event.index))
 
         await work_one(rollout, PROMPTS, generate)
-        assert await read_one(rollout.js, t.subject(WEIGHTS), deliver_policy=DeliverPolicy.LAST) == b"version 0"
+        assert (
+            await read_one(rollout.js, t.subject(WEIGHTS), deliver_policy=DeliverPolicy.LAST)
+            == b"version 0"
+        )
         fetched = await ObjectStoreTransport(rollout.js, t.object_bucket).fetch(event)
         assert torch.equal(fetched["w"], tensors["w"])
-        assert (await rollout.js.get_last_msg(t.stream(WEIGHTS), t.subject(WEIGHTS))).data == b"version 0"
+        assert (
+            await rollout.js.get_last_msg(t.stream(WEIGHTS), t.subject(WEIGHTS))
+        ).data == b"version 0"
 
         # Reward: a trajectory from its queue -> a reward.
         scorer = await attach("reward", run, secured.url, identity=secured.identity("reward"))
@@ -180,14 +194,23 @@ def test_every_role_does_its_job_with_its_own_credential(secured: Secured, caplo
         await trainer.kv.put(metrics_key(0, 0), b"{}")
 
         # Producer: the admission gate follows weights and the KV.
-        assert await read_one(producer.js, t.subject(WEIGHTS), deliver_policy=DeliverPolicy.LAST) == b"version 0"
+        assert (
+            await read_one(producer.js, t.subject(WEIGHTS), deliver_policy=DeliverPolicy.LAST)
+            == b"version 0"
+        )
         watcher = await producer.kv.watch(">")
         assert (await watcher.updates(timeout=5)) is not None
         await watcher.stop()
         # Producer: naming a stall reads members, queues and the batch stream's tail.
-        stall = await read_view(producer.js, t, producer.config, next_step=0, issued=1, version=0, dropped=0)
-        assert stall.live is not None and stall.live["buffer"] == 1, f"the members as the producer reads them: {stall.live}"
-        assert None not in stall.queues.values(), f"the work queues as the producer reads them: {stall.queues}"
+        stall = await read_view(
+            producer.js, t, producer.config, next_step=0, issued=1, version=0, dropped=0
+        )
+        assert stall.live is not None and stall.live["buffer"] == 1, (
+            f"the members as the producer reads them: {stall.live}"
+        )
+        assert None not in stall.queues.values(), (
+            f"the work queues as the producer reads them: {stall.queues}"
+        )
 
         # Trainer: deletes the batches its committed checkpoint no longer needs (`Trainer.trim`).
         await trainer.js.purge_stream(t.stream(BATCHES), subject=t.subject(BATCHES, 0), seq=2)
@@ -201,13 +224,18 @@ def test_every_role_does_its_job_with_its_own_credential(secured: Secured, caplo
     # The operator inspects the run with its own credential.
     shown = subprocess.run(
         [sys.executable, "-m", "ops.streams", "show", "--run", run, "--nats", secured.url],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={**os.environ, IDENTITY_ENV: str(secured.identity("admin"))},
     )
     assert "rollout: pending 0, in flight 0" in shown.stdout, shown.stderr
 
 
-def test_roles_cannot_write_what_is_not_theirs(secured: Secured, caplog: pytest.LogCaptureFixture) -> None:
+def test_roles_cannot_write_what_is_not_theirs(
+    secured: Secured, caplog: pytest.LogCaptureFixture
+) -> None:
     t, run = secured.topology, secured.topology.run
     caplog.set_level(logging.WARNING)
 
@@ -220,7 +248,9 @@ def test_roles_cannot_write_what_is_not_theirs(secured: Secured, caplog: pytest.
         admin = await connect(secured.url, "admin", identity=secured.identity("admin"))
         admin_js = admin.jetstream()
         await t.apply(admin_js)
-        before = {c: await messages(admin_js, t, c) for c in (PROMPTS, TRAJECTORIES, WEIGHTS, BATCHES)}
+        before = {
+            c: await messages(admin_js, t, c) for c in (PROMPTS, TRAJECTORIES, WEIGHTS, BATCHES)
+        }
 
         rollout = await connect(secured.url, "rollout", identity=secured.identity("rollout"))
         rollout_js = rollout.jetstream()
@@ -239,12 +269,17 @@ def test_roles_cannot_write_what_is_not_theirs(secured: Secured, caplog: pytest.
     assert stored == {"prompts": 0, "trajectories": 1, "weights": 0, "batches": 0}
     assert sorted(violations(caplog)) == sorted(
         f'nats {role}: Error: nats: {VIOLATION} for publish to "{subject.lower()}"'
-        for role, subject in (("rollout", t.subject(WEIGHTS)), ("rollout", t.subject(BATCHES, 0)),
-                              ("reward", t.subject(PROMPTS)))
+        for role, subject in (
+            ("rollout", t.subject(WEIGHTS)),
+            ("rollout", t.subject(BATCHES, 0)),
+            ("reward", t.subject(PROMPTS)),
+        )
     )
 
 
-def test_identities_are_files_only_their_owner_reads_and_keys_the_server_knows(secured: Secured) -> None:
+def test_identities_are_files_only_their_owner_reads_and_keys_the_server_knows(
+    secured: Secured,
+) -> None:
     """`ops.streams users` wrote public keys for the server and a seed per role, each mode 600."""
     users = (secured.identities / USERS_FILE).read_text()
     for role in roles(secured.topology):
@@ -252,7 +287,9 @@ def test_identities_are_files_only_their_owner_reads_and_keys_the_server_knows(s
         assert seed.stat().st_mode & 0o777 == 0o600
         assert f'nkey: "{public_key(seed.read_bytes().strip())}"' in users
         assert seed.read_text().strip() not in users
-    assert "password" not in users and not re.search(r"\bSU[A-Z2-7]{50,}", users)  # no seed, no password
+    assert "password" not in users and not re.search(
+        r"\bSU[A-Z2-7]{50,}", users
+    )  # no seed, no password
 
 
 def test_wrong_credentials_fail_at_once_with_one_line(secured: Secured, tmp_path: Path) -> None:
@@ -266,39 +303,97 @@ def test_wrong_credentials_fail_at_once_with_one_line(secured: Secured, tmp_path
 
     async def scenario() -> None:
         for identity in (None, stranger):
-            with pytest.raises(ConnectRefused, match="refused this client's credentials.*check the identity file"):
+            with pytest.raises(
+                ConnectRefused, match="refused this client's credentials.*check the identity file"
+            ):
                 await asyncio.wait_for(connect(secured.url, "wrong", identity=identity), 10)
         with pytest.raises(ConnectRefused) as refused:
             await connect(secured.url, "shared", identity=shared)
-        assert str(refused.value) == f"identity file {shared}: mode 644 lets others read it; chmod 600 {shared}"
+        assert (
+            str(refused.value)
+            == f"identity file {shared}: mode 644 lets others read it; chmod 600 {shared}"
+        )
 
     asyncio.run(scenario())
     cli = subprocess.run(
-        [sys.executable, "-m", "ops.streams", "show", "--run", secured.topology.run, "--nats", secured.url],
-        cwd=ROOT, capture_output=True, text=True, timeout=30, env={**os.environ, IDENTITY_ENV: str(stranger)},
+        [
+            sys.executable,
+            "-m",
+            "ops.streams",
+            "show",
+            "--run",
+            secured.topology.run,
+            "--nats",
+            secured.url,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, IDENTITY_ENV: str(stranger)},
     )
     assert cli.returncode == 1
-    assert cli.stderr.strip().splitlines()[-1].startswith(f"ops.streams: cannot reach NATS: {secured.url}:")
+    assert (
+        cli.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"ops.streams: cannot reach NATS: {secured.url}:")
+    )
     assert "refused this client's credentials" in cli.stderr
     worker = subprocess.run(
-        [sys.executable, "-m", "consumers.buffer", "--run", secured.topology.run, "--nats", secured.url,
-         "--identity", str(stranger)],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "consumers.buffer",
+            "--run",
+            secured.topology.run,
+            "--nats",
+            secured.url,
+            "--identity",
+            str(stranger),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert worker.returncode == 1
     last = worker.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"consumers.buffer: {secured.url}:") and "refused this client's credentials" in last
+    assert (
+        last.startswith(f"consumers.buffer: {secured.url}:")
+        and "refused this client's credentials" in last
+    )
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a test certificate")
+@pytest.mark.skipif(
+    shutil.which("openssl") is None, reason="needs the openssl command to make a test certificate"
+)
 def test_tls_options_pass_through_connect(tmp_path: Path, topology: Topology) -> None:
     """A TLS-only server, a self-signed certificate for a name that is not the address dialled."""
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=jetrl-test",
-         "-addext", "subjectAltName=DNS:jetrl-test"],
-        check=True, capture_output=True, timeout=60,
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=jetrl-test",
+            "-addext",
+            "subjectAltName=DNS:jetrl-test",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
     )
     tls = f'tls {{ cert_file: "{cert}", key_file: "{key}", timeout: 2 }}\n'
 
@@ -307,11 +402,18 @@ def test_tls_options_pass_through_connect(tmp_path: Path, topology: Topology) ->
         nc = await connect(server.url, "tls-test", tls=context, tls_hostname="jetrl-test")
         js = nc.jetstream()
         await topology.apply(js)
-        assert (await Publisher(js, topology).publish(TRAJECTORIES, trajectory(topology.run))).seq == 1
+        assert (
+            await Publisher(js, topology).publish(TRAJECTORIES, trajectory(topology.run))
+        ).seq == 1
         await nc.close()
         # Without the CA the handshake fails the same way on every try: raised, not retried.
         with pytest.raises(ConnectRefused, match="TLS failed"):
-            await asyncio.wait_for(connect(server.url, "no-ca", tls=ssl.create_default_context(), tls_hostname="jetrl-test"), 10)
+            await asyncio.wait_for(
+                connect(
+                    server.url, "no-ca", tls=ssl.create_default_context(), tls_hostname="jetrl-test"
+                ),
+                10,
+            )
 
     with EmbeddedNats(tmp_path / "nats", extra_config=tls) as server:
         asyncio.run(scenario(server))

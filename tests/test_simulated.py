@@ -34,7 +34,11 @@ def test_lengths_are_log_normal_with_the_median_and_sigma_asked_and_capped() -> 
     assert np.log(lengths).std() == pytest.approx(1.0, rel=0.05)
     assert np.percentile(lengths, 99) > 8 * 50  # the long tail: exp(2.33 sigma) ~ 10x the median
     capped = draw_lengths(np.random.default_rng(0), 20_000, median=50, sigma=1.0, cap=100)
-    assert capped.max() == 100 and capped.min() >= 1 and (capped == 100).mean() == pytest.approx(0.25, abs=0.02)
+    assert (
+        capped.max() == 100
+        and capped.min() >= 1
+        and (capped == 100).mean() == pytest.approx(0.25, abs=0.02)
+    )
 
 
 def test_slots_run_jobs_as_a_continuous_batching_engine_would() -> None:
@@ -58,22 +62,36 @@ def test_generate_takes_the_makespan_and_returns_valid_samples() -> None:
         assert len(ids) == 20 and sample.finish_reason == "stop" and ids[-1] == EOS
         assert int(ids.min()) >= 0 and int(ids.max()) < VOCAB and not (ids[:-1] == EOS).any()
         assert torch.equal(sample.logprobs, torch.full((20,), LOGPROB))
-    capped = engine(median_tokens=100, sigma=0.0, seconds_per_token=0.0).generate([[1]], 1, SamplingParams(max_tokens=8))
+    capped = engine(median_tokens=100, sigma=0.0, seconds_per_token=0.0).generate(
+        [[1]], 1, SamplingParams(max_tokens=8)
+    )
     assert len(capped[0][0].token_ids) == 8 and capped[0][0].finish_reason == "length"
     sim.load_state_dict({}, version=7)
     assert sim.version == 7
 
 
 def test_the_engine_and_its_workload_are_config() -> None:
-    cfg = parse_config({"rollout": {"engine": {"type": "simulated", "median_tokens": 200, "sigma": 1.2, "slots": 4}},
-                        "trainer": {"simulated_seconds_per_token": 1e-4}})
+    cfg = parse_config(
+        {
+            "rollout": {
+                "engine": {"type": "simulated", "median_tokens": 200, "sigma": 1.2, "slots": 4}
+            },
+            "trainer": {"simulated_seconds_per_token": 1e-4},
+        }
+    )
     assert isinstance(cfg.rollout.engine, SimulatedRolloutConfig)
     assert cfg.rollout.engine.slots == 4 and cfg.trainer.simulated_seconds_per_token == 1e-4
-    with pytest.raises(ConfigError, match="rollout.engine: Input tag 'trtllm' found using 'type' does not match any of "
-                                          "the expected tags: 'hf', 'simulated', 'vllm', 'sglang'"):
+    with pytest.raises(
+        ConfigError,
+        match="rollout.engine: Input tag 'trtllm' found using 'type' does not match any of "
+        "the expected tags: 'hf', 'simulated', 'vllm', 'sglang'",
+    ):
         parse_config({"rollout": {"engine": "trtllm"}})
-    with pytest.raises(ConfigError, match=r"rollout.engine.slots: Input should be greater than or equal to 1 "
-                                          r"\(type simulated\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout.engine.slots: Input should be greater than or equal to 1 "
+        r"\(type simulated\)",
+    ):
         parse_config({"rollout": {"engine": {"type": "simulated", "slots": 0}}})
 
 

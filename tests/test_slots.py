@@ -100,7 +100,9 @@ def test_half_free_returns_once_half_the_slots_are_free() -> None:
     run(body())
 
 
-def test_a_failing_or_cancelled_item_leaves_its_slot_working(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_failing_or_cancelled_item_leaves_its_slot_working(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """One slot only: had the error or the cancellation ended it, nothing after would run."""
 
     async def body() -> None:

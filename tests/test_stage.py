@@ -63,7 +63,11 @@ def worker(role: str, topology: Topology, url: str, **env: str) -> subprocess.Po
     clean = {k: v for k, v in os.environ.items() if k not in (CRASH_AT, CRASH_RECORD, FAIL_AT)}
     return subprocess.Popen(
         [sys.executable, "-m", f"consumers.{role}", "--run", topology.run, "--nats", url],
-        cwd=ROOT, env={**clean, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT,
+        env={**clean, **env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -98,25 +102,38 @@ def test_a_helper_that_raises_takes_its_worker_down(
 
     asyncio.run(declare())
     # The watcher fails where a load is under way: the gate closed, the bytes fetched.
-    proc = worker("rollout", topology, nats_server.url, **{FAIL_AT: f"{ROLLOUT_MID_WEIGHT_LOAD.name}@1"})
+    proc = worker(
+        "rollout", topology, nats_server.url, **{FAIL_AT: f"{ROLLOUT_MID_WEIGHT_LOAD.name}@1"}
+    )
     status, stderr = exited(proc, EXIT_SECONDS, "the rollout worker whose weights watcher failed")
-    assert status == 1, f"exit status {status}, expected 1 (a failure the fleet restarts):\n{stderr[-3000:]}"
+    assert status == 1, (
+        f"exit status {status}, expected 1 (a failure the fleet restarts):\n{stderr[-3000:]}"
+    )
     last = stderr.strip().splitlines()[-1]
     assert last == (
         "consumers.rollout: helper weights watcher failed: InjectedFailure: "
         f"{FAIL_AT} {ROLLOUT_MID_WEIGHT_LOAD.name} (pass 1): v1"
     ), stderr[-3000:]
-    assert "ERROR helper weights watcher failed: InjectedFailure" in stderr, "no log line names the helper"
+    assert "ERROR helper weights watcher failed: InjectedFailure" in stderr, (
+        "no log line names the helper"
+    )
 
 
-def test_sigterm_drains_a_stage_and_exits_zero(nats_server: EmbeddedNats, topology: Topology) -> None:
-    config = RunConfig.model_validate({
-        "run": topology.run, "data": {"reward": "tests.reward_fns:reverse_or_misbehave"},
-        "reward": {"processes": 2, "timeout": 30.0},
-    })
+def test_sigterm_drains_a_stage_and_exits_zero(
+    nats_server: EmbeddedNats, topology: Topology
+) -> None:
+    config = RunConfig.model_validate(
+        {
+            "run": topology.run,
+            "data": {"reward": "tests.reward_fns:reverse_or_misbehave"},
+            "reward": {"processes": 2, "timeout": 30.0},
+        }
+    )
     count = 4
     slow = [
-        trajectory(topology.run, prompt=i).model_copy(update={"task": {"misbehave": "slow", "seconds": SCORE_SECONDS}})
+        trajectory(topology.run, prompt=i).model_copy(
+            update={"task": {"misbehave": "slow", "seconds": SCORE_SECONDS}}
+        )
         for i in range(count)
     ]
 
@@ -142,7 +159,9 @@ def test_sigterm_drains_a_stage_and_exits_zero(nats_server: EmbeddedNats, topolo
     proc = worker("reward", topology, nats_server.url)
     deadline = time.monotonic() + EXIT_SECONDS
     while (held := asyncio.run(in_flight())) < count:
-        assert proc.poll() is None, f"the reward worker exited before taking its work:\n{proc.communicate()[1]}"
+        assert proc.poll() is None, (
+            f"the reward worker exited before taking its work:\n{proc.communicate()[1]}"
+        )
         assert time.monotonic() < deadline, f"the reward worker took {held} of {count} trajectories"
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
@@ -154,15 +173,19 @@ def test_sigterm_drains_a_stage_and_exits_zero(nats_server: EmbeddedNats, topolo
         js = nc.jetstream()
         lag = (await queue_lag(js, topology))[TRAJECTORIES.work_queue.durable]
         sub = await js.subscribe(topology.subject(REWARDS), ordered_consumer=True)
-        stored = {decode((await sub.next_msg(timeout=5)).data, RewardEvent).id
-                  for _ in range(await messages(js, topology, REWARDS))}
+        stored = {
+            decode((await sub.next_msg(timeout=5)).data, RewardEvent).id
+            for _ in range(await messages(js, topology, REWARDS))
+        }
         await nc.close()
         assert lag is not None
         return lag.in_flight, stored
 
     left, stored = asyncio.run(outcome())
     assert stored == {t.id for t in slow}, f"scored before exiting: {sorted(stored)} of {count}"
-    assert left == 0, f"{left} trajectories left unacked: the worker exited without settling what it held"
+    assert left == 0, (
+        f"{left} trajectories left unacked: the worker exited without settling what it held"
+    )
 
 
 def test_a_membership_heartbeat_stops_when_cancelled_just_after_a_report(
@@ -184,7 +207,9 @@ def test_a_membership_heartbeat_stops_when_cancelled_just_after_a_report(
                 beat = asyncio.create_task(member.beat())
                 await asyncio.sleep(0.01)
                 member.report(weight_version=attempt)
-                for _ in range(attempt % 4):  # the cancel lands 0-3 turns of the loop after the report
+                for _ in range(
+                    attempt % 4
+                ):  # the cancel lands 0-3 turns of the loop after the report
                     await asyncio.sleep(0)
                 beat.cancel()
                 done, _ = await asyncio.wait([beat], timeout=2.0)
@@ -198,10 +223,14 @@ def test_a_membership_heartbeat_stops_when_cancelled_just_after_a_report(
         return still_running
 
     still_running = asyncio.run(run())
-    assert not still_running, f"the heartbeat went on after being cancelled, in attempts {still_running}"
+    assert not still_running, (
+        f"the heartbeat went on after being cancelled, in attempts {still_running}"
+    )
 
 
-def test_a_stage_stops_while_its_helpers_are_mid_request(nats_server: EmbeddedNats, topology: Topology) -> None:
+def test_a_stage_stops_while_its_helpers_are_mid_request(
+    nats_server: EmbeddedNats, topology: Topology
+) -> None:
     """SIGTERM (here: the stop event) ends a stage whatever its helpers are awaiting. Its loss
     guard and heartbeat make NATS requests, and nats-py awaits each reply in `asyncio.wait_for`,
     which on Python 3.11 swallows a cancel when the reply is in by the time the helper resumes:
@@ -235,10 +264,14 @@ def test_a_stage_stops_while_its_helpers_are_mid_request(nats_server: EmbeddedNa
                 await asyncio.sleep(0.05 + 0.01 * attempt)  # the helpers are mid-request
                 stop.set()
                 done, _ = await asyncio.wait([served], timeout=STOP_SECONDS)
-                if not done:  # clean up: cancel the helpers as the fixed stage does, so the stage ends
+                if (
+                    not done
+                ):  # clean up: cancel the helpers as the fixed stage does, so the stage ends
                     hung.append(attempt)
                     names = {*helpers, LOSS_GUARD, MEMBERSHIP}
-                    await cancel_until_done([task for task in asyncio.all_tasks() if task.get_name() in names])
+                    await cancel_until_done(
+                        [task for task in asyncio.all_tasks() if task.get_name() in names]
+                    )
                     await served
                     break
                 served.result()
@@ -247,7 +280,9 @@ def test_a_stage_stops_while_its_helpers_are_mid_request(nats_server: EmbeddedNa
         return hung
 
     hung = asyncio.run(stop_repeatedly())
-    assert not hung, f"the stage was still running {STOP_SECONDS:.0f} s after its stop, in attempt {hung[0]}"
+    assert not hung, (
+        f"the stage was still running {STOP_SECONDS:.0f} s after its stop, in attempt {hung[0]}"
+    )
 
 
 def test_sigterm_while_a_worker_waits_to_join_its_run_ends_it_cleanly(
@@ -270,11 +305,15 @@ def test_sigterm_while_a_worker_waits_to_join_its_run_ends_it_cleanly(
     proc = worker("buffer", topology, nats_server.url)  # no config in KV: it waits for one
     deadline = time.monotonic() + EXIT_SECONDS
     while not asyncio.run(bucket_declared()):
-        assert proc.poll() is None, f"the worker exited before waiting for its config:\n{proc.communicate()[1]}"
+        assert proc.poll() is None, (
+            f"the worker exited before waiting for its config:\n{proc.communicate()[1]}"
+        )
         assert time.monotonic() < deadline, "the worker never declared its run's buckets"
         time.sleep(0.1)
     time.sleep(1.0)  # into the wait for the config
-    assert proc.poll() is None, f"the worker stopped waiting for its config:\n{proc.communicate()[1]}"
+    assert proc.poll() is None, (
+        f"the worker stopped waiting for its config:\n{proc.communicate()[1]}"
+    )
     proc.send_signal(signal.SIGTERM)
     status, stderr = exited(proc, 10, "the worker after SIGTERM while waiting to join")
     assert status == 0, f"exit status {status} after SIGTERM while joining:\n{stderr[-3000:]}"

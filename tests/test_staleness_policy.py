@@ -15,10 +15,12 @@ def policy(bound: int, **more: object) -> StalenessPolicy:
 
 
 def test_the_config_builds_the_policy_from_its_own_keys() -> None:
-    cfg = parse_config({
-        "algorithm": {"max_staleness": 2, "prompts_per_step": 5, "max_group_wait_steps": 7},
-        "trainer": {"steps": 40, "checkpoint_every": 6},
-    })
+    cfg = parse_config(
+        {
+            "algorithm": {"max_staleness": 2, "prompts_per_step": 5, "max_group_wait_steps": 7},
+            "trainer": {"steps": 40, "checkpoint_every": 6},
+        }
+    )
     assert cfg.staleness == StalenessPolicy(
         bound=2, prompts_per_step=5, steps=40, checkpoint_every=6, max_group_wait_steps=7
     )

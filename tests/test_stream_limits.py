@@ -55,7 +55,9 @@ def big_trajectory(run: str, index: int, text_bytes: int = 50_000) -> Trajectory
 def small_topology(**changes: object) -> Topology:
     """A run whose trajectories stream holds 1 MiB."""
     topology = Topology(run=f"t{uuid.uuid4().hex[:10]}")
-    return Topology(run=topology.run, max_bytes={**topology.max_bytes, TRAJECTORIES.name: MIB}, **changes)  # type: ignore[arg-type]
+    return Topology(
+        run=topology.run, max_bytes={**topology.max_bytes, TRAJECTORIES.name: MIB}, **changes
+    )  # type: ignore[arg-type]
 
 
 def test_a_full_stream_makes_the_publisher_wait_and_loses_nothing(
@@ -70,7 +72,9 @@ def test_a_full_stream_makes_the_publisher_wait_and_loses_nothing(
     async def body(js: JetStreamContext) -> None:
         # The in-flight budget is 12 events: publishes waiting for room keep theirs, so the
         # sender itself stops instead of piling retries onto the full stream.
-        publisher = Publisher(js, topology, ack_timeout=1.0, retry_for=2.0, max_inflight_bytes=600_000)
+        publisher = Publisher(
+            js, topology, ack_timeout=1.0, retry_for=2.0, max_inflight_bytes=600_000
+        )
         acks: list[asyncio.Future[PubAck]] = []
 
         async def send_all() -> None:
@@ -86,13 +90,25 @@ def test_a_full_stream_makes_the_publisher_wait_and_loses_nothing(
             now = (await js.stream_info(topology.stream(TRAJECTORIES))).state
             still = still + 0.5 if now.messages == stored.messages and now.messages else 0.0
             stored = now
-        assert stored.messages < count and stored.bytes <= MIB, "the stream took more than its limit"
-        assert not any(a.done() and a.exception() for a in acks), "a publish to the full stream failed"
-        assert all(not a.done() for a in acks[stored.messages:]), "a publish past the limit did not wait"
-        assert not sending.done() and len(acks) < count, "the sender did not wait for the in-flight budget"
-        assert any("is full" in r.getMessage() and "backpressure" in r.getMessage() for r in caplog.records)
+        assert stored.messages < count and stored.bytes <= MIB, (
+            "the stream took more than its limit"
+        )
+        assert not any(a.done() and a.exception() for a in acks), (
+            "a publish to the full stream failed"
+        )
+        assert all(not a.done() for a in acks[stored.messages :]), (
+            "a publish past the limit did not wait"
+        )
+        assert not sending.done() and len(acks) < count, (
+            "the sender did not wait for the in-flight budget"
+        )
+        assert any(
+            "is full" in r.getMessage() and "backpressure" in r.getMessage() for r in caplog.records
+        )
 
-        sub = await js.pull_subscribe_bind(TRAJECTORIES.work_queue.durable, stream=topology.stream(TRAJECTORIES))
+        sub = await js.pull_subscribe_bind(
+            TRAJECTORIES.work_queue.durable, stream=topology.stream(TRAJECTORIES)
+        )
         got: list[str] = []
         while len(got) < count:
             try:
@@ -120,7 +136,9 @@ def test_the_guard_counts_work_deleted_before_it_was_acked(nats_server: Embedded
 
     async def body(js: JetStreamContext) -> None:
         publisher = Publisher(js, topology)
-        sub = await js.pull_subscribe_bind(TRAJECTORIES.work_queue.durable, stream=topology.stream(TRAJECTORIES))
+        sub = await js.pull_subscribe_bind(
+            TRAJECTORIES.work_queue.durable, stream=topology.stream(TRAJECTORIES)
+        )
         for i in range(2):  # consumed: deleted once acked, which is no loss
             await publisher.publish(TRAJECTORIES, trajectory(topology.run, prompt=i))
         for msg in await sub.fetch(2, timeout=5):
@@ -159,11 +177,17 @@ def test_streams_are_made_to_wait_not_to_drop(nats_server: EmbeddedNats) -> None
             info = (await js.stream_info(topology.stream(channel))).config
             assert info.discard == (DiscardPolicy.OLD if channel is DEAD else DiscardPolicy.NEW)
             interest = channel in (TRAJECTORIES, REWARDS)
-            assert info.retention == (RetentionPolicy.INTEREST if interest else RetentionPolicy.LIMITS)
+            assert info.retention == (
+                RetentionPolicy.INTEREST if interest else RetentionPolicy.LIMITS
+            )
             assert info.max_bytes == needs[channel.name].limit and info.max_age == 86400.0
 
     run_bus(nats_server, topology, body)
-    kept = Topology.for_config(config.model_copy(update={"streams": config.streams.model_copy(update={"consumed": "keep"})}))
+    kept = Topology.for_config(
+        config.model_copy(
+            update={"streams": config.streams.model_copy(update={"consumed": "keep"})}
+        )
+    )
     assert kept.stream_config(TRAJECTORIES).retention == RetentionPolicy.LIMITS
 
 
@@ -175,15 +199,29 @@ def test_needs_follow_the_gate_bound_and_an_override_below_is_refused() -> None:
         "streams": {"max_prompt_tokens": 1024, "safety_factor": 1.5},
     }
     needs = stream_needs(parse_config(large))
-    per_sample = EVENT_OVERHEAD + 1024 * TRAJECTORY_PROMPT_BYTES_PER_TOKEN + 16384 * TRAJECTORY_RESPONSE_BYTES_PER_TOKEN
+    per_sample = (
+        EVENT_OVERHEAD
+        + 1024 * TRAJECTORY_PROMPT_BYTES_PER_TOKEN
+        + 16384 * TRAJECTORY_RESPONSE_BYTES_PER_TOKEN
+    )
     assert needs["trajectories"].need == int(5 * 512 * 16 * per_sample * 1.5)
     assert needs["trajectories"].need > 4 << 30  # the old fixed 4 GiB would have dropped work
-    assert "(max_staleness 4 + 1) x prompts_per_step 512 x n 16 = 40960 samples" in needs["trajectories"].how
+    assert (
+        "(max_staleness 4 + 1) x prompts_per_step 512 x n 16 = 40960 samples"
+        in needs["trajectories"].how
+    )
     assert stream_needs(RunConfig())["weights"].need == MIN_STREAM_BYTES  # a tiny run: the floor
-    with pytest.raises(ConfigError, match=r"streams.max_bytes.trajectories 1,000 is below the run's need of .* \(gate bound"):
+    with pytest.raises(
+        ConfigError,
+        match=r"streams.max_bytes.trajectories 1,000 is below the run's need of .* \(gate bound",
+    ):
         parse_config({**large, "streams": {"max_bytes": {"trajectories": 1000}}})
     above = needs["trajectories"].need * 2
-    limit = stream_needs(parse_config({**large, "streams": {**large["streams"], "max_bytes": {"trajectories": above}}}))
+    limit = stream_needs(
+        parse_config(
+            {**large, "streams": {**large["streams"], "max_bytes": {"trajectories": above}}}
+        )
+    )
     assert limit["trajectories"].limit == above
     with pytest.raises(ConfigError, match="streams.max_bytes.trajectory"):
         parse_config({"streams": {"max_bytes": {"trajectory": 1 << 40}}})
@@ -193,14 +231,23 @@ def test_the_per_token_sizes_cover_the_codec() -> None:
     """The derivation's bytes per token are not below what the codec really writes."""
     prompt, response = 1000, 4000
     event = TrajectoryEvent(
-        id="r/0/0/0", run="r", prompt_id="r/0/0", sample_index=0, group_size=2,
+        id="r/0/0/0",
+        run="r",
+        prompt_id="r/0/0",
+        sample_index=0,
+        group_size=2,
         prompt_ids=Tensor.from_numpy(np.zeros(prompt, dtype=np.int32)),
         response_ids=Tensor.from_numpy(np.zeros(response, dtype=np.int32)),
         logprobs=Tensor.from_numpy(np.full(response, -1.0, dtype=np.float32)),
         versions=Tensor.from_numpy(np.zeros(response, dtype=np.int32)),
-        response_text="abcd" * response, task={"answer": "x" * 100},
+        response_text="abcd" * response,
+        task={"answer": "x" * 100},
     )
-    derived = EVENT_OVERHEAD + prompt * TRAJECTORY_PROMPT_BYTES_PER_TOKEN + response * TRAJECTORY_RESPONSE_BYTES_PER_TOKEN
+    derived = (
+        EVENT_OVERHEAD
+        + prompt * TRAJECTORY_PROMPT_BYTES_PER_TOKEN
+        + response * TRAJECTORY_RESPONSE_BYTES_PER_TOKEN
+    )
     assert len(encode(event)) <= derived
 
 
@@ -242,7 +289,10 @@ def test_a_stage_reports_work_its_stream_deleted_unacked(
 
     with caplog.at_level(logging.ERROR, logger="jetrl.loss"):
         assert asyncio.run(body()) == 3, "the stage did not record the work its stream deleted"
-    assert any("WORK LOST" in r.getMessage() and "deleted 3 message(s)" in r.getMessage() for r in caplog.records)
+    assert any(
+        "WORK LOST" in r.getMessage() and "deleted 3 message(s)" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 def test_batches_are_bounded_by_the_checkpoint_interval_and_prompts_count_replacements() -> None:
@@ -262,15 +312,19 @@ def test_batches_are_bounded_by_the_checkpoint_interval_and_prompts_count_replac
     assert config.staleness.batch_steps_kept == 10 + 4 + 2
     assert needs["batches"].need == int(16 * step * 2)  # 85 GiB, not the run's 5.2 TiB
     issued = 1000 * 512 * 2  # max_dropped_share 0.5: as many replacements as prompts trained
-    assert needs["prompts"].need == int(issued * (EVENT_OVERHEAD + 1024 * PROMPT_BYTES_PER_TOKEN) * 2)
+    assert needs["prompts"].need == int(
+        issued * (EVENT_OVERHEAD + 1024 * PROMPT_BYTES_PER_TOKEN) * 2
+    )
     fewer = parse_config({**large, "streams": {**large["streams"], "max_dropped_share": 0.0}})
     assert stream_needs(fewer)["prompts"].need * 2 == needs["prompts"].need
     # A short run holds no more steps than it has.
     short = parse_config({"trainer": {"steps": 5, "checkpoint_every": 10}})
     assert short.staleness.batch_steps_kept == 5
     shown = "\n".join(streams_cli.limits(config, "the test's config"))
-    derived = ("min(checkpoint_every 10 + gate bound (max_staleness 4 + 1) + the checkpoint's last "
-               "step 1, steps 1000)")
+    derived = (
+        "min(checkpoint_every 10 + gate bound (max_staleness 4 + 1) + the checkpoint's last "
+        "step 1, steps 1000)"
+    )
     assert f"{derived} = 16 steps" in shown, shown
     assert "= 512000 trained / (1 - max_dropped_share 0.5) = 1024000 issued" in shown, shown
     with pytest.raises(ConfigError, match="max_dropped_share"):

@@ -64,7 +64,9 @@ def sync_config(tmp_path: Path, run: str) -> Path:
     return path
 
 
-async def read_back(url: str, topology: Topology) -> tuple[list[PromptEvent], list[BatchEvent], dict[str, str]]:
+async def read_back(
+    url: str, topology: Topology
+) -> tuple[list[PromptEvent], list[BatchEvent], dict[str, str]]:
     """The run's prompts and batches, and the groups the buffer dropped (prompt id -> reason)."""
     nc = await connect(url, "test-sync")
     js = nc.jetstream()
@@ -78,7 +80,8 @@ async def read_back(url: str, topology: Topology) -> tuple[list[PromptEvent], li
             keys = []
         drops = {
             pid: DropRecord.decode((await kv.get(key)).value).text
-            for key in keys if (pid := dropped_prompt(key)) is not None
+            for key in keys
+            if (pid := dropped_prompt(key)) is not None
         }
     finally:
         await nc.close()
@@ -91,18 +94,35 @@ def test_sync_mode_sets_what_makes_it_on_policy(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_sync_mode_trains_each_step_on_its_own_version(nats_server: EmbeddedNats, topology: Topology,
-                                                      tmp_path: Path) -> None:
+def test_sync_mode_trains_each_step_on_its_own_version(
+    nats_server: EmbeddedNats, topology: Topology, tmp_path: Path
+) -> None:
     url = nats_server.url
     logs = {role: open(tmp_path / f"{role}.log", "wb") for role in (*ROLES, "producer")}  # noqa: SIM115
     producer: subprocess.Popen[Any] = subprocess.Popen(
-        [sys.executable, "-m", "producers.prompts", "--config", str(sync_config(tmp_path, topology.run)),
-         "--nats", url, "--out", str(tmp_path / "run")],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=logs["producer"], text=True,
+        [
+            sys.executable,
+            "-m",
+            "producers.prompts",
+            "--config",
+            str(sync_config(tmp_path, topology.run)),
+            "--nats",
+            url,
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=logs["producer"],
+        text=True,
     )
     workers = [
-        subprocess.Popen([sys.executable, "-m", f"consumers.{role}", "--run", topology.run, "--nats", url],
-                         cwd=ROOT, stdout=logs[role], stderr=subprocess.STDOUT)
+        subprocess.Popen(
+            [sys.executable, "-m", f"consumers.{role}", "--run", topology.run, "--nats", url],
+            cwd=ROOT,
+            stdout=logs[role],
+            stderr=subprocess.STDOUT,
+        )
         for role in ROLES
     ]
     try:
@@ -142,16 +162,22 @@ def test_sync_mode_trains_each_step_on_its_own_version(nats_server: EmbeddedNats
 @pytest.mark.parametrize(
     ("yaml_text", "message"),
     [
-        ("mode: sync\nalgorithm: {max_staleness: 1}\n",
-         r"run.yaml: mode sync is strictly on-policy: algorithm.max_staleness must be 0 \(or "
-         r"left out\), not 1"),
-        ("mode: sync\ntrainer: {sync_every: 2}\nalgorithm: {max_staleness: 0}\n",
-         r"run.yaml: mode sync publishes a version every step: "
-         r"trainer.sync_every must be 1 \(or left out\), not 2"),
+        (
+            "mode: sync\nalgorithm: {max_staleness: 1}\n",
+            r"run.yaml: mode sync is strictly on-policy: algorithm.max_staleness must be 0 \(or "
+            r"left out\), not 1",
+        ),
+        (
+            "mode: sync\ntrainer: {sync_every: 2}\nalgorithm: {max_staleness: 0}\n",
+            r"run.yaml: mode sync publishes a version every step: "
+            r"trainer.sync_every must be 1 \(or left out\), not 2",
+        ),
         ("mode: synchronous\n", r"run.yaml: mode: Input should be 'async' or 'sync'"),
     ],
 )
-def test_sync_mode_refuses_contradictory_settings(tmp_path: Path, yaml_text: str, message: str) -> None:
+def test_sync_mode_refuses_contradictory_settings(
+    tmp_path: Path, yaml_text: str, message: str
+) -> None:
     bad = tmp_path / "run.yaml"
     bad.write_text(yaml_text)
     with pytest.raises(ConfigError, match=message) as caught:
@@ -162,7 +188,12 @@ def test_sync_mode_refuses_contradictory_settings(tmp_path: Path, yaml_text: str
 def test_async_mode_keeps_its_staleness() -> None:
     from schemas.config import parse_config
 
-    assert parse_config({"algorithm": {"max_staleness": 3}, "trainer": {"sync_every": 2}}).algorithm.max_staleness == 3
+    assert (
+        parse_config(
+            {"algorithm": {"max_staleness": 3}, "trainer": {"sync_every": 2}}
+        ).algorithm.max_staleness
+        == 3
+    )
     assert parse_config({}).mode == "async"
 
 
@@ -174,11 +205,15 @@ def test_the_buffer_in_sync_mode_drops_a_group_one_version_behind(
     step 0; then a group made by v0 reaches step 1 and must be dropped as stale, not trained as
     if on-policy; a group made by v1 then makes step 1."""
     run = topology.run
-    cfg = parse_config({
-        "run": run, "mode": "sync", "data": {"n": 2},
-        "algorithm": {"prompts_per_step": 1, "drop_equal_reward_groups": False},
-        "trainer": {"micro_batch_tokens": 64},
-    })
+    cfg = parse_config(
+        {
+            "run": run,
+            "mode": "sync",
+            "data": {"n": 2},
+            "algorithm": {"prompts_per_step": 1, "drop_equal_reward_groups": False},
+            "trainer": {"micro_batch_tokens": 64},
+        }
+    )
     first, old = group(run, 0, (0.0, 1.0)), group(run, 1, (0.0, 1.0))
     fresh = group(run, 2, (0.0, 1.0), version=1)
     old_id, fresh_id = old[0].trajectory.prompt_id, fresh[0].trajectory.prompt_id

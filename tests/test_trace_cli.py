@@ -39,9 +39,11 @@ def traced_run(jaeger: FakeJaeger, tmp_path_factory: pytest.TempPathFactory) -> 
     tmp = tmp_path_factory.mktemp("traced-run")
     run = f"tc{uuid.uuid4().hex[:8]}"
     config = {
-        "run": run, "model": {"hidden": 32, "layers": 1},
+        "run": run,
+        "model": {"hidden": 32, "layers": 1},
         "data": {"n": 4, "sampling": {"max_tokens": 6}},
-        "algorithm": {"prompts_per_step": 2}, "reward": {"processes": 1},
+        "algorithm": {"prompts_per_step": 2},
+        "reward": {"processes": 1},
     }
     (tmp / "run.yaml").write_text(yaml.safe_dump(config))
     env = {
@@ -50,9 +52,23 @@ def traced_run(jaeger: FakeJaeger, tmp_path_factory: pytest.TempPathFactory) -> 
         "OTEL_BSP_SCHEDULE_DELAY": "200",  # export spans every 0.2 s, not 5 s
     }
     subprocess.run(
-        [sys.executable, "-m", "producers.prompts", "--config", str(tmp / "run.yaml"), "--steps", str(STEPS),
-         "--out", str(tmp / "out")],
-        cwd=ROOT, env=env, check=True, timeout=120, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "producers.prompts",
+            "--config",
+            str(tmp / "run.yaml"),
+            "--steps",
+            str(STEPS),
+            "--out",
+            str(tmp / "out"),
+        ],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        timeout=120,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     return run
 
@@ -61,7 +77,11 @@ def batched_prompt(jaeger: FakeJaeger, run: str) -> str:
     """The prompt id of a sample the buffer put into a step."""
     for span, _ in jaeger.spans:
         tags = {t["key"]: t["value"] for t in span["tags"]}
-        if span["operationName"] == "outcome" and tags.get("jetrl.batched") is True and tags["jetrl.run"] == run:
+        if (
+            span["operationName"] == "outcome"
+            and tags.get("jetrl.batched") is True
+            and tags["jetrl.run"] == run
+        ):
             return str(tags["jetrl.prompt_id"])
     raise AssertionError("no batched sample in the exported spans")
 
@@ -71,7 +91,9 @@ def one(spans: list[SpanView], name: str) -> SpanView:
     return span
 
 
-def test_one_prompt_is_one_trace_linked_to_its_train_step(jaeger: FakeJaeger, traced_run: str) -> None:
+def test_one_prompt_is_one_trace_linked_to_its_train_step(
+    jaeger: FakeJaeger, traced_run: str
+) -> None:
     run = traced_run
     prompt_id = batched_prompt(jaeger, run)
     client = Jaeger(jaeger.url)
@@ -84,7 +106,11 @@ def test_one_prompt_is_one_trace_linked_to_its_train_step(jaeger: FakeJaeger, tr
 
     # producer -> rollout: the prompt's publish, and the rollout's process span under it.
     root = one(spans, "prompt")
-    assert root.parent is None and root.service == "jetrl-producer" and root.tags["jetrl.prompt_id"] == prompt_id
+    assert (
+        root.parent is None
+        and root.service == "jetrl-producer"
+        and root.tags["jetrl.prompt_id"] == prompt_id
+    )
     send_prompt = one(spans, f"send rl.{run}.prompts")
     assert parent(send_prompt) == root
     process_prompt = one(spans, f"process rl.{run}.prompts")
@@ -92,7 +118,9 @@ def test_one_prompt_is_one_trace_linked_to_its_train_step(jaeger: FakeJaeger, tr
     generate = one(spans, "generate")
     assert parent(generate) == process_prompt
     assert generate.tags["jetrl.prompt_id"] == prompt_id and generate.tags["jetrl.engine"] == "hf"
-    assert generate.tags["jetrl.tokens"] > 0 and isinstance(generate.tags["jetrl.policy_version"], int)
+    assert generate.tags["jetrl.tokens"] > 0 and isinstance(
+        generate.tags["jetrl.policy_version"], int
+    )
     assert generate.tags["jetrl.worker"] == generate.worker and generate.worker.endswith(":rollout")
 
     # n trajectories -> n rewards -> n admissions, each chain through the message headers:
@@ -106,9 +134,13 @@ def test_one_prompt_is_one_trace_linked_to_its_train_step(jaeger: FakeJaeger, tr
         assert process_trajectory.name == f"process rl.{run}.trajectories"
         assert process_trajectory.service == "jetrl-reward"
         assert parent(parent(process_trajectory)) == process_prompt  # via its send span
-        (reward,) = [s for s in spans if s.name == "reward" and s.parent == process_trajectory.span_id]
+        (reward,) = [
+            s for s in spans if s.name == "reward" and s.parent == process_trajectory.span_id
+        ]
         assert reward.tags["jetrl.failed"] is False and 0.0 <= reward.tags["jetrl.reward"] <= 1.0
-        buffer_process = [s for s in spans if s.parent == send_reward.span_id and s.name.startswith("process")]
+        buffer_process = [
+            s for s in spans if s.parent == send_reward.span_id and s.name.startswith("process")
+        ]
         assert [s.service for s in buffer_process] == ["jetrl-buffer"]
         assert outcome.tags["jetrl.batched"] is True and outcome.service == "jetrl-buffer"
     (step,) = {a.tags["jetrl.step"] for a in outcomes}  # a group goes into one step
@@ -130,25 +162,56 @@ def test_ops_trace_prints_the_timeline(jaeger: FakeJaeger, traced_run: str) -> N
     prompt_id = batched_prompt(jaeger, traced_run)
     out = subprocess.run(
         [sys.executable, "-m", "ops.trace", prompt_id, "--jaeger", jaeger.url],
-        cwd=ROOT, capture_output=True, text=True, timeout=30, check=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
     ).stdout
     print(out)  # pytest -s shows the timeline
     lines = out.splitlines()
     assert lines[0].startswith("trace ") and f"prompt {prompt_id} (run {traced_run})" in lines[0]
-    names = [line.split()[2] for line in lines[2:]]  # offset, duration, then the (indented) span name
+    names = [
+        line.split()[2] for line in lines[2:]
+    ]  # offset, duration, then the (indented) span name
     assert names[:4] == ["prompt", "send", "process", "generate"]
-    assert sum(name == "outcome" and "step " in line for name, line in zip(names, lines[2:], strict=True)) == 4
-    assert sum(name == "reward" and ", reward " in line for name, line in zip(names, lines[2:], strict=True)) == 4
+    assert (
+        sum(
+            name == "outcome" and "step " in line
+            for name, line in zip(names, lines[2:], strict=True)
+        )
+        == 4
+    )
+    assert (
+        sum(
+            name == "reward" and ", reward " in line
+            for name, line in zip(names, lines[2:], strict=True)
+        )
+        == 4
+    )
     link_at = lines.index("linked from other traces (the steps that took this prompt's samples):")
-    linked_text = "\n".join(lines[link_at + 1:])
-    train = re.search(r"train step\s+\S+\s+v(\d+)\s+step (\d+), links 4 of these samples", linked_text)
+    linked_text = "\n".join(lines[link_at + 1 :])
+    train = re.search(
+        r"train step\s+\S+\s+v(\d+)\s+step (\d+), links 4 of these samples", linked_text
+    )
     assert train is not None, linked_text
     assert int(train[1]) == int(train[2]) + 1
     assert re.search(rf"publish weights\s+\S+\s+v{train[1]}\b", linked_text), linked_text
 
     by_trace_id = subprocess.run(
-        [sys.executable, "-m", "ops.trace", lines[0].split()[1].rstrip(":"), "--jaeger", jaeger.url],
-        cwd=ROOT, capture_output=True, text=True, timeout=30, check=True,
+        [
+            sys.executable,
+            "-m",
+            "ops.trace",
+            lines[0].split()[1].rstrip(":"),
+            "--jaeger",
+            jaeger.url,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
     ).stdout
     assert by_trace_id == out
 
@@ -156,12 +219,24 @@ def test_ops_trace_prints_the_timeline(jaeger: FakeJaeger, traced_run: str) -> N
 def test_ops_trace_says_when_there_is_no_trace(jaeger: FakeJaeger) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "ops.trace", "nosuchrun/0/0", "--jaeger", jaeger.url],
-        cwd=ROOT, capture_output=True, text=True, timeout=30,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
-    assert result.returncode == 1 and result.stderr.startswith("ops.trace: no trace for nosuchrun/0/0")
+    assert result.returncode == 1 and result.stderr.startswith(
+        "ops.trace: no trace for nosuchrun/0/0"
+    )
 
 
 def test_workers_export_metrics_over_otlp(jaeger: FakeJaeger, traced_run: str) -> None:
     # Each process flushes its metrics when it exits: the run is over, so all are in.
-    assert {"jetrl.samples", "jetrl.prompts", "jetrl.generate.duration", "jetrl.train_step.duration",
-            "jetrl.reward", "jetrl.staleness", "jetrl.queue.depth"} <= set(jaeger.metric_points)
+    assert {
+        "jetrl.samples",
+        "jetrl.prompts",
+        "jetrl.generate.duration",
+        "jetrl.train_step.duration",
+        "jetrl.reward",
+        "jetrl.staleness",
+        "jetrl.queue.depth",
+    } <= set(jaeger.metric_points)

@@ -38,10 +38,16 @@ def spans() -> InMemorySpanExporter:
     return exporter
 
 
-def test_publish_consume_chain_is_one_trace(nats_server: EmbeddedNats, topology: Topology, spans: InMemorySpanExporter) -> None:
+def test_publish_consume_chain_is_one_trace(
+    nats_server: EmbeddedNats, topology: Topology, spans: InMemorySpanExporter
+) -> None:
     spans.clear()
     asyncio.run(chain(nats_server.url, topology.run))
-    by_name = {s.name: s for s in spans.get_finished_spans() if topology.run in s.name or s.name == "prompt"}
+    by_name = {
+        s.name: s
+        for s in spans.get_finished_spans()
+        if topology.run in s.name or s.name == "prompt"
+    }
     root = by_name["prompt"]
     send_traj = by_name[f"send rl.{topology.run}.trajectories"]
     process_traj = by_name[f"process rl.{topology.run}.trajectories"]
@@ -57,7 +63,9 @@ def test_publish_consume_chain_is_one_trace(nats_server: EmbeddedNats, topology:
     assert process_reward.parent.span_id == send_reward.context.span_id
     assert send_traj.kind == SpanKind.PRODUCER and process_traj.kind == SpanKind.CONSUMER
     assert process_traj.attributes["messaging.system"] == "nats"
-    assert process_traj.attributes["messaging.destination.name"] == f"rl.{topology.run}.trajectories"
+    assert (
+        process_traj.attributes["messaging.destination.name"] == f"rl.{topology.run}.trajectories"
+    )
     assert process_traj.attributes["messaging.message.id"] == f"{topology.run}/0/0/0"
     assert process_traj.attributes["jetrl.run"] == topology.run
 
@@ -89,9 +97,21 @@ def otlp_receiver() -> Iterator[str]:
     server.shutdown()
 
 
-def test_spans_reach_an_otlp_http_receiver(nats_server: EmbeddedNats, topology: Topology, otlp_receiver: str) -> None:
-    env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver, "OTEL_SERVICE_NAME": "jetrl-test"}
-    subprocess.run([sys.executable, "-m", "tests.traced_chain", nats_server.url, topology.run], cwd=ROOT, env=env, check=True, timeout=60)
+def test_spans_reach_an_otlp_http_receiver(
+    nats_server: EmbeddedNats, topology: Topology, otlp_receiver: str
+) -> None:
+    env = {
+        **os.environ,
+        "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver,
+        "OTEL_SERVICE_NAME": "jetrl-test",
+    }
+    subprocess.run(
+        [sys.executable, "-m", "tests.traced_chain", nats_server.url, topology.run],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        timeout=60,
+    )
     spans = [
         (span, rs.resource)
         for request in _Receiver.received
@@ -100,9 +120,15 @@ def test_spans_reach_an_otlp_http_receiver(nats_server: EmbeddedNats, topology: 
         for span in ss.spans
     ]
     names = {span.name for span, _ in spans}
-    assert {"prompt", f"send rl.{topology.run}.trajectories", f"process rl.{topology.run}.rewards"} <= names
+    assert {
+        "prompt",
+        f"send rl.{topology.run}.trajectories",
+        f"process rl.{topology.run}.rewards",
+    } <= names
     assert len({span.trace_id for span, _ in spans}) == 1
-    service = {a.value.string_value for _, r in spans for a in r.attributes if a.key == "service.name"}
+    service = {
+        a.value.string_value for _, r in spans for a in r.attributes if a.key == "service.name"
+    }
     assert service == {"jetrl-test"}
 
 
@@ -136,5 +162,13 @@ def test_without_an_sdk_a_publish_carries_the_trace_it_is_in_and_makes_none_up()
     the message it handles carries that message's traceparent on, and a publish in no trace
     (where the propagators are skipped) gets no traceparent."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    done = subprocess.run([sys.executable, "-c", WITHOUT_SDK], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_SDK],
+        check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr[-2000:]

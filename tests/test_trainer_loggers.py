@@ -12,14 +12,25 @@ from schemas.config import RunConfig, TrainerConfig
 from tests.helpers import require_extra
 
 STEP_METRICS = {
-    "step": 3, "time": 1.7e9, "train_seconds": 0.25, "samples": 64, "reward_mean": 0.5, "staleness_max": 1,
-    "staleness_hist": [10, 3], "sample_ids": ["r/0/0/0"], "loss": -0.125,
+    "step": 3,
+    "time": 1.7e9,
+    "train_seconds": 0.25,
+    "samples": 64,
+    "reward_mean": 0.5,
+    "staleness_max": 1,
+    "staleness_hist": [10, 3],
+    "sample_ids": ["r/0/0/0"],
+    "loss": -0.125,
 }
 
 
 def test_scalars_are_the_numbers_of_a_step() -> None:
     assert scalars(STEP_METRICS) == {
-        "train_seconds": 0.25, "samples": 64.0, "reward_mean": 0.5, "staleness_max": 1.0, "loss": -0.125
+        "train_seconds": 0.25,
+        "samples": 64.0,
+        "reward_mean": 0.5,
+        "staleness_max": 1.0,
+        "loss": -0.125,
     }
 
 
@@ -31,7 +42,9 @@ def test_tensorboard_logger_writes_scalars(tmp_path: Path) -> None:
     require_extra("tensorboard", "loggers")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    (logger,) = step_loggers(RunConfig(run="tb", trainer=TrainerConfig(tensorboard_dir=str(tmp_path))))
+    (logger,) = step_loggers(
+        RunConfig(run="tb", trainer=TrainerConfig(tensorboard_dir=str(tmp_path)))
+    )
     for step in (0, 1):
         logger.log(step, {**scalars(STEP_METRICS), "loss": float(step)})
     logger.close()
@@ -49,4 +62,6 @@ def test_wandb_logger_logs_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     logger.log(0, scalars(STEP_METRICS))
     logger.close()
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1 and any(p.suffix == ".wandb" for p in runs[0].iterdir()), os.listdir(tmp_path)
+    assert len(runs) == 1 and any(p.suffix == ".wandb" for p in runs[0].iterdir()), os.listdir(
+        tmp_path
+    )

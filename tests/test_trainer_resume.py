@@ -41,8 +41,8 @@ import torch
 from nats.aio.msg import Msg
 from nats.js.errors import KeyNotFoundError
 
-from bus.embedded import EmbeddedNats
 from bus import readers
+from bus.embedded import EmbeddedNats
 from bus.runtime import Runtime
 from bus.topology import BATCHES, metrics_key
 from consumers.buffer import BatchedSoFar, Buffer, Group, read_batches
@@ -68,13 +68,21 @@ def steps_of(first: int, last: int) -> list[tuple[int, int]]:
 
 
 def run_config(run: str, model: Path, checkpoints: Path, advantage: str = "grpo") -> RunConfig:
-    return RunConfig.model_validate({
-        "run": run, "model": {"path": str(model)}, "data": {"n": GROUP},
-        "algorithm": {"prompts_per_step": PROMPTS_PER_STEP, "advantage": advantage},
-        # 64 tokens: two micro-batches a step, so the restart also re-assembles steps.
-        "trainer": {"steps": STEPS, "checkpoint_every": CHECKPOINT_EVERY, "micro_batch_tokens": 64,
-                    "checkpoint_dir": str(checkpoints)},
-    })
+    return RunConfig.model_validate(
+        {
+            "run": run,
+            "model": {"path": str(model)},
+            "data": {"n": GROUP},
+            "algorithm": {"prompts_per_step": PROMPTS_PER_STEP, "advantage": advantage},
+            # 64 tokens: two micro-batches a step, so the restart also re-assembles steps.
+            "trainer": {
+                "steps": STEPS,
+                "checkpoint_every": CHECKPOINT_EVERY,
+                "micro_batch_tokens": 64,
+                "checkpoint_dir": str(checkpoints),
+            },
+        }
+    )
 
 
 def scored_group(run: str, step: int, prompt: int, rng: np.random.Generator, vocab: int) -> Group:
@@ -85,14 +93,23 @@ def scored_group(run: str, step: int, prompt: int, rng: np.random.Generator, voc
     for index in range(GROUP):
         response = rng.integers(1, vocab, size=int(rng.integers(2, 7))).astype(np.int32)
         trajectory = TrajectoryEvent(
-            id=f"{prompt_id}/{index}", run=run, prompt_id=prompt_id, sample_index=index, group_size=GROUP,
-            prompt_ids=Tensor.from_numpy(prompt_ids), response_ids=Tensor.from_numpy(response),
+            id=f"{prompt_id}/{index}",
+            run=run,
+            prompt_id=prompt_id,
+            sample_index=index,
+            group_size=GROUP,
+            prompt_ids=Tensor.from_numpy(prompt_ids),
+            response_ids=Tensor.from_numpy(response),
             # A random-init model is near uniform: behaviour log-probs near log(1/V) keep ratios
             # near 1.
             logprobs=Tensor.from_numpy(np.full(len(response), -np.log(vocab), np.float32)),
-            versions=Tensor.from_numpy(np.zeros(len(response), np.int32)), response_text="", task={},
+            versions=Tensor.from_numpy(np.zeros(len(response), np.int32)),
+            response_text="",
+            task={},
         )
-        reward = RewardEvent(id=trajectory.id, run=run, trajectory=trajectory, reward=float(rng.random()))
+        reward = RewardEvent(
+            id=trajectory.id, run=run, trajectory=trajectory, reward=float(rng.random())
+        )
         group.samples[index] = (reward, Msg(_client=None))  # type: ignore[arg-type]  # only its headers are read
     return group
 
@@ -102,7 +119,10 @@ async def record(rt: Runtime, steps: range, vocab: int) -> None:
     buffer = Buffer(rt, BatchedSoFar())
     for step in steps:
         rng = np.random.default_rng(step)
-        await buffer.publish_step(step, [scored_group(rt.topology.run, step, p, rng, vocab) for p in range(PROMPTS_PER_STEP)])
+        await buffer.publish_step(
+            step,
+            [scored_group(rt.topology.run, step, p, rng, vocab) for p in range(PROMPTS_PER_STEP)],
+        )
 
 
 async def stored(rt: Runtime) -> list[tuple[int, int]]:
@@ -118,8 +138,12 @@ async def stored(rt: Runtime) -> list[tuple[int, int]]:
 
 def trainer(url: str, run: str, log: Path) -> subprocess.Popen[bytes]:
     with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "consumers.trainer", "--run", run, "--nats", url],
-                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, "-m", "consumers.trainer", "--run", run, "--nats", url],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
 
 async def metrics(rt: Runtime, step: int) -> dict | None:
@@ -130,29 +154,44 @@ async def metrics(rt: Runtime, step: int) -> dict | None:
     return json.loads(entry.value or b"")
 
 
-async def wait_for_step(rt: Runtime, step: int, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+async def wait_for_step(
+    rt: Runtime, step: int, proc: subprocess.Popen[bytes], timeout: float = 60.0
+) -> None:
     deadline = time.monotonic() + timeout
     while await metrics(rt, step) is None:
-        assert proc.poll() is None and time.monotonic() < deadline, f"{rt.topology.run}: no step {step}"
+        assert proc.poll() is None and time.monotonic() < deadline, (
+            f"{rt.topology.run}: no step {step}"
+        )
         await asyncio.sleep(0.1)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("advantage", ["grpo", "gae"])
-def test_restarted_trainer_continues_from_the_next_batch(nats_server: EmbeddedNats, tmp_path: Path, advantage: str) -> None:
+def test_restarted_trainer_continues_from_the_next_batch(
+    nats_server: EmbeddedNats, tmp_path: Path, advantage: str
+) -> None:
     model = build_tiny_model(tmp_path / "model", VOCAB, seed=0)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     runs = {name: f"resume-{name}-{uuid.uuid4().hex[:8]}" for name in ("a", "b")}
 
     Stored = list[tuple[int, int]]
 
-    async def scenario() -> tuple[dict[str, list[dict]], float, dict, Stored, dict[str, Stored], BatchedSoFar]:
+    async def scenario() -> tuple[
+        dict[str, list[dict]], float, dict, Stored, dict[str, Stored], BatchedSoFar
+    ]:
         # Declared and configured as the producer does it; the runtime publishes the batches.
-        rts = {name: await attach_bootstrap(run_config(run, model, tmp_path / name, advantage), nats_server.url)
-               for name, run in runs.items()}
+        rts = {
+            name: await attach_bootstrap(
+                run_config(run, model, tmp_path / name, advantage), nats_server.url
+            )
+            for name, run in runs.items()
+        }
         await record(rts["a"], range(STEPS), vocab)
         await record(rts["b"], range(KILL_AFTER), vocab)
-        procs = {name: trainer(nats_server.url, run, tmp_path / f"{name}.log") for name, run in runs.items()}
+        procs = {
+            name: trainer(nats_server.url, run, tmp_path / f"{name}.log")
+            for name, run in runs.items()
+        }
         try:
             await wait_for_step(rts["b"], KILL_AFTER - 1, procs["b"])
             procs["b"].send_signal(signal.SIGKILL)
@@ -166,12 +205,16 @@ def test_restarted_trainer_continues_from_the_next_batch(nats_server: EmbeddedNa
             await record(rts["b"], range(KILL_AFTER, STEPS), vocab)
             procs["b"] = trainer(nats_server.url, runs["b"], tmp_path / "b.log")
             for name, proc in procs.items():
-                assert await asyncio.to_thread(proc.wait, 90) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+                assert await asyncio.to_thread(proc.wait, 90) == 0, (
+                    tmp_path / f"{name}.log"
+                ).read_text()[-3000:]
         finally:
             for proc in procs.values():
                 if proc.poll() is None:
                     proc.kill()
-        curves = {name: [await metrics(rt, step) for step in range(STEPS)] for name, rt in rts.items()}
+        curves = {
+            name: [await metrics(rt, step) for step in range(STEPS)] for name, rt in rts.items()
+        }
         history = torch.load(tmp_path / "b" / "rank0.pt", weights_only=True)["extra"]["history"]
         at_end = {name: await stored(rt) for name, rt in rts.items()}
         replayed = await read_batches(rts["a"])
@@ -189,10 +232,15 @@ def test_restarted_trainer_continues_from_the_next_batch(nats_server: EmbeddedNa
     # in both runs.
     last_trim = (STEPS - 1) // CHECKPOINT_EVERY * CHECKPOINT_EVERY  # 6
     for name, kept in at_end.items():
-        assert kept == steps_of(last_trim - 1, STEPS - 1), f"{name}: at the end the stream held {kept}"
+        assert kept == steps_of(last_trim - 1, STEPS - 1), (
+            f"{name}: at the end the stream held {kept}"
+        )
     # A buffer restarted now learns the next step from what is left, not step 0,
     # and no step half stored.
-    assert (replayed.next_step, replayed.partial) == (STEPS, None), (replayed.next_step, replayed.partial)
+    assert (replayed.next_step, replayed.partial) == (STEPS, None), (
+        replayed.next_step,
+        replayed.partial,
+    )
     a, b = curves["a"], curves["b"]
     # Steps inside B's checkpoint were trained once, before the kill; the rest after it.
     assert [m["time"] < killed_at for m in b] == [step < CHECKPOINT_EVERY for step in range(STEPS)]
@@ -200,15 +248,18 @@ def test_restarted_trainer_continues_from_the_next_batch(nats_server: EmbeddedNa
     np.testing.assert_allclose([m["grad_norm"] for m in b], [m["grad_norm"] for m in a], rtol=1e-5)
     if advantage == "gae":
         for name in ("value_loss", "value_mean", "critic_grad_norm"):
-            np.testing.assert_allclose([m[name] for m in b], [m[name] for m in a], rtol=1e-5, atol=1e-7, err_msg=name)
+            np.testing.assert_allclose(
+                [m[name] for m in b], [m[name] for m in a], rtol=1e-5, atol=1e-7, err_msg=name
+            )
         assert b[-1]["value_mean"] != 0.0, "the critic trained"
     # The final model's update history holds every sample of the stream once, in order: the
     # checkpoint's hash chain is that of the steps' own records, and those hold no repeat.
     assert UpdateHistory.from_dict(history) == UpdateHistory.of_steps([m["sample_ids"] for m in b])
     trained = [sid for m in b for sid in m["sample_ids"]]
     assert len(set(trained)) == len(trained) == STEPS * PROMPTS_PER_STEP * GROUP
-    assert set(history) == {"steps", "samples", "digest"}, "the checkpoint keeps no list that grows with the run"
-
+    assert set(history) == {"steps", "samples", "digest"}, (
+        "the checkpoint keeps no list that grows with the run"
+    )
 
 
 def in_force(path: Path) -> tuple[int, int] | None:
@@ -248,8 +299,9 @@ def test_each_trim_deletes_only_what_the_checkpoint_in_force_cannot_need(
         purges: list[tuple[int, tuple[int, int] | None]] = []
         purge = rt.js.purge_stream
 
-        async def watched_purge(name: str, seq: int | None = None, subject: str | None = None,
-                                keep: int | None = None) -> bool:
+        async def watched_purge(
+            name: str, seq: int | None = None, subject: str | None = None, keep: int | None = None
+        ) -> bool:
             if name == rt.topology.stream(BATCHES):  # the object store purges too (old versions)
                 assert subject == rt.topology.subject(BATCHES, 0) and seq, (subject, seq)
                 purges.append((seq, in_force(trainer.checkpoint_path)))
@@ -352,7 +404,8 @@ def test_a_resumed_trainer_starts_at_its_checkpoints_step_from_the_batch_after_i
     assert [b.step for b in batches] == [CHECKPOINT_EVERY] * MICRO, [b.id for b in batches]
     assert last == last_seq(CHECKPOINT_EVERY), last
     assert before is not None and trained["step"] == before["step"] == CHECKPOINT_EVERY, (
-        trained, before
+        trained,
+        before,
     )
     # The same model, optimizer and RNG as A had at that step, on the same batches.
     np.testing.assert_allclose(trained["loss"], before["loss"], rtol=1e-5, atol=1e-7)

@@ -15,7 +15,9 @@ def test_the_chain_is_sha256_over_each_steps_ids_in_order() -> None:
     second = hashlib.sha256(bytes.fromhex(first) + b"r/0/1/0").hexdigest()
     third = hashlib.sha256(bytes.fromhex(second) + b"").hexdigest()
     assert UpdateHistory.of_steps(STEPS) == UpdateHistory(steps=3, samples=3, digest=third)
-    assert UpdateHistory.from_dict(UpdateHistory.of_steps(STEPS).as_dict()) == UpdateHistory.of_steps(STEPS)
+    assert UpdateHistory.from_dict(
+        UpdateHistory.of_steps(STEPS).as_dict()
+    ) == UpdateHistory.of_steps(STEPS)
 
 
 def test_a_repeat_a_loss_a_reorder_or_a_move_between_steps_changes_the_digest() -> None:
@@ -35,4 +37,6 @@ def test_what_a_checkpoint_keeps_does_not_grow_with_the_run() -> None:
     short = UpdateHistory.of_steps([[f"r/0/{s}/{i}" for i in range(128)] for s in range(2)])
     long = UpdateHistory.of_steps([[f"r/0/{s}/{i}" for i in range(128)] for s in range(2000)])
     assert long.samples == 2000 * 128
-    assert len(pickle.dumps(long.as_dict())) - len(pickle.dumps(short.as_dict())) <= 8  # the counts' digits
+    assert (
+        len(pickle.dumps(long.as_dict())) - len(pickle.dumps(short.as_dict())) <= 8
+    )  # the counts' digits

@@ -39,15 +39,29 @@ def test_the_request_uses_vllms_field_names_and_our_sampling() -> None:
     params = SamplingParams(temperature=0.7, top_p=1.0, max_tokens=12, stop_token_ids=(7, 2))
     kwargs = sampling_kwargs(params, n=4, eos=(2,), seed=5)
     assert set(kwargs) <= set(API["SamplingParams"]), set(kwargs) - set(API["SamplingParams"])
-    assert kwargs == {"n": 4, "temperature": 0.7, "top_p": 1.0, "max_tokens": 12, "stop_token_ids": [2, 7],
-                      "logprobs": 0, "detokenize": False, "seed": 5}
+    assert kwargs == {
+        "n": 4,
+        "temperature": 0.7,
+        "top_p": 1.0,
+        "max_tokens": 12,
+        "stop_token_ids": [2, 7],
+        "logprobs": 0,
+        "detokenize": False,
+        "seed": 5,
+    }
     assert "seed" not in sampling_kwargs(params, n=1, eos=(2,))
-    engine = llm_kwargs(Path("/m"), VLLMSettings(gpu_memory_utilization=0.3, max_model_len=256, enforce_eager=True))
+    engine = llm_kwargs(
+        Path("/m"), VLLMSettings(gpu_memory_utilization=0.3, max_model_len=256, enforce_eager=True)
+    )
     assert set(engine) <= set(API["EngineArgs"]), set(engine) - set(API["EngineArgs"])
     assert LOGPROBS_MODE in API["logprobs_mode"]
     assert engine["logprobs_mode"] == "processed_logprobs"
-    assert (engine["model"], engine["gpu_memory_utilization"], engine["max_model_len"], engine["enforce_eager"]) == (
-        "/m", 0.3, 256, True)
+    assert (
+        engine["model"],
+        engine["gpu_memory_utilization"],
+        engine["max_model_len"],
+        engine["enforce_eager"],
+    ) == ("/m", 0.3, 256, True)
 
 
 def test_top_p_below_1_and_n_0_are_refused() -> None:
@@ -61,12 +75,18 @@ def test_recorded_request_outputs_become_samples_in_index_order() -> None:
     recorded = load("vllm_request_output.json")
     groups = [request_to_samples(r, 2, STOP_IDS) for r in vllm_objects(recorded["request_outputs"])]
     assert as_plain(groups) == recorded["expected"]
-    assert all(s.token_ids.dtype == torch.long and s.logprobs.dtype == torch.float32 for g in groups for s in g)
+    assert all(
+        s.token_ids.dtype == torch.long and s.logprobs.dtype == torch.float32
+        for g in groups
+        for s in g
+    )
 
 
 def _completion(**change: Any) -> SimpleNamespace:
     outputs = vllm_objects(load("vllm_request_output.json")["request_outputs"])[0].outputs
-    base = outputs[0] if change.pop("length", False) else outputs[1]  # [11, 12, 13] by length; [3, 4, 2] stopped by 2
+    base = (
+        outputs[0] if change.pop("length", False) else outputs[1]
+    )  # [11, 12, 13] by length; [3, 4, 2] stopped by 2
     return SimpleNamespace(**{**vars(base), **change})
 
 
@@ -81,7 +101,9 @@ def _completion(**change: Any) -> SimpleNamespace:
         ({"token_ids": [3, 4]}, "2 tokens but 3 log-probs"),
     ],
 )
-def test_a_completion_that_would_misalign_the_trainer_is_refused(change: dict[str, Any], error: str) -> None:
+def test_a_completion_that_would_misalign_the_trainer_is_refused(
+    change: dict[str, Any], error: str
+) -> None:
     with pytest.raises(ValueError, match=error):
         completion_to_sample(_completion(**change), STOP_IDS)
 

@@ -45,7 +45,9 @@ def test_every_symbol_the_walkthrough_names_exists() -> None:
             resolve(name)
         except (ImportError, AttributeError) as exc:
             missing.append(f"{name}: {exc}")
-    assert not missing, "docs/walkthrough.md names symbols that do not exist:\n" + "\n".join(missing)
+    assert not missing, "docs/walkthrough.md names symbols that do not exist:\n" + "\n".join(
+        missing
+    )
 
 
 def test_the_walkthrough_takes_at_most_15_hops() -> None:

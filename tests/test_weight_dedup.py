@@ -42,19 +42,37 @@ STEPS, CHECKPOINT_EVERY = 5, 3
 
 
 def run_config(run: str, model: Path, checkpoints: Path, weights: dict) -> RunConfig:
-    return RunConfig.model_validate({
-        "run": run, "model": {"path": str(model)}, "data": {"n": GROUP}, "weights": weights,
-        "algorithm": {"prompts_per_step": PROMPTS_PER_STEP},
-        "trainer": {"steps": STEPS, "checkpoint_every": CHECKPOINT_EVERY, "micro_batch_tokens": 64,
-                    "checkpoint_dir": str(checkpoints)},
-    })
+    return RunConfig.model_validate(
+        {
+            "run": run,
+            "model": {"path": str(model)},
+            "data": {"n": GROUP},
+            "weights": weights,
+            "algorithm": {"prompts_per_step": PROMPTS_PER_STEP},
+            "trainer": {
+                "steps": STEPS,
+                "checkpoint_every": CHECKPOINT_EVERY,
+                "micro_batch_tokens": 64,
+                "checkpoint_dir": str(checkpoints),
+            },
+        }
+    )
 
 
 def trainer(url: str, run: str, log: Path, crash_at: str = "") -> subprocess.Popen[bytes]:
-    env = {**os.environ, CRASH_AT: crash_at} if crash_at else {k: v for k, v in os.environ.items() if k != CRASH_AT}
+    env = (
+        {**os.environ, CRASH_AT: crash_at}
+        if crash_at
+        else {k: v for k, v in os.environ.items() if k != CRASH_AT}
+    )
     with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "consumers.trainer", "--run", run, "--nats", url],
-                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(
+            [sys.executable, "-m", "consumers.trainer", "--run", run, "--nats", url],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
 
 
 def served(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -62,14 +80,19 @@ def served(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return all(torch.equal(a[name].view(torch.int32), b[name].to(a[name].dtype).view(torch.int32)) for name in a)
+    return all(
+        torch.equal(a[name].view(torch.int32), b[name].to(a[name].dtype).view(torch.int32))
+        for name in a
+    )
 
 
 async def weight_events(js: JetStreamContext, topology: Topology) -> list[WeightVersionEvent]:
     count = (await js.stream_info(topology.stream(WEIGHTS))).state.messages
     sub = await js.subscribe(topology.subject(WEIGHTS), ordered_consumer=True)
     try:
-        return [decode((await sub.next_msg(timeout=10)).data, WeightVersionEvent) for _ in range(count)]
+        return [
+            decode((await sub.next_msg(timeout=10)).data, WeightVersionEvent) for _ in range(count)
+        ]
     finally:
         await sub.unsubscribe()
 
@@ -86,19 +109,30 @@ def test_resumed_trainer_versions_reach_rollout_workers(
 
     async def scenario() -> None:
         async with rollout_worker(nats_server.url, topology, model_dir, weights=weights) as w:
-            rt = await attach_bootstrap(config, nats_server.url)  # the trainer's config, over the worker's
+            rt = await attach_bootstrap(
+                config, nats_server.url
+            )  # the trainer's config, over the worker's
             try:
                 await record(rt, range(STEPS), w.engine.model.config.vocab_size)
-                first = trainer(nats_server.url, config.run, log, crash_at="trainer.metrics_written@5")
-                assert await asyncio.to_thread(first.wait, 120) == -signal.SIGKILL, log.read_text()[-3000:]
-                await eventually(lambda: w.engine.version == STEPS, f"the worker loaded v{STEPS} before the restart")
+                first = trainer(
+                    nats_server.url, config.run, log, crash_at="trainer.metrics_written@5"
+                )
+                assert await asyncio.to_thread(first.wait, 120) == -signal.SIGKILL, log.read_text()[
+                    -3000:
+                ]
+                await eventually(
+                    lambda: w.engine.version == STEPS,
+                    f"the worker loaded v{STEPS} before the restart",
+                )
                 before = served(w.engine.model)
                 checkpoint_path = tmp_path / "ckpt" / "rank0.pt"
                 state = torch.load(checkpoint_path, weights_only=True)
                 assert state["step"] == CHECKPOINT_EVERY, state["step"]
                 # A retrained step that is not the one that died (as on a GPU):
                 # other weights from here on.
-                state["model"] = {n: t + 1e-2 if t.is_floating_point() else t for n, t in state["model"].items()}
+                state["model"] = {
+                    n: t + 1e-2 if t.is_floating_point() else t for n, t in state["model"].items()
+                }
                 torch.save(state, checkpoint_path)
 
                 second = trainer(nats_server.url, config.run, log)
@@ -106,7 +140,9 @@ def test_resumed_trainer_versions_reach_rollout_workers(
                 final = torch.load(checkpoint_path, weights_only=True)
                 assert final["step"] == STEPS
                 resumed = {name: final["model"][name] for name in before}
-                assert not same_bits(before, resumed), "the restarted trainer's v5 equals the pre-crash one"
+                assert not same_bits(before, resumed), (
+                    "the restarted trainer's v5 equals the pre-crash one"
+                )
 
                 events = await weight_events(rt.js, topology)
                 versions = [e.version for e in events]
@@ -117,7 +153,10 @@ def test_resumed_trainer_versions_reach_rollout_workers(
                 )
                 assert len({e.id for e in events}) == len(events), [e.id for e in events]
                 if delta:  # the restart starts a new chain at its first version
-                    assert [(e.base_version, e.full_version) for e in events[-2:]] == [(None, 4), (4, 4)]
+                    assert [(e.base_version, e.full_version) for e in events[-2:]] == [
+                        (None, 4),
+                        (4, 4),
+                    ]
 
                 # The worker serves what the trainer holds, not the pre-crash v5.
                 await eventually(
@@ -141,8 +180,14 @@ def test_weight_event_id_names_its_announcement() -> None:
     """The same announcement (from another process, at another time) has the same id; another
     location, base or checksum another id."""
     spec = {"name": "w", "dtype": "float32", "shape": [2], "sha256": "0" * 64}
-    fields = {"run": "r", "version": 3, "step": 3, "location": "v3-0a0b0c0d.safetensors", "manifest": [spec],
-              "total_bytes": 64}
+    fields = {
+        "run": "r",
+        "version": 3,
+        "step": 3,
+        "location": "v3-0a0b0c0d.safetensors",
+        "manifest": [spec],
+        "total_bytes": 64,
+    }
     event = WeightVersionEvent.announce(**fields)
     assert event.id.startswith("r/weights/3/")
     assert WeightVersionEvent.announce(**fields, time=1.0, source="other:1:trainer").id == event.id

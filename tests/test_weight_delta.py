@@ -34,10 +34,14 @@ MOVED = [0.0, -0.0, -float("nan"), -float("inf"), 1.0, -1e-40, 1e-40, -3.0]
 
 
 def snapshot(model: torch.nn.Module, dtype: torch.dtype) -> Weights:
-    return {name: p.detach().to(dtype, copy=True).contiguous() for name, p in model.named_parameters()}
+    return {
+        name: p.detach().to(dtype, copy=True).contiguous() for name, p in model.named_parameters()
+    }
 
 
-def adamw_step(model_dir: Path, train: torch.dtype, publish: torch.dtype) -> tuple[Weights, Weights]:
+def adamw_step(
+    model_dir: Path, train: torch.dtype, publish: torch.dtype
+) -> tuple[Weights, Weights]:
     """(before, after) one real AdamW step at lr 1e-6, trained in `train`,
     published in `publish`."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=train)
@@ -53,17 +57,24 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def same_bits(a: Weights, b: Weights) -> bool:
-    return sorted(a) == sorted(b) and all(a[k].dtype == b[k].dtype and torch.equal(bits(a[k]), bits(b[k])) for k in a)
+    return sorted(a) == sorted(b) and all(
+        a[k].dtype == b[k].dtype and torch.equal(bits(a[k]), bits(b[k])) for k in a
+    )
 
 
 def copy(weights: Weights) -> Weights:
     return {name: t.clone() for name, t in weights.items()}
 
 
-def publish(base: Weights, new: Weights, world: int, base_version: int | None = 0) -> tuple[list[bytes], list[TensorSpec]]:
+def publish(
+    base: Weights, new: Weights, world: int, base_version: int | None = 0
+) -> tuple[list[bytes], list[TensorSpec]]:
     """Every rank's shard of version 1, as the trainer ranks would write them."""
     shards = assign_shards({name: t.nbytes for name, t in new.items()}, world)
-    out = [encode_shard(base, new, names, version=1, base_version=base_version, rank=r, world=world) for r, names in enumerate(shards)]
+    out = [
+        encode_shard(base, new, names, version=1, base_version=base_version, rank=r, world=world)
+        for r, names in enumerate(shards)
+    ]
     return [payload for payload, _ in out], [spec for _, specs in out for spec in specs]
 
 
@@ -77,7 +88,11 @@ def encodings(payloads: list[bytes]) -> dict[str, int]:
 
 @pytest.mark.parametrize(
     ("train", "publish_as"),
-    [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16), (torch.float32, torch.float32)],
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float32),
+    ],
     ids=["bf16", "fp32-master-bf16", "fp32"],
 )
 def test_delta_after_an_adamw_step_rebuilds_the_weights_bit_for_bit(
@@ -102,12 +117,17 @@ def test_delta_after_an_adamw_step_rebuilds_the_weights_bit_for_bit(
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_special_bit_patterns_and_moves_across_zero_round_trip(dtype: torch.dtype) -> None:
     generator = torch.Generator().manual_seed(0)
-    base = {"a": torch.randn(300, generator=generator).to(dtype), "b": torch.randn(16, 64, generator=generator).to(dtype)}
+    base = {
+        "a": torch.randn(300, generator=generator).to(dtype),
+        "b": torch.randn(16, 64, generator=generator).to(dtype),
+    }
     base["a"][: len(SPECIALS)] = torch.tensor(SPECIALS).to(dtype)
     new = copy(base)
     new["a"][: len(MOVED)] = torch.tensor(MOVED).to(dtype)  # sparse: 8 of 300 move
     new["a"][-1] = torch.tensor(float("nan")).to(dtype)
-    new["b"] = (base["b"].double() * (1 + 2**-6 if dtype == torch.bfloat16 else 1e-5)).to(dtype)  # dense: all move
+    new["b"] = (base["b"].double() * (1 + 2**-6 if dtype == torch.bfloat16 else 1e-5)).to(
+        dtype
+    )  # dense: all move
     payloads, manifest = publish(base, new, world=1)
     assert encodings(payloads) == {"sparse": 1, "dense": 1}
     weights = copy(base)
@@ -143,10 +163,17 @@ def test_a_tampered_change_is_refused_and_every_tensor_is_restored(step: tuple) 
     before, _, payloads, manifest = step
     header = read_shard(payloads[-1])[0]
     last = [e.name for e in header.tensors if e.encoding in ("sparse", "dense")][-1]
-    assert any(e.encoding != "same" for e in read_shard(payloads[0])[0].tensors), "nothing changes before it"
-    tampered = [*payloads[:-1], rewrite(payloads[-1], last, lambda raw: raw[:-1] + bytes([(raw[-1] + 1) % 256]))]
+    assert any(e.encoding != "same" for e in read_shard(payloads[0])[0].tensors), (
+        "nothing changes before it"
+    )
+    tampered = [
+        *payloads[:-1],
+        rewrite(payloads[-1], last, lambda raw: raw[:-1] + bytes([(raw[-1] + 1) % 256])),
+    ]
     weights = copy(before)
-    with pytest.raises(ChecksumMismatch, match=rf"tensor {last}: v0 \+ delta does not give v1's checksum"):
+    with pytest.raises(
+        ChecksumMismatch, match=rf"tensor {last}: v0 \+ delta does not give v1's checksum"
+    ):
         apply_delta(weights, tampered, manifest, version=1, base_version=0)
     assert same_bits(weights, before)
 
@@ -156,21 +183,44 @@ def test_changes_longer_or_shorter_than_their_header_says_are_refused(step: tupl
     name = next(e.name for e in read_shard(payloads[0])[0].tensors if e.encoding == "sparse")
     for edit in (lambda raw: raw + bytes(1 << 20), lambda raw: raw[:-1]):
         weights = copy(before)
-        with pytest.raises(ChecksumMismatch, match=rf"shard 0: tensor {name}: changes do not match its header"):
-            apply_delta(weights, [rewrite(payloads[0], name, edit), payloads[1]], manifest, version=1, base_version=0)
+        with pytest.raises(
+            ChecksumMismatch, match=rf"shard 0: tensor {name}: changes do not match its header"
+        ):
+            apply_delta(
+                weights,
+                [rewrite(payloads[0], name, edit), payloads[1]],
+                manifest,
+                version=1,
+                base_version=0,
+            )
         assert same_bits(weights, before)
     header, stored = read_shard(payloads[0])
     # More changes than the tensor has elements, each stored: refused before inflating them.
     count = before[name].numel() + 1
     entry = next(e for e in header.tensors if e.name == name)
-    inflated = header.model_copy(update={"tensors": tuple(
-        e.model_copy(update={"count": count}) if e.name == name else e for e in header.tensors)})
-    blob = zlib.compress(bytes(count * (np.dtype(entry.gaps).itemsize + np.dtype(entry.diffs).itemsize)))
+    inflated = header.model_copy(
+        update={
+            "tensors": tuple(
+                e.model_copy(update={"count": count}) if e.name == name else e
+                for e in header.tensors
+            )
+        }
+    )
+    blob = zlib.compress(
+        bytes(count * (np.dtype(entry.gaps).itemsize + np.dtype(entry.diffs).itemsize))
+    )
     stored[name] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
     weights = copy(before)
-    with pytest.raises(ChecksumMismatch, match=rf"shard 0: tensor {name}: changes do not match its header"):
-        apply_delta(weights, [save(stored, metadata={META_KEY: inflated.model_dump_json()}), payloads[1]], manifest,
-                    version=1, base_version=0)
+    with pytest.raises(
+        ChecksumMismatch, match=rf"shard 0: tensor {name}: changes do not match its header"
+    ):
+        apply_delta(
+            weights,
+            [save(stored, metadata={META_KEY: inflated.model_dump_json()}), payloads[1]],
+            manifest,
+            version=1,
+            base_version=0,
+        )
     assert same_bits(weights, before)
 
 
@@ -187,10 +237,31 @@ def test_shards_that_disagree_with_the_manifest_or_version_are_refused(step: tup
     forged = [manifest[0].model_copy(update={"sha256": "0" * 64}), *manifest[1:]]
     cases = [
         (payloads, forged, 1, 0, ChecksumMismatch, r"shard header disagrees with v1's manifest"),
-        (payloads[:1], manifest, 1, 0, WeightsRefused, r"shards of ranks \[0\] with world sizes \[2\]"),
-        (payloads, manifest, 2, 1, WeightsRefused, r"shard 0 is v1 on base 0, expected v2 on base 1"),
+        (
+            payloads[:1],
+            manifest,
+            1,
+            0,
+            WeightsRefused,
+            r"shards of ranks \[0\] with world sizes \[2\]",
+        ),
+        (
+            payloads,
+            manifest,
+            2,
+            1,
+            WeightsRefused,
+            r"shard 0 is v1 on base 0, expected v2 on base 1",
+        ),
         (payloads, manifest[1:], 1, 0, WeightsRefused, r"do not carry each manifest tensor once"),
-        ([payloads[0], b"\x00" * 16], manifest, 1, 0, ChecksumMismatch, r"not a jetrl-delta/1 shard"),
+        (
+            [payloads[0], b"\x00" * 16],
+            manifest,
+            1,
+            0,
+            ChecksumMismatch,
+            r"not a jetrl-delta/1 shard",
+        ),
     ]
     weights = copy(before)
     del weights[manifest[0].name]
@@ -208,12 +279,31 @@ def test_full_every_k_versions_and_a_restart_starts_a_new_chain() -> None:
     for version in range(0, 16, 2):  # sync_every 2, full_every 3
         base, chain = next_publication(version, chain, full_every=3)
         published.append((version, base, chain.full))
-    assert published == [(0, None, 0), (2, 0, 0), (4, 2, 0), (6, None, 6), (8, 6, 6), (10, 8, 6), (12, None, 12), (14, 12, 12)]
-    assert next_publication(9, None, full_every=3) == (None, Chain(full=9, last=9))  # a resumed trainer holds no base
-    assert [next_publication(v, Chain(0, v - 1), 1)[0] for v in (1, 2)] == [None, None]  # full_every 1: deltas off
+    assert published == [
+        (0, None, 0),
+        (2, 0, 0),
+        (4, 2, 0),
+        (6, None, 6),
+        (8, 6, 6),
+        (10, 8, 6),
+        (12, None, 12),
+        (14, 12, 12),
+    ]
+    assert next_publication(9, None, full_every=3) == (
+        None,
+        Chain(full=9, last=9),
+    )  # a resumed trainer holds no base
+    assert [next_publication(v, Chain(0, v - 1), 1)[0] for v in (1, 2)] == [
+        None,
+        None,
+    ]  # full_every 1: deltas off
     with pytest.raises(ValueError, match="not after the chain's last version"):
         next_publication(4, Chain(full=0, last=4), full_every=3)
-    for base, full, message in [(None, 0, "its own chain's full version"), (4, 0, "base must lie in its chain"), (1, 2, "base must lie")]:
+    for base, full, message in [
+        (None, 0, "its own chain's full version"),
+        (4, 0, "base must lie in its chain"),
+        (1, 2, "base must lie"),
+    ]:
         with pytest.raises(ValueError, match=message):
             ShardLayout(version=4, base_version=base, full_version=full, shards=(("a",),))
 
@@ -221,8 +311,17 @@ def test_full_every_k_versions_and_a_restart_starts_a_new_chain() -> None:
 def test_a_worker_fetches_the_chain_it_lacks_in_order() -> None:
     assert plan_fetch(10, full=6, have=8, every=2) == (Fetch(10, 8),)
     assert plan_fetch(10, full=6, have=6, every=2) == (Fetch(8, 6), Fetch(10, 8))
-    for have in (None, 4, 7, 12):  # none, before the full version, off the chain's step, ahead after a restart
-        assert plan_fetch(10, full=6, have=have, every=2) == (Fetch(6, None), Fetch(8, 6), Fetch(10, 8)), have
+    for have in (
+        None,
+        4,
+        7,
+        12,
+    ):  # none, before the full version, off the chain's step, ahead after a restart
+        assert plan_fetch(10, full=6, have=have, every=2) == (
+            Fetch(6, None),
+            Fetch(8, 6),
+            Fetch(10, 8),
+        ), have
     assert plan_fetch(6, full=6, have=4, every=2) == (Fetch(6, None),)
     assert plan_fetch(10, full=6, have=10, every=2) == ()
     with pytest.raises(ValueError, match="not on a chain"):
@@ -232,7 +331,9 @@ def test_a_worker_fetches_the_chain_it_lacks_in_order() -> None:
 def test_every_fetch_a_plan_asks_for_was_published() -> None:
     chain, published, full_of = None, set(), {}
     for version in range(0, 40, 3):
-        base, chain = next_publication(version, chain if version != 21 else None, full_every=4)  # a restart at 21
+        base, chain = next_publication(
+            version, chain if version != 21 else None, full_every=4
+        )  # a restart at 21
         published.add(Fetch(version, base))
         full_of[version] = chain.full
     for target, full in full_of.items():
@@ -263,8 +364,14 @@ def test_shards_cover_every_tensor_exactly_once_balanced_by_bytes(model_dir: Pat
         )
     norm = [TensorSpec(name="model.norm.weight", dtype="bfloat16", shape=(1,), sha256="0" * 64)]
     for shards, message in [
-        ((("model.norm.weight",), ("lm_head.x",)), r"1 missing or extra \['lm_head.x'\], repeated \[\]"),
-        ((("model.norm.weight",), ("model.norm.weight",)), r"0 missing or extra \[\], repeated \['model.norm.weight'\]"),
+        (
+            (("model.norm.weight",), ("lm_head.x",)),
+            r"1 missing or extra \['lm_head.x'\], repeated \[\]",
+        ),
+        (
+            (("model.norm.weight",), ("model.norm.weight",)),
+            r"0 missing or extra \[\], repeated \['model.norm.weight'\]",
+        ),
     ]:
         with pytest.raises(WeightsRefused, match=message):
             ShardLayout(version=1, base_version=0, full_version=0, shards=shards).check(norm)

@@ -65,7 +65,11 @@ def weights(nudge: float = 0.0) -> dict[str, torch.Tensor]:
     norm = torch.randn(32, generator=generator) + nudge
     embed[0, : len(SPECIALS)] = torch.tensor(SPECIALS).to(torch.bfloat16)
     norm[: len(SPECIALS)] = torch.tensor(SPECIALS)
-    return {"model.embed_tokens.weight": embed, "model.norm.weight": norm, "model.empty": torch.zeros(0, 4)}
+    return {
+        "model.embed_tokens.weight": embed,
+        "model.norm.weight": norm,
+        "model.empty": torch.zeros(0, 4),
+    }
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -88,14 +92,18 @@ def test_a_payload_in_pieces_of_any_size_gives_the_tensors_bit_exactly_as_views(
     data = serialize(original)
     receiver = Receiver(manifest_of(original), len(data))
     for offset in range(0, len(data), piece):
-        receiver.write(offset, data[offset:offset + piece])
+        receiver.write(offset, data[offset : offset + piece])
         receiver.verify_through(offset + piece)
     loaded = receiver.tensors()
     assert_bit_exact(loaded, original)
-    base = torch.frombuffer(receiver.buffer, dtype=torch.uint8).data_ptr()  # nothing was copied out of it
+    base = torch.frombuffer(
+        receiver.buffer, dtype=torch.uint8
+    ).data_ptr()  # nothing was copied out of it
     for name, tensor in loaded.items():
         if tensor.numel():
-            assert base <= tensor.data_ptr() < base + len(data), f"{name} is a copy, not a view of the buffer"
+            assert base <= tensor.data_ptr() < base + len(data), (
+                f"{name} is a copy, not a view of the buffer"
+            )
 
 
 def test_the_first_tampered_tensor_is_refused_before_the_rest_arrives() -> None:
@@ -104,9 +112,11 @@ def test_the_first_tampered_tensor_is_refused_before_the_rest_arrives() -> None:
     header_end = 8 + int.from_bytes(data[:8], "little")
     data[header_end] ^= 0x01  # the first byte of the first tensor's data
     receiver = Receiver(manifest_of(original), len(data))
-    with pytest.raises(ChecksumMismatch, match=r"tensor model\.\S+ does not match its manifest entry"):
+    with pytest.raises(
+        ChecksumMismatch, match=r"tensor model\.\S+ does not match its manifest entry"
+    ):
         for offset in range(0, len(data), 256):
-            receiver.write(offset, bytes(data[offset:offset + 256]))
+            receiver.write(offset, bytes(data[offset : offset + 256]))
             receiver.verify_through(offset + 256)
     assert receiver.received < len(data), "refused only once every byte was in"
 
@@ -116,7 +126,9 @@ def test_a_header_that_does_not_describe_the_manifest_is_refused(lie: str) -> No
     original = weights()
     manifest = manifest_of(original)
     if lie == "shape":
-        data = serialize({**original, "model.norm.weight": original["model.norm.weight"].reshape(4, 8)})
+        data = serialize(
+            {**original, "model.norm.weight": original["model.norm.weight"].reshape(4, 8)}
+        )
     elif lie == "extra tensor":
         data = serialize({**original, "extra": torch.zeros(2)})
     elif lie == "longer payload":
@@ -132,7 +144,9 @@ def test_a_header_that_does_not_describe_the_manifest_is_refused(lie: str) -> No
 # --- object store ------------------------------------------------------------------------
 
 
-def with_store(server: EmbeddedNats, topology: Topology, body: Callable[[JetStream], Awaitable[None]]) -> None:
+def with_store(
+    server: EmbeddedNats, topology: Topology, body: Callable[[JetStream], Awaitable[None]]
+) -> None:
     async def main() -> None:
         nc = await connect(server.url, "test-weights")
         try:
@@ -146,9 +160,13 @@ def with_store(server: EmbeddedNats, topology: Topology, body: Callable[[JetStre
     asyncio.run(main())
 
 
-def test_object_store_version_round_trips_bit_exactly(nats_server: EmbeddedNats, topology: Topology) -> None:
+def test_object_store_version_round_trips_bit_exactly(
+    nats_server: EmbeddedNats, topology: Topology
+) -> None:
     async def body(js: JetStream) -> None:
-        transport = ObjectStoreTransport(js, topology.object_bucket, chunk_bytes=1024)  # many chunks
+        transport = ObjectStoreTransport(
+            js, topology.object_bucket, chunk_bytes=1024
+        )  # many chunks
         event = await publish_version(transport, topology.run, "test", 3, weights())
         assert (event.transport, event.version) == ("object_store", 3)
         assert event.id == f"{topology.run}/weights/3/{content_digest(event)}"
@@ -158,7 +176,9 @@ def test_object_store_version_round_trips_bit_exactly(nats_server: EmbeddedNats,
     with_store(nats_server, topology, body)
 
 
-def test_object_store_bytes_changed_in_the_store_are_refused(nats_server: EmbeddedNats, topology: Topology) -> None:
+def test_object_store_bytes_changed_in_the_store_are_refused(
+    nats_server: EmbeddedNats, topology: Topology
+) -> None:
     async def body(js: JetStream) -> None:
         transport = ObjectStoreTransport(js, topology.object_bucket, chunk_bytes=1024)
         event = await publish_version(transport, topology.run, "test", 3, weights())
@@ -166,12 +186,22 @@ def test_object_store_bytes_changed_in_the_store_are_refused(nats_server: Embedd
         stored = bytearray((await store.get(event.location)).data or b"")
         stored[-1] ^= 0x01  # one bit of the last tensor's data: still a valid safetensors file
         await store.put(event.location, bytes(stored))
-        with pytest.raises(ChecksumMismatch, match=r"tensor model\.\S+ does not match its manifest entry"):
+        with pytest.raises(
+            ChecksumMismatch, match=r"tensor model\.\S+ does not match its manifest entry"
+        ):
             await transport.fetch(event)
-        forged = event.model_copy(update={"manifest": (event.manifest[0].model_copy(update={"sha256": "0" * 64}),
-                                                       *event.manifest[1:])})
+        forged = event.model_copy(
+            update={
+                "manifest": (
+                    event.manifest[0].model_copy(update={"sha256": "0" * 64}),
+                    *event.manifest[1:],
+                )
+            }
+        )
         await store.put(event.location, serialize(weights()))  # the true bytes again
-        with pytest.raises(ChecksumMismatch, match="tensor model.embed_tokens.weight does not match"):
+        with pytest.raises(
+            ChecksumMismatch, match="tensor model.embed_tokens.weight does not match"
+        ):
             await transport.fetch(forged)
 
     with_store(nats_server, topology, body)
@@ -182,7 +212,9 @@ def test_object_store_keeps_the_last_versions_and_a_pruned_one_is_missing(
 ) -> None:
     async def body(js: JetStream) -> None:
         transport = ObjectStoreTransport(js, topology.object_bucket, keep=2)
-        events = [await publish_version(transport, topology.run, "test", v, weights(v)) for v in range(4)]
+        events = [
+            await publish_version(transport, topology.run, "test", v, weights(v)) for v in range(4)
+        ]
         left = sorted(info.name for info in await list_objects(js, topology.object_bucket))
         assert left == sorted(e.location for e in events[-2:]), left
         with pytest.raises(WeightsMissing):
@@ -204,7 +236,9 @@ def test_an_object_deleted_while_it_is_read_ends_the_read_as_missing(
 
     async def body(js: JetStream) -> None:
         transport = ObjectStoreTransport(js, topology.object_bucket, chunk_bytes=64 << 10)
-        event = await publish_version(transport, topology.run, "test", 1, {"w": torch.zeros(64 * MB // 4)})
+        event = await publish_version(
+            transport, topology.run, "test", 1, {"w": torch.zeros(64 * MB // 4)}
+        )
         info = await object_info(js, topology.object_bucket, event.location)
         chunks: list[int] = []
         deleting: list[asyncio.Task[None]] = []
@@ -212,8 +246,11 @@ def test_an_object_deleted_while_it_is_read_ends_the_read_as_missing(
         def slowly(offset: int, data: bytes) -> None:
             chunks.append(offset)
             if len(chunks) == 1:
-                deleting.append(asyncio.get_running_loop().create_task(
-                    delete_object(js, topology.object_bucket, event.location)))
+                deleting.append(
+                    asyncio.get_running_loop().create_task(
+                        delete_object(js, topology.object_bucket, event.location)
+                    )
+                )
             time.sleep(0.002)  # a slow reader: the deletion comes while most chunks are unread
 
         started = time.monotonic()
@@ -223,10 +260,14 @@ def test_an_object_deleted_while_it_is_read_ends_the_read_as_missing(
         except (ObjectMissing, ObjectStalled) as exc:
             ended = exc
         seconds = time.monotonic() - started
-        assert isinstance(ended, ObjectMissing), f"the read ended with {ended!r} after {seconds:.1f} s"
+        assert isinstance(ended, ObjectMissing), (
+            f"the read ended with {ended!r} after {seconds:.1f} s"
+        )
         assert seconds < STALL_SECONDS, "the read waited for the stall limit"
         assert info.chunks is not None  # a stored object's info counts its chunks
-        assert len(chunks) < info.chunks, f"all {info.chunks} chunks were read: the deletion came too late to tell"
+        assert len(chunks) < info.chunks, (
+            f"all {info.chunks} chunks were read: the deletion came too late to tell"
+        )
         await deleting[0]
 
     with_store(nats_server, topology, body)
@@ -243,14 +284,21 @@ what came before at each chunk costs in their number squared, and big chunks wou
 (nats-py's `get` of 64 MB in 8 MiB chunks is only 8 joins)."""
 
 
-def test_object_store_fetch_time_is_linear_in_size(nats_server: EmbeddedNats, topology: Topology) -> None:
+def test_object_store_fetch_time_is_linear_in_size(
+    nats_server: EmbeddedNats, topology: Topology
+) -> None:
     seconds: dict[int, float] = {}
 
     async def body(js: JetStream) -> None:
-        transport = ObjectStoreTransport(js, topology.object_bucket, chunk_bytes=LINEAR_CHUNK, keep=1)
+        transport = ObjectStoreTransport(
+            js, topology.object_bucket, chunk_bytes=LINEAR_CHUNK, keep=1
+        )
         for size in SIZES_MB:
             numel = size * MB // 4
-            tensors = {"a.weight": torch.randn(numel // 2), "b.weight": torch.randn(numel - numel // 2)}
+            tensors = {
+                "a.weight": torch.randn(numel // 2),
+                "b.weight": torch.randn(numel - numel // 2),
+            }
             event = await publish_version(transport, topology.run, "test", size, tensors)
             times = []
             for _ in range(3):
@@ -264,8 +312,10 @@ def test_object_store_fetch_time_is_linear_in_size(nats_server: EmbeddedNats, to
     with_store(nats_server, topology, body)
     small, large = SIZES_MB
     ratio = seconds[large] / seconds[small]
-    print(f"fetch {small} MB {seconds[small]:.3f} s, {large} MB {seconds[large]:.3f} s, "
-          f"ratio {ratio:.2f}")
+    print(
+        f"fetch {small} MB {seconds[small]:.3f} s, {large} MB {seconds[large]:.3f} s, "
+        f"ratio {ratio:.2f}"
+    )
     assert ratio < LINEAR_LIMIT, (
         f"fetch of {large} MB took {seconds[large]:.2f} s, {ratio:.1f}x the {seconds[small]:.2f} s "
         f"of {small} MB ({large // small}x the size): not linear"
@@ -275,7 +325,9 @@ def test_object_store_fetch_time_is_linear_in_size(nats_server: EmbeddedNats, to
 # --- filesystem --------------------------------------------------------------------------
 
 
-def fs_publish(transport: FilesystemTransport, version: int, tensors: dict[str, torch.Tensor]) -> WeightVersionEvent:
+def fs_publish(
+    transport: FilesystemTransport, version: int, tensors: dict[str, torch.Tensor]
+) -> WeightVersionEvent:
     return asyncio.run(publish_version(transport, "r", "test", version, tensors))
 
 
@@ -283,9 +335,15 @@ def test_filesystem_version_round_trips_bit_exactly_written_atomically(tmp_path:
     transport = FilesystemTransport(tmp_path / "r")
     event = fs_publish(transport, 5, weights())
     path = Path(event.location)
-    assert event.transport == "filesystem" and path.parent == tmp_path / "r" and path.name.startswith("v5-")
+    assert (
+        event.transport == "filesystem"
+        and path.parent == tmp_path / "r"
+        and path.name.startswith("v5-")
+    )
     assert event.total_bytes == path.stat().st_size
-    assert [p.name for p in (tmp_path / "r").iterdir()] == [path.name], "a temporary file was left behind"
+    assert [p.name for p in (tmp_path / "r").iterdir()] == [path.name], (
+        "a temporary file was left behind"
+    )
     assert_bit_exact(asyncio.run(transport.fetch(event)), weights())
 
 
@@ -311,17 +369,24 @@ def test_filesystem_refuses_a_location_outside_the_run_directory(tmp_path: Path)
     event = fs_publish(transport, 5, weights())
     elsewhere = tmp_path / "elsewhere.safetensors"
     elsewhere.write_bytes(Path(event.location).read_bytes())
-    for location in (str(elsewhere), str(tmp_path / "r" / "sub" / ".." / ".." / "elsewhere.safetensors")):
+    for location in (
+        str(elsewhere),
+        str(tmp_path / "r" / "sub" / ".." / ".." / "elsewhere.safetensors"),
+    ):
         with pytest.raises(WeightsRefused, match="outside this run's weights directory"):
             asyncio.run(transport.fetch(event.model_copy(update={"location": location})))
 
 
-def test_filesystem_keeps_the_last_versions_and_a_reader_keeps_what_it_opened(tmp_path: Path) -> None:
+def test_filesystem_keeps_the_last_versions_and_a_reader_keeps_what_it_opened(
+    tmp_path: Path,
+) -> None:
     transport = FilesystemTransport(tmp_path / "r", keep=2)
     first = fs_publish(transport, 0, weights(0))
     held = asyncio.run(transport.fetch(first))  # a worker mid-load: the file mapped
     events = [first] + [fs_publish(transport, v, weights(v)) for v in (1, 2, 3)]
-    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == sorted(Path(e.location).name for e in events[-2:])
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == sorted(
+        Path(e.location).name for e in events[-2:]
+    )
     assert_bit_exact(held, weights(0))  # its file is gone, its mapping is not
     with pytest.raises(WeightsMissing):
         asyncio.run(transport.fetch(first))
@@ -333,7 +398,9 @@ def test_filesystem_keeps_the_last_versions_and_a_reader_keeps_what_it_opened(tm
     )
 
 
-def test_each_rank_prunes_by_versions_and_keeps_the_other_ranks_shards_and_temp_files(tmp_path: Path) -> None:
+def test_each_rank_prunes_by_versions_and_keeps_the_other_ranks_shards_and_temp_files(
+    tmp_path: Path,
+) -> None:
     """Two trainer ranks write a shard of every version into one directory, each pruning after
     its own write: the shards of the `keep` versions written last stay, all of them, and a
     rank removes only its own leftover temporary files (the other's may be mid-write)."""
@@ -343,10 +410,17 @@ def test_each_rank_prunes_by_versions_and_keeps_the_other_ranks_shards_and_temp_
     (root / ".v9-0a0b0c0d.safetensors.w1.tmp").write_bytes(b"rank 1 writing")
     (root / ".v8-0a0b0c0d.safetensors.w0.tmp").write_bytes(b"rank 0 died here")
     first = Path(asyncio.run(ranks[0].publish(0, weights(0))).location).name
-    assert sorted(p.name for p in root.iterdir()) == sorted([".v9-0a0b0c0d.safetensors.w1.tmp", first])
-    written = {(v, w): Path(asyncio.run(t.publish(v, weights(v))).location).name
-               for v in range(1, 4) for w, t in enumerate(ranks)}
-    assert sorted(p.name for p in root.iterdir()) == sorted(written[v, w] for v in (2, 3) for w in (0, 1))
+    assert sorted(p.name for p in root.iterdir()) == sorted(
+        [".v9-0a0b0c0d.safetensors.w1.tmp", first]
+    )
+    written = {
+        (v, w): Path(asyncio.run(t.publish(v, weights(v))).location).name
+        for v in range(1, 4)
+        for w, t in enumerate(ranks)
+    }
+    assert sorted(p.name for p in root.iterdir()) == sorted(
+        written[v, w] for v in (2, 3) for w in (0, 1)
+    )
 
 
 # --- config and event --------------------------------------------------------------------
@@ -354,27 +428,42 @@ def test_each_rank_prunes_by_versions_and_keeps_the_other_ranks_shards_and_temp_
 
 def test_weights_config_is_checked_at_load() -> None:
     assert parse_config({"weights": {"transport": "collective"}}).weights.fallback == "object_store"
-    with pytest.raises(ConfigError, match=r"^config: weights: .*collective broadcasts full versions"):
+    with pytest.raises(
+        ConfigError, match=r"^config: weights: .*collective broadcasts full versions"
+    ):
         parse_config({"weights": {"transport": "collective", "delta": True}})
     with pytest.raises(ConfigError, match=r"^config: weights\.collective: .*nccl needs cuda:N"):
         parse_config({"weights": {"transport": "collective", "collective": {"backend": "nccl"}}})
     with pytest.raises(ConfigError, match=r"^config: weights\.fallback: "):
         parse_config({"weights": {"transport": "collective", "fallback": "collective"}})
-    with pytest.raises(ConfigError, match=r"^config: weights\.collective\.join_timeout: Extra inputs"):
+    with pytest.raises(
+        ConfigError, match=r"^config: weights\.collective\.join_timeout: Extra inputs"
+    ):
         parse_config({"weights": {"collective": {"join_timeout": 3}}})
     with pytest.raises(ConfigError, match=r"^config: weights\.chunk_mib:"):
         parse_config({"weights": {"chunk_mib": 0}})
-    with pytest.raises(ConfigError, match=r"^config: weights\.full_every: Input should be greater than or equal to 1"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^config: weights\.full_every: Input should be greater than or equal to 1",
+    ):
         parse_config({"weights": {"delta": True, "full_every": 0}})
-    with pytest.raises(ConfigError, match=r"^config: weights\.delta: Input should be a valid boolean"):
+    with pytest.raises(
+        ConfigError, match=r"^config: weights\.delta: Input should be a valid boolean"
+    ):
         parse_config({"weights": {"delta": "sometimes"}})
     assert parse_config({"weights": {"delta": True, "full_every": 4}}).weights.full_every == 4
     assert parse_config({"weights": {"transport": "filesystem", "dir": "/w"}}).weights.dir == "/w"
 
 
 def test_weight_event_says_where_its_bytes_are_or_is_refused() -> None:
-    base: dict[str, Any] = {"id": "r/weights/1", "run": "r", "version": 1, "step": 1, "total_bytes": 64,
-            "manifest": manifest_of({"w": torch.zeros(4, 4)})}
+    base: dict[str, Any] = {
+        "id": "r/weights/1",
+        "run": "r",
+        "version": 1,
+        "step": 1,
+        "total_bytes": 64,
+        "manifest": manifest_of({"w": torch.zeros(4, 4)}),
+    }
     assert WeightVersionEvent(**base, transport="nccl", location="group0").transport == "collective"
     WeightVersionEvent(**base, transport="filesystem", location="/w/r/v1-0a0b0c0d.safetensors")
     for transport, location, why in [
@@ -391,20 +480,35 @@ def test_weight_event_says_where_its_bytes_are_or_is_refused() -> None:
         WeightVersionEvent(**{**base, "total_bytes": 63}, location="v1.safetensors")
     with pytest.raises(ValidationError, match="must be older than version"):
         WeightVersionEvent(**base, base_version=1, location="v1.safetensors")
-    collective = {**base, "transport": "collective", "location": "10.0.0.1:29500", "fallback_transport": "filesystem"}
-    assert WeightVersionEvent(**collective, fallback_location="/w/r/v1-0a0b0c0d.safetensors").fallback_location
+    collective = {
+        **base,
+        "transport": "collective",
+        "location": "10.0.0.1:29500",
+        "fallback_transport": "filesystem",
+    }
+    assert WeightVersionEvent(
+        **collective, fallback_location="/w/r/v1-0a0b0c0d.safetensors"
+    ).fallback_location
     with pytest.raises(ValidationError, match="absolute path"):
         WeightVersionEvent(**collective, fallback_location="v1.safetensors")
     with pytest.raises(ValidationError, match="come together"):
         WeightVersionEvent(**collective)
     with pytest.raises(ValidationError, match="for collective versions, not object_store"):
-        WeightVersionEvent(**{**collective, "transport": "object_store", "location": "v1.safetensors"},
-                           fallback_location="/w/r/v1-0a0b0c0d.safetensors")
+        WeightVersionEvent(
+            **{**collective, "transport": "object_store", "location": "v1.safetensors"},
+            fallback_location="/w/r/v1-0a0b0c0d.safetensors",
+        )
 
 
 def test_a_delta_event_names_its_chain_and_shards_or_is_refused() -> None:
-    base: dict[str, Any] = {"id": "r/weights/3", "run": "r", "version": 3, "step": 3, "location": "v3-0a0b0c0d.safetensors",
-            "manifest": manifest_of({"w": torch.zeros(4, 4), "b": torch.zeros(4)})}
+    base: dict[str, Any] = {
+        "id": "r/weights/3",
+        "run": "r",
+        "version": 3,
+        "step": 3,
+        "location": "v3-0a0b0c0d.safetensors",
+        "manifest": manifest_of({"w": torch.zeros(4, 4), "b": torch.zeros(4)}),
+    }
     shard = WeightShard(location="v3-0a0b0c0d.safetensors", total_bytes=20, tensors=("w", "b"))
     delta = {**base, "base_version": 2, "full_version": 0, "total_bytes": 20, "shards": (shard,)}
     assert WeightVersionEvent(**delta).total_bytes == 20  # less than the tensors' data: a delta
@@ -414,8 +518,14 @@ def test_a_delta_event_names_its_chain_and_shards_or_is_refused() -> None:
         ({"full_version": 2, "base_version": 2}, None),  # a delta on its chain's full version
         ({"full_version": 3}, "needs its chain's full version"),
         ({"shards": ()}, "needs its shards"),
-        ({"shards": (shard.model_copy(update={"tensors": ("w",)}),)}, "each manifest tensor exactly once"),
-        ({"shards": (shard.model_copy(update={"tensors": ("w", "b", "w")}),)}, "each manifest tensor exactly once"),
+        (
+            {"shards": (shard.model_copy(update={"tensors": ("w",)}),)},
+            "each manifest tensor exactly once",
+        ),
+        (
+            {"shards": (shard.model_copy(update={"tensors": ("w", "b", "w")}),)},
+            "each manifest tensor exactly once",
+        ),
         ({"total_bytes": 21}, "the shards' sum"),
         ({"shards": (shard.model_copy(update={"location": "../x"}),)}, "not an object name"),
     ]
@@ -432,17 +542,36 @@ def test_a_delta_event_names_its_chain_and_shards_or_is_refused() -> None:
 def test_a_sharded_full_version_carries_each_tensor_once_or_is_refused() -> None:
     """Several trainer ranks each store their tensors of a full version: the event lists the
     shards, which must cover its manifest exactly once (no overlap, none missing)."""
-    full = {"id": "r/weights/3", "run": "r", "version": 3, "step": 3, "location": "v3-0a0b0c0d.safetensors",
-            "manifest": manifest_of({"w": torch.zeros(4, 4), "b": torch.zeros(4), "c": torch.zeros(2)}),
-            "full_version": 3, "total_bytes": 200}
+    full = {
+        "id": "r/weights/3",
+        "run": "r",
+        "version": 3,
+        "step": 3,
+        "location": "v3-0a0b0c0d.safetensors",
+        "manifest": manifest_of({"w": torch.zeros(4, 4), "b": torch.zeros(4), "c": torch.zeros(2)}),
+        "full_version": 3,
+        "total_bytes": 200,
+    }
     rank0 = WeightShard(location="v3-0a0b0c0d.safetensors", total_bytes=120, tensors=("w",))
     rank1 = WeightShard(location="v3-1a1b1c1d.safetensors", total_bytes=80, tensors=("b", "c"))
     assert WeightVersionEvent(**full, shards=(rank0, rank1)).shards[1].tensors == ("b", "c")
-    assert WeightVersionEvent(**{**full, "full_version": None}, shards=(rank0, rank1)).full_version is None
+    assert (
+        WeightVersionEvent(**{**full, "full_version": None}, shards=(rank0, rank1)).full_version
+        is None
+    )
     for shards, why in [
-        ((rank0, rank1.model_copy(update={"tensors": ("b",)})), "each manifest tensor exactly once"),  # c missing
-        ((rank0, rank1.model_copy(update={"tensors": ("w", "b", "c")})), "each manifest tensor exactly once"),
-        ((rank0, rank1.model_copy(update={"tensors": ("b", "c", "x")})), "each manifest tensor exactly once"),
+        (
+            (rank0, rank1.model_copy(update={"tensors": ("b",)})),
+            "each manifest tensor exactly once",
+        ),  # c missing
+        (
+            (rank0, rank1.model_copy(update={"tensors": ("w", "b", "c")})),
+            "each manifest tensor exactly once",
+        ),
+        (
+            (rank0, rank1.model_copy(update={"tensors": ("b", "c", "x")})),
+            "each manifest tensor exactly once",
+        ),
         ((rank1, rank0), "its first shard's and the shards' sum"),
         ((rank0, rank1.model_copy(update={"total_bytes": 81})), "the shards' sum"),
         ((rank0, rank1.model_copy(update={"location": "../x"})), "not an object name"),
@@ -450,10 +579,22 @@ def test_a_sharded_full_version_carries_each_tensor_once_or_is_refused() -> None
         with pytest.raises(ValidationError, match=why):
             WeightVersionEvent(**full, shards=shards)
     with pytest.raises(ValidationError, match="shards are those of its fallback copy"):
-        WeightVersionEvent(**{**full, "transport": "collective", "location": "h:1"}, shards=(rank0, rank1))
+        WeightVersionEvent(
+            **{**full, "transport": "collective", "location": "h:1"}, shards=(rank0, rank1)
+        )
     # A collective version's shards are its fallback copy's: checked against fallback_location.
-    collective = {**full, "transport": "collective", "location": "h:1", "fallback_transport": "object_store"}
-    assert WeightVersionEvent(**collective, fallback_location=rank0.location, shards=(rank0, rank1)).location == "h:1"
+    collective = {
+        **full,
+        "transport": "collective",
+        "location": "h:1",
+        "fallback_transport": "object_store",
+    }
+    assert (
+        WeightVersionEvent(
+            **collective, fallback_location=rank0.location, shards=(rank0, rank1)
+        ).location
+        == "h:1"
+    )
     with pytest.raises(ValidationError, match="its first shard's"):
         WeightVersionEvent(**collective, fallback_location=rank1.location, shards=(rank0, rank1))
 
@@ -466,9 +607,11 @@ def short_run(tmp_path: Path, weights: dict, steps: int) -> tuple[str, Path]:
     (run, out)."""
     run = f"fs{uuid.uuid4().hex[:8]}"
     config = {
-        "run": run, "model": {"hidden": 32, "layers": 1},
+        "run": run,
+        "model": {"hidden": 32, "layers": 1},
         "data": {"n": 4, "sampling": {"max_tokens": 6}},
-        "algorithm": {"prompts_per_step": 2}, "reward": {"processes": 1},
+        "algorithm": {"prompts_per_step": 2},
+        "reward": {"processes": 1},
         "weights": weights,
     }
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "JETRL_"))}
@@ -494,7 +637,9 @@ def test_a_run_with_delta_versions_serves_every_version_and_keeps_the_chain(tmp_
     """v0 full, v1..v3 deltas on it: the rollout serves v3 (each delta checked against its
     checksum), and the whole chain is kept though `keep` is 2."""
     steps = 3
-    run, out = short_run(tmp_path, {"transport": "filesystem", "keep": 2, "delta": True, "full_every": 4}, steps)
+    run, out = short_run(
+        tmp_path, {"transport": "filesystem", "keep": 2, "delta": True, "full_every": 4}, steps
+    )
     files = sorted(p.name for p in (out / "weights" / run).iterdir())
     assert {name.split("-")[0] for name in files} == {f"v{v}" for v in range(steps + 1)}, files
     sizes = {name.split("-")[0]: (out / "weights" / run / name).stat().st_size for name in files}

@@ -31,8 +31,8 @@ from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.topology import WEIGHTS, Topology
 from consumers.weights import transport_for
-from consumers.weights.sender import WeightsSender
 from consumers.weights.collective import CollectiveTransport
+from consumers.weights.sender import WeightsSender
 from consumers.weights.transport import fetch_full
 from engines.collective_plan import ALIGN
 from engines.tiny import build_tiny_model
@@ -46,18 +46,25 @@ from tests.test_fsdp import free_port
 from tests.test_rollout_invariants import eventually, rollout_worker
 from tests.test_weight_chain import serves
 
-SETTINGS = {"transport": "collective", "collective": {"join_timeout_s": 5, "op_timeout_s": 5, "bucket_mib": 1}}
+SETTINGS = {
+    "transport": "collective",
+    "collective": {"join_timeout_s": 5, "op_timeout_s": 5, "bucket_mib": 1},
+}
 
 
 def version(v: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(v)
-    return {"embed": torch.randn(300_000, generator=g), "w": torch.randn(64, 33, generator=g).to(torch.bfloat16),
-            "step": torch.tensor(v)}
+    return {
+        "embed": torch.randn(300_000, generator=g),
+        "w": torch.randn(64, 33, generator=g).to(torch.bfloat16),
+        "step": torch.tensor(v),
+    }
 
 
 def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(
-        a[n].dtype == b[n].dtype and torch.equal(a[n].reshape(-1).view(torch.uint8), b[n].reshape(-1).view(torch.uint8))
+        a[n].dtype == b[n].dtype
+        and torch.equal(a[n].reshape(-1).view(torch.uint8), b[n].reshape(-1).view(torch.uint8))
         for n in a
     )
 
@@ -76,8 +83,12 @@ def test_two_workers_get_a_version_by_broadcast_and_a_late_one_from_the_fallback
 
         trainer = transport_for(config, js, topology.object_bucket, topology.run, members=listed)
         publisher = WeightsSender(trainer, config, topology.run, "test")
-        workers = [transport_for(config, js, topology.object_bucket, topology.run, "collective", member_id=m)
-                   for m in ("worker-a", "worker-b", "worker-late")]
+        workers = [
+            transport_for(
+                config, js, topology.object_bucket, topology.run, "collective", member_id=m
+            )
+            for m in ("worker-a", "worker-b", "worker-late")
+        ]
         try:
             tensors = version(1)
             event = await publisher.store(1, tensors)
@@ -88,8 +99,12 @@ def test_two_workers_get_a_version_by_broadcast_and_a_late_one_from_the_fallback
             await publisher.announced(1, tensors)
             got = await asyncio.gather(*fetching)
             published = await trainer.settle()  # type: ignore[attr-defined]
-            assert published is not None and published.members == ("worker-a", "worker-b"), published
-            assert all(same_bits(g, tensors) for g in got), "a broadcast version differs from the trainer's"
+            assert published is not None and published.members == ("worker-a", "worker-b"), (
+                published
+            )
+            assert all(same_bits(g, tensors) for g in got), (
+                "a broadcast version differs from the trainer's"
+            )
 
             late = workers[2]
             assert isinstance(late, CollectiveTransport)
@@ -101,7 +116,9 @@ def test_two_workers_get_a_version_by_broadcast_and_a_late_one_from_the_fallback
                 return await original(e, reason)
 
             late.catch_up = recorded  # type: ignore[method-assign]
-            assert same_bits(await late.fetch(event), tensors), "the fallback copy differs from the trainer's"
+            assert same_bits(await late.fetch(event), tensors), (
+                "the fallback copy differs from the trainer's"
+            )
             assert len(missed) == 1 and "not a member" in missed[0], missed
         finally:
             for t in (trainer, *workers):
@@ -122,10 +139,14 @@ def test_a_rollout_worker_loads_a_broadcast_version(
             async def listed() -> list[str]:
                 return [w.rt.source]
 
-            trainer = transport_for(config, w.js, topology.object_bucket, topology.run, members=listed)
+            trainer = transport_for(
+                config, w.js, topology.object_bucket, topology.run, members=listed
+            )
             publisher = WeightsSender(trainer, config, topology.run, "test")
             try:
-                tensors = {n: p.detach().clone() + 1e-3 for n, p in w.engine.model.named_parameters()}
+                tensors = {
+                    n: p.detach().clone() + 1e-3 for n, p in w.engine.model.named_parameters()
+                }
                 event = await publisher.store(1, tensors)
                 await w.js.publish(topology.subject(WEIGHTS), encode(event))
                 await publisher.announced(1, tensors)
@@ -159,26 +180,42 @@ def test_two_fsdp_ranks_broadcast_their_own_shards_to_two_workers(
     asyncio.run(apply())
     ranks = mp.spawn(
         fsdp_collective_proc.rank_main,
-        args=(free_port(), str(model), str(out), vocab, nats_server.url, topology.run, topology.object_bucket),
-        nprocs=WORLD, join=False,
+        args=(
+            free_port(),
+            str(model),
+            str(out),
+            vocab,
+            nats_server.url,
+            topology.run,
+            topology.object_bucket,
+        ),
+        nprocs=WORLD,
+        join=False,
     )
 
     async def receive() -> list[dict[str, torch.Tensor]]:
         deadline = time.monotonic() + 180
         while not (out / "event.json").exists():
-            assert time.monotonic() < deadline and all(p.is_alive() for p in ranks.processes), "no event from rank 0"
+            assert time.monotonic() < deadline and all(p.is_alive() for p in ranks.processes), (
+                "no event from rank 0"
+            )
             await asyncio.sleep(0.2)
         event = WeightVersionEvent.model_validate_json((out / "event.json").read_text())
         assert event.transport == "collective" and len(event.shards) == WORLD, event
         assert event.fallback_location == event.shards[0].location
         nc = await connect(nats_server.url, "collective-workers")
         config = WeightsConfig.model_validate(fsdp_collective_proc.SETTINGS)
-        workers = [transport_for(config, nc.jetstream(), topology.object_bucket, topology.run, member_id=m)
-                   for m in (*fsdp_collective_proc.MEMBERS, "worker-late")]
+        workers = [
+            transport_for(config, nc.jetstream(), topology.object_bucket, topology.run, member_id=m)
+            for m in (*fsdp_collective_proc.MEMBERS, "worker-late")
+        ]
         try:
             # As a rollout worker fetches a full version (`receiver.Copy.fetch`): `fetch_full`.
             got = await asyncio.gather(*(fetch_full(w, event) for w in workers[:2]))
-            return [*got, await fetch_full(workers[2], event)]  # not listed: Missed, then the sharded copy
+            return [
+                *got,
+                await fetch_full(workers[2], event),
+            ]  # not listed: Missed, then the sharded copy
         finally:
             for w in workers:
                 await w.close()  # type: ignore[attr-defined]
@@ -197,8 +234,12 @@ def test_two_fsdp_ranks_broadcast_their_own_shards_to_two_workers(
     total = sum(-(-t.nbytes // ALIGN) * ALIGN for t in full.values())
     for r in range(WORLD):
         published = seen[r]["published"]
-        assert published is not None and published.members == tuple(fsdp_collective_proc.MEMBERS), published
+        assert published is not None and published.members == tuple(fsdp_collective_proc.MEMBERS), (
+            published
+        )
         own = sum(-(-full[n].nbytes // ALIGN) * ALIGN for n in seen[r]["names"])
-        assert published.sent == own, f"rank {r} sent {published.sent} bytes, its own tensors are {own}"
+        assert published.sent == own, (
+            f"rank {r} sent {published.sent} bytes, its own tensors are {own}"
+        )
         assert 0 < published.sent < 0.75 * total, f"rank {r} sent {published.sent} of {total} bytes"
     assert set(seen[0]["names"]).isdisjoint(seen[1]["names"])

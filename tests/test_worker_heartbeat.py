@@ -34,7 +34,9 @@ CHANNEL = PROMPTS.with_queue(durable="slow", ack_wait=60.0, max_ack_pending=16)
 QUEUE = CHANNEL.work_queue
 
 
-def test_a_handler_running_past_ack_wait_keeps_its_message(nats_server: EmbeddedNats, topology: Topology) -> None:
+def test_a_handler_running_past_ack_wait_keeps_its_message(
+    nats_server: EmbeddedNats, topology: Topology
+) -> None:
     async def main() -> None:
         nc = await connect(nats_server.url, "test-heartbeat")
         try:
@@ -56,23 +58,36 @@ async def run(js: JetStreamContext, topology: Topology) -> None:
 
     async def handler(event: PromptEvent, msg: Msg) -> None:
         deliveries.append(msg.metadata.num_delivered)
-        if msg.metadata.num_delivered == 1:  # a redelivered copy returns at once: it is already a failure
+        if (
+            msg.metadata.num_delivered == 1
+        ):  # a redelivered copy returns at once: it is already a failure
             await asyncio.sleep(HANDLER_SECONDS)
             finished.set()
 
-    prompt = PromptEvent(id=f"{topology.run}/0/0", run=topology.run, epoch=0, index=0,
-                         token_ids=Tensor.from_numpy(np.array([1, 2], np.int32)))
+    prompt = PromptEvent(
+        id=f"{topology.run}/0/0",
+        run=topology.run,
+        epoch=0,
+        index=0,
+        token_ids=Tensor.from_numpy(np.array([1, 2], np.int32)),
+    )
     await js.publish(topology.subject(PROMPTS), encode(prompt))
     stop = asyncio.Event()
-    worker = Worker(js, topology, CHANNEL, handler, Publisher(js, topology), WorkerOptions(fetch_timeout=0.2))
+    worker = Worker(
+        js, topology, CHANNEL, handler, Publisher(js, topology), WorkerOptions(fetch_timeout=0.2)
+    )
     loop = asyncio.create_task(worker.run(stop))
     most_redelivered = 0
     try:
         deadline = time.monotonic() + HANDLER_SECONDS + 20
         while not finished.is_set():  # watch the consumer while the handler works
             assert time.monotonic() < deadline, "the handler never finished"
-            assert not loop.done(), f"the worker loop ended: {loop.exception() if loop.done() else ''}"
-            most_redelivered = max(most_redelivered, (await js.consumer_info(stream, QUEUE.durable)).num_redelivered)
+            assert not loop.done(), (
+                f"the worker loop ended: {loop.exception() if loop.done() else ''}"
+            )
+            most_redelivered = max(
+                most_redelivered, (await js.consumer_info(stream, QUEUE.durable)).num_redelivered
+            )
             await asyncio.sleep(0.1)
         while (info := await js.consumer_info(stream, QUEUE.durable)).ack_floor.stream_seq < 1:
             assert time.monotonic() < deadline, "the message was never acked"

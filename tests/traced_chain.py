@@ -40,7 +40,9 @@ async def chain(url: str, run: str) -> None:
     stop = asyncio.Event()
     options = WorkerOptions(fetch_timeout=0.2)
     workers = [
-        asyncio.create_task(Worker(js, topology, TRAJECTORIES, score, publisher, options).run(stop)),
+        asyncio.create_task(
+            Worker(js, topology, TRAJECTORIES, score, publisher, options).run(stop)
+        ),
         asyncio.create_task(Worker(js, topology, REWARDS, collect, publisher, options).run(stop)),
     ]
     await asyncio.wait_for(done.wait(), 20)

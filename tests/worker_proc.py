@@ -44,7 +44,9 @@ async def main(url: str, run: str, mode: str, markers: Path) -> None:
 
     stop = asyncio.Event()
     stop_on_signals(stop)
-    worker = Worker(js, topology, TRAJECTORIES, handler, Publisher(js, topology), WorkerOptions(concurrency=4))
+    worker = Worker(
+        js, topology, TRAJECTORIES, handler, Publisher(js, topology), WorkerOptions(concurrency=4)
+    )
     print("ready", flush=True)
     await worker.run(stop)
     await nc.drain()

@@ -48,8 +48,12 @@ log = logging.getLogger("jetrl.weights.collective")
 def settings_of(config: WeightsConfig) -> CollectiveSettings:
     c = config.collective
     return CollectiveSettings(
-        backend=c.backend, device=c.device, bucket_bytes=c.bucket_mib * MIB, op_timeout_s=c.op_timeout_s,
-        join_timeout_s=c.join_timeout_s, max_attempts=c.max_attempts,
+        backend=c.backend,
+        device=c.device,
+        bucket_bytes=c.bucket_mib * MIB,
+        op_timeout_s=c.op_timeout_s,
+        join_timeout_s=c.join_timeout_s,
+        max_attempts=c.max_attempts,
     )
 
 
@@ -61,8 +65,12 @@ class CollectiveTransport:
     name: ClassVar[TransportName] = "collective"
 
     def __init__(
-        self, config: WeightsConfig, fallback: Callable[[TransportName], WeightTransport],
-        members: Callable[[], Awaitable[list[str]]] | None = None, member_id: str = "", rank: int = 0,
+        self,
+        config: WeightsConfig,
+        fallback: Callable[[TransportName], WeightTransport],
+        members: Callable[[], Awaitable[list[str]]] | None = None,
+        member_id: str = "",
+        rank: int = 0,
     ) -> None:
         self.config, self.settings = config, settings_of(config)
         self.fallback = fallback
@@ -83,27 +91,44 @@ class CollectiveTransport:
         if self.source is None:
             c = self.config.collective
             assert self.rank == 0, "trainer rank 0 hosts the broadcast; the other ranks join it"
-            self.source = CollectiveSource(lambda: self.alive, self.settings, c.host, c.port, self.senders)
+            self.source = CollectiveSource(
+                lambda: self.alive, self.settings, c.host, c.port, self.senders
+            )
         host, port = self.source.address
         return f"{host}:{port}"
 
-    async def publish(self, version: int, tensors: dict[str, torch.Tensor], pinned: Collection[str] = ()) -> Stored:
+    async def publish(
+        self, version: int, tensors: dict[str, torch.Tensor], pinned: Collection[str] = ()
+    ) -> Stored:
         """Store the fallback copy; the broadcast itself starts once the event is out (`broadcast`)."""
         return await self.fallback(self.config.fallback).publish(version, tensors, pinned)
 
-    async def publish_bytes(self, version: int, data: bytes, pinned: Collection[str] = ()) -> Stored:
-        raise WeightsUnavailable("collective broadcasts full versions; delta payloads go through a store")
+    async def publish_bytes(
+        self, version: int, data: bytes, pinned: Collection[str] = ()
+    ) -> Stored:
+        raise WeightsUnavailable(
+            "collective broadcasts full versions; delta payloads go through a store"
+        )
 
     def event(self, stored: WeightVersionEvent, address: str = "") -> WeightVersionEvent:
         """`stored` (the event of the fallback copy, in shards with several ranks) as the
         collective version's event; `address`: rank 0's source (default: this rank's own)."""
-        return WeightVersionEvent.announce(**{
-            **stored.model_dump(exclude={"id"}), "transport": "collective", "location": address or self.address,
-            "fallback_transport": stored.transport, "fallback_location": stored.location,
-        })
+        return WeightVersionEvent.announce(
+            **{
+                **stored.model_dump(exclude={"id"}),
+                "transport": "collective",
+                "location": address or self.address,
+                "fallback_transport": stored.transport,
+                "fallback_location": stored.location,
+            }
+        )
 
     async def broadcast(
-        self, version: int, tensors: dict[str, torch.Tensor], owned: list[list[Spec]] | None = None, address: str = ""
+        self,
+        version: int,
+        tensors: dict[str, torch.Tensor],
+        owned: list[list[Spec]] | None = None,
+        address: str = "",
     ) -> None:
         """Start broadcasting `version` (announced already: receivers wait for the plan) in a
         thread, after the broadcast before it ended. `tensors`: this rank's own; rank 0:
@@ -113,13 +138,17 @@ class CollectiveTransport:
         if self.rank > 0:
             host, _, port = address.rpartition(":")
             self.peer = self.peer or CollectivePeer(self.rank, self.settings)
-            self.sending = asyncio.create_task(asyncio.to_thread(self.peer.publish, (host, int(port)), version, tensors))
+            self.sending = asyncio.create_task(
+                asyncio.to_thread(self.peer.publish, (host, int(port)), version, tensors)
+            )
             return
         assert self.members is not None, "the trainer's transport lists the members"
         self.alive = await self.members()
         self.address  # noqa: B018 - the source exists before its thread runs
         assert self.source is not None
-        self.sending = asyncio.create_task(asyncio.to_thread(self.source.publish, version, tensors, owned))
+        self.sending = asyncio.create_task(
+            asyncio.to_thread(self.source.publish, version, tensors, owned)
+        )
 
     async def settle(self) -> Published | None:
         """Wait for the broadcast in flight (bounded: every attempt has its timeouts)."""
@@ -128,10 +157,21 @@ class CollectiveTransport:
         sending, self.sending = self.sending, None
         published = await sending
         if published.reason:
-            log.warning("weights v%d: broadcast to %s: %s", published.version, published.members, published.reason)
+            log.warning(
+                "weights v%d: broadcast to %s: %s",
+                published.version,
+                published.members,
+                published.reason,
+            )
         else:
-            log.info("weights v%d: sent %d bytes (this rank's tensors) of %d to %d workers in %.2fs", published.version,
-                     published.sent, published.nbytes, len(published.members), published.seconds)
+            log.info(
+                "weights v%d: sent %d bytes (this rank's tensors) of %d to %d workers in %.2fs",
+                published.version,
+                published.sent,
+                published.nbytes,
+                len(published.members),
+                published.seconds,
+            )
         return published
 
     async def close(self) -> None:
@@ -161,11 +201,21 @@ class CollectiveTransport:
     async def catch_up(self, event: WeightVersionEvent, reason: str) -> dict[str, torch.Tensor]:
         if event.fallback_transport is None or event.fallback_location is None:
             raise WeightsUnavailable(f"v{event.version} missed ({reason}) and has no fallback copy")
-        log.info("weights v%d missed by broadcast (%s): from the %s copy", event.version, reason, event.fallback_transport)
-        stored = WeightVersionEvent.model_validate({
-            **event.model_dump(), "transport": event.fallback_transport, "location": event.fallback_location,
-            "fallback_transport": None, "fallback_location": None,
-        })
+        log.info(
+            "weights v%d missed by broadcast (%s): from the %s copy",
+            event.version,
+            reason,
+            event.fallback_transport,
+        )
+        stored = WeightVersionEvent.model_validate(
+            {
+                **event.model_dump(),
+                "transport": event.fallback_transport,
+                "location": event.fallback_location,
+                "fallback_transport": None,
+                "fallback_location": None,
+            }
+        )
         return await fetch_full(self.fallback(event.fallback_transport), stored)
 
     async def fetch_bytes(self, shard: WeightShard) -> bytes:

@@ -57,13 +57,23 @@ class FilesystemTransport:
         self.keep = keep
         self._temp_suffix = f".safetensors.w{writer}.tmp"
 
-    async def publish(self, version: int, tensors: dict[str, torch.Tensor], pinned: Collection[str] = ()) -> Stored:
-        return await asyncio.to_thread(self._write, version, lambda temp: save_file(tensors, temp), pinned)
+    async def publish(
+        self, version: int, tensors: dict[str, torch.Tensor], pinned: Collection[str] = ()
+    ) -> Stored:
+        return await asyncio.to_thread(
+            self._write, version, lambda temp: save_file(tensors, temp), pinned
+        )
 
-    async def publish_bytes(self, version: int, data: bytes, pinned: Collection[str] = ()) -> Stored:
-        return await asyncio.to_thread(self._write, version, lambda temp: temp.write_bytes(data), pinned)
+    async def publish_bytes(
+        self, version: int, data: bytes, pinned: Collection[str] = ()
+    ) -> Stored:
+        return await asyncio.to_thread(
+            self._write, version, lambda temp: temp.write_bytes(data), pinned
+        )
 
-    def _write(self, version: int, write: Callable[[Path], object], pinned: Collection[str]) -> Stored:
+    def _write(
+        self, version: int, write: Callable[[Path], object], pinned: Collection[str]
+    ) -> Stored:
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / file_name(version)
         temp = self.root / f".{final.stem}{self._temp_suffix}"
@@ -96,7 +106,11 @@ class FilesystemTransport:
             if p != written and p not in pinned and (match := VERSION_FILE.fullmatch(p.name))
         ]
         doomed = [Path(p) for p in to_delete(stored, int(version.group(1)), self.keep)]
-        doomed += [p for p in self.root.iterdir() if p.name.startswith(".v") and p.name.endswith(self._temp_suffix)]
+        doomed += [
+            p
+            for p in self.root.iterdir()
+            if p.name.startswith(".v") and p.name.endswith(self._temp_suffix)
+        ]
         for path in doomed:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
@@ -124,7 +138,9 @@ class FilesystemTransport:
         except OSError as exc:
             raise WeightsUnavailable(f"{path}: {exc}") from None
         if len(data) != shard.total_bytes:
-            raise ChecksumMismatch(f"{path} holds {len(data)} bytes, the event announced {shard.total_bytes}")
+            raise ChecksumMismatch(
+                f"{path} holds {len(data)} bytes, the event announced {shard.total_bytes}"
+            )
         return data
 
     def _read(self, event: WeightVersionEvent) -> dict[str, torch.Tensor]:
@@ -133,7 +149,9 @@ class FilesystemTransport:
             with safe_open(path, framework="pt") as f:
                 size = path.stat().st_size
                 if size != event.total_bytes:
-                    raise ChecksumMismatch(f"{path} holds {size} bytes, the event announced {event.total_bytes}")
+                    raise ChecksumMismatch(
+                        f"{path} holds {size} bytes, the event announced {event.total_bytes}"
+                    )
                 tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - not a dict
         except FileNotFoundError:
             raise WeightsMissing(f"{path} is missing (pruned, or never written)") from None

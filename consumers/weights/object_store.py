@@ -54,18 +54,27 @@ class ObjectStoreTransport:
     name: ClassVar[TransportName] = "object_store"
 
     def __init__(
-        self, js: JetStream, bucket: str, chunk_bytes: int = 2 << 20, keep: int = 3, stall_seconds: float = 10.0
+        self,
+        js: JetStream,
+        bucket: str,
+        chunk_bytes: int = 2 << 20,
+        keep: int = 3,
+        stall_seconds: float = 10.0,
     ) -> None:
         self.js, self.bucket = js, bucket
         self.chunk_bytes, self.keep, self.stall_seconds = chunk_bytes, keep, stall_seconds
         # One thread, so that the hashing of one fetch runs in the order the chunks came.
         self._verifier = ThreadPoolExecutor(1, thread_name_prefix="weights-verify")
 
-    async def publish(self, version: int, tensors: dict[str, torch.Tensor], pinned: Collection[str] = ()) -> Stored:
+    async def publish(
+        self, version: int, tensors: dict[str, torch.Tensor], pinned: Collection[str] = ()
+    ) -> Stored:
         data = await asyncio.to_thread(serialize, tensors)
         return await self.publish_bytes(version, data, pinned)
 
-    async def publish_bytes(self, version: int, data: bytes, pinned: Collection[str] = ()) -> Stored:
+    async def publish_bytes(
+        self, version: int, data: bytes, pinned: Collection[str] = ()
+    ) -> Stored:
         name = object_name(version)
         await put_object(self.js, self.bucket, name, data, self.chunk_bytes)
         await self.prune(name, pinned)
@@ -80,7 +89,9 @@ class ObjectStoreTransport:
         stored = [
             (info.name, int(match.group(1)), info.mtime or "")
             for info in await list_objects(self.js, self.bucket)
-            if info.name != written and info.name not in pinned and (match := VERSION_OBJECT.fullmatch(info.name))
+            if info.name != written
+            and info.name not in pinned
+            and (match := VERSION_OBJECT.fullmatch(info.name))
         ]
         for name in to_delete(stored, int(version.group(1)), self.keep):
             await delete_object(self.js, self.bucket, name)
@@ -93,7 +104,9 @@ class ObjectStoreTransport:
         except ObjectCorrupt as exc:
             raise WeightsRefused(str(exc)) from None
         if info.size != total_bytes:
-            raise ChecksumMismatch(f"object {location} holds {info.size} bytes, the event announced {total_bytes}")
+            raise ChecksumMismatch(
+                f"object {location} holds {info.size} bytes, the event announced {total_bytes}"
+            )
         return info
 
     async def fetch_bytes(self, shard: WeightShard) -> bytes:
@@ -128,7 +141,9 @@ class ObjectStoreTransport:
                 if check.done() and check.exception() is not None:
                     raise check.exception()  # type: ignore[misc]
             receiver.write(offset, data)
-            checks.append(loop.run_in_executor(self._verifier, receiver.verify_through, offset + len(data)))
+            checks.append(
+                loop.run_in_executor(self._verifier, receiver.verify_through, offset + len(data))
+            )
 
         try:
             await self._read(info, arrived)

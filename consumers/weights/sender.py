@@ -62,8 +62,13 @@ async def alone(note: ShardNote) -> list[ShardNote]:
 
 
 async def publish_version(
-    transport: WeightTransport, run: str, source: str, version: int, tensors: dict[str, torch.Tensor],
-    *, full_version: int | None = None,
+    transport: WeightTransport,
+    run: str,
+    source: str,
+    version: int,
+    tensors: dict[str, torch.Tensor],
+    *,
+    full_version: int | None = None,
 ) -> WeightVersionEvent:
     """Store `tensors` as `version` with `transport`; the event that announces them
     (`full_version`: `version`, when it starts a delta chain).
@@ -76,8 +81,14 @@ async def publish_version(
         ride_out(lambda: transport.publish(version, tensors), f"storing weights v{version}"),
     )
     return WeightVersionEvent.announce(
-        run=run, source=source, version=version, step=version,
-        transport=transport.name, location=stored.location, manifest=manifest, total_bytes=stored.total_bytes,
+        run=run,
+        source=source,
+        version=version,
+        step=version,
+        transport=transport.name,
+        location=stored.location,
+        manifest=manifest,
+        total_bytes=stored.total_bytes,
         full_version=full_version,
     )
 

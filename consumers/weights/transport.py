@@ -34,7 +34,9 @@ class Stored(NamedTuple):
     total_bytes: int
 
 
-def to_delete(stored: Iterable[tuple[str, int, float | str]], written_version: int, keep: int) -> list[str]:
+def to_delete(
+    stored: Iterable[tuple[str, int, float | str]], written_version: int, keep: int
+) -> list[str]:
     """Of the `stored` payloads (name, version, time stored) other than those just written and
     those pinned, the ones to delete: all but those of the `keep - 1` versions stored last.
 
@@ -48,8 +50,10 @@ def to_delete(stored: Iterable[tuple[str, int, float | str]], written_version: i
     for _, version, when in stored:
         latest[version] = max(latest.get(version, when), when)
     latest.pop(written_version, None)
-    kept = set(sorted(latest, key=lambda v: latest[v])[len(latest) - min(keep - 1, len(latest)):])
-    return [name for name, version, _ in stored if version != written_version and version not in kept]
+    kept = set(sorted(latest, key=lambda v: latest[v])[len(latest) - min(keep - 1, len(latest)) :])
+    return [
+        name for name, version, _ in stored if version != written_version and version not in kept
+    ]
 
 
 class WeightTransport(Protocol):
@@ -57,13 +61,17 @@ class WeightTransport(Protocol):
 
     name: ClassVar[TransportName]
 
-    async def publish(self, version: int, tensors: dict[str, torch.Tensor], pinned: Collection[str] = ()) -> Stored:
+    async def publish(
+        self, version: int, tensors: dict[str, torch.Tensor], pinned: Collection[str] = ()
+    ) -> Stored:
         """Store `tensors` (CPU, contiguous) as `version`, and delete versions older than the
         ones kept, never those at `pinned` locations (the delta chain in progress). The
         manifest is made beside it (`sender.publish_version`)."""
         ...
 
-    async def publish_bytes(self, version: int, data: bytes, pinned: Collection[str] = ()) -> Stored:
+    async def publish_bytes(
+        self, version: int, data: bytes, pinned: Collection[str] = ()
+    ) -> Stored:
         """Store one delta shard's payload of `version`, kept and pruned as `publish` does."""
         ...
 
@@ -78,17 +86,25 @@ class WeightTransport(Protocol):
         ...
 
 
-async def fetch_full(transport: WeightTransport, event: WeightVersionEvent) -> dict[str, torch.Tensor]:
+async def fetch_full(
+    transport: WeightTransport, event: WeightVersionEvent
+) -> dict[str, torch.Tensor]:
     """A full version's tensors: at `location`, or in each of its shards, every shard fetched as
     a full version of its own tensors (streamed and checked against their manifest entries)."""
-    if not event.shards or transport.name == "collective":  # a broadcast carries every shard's tensors
+    if (
+        not event.shards or transport.name == "collective"
+    ):  # a broadcast carries every shard's tensors
         return await transport.fetch(event)
     tensors: dict[str, torch.Tensor] = {}
     for shard in event.shards:
         names = set(shard.tensors)
-        part = event.model_copy(update={
-            "location": shard.location, "total_bytes": shard.total_bytes, "shards": (),
-            "manifest": tuple(spec for spec in event.manifest if spec.name in names),
-        })
+        part = event.model_copy(
+            update={
+                "location": shard.location,
+                "total_bytes": shard.total_bytes,
+                "shards": (),
+                "manifest": tuple(spec for spec in event.manifest if spec.name in names),
+            }
+        )
         tensors.update(await transport.fetch(part))
     return tensors

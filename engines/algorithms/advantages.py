@@ -118,7 +118,9 @@ ESTIMATORS = (*GROUP_ESTIMATORS, "reinforce_pp", "reinforce_pp_baseline", *CRITI
 """Every name `step_advantages` takes (`algorithm.advantage`)."""
 
 
-def step_advantages(name: str, groups: list[torch.Tensor], *, passk_k: int = 1) -> list[torch.Tensor]:
+def step_advantages(
+    name: str, groups: list[torch.Tensor], *, passk_k: int = 1
+) -> list[torch.Tensor]:
     """The advantages of one step's groups ([G_i] rewards each, sizes may differ) by `name`.
 
     grpo, dr_grpo, rloo and passk see each group alone; reinforce_pp and reinforce_pp_baseline
@@ -128,7 +130,12 @@ def step_advantages(name: str, groups: list[torch.Tensor], *, passk_k: int = 1) 
     if name in CRITIC_ESTIMATORS:
         return [g.clone() for g in groups]
     if name in GROUP_ESTIMATORS:
-        one = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "passk": lambda r: passk(r, passk_k)}[name]
+        one = {
+            "grpo": grpo,
+            "dr_grpo": dr_grpo,
+            "rloo": rloo,
+            "passk": lambda r: passk(r, passk_k),
+        }[name]
         return [one(g) for g in groups]
     if name == "reinforce_pp":
         flat = reinforce_pp(torch.cat(groups))

@@ -60,7 +60,9 @@ def whiten_step(advantages: list[torch.Tensor], masks: list[torch.Tensor]) -> li
     if total == 0:
         return [a * m for a, m in zip(advantages, masks, strict=True)]
     mean = sum(float((a * m).sum()) for a, m in zip(advantages, masks, strict=True)) / total
-    squares = sum(float((((a - mean) * m) ** 2).sum()) for a, m in zip(advantages, masks, strict=True))
+    squares = sum(
+        float((((a - mean) * m) ** 2).sum()) for a, m in zip(advantages, masks, strict=True)
+    )
     var = squares / (total - 1) if total > 1 else 0.0
     scale = (var + WHITEN_EPS) ** -0.5 if total > 1 else 1.0
     return [(a - mean) * scale * m for a, m in zip(advantages, masks, strict=True)]

@@ -26,7 +26,11 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_r) - 1.0 - log_r
 
 
-ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "k1": kl_k1,
+    "k2": kl_k2,
+    "k3": kl_k3,
+}
 """The estimators by the name `algorithm.kl_estimator` gives."""
 
 
@@ -52,7 +56,9 @@ def kl_in_reward(
     return token_rewards, totals
 
 
-def adaptive_kl_coef(coef: float, current_kl: float, target: float, horizon: int, n_steps: int) -> float:
+def adaptive_kl_coef(
+    coef: float, current_kl: float, target: float, horizon: int, n_steps: int
+) -> float:
     """The next KL coefficient of the adaptive controller (Ziegler et al. 2019; verl's
     AdaptiveKLController): error = clip(current_kl / target - 1, -0.2, 0.2), coef x (1 + error x
     n_steps / horizon). `current_kl`: the step's mean KL; `n_steps`: samples in the step."""

@@ -49,7 +49,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float, chunk: int
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float,
+        chunk: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.set_materialize_grads(False)  # an output nobody differentiates gets None, not zeros
         n = hidden.shape[0]
@@ -74,7 +79,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
         exact = _exact(hidden.dtype)
         n = hidden.shape[0]
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=exact, device=weight.device) if ctx.needs_input_grad[1] else None
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=exact, device=weight.device)
+            if ctx.needs_input_grad[1]
+            else None
+        )
         for start in range(0, n, chunk):
             stop = min(start + chunk, n)
             h = hidden[start:stop]
@@ -82,7 +91,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
             dz.sub_(torch.logsumexp(dz, dim=-1, keepdim=True))  # log p, becoming dL/dz in place
             probs = dz.exp()
             if grad_entropy is not None:  # dH/dz = -p (log p - sum p log p)
-                dz.sub_(_rowdot(probs, dz).unsqueeze(-1)).mul_(probs).mul_(-grad_entropy[start:stop].to(exact).unsqueeze(-1))
+                dz.sub_(_rowdot(probs, dz).unsqueeze(-1)).mul_(probs).mul_(
+                    -grad_entropy[start:stop].to(exact).unsqueeze(-1)
+                )
             else:
                 dz.zero_()
             if grad_logprobs is not None:  # d log p[y] / dz = onehot(y) - p
@@ -93,14 +104,26 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if temperature != 1.0:
                 dz.div_(temperature)
             if grad_hidden is not None:
-                grad_hidden[start:stop] = (dz.to(h.dtype) @ weight.to(h.dtype)).to(grad_hidden.dtype)
+                grad_hidden[start:stop] = (dz.to(h.dtype) @ weight.to(h.dtype)).to(
+                    grad_hidden.dtype
+                )
             if grad_weight is not None:
                 grad_weight.addmm_(dz.t(), h.to(exact))
-        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None
+        return (
+            grad_hidden,
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None,
+            None,
+            None,
+        )
 
 
 def chunked_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, chunk: int = 1024
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    chunk: int = 1024,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log softmax(h W^T / T)[y] and the entropy of softmax(h W^T / T), per position.
 
@@ -114,7 +137,9 @@ def chunked_logprobs(
         raise ValueError(f"chunk must be at least 1 position, got {chunk}")
     shape = targets.shape
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    logprobs, entropy = _ChunkedLogprobs.apply(flat_hidden, weight, targets.reshape(-1), float(temperature), chunk)
+    logprobs, entropy = _ChunkedLogprobs.apply(
+        flat_hidden, weight, targets.reshape(-1), float(temperature), chunk
+    )
     return logprobs.reshape(shape), entropy.reshape(shape)
 
 

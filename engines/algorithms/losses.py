@@ -12,7 +12,11 @@ from typing import Literal
 import torch
 
 AggregationMode = Literal[
-    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
 ]
 
 LOG_RATIO_BOUND = 20.0
@@ -123,7 +127,9 @@ def ppo_clip_loss(
     (`clamped_log_ratio`). ``dual_clip_c`` (> 1): for A < 0 the loss is min(PPO loss, -c A).
     """
     log_ratio, clamped = clamped_log_ratio(logprobs, old_logprobs.detach())
-    return _clipped_surrogate(torch.exp(log_ratio), advantages, eps_low, eps_high, clamped, dual_clip_c)
+    return _clipped_surrogate(
+        torch.exp(log_ratio), advantages, eps_low, eps_high, clamped, dual_clip_c
+    )
 
 
 def cispo_loss(

@@ -24,8 +24,21 @@ from engines.algorithms.losses import (
 KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = kl.ESTIMATORS
 
 METRIC_SUMS = (
-    "loss", "clipped", "clipped_low", "clipped_high", "dual_clipped", "ratio", "is_weight", "is_weight_sq",
-    "is_masked", "is_rejected", "entropy", "kl", "logprob_gap", "log_ratio_clamped", "tokens",
+    "loss",
+    "clipped",
+    "clipped_low",
+    "clipped_high",
+    "dual_clipped",
+    "ratio",
+    "is_weight",
+    "is_weight_sq",
+    "is_masked",
+    "is_rejected",
+    "entropy",
+    "kl",
+    "logprob_gap",
+    "log_ratio_clamped",
+    "tokens",
 )
 """What a step sums over its micro-batches (and, with data-parallel ranks, over the ranks)."""
 
@@ -106,20 +119,39 @@ def token_objective(
     proximal = logprobs.detach() if proximal is None else proximal.detach()
     if cfg.decoupled:
         isw = is_weights(
-            proximal, behaviour, mask, level=cfg.is_level, cap=cfg.tis_cap, mask_low=cfg.is_mask_low,
-            mask_high=cfg.is_mask_high, reject_log_ratio=cfg.reject_log_ratio,
+            proximal,
+            behaviour,
+            mask,
+            level=cfg.is_level,
+            cap=cfg.tis_cap,
+            mask_low=cfg.is_mask_low,
+            mask_high=cfg.is_mask_high,
+            reject_log_ratio=cfg.reject_log_ratio,
         )
-        old, weight, masked, rejected, is_clamped = proximal, isw.weight, isw.masked, isw.rejected, isw.log_ratio_clamped
+        old, weight, masked, rejected, is_clamped = (
+            proximal,
+            isw.weight,
+            isw.masked,
+            isw.rejected,
+            isw.log_ratio_clamped,
+        )
     else:
         old, weight = behaviour, torch.ones_like(logprobs)
         masked = is_clamped = torch.zeros_like(mask, dtype=torch.bool)
         rejected = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
     if cfg.policy_loss == "ppo":
         terms = ppo_clip_loss(
-            logprobs, old, advantages, eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c
+            logprobs,
+            old,
+            advantages,
+            eps_low=cfg.eps_low,
+            eps_high=cfg.eps_high,
+            dual_clip_c=cfg.dual_clip_c,
         )
     elif cfg.policy_loss == "gspo":
-        terms = gspo_loss(logprobs, old, advantages, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high)
+        terms = gspo_loss(
+            logprobs, old, advantages, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high
+        )
     else:
         terms = cispo_loss(logprobs, old, advantages, eps_low=cfg.eps_low, eps_high=cfg.eps_high)
     loss = terms.loss * weight
@@ -130,7 +162,9 @@ def token_objective(
         loss = loss - cfg.entropy_coef * entropy
     if cfg.kl_coef and ref_logprobs is None:
         raise ValueError("kl_coef needs the reference policy's log-probs")
-    if ref_logprobs is not None:  # measured whenever known (KL in the reward too), a loss term with kl_coef
+    if (
+        ref_logprobs is not None
+    ):  # measured whenever known (KL in the reward too), a loss term with kl_coef
         kl_tokens = KL_ESTIMATORS[cfg.kl_estimator](logprobs, ref_logprobs.detach())
         if cfg.kl_coef:
             loss = loss + cfg.kl_coef * kl_tokens

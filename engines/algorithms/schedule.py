@@ -5,7 +5,11 @@ from typing import Literal
 
 
 def lr_factor(
-    step: int, *, warmup: int = 0, total: int = 1, schedule: Literal["constant", "cosine"] = "constant",
+    step: int,
+    *,
+    warmup: int = 0,
+    total: int = 1,
+    schedule: Literal["constant", "cosine"] = "constant",
     min_ratio: float = 0.0,
 ) -> float:
     """The multiplier of the base learning rate for the update made at `step` (0-based).

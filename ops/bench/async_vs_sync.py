@@ -55,15 +55,31 @@ def bench_config(run: str, mode: str, staleness: int, steps: int) -> RunConfig:
     algorithm: dict = {"prompts_per_step": 2, "drop_equal_reward_groups": False}
     if mode == "async":
         algorithm["max_staleness"] = staleness
-    return parse_config({
-        "run": run, "mode": mode, "algorithm": algorithm,
-        "data": {"n": 4, "sampling": {"max_tokens": 56}},
-        "trainer": {"steps": steps, "checkpoint_every": 1000, "simulated_seconds_per_token": 0.003},
-        "rollout": {"engine": {"type": "simulated", "median_tokens": 3, "sigma": 1.8,
-                               "seconds_per_token": 0.02, "slots": SLOTS}},
-        # The bench replays the run's trajectories afterwards: keep them once scored.
-        "streams": {"consumed": "keep"},
-    }, f"bench {run}")
+    return parse_config(
+        {
+            "run": run,
+            "mode": mode,
+            "algorithm": algorithm,
+            "data": {"n": 4, "sampling": {"max_tokens": 56}},
+            "trainer": {
+                "steps": steps,
+                "checkpoint_every": 1000,
+                "simulated_seconds_per_token": 0.003,
+            },
+            "rollout": {
+                "engine": {
+                    "type": "simulated",
+                    "median_tokens": 3,
+                    "sigma": 1.8,
+                    "seconds_per_token": 0.02,
+                    "slots": SLOTS,
+                }
+            },
+            # The bench replays the run's trajectories afterwards: keep them once scored.
+            "streams": {"consumed": "keep"},
+        },
+        f"bench {run}",
+    )
 
 
 def real_config(run: str, mode: str, staleness: int, steps: int) -> RunConfig:
@@ -80,7 +96,10 @@ def real_config(run: str, mode: str, staleness: int, steps: int) -> RunConfig:
 
 def smoothed(rewards: list[float], window: int) -> list[float]:
     """The mean of the last `window` step rewards at each step (fewer at the start)."""
-    return [sum(rewards[max(0, i + 1 - window):i + 1]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(rewards))]
+    return [
+        sum(rewards[max(0, i + 1 - window) : i + 1]) / (i + 1 - max(0, i + 1 - window))
+        for i in range(len(rewards))
+    ]
 
 
 def time_to(result: dict, target: float, window: int) -> float | None:
@@ -130,12 +149,14 @@ def run_one(cfg: RunConfig, out: Path) -> dict:
     start, end = rollout[0][0], max(e for _, e in trainer)
     wall = end - start
     return {
-        "wall_seconds": wall, "samples": summary["samples_trained"],
+        "wall_seconds": wall,
+        "samples": summary["samples_trained"],
         "rollout_idle_seconds": wall - sum(e - s for s, e in rollout),
         "trainer_idle_seconds": wall - sum(e - s for s, e in trainer),
         "staleness_max_seen": summary["staleness_max_seen"],
         "timeline": {"start": start, "rollout": rollout, "trainer": trainer},
-        "rewards": [m["reward_mean"] for m in steps], "step_ends": [m["time"] for m in steps],
+        "rewards": [m["reward_mean"] for m in steps],
+        "step_ends": [m["time"] for m in steps],
     }
 
 
@@ -145,7 +166,9 @@ def plot(results: dict[str, dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(results), 1, figsize=(11, 1.3 * len(results) + 1), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(
+        len(results), 1, figsize=(11, 1.3 * len(results) + 1), sharex=True, squeeze=False
+    )
     for ax, (name, result) in zip(axes[:, 0], results.items()):
         t0 = result["timeline"]["start"]
         for row, (who, colour) in enumerate((("rollout", "tab:blue"), ("trainer", "tab:orange"))):
@@ -159,14 +182,21 @@ def plot(results: dict[str, dict], path: Path) -> None:
     plt.close(fig)
 
 
-def run_modes(config: Callable[[str, str, int, int], RunConfig], part: str, steps: int, tmp: Path) -> dict[str, dict]:
+def run_modes(
+    config: Callable[[str, str, int, int], RunConfig], part: str, steps: int, tmp: Path
+) -> dict[str, dict]:
     """The job `config` makes, once per mode; each run's figures printed as it ends."""
     results: dict[str, dict] = {}
     for mode, staleness in MODES:
         name = "sync" if mode == "sync" else f"async-{staleness}"
-        results[name] = run_one(config(f"bench-{part}-{name}", mode, staleness, steps), tmp / f"{part}-{name}")
-        shown = {k: round(v, 2) if isinstance(v, float) else v for k, v in results[name].items()
-                 if k not in ("timeline", "rewards", "step_ends")}
+        results[name] = run_one(
+            config(f"bench-{part}-{name}", mode, staleness, steps), tmp / f"{part}-{name}"
+        )
+        shown = {
+            k: round(v, 2) if isinstance(v, float) else v
+            for k, v in results[name].items()
+            if k not in ("timeline", "rewards", "step_ends")
+        }
         print(f"{part} {name}: {json.dumps(shown)}", flush=True)
     return results
 
@@ -179,27 +209,48 @@ def real_figures(results: dict[str, dict], steps: int) -> dict:
     asyncs = [t for name, t in reached.items() if name != "sync" and t is not None]
     sync_time = reached["sync"]
     return {
-        "target_reward": round(target, 4), "window_steps": window,
-        "runs": {name: {"wall_seconds": round(r["wall_seconds"], 2),
-                        "final_reward": round(smoothed(r["rewards"], window)[-1], 4),
-                        "seconds_to_target": None if (t := reached[name]) is None else round(t, 2)}
-                 for name, r in results.items()},
+        "target_reward": round(target, 4),
+        "window_steps": window,
+        "runs": {
+            name: {
+                "wall_seconds": round(r["wall_seconds"], 2),
+                "final_reward": round(smoothed(r["rewards"], window)[-1], 4),
+                "seconds_to_target": None if (t := reached[name]) is None else round(t, 2),
+            }
+            for name, r in results.items()
+        },
         "real_ratio": round(sync_time / min(asyncs), 3) if asyncs and sync_time else None,
     }
 
 
 def summarize(results: dict[str, dict]) -> dict:
-    return {n: {k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()
-                if k not in ("timeline", "rewards", "step_ends")} for n, r in results.items()}
+    return {
+        n: {
+            k: round(v, 2) if isinstance(v, float) else v
+            for k, v in r.items()
+            if k not in ("timeline", "rewards", "step_ends")
+        }
+        for n, r in results.items()
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m ops.bench.async_vs_sync", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="4 simulated and 60 real steps a run instead of 16 and 300 (about 4 minutes)")
-    parser.add_argument("--out", type=Path, default=None, help="where async_vs_sync.json and .png go (default: cwd)")
-    parser.add_argument("--simulated-only", action="store_true",
-                        help="leave out the real-model part (real_ratio null): a scheduling study alone")
+    parser = argparse.ArgumentParser(
+        prog="python -m ops.bench.async_vs_sync", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="4 simulated and 60 real steps a run instead of 16 and 300 (about 4 minutes)",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="where async_vs_sync.json and .png go (default: cwd)"
+    )
+    parser.add_argument(
+        "--simulated-only",
+        action="store_true",
+        help="leave out the real-model part (real_ratio null): a scheduling study alone",
+    )
     args = parser.parse_args()
     steps, real_steps = (4, 60) if args.quick else (16, 300)
     out_dir = args.out or Path.cwd()
@@ -213,8 +264,12 @@ def main() -> None:
     best = min((n for n in simulated if n != "sync"), key=lambda n: simulated[n]["wall_seconds"])
     real_part = real_figures(real, real_steps) if real else {"real_ratio": None}
     figures = {
-        "bench": "async_vs_sync", "quick": args.quick, "steps": steps, "slots": SLOTS,
-        "runs": summarize(simulated), "best_async": best,
+        "bench": "async_vs_sync",
+        "quick": args.quick,
+        "steps": steps,
+        "slots": SLOTS,
+        "runs": summarize(simulated),
+        "best_async": best,
         "real": {"steps": real_steps, **real_part, "summary": summarize(real)} if real else None,
         "ratio": round(simulated["sync"]["wall_seconds"] / simulated[best]["wall_seconds"], 3),
         "real_ratio": real_part["real_ratio"],

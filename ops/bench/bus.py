@@ -75,7 +75,9 @@ async def ours(js: JetStreamContext, run: str, evs: list[TrajectoryEvent]) -> fl
     return len(evs) / elapsed
 
 
-async def baseline(js: JetStreamContext, run: str, payloads: list[bytes], ids: list[str] | None) -> float:
+async def baseline(
+    js: JetStreamContext, run: str, payloads: list[bytes], ids: list[str] | None
+) -> float:
     topo = Topology(run=run)
     await topo.apply(js)
     subject = topo.subject(TRAJECTORIES)
@@ -92,7 +94,9 @@ async def baseline(js: JetStreamContext, run: str, payloads: list[bytes], ids: l
     await asyncio.gather(*inflight)
     # Plain nats-py's pull consumer, not `bus.pull`: the raw client call is what this baseline
     # measures the project's path against.
-    sub = await js.pull_subscribe_bind(TRAJECTORIES.work_queue.durable, stream=topo.stream(TRAJECTORIES))
+    sub = await js.pull_subscribe_bind(
+        TRAJECTORIES.work_queue.durable, stream=topo.stream(TRAJECTORIES)
+    )
     batch = max(1, min(128, (32 << 20) // len(payloads[0])))
     got = 0
     while got < len(payloads):
@@ -128,7 +132,9 @@ def codec_us(event: TrajectoryEvent, number: int) -> tuple[float, float, float]:
 
 
 async def main(quick: bool) -> dict:
-    counts = {1024: 2000, 4096: 1000, 16384: 400} if quick else {1024: 10000, 4096: 5000, 16384: 2000}
+    counts = (
+        {1024: 2000, 4096: 1000, 16384: 400} if quick else {1024: 10000, 4096: 5000, 16384: 2000}
+    )
     # Medians of several short alternating rounds: one round of a second or less swung the
     # ratio by ±0.15 on this shared machine.
     rounds = 5 if quick else 7
@@ -158,7 +164,9 @@ async def main(quick: bool) -> dict:
                 "baseline_per_s": round(statistics.median(base_rates)),
                 "bare_per_s": round(statistics.median(bare_rates)),
                 "ratio": round(statistics.median(ours_rates) / statistics.median(base_rates), 3),
-                "ratio_vs_bare": round(statistics.median(ours_rates) / statistics.median(bare_rates), 3),
+                "ratio_vs_bare": round(
+                    statistics.median(ours_rates) / statistics.median(bare_rates), 3
+                ),
                 "codec_us": round(ours_codec, 1),
                 "bare_msgpack_us": round(bare_codec, 1),
                 "codec_ratio": round(ours_codec / bare_codec, 2),
@@ -189,15 +197,31 @@ def plot(result: dict, out: Path) -> None:
     (out / "bus.json").write_text(json.dumps(result, indent=2) + "\n")
     sizes = list(result["sizes"])
     fig, ax = plt.subplots(figsize=(7, 4))
-    bars = (("ours_per_s", "jetrl publisher + worker"), ("baseline_per_s", "raw nats-py, Nats-Msg-Id"),
-            ("bare_per_s", "raw nats-py, no header"))
+    bars = (
+        ("ours_per_s", "jetrl publisher + worker"),
+        ("baseline_per_s", "raw nats-py, Nats-Msg-Id"),
+        ("bare_per_s", "raw nats-py, no header"),
+    )
     for i, (key, label) in enumerate(bars):
-        ax.bar([x + (i - 1) * 0.27 for x in range(len(sizes))], [result["sizes"][n][key] for n in sizes], 0.27, label=label)
+        ax.bar(
+            [x + (i - 1) * 0.27 for x in range(len(sizes))],
+            [result["sizes"][n][key] for n in sizes],
+            0.27,
+            label=label,
+        )
     for x, n in enumerate(sizes):
-        ax.annotate(f"{result['sizes'][n]['ratio']:.2f}", (x - 0.27, result["sizes"][n]["ours_per_s"]),
-                    ha="center", va="bottom", fontsize=8)
+        ax.annotate(
+            f"{result['sizes'][n]['ratio']:.2f}",
+            (x - 0.27, result["sizes"][n]["ours_per_s"]),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_xticks(range(len(sizes)), [f"{n} tokens" for n in sizes])
-    ax.set(ylabel="trajectory events / s (publish, consume, ack)", title="ops.bench.bus (labels: ours / baseline)")
+    ax.set(
+        ylabel="trajectory events / s (publish, consume, ack)",
+        title="ops.bench.bus (labels: ours / baseline)",
+    )
     ax.grid(axis="y", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -205,9 +229,13 @@ def plot(result: dict, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m ops.bench.bus", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m ops.bench.bus", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--quick", action="store_true", help="fewer events (about 20 s)")
-    parser.add_argument("--out", type=Path, help="also write bus.json and a bar chart, bus.png, into this directory")
+    parser.add_argument(
+        "--out", type=Path, help="also write bus.json and a bar chart, bus.png, into this directory"
+    )
     args = parser.parse_args()
     figures = asyncio.run(main(args.quick))
     if args.out:

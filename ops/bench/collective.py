@@ -85,11 +85,16 @@ def run(quick: bool, repeats: int, bucket_mb: int) -> dict:
     # One intra-op thread per process: three processes with torch's default threads on two cores
     # made gloo's own threads wait for the copy threads, and the figures swung tenfold run to run.
     torch.set_num_threads(1)
-    settings = CollectiveSettings(bucket_bytes=bucket_mb * MB, op_timeout_s=60.0, join_timeout_s=30.0)
+    settings = CollectiveSettings(
+        bucket_bytes=bucket_mb * MB, op_timeout_s=60.0, join_timeout_s=30.0
+    )
     ctx = mp.get_context("spawn")
     members = ["r0", "r1"]
     pipes = [ctx.Pipe() for _ in members]
-    procs = [ctx.Process(target=receiver, args=(m, settings, child), daemon=True) for m, (_, child) in zip(members, pipes, strict=True)]
+    procs = [
+        ctx.Process(target=receiver, args=(m, settings, child), daemon=True)
+        for m, (_, child) in zip(members, pipes, strict=True)
+    ]
     for p in procs:
         p.start()
     conns = [parent for parent, _ in pipes]
@@ -110,13 +115,19 @@ def run(quick: bool, repeats: int, bucket_mb: int) -> dict:
                     published = source.publish(version, tensors)
                     answers = [c.recv() for c in conns[:count]]
                     if not all(ok for ok, _, _ in answers) or len(published.members) != count:
-                        raise RuntimeError(f"version {version} not delivered: {published} {answers}")
+                        raise RuntimeError(
+                            f"version {version} not delivered: {published} {answers}"
+                        )
                     times.append(max(t for _, t, _ in answers) - start)
                 base = statistics.median(tcp(conns[:count], mb) for _ in range(repeats))
                 ours = statistics.median(times[1:])
                 figures[f"{mb}MB_x{count}"] = {
-                    "mb": mb, "receivers": count, "first_s": round(times[0], 3), "seconds": round(ours, 3),
-                    "mb_per_s": round(mb / ours, 1), "tcp_mb_per_s": round(mb / base, 1),
+                    "mb": mb,
+                    "receivers": count,
+                    "first_s": round(times[0], 3),
+                    "seconds": round(ours, 3),
+                    "mb_per_s": round(mb / ours, 1),
+                    "tcp_mb_per_s": round(mb / base, 1),
                     "ratio": round(base / ours, 3),
                 }
     finally:
@@ -126,21 +137,34 @@ def run(quick: bool, repeats: int, bucket_mb: int) -> dict:
         for p in procs:
             p.join(10)
     top = figures[f"{32 if quick else 256}MB_x2"]
-    return {"quick": quick, "bucket_mb": bucket_mb, "repeats": repeats, "sizes": figures,
-            "mb_per_s": top["mb_per_s"], "baseline_mb_per_s": top["tcp_mb_per_s"], "ratio": top["ratio"]}
+    return {
+        "quick": quick,
+        "bucket_mb": bucket_mb,
+        "repeats": repeats,
+        "sizes": figures,
+        "mb_per_s": top["mb_per_s"],
+        "baseline_mb_per_s": top["tcp_mb_per_s"],
+        "ratio": top["ratio"],
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="8 and 32 MB instead of 64 and 256 MB")
-    parser.add_argument("--repeats", type=int, default=3, help="timed versions per configuration (median)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed versions per configuration (median)"
+    )
     parser.add_argument("--bucket-mb", type=int, default=64, help="bytes per broadcast, MiB")
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here (a directory)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="also write the JSON here (a directory)"
+    )
     args = parser.parse_args()
     figures = run(args.quick, args.repeats, args.bucket_mb)
     for name, row in figures["sizes"].items():
-        print(f"{name:>10}: gloo {row['mb_per_s']:8.1f} MB/s (first {row['first_s']} s)   tcp "
-              f"{row['tcp_mb_per_s']:8.1f} MB/s")
+        print(
+            f"{name:>10}: gloo {row['mb_per_s']:8.1f} MB/s (first {row['first_s']} s)   tcp "
+            f"{row['tcp_mb_per_s']:8.1f} MB/s"
+        )
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "collective.json").write_text(json.dumps(figures, indent=1))

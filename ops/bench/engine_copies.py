@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from opentelemetry import context
 
-from consumers.rollout_copies import Pending, EngineCopies
+from consumers.rollout_copies import EngineCopies, Pending
 from engines.hf_rollout import HFRolloutEngine
 from engines.router import make_router
 from engines.tiny import build_tiny_model
@@ -42,14 +42,22 @@ N = 4
 def prompts(count: int, max_tokens: int) -> list[PromptEvent]:
     rng = np.random.default_rng(0)
     return [
-        PromptEvent(id=f"bench/0/{i}", run="bench", epoch=0, index=i, n=N,
-                    token_ids=Tensor.from_numpy(rng.integers(3, len(VOCAB), 12).astype(np.int32)),
-                    sampling=PromptSampling(max_tokens=max_tokens))
+        PromptEvent(
+            id=f"bench/0/{i}",
+            run="bench",
+            epoch=0,
+            index=i,
+            n=N,
+            token_ids=Tensor.from_numpy(rng.integers(3, len(VOCAB), 12).astype(np.int32)),
+            sampling=PromptSampling(max_tokens=max_tokens),
+        )
         for i in range(count)
     ]
 
 
-async def generate_all(model_dir: Path, copies: int, events: list[PromptEvent]) -> tuple[float, int]:
+async def generate_all(
+    model_dir: Path, copies: int, events: list[PromptEvent]
+) -> tuple[float, int]:
     """(seconds, response tokens) to generate `events` on `copies` fresh copies."""
     engines = [HFRolloutEngine(model_dir, seed=i) for i in range(copies)]
     layer = EngineCopies(engines, make_router("least_in_flight", copies), BATCH, "hf", "bench")
@@ -59,9 +67,16 @@ async def generate_all(model_dir: Path, copies: int, events: list[PromptEvent]) 
     try:
         started = time.perf_counter()
         # `prompts` gives every event its token ids.
-        pending = [Pending(e, e.token_ids.numpy().astype(int).tolist(),  # type: ignore[union-attr]
-                           started, loop.create_future(),
-                           context.get_current()) for e in events]
+        pending = [
+            Pending(
+                e,
+                e.token_ids.numpy().astype(int).tolist(),  # type: ignore[union-attr]
+                started,
+                loop.create_future(),
+                context.get_current(),
+            )
+            for e in events
+        ]
         results = await asyncio.gather(*(layer.submit(p, p.prompt.id) for p in pending))
         seconds = time.perf_counter() - started
     finally:
@@ -83,15 +98,27 @@ def main() -> None:
     runs: dict[int, list[tuple[float, int]]] = {1: [], args.copies: []}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(Path(tmp) / "model", VOCAB)
-        asyncio.run(generate_all(model_dir, 1, events[:BATCH]))  # warm-up: first-call costs out of the figures
+        asyncio.run(
+            generate_all(model_dir, 1, events[:BATCH])
+        )  # warm-up: first-call costs out of the figures
         for _ in range(args.repeats):
             for copies, timed in runs.items():
                 timed.append(asyncio.run(generate_all(model_dir, copies, events)))
-    rate = {r: statistics.median(tokens / seconds for seconds, tokens in timed) for r, timed in runs.items()}
+    rate = {
+        r: statistics.median(tokens / seconds for seconds, tokens in timed)
+        for r, timed in runs.items()
+    }
     figures = {
-        "bench": "copies", "quick": args.quick, "prompts": len(events), "n": N, "max_batch_prompts": BATCH,
-        "max_tokens": size["max_tokens"], "torch_threads": 1, "repeats": args.repeats,
-        "tokens_per_s_1": round(rate[1], 1), f"tokens_per_s_{args.copies}": round(rate[args.copies], 1),
+        "bench": "copies",
+        "quick": args.quick,
+        "prompts": len(events),
+        "n": N,
+        "max_batch_prompts": BATCH,
+        "max_tokens": size["max_tokens"],
+        "torch_threads": 1,
+        "repeats": args.repeats,
+        "tokens_per_s_1": round(rate[1], 1),
+        f"tokens_per_s_{args.copies}": round(rate[args.copies], 1),
         "seconds_1": [round(s, 3) for s, _ in runs[1]],
         f"seconds_{args.copies}": [round(s, 3) for s, _ in runs[args.copies]],
         "ratio": round(rate[args.copies] / rate[1], 3),

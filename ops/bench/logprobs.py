@@ -71,21 +71,38 @@ def measure(path: str, tokens: int, chunk: int) -> dict:
     seconds = time.perf_counter() - started
     assert hidden.grad is not None  # backward ran on a leaf that requires grad
     return {
-        "peak_mb": round(peak / 2**20, 1), "seconds": round(seconds, 3), "device": device.type,
-        "logprobs": logprobs.detach().cpu().tolist()[:64], "grad_hidden_sum": float(hidden.grad.double().sum()),
+        "peak_mb": round(peak / 2**20, 1),
+        "seconds": round(seconds, 3),
+        "device": device.type,
+        "logprobs": logprobs.detach().cpu().tolist()[:64],
+        "grad_hidden_sum": float(hidden.grad.double().sum()),
     }
 
 
 def in_subprocess(path: str, tokens: int, chunk: int) -> dict:
     out = subprocess.run(
-        [sys.executable, "-m", "ops.bench.logprobs", "--one", path, "--tokens", str(tokens), "--chunk", str(chunk)],
-        check=True, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "ops.bench.logprobs",
+            "--one",
+            path,
+            "--tokens",
+            str(tokens),
+            "--chunk",
+            str(chunk),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m ops.bench.logprobs", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m ops.bench.logprobs", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--quick", action="store_true", help="T = 2k tokens instead of 4k")
     parser.add_argument("--one", choices=["ours", "naive"], help=argparse.SUPPRESS)
     parser.add_argument("--tokens", type=int, default=None, help=argparse.SUPPRESS)
@@ -99,18 +116,37 @@ def main() -> None:
     runs = {}
     for path in ("naive", "ours"):
         runs[path] = in_subprocess(path, tokens, chunk)
-        print(f"{path:5s}: peak {runs[path]['peak_mb']:8.1f} MiB over the inputs, "
-              f"{runs[path]['seconds']:.2f} s ({runs[path]['device']})", flush=True)
-    difference = max(abs(a - b) for a, b in zip(runs["ours"]["logprobs"], runs["naive"]["logprobs"], strict=True))
-    print(json.dumps({
-        "bench": "logprobs", "quick": args.quick, "tokens": tokens, "vocab": VOCAB, "hidden": HIDDEN, "chunk": chunk,
-        "device": runs["ours"]["device"],
-        "naive_peak_mb": runs["naive"]["peak_mb"], "ours_peak_mb": runs["ours"]["peak_mb"],
-        "naive_seconds": runs["naive"]["seconds"], "ours_seconds": runs["ours"]["seconds"],
-        "max_logprob_difference": difference,
-        "grad_hidden_sum": [runs["naive"]["grad_hidden_sum"], runs["ours"]["grad_hidden_sum"]],
-        "ratio": round(runs["ours"]["peak_mb"] / runs["naive"]["peak_mb"], 3),
-    }))
+        print(
+            f"{path:5s}: peak {runs[path]['peak_mb']:8.1f} MiB over the inputs, "
+            f"{runs[path]['seconds']:.2f} s ({runs[path]['device']})",
+            flush=True,
+        )
+    difference = max(
+        abs(a - b) for a, b in zip(runs["ours"]["logprobs"], runs["naive"]["logprobs"], strict=True)
+    )
+    print(
+        json.dumps(
+            {
+                "bench": "logprobs",
+                "quick": args.quick,
+                "tokens": tokens,
+                "vocab": VOCAB,
+                "hidden": HIDDEN,
+                "chunk": chunk,
+                "device": runs["ours"]["device"],
+                "naive_peak_mb": runs["naive"]["peak_mb"],
+                "ours_peak_mb": runs["ours"]["peak_mb"],
+                "naive_seconds": runs["naive"]["seconds"],
+                "ours_seconds": runs["ours"]["seconds"],
+                "max_logprob_difference": difference,
+                "grad_hidden_sum": [
+                    runs["naive"]["grad_hidden_sum"],
+                    runs["ours"]["grad_hidden_sum"],
+                ],
+                "ratio": round(runs["ours"]["peak_mb"] / runs["naive"]["peak_mb"], 3),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -39,7 +39,9 @@ STALENESS = (0, 2, 4)
 TIS_CAP = 2.0
 
 
-def train(cfg: RunConfig, steps: int, eta: int, corrected: bool) -> tuple[list[float], dict[str, float]]:
+def train(
+    cfg: RunConfig, steps: int, eta: int, corrected: bool
+) -> tuple[list[float], dict[str, float]]:
     """Mean reward of each step of one run whose samples come from weights `eta` steps old, and
     the run's mean of the off-policy metrics (clip_frac, is_weight_mean, logprob_gap)."""
     from transformers import AutoTokenizer
@@ -50,8 +52,12 @@ def train(cfg: RunConfig, steps: int, eta: int, corrected: bool) -> tuple[list[f
     tokenizer = AutoTokenizer.from_pretrained(model)
     rollout = HFRolloutEngine(model, seed=cfg.data.seed)
     algo, s = cfg.algorithm, cfg.data.sampling
-    loss = LossConfig(eps_low=algo.clip_low, eps_high=algo.clip_high, temperature=s.temperature,
-                      tis_cap=TIS_CAP if corrected else None)
+    loss = LossConfig(
+        eps_low=algo.clip_low,
+        eps_high=algo.clip_high,
+        temperature=s.temperature,
+        tis_cap=TIS_CAP if corrected else None,
+    )
     trainer = TorchTrainEngine(model, lr=algo.lr, seed=cfg.trainer.seed, loss=loss)
     params = SamplingParams(s.temperature, s.top_p, s.max_tokens, s.stop_token_ids)
     module, name = parse_spec(cfg.data.reward)
@@ -67,21 +73,45 @@ def train(cfg: RunConfig, steps: int, eta: int, corrected: bool) -> tuple[list[f
         batch = [next(source)[2] for _ in range(algo.prompts_per_step)]
         prompt_ids = [tokenizer.encode(r["prompt"], add_special_tokens=False) for r in batch]
         rows: list[Row] = []
-        for record, ids, samples in zip(batch, prompt_ids, rollout.generate(prompt_ids, cfg.data.n, params), strict=True):
-            rewards = [score(tokenizer.decode(x.token_ids.tolist(), skip_special_tokens=True), record["task"])
-                       for x in samples]
-            for sample, reward, adv in zip(samples, rewards, grpo(torch.tensor(rewards)).tolist(), strict=True):
+        for record, ids, samples in zip(
+            batch, prompt_ids, rollout.generate(prompt_ids, cfg.data.n, params), strict=True
+        ):
+            rewards = [
+                score(
+                    tokenizer.decode(x.token_ids.tolist(), skip_special_tokens=True), record["task"]
+                )
+                for x in samples
+            ]
+            for sample, reward, adv in zip(
+                samples, rewards, grpo(torch.tensor(rewards)).tolist(), strict=True
+            ):
                 response = sample.token_ids.numpy().astype("int32")
-                rows.append(Row("", np.asarray(ids, dtype=np.int32), response, sample.logprobs.numpy(),
-                                np.zeros_like(response), adv, reward, ""))
+                rows.append(
+                    Row(
+                        "",
+                        np.asarray(ids, dtype=np.int32),
+                        response,
+                        sample.logprobs.numpy(),
+                        np.zeros_like(response),
+                        adv,
+                        reward,
+                        "",
+                    )
+                )
         rewards_by_step.append(sum(r.reward for r in rows) / len(rows))
         (micro_batches,) = pack_step(rows, 1, cfg.trainer.micro_batch_tokens)
-        stats = trainer.train_step([
-            MicroBatch(torch.from_numpy(m.input_ids).long(), torch.from_numpy(m.attention_mask).long(),
-                       torch.from_numpy(m.loss_mask).float(), torch.from_numpy(m.advantages),
-                       torch.from_numpy(m.behaviour_logprobs))
-            for m in micro_batches
-        ])
+        stats = trainer.train_step(
+            [
+                MicroBatch(
+                    torch.from_numpy(m.input_ids).long(),
+                    torch.from_numpy(m.attention_mask).long(),
+                    torch.from_numpy(m.loss_mask).float(),
+                    torch.from_numpy(m.advantages),
+                    torch.from_numpy(m.behaviour_logprobs),
+                )
+                for m in micro_batches
+            ]
+        )
         for key, values in seen.items():
             values.append(stats[key])
         versions.append(trainer.export_weights())
@@ -98,7 +128,12 @@ def plot(curves: dict[str, list[float]], path: Path) -> None:
     for label, rewards in curves.items():
         window = max(1, len(rewards) // 20)
         smooth = np.convolve(rewards, np.ones(window) / window, mode="valid")
-        ax.plot(np.arange(len(smooth)) + window - 1, smooth, label=label, linestyle="-" if "corrected" in label else "--")
+        ax.plot(
+            np.arange(len(smooth)) + window - 1,
+            smooth,
+            label=label,
+            linestyle="-" if "corrected" in label else "--",
+        )
     ax.set_xlabel("step")
     ax.set_ylabel(f"mean reward ({max(1, len(next(iter(curves.values()))) // 20)}-step mean)")
     ax.set_title("built-in task: sample staleness eta, with and without correction")
@@ -108,10 +143,16 @@ def plot(curves: dict[str, list[float]], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m ops.bench.staleness", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m ops.bench.staleness", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--quick", action="store_true", help="a sixth of the built-in run's steps")
-    parser.add_argument("--steps", type=int, help="steps per run (overrides the default and --quick)")
-    parser.add_argument("--out", type=Path, default=Path("."), help="where staleness.png goes (default: here)")
+    parser.add_argument(
+        "--steps", type=int, help="steps per run (overrides the default and --quick)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("."), help="where staleness.png goes (default: here)"
+    )
     args = parser.parse_args()
     cfg = load_config(BUILTIN)
     steps = args.steps or (cfg.trainer.steps // 6 if args.quick else cfg.trainer.steps)
@@ -126,17 +167,28 @@ def main() -> None:
                 label = f"eta {eta}, {'corrected' if corrected else 'uncorrected'}"
                 curves[label], off_policy[label] = train(prepared, steps, eta, corrected)
                 tenth = max(1, steps // 10)
-                print(f"{label}: final reward {np.mean(curves[label][-tenth:]):.3f} "
-                      f"{off_policy[label]}", flush=True)
+                print(
+                    f"{label}: final reward {np.mean(curves[label][-tenth:]):.3f} "
+                    f"{off_policy[label]}",
+                    flush=True,
+                )
     args.out.mkdir(parents=True, exist_ok=True)
     plot(curves, args.out / "staleness.png")
     tenth = max(1, steps // 10)
     final = {label: round(float(np.mean(r[-tenth:])), 3) for label, r in curves.items()}
     base = final["eta 0, uncorrected"]
-    print(json.dumps({
-        "bench": "staleness", "quick": args.quick, "steps": steps, "final_reward": final, "off_policy": off_policy,
-        "ratio": round(final["eta 4, corrected"] / base, 3) if base else None,
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "staleness",
+                "quick": args.quick,
+                "steps": steps,
+                "final_reward": final,
+                "off_policy": off_policy,
+                "ratio": round(final["eta 4, corrected"] / base, 3) if base else None,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -45,18 +45,32 @@ def unpack(data: bytes, manifest: tuple) -> Weights:
     tensors = load(data)
     verify(tensors, manifest)
     return tensors
-MODELS = {"quick": {"hidden": 512, "layers": 8, "heads": 8, "kv_heads": 4}, "full": {"hidden": 1024, "layers": 16, "heads": 16, "kv_heads": 8}}
-SETUPS = {"fp32_master_bf16": torch.float32, "bf16": torch.bfloat16}  # name -> dtype trained in; published as bf16
+
+
+MODELS = {
+    "quick": {"hidden": 512, "layers": 8, "heads": 8, "kv_heads": 4},
+    "full": {"hidden": 1024, "layers": 16, "heads": 16, "kv_heads": 8},
+}
+SETUPS = {
+    "fp32_master_bf16": torch.float32,
+    "bf16": torch.bfloat16,
+}  # name -> dtype trained in; published as bf16
 
 
 def adamw_step(model_dir: Path, train: torch.dtype, lr: float = 1e-6) -> tuple[Weights, Weights]:
     """(before, after) one AdamW step at `lr` on random tokens, both as bf16 copies."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=train)
-    before = {n: p.detach().to(torch.bfloat16, copy=True).contiguous() for n, p in model.named_parameters()}
+    before = {
+        n: p.detach().to(torch.bfloat16, copy=True).contiguous()
+        for n, p in model.named_parameters()
+    }
     ids = torch.randint(0, len(VOCAB), (2, 64), generator=torch.Generator().manual_seed(1))
     model(input_ids=ids, labels=ids).loss.backward()
     torch.optim.AdamW(model.parameters(), lr=lr).step()
-    return before, {n: p.detach().to(torch.bfloat16, copy=True).contiguous() for n, p in model.named_parameters()}
+    return before, {
+        n: p.detach().to(torch.bfloat16, copy=True).contiguous()
+        for n, p in model.named_parameters()
+    }
 
 
 def timed(fn: Callable[[], object], repeat: int, setup: Callable[[], None] = lambda: None) -> float:
@@ -72,12 +86,21 @@ def timed(fn: Callable[[], object], repeat: int, setup: Callable[[], None] = lam
 
 def measure(before: Weights, after: Weights, repeat: int) -> dict:
     full_mb = sum(t.nbytes for t in after.values()) / 1e6
-    figures: dict = {"changed_fraction": sum(int((before[n].view(torch.int16) != t.view(torch.int16)).sum()) for n, t in after.items())
-                     / sum(t.numel() for t in after.values())}
+    figures: dict = {
+        "changed_fraction": sum(
+            int((before[n].view(torch.int16) != t.view(torch.int16)).sum())
+            for n, t in after.items()
+        )
+        / sum(t.numel() for t in after.values())
+    }
     for world in (1, 4):
         shards = assign_shards({n: t.nbytes for n, t in after.items()}, world)
-        encode = [lambda r=r, names=names, w=world: encode_shard(before, after, names, version=1, base_version=0, rank=r, world=w)
-                  for r, names in enumerate(shards)]
+        encode = [
+            lambda r=r, names=names, w=world: encode_shard(
+                before, after, names, version=1, base_version=0, rank=r, world=w
+            )
+            for r, names in enumerate(shards)
+        ]
         slowest = max(timed(fn, repeat) for fn in encode)
         figures[f"encode_mb_per_s_world{world}"] = full_mb / slowest
     out = [fn() for fn in encode]  # world 4: what the worker fetches
@@ -89,8 +112,11 @@ def measure(before: Weights, after: Weights, repeat: int) -> dict:
         weights.update({n: t.clone() for n, t in before.items()})
 
     figures["decode_mb_per_s"] = full_mb / timed(
-        lambda: apply_delta(weights, payloads, manifest, version=1, base_version=0), repeat, fresh)
-    assert all(torch.equal(weights[n].view(torch.int16), after[n].view(torch.int16)) for n in after), "not bit-exact"
+        lambda: apply_delta(weights, payloads, manifest, version=1, base_version=0), repeat, fresh
+    )
+    assert all(
+        torch.equal(weights[n].view(torch.int16), after[n].view(torch.int16)) for n in after
+    ), "not bit-exact"
     figures["delta_bytes_ratio"] = sum(map(len, payloads)) / (full_mb * 1e6)
     encodings: dict[str, int] = {}
     for payload in payloads:
@@ -108,7 +134,9 @@ def main() -> None:
     torch.manual_seed(0)
     repeat = 3
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_model(Path(tmp) / "model", VOCAB, **MODELS["quick" if args.quick else "full"])
+        model_dir = build_tiny_model(
+            Path(tmp) / "model", VOCAB, **MODELS["quick" if args.quick else "full"]
+        )
         steps = {name: adamw_step(model_dir, train) for name, train in SETUPS.items()}
     setups = {name: measure(before, after, repeat) for name, (before, after) in steps.items()}
     after = steps["fp32_master_bf16"][1]

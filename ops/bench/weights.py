@@ -61,12 +61,28 @@ def shaped(mb: int, hidden: int = 1024) -> Weights:
     """A bf16 dict of `mb` MiB (to a row) shaped like a decoder: layers of attention (4:1
     grouped kv) and MLP (4x) matrices plus norms, the embedding taking the rest."""
     kv, inter = hidden // 4, 4 * hidden
-    layer = {"q_proj": (hidden, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, hidden),
-             "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter), "norm": (hidden,)}
+    layer = {
+        "q_proj": (hidden, hidden),
+        "k_proj": (kv, hidden),
+        "v_proj": (kv, hidden),
+        "o_proj": (hidden, hidden),
+        "gate_proj": (inter, hidden),
+        "up_proj": (inter, hidden),
+        "down_proj": (hidden, inter),
+        "norm": (hidden,),
+    }
     per_layer = 2 * sum(torch.Size(s).numel() for s in layer.values())
     layers = max((mb * MiB - 8 * MiB) // per_layer, 0)
-    out = {"model.embed_tokens.weight": torch.empty((mb * MiB - layers * per_layer) // (2 * hidden), hidden)}
-    out |= {f"model.layers.{i}.{n}.weight": torch.empty(s) for i in range(layers) for n, s in layer.items()}
+    out = {
+        "model.embed_tokens.weight": torch.empty(
+            (mb * MiB - layers * per_layer) // (2 * hidden), hidden
+        )
+    }
+    out |= {
+        f"model.layers.{i}.{n}.weight": torch.empty(s)
+        for i in range(layers)
+        for n, s in layer.items()
+    }
     return {n: t.normal_(0, 0.02).to(torch.bfloat16) for n, t in out.items()}
 
 
@@ -82,19 +98,25 @@ def worker(index: int, url: str, root: str, settings: CollectiveSettings, conn: 
     asyncio.run(serve(index, url, Path(root), settings, conn))
 
 
-async def serve(index: int, url: str, root: Path, settings: CollectiveSettings, conn: Connection) -> None:
+async def serve(
+    index: int, url: str, root: Path, settings: CollectiveSettings, conn: Connection
+) -> None:
     """Commands from the trainer, answered with (start, fetched, applied) monotonic times."""
     nc = await connect(url, f"bench-weights-w{index}")
     js = nc.jetstream()
     transports: dict[str, WeightTransport] = {
-        "object_store": ObjectStoreTransport(js, BUCKET, keep=2), "filesystem": FilesystemTransport(root, keep=2)}
+        "object_store": ObjectStoreTransport(js, BUCKET, keep=2),
+        "filesystem": FilesystemTransport(root, keep=2),
+    }
     receiver = CollectiveReceiver(f"w{index}", settings)
     loop, models = asyncio.get_running_loop(), {}
     while (cmd := await loop.run_in_executor(None, conn.recv))[0] != "stop":
         kind, manifest = cmd[0], cmd[1]
         key = tuple((s.name, s.shape) for s in manifest)
         if key not in models:  # the model the worker serves, allocated (and touched) once per shape
-            models[key] = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in manifest}
+            models[key] = {
+                s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in manifest
+            }
         model = models[key]
         start = time.monotonic()
         if kind == "fetch":
@@ -125,7 +147,7 @@ async def baseline(js: JetStream, subject: str, size: int) -> float:
     async def arrived(msg: object) -> None:
         nonlocal offset
         data = msg.data  # type: ignore[attr-defined]
-        view[offset:offset + len(data)] = data
+        view[offset : offset + len(data)] = data
         offset += len(data)
         if offset >= size and not done.done():
             done.set_result(None)
@@ -144,10 +166,14 @@ async def baseline(js: JetStream, subject: str, size: int) -> float:
 
 
 class Bench:
-    def __init__(self, js: JetStream, root: Path, conns: list[Connection], settings: CollectiveSettings) -> None:
+    def __init__(
+        self, js: JetStream, root: Path, conns: list[Connection], settings: CollectiveSettings
+    ) -> None:
         self.js, self.conns, self.version = js, conns, 0
         self.transports: dict[str, WeightTransport] = {
-            "object_store": ObjectStoreTransport(js, BUCKET, keep=2), "filesystem": FilesystemTransport(root, keep=2)}
+            "object_store": ObjectStoreTransport(js, BUCKET, keep=2),
+            "filesystem": FilesystemTransport(root, keep=2),
+        }
         self.alive: list[str] = []
         self.source = CollectiveSource(lambda: self.alive, settings)
 
@@ -157,22 +183,34 @@ class Bench:
             conn.send(cmd)
         return [await asyncio.to_thread(conn.recv) for conn in self.conns[: len(cmds)]]
 
-    async def publish(self, name: str, tensors: Weights, workers: int) -> tuple[float, list[tuple[float, float, float]], object]:
+    async def publish(
+        self, name: str, tensors: Weights, workers: int
+    ) -> tuple[float, list[tuple[float, float, float]], object]:
         """(publish seconds, the workers' times, the event or address) of one new version."""
         self.version += 1
         if name != "collective":
             start = time.monotonic()
-            event = await publish_version(self.transports[name], RUN, "bench", self.version, tensors)
+            event = await publish_version(
+                self.transports[name], RUN, "bench", self.version, tensors
+            )
             return time.monotonic() - start, [], event
         manifest = await asyncio.to_thread(manifest_of, tensors)
-        if self.alive != [f"w{i}" for i in range(workers)]:  # a new group pays its rendezvous untimed
+        if self.alive != [
+            f"w{i}" for i in range(workers)
+        ]:  # a new group pays its rendezvous untimed
             self.alive[:] = [f"w{i}" for i in range(workers)]
             tiny = {"warm": torch.zeros(8)}
-            warm = asyncio.ensure_future(self.ask([("collective", manifest_of(tiny), self.source.address, self.version)] * workers))
+            warm = asyncio.ensure_future(
+                self.ask(
+                    [("collective", manifest_of(tiny), self.source.address, self.version)] * workers
+                )
+            )
             await asyncio.to_thread(self.source.publish, self.version, tiny)
             await warm
             self.version += 1
-        pending: asyncio.Future[list[tuple[float, float, float]]] = asyncio.ensure_future(self.ask([("collective", manifest, self.source.address, self.version)] * workers))
+        pending: asyncio.Future[list[tuple[float, float, float]]] = asyncio.ensure_future(
+            self.ask([("collective", manifest, self.source.address, self.version)] * workers)
+        )
         start = time.monotonic()
         published = await asyncio.to_thread(self.source.publish, self.version, tensors)
         seconds = time.monotonic() - start
@@ -180,7 +218,9 @@ class Bench:
             raise RuntimeError(f"collective version {self.version}: {published}")
         return seconds, await pending, self.source.address
 
-    async def fetch(self, name: str, tensors: Weights, workers: int, repeats: int, baseline: bool = False) -> dict:
+    async def fetch(
+        self, name: str, tensors: Weights, workers: int, repeats: int, baseline: bool = False
+    ) -> dict:
         """Median publish and per-worker fetch / fetch-and-apply seconds over `repeats` versions;
         with `baseline`, the plain nats-py read of the same bytes right after each fetch."""
         runs, base, size = [], [], nbytes(tensors)
@@ -192,15 +232,23 @@ class Bench:
                 times = await self.ask([("fetch", event.manifest, event)] * workers)
             runs.append((seconds, times))
             if baseline:
-                base.append(statistics.mean(f - s for s, f, _ in await self.ask([("base", (), subject, size)] * workers)))
+                base.append(
+                    statistics.mean(
+                        f - s for s, f, _ in await self.ask([("base", (), subject, size)] * workers)
+                    )
+                )
         if baseline:
             await self.js.delete_stream(subject.replace(".", "_").upper())
         per = [[(f - s, a - s) for s, f, a in times] for _, times in runs]
         return {
-            "mb": round(size / MiB, 1), "bytes": size, "workers": workers,
+            "mb": round(size / MiB, 1),
+            "bytes": size,
+            "workers": workers,
             "publish_s": round(statistics.median(s for s, _ in runs), 3),
             "fetch_s": round(statistics.median(statistics.mean(f for f, _ in w) for w in per), 3),
-            "fetch_apply_s": round(statistics.median(statistics.mean(a for _, a in w) for w in per), 3),
+            "fetch_apply_s": round(
+                statistics.median(statistics.mean(a for _, a in w) for w in per), 3
+            ),
             "slowest_worker_s": round(statistics.median(max(a for _, a in w) for w in per), 3),
             # tensor bytes: stored once then read by each worker; the collective's publish is its delivery
             "bytes_moved": size * workers if name == "collective" else size * (1 + workers),
@@ -229,26 +277,42 @@ async def bench(url: str, root: Path, quick: bool, repeats: int, conns: list[Con
     b = Bench(js, root, conns, settings)
     before, after = model
     size = nbytes(after)
-    figures: dict = {"quick": quick, "repeats": repeats, "workers": WORKERS, "model_mb": round(size / MiB, 1),
-                     "tensors": len(after), "transports": {}, "sweep": {}}
+    figures: dict = {
+        "quick": quick,
+        "repeats": repeats,
+        "workers": WORKERS,
+        "model_mb": round(size / MiB, 1),
+        "tensors": len(after),
+        "transports": {},
+        "sweep": {},
+    }
     try:
         payload, _ = encode_shard(before, after, list(after), version=1, base_version=0)
         figures["delta_bytes_ratio"] = round(len(payload) / size, 5)
-        progress(f"model {size / MiB:.0f} MiB, {len(after)} tensors; delta after one AdamW step: "
-                 f"{figures['delta_bytes_ratio']:.4f} of the bytes")
+        progress(
+            f"model {size / MiB:.0f} MiB, {len(after)} tensors; delta after one AdamW step: "
+            f"{figures['delta_bytes_ratio']:.4f} of the bytes"
+        )
         # Untimed: every worker's first fetch and read (connections, consumers, first-touch pages).
         warm = shaped(16)
         await b.fetch("object_store", warm, WORKERS, 1, baseline=True)
         await b.fetch("filesystem", warm, WORKERS, 1)
         for name in TRANSPORTS:
-            rows = {f"x{w}": await b.fetch(name, after, w, repeats, baseline=name == "object_store") for w in (1, WORKERS)}
+            rows = {
+                f"x{w}": await b.fetch(name, after, w, repeats, baseline=name == "object_store")
+                for w in (1, WORKERS)
+            }
             figures["transports"][name] = rows
-            progress(f"{name:>12}: publish {rows['x1']['publish_s']:.2f} s, fetch+apply 1 worker "
-                     f"{rows['x1']['fetch_apply_s']:.2f} s, {WORKERS} workers {rows[f'x{WORKERS}']['fetch_apply_s']:.2f} s each")
+            progress(
+                f"{name:>12}: publish {rows['x1']['publish_s']:.2f} s, fetch+apply 1 worker "
+                f"{rows['x1']['fetch_apply_s']:.2f} s, {WORKERS} workers {rows[f'x{WORKERS}']['fetch_apply_s']:.2f} s each"
+            )
         rows = figures["transports"]["object_store"]
         figures["baseline"] = {key: rows[key].pop("baseline_s") for key in rows}
-        progress(f"    baseline: 1 worker {figures['baseline']['x1']:.2f} s, {WORKERS} workers "
-                 f"{figures['baseline'][f'x{WORKERS}']:.2f} s each (plain nats-py)")
+        progress(
+            f"    baseline: 1 worker {figures['baseline']['x1']:.2f} s, {WORKERS} workers "
+            f"{figures['baseline'][f'x{WORKERS}']:.2f} s each (plain nats-py)"
+        )
         for mb in (16, 64) if quick else (64, 256, 512):
             tensors, row = shaped(mb), dict[str, Any]()
             for name in TRANSPORTS:
@@ -256,8 +320,10 @@ async def bench(url: str, root: Path, quick: bool, repeats: int, conns: list[Con
                 row[name] = {key: got[key] for key in ("publish_s", "fetch_s", "fetch_apply_s")}
                 row.setdefault("baseline_s", got.get("baseline_s"))
             figures["sweep"][str(mb)] = row
-            progress(f"{mb:>4} MiB: baseline {row['baseline_s']:.2f} s, "
-                     + ", ".join(f"{n} {row[n]['fetch_s']:.2f} s" for n in TRANSPORTS))
+            progress(
+                f"{mb:>4} MiB: baseline {row['baseline_s']:.2f} s, "
+                + ", ".join(f"{n} {row[n]['fetch_s']:.2f} s" for n in TRANSPORTS)
+            )
             del tensors
     finally:
         b.source.close()
@@ -265,10 +331,16 @@ async def bench(url: str, root: Path, quick: bool, repeats: int, conns: list[Con
     os_row = figures["transports"]["object_store"]["x1"]
     figures["fetch_mb_per_s"] = round(size / MiB / os_row["fetch_s"], 1)
     figures["baseline_mb_per_s"] = round(size / MiB / figures["baseline"]["x1"], 1)
-    figures["sizes_mb"] = {mb: row["object_store"]["fetch_s"] for mb, row in figures["sweep"].items()}
-    first, last = (int(k) for k in (min(figures["sizes_mb"], key=int), max(figures["sizes_mb"], key=int)))
+    figures["sizes_mb"] = {
+        mb: row["object_store"]["fetch_s"] for mb, row in figures["sweep"].items()
+    }
+    first, last = (
+        int(k) for k in (min(figures["sizes_mb"], key=int), max(figures["sizes_mb"], key=int))
+    )
     # seconds per MiB at the largest size / at the smallest: 1.0 is linear, 8.0 at 8x the size quadratic
-    figures["linearity"] = round((figures["sizes_mb"][str(last)] / last) / (figures["sizes_mb"][str(first)] / first), 3)
+    figures["linearity"] = round(
+        (figures["sizes_mb"][str(last)] / last) / (figures["sizes_mb"][str(first)] / first), 3
+    )
     figures["ratio"] = round(figures["fetch_mb_per_s"] / figures["baseline_mb_per_s"], 3)
     return figures
 
@@ -285,9 +357,19 @@ def plot(figures: dict, out: Path) -> None:
     sizes = sorted(figures["sweep"], key=int)
     fig, ax = plt.subplots(figsize=(6, 4))
     for name in (*TRANSPORTS, "baseline"):
-        seconds = [figures["sweep"][mb]["baseline_s"] if name == "baseline" else figures["sweep"][mb][name]["fetch_s"] for mb in sizes]
-        ax.plot([int(mb) for mb in sizes], seconds, marker="o", linestyle="--" if name == "baseline" else "-",
-                label="baseline: plain nats-py stream" if name == "baseline" else name)
+        seconds = [
+            figures["sweep"][mb]["baseline_s"]
+            if name == "baseline"
+            else figures["sweep"][mb][name]["fetch_s"]
+            for mb in sizes
+        ]
+        ax.plot(
+            [int(mb) for mb in sizes],
+            seconds,
+            marker="o",
+            linestyle="--" if name == "baseline" else "-",
+            label="baseline: plain nats-py stream" if name == "baseline" else name,
+        )
     ax.set_xlabel("weight version, MiB (bf16)")
     ax.set_ylabel("fetch seconds, 1 worker (verified)")
     ax.set_title("ops.bench.weights: fetch time against size")
@@ -301,9 +383,23 @@ def plot(figures: dict, out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a 60 MiB model and 16, 64 MiB sizes (instead of 480; 64, 256, 512)")
-    parser.add_argument("--repeats", type=int, default=None, help="versions per figure, median (default 3, 2 with --quick)")
-    parser.add_argument("--out", type=Path, default=Path("runs/bench-weights"), help="where weights.json and weights.png go")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a 60 MiB model and 16, 64 MiB sizes (instead of 480; 64, 256, 512)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="versions per figure, median (default 3, 2 with --quick)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("runs/bench-weights"),
+        help="where weights.json and weights.png go",
+    )
     args = parser.parse_args()
     repeats = args.repeats or (2 if args.quick else 3)
     torch.manual_seed(0)
@@ -311,7 +407,9 @@ def main() -> None:
     settings = CollectiveSettings(bucket_bytes=64 * MiB, op_timeout_s=120.0, join_timeout_s=60.0)
     with tempfile.TemporaryDirectory() as tmp:
         progress("building the model and taking one AdamW step")
-        model_dir = build_tiny_model(Path(tmp) / "model", VOCAB, **MODELS["quick" if args.quick else "full"])
+        model_dir = build_tiny_model(
+            Path(tmp) / "model", VOCAB, **MODELS["quick" if args.quick else "full"]
+        )
         model = adamw_step(model_dir, torch.float32)
         with EmbeddedNats(Path(tmp) / "nats") as server:
             ctx = mp.get_context("spawn")
@@ -322,7 +420,17 @@ def main() -> None:
                 p.start()
             conns = [parent for parent, _ in pipes]
             try:
-                figures = asyncio.run(bench(server.url, Path(tmp) / "weights", args.quick, repeats, conns, settings, model))
+                figures = asyncio.run(
+                    bench(
+                        server.url,
+                        Path(tmp) / "weights",
+                        args.quick,
+                        repeats,
+                        conns,
+                        settings,
+                        model,
+                    )
+                )
             finally:
                 for conn in conns:
                     conn.send(("stop", ()))

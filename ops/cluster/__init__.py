@@ -59,35 +59,53 @@ SECURITY = """\
 
 
 def node_addresses(
-    hosts: Sequence[str], client_port: int = CLIENT_PORT, cluster_port: int = CLUSTER_PORT, http_port: int = HTTP_PORT
+    hosts: Sequence[str],
+    client_port: int = CLIENT_PORT,
+    cluster_port: int = CLUSTER_PORT,
+    http_port: int = HTTP_PORT,
 ) -> list[NodeAddress]:
     """One address per host; nodes that share a host get consecutive ports so they do not
     collide."""
     shared = len(set(hosts)) < len(hosts)
     return [
-        NodeAddress(f"n{i + 1}", host, *(port + i * shared for port in (client_port, cluster_port, http_port)))
+        NodeAddress(
+            f"n{i + 1}",
+            host,
+            *(port + i * shared for port in (client_port, cluster_port, http_port)),
+        )
         for i, host in enumerate(hosts)
     ]
 
 
-def node_configs(hosts: Sequence[str] = DEFAULT_HOSTS, out: str | None = None, store: str = STORE) -> dict[str, str]:
+def node_configs(
+    hosts: Sequence[str] = DEFAULT_HOSTS, out: str | None = None, store: str = STORE
+) -> dict[str, str]:
     """File name -> config text of every node of a cluster on `hosts`,
     as `python -m ops.cluster` writes them."""
     addresses = node_addresses(hosts)
     args = "".join(
         f" {flag} {value}"
-        for flag, value, default in (("--hosts", ",".join(hosts), ",".join(DEFAULT_HOSTS)), ("--out", out, None),
-                                     ("--store", store, STORE))
+        for flag, value, default in (
+            ("--hosts", ",".join(hosts), ",".join(DEFAULT_HOSTS)),
+            ("--out", out, None),
+            ("--store", store, STORE),
+        )
         if value != default
     )
     configs = {}
     for i, address in enumerate(addresses):
         filename = f"node{i + 1}.conf"
         header = HEADER.format(
-            name=address.name, size=len(addresses), cluster_name=CLUSTER_NAME, args=args,
-            path=f"{out}/{filename}" if out else filename, urls=",".join(a.url for a in addresses),
+            name=address.name,
+            size=len(addresses),
+            cluster_name=CLUSTER_NAME,
+            args=args,
+            path=f"{out}/{filename}" if out else filename,
+            urls=",".join(a.url for a in addresses),
         )
-        member = ClusterMember(address, tuple(peer for peer in addresses if peer != address), CLUSTER_NAME)
+        member = ClusterMember(
+            address, tuple(peer for peer in addresses if peer != address), CLUSTER_NAME
+        )
         configs[filename] = header + server_config(
             f"{store}/{address.name}", address.host, address.client_port, member, SECURITY
         )

@@ -40,10 +40,16 @@ def installed() -> list[str]:
     return [name for name in ENGINES if importlib.util.find_spec(name) is not None]
 
 
-def response_logprobs(trainer: TorchTrainEngine, prompts: list[list[int]], groups: list[list[Sample]]) -> torch.Tensor:
+def response_logprobs(
+    trainer: TorchTrainEngine, prompts: list[list[int]], groups: list[list[Sample]]
+) -> torch.Tensor:
     """[sum of response lengths] the trainer's log-prob of every response token, in the order
     of `groups`' samples (rows prompt + response, right-padded)."""
-    rows = [(prompt, s.token_ids.tolist()) for prompt, group in zip(prompts, groups, strict=True) for s in group]
+    rows = [
+        (prompt, s.token_ids.tolist())
+        for prompt, group in zip(prompts, groups, strict=True)
+        for s in group
+    ]
     width = max(len(p) + len(r) for p, r in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
@@ -59,10 +65,17 @@ def make(name: str, model_dir: Path, dtype: str) -> RolloutEngine:
     if name == "vllm":
         from engines.vllm_rollout import VLLMRolloutEngine, VLLMSettings
 
-        return VLLMRolloutEngine(model_dir, VLLMSettings(gpu_memory_utilization=0.25, max_model_len=256, enforce_eager=True, dtype=dtype))
+        return VLLMRolloutEngine(
+            model_dir,
+            VLLMSettings(
+                gpu_memory_utilization=0.25, max_model_len=256, enforce_eager=True, dtype=dtype
+            ),
+        )
     from engines.sglang_rollout import SGLangRolloutEngine, SGLangSettings
 
-    return SGLangRolloutEngine(model_dir, SGLangSettings(mem_fraction_static=0.25, context_length=256, dtype=dtype))
+    return SGLangRolloutEngine(
+        model_dir, SGLangSettings(mem_fraction_static=0.25, context_length=256, dtype=dtype)
+    )
 
 
 def close(engine: Any) -> None:
@@ -82,7 +95,9 @@ def make_continuous(name: str, model_dir: Path, dtype: str, mode: str, slots: in
         from engines.vllm_continuous import VLLMContinuousEngine
         from engines.vllm_rollout import VLLMSettings
 
-        settings = VLLMSettings(gpu_memory_utilization=0.25, max_model_len=256, enforce_eager=True, dtype=dtype)
+        settings = VLLMSettings(
+            gpu_memory_utilization=0.25, max_model_len=256, enforce_eager=True, dtype=dtype
+        )
         return VLLMContinuousEngine(model_dir, settings, slots=slots, partial_mode=mode)  # type: ignore[arg-type]
     from engines.sglang_continuous import SGLangContinuousEngine
     from engines.sglang_rollout import SGLangSettings
@@ -91,8 +106,13 @@ def make_continuous(name: str, model_dir: Path, dtype: str, mode: str, slots: in
     return SGLangContinuousEngine(model_dir, sglang_settings, slots=slots, partial_mode=mode)  # type: ignore[arg-type]
 
 
-def check_continuous(name: str, model_dir: Path, mode: str = "resubmit", dtype: str = "float32",
-                     put: Callable[[str, Any], None] | None = None) -> dict[str, Any]:
+def check_continuous(
+    name: str,
+    model_dir: Path,
+    mode: str = "resubmit",
+    dtype: str = "float32",
+    put: Callable[[str, Any], None] | None = None,
+) -> dict[str, Any]:
     """Partial rollout on the continuous adapter `name` (see the module doc); its figures."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -103,7 +123,9 @@ def check_continuous(name: str, model_dir: Path, mode: str = "resubmit", dtype: 
     started = time.monotonic()
     engine = make_continuous(name, model_dir, dtype, mode, slots)
     report["start_s"] = round(time.monotonic() - started, 1)
-    trainer = TorchTrainEngine(model_dir, lr=1e-3, loss=LossConfig(temperature=TEMPERATURE), device="cuda")
+    trainer = TorchTrainEngine(
+        model_dir, lr=1e-3, loss=LossConfig(temperature=TEMPERATURE), device="cuda"
+    )
     gen = torch.Generator().manual_seed(0)
     # nn.Module's attributes are typed Tensor | Module; a HF model has this method.
     vocab = trainer.model.get_input_embeddings().num_embeddings  # type: ignore[operator]
@@ -124,12 +146,19 @@ def check_continuous(name: str, model_dir: Path, mode: str = "resubmit", dtype: 
             t3 = time.monotonic()
             engine.resume()
             report["pause_s"], report["load_s"], report["resume_s"] = (
-                round(t2 - t1, 3), round(t3 - t2, 3), round(time.monotonic() - t3, 3))
+                round(t2 - t1, 3),
+                round(t3 - t2, 3),
+                round(time.monotonic() - t3, 3),
+            )
             done = [f.result(timeout=120) for f in futures]
         seconds = time.monotonic() - t0
         tokens = sum(len(s.token_ids) for s in done)
-        report["generate"] = {"samples": len(done), "tokens": tokens, "seconds": round(seconds, 3),
-                              "tokens_per_s": round(tokens / seconds, 1)}
+        report["generate"] = {
+            "samples": len(done),
+            "tokens": tokens,
+            "seconds": round(seconds, 3),
+            "tokens_per_s": round(tokens / seconds, 1),
+        }
         versions = [s.versions.tolist() for s in done]
         report["spanning"] = sum(1 for v in versions if {0, 1} <= set(v))
         report["monotone"] = all(v == sorted(v) for v in versions)
@@ -156,7 +185,8 @@ def verdict_continuous(report: dict[str, Any]) -> list[str]:
     if diff["max"] > worst or diff["mean"] > mean:
         failures.append(
             f"logprob_diff {diff} exceeds (max {worst}, mean {mean}): "
-            "tokens tagged with the wrong version?")
+            "tokens tagged with the wrong version?"
+        )
     if not report["monotone"]:
         failures.append("a sample's versions went back")
     if not report["spanning"]:
@@ -169,14 +199,21 @@ def _diff(got: torch.Tensor, want: torch.Tensor) -> dict[str, float]:
     return {"max": round(err.max().item(), 5), "mean": round(err.mean().item(), 6)}
 
 
-def check(name: str, model_dir: Path, dtype: str = "float32", put: Callable[[str, Any], None] | None = None) -> dict[str, Any]:
+def check(
+    name: str,
+    model_dir: Path,
+    dtype: str = "float32",
+    put: Callable[[str, Any], None] | None = None,
+) -> dict[str, Any]:
     """Runs the check on engine `name`; returns (and `put`s as it goes) its figures."""
     report: dict[str, Any] = {"dtype": dtype}
     record = put or (lambda key, value: None)
     started = time.monotonic()
     engine = make(name, model_dir, dtype)
     report["start_s"] = round(time.monotonic() - started, 1)
-    trainer = TorchTrainEngine(model_dir, lr=1e-3, loss=LossConfig(temperature=TEMPERATURE), device="cuda")
+    trainer = TorchTrainEngine(
+        model_dir, lr=1e-3, loss=LossConfig(temperature=TEMPERATURE), device="cuda"
+    )
     gen = torch.Generator().manual_seed(0)
     vocab = trainer.model.get_input_embeddings().num_embeddings  # type: ignore[operator]  # as above
     prompts = torch.randint(1, vocab - 1, (8, 12), generator=gen).tolist()
@@ -186,7 +223,11 @@ def check(name: str, model_dir: Path, dtype: str = "float32", put: Callable[[str
         groups = engine.generate(prompts, 4, params)
         seconds = time.monotonic() - t0
         tokens = sum(len(s.token_ids) for g in groups for s in g)
-        report["generate"] = {"samples": sum(map(len, groups)), "tokens": tokens, "seconds": round(seconds, 3)}
+        report["generate"] = {
+            "samples": sum(map(len, groups)),
+            "tokens": tokens,
+            "seconds": round(seconds, 3),
+        }
         got = torch.cat([s.logprobs for g in groups for s in g])
         report["logprob_diff"] = _diff(got, response_logprobs(trainer, prompts, groups))
         record(name, report)
@@ -198,7 +239,9 @@ def check(name: str, model_dir: Path, dtype: str = "float32", put: Callable[[str
         report["load_s"] = round(time.monotonic() - t0, 3)
         groups = engine.generate(prompts, 4, params)
         got = torch.cat([s.logprobs for g in groups for s in g])
-        report["stale_diff"] = _diff(got, response_logprobs(trainer, prompts, groups))  # still the old weights
+        report["stale_diff"] = _diff(
+            got, response_logprobs(trainer, prompts, groups)
+        )  # still the old weights
         with torch.no_grad():
             for k, param in trainer.model.named_parameters():
                 param.copy_(new[k])

@@ -43,16 +43,27 @@ def fsdp(args: argparse.Namespace, rec: Record) -> None:
     try:
         started = time.monotonic()
         engine = FSDPTrainEngine(model_dir, lr=1e-6, device=device, dtype=torch.bfloat16)
-        rec.put("setup", {"params": params, "world_size": 1, "backend": dist.get_backend(),
-                          "build_s": round(time.monotonic() - started, 2)})
+        rec.put(
+            "setup",
+            {
+                "params": params,
+                "world_size": 1,
+                "backend": dist.get_backend(),
+                "build_s": round(time.monotonic() - started, 2),
+            },
+        )
         rows, width = (2, 64) if args.tiny else (8, 1024)
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, config.vocab_size - 1, (rows, width), generator=gen)
         loss_mask = torch.zeros(rows, width, dtype=torch.long)
-        loss_mask[:, width // 2:] = 1
-        batch = MicroBatch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=loss_mask,
-                           advantages=torch.randn(rows, generator=gen),
-                           behaviour_logprobs=-torch.rand(rows, width, generator=gen) * loss_mask)
+        loss_mask[:, width // 2 :] = 1
+        batch = MicroBatch(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            loss_mask=loss_mask,
+            advantages=torch.randn(rows, generator=gen),
+            behaviour_logprobs=-torch.rand(rows, width, generator=gen) * loss_mask,
+        )
         engine.train_step([batch])  # warm-up
         _reset_peak(args.device)
         _sync(args.device)
@@ -62,12 +73,21 @@ def fsdp(args: argparse.Namespace, rec: Record) -> None:
             metrics = engine.train_step([batch])
         _sync(args.device)
         seconds = (time.monotonic() - t0) / timed
-        train: dict[str, Any] = {"rows": rows, "width": width, "compute_dtype": "bfloat16",
-                                 "s_per_step": round(seconds, 4), "tokens_per_s": round(rows * width / seconds, 1),
-                                 "peak_gib": _peak_gib(args.device), "loss_finite": math.isfinite(metrics["loss"])}
+        train: dict[str, Any] = {
+            "rows": rows,
+            "width": width,
+            "compute_dtype": "bfloat16",
+            "s_per_step": round(seconds, 4),
+            "tokens_per_s": round(rows * width / seconds, 1),
+            "peak_gib": _peak_gib(args.device),
+            "loss_finite": math.isfinite(metrics["loss"]),
+        }
         rec.put("train", train)
-        say("fsdp", f"train: {seconds:.3f} s/step, {rows * width / seconds:,.0f} tok/s, "
-                    f"peak {train['peak_gib']} GiB")
+        say(
+            "fsdp",
+            f"train: {seconds:.3f} s/step, {rows * width / seconds:,.0f} tok/s, "
+            f"peak {train['peak_gib']} GiB",
+        )
 
         t0 = time.monotonic()
         full = engine.export_weights()
@@ -75,10 +95,19 @@ def fsdp(args: argparse.Namespace, rec: Record) -> None:
         t0 = time.monotonic()
         shard = engine.export_shard(assign_shards(engine.weight_sizes(), 1))
         shard_s = time.monotonic() - t0
-        same = set(full) == set(shard) and all(torch.equal(full[name], shard[name]) for name in full)
-        rec.put("export", {"mb": round(sum(t.nbytes for t in full.values()) / 2**20, 1), "tensors": len(full),
-                           "export_weights_s": round(full_s, 3), "export_shard_s": round(shard_s, 3),
-                           "same_bytes": same})
+        same = set(full) == set(shard) and all(
+            torch.equal(full[name], shard[name]) for name in full
+        )
+        rec.put(
+            "export",
+            {
+                "mb": round(sum(t.nbytes for t in full.values()) / 2**20, 1),
+                "tensors": len(full),
+                "export_weights_s": round(full_s, 3),
+                "export_shard_s": round(shard_s, 3),
+                "same_bytes": same,
+            },
+        )
         say("fsdp", f"export: full {full_s:.2f} s, own shard {shard_s:.2f} s, same bytes {same}")
     finally:
         dist.destroy_process_group()

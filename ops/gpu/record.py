@@ -49,5 +49,3 @@ class Record:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(finite(self.data)))
         os.replace(tmp, self.path)
-
-

@@ -31,14 +31,34 @@ def qwen2_config(tiny: bool) -> Any:
 
     dims: dict[str, Any]
     if tiny:
-        dims = dict(vocab_size=1024, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+        dims = dict(
+            vocab_size=1024,
+            hidden_size=64,
+            intermediate_size=176,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+        )
     else:
-        dims = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                    num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768)
+        dims = dict(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+        )
     eos = dims["vocab_size"] - 1
-    return Qwen2Config(**dims, tie_word_embeddings=True, rms_norm_eps=1e-6, bos_token_id=None,
-                       eos_token_id=eos, pad_token_id=eos)
+    return Qwen2Config(
+        **dims,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        bos_token_id=None,
+        eos_token_id=eos,
+        pad_token_id=eos,
+    )
 
 
 def save_random_model(config: Any, device: str, model_dir: Path) -> int:
@@ -72,7 +92,9 @@ def _reset_peak(device: str) -> None:
 def _peak_gib(device: str) -> float | None:
     import torch
 
-    return round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.startswith("cuda") else None
+    return (
+        round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.startswith("cuda") else None
+    )
 
 
 def engines(args: argparse.Namespace, rec: Record) -> None:
@@ -92,9 +114,17 @@ def engines(args: argparse.Namespace, rec: Record) -> None:
     started = time.monotonic()
     params = save_random_model(config, device, model_dir)
     gc.collect()
-    rec.put("model", {"shape": "tiny" if args.tiny else "Qwen2-0.5B", "params": params, "vocab": config.vocab_size,
-                      "layers": config.num_hidden_layers, "hidden": config.hidden_size,
-                      "build_s": round(time.monotonic() - started, 2)})
+    rec.put(
+        "model",
+        {
+            "shape": "tiny" if args.tiny else "Qwen2-0.5B",
+            "params": params,
+            "vocab": config.vocab_size,
+            "layers": config.num_hidden_layers,
+            "hidden": config.hidden_size,
+            "build_s": round(time.monotonic() - started, 2),
+        },
+    )
     say("engines", f"model built: {params / 1e6:.1f} M params in {time.monotonic() - started:.1f}s")
 
     new_tokens, prompt_len = (16, 8) if args.tiny else (256, 32)
@@ -106,7 +136,9 @@ def engines(args: argparse.Namespace, rec: Record) -> None:
     def prompts(batch: int) -> list[list[int]]:
         return torch.randint(0, config.vocab_size - 1, (batch, prompt_len), generator=gen).tolist()
 
-    engine.generate(prompts(batches[0]), 1, SamplingParams(max_tokens=8))  # warm-up: kernels, allocator
+    engine.generate(
+        prompts(batches[0]), 1, SamplingParams(max_tokens=8)
+    )  # warm-up: kernels, allocator
     rollout: list[dict[str, Any]] = []
     for batch in batches:
         if rec.left() < 30:
@@ -115,17 +147,30 @@ def engines(args: argparse.Namespace, rec: Record) -> None:
         _reset_peak(device)
         _sync(device)
         t0 = time.monotonic()
-        groups = engine.generate(prompts(batch), 1, SamplingParams(temperature=1.0, max_tokens=new_tokens))
+        groups = engine.generate(
+            prompts(batch), 1, SamplingParams(temperature=1.0, max_tokens=new_tokens)
+        )
         _sync(device)
         seconds = time.monotonic() - t0
         tokens = sum(len(s.token_ids) for g in groups for s in g)
         steps = max(len(s.token_ids) for g in groups for s in g)
-        rollout.append({"batch": batch, "new_tokens": new_tokens, "tokens": tokens, "seconds": round(seconds, 3),
-                        "tokens_per_s": round(tokens / seconds, 1), "ms_per_step": round(1000 * seconds / steps, 2),
-                        "peak_gib": _peak_gib(device)})
+        rollout.append(
+            {
+                "batch": batch,
+                "new_tokens": new_tokens,
+                "tokens": tokens,
+                "seconds": round(seconds, 3),
+                "tokens_per_s": round(tokens / seconds, 1),
+                "ms_per_step": round(1000 * seconds / steps, 2),
+                "peak_gib": _peak_gib(device),
+            }
+        )
         rec.put("rollout", {"dtype": params_dtype, "device": device, "runs": rollout})
-        say("engines", f"rollout batch {batch}: {tokens / seconds:,.0f} tok/s "
-                       f"({1000 * seconds / steps:.1f} ms/step)")
+        say(
+            "engines",
+            f"rollout batch {batch}: {tokens / seconds:,.0f} tok/s "
+            f"({1000 * seconds / steps:.1f} ms/step)",
+        )
     del engine
     gc.collect()
     if device.startswith("cuda"):
@@ -137,15 +182,29 @@ def engines(args: argparse.Namespace, rec: Record) -> None:
     ids = torch.randint(0, config.vocab_size - 1, (rows, width), generator=gen)
     loss_mask = torch.zeros(rows, width, dtype=torch.long)
     loss_mask[:, width // 2 :] = 1  # the response half, as after a prompt
-    micro_batch = MicroBatch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=loss_mask,
-                             advantages=torch.randn(rows, generator=gen),
-                             behaviour_logprobs=-torch.rand(rows, width, generator=gen) * loss_mask)
+    micro_batch = MicroBatch(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        loss_mask=loss_mask,
+        advantages=torch.randn(rows, generator=gen),
+        behaviour_logprobs=-torch.rand(rows, width, generator=gen) * loss_mask,
+    )
     # "float32" is what the product does; the others show what a precision change would buy.
     variants: list[tuple[str, Callable[[], contextlib.AbstractContextManager[Any]], bool]] = [
-        ("float32", contextlib.nullcontext, False), ("tf32_matmul", contextlib.nullcontext, True),
-        ("autocast_bf16", lambda: torch.autocast(torch.device(device).type, dtype=torch.bfloat16), False),
+        ("float32", contextlib.nullcontext, False),
+        ("tf32_matmul", contextlib.nullcontext, True),
+        (
+            "autocast_bf16",
+            lambda: torch.autocast(torch.device(device).type, dtype=torch.bfloat16),
+            False,
+        ),
     ]
-    train: dict[str, Any] = {"param_dtype": train_dtype, "device": device, "rows": rows, "width": width}
+    train: dict[str, Any] = {
+        "param_dtype": train_dtype,
+        "device": device,
+        "rows": rows,
+        "width": width,
+    }
     timed = 2 if args.tiny else 3
     for name, autocast, tf32 in variants:
         if rec.left() < 25:
@@ -163,12 +222,20 @@ def engines(args: argparse.Namespace, rec: Record) -> None:
         seconds = (time.monotonic() - t0) / timed
         tokens = rows * width
         flops = 6 * params * tokens / seconds  # dense approximation, attention excluded
-        train[name] = {"s_per_step": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 1),
-                       "tflops": round(flops / 1e12, 1), "mfu_vs_bf16_peak": round(flops / BF16_DENSE_PEAK, 3),
-                       "peak_gib": _peak_gib(device), "loss_finite": math.isfinite(metrics["loss"])}
+        train[name] = {
+            "s_per_step": round(seconds, 4),
+            "tokens_per_s": round(tokens / seconds, 1),
+            "tflops": round(flops / 1e12, 1),
+            "mfu_vs_bf16_peak": round(flops / BF16_DENSE_PEAK, 3),
+            "peak_gib": _peak_gib(device),
+            "loss_finite": math.isfinite(metrics["loss"]),
+        }
         rec.put("train", train)
-        say("engines", f"train {name}: {seconds:.3f} s/step, {tokens / seconds:,.0f} tok/s, "
-                       f"peak {_peak_gib(device)} GiB")
+        say(
+            "engines",
+            f"train {name}: {seconds:.3f} s/step, {tokens / seconds:,.0f} tok/s, "
+            f"peak {_peak_gib(device)} GiB",
+        )
     torch.backends.cuda.matmul.allow_tf32 = False
 
 
@@ -208,25 +275,45 @@ async def _weights(args: argparse.Namespace, rec: Record) -> None:
             for version, size in enumerate(sizes, start=1):
                 if version == 3:  # the optional size: only if the growth seen so far says it fits
                     b = runs[1]
-                    exponent = max(1.0, growth_exponent([r["mb"] for r in runs], [r["get_s"] for r in runs]))
-                    predicted = 2 * (b["put_s"] + b["get_writeinto_s"]) + b["get_s"] * (size / b["mb"]) ** exponent
+                    exponent = max(
+                        1.0, growth_exponent([r["mb"] for r in runs], [r["get_s"] for r in runs])
+                    )
+                    predicted = (
+                        2 * (b["put_s"] + b["get_writeinto_s"])
+                        + b["get_s"] * (size / b["mb"]) ** exponent
+                    )
                     if predicted * 1.3 > rec.left() - 10:
-                        runs.append({"mb": size, "skipped": f"predicted {predicted:.0f}s, {rec.left():.0f}s left"})
+                        runs.append(
+                            {
+                                "mb": size,
+                                "skipped": f"predicted {predicted:.0f}s, {rec.left():.0f}s left",
+                            }
+                        )
                         rec.put("runs", runs)
                         break
                 numel = size * MB // 4 // 4
-                tensors = {f"layer{k}.weight": torch.randn(numel) for k in range(4)}  # float32, 4 tensors
+                tensors = {
+                    f"layer{k}.weight": torch.randn(numel) for k in range(4)
+                }  # float32, 4 tensors
                 row: dict[str, Any] = {"mb": size}
                 t0 = time.monotonic()
                 event = await within(
-                    publish_version(transport, "gpucheck", "gpu-check", version, tensors), rec, "put")
+                    publish_version(transport, "gpucheck", "gpu-check", version, tensors),
+                    rec,
+                    "put",
+                )
                 row["put_s"] = round(time.monotonic() - t0, 3)
                 t0 = time.monotonic()
-                await within(store.get(event.location, writeinto=io.BytesIO()), rec, "get into a buffer")
+                await within(
+                    store.get(event.location, writeinto=io.BytesIO()), rec, "get into a buffer"
+                )
                 row["get_writeinto_s"] = round(time.monotonic() - t0, 3)
                 runs.append(row)
                 rec.put("runs", runs)
-                say("weights", f"{size} MB: put {row['put_s']}s, get into a buffer {row['get_writeinto_s']}s")
+                say(
+                    "weights",
+                    f"{size} MB: put {row['put_s']}s, get into a buffer {row['get_writeinto_s']}s",
+                )
                 t0 = time.monotonic()
                 limit = rec.left() - 5
                 try:
@@ -247,16 +334,23 @@ async def _weights(args: argparse.Namespace, rec: Record) -> None:
         finally:
             await nc.close()
     done = [r for r in runs if r.get("get_s")]
-    growth: dict[str, Any] = {"note": "least-squares slope of log(time) on log(size): 1 is linear, 2 is quadratic"}
+    growth: dict[str, Any] = {
+        "note": "least-squares slope of log(time) on log(size): 1 is linear, 2 is quadratic"
+    }
     if len(done) >= 2:
         mbs = [r["mb"] for r in done]
-        growth.update(sizes_mb=mbs, get_version_exponent=growth_exponent(mbs, [r["get_s"] for r in done]),
-                      get_writeinto_exponent=growth_exponent(mbs, [r["get_writeinto_s"] for r in done]),
-                      put_exponent=growth_exponent(mbs, [r["put_s"] for r in done]))
+        growth.update(
+            sizes_mb=mbs,
+            get_version_exponent=growth_exponent(mbs, [r["get_s"] for r in done]),
+            get_writeinto_exponent=growth_exponent(mbs, [r["get_writeinto_s"] for r in done]),
+            put_exponent=growth_exponent(mbs, [r["put_s"] for r in done]),
+        )
     timed_out = [r for r in runs if r.get("get_timeout_s")]
     if done and timed_out:  # a get cut off at its limit still bounds the growth from below
         a, b = done[-1], timed_out[0]
-        growth["get_version_exponent_at_least"] = growth_exponent([a["mb"], b["mb"]], [a["get_s"], b["get_timeout_s"]])
+        growth["get_version_exponent_at_least"] = growth_exponent(
+            [a["mb"], b["mb"]], [a["get_s"], b["get_timeout_s"]]
+        )
     rec.put("growth", growth)
 
 
@@ -264,7 +358,11 @@ def growth_exponent(sizes: list[float], seconds: list[float]) -> float:
     """The k in time ~ size^k: slope of the least-squares line through (log size, log time)."""
     xs, ys = [math.log(v) for v in sizes], [math.log(max(t, 1e-6)) for t in seconds]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    return round(sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs), 2)
+    return round(
+        sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+        / sum((x - mx) ** 2 for x in xs),
+        2,
+    )
 
 
 def weights(args: argparse.Namespace, rec: Record) -> None:
