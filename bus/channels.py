@@ -153,7 +153,8 @@ REWARDS_TO_REFERENCE: Channel[RewardEvent] = dataclasses.replace(
     readers=(Reader("reference", Read.WORK_QUEUE),),
     queue=WorkQueue("reference", ack_wait=ACK_WAIT, max_ack_pending=4096),
 )
-"""`rewards` as a run with `reference.enabled` has it: the same stream, read by the reference stage."""
+"""`rewards` as a run with `reference.enabled` has it: the same stream,
+read by the reference stage."""
 SCORED: Channel[RewardEvent] = Channel(
     "scored",
     RewardEvent,
@@ -184,10 +185,12 @@ DEAD: Channel[Event] = Channel(
     publishers=("rollout", "reward", "reference", "buffer", "trainer"),
     readers=(),
 )
-"""What a stage cannot use, with the reason, under the stage that refused it (read by the operator)."""
+"""What a stage cannot use, with the reason, under the stage that refused it
+(read by the operator)."""
 
 CHANNELS: tuple[Channel, ...] = (PROMPTS, TRAJECTORIES, REWARDS, SCORED, BATCHES, WEIGHTS, DEAD)
-"""One per stream of a run; every run has all of them (`scored` stays empty without the reference stage)."""
+"""One per stream of a run; every run has all of them (`scored` stays empty without the reference
+stage)."""
 
 
 def work_queues(reference: bool) -> tuple[Channel, ...]:
@@ -270,7 +273,8 @@ LOSS = KvKey(
     "loss.<channel>",
     "loss.>",
     tuple(dict.fromkeys(c.work_queue.durable for c in EVERY_WORK_QUEUE)),
-    "messages a work queue's stream deleted before they were acked (`bus.loss`): should never exist",
+    "messages a work queue's stream deleted before they were acked (`bus.loss`): "
+    "should never exist",
     LossRecord,
 )
 KV_KEYS: tuple[KvKey, ...] = (CONFIG, DROPS, METRICS, RENDEZVOUS, LOSS)
@@ -337,7 +341,8 @@ def markdown_tables() -> str:
             "-"
             if c.queue is None
             else (
-                f"`{c.queue.durable}`: ack_wait {c.queue.ack_wait:g} s, at most {c.queue.max_ack_pending} unacked"
+                f"`{c.queue.durable}`: ack_wait {c.queue.ack_wait:g} s, "
+                f"at most {c.queue.max_ack_pending} unacked"
             )
         )
         readers = (
@@ -349,7 +354,8 @@ def markdown_tables() -> str:
         elif c is SCORED:
             readers += ", with `reference.enabled`"
         rows.append(
-            f"| `{c.name}` | {subject} | {event} | {queue} | {', '.join(c.publishers)} | {readers} |"
+            f"| `{c.name}` | {subject} | {event} | {queue} | {', '.join(c.publishers)} | {readers} "
+            "|"
         )
     rows += ["", "| KV key (bucket `rl_<run>`) | record | written by | what |", "| --- " * 4 + "|"]
     rows += [

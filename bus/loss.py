@@ -71,8 +71,9 @@ async def check(
     count = await lost(js, topology, channel)
     if count:
         log.error(
-            "WORK LOST: stream %s deleted %d message(s) its work queue %s never acked (first sequence past "
-            "the ack floor): a stream limit is too low (streams.max_bytes / streams.max_age_s)",
+            "WORK LOST: stream %s deleted %d message(s) its work queue %s never acked (first "
+            "sequence past the ack floor): a stream limit is too low (streams.max_bytes / "
+            "streams.max_age_s)",
             topology.stream(channel),
             count,
             channel.work_queue.durable,
@@ -87,7 +88,8 @@ async def check(
 async def watch(
     js: JetStreamContext, kv: KeyValue, topology: Topology, channel: Channel, every: float
 ) -> None:
-    """Check `channel` every `every` seconds, for as long as the worker serves it (a stage helper)."""
+    """Check `channel` every `every` seconds, for as long as the worker serves it
+    (a stage helper)."""
     while True:
         await check(js, kv, topology, channel)
         await asyncio.sleep(every)

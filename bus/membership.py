@@ -39,7 +39,8 @@ BEATS_PER_TTL = 5
 
 
 def member_key(worker: str) -> str:
-    """A valid KV key for a worker id (host:pid:role): ':' and any other character KV refuses become '_'."""
+    """A valid KV key for a worker id (host:pid:role): ':' and any other character KV refuses become
+    '_'."""
     return re.sub(r"[^-_=A-Za-z0-9]", "_", worker)
 
 
@@ -81,7 +82,8 @@ class Membership:
         return self._task is not None
 
     def report(self, *, engine: str | None = None, weight_version: int | None = None) -> None:
-        """Record what this worker runs or serves; the entry is rewritten now, not at the next beat."""
+        """Record what this worker runs or serves; the entry is rewritten now,
+        not at the next beat."""
         if engine is not None:
             self.member = self.member.model_copy(update={"engine": engine})
         if weight_version is not None:

@@ -158,13 +158,16 @@ class Topology:
     """False: trajectories and rewards are removed once their work queue acked them (interest
     retention). True: they stay, for replay (limits retention)."""
     member_ttl: float = 15.0
-    """Seconds a worker's membership entry lives without a heartbeat (set when the bucket is created)."""
+    """Seconds a worker's membership entry lives without a heartbeat
+    (set when the bucket is created)."""
     reference: bool = False
-    """The run has the reference stage (`reference.enabled`): it reads `rewards`, the buffer `scored`."""
+    """The run has the reference stage (`reference.enabled`): it reads `rewards`,
+    the buffer `scored`."""
 
     @classmethod
     def for_config(cls, config: RunConfig, replicas: int = 1) -> Topology:
-        """The run's objects with the limits its config derives (`schemas.streams_config.stream_needs`)."""
+        """The run's objects with the limits its config derives
+        (`schemas.streams_config.stream_needs`)."""
         return cls(
             run=config.run,
             replicas=replicas,
@@ -200,7 +203,8 @@ class Topology:
 
     # Subjects ---------------------------------------------------------------
     def subject(self, channel: Channel, *tokens: str | int) -> str:
-        """`rl.<run>.<channel>`, plus its one token (a rank, a stage, or a wildcard) if it has one."""
+        """`rl.<run>.<channel>`, plus its one token (a rank, a stage,
+        or a wildcard) if it has one."""
         if not isinstance(channel, Channel):
             raise TypeError(f"a Channel of bus.topology (PROMPTS, BATCHES, ...), not {channel!r}")
         if len(tokens) != (channel.token is not None):
@@ -238,8 +242,8 @@ class Topology:
     def stream_config(self, channel: Channel) -> StreamConfig:
         """Work never dropped: a full stream refuses a publish (discard new) and the publisher
         waits until its consumers catch up (`bus.publisher`), instead of the server deleting
-        the oldest messages whether or not anyone received them. Trajectories, rewards and scored are
-        deleted once acked (interest retention) unless `keep_consumed`; prompts, batches and
+        the oldest messages whether or not anyone received them. Trajectories, rewards and scored
+        are deleted once acked (interest retention) unless `keep_consumed`; prompts, batches and
         weights are kept (gate resume, audit, trainer restart). Only `dead` discards its oldest."""
         deleted_once_acked = (
             channel.name in (TRAJECTORIES.name, REWARDS.name, SCORED.name)

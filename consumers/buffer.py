@@ -111,7 +111,8 @@ class Buffer:
         """The KL of the step last formed (KL in reward), whence the next step's coefficient."""
         self.dropping: set[str] = set()
         """Groups whose drop began and did not finish (the bus failed): kept out of every step."""
-        """A handler could not finish forming or dropping (the bus failed); `retry_unsettled` retries."""
+        """A handler could not finish forming or dropping (the bus failed);
+        `retry_unsettled` retries."""
 
     async def handle(self, reward: RewardEvent, msg: Msg) -> Hold | None:
         if reward.id in self.batched.sample_ids:
@@ -169,7 +170,8 @@ class Buffer:
             )
         if self.rt.topology.reference and reward.ref_logprobs is None:
             raise Reject(
-                "no reference log-probs: the run has the reference stage, and this sample did not pass it"
+                "no reference log-probs: the run has the reference stage, "
+                "and this sample did not pass it"
             )
         # Half the max payload: the other half is for the ids a batch event carries.
         tokens = t.prompt_ids.shape[0] + t.response_ids.shape[0]
@@ -202,7 +204,7 @@ class Buffer:
                     algo.overlong_buffer_tokens,
                     algo.overlong_penalty,
                 )
-                for r, samples in zip(rewards, ordered)
+                for r, samples in zip(rewards, ordered, strict=True)
             ]
         kl_mean = None
         if algo.kl_placement == "reward":
@@ -213,7 +215,7 @@ class Buffer:
                 torch.tensor([s.trajectory.finish_reason == "length" for s in samples])
                 for samples in ordered
             ]
-            out = [adv.masked_fill(c, 0.0) for adv, c in zip(out, cut)]
+            out = [adv.masked_fill(c, 0.0) for adv, c in zip(out, cut, strict=True)]
         return [adv.tolist() for adv in out], kl_mean
 
     def kl_penalised(
@@ -282,8 +284,8 @@ class Buffer:
             g for g in self.groups.values() if not g.complete and step - g.first_step > limit
         ]:
             reason = (
-                f"incomplete: {len(group.samples)} of {group.size} samples after {step - group.first_step} steps "
-                f"formed (max_group_wait_steps {limit})"
+                f"incomplete: {len(group.samples)} of {group.size} samples after "
+                f"{step - group.first_step} steps formed (max_group_wait_steps {limit})"
             )
             log.warning("dropping group %s: %s", group.prompt_id, reason)
             self.abandoned[group.prompt_id] = reason
@@ -366,10 +368,11 @@ class Buffer:
         rows: list[Row] = []
         advantages, self.step_kl = self.step_advantages(groups)
         in_reward = self.cfg.algorithm.kl_placement == "reward"
-        for group, adv in zip(groups, advantages):
+        for group, adv in zip(groups, advantages, strict=True):
             ordered = [group.samples[i] for i in range(group.size)]
             rows += [
-                Row.of(r, a, self.trace_outcome(r, m, step=step)) for (r, m), a in zip(ordered, adv)
+                Row.of(r, a, self.trace_outcome(r, m, step=step))
+                for (r, m), a in zip(ordered, adv, strict=True)
             ]
         tcfg = self.cfg.trainer
         packed = pack_step(rows, tcfg.dp_size, tcfg.micro_batch_tokens)

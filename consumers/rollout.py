@@ -115,7 +115,8 @@ class Rollout:
         if prompt.token_ids is not None:
             return prompt.token_ids.numpy().astype(int).tolist()
         if prompt.messages is not None:
-            # return_dict=False: transformers 5 returns a BatchEncoding dict when tokenizing otherwise.
+            # return_dict=False: transformers 5 returns a BatchEncoding dict when tokenizing
+            # otherwise.
             return list(
                 self.tokenizer.apply_chat_template(
                     list(prompt.messages),
@@ -183,7 +184,8 @@ class Rollout:
     def trajectory(
         self, prompt: PromptEvent, ids: list[int], index: int, sample: Sample, seconds: float
     ) -> TrajectoryEvent:
-        """Sample `index` of `prompt` as the event stored, its tokens' versions as the engine computed them."""
+        """Sample `index` of `prompt` as the event stored, its tokens' versions as the engine
+        computed them."""
         assert sample.versions is not None  # `EngineCopies.samples` sets them
         return TrajectoryEvent(
             id=f"{prompt.id}/{index}",
@@ -237,7 +239,8 @@ def routing_key(prompt: PromptEvent) -> str:
 
 
 async def build(rt: Runtime) -> Stage[PromptEvent]:
-    """The rollout stage: prompts served by `Rollout.handle`, beside its batcher and weights watcher."""
+    """The rollout stage: prompts served by `Rollout.handle`,
+    beside its batcher and weights watcher."""
     cfg = rt.config.rollout
     router = make_router(
         cfg.router, cfg.engine_copies, cfg.router_options

@@ -181,7 +181,7 @@ class EngineCopies:
                 groups = await asyncio.to_thread(
                     engine.generate, [p.token_ids for p in batch], first.prompt.n, params
                 )
-                for span, samples in zip(spans, groups):
+                for span, samples in zip(spans, groups, strict=True):
                     span.set_attribute("jetrl.tokens", sum(len(s.token_ids) for s in samples))
         except Exception as exc:  # the prompts' handlers fail and are retried
             for p in batch:
@@ -190,14 +190,15 @@ class EngineCopies:
             return
         seconds = time.perf_counter() - started
         metrics.GENERATE_SECONDS.record(seconds, {"engine": self.engine_name})
-        for p, samples in zip(batch, groups):
+        for p, samples in zip(batch, groups, strict=True):
             if not p.done.done():
                 p.done.set_result((samples, version, seconds))
 
     def span_attributes(
         self, pending: Pending, version: int, batch_prompts: int, copy: int
     ) -> dict[str, str | int]:
-        """What a prompt's `generate` span says: which prompt, weights, engine, worker, copy, batch."""
+        """What a prompt's `generate` span says: which prompt, weights, engine, worker,
+        copy, batch."""
         return {
             "jetrl.prompt_id": pending.prompt.id,
             "jetrl.policy_version": version,

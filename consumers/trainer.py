@@ -101,7 +101,8 @@ def step_metrics(
         # Not the engine's "step" (the float count *after* the step): it overwrote the index
         # above, so the KV key read `metrics.0.1.0` for step 0 and every reader was off by one.
         **{name: value for name, value in trained.items() if name != "step"},
-        # KL in the reward: the coefficient the buffer penalised the step with, and the KL it measured.
+        # KL in the reward: the coefficient the buffer penalised the step with,
+        # and the KL it measured.
         **(
             {"kl_coef": batches[0].kl_coef, "kl_reward": batches[0].kl_mean}
             if batches and batches[0].kl_coef is not None
@@ -127,14 +128,16 @@ def take_batch(batch: BatchEvent, step: int, rank: int, collected: list[BatchEve
     count). Reading by position, the trainer cannot nak: what it rejects goes to `dead`."""
     if (batch.step, batch.dp_rank) != (step, rank):
         raise Reject(
-            f"batch {batch.id} is for step {batch.step} rank {batch.dp_rank}, expected step {step} rank {rank}"
+            f"batch {batch.id} is for step {batch.step} rank {batch.dp_rank}, "
+            f"expected step {step} rank {rank}"
         )
     if collected and (
         batch.micro_count != collected[0].micro_count
         or batch.micro_index in {b.micro_index for b in collected}
     ):
         raise Reject(
-            f"batch {batch.id}: micro-batch {batch.micro_index} of {batch.micro_count} clashes with the "
+            f"batch {batch.id}: micro-batch {batch.micro_index} of {batch.micro_count} "
+            "clashes with the "
             f"{len(collected)} collected of {collected[0].micro_count}"
         )
     return batch
@@ -192,7 +195,8 @@ class Trainer:
         self.checkpoint_path = Path(self.cfg.trainer.checkpoint_dir) / name
         self.loggers = step_loggers(self.cfg) if rank == 0 else []
         self.last_seq = 0
-        """Stream sequence of the last batch the model holds (trained on, or refused in a trained step)."""
+        """Stream sequence of the last batch the model holds (trained on,
+        or refused in a trained step)."""
         self.history = UpdateHistory()
         self.batches: ByPosition[BatchEvent] | None = None
         shards = self.engine.weight_shards

@@ -189,7 +189,8 @@ class ContinuousEngine(RolloutEngine, Protocol):
         ...
 
     def pause(self) -> None:
-        """Stop between tokens: returns when no token is being computed; none starts until `resume`."""
+        """Stop between tokens: returns when no token is being computed;
+        none starts until `resume`."""
         ...
 
     def resume(self) -> None:

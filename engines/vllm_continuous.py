@@ -111,7 +111,8 @@ class VLLMContinuousEngine(ContinuousAdapter):
         ):
             self.close()
             raise EngineUnavailable(
-                "rollout.engine.partial_mode keep (vllm) needs vLLM's pause_generation(mode='keep') "
+                "rollout.engine.partial_mode keep (vllm) needs vLLM's "
+                "pause_generation(mode='keep') "
                 "(a newer vLLM); "
                 "use partial_mode resubmit"
             )

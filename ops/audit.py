@@ -50,7 +50,8 @@ from schemas.staleness import StalenessPolicy
 
 E = TypeVar("E", bound=Event)
 AUDIT_SECONDS = 120.0
-"""How long an audit refused by elections is started over: reading a long run takes a while itself."""
+"""How long an audit refused by elections is started over:
+reading a long run takes a while itself."""
 
 
 async def replay_events(js: JetStreamContext, topology: Topology, channel: Channel[E]) -> list[E]:
@@ -172,5 +173,6 @@ if __name__ == "__main__":
         sys.exit(f"ops.audit: no answer from NATS at {arguments.nats}: {type(exc).__name__} {exc}")
     except NotFoundError:
         sys.exit(
-            f"ops.audit: run {arguments.run} has no streams on {arguments.nats}; is the run id right?"
+            f"ops.audit: run {arguments.run} has no streams on {arguments.nats}; "
+            "is the run id right?"
         )

@@ -1,4 +1,5 @@
-"""`python -m ops.chaos [--quick] [--runs N] [--seed S] [--out DIR]`: SIGKILL every kind of process at named crash points, then audit.
+"""`python -m ops.chaos [--quick] [--runs N] [--seed S] [--out DIR]`:
+SIGKILL every kind of process at named crash points, then audit.
 
 Each run is the built-in job (`examples/digits.yaml`, shortened) against an embedded
 nats-server this tool owns, every process of it — the producer too, with `--nats URL --out
@@ -232,7 +233,8 @@ class ChaosRun:
         return env
 
     async def execute(self, kill: bool) -> Outcome:
-        """Run to the end (or the timeout) with the profile's points armed if `kill`; stop the fleet; account."""
+        """Run to the end (or the timeout) with the profile's points armed if `kill`;
+        stop the fleet; account."""
         await self.declare()
         await self.monitor.start()
         if kill:
@@ -269,7 +271,8 @@ class ChaosRun:
         )
 
     async def supervise(self, deadline: float) -> bool:
-        """Keep the fleet up until the producer and the trainer are done (True) or the deadline (False)."""
+        """Keep the fleet up until the producer and the trainer are done
+        (True) or the deadline (False)."""
         assert self.fleet is not None
         while time.monotonic() < deadline:
             # Before the fleet's poll: a point's record is written before its process dies, so
@@ -330,7 +333,10 @@ class ChaosRun:
         """What the bus or the disk shows of the moment, for the points where it shows."""
         if point in (BUFFER_MID_STEP, BUFFER_STEP_STORED) and self.monitor.micro:
             step = max(self.monitor.micro)
-            return f"{len(self.monitor.micro[step])} of {self.monitor.micro_count[step]} micro-batches sent"
+            return (
+                f"{len(self.monitor.micro[step])} of {self.monitor.micro_count[step]} "
+                "micro-batches sent"
+            )
         if point is TRAINER_MID_CHECKPOINT:
             # engines.torch_train writes the new checkpoint to this sibling, then renames it
             # over rank0.pt; a trainer that died in between leaves it.
@@ -339,7 +345,8 @@ class ChaosRun:
         return ""
 
     async def rejoined(self, worker: str, killed: int | None) -> float:
-        """Unix time the killed worker's replacement joined the run (its membership entry's start)."""
+        """Unix time the killed worker's replacement joined the run
+        (its membership entry's start)."""
         assert self.fleet is not None
         role = worker.rsplit("-", 1)[0]
         while True:
@@ -437,7 +444,8 @@ class ChaosRun:
         ]
         if UpdateHistory.of_steps(steps) != kept:
             raise RuntimeError(
-                f"the metrics records of steps 0-{kept.steps - 1} are not the checkpoint's update history"
+                f"the metrics records of steps 0-{kept.steps - 1} are not the checkpoint's update "
+                "history"
             )
         return [sid for step in steps for sid in step]
 
@@ -477,7 +485,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help=f"{QUICK.steps} steps a run, no uninterrupted run (ratio null); default {FULL.steps} steps",
+        help=f"{QUICK.steps} steps a run, no uninterrupted run (ratio null); "
+        f"default {FULL.steps} steps",
     )
     parser.add_argument("--runs", type=int, default=1, help="runs with kills (default 1)")
     parser.add_argument(

@@ -1,4 +1,5 @@
-"""The kills of a chaos run: which crash points fire, near which trainer step, and the pass that arms each.
+"""The kills of a chaos run: which crash points fire, near which trainer step,
+and the pass that arms each.
 
 A crash point kills the process armed with `JETRL_CRASH_AT=<point>@k` on its k-th pass,
 counted from the process start (`bus.crashpoints`). A run's points are spread over
@@ -221,12 +222,13 @@ def print_run(outcome: Outcome) -> None:
     """A run's kills as a table, then its accounts in one line."""
     state = "finished" if outcome.finished else f"UNFINISHED {outcome.error}"
     print(
-        f"\nrun {outcome.run}: {state} in {outcome.seconds:.0f} s, {outcome.steps_per_s:.2f} steps/s"
+        f"\nrun {outcome.run}: {state} in {outcome.seconds:.0f} s, "
+        f"{outcome.steps_per_s:.2f} steps/s"
     )
     if outcome.kills:
         print(
-            f"  {'crash point':<24} {'target':>6} {'pass':>5} {'step':>5}  {'restart s':>9}  {'recovery s':>10}  "
-            f"{'resume s':>8}  what it was doing"
+            f"  {'crash point':<24} {'target':>6} {'pass':>5} {'step':>5}  {'restart s':>9}  "
+            f"{'recovery s':>10}  {'resume s':>8}  what it was doing"
         )
     for kill in outcome.kills:
         k = "-" if kill.k is None else str(kill.k)
@@ -237,20 +239,23 @@ def print_run(outcome: Outcome) -> None:
             else "NOT HIT" + ("" if kill.k is not None else " (never armed: no replacement)")
         )
         print(
-            f"  {kill.point.name:<24} {kill.target:>6} {k:>5} {hit:>5}  {seconds(kill.restart_s):>9}  "
-            f"{seconds(kill.recovery_s):>10}  {seconds(kill.resume_s):>8}  {what}"
+            f"  {kill.point.name:<24} {kill.target:>6} {k:>5} {hit:>5}  "
+            f"{seconds(kill.restart_s):>9}  {seconds(kill.recovery_s):>10}  "
+            f"{seconds(kill.resume_s):>8}  {what}"
         )
     a = outcome.accounts
     print(
-        f"  issued {a['issued']}  trained {a['trained']}  dropped {a['dropped']} {a['drop_reasons']}  held {a['held']}  "
-        f"LOST {a['lost']}  DUPLICATES {a['duplicates']} (stream {a['stream_duplicates']}, checkpoint history "
-        f"{a['history_duplicates']} of {a['history_samples']})  STALENESS VIOLATIONS {a['staleness_violations']}",
+        f"  issued {a['issued']}  trained {a['trained']}  dropped {a['dropped']} "
+        f"{a['drop_reasons']}  held {a['held']}  LOST {a['lost']}  DUPLICATES {a['duplicates']} "
+        f"(stream {a['stream_duplicates']}, checkpoint history {a['history_duplicates']} of "
+        f"{a['history_samples']})  STALENESS VIOLATIONS {a['staleness_violations']}",
         flush=True,
     )
 
 
 def faults(outcomes: list[Outcome]) -> dict[str, dict[str, Any]]:
-    """Per point armed: runs armed in, hit in every one of them, the steps hit at, restart and recovery."""
+    """Per point armed: runs armed in, hit in every one of them, the steps hit at,
+    restart and recovery."""
     by_point: dict[str, list[Kill]] = {}
     for kill in (k for o in outcomes for k in o.kills):
         by_point.setdefault(kill.point.name, []).append(kill)
@@ -287,7 +292,8 @@ def by_role(outcomes: list[Outcome]) -> dict[str, dict[str, Any]]:
 def print_roles(roles: dict[str, dict[str, Any]]) -> None:
     """Recovery per role: the table the defaults are judged by."""
     print(
-        f"\n  {'role':<9} {'kills':>5}  {'restart s (median/max)':>22}  {'recovery s':>12}  {'resume s':>12}"
+        f"\n  {'role':<9} {'kills':>5}  {'restart s (median/max)':>22}  {'recovery s':>12}  "
+        f"{'resume s':>12}"
     )
     for role, r in roles.items():
         cells = [
@@ -333,7 +339,10 @@ def summarize(
         if baselines
         else None,
         "ratio": round(
-            statistics.median(o.steps_per_s / b.steps_per_s for o, b in zip(outcomes, baselines)), 3
+            statistics.median(
+                o.steps_per_s / b.steps_per_s for o, b in zip(outcomes, baselines, strict=False)
+            ),
+            3,
         )
         if baselines
         else None,

@@ -11,7 +11,7 @@ the two side by side):
             rewards     <- reward(text, task) per sample        (consumers.reward.reward_handler)
             drop groups whose rewards are all equal             (consumers.buffer.Group.drop_reason)
             advantages  <- grpo(rewards) per group              (consumers.buffer.Buffer.advantages)
-        micro-batches   <- pack_step(rows)                      (consumers.buffer.Buffer.publish_step)
+        micro-batches   <- pack_step(rows)                (consumers.buffer.Buffer.publish_step)
         trainer.train_step(micro-batches)                       (consumers.trainer.Trainer.train)
         engine.load_state_dict(trainer.export_weights())        (the weights sender -> receiver)
 

@@ -1,4 +1,5 @@
-"""`python -m ops.status --run R [--nats URL] [--watch]`: where a run stands, from its streams, consumers and KV.
+"""`python -m ops.status --run R [--nats URL] [--watch]`: where a run stands,
+from its streams, consumers and KV.
 
     stages   messages stored per stream, and arriving per second
     queues   per work queue: pending, in flight (ack pending), redelivered, done per second
@@ -98,15 +99,17 @@ class Details:
     stalled: str | None = None
     """Who holds the work, when no step completed for the run's `trainer.stall_after`."""
     lost: dict[str, int | None] | None = None
-    """Per work stream, messages deleted before their work queue acked them (`bus.loss`); None: unknown."""
+    """Per work stream, messages deleted before their work queue acked them (`bus.loss`);
+    None: unknown."""
 
 
 async def sample(js: JetStreamContext, topology: Topology) -> Sample:
     stages: dict[str, StageState | None] = {}
     for channel in CHANNELS:
         info = await or_unknown(
-            lambda: js.stream_info(topology.stream(channel)), f"stream {channel.name}"
-        )  # noqa: B023
+            lambda: js.stream_info(topology.stream(channel)),  # noqa: B023 - awaited at once
+            f"stream {channel.name}",
+        )
         stages[channel.name] = (
             None
             if info is None
@@ -233,7 +236,8 @@ def render(topology: Topology, before: Sample, now: Sample, info: Details) -> st
         lines.append(f"{stage:<13} {s.messages:>9} {_size(s.bytes):>10} {rate:>8}")
     lines += [
         "",
-        f"{'queue':<9} {'reads':<13} {'pending':>8} {'in flight':>10} {'redelivered':>12} {'done/s':>8}",
+        f"{'queue':<9} {'reads':<13} {'pending':>8} {'in flight':>10} {'redelivered':>12} "
+        f"{'done/s':>8}",
     ]
     for role, q in now.queues.items():
         stage = next(c.name for c in topology.work_queues if c.work_queue.durable == role)
@@ -276,7 +280,8 @@ def render(topology: Topology, before: Sample, now: Sample, info: Details) -> st
     lines += [info.stalled, ""] if info.stalled else [""]
     lines.append(f"workers: {'?' if members is None else len(members)} live")
     lines.append(
-        f"{'role':<9} {'node':<20} {'pid':>8} {'engine':<7} {'weights':<9} {'up':>7} {'last beat':>10}"
+        f"{'role':<9} {'node':<20} {'pid':>8} {'engine':<7} {'weights':<9} {'up':>7} "
+        f"{'last beat':>10}"
     )
     wall = time.time()
     for m in members or []:
@@ -292,7 +297,8 @@ def render(topology: Topology, before: Sample, now: Sample, info: Details) -> st
 
 
 async def show(url: str, topology: Topology, watch: bool, batches: int) -> None:
-    """Print the page once (rates over 1 s), or redraw it every WATCH_SECONDS until SIGINT/SIGTERM."""
+    """Print the page once (rates over 1 s), or redraw it every WATCH_SECONDS until
+    SIGINT/SIGTERM."""
     # Ctrl-C sets an event rather than cancelling the task: a cancellation that lands inside a
     # client call can be swallowed there (Python 3.11's `wait_for` loses one that races with a
     # reply), and --watch then ignored Ctrl-C (1 run in 4 of its test). The event cannot be lost.
@@ -314,7 +320,8 @@ async def show(url: str, topology: Topology, watch: bool, batches: int) -> None:
 async def _draw(
     url: str, topology: Topology, watch: bool, batches: int, stop: asyncio.Event
 ) -> None:
-    # The bus connection retries forever, right for a worker; a person asking for status wants an answer.
+    # The bus connection retries forever, right for a worker;
+    # a person asking for status wants an answer.
     nc = await asyncio.wait_for(connect(url, "ops-status"), CONNECT_SECONDS)
     js = nc.jetstream()
     try:
@@ -324,7 +331,8 @@ async def _draw(
             # No quorum for the run's KV (or no server answering): draw the default pipeline's
             # queues, each `?` where it cannot be read, rather than nothing.
             print(
-                f"ops.status: run {topology.run}'s config unreadable ({e or type(e).__name__}): default queues shown",
+                f"ops.status: run {topology.run}'s config unreadable ({e or type(e).__name__}): "
+                "default queues shown",
                 file=sys.stderr,
             )
         before = await sample(js, topology)

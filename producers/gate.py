@@ -162,8 +162,8 @@ class Producer:
         for epoch, index, record in source:
             if refusals_stop_the_run(len(self.refused), self.issued, self.cfg):
                 raise PromptsRefused(
-                    f"the rollout refused {len(self.refused)} of the {self.issued} prompts issued; the last: "
-                    f"{list(self.refused.values())[-1]}"
+                    f"the rollout refused {len(self.refused)} of the {self.issued} prompts issued; "
+                    f"the last: {list(self.refused.values())[-1]}"
                 )
             while self.issued >= self.cfg.staleness.admitted_limit(self.version, len(self.dropped)):
                 self.changed.clear()

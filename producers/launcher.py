@@ -1,7 +1,8 @@
 """The main job around the gate: an embedded server and a local fleet (or a cluster's URL), the
 live progress line, stopping on a signal, and the summary and report at the end.
 
-    run:      [embedded nats-server + local fleet of trainer, buffer, (reference,) reward, rollout] -> produce
+    run:      [embedded nats-server + local fleet of trainer, buffer, (reference,) reward,
+              rollout] -> produce
     produce:  config to KV -> one TaskGroup: gate.Producer watch + feed, membership heartbeat,
               fleet check, signals; a progress line every 2 s until the trainer's last step
               (or SIGINT/SIGTERM: Stopped; a loop beside it fails: its error) -> summary, plots
@@ -80,8 +81,9 @@ async def progress(producer: Producer, started: float, every: float = PROGRESS_S
         print(
             f"[{elapsed:6.0f}s] step {len(done):>4}/{steps}  reward {reward:.3f}  "
             f"staleness<={max((m['staleness_max'] for m in recent), default=0)}  "
-            f"{samples / elapsed:6.1f} samples/s  weights v{producer.version}  dropped {len(producer.dropped)}  "
-            f"lag(pending+in flight) {await lag(producer.rt)}  {await stall.check(producer)}".rstrip(),
+            f"{samples / elapsed:6.1f} samples/s  weights v{producer.version}  dropped "
+            f"{len(producer.dropped)}  lag(pending+in flight) {await lag(producer.rt)}  "
+            f"{await stall.check(producer)}".rstrip(),
             flush=True,
         )
 
@@ -205,7 +207,8 @@ def prepare(cfg: RunConfig, out: Path) -> RunConfig:
     absolute: workers may run from another directory)."""
     updates: dict = {}
     if cfg.model.path is None:
-        # Imported here: torch and transformers take seconds, and a cluster's producer never needs them.
+        # Imported here: torch and transformers take seconds,
+        # and a cluster's producer never needs them.
         from engines.tiny import build_tiny_model
         from producers.tasks import VOCAB
 
@@ -220,7 +223,8 @@ def prepare(cfg: RunConfig, out: Path) -> RunConfig:
             )
         updates["model"] = cfg.model.model_copy(update={"path": str(model_dir.resolve())})
     elif Path(cfg.model.path).is_dir() and not Path(cfg.model.path).is_absolute():
-        # A relative directory here, absolute for the workers (a hub id is left for each to resolve).
+        # A relative directory here, absolute for the workers
+        # (a hub id is left for each to resolve).
         updates["model"] = cfg.model.model_copy(
             update={"path": str(Path(cfg.model.path).resolve())}
         )

@@ -63,7 +63,8 @@ ROLES = {
     "trainer": "trainer",
     "reference": "reference worker",
 }
-"""Every role a run may need, and how a line names one worker of it (`needed`: those of this run)."""
+"""Every role a run may need, and how a line names one worker of it (`needed`:
+those of this run)."""
 ITEMS = {
     "prompts": "prompts",
     "trajectories": "trajectories",
@@ -164,11 +165,14 @@ def trainer_line(view: RunView, rank: int, step: int) -> str:
     if stored is not None and len(stored.indices) < stored.count:
         missing = min(set(range(stored.count)) - stored.indices)
         return (
-            f"{who} at step {step} has {len(stored.indices)} of {stored.count} micro-batches of step {step}, "
-            f"waiting for micro-batch {missing}"
+            f"{who} at step {step} has {len(stored.indices)} of {stored.count} micro-batches of "
+            f"step {step}, waiting for micro-batch {missing}"
         )
     if stored is not None:
-        return f"{who} at step {step} has all {stored.count} micro-batches of step {step} and has not recorded the step"
+        return (
+            f"{who} at step {step} has all {stored.count} micro-batches of step {step} and has "
+            "not recorded the step"
+        )
     algo, held = view.cfg.algorithm, view.queues.get("buffer")
     holds = f"it holds {held.in_flight} scored samples, " if held is not None else ""
     needs = f"a step needs {algo.prompts_per_step} complete groups of {view.cfg.data.n}"
@@ -185,7 +189,8 @@ def queue_line(cfg: RunConfig, role: str, queue: QueueView, live: int) -> str | 
     if not live:
         return (
             f"the {role} queue holds {queue.in_flight} {items} in flight for a {noun} that stopped "
-            f"heartbeating (no live {noun}), back to the queue {queue.ack_wait:.0f}s after its last heartbeat"
+            f"heartbeating (no live {noun}), back to the queue {queue.ack_wait:.0f}s after its "
+            "last heartbeat"
         )
     after = cfg.trainer.stall_after
     if role == "buffer" or queue.idle < after:
@@ -196,17 +201,24 @@ def queue_line(cfg: RunConfig, role: str, queue: QueueView, live: int) -> str | 
         if queue.redelivered
         else ""
     )
-    return f"the {role} queue has {queue.in_flight} {items} in flight at {workers} and none acked for over {after:.0f}s{again}"
+    return (
+        f"the {role} queue has {queue.in_flight} {items} in flight at {workers} and none acked "
+        f"for over {after:.0f}s{again}"
+    )
 
 
 def gate_line(view: RunView) -> str | None:
-    """The gate shut at the current weights (not at the run's end), and the version that opens it."""
+    """The gate shut at the current weights (not at the run's end),
+    and the version that opens it."""
     if view.issued is None or view.version is None or view.dropped is None:
         return None
     opens = view.cfg.staleness.waits_for(view.issued, view.version, view.dropped)
     if opens is None:
         return None
-    return f"the gate has issued all {view.issued} prompts it admits at weights v{view.version} and waits for v{opens}"
+    return (
+        f"the gate has issued all {view.issued} prompts it admits at weights v{view.version} "
+        f"and waits for v{opens}"
+    )
 
 
 def stall_text(seconds: float, reasons: list[str]) -> str:

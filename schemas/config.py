@@ -126,7 +126,8 @@ class ReferenceConfig(Section):
     sample with its reference log-probs) instead of `rewards`; the trainer then holds no reference
     copy of its own. False: with a KL in the loss, the trainer scores the reference itself."""
     workers: int = Field(1, ge=1)
-    """Reference processes the one-machine job's fleet starts (a cluster's fleet YAML says its own)."""
+    """Reference processes the one-machine job's fleet starts
+    (a cluster's fleet YAML says its own)."""
     concurrency: int = Field(8, ge=1)
     """Samples one reference worker holds at once; those waiting together share one forward pass."""
     batch: int = Field(8, ge=1)
@@ -145,7 +146,8 @@ class CollectiveConfig(Section):
     device: str = "cpu"
     """Where buckets and a receiver's staging buffer live: `cpu` for gloo, `cuda:N` for nccl."""
     bucket_mib: int = Field(64, ge=1)
-    """MiB per broadcast; the trainer holds two buckets, a worker one buffer of the version's size."""
+    """MiB per broadcast; the trainer holds two buckets, a worker one buffer of the version's
+    size."""
     op_timeout_s: float = Field(30.0, gt=0)
     """Longest one bucket's broadcast may take before the attempt fails and the group is rebuilt
     without the stalled member."""
@@ -184,10 +186,10 @@ class WeightsConfig(Section):
     collective: CollectiveConfig = CollectiveConfig()
     """collective: the broadcast's settings."""
     dir: str = ""
-    """filesystem: the directory versions are written under, as `<dir>/<run>/v<version>-<token>.safetensors`;
-    the trainer and every rollout worker of the run must see it at the same path. Empty: `weights`
-    in the producer's run directory (filled in by the producer, like `trainer.checkpoint_dir`);
-    a relative path is made absolute by the producer."""
+    """filesystem: the directory versions are written under,
+    as `<dir>/<run>/v<version>-<token>.safetensors`; the trainer and every rollout worker of the run
+    must see it at the same path. Empty: `weights` in the producer's run directory (filled in by the
+    producer, like `trainer.checkpoint_dir`); a relative path is made absolute by the producer."""
     chunk_mib: int = Field(2, ge=1, le=64)
     """object_store: chunk size in MiB, capped at the server's max payload (8 MiB on the embedded
     server, 1 MiB on a default nats-server). Measured on 2 cores: reads run at the same speed from
@@ -216,7 +218,8 @@ class WeightsConfig(Section):
     def _delta_moves_bytes(self) -> WeightsConfig:
         if self.delta and self.transport == "collective":
             raise ValueError(
-                "delta versions go through object_store or filesystem; collective broadcasts full versions"
+                "delta versions go through object_store or filesystem; "
+                "collective broadcasts full versions"
             )
         return self
 
@@ -244,7 +247,8 @@ class RunConfig(Section):
     reference: ReferenceConfig = ReferenceConfig()
     weights: WeightsConfig = WeightsConfig()
     streams: StreamsConfig = StreamsConfig()
-    """Stream limits derived from the run's bounds, overrides, age limit, loss guard (`schemas.streams_config`)."""
+    """Stream limits derived from the run's bounds, overrides, age limit,
+    loss guard (`schemas.streams_config`)."""
 
     @property
     def staleness(self) -> StalenessPolicy:
@@ -308,30 +312,31 @@ class RunConfig(Section):
             )
         if algo.kl_placement == "reward" and not self.reference.enabled:
             raise ValueError(
-                "algorithm.kl_placement reward needs reference.enabled: the buffer takes the reference "
-                "log-probs from the reference stage"
+                "algorithm.kl_placement reward needs reference.enabled: "
+                "the buffer takes the reference log-probs from the reference stage"
             )
         if algo.advantage == "gae" and self.trainer.engine.type != "torch":
             raise ValueError(
-                f"algorithm.advantage gae needs trainer.engine torch: the {self.trainer.engine.type} "
-                "engine holds no value model (critic)"
+                "algorithm.advantage gae needs trainer.engine torch: "
+                f"the {self.trainer.engine.type} engine holds no value model (critic)"
             )
         if algo.advantage == "gae" and self.data.n == 1 and algo.drop_equal_reward_groups:
             raise ValueError(
-                "algorithm.advantage gae with data.n 1 needs algorithm.drop_equal_reward_groups false: a group "
-                "of one sample always has equal rewards, so every group would be dropped"
+                "algorithm.advantage gae with data.n 1 needs algorithm.drop_equal_reward_groups "
+                "false: a group of one sample always has equal rewards, so every group would be "
+                "dropped"
             )
         if self.data.n < 2 and algo.advantage != "gae":
             raise ValueError(
-                f"data.n {self.data.n}: group-relative advantages need at least 2 samples per prompt "
-                "(a group of 1 has no baseline)"
+                f"data.n {self.data.n}: group-relative advantages need at least 2 samples per "
+                "prompt (a group of 1 has no baseline)"
             )
         if self.rollout.engine.type == "vllm" and self.data.sampling.top_p < 1:
             # vLLM's processed log-probs are renormalised over the nucleus; the trainer's are not.
             raise ValueError(
-                f"rollout.engine vllm needs data.sampling.top_p 1, not {self.data.sampling.top_p}: its "
-                "log-probs are renormalised over the top-p nucleus and would not match the trainer's; "
-                "use engine hf or sglang for top_p < 1"
+                f"rollout.engine vllm needs data.sampling.top_p 1, not {self.data.sampling.top_p}: "
+                "its log-probs are renormalised over the top-p nucleus and would not match the "
+                "trainer's; use engine hf or sglang for top_p < 1"
             )
         stream_needs(self)  # an override below a stream's need: refused, with the derivation
         return self

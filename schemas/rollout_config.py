@@ -30,8 +30,9 @@ class SimulatedRolloutConfig(Section):
     type: Literal["simulated"] = "simulated"
 
     median_tokens: float = Field(64.0, gt=0)
-    """Median response length in tokens (the log-normal's exp(mu)); capped at `data.sampling.max_tokens`,
-    which the rollout still checks against the real model's context (the built-in tiny model: 64)."""
+    """Median response length in tokens (the log-normal's exp(mu));
+    capped at `data.sampling.max_tokens`, which the rollout still checks against the real model's
+    context (the built-in tiny model: 64)."""
     sigma: float = Field(1.0, ge=0)
     """Standard deviation of the log of the response length: 0 makes every response the median,
     1 or more a long tail (a few responses many times the median)."""
@@ -62,7 +63,8 @@ class VLLMRolloutConfig(Section):
     enforce_eager: bool = False
     """True skips CUDA graph capture: faster start, slower decode."""
     dtype: EngineDtype = "auto"
-    """Weights and activations dtype in the engine; auto: the checkpoint's. Loaded weights are cast to it."""
+    """Weights and activations dtype in the engine; auto: the checkpoint's. Loaded weights are
+    cast to it."""
     slots: int = Field(64, ge=1)
     """With `rollout.continuous`: samples generating at once in one engine (vLLM's `max_num_seqs`);
     the worker submits a sample as soon as one of them is free (`engines.vllm_continuous`)."""
@@ -87,14 +89,17 @@ class SGLangRolloutConfig(Section):
     context_length: int | None = Field(None, ge=1)
     """Longest prompt + response in tokens; None takes the model's context."""
     dtype: EngineDtype = "auto"
-    """Weights and activations dtype in the engine; auto: the checkpoint's. Loaded weights are cast to it."""
+    """Weights and activations dtype in the engine; auto: the checkpoint's. Loaded weights are
+    cast to it."""
     slots: int = Field(64, ge=1)
     """With `rollout.continuous`: samples generating at once in one engine (SGLang's
-    `max_running_requests`); the worker submits a sample as soon as one is free (`engines.sglang_continuous`)."""
+    `max_running_requests`); the worker submits a sample as soon as one is free
+    (`engines.sglang_continuous`)."""
     partial_mode: PartialMode = "resubmit"
     """With `rollout.partial`, how a weight load interrupts the samples in flight: resubmit (abort
     them, load, resubmit each as prompt + its tokens so far: exact per-token versions) or keep
-    (SGLang's `pause_generation` in retract mode, then `continue_generation`; needs an SGLang that has it)."""
+    (SGLang's `pause_generation` in retract mode, then `continue_generation`;
+    needs an SGLang that has it)."""
 
 
 RolloutEngineConfig = Annotated[

@@ -55,7 +55,8 @@ through the weights transport)."""
 MIN_STREAM_BYTES = 64 * MIB
 """No stream is made smaller than this: a tiny run's need is a few KB, and a few MB cost nothing."""
 DEAD_BYTES = 1 << 30
-"""The dead-letter stream is not bounded by the gate: what the stages refuse, kept for the operator."""
+"""The dead-letter stream is not bounded by the gate: what the stages refuse,
+kept for the operator."""
 
 
 class StreamsConfig(Section):
@@ -65,11 +66,12 @@ class StreamsConfig(Section):
     """Each derived need is multiplied by this: messages redelivered or replaced (dropped groups
     are replaced by the gate), text heavier than 4 bytes per token."""
     max_prompt_tokens: int = Field(2048, ge=1)
-    """The longest prompt the bounds assume, in tokens (the response's is `data.sampling.max_tokens`)."""
+    """The longest prompt the bounds assume, in tokens (the response's is
+    `data.sampling.max_tokens`)."""
     max_bytes: dict[StreamName, int] = Field(default_factory=dict)
     """Operator overrides, in bytes, by stream (prompts, trajectories, rewards, scored, batches,
-    weights, dead). One below the derived need is refused at load with the need and how it was derived;
-    one above is used as it is."""
+    weights, dead). One below the derived need is refused at load with the need and how it was
+    derived; one above is used as it is."""
     max_dropped_share: float = Field(0.5, ge=0, lt=1)
     """The share of the prompts issued whose groups the prompts bound allows to be dropped (all
     rewards equal, too stale, refused by the rollout) and replaced by new prompts through the gate:
@@ -82,10 +84,10 @@ class StreamsConfig(Section):
     every batch and weights event a restart from a checkpoint could still need, however long the
     run; a non-zero age can delete unconsumed work, which the loss guard then reports."""
     consumed: Literal["delete", "keep"] = "delete"
-    """What happens to a trajectory, reward or scored sample once its work queue acked it. delete: the server
-    removes it (interest retention), so those streams hold only unconsumed work and their need is
-    the gate's bound. keep: it stays (limits retention) for replay and audit, so the need covers
-    every sample of the run (trainer.steps x prompts_per_step x n)."""
+    """What happens to a trajectory, reward or scored sample once its work queue acked it. delete:
+    the server removes it (interest retention), so those streams hold only unconsumed work and their
+    need is the gate's bound. keep: it stays (limits retention) for replay and audit, so the need
+    covers every sample of the run (trainer.steps x prompts_per_step x n)."""
     guard_seconds: float = Field(10.0, gt=0)
     """How often each worker checks its work queue for loss: the stream's first sequence past the
     durable consumer's ack floor (`bus.loss`)."""
@@ -145,8 +147,8 @@ def _needs(cfg: RunConfig) -> dict[str, tuple[float, str]]:
         samples, why = (
             run_samples,
             (
-                f"consumed: keep, every sample of the run: steps {cfg.trainer.steps} x prompts_per_step "
-                f"{a.prompts_per_step} x n {cfg.data.n} = {run_samples} samples"
+                f"consumed: keep, every sample of the run: steps {cfg.trainer.steps} x "
+                f"prompts_per_step {a.prompts_per_step} x n {cfg.data.n} = {run_samples} samples"
             ),
         )
     tokens = f"{prompt_tokens} prompt + {response_tokens} response tokens"
@@ -154,10 +156,10 @@ def _needs(cfg: RunConfig) -> dict[str, tuple[float, str]]:
         "prompts": (
             issued * prompt,
             (
-                f"every prompt of the run (gate resume, audit), replacements of dropped groups included: "
-                f"steps {cfg.trainer.steps} x prompts_per_step {a.prompts_per_step} = {trained_prompts} trained "
-                f"/ (1 - max_dropped_share {s.max_dropped_share:g}) = {issued} issued x {prompt:,} B "
-                f"({prompt_tokens} tokens)"
+                "every prompt of the run (gate resume, audit), replacements of dropped groups "
+                f"included: steps {cfg.trainer.steps} x prompts_per_step {a.prompts_per_step} = "
+                f"{trained_prompts} trained / (1 - max_dropped_share {s.max_dropped_share:g}) = "
+                f"{issued} issued x {prompt:,} B ({prompt_tokens} tokens)"
             ),
         ),
         "trajectories": (samples * trajectory, f"{why} x {trajectory:,} B ({tokens})"),
@@ -174,17 +176,18 @@ def _needs(cfg: RunConfig) -> dict[str, tuple[float, str]]:
                 f"the steps a restart can need (trimmed at each checkpoint): min(checkpoint_every "
                 f"{cfg.trainer.checkpoint_every} + gate bound (max_staleness "
                 f"{staleness.bound} + 1) + the "
-                f"checkpoint's last step 1, steps {cfg.trainer.steps}) = {kept_steps} steps x {group} rows x "
+                f"checkpoint's last step 1, steps {cfg.trainer.steps}) = {kept_steps} steps "
+                f"x {group} rows x "
                 f"({tokens}) x {per_position} B"
             ),
         ),
         "weights": (
             versions * WEIGHTS_EVENT_BYTES,
             (
-                f"every version's event of the run (small; audit and the delta chains' earlier events): "
-                f"{versions} versions x {WEIGHTS_EVENT_BYTES:,} B per event (the bytes themselves: weights.keep "
-                f"{cfg.weights.keep} versions + a delta chain of up to full_every {cfg.weights.full_every} "
-                "in the object store)"
+                "every version's event of the run (small; audit and the delta chains' earlier "
+                f"events): {versions} versions x {WEIGHTS_EVENT_BYTES:,} B per event (the bytes "
+                f"themselves: weights.keep {cfg.weights.keep} versions + a delta chain of up to "
+                f"full_every {cfg.weights.full_every} in the object store)"
             ),
         ),
     }
@@ -217,7 +220,10 @@ def stream_needs(cfg: RunConfig) -> dict[str, Need]:
     }
     for name, (raw, how) in _needs(cfg).items():
         need = max(int(raw * s.safety_factor), MIN_STREAM_BYTES)
-        how = f"{how} = {_mib(raw)}, x safety_factor {s.safety_factor:g} = {_mib(raw * s.safety_factor)}"
+        how = (
+            f"{how} = {_mib(raw)}, x safety_factor {s.safety_factor:g} = "
+            f"{_mib(raw * s.safety_factor)}"
+        )
         if raw * s.safety_factor < MIN_STREAM_BYTES:
             how += f", at least {_mib(MIN_STREAM_BYTES)}"
         override = s.max_bytes.get(name)  # type: ignore[call-overload]

@@ -54,7 +54,8 @@ class MegatronConfig(Section):
     """Ranks one model copy's layers are split over (megatron's tensor parallelism: attention by
     query groups, MLP by columns and rows, the vocabulary by slices). Must divide the model's
     num_key_value_heads and intermediate_size. The trainer then runs tp x pp ranks (`--rank 0
-    .. tp*pp-1`, the local job starts them), which meet as fsdp ranks do and all read `batches.0`."""
+    .. tp*pp-1`, the local job starts them), which meet as fsdp ranks do and all read
+    `batches.0`."""
     pipeline_parallel_size: int = Field(1, ge=1)
     """Pipeline stages one model copy's layers are split over (consecutive layers per stage, the
     embedding on the first, the final norm and output layer on the last; megatron's 1F1B
@@ -107,18 +108,22 @@ class TrainerConfig(Section):
     seed: int = 0
     """Trainer seed (torch, numpy, python)."""
     checkpoint_dir: str = ""
-    """Where rank checkpoints go; empty means runs/<run>/checkpoints under the producer's directory."""
+    """Where rank checkpoints go; empty means runs/<run>/checkpoints under the producer's
+    directory."""
     wandb_project: str | None = None
-    """Rank 0 logs each step's metrics to this Weights & Biases project (needs `pip install wandb`)."""
+    """Rank 0 logs each step's metrics to this Weights & Biases project
+    (needs `pip install wandb`)."""
     tensorboard_dir: str | None = None
-    """Rank 0 writes each step's metrics as TensorBoard scalars here (needs `pip install tensorboard`)."""
+    """Rank 0 writes each step's metrics as TensorBoard scalars here
+    (needs `pip install tensorboard`)."""
     simulated_seconds_per_token: float = Field(0.0, ge=0)
     """For scheduling studies (with `rollout.engine: simulated`): after each real optimizer step,
     spend this many more seconds per token the step trained on this rank (attention-mask tokens,
     prompt and response), as a bigger model would; 0 adds nothing."""
     stall_after: float = Field(30.0, gt=0)
     """Seconds with no completed step after which the run counts as stalled: the producer's progress
-    line, its log and `ops.status` then name the stage that holds the work and why (`producers.stall`)."""
+    line, its log and `ops.status` then name the stage that holds the work and why
+    (`producers.stall`)."""
 
     @field_validator("engine", mode="before")
     @classmethod

@@ -57,7 +57,7 @@ def hf_models() -> dict[str, torch.nn.Module]:
         )
     )
     llama = LlamaForCausalLM(
-        LlamaConfig(
+        LlamaConfig(  # type: ignore[call-arg]  # transformers 5: rope_theta via **kwargs
             vocab_size=15,
             hidden_size=64,
             intermediate_size=96,
@@ -69,7 +69,7 @@ def hf_models() -> dict[str, torch.nn.Module]:
             tie_word_embeddings=False,
             rope_theta=5e5,
         )
-    )  # type: ignore[call-arg]  # transformers 5 takes rope_theta through **kwargs
+    )
     for model in (qwen2, llama):
         with (
             torch.no_grad()

@@ -353,8 +353,8 @@ def test_the_rollout_worker_drives_the_vllm_adapter_through_a_version_change(
             torch.where(versions == 1, under_new, under_old),
             atol=1e-5,
             rtol=0,
-            msg=lambda m, t=t: f"{t.id}: {m}",
-        )  # type: ignore[misc]  # the default binds the loop value
+            msg=lambda m, t=t: f"{t.id}: {m}",  # type: ignore[misc]  # the default binds the loop
+        )
     assert spanning, (
         f"no trajectory spanned v0 -> v1: {[t.versions.numpy().tolist() for t in stored]}"
     )

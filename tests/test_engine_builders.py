@@ -57,9 +57,10 @@ def test_each_section_holds_its_engines_settings_only_and_says_which_key_is_wron
         "config: trainer.engine.tensor_parallel_size: Extra inputs are not permitted (type fsdp)": {
             "trainer": {"engine": {"type": "fsdp", "tensor_parallel_size": 2}}
         },
-        "config: rollout.engine: an engine section names its engine in `type` (e.g. `type: vllm`)": {
-            "rollout": {"engine": {"gpu_memory_utilization": 0.3}}
-        },
+        (
+            "config: rollout.engine: an engine section names its engine in `type` "
+            "(e.g. `type: vllm`)"
+        ): {"rollout": {"engine": {"gpu_memory_utilization": 0.3}}},
         "config: rollout.vllm: Extra inputs are not permitted":  # the old sibling section
         {"rollout": {"engine": "vllm", "vllm": {"gpu_memory_utilization": 0.3}}},
     }

@@ -82,11 +82,8 @@ def vllm_adapter(model_dir: Path) -> tuple[VLLMRolloutEngine, StandInLLM]:  # no
     engine = object.__new__(VLLMRolloutEngine)
     llm = StandInLLM(hf)
     engine.model, engine.eos_token_ids, engine.dtype = skeleton(model_dir), hf.eos_token_ids, None
-    engine._vllm, engine.llm, engine.version = (
-        SimpleNamespace(SamplingParams=lambda **kw: kw),
-        llm,
-        0,
-    )  # type: ignore[assignment]  # a stand-in vllm module
+    engine._vllm = SimpleNamespace(SamplingParams=lambda **kw: kw)  # type: ignore[assignment]
+    engine.llm, engine.version = llm, 0  # a stand-in vllm module above, the LLM here
     return engine, llm
 
 
@@ -199,5 +196,9 @@ def check_logprobs(trainer: TorchTrainEngine, trajectories: list[TrajectoryEvent
         expected = trainer.logprobs(ids, torch.ones_like(ids))[0, len(prompt) :]
         got = torch.from_numpy(t.logprobs.numpy().copy())
         torch.testing.assert_close(
-            got, expected, atol=1e-5, rtol=0, msg=lambda m, t=t: f"{t.id}: {m}"
-        )  # type: ignore[misc]  # the default binds the loop value
+            got,
+            expected,
+            atol=1e-5,
+            rtol=0,
+            msg=lambda m, t=t: f"{t.id}: {m}",  # type: ignore[misc]  # the default binds the loop
+        )

@@ -87,8 +87,12 @@ def test_two_ranks_train_as_one_process_on_the_union(ranks, single) -> None:
         # such noise, allowed 1% of one step.
         atol = 1e-4 if name.endswith("k_proj.bias") else 1e-5
         torch.testing.assert_close(
-            exported[name], tensor, rtol=1e-5, atol=atol, msg=lambda m, n=name: f"{n}: {m}"
-        )  # type: ignore[misc]  # the default binds the loop value
+            exported[name],
+            tensor,
+            rtol=1e-5,
+            atol=atol,
+            msg=lambda m, n=name: f"{n}: {m}",  # type: ignore[misc]  # the default binds the loop
+        )
 
 
 def test_a_resumed_engine_continues_exactly(ranks) -> None:

@@ -208,8 +208,9 @@ def test_a_weights_load_drains_and_loads_every_replica_and_no_generation_spans_t
                     # The gate reopens once the load is over (checked below: on every replica).
                     await eventually(
                         lambda: (
-                            w.engine.version == version and w.rollout.open_for_requests.is_set()
-                        ),  # noqa: B023
+                            w.engine.version == version  # noqa: B023 - awaited at once
+                            and w.rollout.open_for_requests.is_set()
+                        ),
                         f"v{version} was loaded",
                     )
             finally:

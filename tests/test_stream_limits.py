@@ -56,8 +56,10 @@ def small_topology(**changes: object) -> Topology:
     """A run whose trajectories stream holds 1 MiB."""
     topology = Topology(run=f"t{uuid.uuid4().hex[:10]}")
     return Topology(
-        run=topology.run, max_bytes={**topology.max_bytes, TRAJECTORIES.name: MIB}, **changes
-    )  # type: ignore[arg-type]
+        run=topology.run,
+        max_bytes={**topology.max_bytes, TRAJECTORIES.name: MIB},
+        **changes,  # type: ignore[arg-type]
+    )
 
 
 def test_a_full_stream_makes_the_publisher_wait_and_loses_nothing(

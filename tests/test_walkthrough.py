@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "walkthrough.md"
 PACKAGES = ("bus", "consumers", "producers", "engines", "schemas", "ops")
-SYMBOL = re.compile(r"`((?:%s)(?:\.[A-Za-z_][A-Za-z0-9_]*)+)`" % "|".join(PACKAGES))
+SYMBOL = re.compile(r"`((?:{})(?:\.[A-Za-z_][A-Za-z0-9_]*)+)`".format("|".join(PACKAGES)))
 HOP = re.compile(r"^\s*(\d+)\. `", re.M)
 
 

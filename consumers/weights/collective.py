@@ -1,4 +1,5 @@
-"""Weight versions broadcast from the trainer ranks over torch.distributed, with a stored fallback copy.
+"""Weight versions broadcast from the trainer ranks over torch.distributed,
+with a stored fallback copy.
 
     trainer  publish: the version stored through `weights.fallback` (object store or files, as
              without the broadcast) -> the event says `collective`, the rendezvous address
@@ -76,10 +77,12 @@ class CollectiveTransport:
         self.fallback = fallback
         self.members, self.member_id, self.rank = members, member_id, rank
         self.senders = 1
-        """Trainer ranks that send (each its own tensors); set by the publisher before the first version."""
+        """Trainer ranks that send (each its own tensors); set by the publisher before the first
+        version."""
         self.peer: CollectivePeer | None = None
         self.alive: list[str] = []
-        """The members the next broadcast goes to (refreshed before each; read by the source's thread)."""
+        """The members the next broadcast goes to (refreshed before each;
+        read by the source's thread)."""
         self.source: CollectiveSource | None = None
         self.receiver: CollectiveReceiver | None = None
         self.sending: asyncio.Task[Published] | None = None
@@ -100,7 +103,8 @@ class CollectiveTransport:
     async def publish(
         self, version: int, tensors: dict[str, torch.Tensor], pinned: Collection[str] = ()
     ) -> Stored:
-        """Store the fallback copy; the broadcast itself starts once the event is out (`broadcast`)."""
+        """Store the fallback copy; the broadcast itself starts once the event is out
+        (`broadcast`)."""
         return await self.fallback(self.config.fallback).publish(version, tensors, pinned)
 
     async def publish_bytes(

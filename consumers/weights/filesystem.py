@@ -46,7 +46,8 @@ def file_name(version: int) -> str:
 
 
 class FilesystemTransport:
-    """Versions of one run as files under `root` (`<weights.dir>/<run>`), the last `keep` written kept."""
+    """Versions of one run as files under `root` (`<weights.dir>/<run>`),
+    the last `keep` written kept."""
 
     name: ClassVar[TransportName] = "filesystem"
 

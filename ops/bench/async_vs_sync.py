@@ -1,4 +1,5 @@
-"""`python -m ops.bench.async_vs_sync [--quick] [--simulated-only] [--out DIR]`: the async speedup, against our own sync mode.
+"""`python -m ops.bench.async_vs_sync [--quick] [--simulated-only] [--out DIR]`:
+the async speedup, against our own sync mode.
 
 Runs the same job four times on the same fleet shape (one trainer, buffer, reward worker and
 rollout worker; embedded server): `mode: sync`, then `mode: async` with max_staleness 1, 2
@@ -105,7 +106,7 @@ def smoothed(rewards: list[float], window: int) -> list[float]:
 def time_to(result: dict, target: float, window: int) -> float | None:
     """Seconds from the run's first generation to the end of the first step whose smoothed
     reward reaches `target`; None if none does."""
-    for end, reward in zip(result["step_ends"], smoothed(result["rewards"], window)):
+    for end, reward in zip(result["step_ends"], smoothed(result["rewards"], window), strict=False):
         if reward >= target - 1e-9:
             return end - result["timeline"]["start"]
     return None
@@ -169,7 +170,7 @@ def plot(results: dict[str, dict], path: Path) -> None:
     fig, axes = plt.subplots(
         len(results), 1, figsize=(11, 1.3 * len(results) + 1), sharex=True, squeeze=False
     )
-    for ax, (name, result) in zip(axes[:, 0], results.items()):
+    for ax, (name, result) in zip(axes[:, 0], results.items(), strict=False):
         t0 = result["timeline"]["start"]
         for row, (who, colour) in enumerate((("rollout", "tab:blue"), ("trainer", "tab:orange"))):
             spans = [(s - t0, e - s) for s, e in result["timeline"][who]]

@@ -1,4 +1,5 @@
-"""`python -m ops.bench.weights [--quick] [--out DIR]`: weight versions through every transport vs plain nats-py.
+"""`python -m ops.bench.weights [--quick] [--out DIR]`: weight versions through every transport vs
+plain nats-py.
 
 One embedded nats-server (8 MiB max payload), this process as the trainer, 4 rollout-worker
 processes (spawned, one torch thread each), all on the same machine:
@@ -15,9 +16,10 @@ processes (spawned, one torch thread each), all on the same machine:
   whose callback copies each into a preallocated buffer (iterating `sub.messages` is slower:
   nats-py answers flow control from that iterator only every 0.25 s).
 Every figure is the median of `--repeats` versions, the object store's fetch and the baseline
-interleaved; every worker first fetches and reads once, untimed. Collective receivers check the manifest's sha256 like the other
-transports do; a new collective group's rendezvous is paid by a tiny version, untimed.
-ratio = fetch_mb_per_s / baseline_mb_per_s: object store, 1 worker, the model.
+interleaved; every worker first fetches and reads once, untimed. Collective receivers check the
+manifest's sha256 like the other transports do; a new collective group's rendezvous is paid by a
+tiny version, untimed. ratio = fetch_mb_per_s / baseline_mb_per_s: object store, 1 worker,
+the model.
 """
 
 from __future__ import annotations
@@ -250,15 +252,22 @@ class Bench:
                 statistics.median(statistics.mean(a for _, a in w) for w in per), 3
             ),
             "slowest_worker_s": round(statistics.median(max(a for _, a in w) for w in per), 3),
-            # tensor bytes: stored once then read by each worker; the collective's publish is its delivery
+            # tensor bytes: stored once then read by each worker;
+            # the collective's publish is its delivery
             "bytes_moved": size * workers if name == "collective" else size * (1 + workers),
         } | ({"baseline_s": round(statistics.median(base), 3)} if baseline else {})
 
     async def base_stream(self, size: int) -> str:
         """A stream holding `size` bytes in 8 MiB messages (the baseline reads it); its subject."""
         subject = f"bench.base.{size}"
-        await self.js.add_stream(StreamConfig(name=subject.replace(".", "_").upper(), subjects=[subject],
-                                              storage=StorageType.FILE, max_msg_size=MAX_PAYLOAD))  # fmt: skip
+        await self.js.add_stream(
+            StreamConfig(
+                name=subject.replace(".", "_").upper(),
+                subjects=[subject],
+                storage=StorageType.FILE,
+                max_msg_size=MAX_PAYLOAD,
+            )
+        )
         chunk = os.urandom(MAX_PAYLOAD)
         for offset in range(0, size, MAX_PAYLOAD):
             await self.js.publish(subject, chunk[: min(MAX_PAYLOAD, size - offset)])
@@ -269,8 +278,15 @@ def progress(text: str) -> None:
     print(text, flush=True)
 
 
-async def bench(url: str, root: Path, quick: bool, repeats: int, conns: list[Connection], settings: CollectiveSettings,
-                model: tuple[Weights, Weights]) -> dict:  # fmt: skip
+async def bench(
+    url: str,
+    root: Path,
+    quick: bool,
+    repeats: int,
+    conns: list[Connection],
+    settings: CollectiveSettings,
+    model: tuple[Weights, Weights],
+) -> dict:
     nc = await connect(url, "bench-weights-trainer")
     js = nc.jetstream()
     await js.create_object_store(BUCKET)
@@ -305,7 +321,8 @@ async def bench(url: str, root: Path, quick: bool, repeats: int, conns: list[Con
             figures["transports"][name] = rows
             progress(
                 f"{name:>12}: publish {rows['x1']['publish_s']:.2f} s, fetch+apply 1 worker "
-                f"{rows['x1']['fetch_apply_s']:.2f} s, {WORKERS} workers {rows[f'x{WORKERS}']['fetch_apply_s']:.2f} s each"
+                f"{rows['x1']['fetch_apply_s']:.2f} s, {WORKERS} workers "
+                f"{rows[f'x{WORKERS}']['fetch_apply_s']:.2f} s each"
             )
         rows = figures["transports"]["object_store"]
         figures["baseline"] = {key: rows[key].pop("baseline_s") for key in rows}
@@ -337,7 +354,8 @@ async def bench(url: str, root: Path, quick: bool, repeats: int, conns: list[Con
     first, last = (
         int(k) for k in (min(figures["sizes_mb"], key=int), max(figures["sizes_mb"], key=int))
     )
-    # seconds per MiB at the largest size / at the smallest: 1.0 is linear, 8.0 at 8x the size quadratic
+    # seconds per MiB at the largest size / at the smallest: 1.0 is linear,
+    # 8.0 at 8x the size quadratic
     figures["linearity"] = round(
         (figures["sizes_mb"][str(last)] / last) / (figures["sizes_mb"][str(first)] / first), 3
     )
@@ -414,8 +432,14 @@ def main() -> None:
         with EmbeddedNats(Path(tmp) / "nats") as server:
             ctx = mp.get_context("spawn")
             pipes = [ctx.Pipe() for _ in range(WORKERS)]
-            procs = [ctx.Process(target=worker, args=(i, server.url, str(Path(tmp) / "weights"), settings, child), daemon=True)
-                     for i, (_, child) in enumerate(pipes)]  # fmt: skip
+            procs = [
+                ctx.Process(
+                    target=worker,
+                    args=(i, server.url, str(Path(tmp) / "weights"), settings, child),
+                    daemon=True,
+                )
+                for i, (_, child) in enumerate(pipes)
+            ]
             for p in procs:
                 p.start()
             conns = [parent for parent, _ in pipes]
