@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Generic, TypeVar
 
+from schemas.episode_state import EpisodeState
 from schemas.events import (
     BatchEvent,
     Event,
@@ -143,14 +144,15 @@ REWARDS: Channel[RewardEvent] = Channel(
     RewardEvent,
     None,
     publishers=("reward",),
-    readers=(Reader("buffer", Read.WORK_QUEUE),),
+    # The producer follows it for `samples.jsonl` (`producers.samples`).
+    readers=(Reader("buffer", Read.WORK_QUEUE), Reader("producer", Read.BY_POSITION)),
     # The buffer holds scored samples unacked until they are inside a stored batch, so its
     # pending window must hold several steps of samples.
     queue=WorkQueue("buffer", ack_wait=ACK_WAIT, max_ack_pending=65536),
 )
 REWARDS_TO_REFERENCE: Channel[RewardEvent] = dataclasses.replace(
     REWARDS,
-    readers=(Reader("reference", Read.WORK_QUEUE),),
+    readers=(Reader("reference", Read.WORK_QUEUE), Reader("producer", Read.BY_POSITION)),
     queue=WorkQueue("reference", ack_wait=ACK_WAIT, max_ack_pending=4096),
 )
 """`rewards` as a run with `reference.enabled` has it: the same stream,
@@ -169,7 +171,12 @@ BATCHES: Channel[BatchEvent] = Channel(
     BatchEvent,
     "rank",
     publishers=("buffer",),
-    readers=(Reader("trainer", Read.BY_POSITION), Reader("buffer", Read.REPLAY)),
+    # The trainer also reads its last stored batch at start: does it replay stored steps?
+    readers=(
+        Reader("trainer", Read.BY_POSITION),
+        Reader("buffer", Read.REPLAY),
+        Reader("trainer", Read.LAST_STORED),
+    ),
 )
 WEIGHTS: Channel[WeightVersionEvent] = Channel(
     "weights",
@@ -277,7 +284,16 @@ LOSS = KvKey(
     "should never exist",
     LossRecord,
 )
-KV_KEYS: tuple[KvKey, ...] = (CONFIG, DROPS, METRICS, RENDEZVOUS, LOSS)
+EPISODES = KvKey(
+    "episode.<prompt id>.<sample>",
+    "episode.>",
+    ("rollout",),
+    "an agent episode after its last completed turn: a rollout worker that takes the prompt "
+    "over resumes it there (`consumers.episodes`); deleted once the prompt's trajectories are "
+    "stored",
+    EpisodeState,
+)
+KV_KEYS: tuple[KvKey, ...] = (CONFIG, DROPS, METRICS, RENDEZVOUS, LOSS, EPISODES)
 MEMBERS = KvKey(
     "<host>_<pid>_<role>",
     ">",
@@ -305,6 +321,10 @@ def drop_key(prompt_id: str) -> str:
 def dropped_prompt(key: str) -> str | None:
     """The prompt id of a drop key, None for another key."""
     return key.removeprefix(_DROP) if key.startswith(_DROP) else None
+
+
+def episode_key(prompt_id: str, sample: int) -> str:
+    return f"episode.{prompt_id}.{sample}"
 
 
 def loss_key(channel: str) -> str:

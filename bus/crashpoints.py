@@ -89,6 +89,16 @@ ROLLOUT_MID_GENERATION = _declare(
 ROLLOUT_STORED_NOT_ACKED = _declare(
     "rollout", "stored_not_acked", "a prompt's trajectories are all stored; the prompt is not acked"
 )
+ROLLOUT_BETWEEN_TURNS = _declare(
+    "rollout",
+    "between_turns",
+    "an agent episode's turn is recorded (its KV state); its next model turn is not started",
+)
+ROLLOUT_MID_TOOL_CALL = _declare(
+    "rollout",
+    "mid_tool_call",
+    "an agent episode's tool call is running in its tool process; its result is not recorded",
+)
 ROLLOUT_MID_WEIGHT_LOAD = _declare(
     "rollout",
     "mid_weight_load",

@@ -34,7 +34,7 @@ from typing import Any, Generic, TypeVar
 
 from bus import loss
 from bus.runtime import CannotAttach, Runtime, attach, worker_args
-from bus.tasks import cancel_until_done
+from bus.tasks import cancel_until_done, recancelled
 from bus.topology import Channel
 from bus.worker import Handler, OnDead, Worker, WorkerOptions, stop_on_signals
 from schemas.events import Event
@@ -93,11 +93,11 @@ async def serve(rt: Runtime, stage: Stage[Any], stop: asyncio.Event) -> None:
     try:
         async with asyncio.TaskGroup() as group:
             running = [
-                group.create_task(_watched(name, helper), name=name)
+                group.create_task(recancelled(_watched(name, helper), name), name=name)
                 for name, helper in helpers.items()
             ]
             if stage.main is not None:
-                await stage.main(stop)
+                await recancelled(stage.main(stop), "main")
             elif stage.channel is not None and stage.handler is not None:
                 worker = Worker(
                     rt.js,
@@ -108,7 +108,7 @@ async def serve(rt: Runtime, stage: Stage[Any], stop: asyncio.Event) -> None:
                     stage.options,
                     stage.on_dead,
                 )
-                await worker.run(stop)
+                await recancelled(worker.run(stop), "worker")
             else:
                 await stop.wait()
             await cancel_until_done(running)  # a helper mid-request can swallow one cancel

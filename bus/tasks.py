@@ -10,16 +10,19 @@ once, went on in 39 of 60 tries; under load every request is slower, so a helper
 now and then (a heartbeat) is more often caught mid-request.
 
 `cancel_until_done` cancels again, every `RECANCEL_SECONDS`, until each task has ended.
+`recancelled` does the same for the tasks a TaskGroup cancels when one of its tasks fails.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Coroutine, Iterable
+from typing import Any, TypeVar
 
 log = logging.getLogger("jetrl.tasks")
+
+T = TypeVar("T")
 
 RECANCEL_SECONDS = 0.1
 """How long a cancelled task has to end before it is cancelled again. Short: most of the time a
@@ -48,3 +51,24 @@ async def cancel_until_done(
                 "still running %.0f s after their cancel, cancelling again: %s", WARN_SECONDS, names
             )
             warned = True
+
+
+async def recancelled(coro: Coroutine[Any, Any, T], name: str) -> T:
+    """Await `coro`, run as its own task named `name`; when this is cancelled, cancel that task
+    until it has ended (`cancel_until_done`), then raise CancelledError.
+
+    For the tasks of a TaskGroup and for its body: when one of them fails, the group cancels each
+    of the others once and waits for them. A task caught mid-request swallowed that one cancel
+    and ran on, so the group waited for ever: the main job stopped by `reward.max_failed_share`
+    hung silently with its workers gone, and ignored SIGTERM. Here the group's cancel lands on
+    an await of a shield, which cannot swallow it, and the coroutine is cancelled until it ends.
+    """
+    inner = asyncio.ensure_future(coro)
+    inner.set_name(name)
+    try:
+        return await asyncio.shield(inner)
+    except asyncio.CancelledError:
+        await cancel_until_done([inner])
+        if not inner.cancelled() and inner.exception() is not None:
+            log.warning("%s ended with %r while cancelled", name, inner.exception())
+        raise

@@ -1,6 +1,11 @@
 """Turning complete groups into gradient-ready micro-batches, balanced by tokens across ranks.
 
 Pure functions over numpy (no bus): the buffer calls `pack_step`; tests check the balance.
+
+A row's loss mask over its response is its trajectory's `trained_mask` (a multi-turn episode's
+environment and template tokens: 0, as the prompt); the behaviour log-probs and versions are
+copied as they travel (0.0 and -1 at those tokens already), the reference log-probs only where
+the loss mask is 1 (0 elsewhere, as `BatchEvent` says).
 """
 
 from __future__ import annotations
@@ -27,11 +32,12 @@ class Row:
     prompt: np.ndarray  # int32 [P]
     response: np.ndarray  # int32 [R]
     logprobs: np.ndarray  # float32 [R]
-    versions: np.ndarray  # int32 [R]
+    versions: np.ndarray  # int32 [R], -1 at environment tokens
     advantage: float
     reward: float
     traceparent: str
     ref_logprobs: np.ndarray | None = None  # float32 [R], from the reference stage
+    trained: np.ndarray | None = None  # bool [R], the model's tokens; None: all of them
 
     @property
     def tokens(self) -> int:
@@ -50,6 +56,7 @@ class Row:
             reward.reward,
             traceparent,
             None if reward.ref_logprobs is None else reward.ref_logprobs.numpy(),
+            None if t.response_mask is None else t.trained_mask(),
         )
 
 
@@ -118,11 +125,12 @@ def arrays(rows: list[Row]) -> MicroBatchArrays:
         p, n = len(row.prompt), row.tokens
         input_ids[i, :p], input_ids[i, p:n] = row.prompt, row.response
         attention[i, :n] = 1
-        loss[i, p:n] = 1
+        loss[i, p:n] = 1 if row.trained is None else row.trained
         logprobs[i, p:n] = row.logprobs
         versions[i, p:n] = row.versions
-        if ref is not None:
-            ref[i, p:n] = row.ref_logprobs
+        if ref is not None and row.ref_logprobs is not None:
+            scored = row.ref_logprobs
+            ref[i, p:n] = scored if row.trained is None else np.where(row.trained, scored, 0.0)
     return MicroBatchArrays(
         input_ids,
         attention,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -35,6 +34,7 @@ from bus.topology import SCORED
 from bus.worker import Handler, Reject, WorkerOptions
 from consumers.checks import ModelLimits
 from engines.device import resolve_device, torch_dtype
+from engines.model_source import ModelNotFound, resolve_model_path
 from engines.reference import ReferenceEngine
 from schemas import RewardEvent, Tensor
 
@@ -126,9 +126,13 @@ async def build(rt: Runtime) -> Stage[RewardEvent]:
         device = resolve_device()
     except ValueError as exc:
         raise CannotAttach(str(exc)) from None
+    try:  # a hub id: fetched or cached; a .gguf file: converted once (as rollout sees it)
+        model_dir = await asyncio.to_thread(resolve_model_path, cfg.model.path, cfg.model.revision)
+    except ModelNotFound as exc:
+        raise CannotAttach(str(exc)) from None
     engine = await asyncio.to_thread(
         ReferenceEngine,
-        Path(cfg.model.path or ""),
+        model_dir,
         temperature=cfg.data.sampling.temperature,
         device=device,
         dtype=torch_dtype(cfg.model.dtype),

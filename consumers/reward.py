@@ -5,7 +5,8 @@
 Each trajectory's `response_text` and `task` go to the run's reward function
 (`config.data.reward`) in a process pool with a deadline (`consumers.reward_pool`).
 Whatever that function does — hang, crash, return garbage — the trajectory gets a
-RewardEvent, failed with a reason if need be, so its group can still be accounted for.
+RewardEvent, failed with a reason if need be, so its group can still be accounted for; the
+first failure of each distinct reason (`schemas.kv_records.failure_key`) is logged here.
 The RewardEvent is stored before the trajectory is acked, so the trajectories of a killed
 worker are redelivered and scored again, and the shared id makes the re-publish a
 duplicate the stream drops. SIGTERM stops fetching, finishes what was fetched, and exits.
@@ -29,14 +30,18 @@ from consumers.reward_batch import BatchScorer
 from consumers.reward_pool import RewardPool, RewardSpecError
 from consumers.reward_sandbox import IsolationUnavailable
 from schemas import RewardEvent, TrajectoryEvent
+from schemas.kv_records import failure_key
 
 log = logging.getLogger("jetrl.reward")
+LOGGED_REASONS = 100
+"""Most distinct failure reasons one worker logs (a message quoting each sample is many)."""
 
 
 def reward_handler(rt: Runtime, pool: RewardPool) -> Handler[TrajectoryEvent]:
     """Score one trajectory with the run's reward function and store its RewardEvent; the
     handlers running at once share round trips to the pool (`consumers.reward_batch`)."""
     scorer = BatchScorer(pool, rt.config.data.reward, rt.config.reward.batch)
+    seen: set[str] = set()  # failure reasons logged: each distinct one once (`failure_key`)
 
     async def handle(event: TrajectoryEvent, _msg: Msg) -> None:
         with tracing.tracer.start_as_current_span(
@@ -68,6 +73,16 @@ def reward_handler(rt: Runtime, pool: RewardPool) -> Handler[TrajectoryEvent]:
         except EventTooLarge as exc:  # retrying cannot shrink it: straight to dead, with the reason
             raise Reject(str(exc)) from None
         metrics.count_samples("reward", "failed" if score.failed else "scored")
+        key = failure_key(score.reason) if score.failed else ""
+        if key and key not in seen and len(seen) < LOGGED_REASONS:
+            seen.add(key)
+            log.warning(
+                "reward function %s failed on sample %s: %s (first failure of this kind; the "
+                "run counts the others: progress line, ops.status, summary.json)",
+                rt.config.data.reward,
+                event.id,
+                key,
+            )
         if not score.failed:
             metrics.REWARD.record(score.reward)
 

@@ -9,9 +9,14 @@ new user, network, pid and mount namespaces:
 - mount: a private tmpfs on /tmp and /dev/shm (its working directory), an empty one over the
   directory of the worker's identity file (bus.identity; /dev/null over each seed there if
   the directory holds code to import), every other mount re-mounted read-only;
+  the interpreter's import roots that the private dirs would hide (a checkout, a venv or an
+  editable install's sources under /tmp: `import_roots`, `kept_paths`) are bound back in,
+  read-only: the sandbox never hides the project or the user's environment;
 - user: root inside, mapped to the worker's own uid outside, which is what lets an
-  unprivileged worker make the others; RLIMIT_NPROC then counts the sandbox's processes
-  only (Linux >= 5.14 counts per user namespace), so a fork bomb stops at `Limits.processes`
+  unprivileged worker make the others; once the mounts are made, every capability is
+  dropped (`drop_capabilities`), so the code it runs cannot remount or unmount them;
+  RLIMIT_NPROC then counts the sandbox's processes only (Linux >= 5.14 counts per user
+  namespace), so a fork bomb stops at `Limits.processes`
   (and, on Linux >= 6.14, at the pid namespace's own pid_max, which binds root too).
 
 Why `unshare` and not bubblewrap: it is part of util-linux, present wherever Linux is, and
@@ -31,6 +36,7 @@ import logging
 import os
 import shutil
 import sys
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import suppress
 from typing import Literal
 
@@ -72,12 +78,16 @@ MOUNT_OPTIONS = {
     "nodiratime": MS_NODIRATIME,
     "relatime": MS_RELATIME,
 }
+PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 24, 38  # from <linux/prctl.h>
+LINUX_CAPABILITY_VERSION_3 = 0x20080522  # from <linux/capability.h>
+EINVAL = 22  # errno: prctl's answer for a capability past the kernel's last
 PID_MAX_MIN = 301
 """The least pid_max the kernel accepts."""
 PRIVATE_DIRS = ("/tmp", "/dev/shm")
 """Writable, empty and the sandbox's own: a tmpfs each."""
 
-_warned = False
+_warned: set[str] = set()
+"""The sections warned of (once per worker each)."""
 
 
 class IsolationUnavailable(RuntimeError):
@@ -86,7 +96,8 @@ class IsolationUnavailable(RuntimeError):
 
 PROBE = (
     "import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
-    "from consumers.reward_sandbox import enter; enter(1 << 20, 64, [])"
+    "from consumers.reward_sandbox import enter, import_roots, kept_paths; "
+    "enter(1 << 20, 64, [], kept_paths(import_roots()))"
 )
 """A sandbox made as a reward process makes it: namespaces, mounts and limits, or an error."""
 
@@ -109,34 +120,38 @@ async def _unshare_works() -> str:
     )
 
 
-async def choose(isolation: Isolation) -> bool:
-    """Whether reward processes run in the namespaces; says which in the log.
+async def choose(isolation: Isolation, section: str = "reward") -> bool:
+    """Whether `section`'s processes (reward, tools) run in the namespaces; says which in the log.
 
-    `auto` falls back to plain processes with one warning per worker, `required` raises
-    IsolationUnavailable, `off` never tries.
+    `auto` falls back to plain processes with one warning per worker and section, `required`
+    raises IsolationUnavailable, `off` never tries.
     """
-    global _warned
     if isolation == "off":
         log.info(
-            "reward isolation: off (reward processes share the worker's network, /proc and files)"
+            "%s isolation: off (%s processes share the worker's network, /proc and files)",
+            section,
+            section,
         )
         return False
     unshare = shutil.which("unshare") if sys.platform == "linux" else None
     why = "no unshare on PATH (util-linux)" if unshare is None else await _unshare_works()
     if not why:
-        log.info("reward isolation: %s", DESCRIPTION)
+        log.info("%s isolation: %s", section, DESCRIPTION)
         return True
     if isolation == "required":
         raise IsolationUnavailable(
-            f"reward.isolation is 'required' but namespaces cannot be made here: {why}"
+            f"{section}.isolation is 'required' but namespaces cannot be made here: {why}"
         )
-    if not _warned:
-        _warned = True
+    if section not in _warned:
+        _warned.add(section)
         log.warning(
-            "reward isolation: none (%s); reward code can reach the network, "
+            "%s isolation: none (%s); %s code can reach the network, "
             "other processes' /proc and the worker's files; "
-            "set reward.isolation: required to refuse this",
+            "set %s.isolation: required to refuse this",
+            section,
             why,
+            section,
+            section,
         )
     return False
 
@@ -147,12 +162,87 @@ def command(argv: list[str]) -> list[str]:
     return [unshare, *UNSHARE_FLAGS, "/bin/sh", "-c", '"$@"; exit $?', "sh", *argv]
 
 
+# --- what the private dirs must not hide (decided in the worker) ------------------------
+
+
+def kept_paths(roots: Iterable[str], private: Sequence[str] = PRIVATE_DIRS) -> list[str]:
+    """Of the import roots `roots`, those a private dir would hide, to be bound back in.
+
+    Only absolute paths strictly under one of `private` (a private dir itself is never kept:
+    binding it back would undo it), normalized, without duplicates, and without those under
+    another kept path (the outer bind shows them); sorted, so outer paths come first.
+    """
+    inside = tuple(directory.rstrip("/") + "/" for directory in private)
+    under = sorted(
+        {
+            os.path.normpath(root)
+            for root in roots
+            if os.path.isabs(root) and os.path.normpath(root).startswith(inside)
+        }
+    )
+    kept: list[str] = []
+    for path in under:
+        if not any(path.startswith(outer + "/") for outer in kept):
+            kept.append(path)
+    return kept
+
+
+def import_roots(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Every directory this interpreter imports from, as given and as its real path.
+
+    sys.path (with what .pth files added), sys.prefix and the base and exec prefixes (a venv:
+    its site-packages and the interpreter it links to), PYTHONPATH, and the directories that
+    editable-install finders on sys.meta_path map packages to (a setuptools editable install
+    puts its sources on no sys.path entry). The reward module is found through these alone, so
+    its directory is among them. Files (a single-module mapping) count as their directory;
+    paths that do not exist are left out.
+    """
+    environ = os.environ if environ is None else environ
+    candidates = [entry for entry in sys.path if isinstance(entry, str)]  # "": the cwd
+    candidates += [sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix]
+    candidates += [entry for entry in environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    for finder in sys.meta_path:
+        candidates += _finder_paths(finder)
+    roots: list[str] = []
+    for candidate in candidates:
+        path = os.path.abspath(candidate)
+        if os.path.isfile(path):
+            path = os.path.dirname(path)
+        if os.path.isdir(path):
+            roots += [path, os.path.realpath(path)]
+    return list(dict.fromkeys(roots))
+
+
+def _finder_paths(finder: object) -> list[str]:
+    """The paths a meta path finder maps modules to: setuptools' editable finder keeps them in
+    its module's MAPPING and NAMESPACES, others (editables) in a dict on the finder."""
+    module_name = getattr(finder, "__module__", "") or ""
+    if module_name.startswith(("_frozen_importlib", "importlib", "_distutils_hack")):
+        return []
+    module = sys.modules.get(module_name)
+    tables = [getattr(module, name, None) for name in ("MAPPING", "NAMESPACES")]
+    holder = finder if isinstance(finder, type) else type(finder)
+    tables += [value for value in vars(holder).values() if isinstance(value, dict)]
+    tables += [
+        value for value in getattr(finder, "__dict__", {}).values() if isinstance(value, dict)
+    ]
+    paths: list[str] = []
+    for table in tables:
+        if not isinstance(table, dict):
+            continue
+        for value in table.values():
+            values = value if isinstance(value, list | tuple) else [value]
+            paths += [v for v in values if isinstance(v, str) and os.path.isabs(v)]
+    return paths
+
+
 # --- inside the sandbox (the reward process, before it serves) --------------------------
 
 
-def enter(tmp_bytes: int, processes: int, hide: list[str]) -> None:
-    """Private tmpfs dirs, the `hide` directories empty, everything else read-only, a process
-    bound; raise OSError if a step fails."""
+def enter(tmp_bytes: int, processes: int, hide: list[str], keep: list[str]) -> None:
+    """Private tmpfs dirs with the `keep` paths (`kept_paths`) bound back in, the `hide`
+    directories empty, everything else read-only, a process bound; raise OSError if a step
+    fails."""
     import resource  # only the child needs it
 
     libc = ctypes.CDLL(None, use_errno=True)
@@ -182,12 +272,9 @@ def enter(tmp_bytes: int, processes: int, hide: list[str]) -> None:
     with suppress(OSError), open("/proc/sys/kernel/pid_max", "w") as pid_max:
         pid_max.write(str(max(PID_MAX_MIN, processes + 1)))
     # /proc goes read-only below: pid_max is written first.
-    # Import paths under a private dir (a checkout in /tmp) are held open and bound back in.
-    kept = {
-        path: os.open(path, os.O_PATH)
-        for path in sys.path
-        if path.startswith(tuple(d + "/" for d in PRIVATE_DIRS)) and os.path.isdir(path)
-    }
+    # Import roots under a private dir (a checkout or a venv in /tmp) are held open and bound
+    # back in (read-only with the rest, below).
+    kept = {path: os.open(path, os.O_PATH) for path in keep if os.path.exists(path)}
     for path in PRIVATE_DIRS:
         if os.path.isdir(path):
             mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={tmp_bytes},mode=1777")
@@ -223,6 +310,33 @@ def enter(tmp_bytes: int, processes: int, hide: list[str]) -> None:
     os.chdir("/tmp")
     for name in ("TMPDIR", "HOME"):
         os.environ[name] = "/tmp"
+    drop_capabilities(libc)
+
+
+def drop_capabilities(libc: ctypes.CDLL) -> None:
+    """Give up root in the user namespace, last: no capability left, none to regain by exec.
+
+    The namespaces' root could otherwise undo the sandbox it was given: remount the
+    read-only tree read-write (the read-only flag was set inside the namespace, so it is not
+    locked), unmount the tmpfs over the identity, or mount anything. Emptying the bounding
+    set and setting no_new_privs keeps an exec'ed program (root's, or a setuid one) from
+    getting them back; the process stays uid 0 here, with only that uid's file permissions.
+    """
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+    check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    for cap in range(64):
+        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            if ctypes.get_errno() == EINVAL:  # past the last capability this kernel has
+                break
+            check(-1, f"dropping capability {cap} from the bounding set")
+    header = (ctypes.c_uint32 * 2)(LINUX_CAPABILITY_VERSION_3, 0)
+    data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable; twice (64 bits)
+    check(libc.capset(header, data), "capset")
 
 
 def _mounts() -> list[tuple[str, int]]:

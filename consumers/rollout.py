@@ -49,18 +49,22 @@ from bus.stage import Helper, Stage, run_stage
 from bus.topology import PROMPTS, TRAJECTORIES, drop_key
 from bus.worker import Reject, WorkerOptions
 from consumers.checks import ModelLimits
+from consumers.episode_journal import EpisodeJournal
+from consumers.episodes import EpisodeRunner
 from consumers.rollout_copies import EngineCopies, Pending, stepwise
 from consumers.weights.receiver import WeightsReceiver
 from engines.build import build_rollout_engines
+from engines.environment import EnvironmentLoadError
 from engines.model_source import ModelNotFound, resolve_model_path
 from engines.protocols import EngineUnavailable, RolloutEngine, Sample
 from engines.router import Router, RouterError, make_router
+from engines.tools import ToolError
 from schemas import (
     PromptEvent,
     Tensor,
     TrajectoryEvent,
 )
-from schemas.kv_records import DropRecord
+from schemas.kv_records import DropKind, DropRecord
 
 log = logging.getLogger("jetrl.rollout")
 
@@ -88,6 +92,22 @@ class Rollout:
             cfg.partial,
         )
         self.limits = ModelLimits.of(self.engine.model)
+        agent = rt.config.agent
+        self.episodes = (
+            None
+            if agent is None
+            else EpisodeRunner(
+                agent,
+                rt.config.tools,
+                tokenizer,
+                self.copies,
+                self.limits,
+                EpisodeJournal(rt.kv, rt.source),
+                source=rt.source,
+                engine=cfg.engine.type,
+            )
+        )
+        """With `agent` set: each sample of a prompt is an episode (`consumers.episodes`)."""
         self.receiver = WeightsReceiver(
             rt.js,
             rt.topology,
@@ -155,10 +175,13 @@ class Rollout:
         waits for a group that never comes and the run stops short of its last step."""
         with contextlib.suppress(KeyWrongLastSequenceError):  # recorded before a restart
             await self.rt.kv.create(
-                drop_key(prompt.id), DropRecord(reason=reason, refused=True).encode()
+                drop_key(prompt.id),
+                DropRecord(reason=reason, refused=True, kind=DropKind.REFUSED).encode(),
             )
 
     async def handle(self, prompt: PromptEvent, msg: Msg) -> None:
+        if self.episodes is not None:
+            return await self.handle_episodes(prompt, self.episodes)
         ids = self.checked_token_ids(prompt)
         pending = Pending(
             prompt,
@@ -180,6 +203,22 @@ class Rollout:
         await asyncio.gather(*acks)
         ROLLOUT_STORED_NOT_ACKED(prompt.id)
         metrics.count_samples("rollout", "generated", count)
+
+    async def handle_episodes(self, prompt: PromptEvent, episodes: EpisodeRunner) -> None:
+        """The prompt's n samples as n episodes, at once; each stored as soon as it ends."""
+        acks = []
+        running = [asyncio.create_task(episodes.run(prompt, i)) for i in range(prompt.n)]
+        try:
+            for done in asyncio.as_completed(running):
+                trajectory = await done
+                acks.append(await self.rt.publisher.send(TRAJECTORIES, trajectory))
+        finally:  # one failed (a Reject: the prompt): the others are cancelled with it
+            for task in running:
+                task.cancel()
+        await asyncio.gather(*acks)
+        await episodes.journal.forget(prompt.id, prompt.n)  # stored: no episode to resume
+        ROLLOUT_STORED_NOT_ACKED(prompt.id)
+        metrics.count_samples("rollout", "generated", len(acks))
 
     def trajectory(
         self, prompt: PromptEvent, ids: list[int], index: int, sample: Sample, seconds: float
@@ -245,9 +284,10 @@ async def build(rt: Runtime) -> Stage[PromptEvent]:
     router = make_router(
         cfg.router, cfg.engine_copies, cfg.router_options
     )  # a bad router fails before a model loads
-    model = resolve_model_path(
-        rt.config.model.path, rt.config.model.revision
-    )  # a hub id: fetched or cached
+    # A hub id: fetched or cached; a .gguf file: converted once. In a thread: it can take a while.
+    model = await asyncio.to_thread(
+        resolve_model_path, rt.config.model.path, rt.config.model.revision
+    )
     log.info("model %s loads from %s", rt.config.model.path, model)
     engines = build_rollout_engines(  # seeded apart: copies do not draw the same samples
         cfg.engine,
@@ -267,14 +307,22 @@ def rollout_stage(rollout: Rollout) -> Stage[PromptEvent]:
     while the copy generates the other (with continuous admission: prompts waiting for a
     slot, so that a slot that comes free is taken at once -- at least twice the engine's slots,
     a prompt holding one sample or more)."""
-    per_copy = 2 * rollout.rt.config.rollout.max_batch_prompts
+    config = rollout.rt.config
+    per_copy = 2 * config.rollout.max_batch_prompts
     if rollout.copies.continuous:
         per_copy = max(per_copy, 2 * max(stepwise(e).slots for e in rollout.copies.engines))
+    concurrency = per_copy * len(rollout.copies.copies)
+    tools: dict[str, Helper] = {}
+    if rollout.episodes is not None:  # prompts enough for twice the episodes that may run at once
+        concurrency = 2 * -(-rollout.episodes.agent.max_episodes // config.data.n)
+        tools = {"tool runner": rollout.episodes.serve_tools}
+        if rollout.episodes.endpoint is not None:
+            tools["agent endpoint"] = rollout.episodes.endpoint.serve
     return Stage(
         PROMPTS,
         rollout.handle,
-        WorkerOptions(concurrency=per_copy * len(rollout.copies.copies)),
-        helpers={**rollout.batchers(), "weights watcher": rollout.watch_weights},
+        WorkerOptions(concurrency=concurrency),
+        helpers={**rollout.batchers(), "weights watcher": rollout.watch_weights, **tools},
         on_dead=rollout.dropped,
     )
 
@@ -283,7 +331,14 @@ def main() -> None:
     # One thread: the trainer and the other workers share the node's cores with us.
     torch.set_num_threads(1)
     run_stage(
-        "rollout", build, __doc__.splitlines()[0], RouterError, EngineUnavailable, ModelNotFound
+        "rollout",
+        build,
+        __doc__.splitlines()[0],
+        RouterError,
+        EngineUnavailable,
+        ModelNotFound,
+        EnvironmentLoadError,
+        ToolError,
     )
 
 

@@ -7,6 +7,9 @@ One pass every POLL_SECONDS:
                                 already inside `window` (at most `max_backoff`)
     ... `max_restarts` already  given up on: logged as GAVE UP, with its log's tail
         inside the window
+    check                       raises FleetFailed once one is given up on: every worker that
+                                is failing, each with its one-line reason, the root cause
+                                first (consumers/failures.py)
     stop                        SIGTERM every worker (they drain), SIGKILL those still
                                 running after `stop_timeout`
 
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import Literal
 
 from bus.identity import IDENTITY_ENV, identity_path
+from consumers.failures import Failure, reason_line, stop_message
 from consumers.fleet_config import ROLES, FleetConfig, worker_name
 from engines.device import DEVICE_ENV
 
@@ -83,6 +87,23 @@ class Child:
     """Monotonic times of its restarts, for the window count."""
     reason: str = ""
     """Why it was given up on, with its log's tail."""
+    stage: str = ""
+    """The module it runs, without `consumers.` (`trainer` for a trainer's other ranks)."""
+    failure: str = ""
+    """Its last failed exit's one-line reason (`failures.reason_line`), or how it ended."""
+    failed: list[float] = field(default_factory=list)
+    """Monotonic times of its failed exits inside the restart window (cleared by an exit 0)."""
+    last_exit: str = ""
+    """How its process last ended (`exited with 1`)."""
+
+
+class FleetFailed(RuntimeError):
+    """A worker was given up on; the message is `failures.stop_message`: its first line the root
+    cause (`worker: reason`), then every failing worker's line, root cause first."""
+
+    def __init__(self, failures: list[Failure], logs: Path) -> None:
+        super().__init__(stop_message(failures, str(logs)))
+        self.failures = failures
 
 
 def identity_role(role: str, module: str) -> str:
@@ -125,7 +146,13 @@ class Supervisor:
                     env[DEVICE_ENV] = spec.device
                 name = worker_name(role, index)
                 if names is None or name in names:
-                    self.children[name] = Child(name, command, env, config.logs / f"{name}.log")
+                    self.children[name] = Child(
+                        name,
+                        command,
+                        env,
+                        config.logs / f"{name}.log",
+                        stage=module.removeprefix("consumers."),
+                    )
 
     def start(self) -> None:
         self.config.logs.mkdir(parents=True, exist_ok=True)
@@ -146,11 +173,29 @@ class Supervisor:
                 self._spawn(child)
 
     def check(self) -> None:
-        """`poll`, then raise if a worker was given up on (for a job that needs every worker)."""
+        """`poll`, then raise FleetFailed if a worker was given up on (for a job that needs every
+        worker): it names every failing worker's reason, the root cause first."""
         self.poll()
-        for child in self.children.values():
-            if child.state == "gave up":
-                raise RuntimeError(child.reason)
+        if any(child.state == "gave up" for child in self.children.values()):
+            raise FleetFailed(self.failures(), self.config.logs)
+
+    def failures(self, now: float | None = None) -> list[Failure]:
+        """The workers failing now: given up on, or whose last exit failed inside the restart
+        window (one that failed long ago and has run since is not)."""
+        now = time.monotonic() if now is None else now
+        window = self.config.restart.window
+        return [
+            Failure(
+                worker=child.name,
+                stage=child.stage,
+                reason=child.failure,
+                since=child.failed[0],
+                how=f"{child.last_exit}, failed {len(child.failed)}x",
+                gave_up=child.state == "gave up",
+            )
+            for child in self.children.values()
+            if child.failed and (child.state == "gave up" or now - child.failed[-1] < window)
+        ]
 
     def kill(self, name: str, sig: signal.Signals = signal.SIGKILL) -> None:
         """Send `sig` to one worker (chaos tests); the next `poll` sees it exit and acts."""
@@ -228,11 +273,18 @@ class Supervisor:
         log.info("%s started (pid %d)", child.name, child.proc.pid)
 
     def _exited(self, child: Child, code: int, now: float) -> None:
+        child.last_exit = _how(code)
         if code == 0:
+            child.failed, child.failure = [], ""
             child.state = "done"
             log.info("%s exited 0: done", child.name)
             return
+        try:
+            child.failure = reason_line(_tail(child.log)) or child.last_exit
+        except OSError:
+            child.failure = child.last_exit
         policy = self.config.restart
+        child.failed = [t for t in child.failed if now - t < policy.window] + [now]
         child.restarts = [t for t in child.restarts if now - t < policy.window]
         if len(child.restarts) >= policy.max_restarts:
             child.state = "gave up"

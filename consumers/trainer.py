@@ -55,9 +55,11 @@ from bus.worker import Reject
 from consumers.checks import ModelLimits
 from consumers.trainer_dist import RankGroup, configured_engine, exchange, join, leave, watch
 from consumers.trainer_loggers import scalars, step_loggers
+from consumers.trainer_start import last_stored_step, start_line
 from consumers.update_history import UpdateHistory
 from consumers.weights.sender import WeightsSender, alone
 from engines.device import resolve_device
+from engines.model_source import ModelNotFound, resolve_model_path
 from engines.protocols import MicroBatch
 from engines.torch_train import LossConfig
 from schemas import BatchEvent
@@ -106,6 +108,12 @@ def step_metrics(
         **(
             {"kl_coef": batches[0].kl_coef, "kl_reward": batches[0].kl_mean}
             if batches and batches[0].kl_coef is not None
+            else {}
+        ),
+        # Agent episodes: the whole step's figures, carried by every micro-batch.
+        **(
+            {"tool_use_rate": batches[0].tool_use_rate, "turns_mean": batches[0].turns_mean}
+            if batches and batches[0].tool_use_rate is not None
             else {}
         ),
     }
@@ -207,7 +215,8 @@ class Trainer:
     async def setup(self) -> None:
         """Resume from the checkpoint, or publish version 0 (what every rollout worker starts
         from); then read this rank's batches from the one after the last the model holds."""
-        if self.engine.has_checkpoint(self.checkpoint_path):
+        checkpointed = self.engine.has_checkpoint(self.checkpoint_path)
+        if checkpointed:
             state = self.engine.load_checkpoint(self.checkpoint_path)
             self.last_seq, self.history = (
                 state["last_seq"],
@@ -215,12 +224,8 @@ class Trainer:
             )
         else:
             await self.sync_weights()
-        log.info(
-            "rank %d starts at step %d, batch sequence %d",
-            self.rank,
-            self.engine.step,
-            self.last_seq + 1,
-        )
+        stored = await last_stored_step(self.rt, self.dp_rank)
+        log.info(start_line(self.rank, self.engine.step, checkpointed, stored, self.last_seq + 1))
         self.rt.member.report(engine=self.engine.name, weight_version=self.engine.step)
         # What is no batch goes to dead.trainer and is skipped: reading by position, there is
         # nothing to nak, and waiting on it would stall every later step.
@@ -389,6 +394,8 @@ class Trainer:
             batches, last_seq = collected
             metrics = await self.train(batches)
             await self.record(metrics)
+            for logger in self.loggers:  # wandb: a table of some of the step's samples
+                logger.samples(metrics["step"], batches)
             await self.checkpoint(last_seq, metrics["sample_ids"])
 
     async def close(self) -> None:
@@ -407,6 +414,10 @@ async def build(rt: Runtime) -> Stage[Any]:
     try:
         device = resolve_device()
     except ValueError as exc:
+        raise CannotAttach(str(exc)) from None
+    try:  # a .gguf file is converted once per node, a hub id fetched: off the event loop
+        await asyncio.to_thread(resolve_model_path, rt.config.model.path, rt.config.model.revision)
+    except ModelNotFound as exc:
         raise CannotAttach(str(exc)) from None
     group = await join(rt, rt.rank, device)  # fsdp: every rank's process group; torch: alone
     trainer = Trainer(rt, group.rank, group, device)

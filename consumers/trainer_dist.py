@@ -97,6 +97,7 @@ def configured_engine(cfg: RunConfig, loss: LossConfig, device: torch.device) ->
         "device": device,
         "dtype": torch_dtype(cfg.model.dtype),
         "logprob_chunk_tokens": cfg.trainer.logprob_chunk_tokens,
+        "activation_checkpointing": cfg.trainer.activation_checkpointing,
         "lr_schedule": schedule,
         "ppo_epochs": algo.ppo_epochs,
         "ppo_mini_batches": algo.ppo_mini_batches,
@@ -116,7 +117,8 @@ def configured_engine(cfg: RunConfig, loss: LossConfig, device: torch.device) ->
 
 
 def critic_config(cfg: RunConfig) -> CriticConfig | None:
-    """The value model's settings for `algorithm.advantage: gae` (the torch engine's), else None."""
+    """The value model's settings for `algorithm.advantage: gae` (the torch and fsdp engines'),
+    else None."""
     algo = cfg.algorithm
     if algo.advantage != "gae":
         return None

@@ -117,8 +117,8 @@ def build_train_engine(
 ) -> TrainEngine:
     """The engine `settings` (`trainer.engine`) names, from `model_dir`. `common`: the keyword
     arguments every train engine takes (`TorchTrainEngine`'s: lr, loss, device, dtype, ...);
-    `critic`: the value model (`algorithm.advantage: gae`), which only the torch engine holds
-    (the config refuses it with the others). fsdp and megatron above one rank: after the
+    `critic`: the value model (`algorithm.advantage: gae`), which the torch and fsdp engines
+    hold (the config refuses it with megatron). fsdp and megatron above one rank: after the
     process group is up (`engines.fsdp_train.init_group`)."""
     if isinstance(settings, MegatronConfig):
         from engines.megatron_train import MegatronTrainEngine  # megatron-core: inside, only now
@@ -132,7 +132,7 @@ def build_train_engine(
     if isinstance(settings, FSDPEngineConfig):
         from engines.fsdp_train import FSDPTrainEngine
 
-        return FSDPTrainEngine(model_dir, **common)
+        return FSDPTrainEngine(model_dir, critic=critic, **common)
     assert isinstance(settings, TorchEngineConfig), settings
     from engines.torch_train import TorchTrainEngine
 

@@ -1,4 +1,4 @@
-"""The value model of `algorithm.advantage: gae`, held and trained by the torch train engine.
+"""The value model of `algorithm.advantage: gae`, held and trained by the train engine.
 
 A copy of the policy's decoder (initialised from the same weights) with a value head
 Linear(hidden, 1), its own AdamW (`algorithm.critic_lr`), trained in the same updates as the
@@ -13,6 +13,9 @@ policy (PPO epochs and mini-batches apply to both):
                 aggregated like the policy loss) per micro-batch, then `update` (clip, AdamW step)
 
 The numerics are `engines.algorithms.gae`; this module holds the model and its optimizer only.
+`Critic` is the torch engine's (one process); its hooks (`_build`, `_passes`, `_all_sum`,
+`_before_backward`, `_clip_grad_norm`) are where a data-parallel engine's critic differs
+(`engines.fsdp_critic`: sharded, the step's passes, sums and gradient norm over every rank).
 """
 
 from __future__ import annotations
@@ -27,14 +30,17 @@ from typing import Any
 import torch
 
 from engines.algorithms.gae import (
-    explained_variance,
     gae_advantages,
     outcome_rewards,
     value_loss,
+    value_stats,
     whiten_step,
 )
 from engines.algorithms.losses import AggregationMode, aggregate
-from engines.protocols import MicroBatch
+from engines.protocols import MicroBatch, empty_pass
+
+CRITIC_SUMS = ("value_loss", "value_clipped")
+"""The critic's metric sums of a step, summed over ranks as the policy's `METRIC_SUMS` are."""
 
 PositionIds = Callable[[torch.Tensor], torch.Tensor]
 """[B, T] attention mask -> [B, T] position ids (the policy's convention, so both read alike)."""
@@ -83,7 +89,9 @@ class ValueModel(torch.nn.Module):
         hidden = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
         ).last_hidden_state[:, :-1]  # [B, T - 1, H]
-        values = self.head(hidden.float()).squeeze(-1)  # [B, T - 1]
+        # In the head's dtype: float32 here (autocast may still compute it in bf16), bf16 under
+        # FSDP's mixed precision, whose gathered parameters are the compute dtype.
+        values = self.head(hidden.to(self.head.weight.dtype)).float().squeeze(-1)  # [B, T - 1]
         return torch.nn.functional.pad(values, (1, 0))
 
 
@@ -99,10 +107,33 @@ class Critic:
         positions: PositionIds,
     ) -> None:
         self.cfg, self.device, self.autocast, self.positions = cfg, device, autocast, positions
-        self.model = ValueModel(policy).to(device)
+        self.model = self._build(ValueModel(policy))
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
         )
+
+    # --- what a data-parallel critic overrides ------------------------------------------------
+
+    def _build(self, model: ValueModel) -> torch.nn.Module:
+        """The value model as it trains: here, moved to the device."""
+        return model.to(self.device)
+
+    def _passes(self, micro_batches: Sequence[MicroBatch]) -> int:
+        """Forward passes to run over the step's micro-batches (the busiest rank's count)."""
+        return len(micro_batches)
+
+    def _all_sum(self, sums: list[float]) -> list[float]:
+        """Each float summed over every rank of the step (`engines.algorithms.gae.AllSum`)."""
+        return sums
+
+    def _before_backward(self, last: bool) -> None:
+        """Called before each backward; `last` is the update's final one."""
+
+    def _clip_grad_norm(self) -> torch.Tensor:
+        """Clips the gradient to `max_grad_norm`; its norm before clipping."""
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+
+    # --- the step ------------------------------------------------------------------------------
 
     def values(self, batch: MicroBatch) -> torch.Tensor:
         """[B, T] values of a micro-batch's rows (with grad if enabled)."""
@@ -116,12 +147,17 @@ class Critic:
     ) -> tuple[list[MicroBatch], list[Targets], dict[str, float]]:
         """The step's micro-batches with their [B] outcome scores replaced by whitened [B, T]
         GAE advantages, each one's value targets, and the step's critic metrics before any
-        update: value_mean (V_old), return_mean, explained_variance (of R by V_old)."""
+        update: value_mean (V_old), return_mean, explained_variance (of R by V_old); the
+        whitening and the metrics span every rank's micro-batches."""
         for group in self.optimizer.param_groups:
             group["lr"] = self.cfg.lr * lr_factor
         self.model.train()
         raw, targets, masks = [], [], []
-        for batch in micro_batches:
+        for index in range(self._passes(micro_batches)):
+            if index >= len(micro_batches):  # joins the busier ranks' gathers, adds nothing
+                self.values(empty_pass(micro_batches))
+                continue
+            batch = micro_batches[index]
             mask = batch.loss_mask.to(self.device).float()
             old = self.values(batch) * mask
             rewards = outcome_rewards(batch.advantages.to(self.device).float(), mask)
@@ -129,28 +165,14 @@ class Critic:
             raw.append(advantages)
             targets.append(Targets(old, returns))
             masks.append(mask)
-        whitened = whiten_step(raw, masks)
+        whitened = whiten_step(raw, masks, self._all_sum)
         out = [
             dataclasses.replace(b, advantages=a)
             for b, a in zip(micro_batches, whitened, strict=True)
         ]
-        on = [m > 0 for m in masks]
-        flat_v = (
-            torch.cat([t.old_values[o] for t, o in zip(targets, on, strict=True)])
-            if on
-            else torch.zeros(0)
+        stats = value_stats(
+            [t.old_values for t in targets], [t.returns for t in targets], masks, self._all_sum
         )
-        flat_r = (
-            torch.cat([t.returns[o] for t, o in zip(targets, on, strict=True)])
-            if on
-            else torch.zeros(0)
-        )
-        tokens = max(flat_v.numel(), 1)
-        stats = {
-            "value_mean": float(flat_v.sum()) / tokens,
-            "return_mean": float(flat_r.sum()) / tokens,
-            "explained_variance": explained_variance(flat_v, flat_r),
-        }
         return out, targets, stats
 
     def zero_grad(self) -> None:
@@ -159,17 +181,22 @@ class Critic:
     def accumulate(
         self,
         batch: MicroBatch,
-        targets: Targets,
+        targets: Targets | None,
         mode: AggregationMode,
         denominator: int,
         norm_tokens: int | None,
+        last: bool = True,
     ) -> dict[str, float]:
         """Backward of one micro-batch's value loss, aggregated as the policy loss is (the same
-        step denominator); its sums: value_loss (the aggregated loss), value_clipped (tokens)."""
+        step denominator); its sums: value_loss (the aggregated loss), value_clipped (tokens).
+        `targets` None: an empty pass (`engines.protocols.empty_pass`, no loss token); `last`:
+        the update's final pass (where a sharded critic syncs its gradients)."""
         mask = batch.loss_mask.to(self.device).float()
-        terms = value_loss(
-            self.values(batch), targets.old_values, targets.returns, self.cfg.value_clip
-        )
+        self._before_backward(last)
+        values = self.values(batch)
+        if targets is None:
+            targets = Targets(torch.zeros_like(values), torch.zeros_like(values))
+        terms = value_loss(values, targets.old_values, targets.returns, self.cfg.value_clip)
         loss = aggregate(terms.loss, mask, mode, denominator=denominator, norm_tokens=norm_tokens)
         loss.backward()
         return {
@@ -180,7 +207,7 @@ class Critic:
     def update(self) -> float:
         """Clips the critic's gradient and steps its AdamW (skipped if the norm is not finite, as
         the policy's is); the norm before clipping."""
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        norm = self._clip_grad_norm()
         if torch.isfinite(norm):
             self.optimizer.step()
         return float(norm)

@@ -41,9 +41,7 @@ def resolve_device(setting: str | None = None) -> torch.device:
     name = (setting or os.environ.get(DEVICE_ENV) or "auto").strip()
     if name == "auto":
         if torch.cuda.is_available():
-            return torch.device(
-                "cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-            )
+            return with_index(torch.device("cuda"), torch.cuda.device_count())
         return torch.device("cpu")
     try:
         device = torch.device(name)
@@ -55,7 +53,21 @@ def resolve_device(setting: str | None = None) -> torch.device:
         raise ValueError(f"{DEVICE_ENV}={name!r}: no CUDA device is visible to this process")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"{DEVICE_ENV}={name!r}: only cpu and cuda are supported")
-    return device
+    return with_index(device, torch.cuda.device_count()) if device.type == "cuda" else device
+
+
+def with_index(device: torch.device, visible: int) -> torch.device:
+    """`cuda` without an index -> cuda:(LOCAL_RANK mod the `visible` GPUs); others unchanged.
+
+    `torch.cuda.set_device` and NCCL refuse a bare `cuda` (the first GPU run of the fsdp engine
+    stopped on "Expected a torch.device with a specified index"), and under torchrun each rank
+    must take its own GPU, not all the first one.
+    """
+    import torch
+
+    if device.type != "cuda" or device.index is not None:
+        return device
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % max(visible, 1))
 
 
 def autocast(device: torch.device, dtype: torch.dtype) -> torch.autocast:

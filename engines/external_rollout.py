@@ -1,20 +1,28 @@
-"""What the vLLM and SGLang adapters share: the lazy import, the model skeleton, weights in HF
-names and the checks that turn one engine response into a `Sample`.
+"""What the vLLM and SGLang adapters share: the lazy import and its version floor, the model
+skeleton, weights in HF names and in buckets, the thread an engine lives on, and the checks that
+turn one engine response into a `Sample`.
 
 Neither engine is a dependency: they are the extras ``jetrl[vllm]`` and ``jetrl[sglang]``,
-imported only when ``rollout.engine`` names them (`require`). Everything here runs on CPU
-without them, so their CI tests need no GPU.
+imported only when ``rollout.engine`` names them (`require`, `require_version`). Everything
+here runs on CPU without them, so their CI tests need no GPU.
 """
 
+import asyncio
 import importlib
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
 from pathlib import Path
 from types import ModuleType
+from typing import Any, TypeVar
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engines.protocols import EngineUnavailable, FinishReason, Sample
+
+T = TypeVar("T")
 
 
 def require(module: str, extra: str) -> ModuleType:
@@ -26,6 +34,30 @@ def require(module: str, extra: str) -> ModuleType:
             f"rollout.engine {extra} needs the {module} package ({exc.__class__.__name__}: {exc}); "
             f"install it with: pip install 'jetrl[{extra}]'"
         ) from None
+
+
+def release(version: str) -> tuple[int, ...]:
+    """A version string's leading release numbers: "0.5.10.post1" -> (0, 5, 10)."""
+    match = re.match(r"\d+(\.\d+)*", version.strip())
+    if match is None:
+        raise ValueError(f"{version!r} is not a version number")
+    return tuple(int(part) for part in match.group(0).split("."))
+
+
+def require_version(module: ModuleType, extra: str, floor: str, why: str) -> None:
+    """Refuses, in one line, an installed `module` older than `floor` (`why`: what the older
+    ones do wrong). The version is the module's ``__version__``, else its distribution's."""
+    version = getattr(module, "__version__", None)
+    if version is None:
+        try:
+            version = metadata.version(module.__name__)
+        except metadata.PackageNotFoundError:
+            return  # a source checkout without metadata: nothing to compare
+    if release(str(version)) < release(floor):
+        raise EngineUnavailable(
+            f"rollout.engine {extra} needs {module.__name__} >= {floor}, not {version} ({why}); "
+            f"install it with: pip install 'jetrl[{extra}]'"
+        )
 
 
 def skeleton(model_dir: Path, context: int | None = None) -> torch.nn.Module:
@@ -114,6 +146,53 @@ def make_sample(
         logprobs=torch.tensor(list(logprobs), dtype=torch.float32),
         finish_reason=reason,
     )
+
+
+def weight_buckets(
+    weights: Sequence[tuple[str, torch.Tensor]], max_bytes: int
+) -> list[list[tuple[str, torch.Tensor]]]:
+    """`weights` in order, cut into buckets of at most `max_bytes` of tensor data each, so one
+    call into the engine carries a bounded message; a tensor larger than `max_bytes` goes
+    alone in its bucket (a tensor is never split)."""
+    if max_bytes < 1:
+        raise ValueError(f"a weight bucket must hold at least 1 byte, not {max_bytes}")
+    buckets: list[list[tuple[str, torch.Tensor]]] = []
+    size = 0
+    for name, tensor in weights:
+        nbytes = tensor.numel() * tensor.element_size()
+        if not buckets or (buckets[-1] and size + nbytes > max_bytes):
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, tensor))
+        size += nbytes
+    return buckets
+
+
+class EngineThread:
+    """One thread that builds an engine and makes every call into it, with an event loop of its
+    own set as the thread's current loop (never run forever).
+
+    An engine whose synchronous methods run an asyncio loop themselves (SGLang's `Engine`:
+    ``self.loop.run_until_complete(...)``) binds, when built, the loop running in the building
+    thread, else that thread's own (the one set here, or a new one). Built here, it binds a loop
+    no other thread runs, and every
+    call runs it from this same thread: the worker's own loop (and the threads
+    `asyncio.to_thread` lends it) never meet the engine's.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._executor = ThreadPoolExecutor(1, name, initializer=self._own_loop)
+
+    @staticmethod
+    def _own_loop() -> None:
+        asyncio.set_event_loop(asyncio.new_event_loop())
+
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` run on the engine's thread; its result or its exception."""
+        return self._executor.submit(fn, *args, **kwargs).result()
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False)
 
 
 def torch_dtype(name: str) -> torch.dtype | None:

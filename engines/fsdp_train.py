@@ -16,6 +16,9 @@ is the single-process engine's on the union of the ranks' micro-batches:
                   and skips a non-finite step alike
     metrics       the step's metric sums all-reduced: every rank reports the whole step
 
+With `algorithm.advantage: gae` the value model is sharded and trained the same way, in the
+same updates (`engines.fsdp_critic`), and checkpointed beside the policy.
+
 The default process group must be up before the engine is built (`init_group`; the trainer's
 rendezvous in `consumers.trainer_dist`). Every method that communicates is called by every
 rank in the same order: train_step, export_weights, export_shard, has_checkpoint,
@@ -48,19 +51,25 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from engines.algorithms.losses import aggregation_count
+from engines.critic import CRITIC_SUMS, CriticConfig
 from engines.delta_plan import assign_shards
+from engines.device import with_index
+from engines.fsdp_critic import FSDPCritic
 from engines.fsdp_shards import gather_owned, parameter_sizes
+from engines.fsdp_units import clip_grad_norm, shard, sum_reductions
 from engines.protocols import MicroBatch
 from engines.torch_train import (
     METRIC_SUMS,
     TorchTrainEngine,
     _atomic_save,
+    _positions,
     _rng_state,
     _set_rng_state,
+    chunked_model_logprobs,
 )
 
 
@@ -73,7 +82,7 @@ def init_group(
     bounds every collective: a rank whose peer died or hangs raises instead of waiting forever.
     """
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(with_index(device, torch.cuda.device_count()))
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
         backend,
@@ -85,6 +94,27 @@ def init_group(
     )
 
 
+def unmade_buffers(model: torch.nn.Module) -> list[str]:
+    """Non-persistent buffers (made at init, not in the checkpoint) that `remake_rotary` does
+    not remake: a model built on the meta device would keep them uninitialised."""
+    return [
+        f"{name}.{buffer}" if name else buffer
+        for name, module in model.named_modules()
+        if not type(module).__name__.endswith("RotaryEmbedding")
+        for buffer in getattr(module, "_non_persistent_buffers_set", ())
+    ]
+
+
+def remake_rotary(model: torch.nn.Module, device: torch.device) -> None:
+    """Each rotary embedding made again on `device` from the model's config: its inverse
+    frequencies are computed at init, and `to_empty` left them uninitialised."""
+    config = getattr(model, "config", None)
+    for name, module in list(model.named_modules()):
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            parent = model.get_submodule(name.rpartition(".")[0])
+            setattr(parent, name.rpartition(".")[2], type(module)(config).to(device))
+
+
 class FSDPTrainEngine(TorchTrainEngine):
     """`TorchTrainEngine` sharded over the default process group's ranks."""
 
@@ -92,11 +122,6 @@ class FSDPTrainEngine(TorchTrainEngine):
     collective = True
 
     def __init__(self, model_dir: Path, **kwargs: Any) -> None:
-        if kwargs.get("critic") is not None:
-            raise ValueError(
-                "fsdp engine: algorithm.advantage gae needs a value model, "
-                "which it does not shard yet (use torch)"
-            )
         if not dist.is_initialized():
             raise RuntimeError(
                 "FSDPTrainEngine needs the default process group (engines.fsdp_train.init_group)"
@@ -106,36 +131,95 @@ class FSDPTrainEngine(TorchTrainEngine):
         """Every rank sends its own shard of a weight version (`export_own_weights`)."""
         self.gathered_bytes = 0
         """Bytes this rank received in its last `export_shard` (its own tensors' rows, padded)."""
-        # Full logits: the chunked log-probs read the output projection and call the decoder
-        # outside the root module's forward, where FSDP2 has not gathered their shards.
-        super().__init__(model_dir, **{**kwargs, "logprob_chunk_tokens": 0})
+        super().__init__(model_dir, **kwargs)
+
+    def _load_model(self, model_dir: Path, whole: bool) -> PreTrainedModel:
+        """The model built on the meta device (no memory), and on rank 0 only the checkpoint's
+        weights, which `_wrap` sends each rank its shard of: n ranks of a node hold one copy of
+        the weights, not n (8 ranks of an 8B model: 32 GB of CPU memory, not 256).
+
+        Every rank loads the whole model when `whole` (the frozen reference copy lives whole on
+        every rank; the critic copies its decoder from it, `engines.fsdp_critic`) or when the
+        model has buffers made at init that `_wrap` cannot remake (only rotary embeddings')."""
+        self.rank0_weights: dict[str, torch.Tensor] | None = None
+        """Rank 0's full float32 weights until `_wrap` has sent every rank its shard ({} on the
+        other ranks); None when every rank loaded the whole model."""
+        if whole:
+            return super()._load_model(model_dir, whole)
+        config = AutoConfig.from_pretrained(model_dir)
+        with torch.device("meta"):
+            model: PreTrainedModel = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if unmade_buffers(model):
+            return super()._load_model(model_dir, whole)
+        self.rank0_weights = (
+            super()._load_model(model_dir, whole).state_dict() if self.rank == 0 else {}
+        )
+        return model
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """Each transformer block a unit of its own (gathered only while it computes), the rest
-        (embeddings, tied LM head, final norm) in the root unit."""
+        (embeddings, tied LM head, final norm) in the root unit. A model on the meta device is
+        then made on the device and gets its shards from rank 0's weights."""
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        # bfloat16 compute: parameters gathered in bf16, gradients reduced in float32, the
-        # sharded master weights (what AdamW updates) float32.
-        policy = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
-        blocks = set(
-            getattr(model, "_no_split_modules", None) or ()
-        )  # HF names its blocks' classes
-        for module in list(model.modules()):
-            if type(module).__name__ in blocks:
-                fully_shard(module, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(
-                    True
-                )  # a plain SUM: gloo has no PREMUL_SUM
+        shard(model, _blocks(model), mesh, self.compute_dtype)
+        if self.rank0_weights is None:
+            model.to(self.device)
+        else:
+            model.to_empty(device=self.device)  # the shards' memory, uninitialised
+            remake_rotary(model, self.device)
+            set_model_state_dict(
+                model,
+                cast(dict[str, Any], self.rank0_weights),
+                options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+            )
+            self.rank0_weights = None
+        sum_reductions(model)
+        # The chunked log-probs read the output projection and call the decoder: inside the
+        # root module's forward, where FSDP2 has gathered the root unit's shards (embeddings,
+        # tied head, final norm) and hooks its backward; outside it they are shards.
+        plain = model.forward
+
+        def forward(*args: Any, chunked: tuple[float, int] | None = None, **kwargs: Any) -> Any:
+            if chunked is None:
+                return plain(*args, **kwargs)
+            temperature, chunk = chunked
+            logprobs, entropies = chunked_model_logprobs(
+                model, kwargs["input_ids"], kwargs["attention_mask"], temperature, chunk
+            )
+            # Not views ([B, T - 1] each, cheap): FSDP2 hooks the outputs' backward, which an
+            # in-place op on a view would bypass.
+            return logprobs.clone(), entropies.clone()
+
+        model.forward = forward
         return model
 
+    def _make_critic(self, model: torch.nn.Module, cfg: CriticConfig) -> FSDPCritic:
+        """The value model sharded like the policy (`engines.fsdp_critic`), from the policy as
+        loaded: whole on every rank when there is a critic (`_load_model`'s `whole`)."""
+        return FSDPCritic(
+            model,
+            cfg,
+            self.device,
+            self._autocast,
+            _positions,
+            compute_dtype=self.compute_dtype,
+            blocks=_blocks(model),
+        )
+
+    def _chunked_logprobs(
+        self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if model is not self.model:  # the frozen reference copy: whole on every rank
+            return super()._chunked_logprobs(model, input_ids, attention_mask)
+        chunked = (self.loss_config.temperature, self.logprob_chunk_tokens)
+        out: tuple[torch.Tensor, torch.Tensor] = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, chunked=chunked
+        )
+        return out
+
     def _autocast(self) -> AbstractContextManager[Any]:
-        return (
-            nullcontext()
-        )  # the mixed-precision policy casts; autocast on top would only add casts
+        # The mixed-precision policy casts; autocast on top would only add casts.
+        return nullcontext()
 
     def _step_shape(self, micro_batches: Sequence[MicroBatch]) -> tuple[int, int]:
         mode = self.loss_config.aggregation
@@ -151,22 +235,16 @@ class FSDPTrainEngine(TorchTrainEngine):
         model.set_requires_gradient_sync(last)
 
     def _reduce(self, totals: dict[str, float]) -> dict[str, float]:
+        # The critic's grad norm is already the whole gradient's on every rank: not summed.
+        names = [name for name in (*METRIC_SUMS, *CRITIC_SUMS) if name in totals]
         sums = torch.tensor(
-            [totals[name] for name in METRIC_SUMS], dtype=torch.float64, device=self.device
+            [totals[name] for name in names], dtype=torch.float64, device=self.device
         )
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-        return dict(zip(METRIC_SUMS, sums.tolist(), strict=True))
+        return totals | dict(zip(names, sums.tolist(), strict=True))
 
     def _clip_grad_norm(self) -> torch.Tensor:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if not params:  # no rank ran a pass: nothing to clip, nothing to step
-            return torch.zeros(())
-        grads = cast(list[torch.Tensor], [p.grad for p in params])  # none is None (filtered above)
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)
-        if isinstance(norm, DTensor):  # each rank's shard norm -> the norm of the whole gradient
-            norm = norm.full_tensor()
-        torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)
-        return norm.cpu()
+        return clip_grad_norm(self.model.parameters(), self.max_grad_norm)
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """On rank 0, parameter name -> full CPU tensor (tied weights once); {} on the others.
@@ -215,9 +293,11 @@ class FSDPTrainEngine(TorchTrainEngine):
 
     # --- checkpoints -------------------------------------------------------------------------
     #
-    #   <path>                 the pointer: {"dir", "step", "world_size"}, replaced atomically
-    #                          by rank 0 once every rank's part is on disk (the commit)
-    #   <path>.d/step-<N>/     DCP: each rank's model and AdamW shards + .metadata;
+    #   <path>                 the pointer: {"dir", "step", "world_size", "model_dir",
+    #                          "critic"}, replaced atomically by rank 0 once every rank's part
+    #                          is on disk (the commit)
+    #   <path>.d/step-<N>/     DCP: each rank's model and AdamW shards (and the critic's, with
+    #                          gae) + .metadata;
     #                          rank<K>.pt: rank K's step, RNG states and `extra` (its last_seq)
     #
     # A save killed before the commit leaves the last committed step as it was; its half-written
@@ -259,7 +339,14 @@ class FSDPTrainEngine(TorchTrainEngine):
         dist.barrier()  # every rank's part is on disk
         if self.rank == 0:
             _atomic_save(
-                {"dir": step_dir.name, "step": self.step, "world_size": self.world_size}, path
+                {
+                    "dir": step_dir.name,
+                    "step": self.step,
+                    "world_size": self.world_size,
+                    "model_dir": str(self.model_dir),
+                    "critic": self.critic is not None,
+                },
+                path,
             )
             for old in _steps(path).iterdir():
                 if old.name != step_dir.name:
@@ -274,24 +361,39 @@ class FSDPTrainEngine(TorchTrainEngine):
                 f"{path}: written by {pointer['world_size']} trainer ranks, "
                 f"this run has {self.world_size}"
             )
+        if self.critic is not None and not pointer.get("critic", False):
+            raise ValueError(
+                f"{path} holds no critic: a run without GAE cannot resume as "
+                "algorithm.advantage gae"
+            )
         step_dir = _steps(path) / pointer["dir"]
         state = self._state()
         dcp.load(state, checkpoint_id=step_dir)
         set_model_state_dict(self.model, state["model"])
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        if isinstance(self.critic, FSDPCritic):
+            self.critic.load_sharded_state(state)
         own = torch.load(step_dir / f"rank{self.rank}.pt", weights_only=True)
         self.step = own["step"]
         _set_rng_state(own["rng"])
         return own["extra"]
 
     def _state(self) -> dict[str, Any]:
-        """This rank's shards of the model and of the optimizer state,
+        """This rank's shards of the model and of the optimizer state (and of the critic's),
         as DCP saves and loads them."""
-        return {
+        state = {
             "model": get_model_state_dict(self.model),
             "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
         }
+        if isinstance(self.critic, FSDPCritic):
+            state |= self.critic.sharded_state()
+        return state
 
 
 def _steps(path: Path) -> Path:
     return path.with_name(f"{path.name}.d")
+
+
+def _blocks(model: torch.nn.Module) -> set[str]:
+    """The class names of the model's transformer blocks (HF names them), each an FSDP unit."""
+    return set(getattr(model, "_no_split_modules", None) or ())

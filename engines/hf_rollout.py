@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from engines.algorithms.logprobs import scaled_logits
 from engines.algorithms.losses import gather_logprobs
 from engines.protocols import Sample, SamplingParams
 
@@ -140,7 +141,7 @@ class HFRolloutEngine:
         if params.temperature == 0:
             token = logits.argmax(-1)
             return token, gather_logprobs(logits, token)
-        logp = torch.log_softmax(logits.float() / params.temperature, dim=-1)  # [B, V]
+        logp = torch.log_softmax(scaled_logits(logits.float(), params.temperature), dim=-1)
         probs = logp.exp()
         if params.top_p < 1.0:
             probs = _top_p_filter(probs, params.top_p)

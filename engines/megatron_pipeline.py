@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from engines.algorithms.logprobs import scaled_logits
 from engines.algorithms.losses import aggregate, entropy_from_logits, gather_logprobs
 from engines.algorithms.objective import token_objective
 from engines.protocols import MicroBatch
@@ -58,8 +59,9 @@ def run_schedule(
         logits = engine._stage_forward(ids, mask, model)  # last stage: [B, T, Vp]; else [T, B, H]
 
         def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-            scaled = (
-                output[:, :-1, : engine.spec.vocab_size].float() / engine.loss_config.temperature
+            # T = 1 is not divided (a full-vocabulary copy that changes nothing).
+            scaled = scaled_logits(
+                output[:, :-1, : engine.spec.vocab_size].float(), engine.loss_config.temperature
             )
             loss, extras = loss_fn(scaled, index)
             # The token count only matters to megatron's own averaging, which is off.

@@ -16,10 +16,14 @@ modules, no Transformer Engine, no fusions): it takes our [B, 1, T, T] masks, wh
 padding on either side need.
 
 One step is `TorchTrainEngine.train_step` (the same loss, accumulation and metrics): every
-tensor-parallel rank takes the same micro-batches, so nothing but the logits (gathered over
-the vocabulary: `parallel_output=False`) and the grad norm crosses ranks. At pipeline parallel
-each rank holds one stage and an update's passes run through megatron's schedule
-(`engines.megatron_pipeline`), the loss on the last stage.
+tensor-parallel rank takes the same micro-batches, so besides megatron's own layers only the
+log-probs' vocabulary reductions and the grad norm cross ranks. The log-probs come from the
+final hidden states, `logprob_chunk_tokens` positions at a time over each rank's vocabulary
+columns, reduced over the tensor-parallel group (`engines.megatron_logprobs`); with
+`logprob_chunk_tokens` 0 from the full logits, gathered over the vocabulary
+(`parallel_output=False`). At pipeline parallel each rank holds one stage and an update's
+passes run through megatron's schedule (`engines.megatron_pipeline`), the loss on the last
+stage, from the full logits whatever `logprob_chunk_tokens` says.
 """
 
 from __future__ import annotations
@@ -32,8 +36,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 
+from engines.algorithms.logprobs import scaled_logits
 from engines.megatron_config import MegatronModelSpec, spec_from_hf
+from engines.megatron_logprobs import final_hidden_states, vocab_parallel_chunked_logprobs
 from engines.megatron_names import (
     hf_to_megatron,
     megatron_to_hf,
@@ -101,6 +108,25 @@ def _no_cuda_copy(active: bool) -> Iterator[None]:
         yield
     finally:
         torch.Tensor.cuda = original  # type: ignore[method-assign]
+
+
+def recompute_in_backward(layer: torch.nn.Module) -> None:
+    """`trainer.activation_checkpointing` for one megatron TransformerLayer: its forward runs
+    under torch's non-reentrant checkpoint, so backward recomputes it instead of keeping its
+    activations.
+
+    Not megatron's own `recompute_granularity`: its CheckpointFunction recomputes outside the
+    forward's autocast, and with bf16 compute (autocast, float32 masters) the recomputed layer
+    met bf16 activations with float32 weights ("expected mat1 and mat2 to have the same dtype",
+    the first H200 run, 2026-12-04). torch's checkpoint re-enters the forward's autocast state,
+    and needs no CUDA RNG tracker (dropout is 0 here).
+    """
+    forward = layer.forward
+
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    layer.forward = checkpointed
 
 
 class MegatronNotInstalled(EngineUnavailable):
@@ -173,8 +199,9 @@ class MegatronTrainEngine(TorchTrainEngine):
             # Megatron's dropout RNG states (dropout is 0 here, but its attention forks them).
             model_parallel_cuda_manual_seed(kwargs.get("seed", 0))
         self.spec: MegatronModelSpec  # set by _wrap, which the base __init__ calls
-        # Full logits (`_token_logits` below): GPTModel has no HF decoder / output-embedding split.
-        super().__init__(model_dir, **{**kwargs, "logprob_chunk_tokens": 0})
+        # `logprob_chunk_tokens` > 0: `_chunked_logprobs` below (one stage); 0, or pipeline
+        # parallel: the full logits (`_token_logits`, `engines.megatron_pipeline`).
+        super().__init__(model_dir, **kwargs)
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The HF model -> a GPTModel of the same shape holding this rank's cut of its weights."""
@@ -237,7 +264,36 @@ class MegatronTrainEngine(TorchTrainEngine):
                 f"megatron engine: GPTModel and the mapping disagree: missing {missing[:3]}, "
                 f"unexpected {unexpected[:3]}"
             )
+        if self.activation_checkpointing:
+            for layer in gpt.decoder.layers:
+                recompute_in_backward(layer)
         return gpt.to(self.device)
+
+    def _chunked_logprobs(
+        self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, T] ids -> ([B, T - 1] log-probs, [B, T - 1] entropies) from the final hidden
+        states, `logprob_chunk_tokens` positions at a time over this rank's vocabulary columns,
+        reduced over the tensor-parallel group (`engines.megatron_logprobs`). One stage only:
+        at pipeline parallel the last stage takes the full logits in megatron's schedule."""
+        with final_hidden_states(model):
+            hidden = self._stage_forward(input_ids, attention_mask, model)  # [T, B, H]
+        # [Vp / TP, H]: tied, the input embedding (the output layer allocates none); untied, the
+        # output layer's own (GPTModel's `shared_embedding_or_output_weight` would give the
+        # input embedding on a first stage whatever the tie). Module attributes type loosely.
+        output_layer: Any = model.output_layer
+        word_embeddings: Any = model.embedding.word_embeddings  # type: ignore[union-attr]
+        head: torch.Tensor | None = output_layer.weight
+        weight: torch.Tensor = head if head is not None else word_embeddings.weight
+        return vocab_parallel_chunked_logprobs(
+            hidden.transpose(0, 1)[:, :-1],  # [B, T - 1, H]: position t predicts token t + 1
+            weight,
+            input_ids[:, 1:],
+            temperature=self.loss_config.temperature,
+            chunk=self.logprob_chunk_tokens,
+            vocab_size=self.spec.vocab_size,
+            group=self.tp_group,
+        )
 
     def _token_logits(
         self,
@@ -248,7 +304,9 @@ class MegatronTrainEngine(TorchTrainEngine):
         """[B, T] ids -> [B, T - 1, V] temperature-scaled logits
         (V: the HF vocabulary, pad cut off)."""
         logits = self._stage_forward(input_ids, attention_mask, model)  # [B, T, Vp]
-        return logits[:, :-1, : self.spec.vocab_size].float() / self.loss_config.temperature
+        return scaled_logits(
+            logits[:, :-1, : self.spec.vocab_size].float(), self.loss_config.temperature
+        )
 
     def _stage_forward(
         self,
@@ -256,8 +314,9 @@ class MegatronTrainEngine(TorchTrainEngine):
         attention_mask: torch.Tensor,
         model: torch.nn.Module | None = None,
     ) -> torch.Tensor:
-        """This stage's forward of [B, T] ids: [B, T, Vp] logits on the last stage, [T, B, H]
-        activations on the others (a later stage takes its input from `set_input_tensor`)."""
+        """This stage's forward of [B, T] ids: [B, T, Vp] logits on the last stage (inside
+        `final_hidden_states`: its [T, B, H] final hidden states), [T, B, H] activations on the
+        others (a later stage takes its input from `set_input_tensor`)."""
         positions = (attention_mask.cumsum(-1) - 1).clamp(
             min=0
         )  # as the torch engine: padding does not shift RoPE
@@ -415,6 +474,7 @@ class MegatronTrainEngine(TorchTrainEngine):
                     "step": self.step,
                     "tensor_parallel_size": self.tp,
                     "pipeline_parallel_size": self.pp,
+                    "model_dir": str(self.model_dir),  # what ops.export rebuilds the HF model from
                 },
                 path,
             )

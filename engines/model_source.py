@@ -7,7 +7,9 @@ cache: a local directory is used as it is; anything else is taken as a hub repos
 (``HF_HUB_CACHE`` / ``HF_HOME``, the library's own settings), or found there when
 ``HF_HUB_OFFLINE=1``. The tokenizer, its chat template, generation, training and the weights
 sent back to rollout all load from the directory it returns, so all of them see one snapshot
-of the repository (`model.revision` pins it: a branch, tag or commit).
+of the repository (`model.revision` pins it: a branch, tag or commit). A ``.gguf`` file is
+converted once to a Hugging Face directory in a per-node cache (`engines.gguf`), and that
+directory is what every worker loads.
 """
 
 from __future__ import annotations
@@ -31,15 +33,17 @@ class ModelNotFound(RuntimeError):
 def resolve_model_path(path: str | Path | None, revision: str | None = None) -> Path:
     """The local directory holding the model `path` names (see the module doc).
 
-    A local directory must hold a ``config.json``. A hub id is fetched (or, offline, found in
-    the cache) at `revision` (None: the default branch). Anything else is a one-line
-    `ModelNotFound` that says what was tried.
+    A local directory must hold a ``config.json``; a ``.gguf`` file is converted (once). A hub
+    id is fetched (or, offline, found in the cache) at `revision` (None: the default branch).
+    Anything else is a one-line `ModelNotFound` that says what was tried.
     """
     if path is None or str(path) == "":
         raise ModelNotFound(
             "model.path is empty: name a local Hugging Face model directory or a hub id"
         )
     local = Path(path).expanduser()
+    if local.suffix.lower() == ".gguf":
+        return _gguf(local, revision)
     if local.is_dir():
         if not (local / "config.json").is_file():
             raise ModelNotFound(
@@ -56,6 +60,22 @@ def resolve_model_path(path: str | Path | None, revision: str | None = None) -> 
     if local.is_absolute() or name.startswith((".", "~")) or not HUB_ID.match(name):
         raise ModelNotFound(f"model.path {name!r}: no such directory, and not a hub id (org/name)")
     return _snapshot(name, revision)
+
+
+def _gguf(file: Path, revision: str | None) -> Path:
+    """The converted directory of GGUF `file` (`engines.gguf.converted_dir`)."""
+    from engines.gguf import GgufError, converted_dir
+
+    if revision is not None:
+        raise ModelNotFound(
+            f"model.revision {revision!r} is set but model.path {str(file)!r} is a local GGUF file"
+        )
+    if not file.is_file():
+        raise ModelNotFound(f"model.path {str(file)!r}: no such GGUF file")
+    try:
+        return converted_dir(file)
+    except GgufError as exc:
+        raise ModelNotFound(str(exc)) from None
 
 
 def hub_cache() -> Path:

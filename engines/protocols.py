@@ -73,6 +73,25 @@ class MicroBatch:
     ref_logprobs: torch.Tensor | None = None
 
 
+def empty_pass(micro_batches: Sequence[MicroBatch]) -> MicroBatch:
+    """A pass that adds nothing: a 1-row batch with no loss token (its loss is exactly 0 and
+    its gradient zeros, but it runs the model's forward and backward like any batch). A rank
+    of a sharded engine with fewer micro-batches than the busiest runs these, so that every
+    rank joins the same collectives."""
+    if micro_batches:
+        first = micro_batches[0]
+        ids, attention = first.input_ids[:1], first.attention_mask[:1]
+    else:
+        ids, attention = torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long)
+    return MicroBatch(
+        input_ids=ids,
+        attention_mask=attention,
+        loss_mask=torch.zeros(ids.shape),
+        advantages=torch.zeros(1),
+        behaviour_logprobs=torch.zeros(ids.shape),
+    )
+
+
 class EngineUnavailable(RuntimeError):
     """The engine a config names cannot start here: not installed (or not importable), or an
     environment that would change what it reports. Said in one line (what to install)."""

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from engines.algorithms.logprobs import chunked_logprobs
+from engines.algorithms.logprobs import chunked_logprobs, scaled_logits
 from engines.algorithms.losses import gather_logprobs
 from engines.device import autocast
 
@@ -75,7 +75,9 @@ class ReferenceEngine:
                 logits = self.model(
                     input_ids=input_ids, attention_mask=attention_mask, position_ids=positions
                 ).logits
-                logprobs = gather_logprobs(logits[:, :-1].float() / self.temperature, targets)
+                logprobs = gather_logprobs(
+                    scaled_logits(logits[:, :-1].float(), self.temperature), targets
+                )
             else:
                 hidden = self.model.get_decoder()(
                     input_ids=input_ids, attention_mask=attention_mask, position_ids=positions

@@ -10,7 +10,9 @@ with ``stream=True`` and ``rid``; ``managers/tokenizer_manager.py``: `abort_requ
 
 - The `Engine` is built on the adapter's loop (its tokenizer manager binds to the loop it was
   made on), so every call goes through the async tokenizer manager there: `Engine`'s own
-  synchronous methods run the loop themselves and cannot while it runs in our thread.
+  synchronous methods run the loop themselves and cannot while it runs in our thread. That
+  thread is not the main one, so SGLang must be >= 0.5.10 (`engines.sglang_rollout`
+  `require_sglang`: older releases call ``signal.signal`` there, which Python refuses).
 - Streams: a chunk's ``meta_info.output_token_logprobs`` holds every token so far, or only
   the new ones when the server streams incrementally; `stream_delta` tells them apart by
   ``completion_tokens`` (the tokens so far, in both).
@@ -42,7 +44,13 @@ from engines.external_rollout import (
     torch_dtype,
 )
 from engines.protocols import SamplingParams
-from engines.sglang_rollout import SGLangSettings, check_logprob_env, engine_kwargs, sampling_params
+from engines.sglang_rollout import (
+    SGLangSettings,
+    check_logprob_env,
+    engine_kwargs,
+    require_sglang,
+    sampling_params,
+)
 
 
 def continuous_engine_kwargs(
@@ -104,7 +112,7 @@ class SGLangContinuousEngine(ContinuousAdapter):
         slots: int = 64,
         partial_mode: PartialMode = "resubmit",
     ) -> None:
-        sglang = require("sglang", "sglang")
+        sglang = require_sglang()  # >= 0.5.10: built on the loop's thread, not the main one
         check_logprob_env()
         super().__init__(slots, eos_token_ids(model_dir), partial_mode, EngineLoop("sglang-engine"))
         self.model = skeleton(model_dir, settings.context_length)

@@ -1,7 +1,8 @@
 """Rollout on SGLang (``pip install 'jetrl[sglang]'``): token ids in,
 token ids and behaviour log-probs out.
 
-Targets SGLang >= 0.4.6, read from its source: ``python/sglang/srt/sampling/sampling_params.py``
+Targets SGLang >= 0.5.10 (`SGLANG_FLOOR`, refused below by `require_sglang`), read from its
+source: ``python/sglang/srt/sampling/sampling_params.py``
 (the sampling-params dict), ``python/sglang/srt/entrypoints/engine.py`` (`Engine.generate`,
 `Engine.update_weights_from_tensor`), ``python/sglang/srt/managers/tokenizer_manager.py``
 (``meta_info``: ``output_token_logprobs`` as (logprob, token id, text or None) tuples,
@@ -20,22 +21,35 @@ SGLang's ``n``, so the response order is ours by construction.
 Weights: `update_weights_from_tensor` with (HF name, tensor) pairs, which the model's own
 ``load_weights`` maps onto its fused layers; ``flush_cache`` drops the radix (prefix) cache the
 old weights computed. The engine is not restarted.
+
+Threads and loops. `Engine.__init__` binds the asyncio loop running in the thread that builds
+it (``asyncio.get_running_loop()``), else that thread's current loop (0.5.23), else a new one
+it sets as the thread's, and its
+synchronous methods (`generate`, `update_weights_from_tensor`) run that loop with
+``run_until_complete``: which fails while any thread runs it. The rollout worker builds its
+engines inside its own running loop and calls them from `asyncio.to_thread`, so the engine is
+built and driven on an `EngineThread` of its own. Built off the main thread, SGLang < 0.5.10
+calls ``signal.signal`` in ``_set_envs_and_config``, which Python refuses there; 0.5.10 skips it
+off the main thread (sgl-project/sglang#18752), hence the floor, for both SGLang adapters.
 """
 
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 
 from engines.external_rollout import (
+    EngineThread,
     EngineUnavailable,
     eos_token_ids,
     make_sample,
     named_weights,
     require,
+    require_version,
     skeleton,
     torch_dtype,
 )
@@ -43,6 +57,22 @@ from engines.protocols import Sample, SamplingParams
 
 ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
 """Set truthy, SGLang returns temperature-1 log-probs: not what the trainer computes."""
+
+SGLANG_FLOOR = "0.5.10"
+"""The first SGLang whose `Engine` can be built off the main thread (see the module doc); the
+extra (pyproject.toml ``sglang``) asks for it too."""
+
+
+def require_sglang() -> ModuleType:
+    """The `sglang` package, refused in one line when missing or older than `SGLANG_FLOOR`."""
+    sglang = require("sglang", "sglang")
+    require_version(
+        sglang,
+        "sglang",
+        SGLANG_FLOOR,
+        "older releases call signal.signal when an Engine is built off the main thread",
+    )
+    return sglang
 
 
 @dataclass(frozen=True)
@@ -126,20 +156,24 @@ def check_logprob_env(environ: dict[str, str] | os._Environ[str] = os.environ) -
 
 
 def load_weights(engine: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Swaps `weights` into a running `sglang.Engine` without a restart."""
-    engine.update_weights_from_tensor(named_tensors=weights, flush_cache=True)
+    """Swaps `weights` into a running `sglang.Engine` without a restart; SGLang reports a
+    failed load as ``(False, message)``, not by raising, so that is raised here."""
+    result = engine.update_weights_from_tensor(named_tensors=weights, flush_cache=True)
+    if isinstance(result, Sequence) and len(result) >= 2 and not result[0]:
+        raise RuntimeError(f"sglang: update_weights_from_tensor failed: {result[1]}")
 
 
 class SGLangRolloutEngine:
     """A `RolloutEngine` over an in-process `sglang.Engine`. Needs CUDA and the sglang extra."""
 
     def __init__(self, model_dir: Path, settings: SGLangSettings = SGLangSettings()) -> None:
-        sglang = require("sglang", "sglang")
+        sglang = require_sglang()
         check_logprob_env()
         self.model = skeleton(model_dir, settings.context_length)
         self.eos_token_ids = eos_token_ids(model_dir)
         self.dtype = torch_dtype(settings.dtype)
-        self.engine = sglang.Engine(**engine_kwargs(model_dir, settings))
+        self.thread = EngineThread("sglang-engine")  # the engine binds this thread's loop
+        self.engine = self.thread.call(sglang.Engine, **engine_kwargs(model_dir, settings))
         self.version = 0
 
     def generate(
@@ -149,7 +183,8 @@ class SGLangRolloutEngine:
         if not prompts or min(map(len, prompts)) == 0:
             raise ValueError("need at least one non-empty prompt")
         rows = [list(p) for p in prompts for _ in range(n)]
-        outputs = self.engine.generate(
+        outputs = self.thread.call(
+            self.engine.generate,
             input_ids=rows,
             sampling_params=sampling_params(params, self.eos_token_ids),
             return_logprob=True,
@@ -160,5 +195,11 @@ class SGLangRolloutEngine:
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
         """Loads `tensors` (named as `TrainEngine.export_weights`) into the running engine."""
-        load_weights(self.engine, named_weights(tensors, self.model, self.dtype))
+        pairs = named_weights(tensors, self.model, self.dtype)
+        self.thread.call(load_weights, self.engine, pairs)
         self.version = self.version + 1 if version is None else version
+
+    def close(self) -> None:
+        """Shuts the engine (its scheduler processes) down on its thread, then the thread."""
+        self.thread.call(self.engine.shutdown)
+        self.thread.close()

@@ -14,6 +14,7 @@ workers get from ``AutoTokenizer`` is, token for token, the one we saved (a test
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
@@ -56,6 +57,32 @@ def build_tiny_model(
     tuned with (see `producers.tasks`).
     """
     tokenizer = build_tokenizer(vocab)
+    return save_tiny_qwen2(
+        out_dir,
+        tokenizer,
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        max_positions=max_positions,
+        seed=seed,
+    )
+
+
+def save_tiny_qwen2(
+    out_dir: Path,
+    tokenizer: Any,
+    *,
+    hidden: int,
+    layers: int,
+    heads: int = 4,
+    kv_heads: int = 2,
+    max_positions: int,
+    seed: int,
+) -> Path:
+    """A random-init Qwen2 over `tokenizer`'s vocabulary (seeded, tied embeddings), written to
+    `out_dir` with the tokenizer; returns it. `build_tiny_model` and
+    `engines.tiny_chat.build_tiny_chat_model` differ only in the tokenizer."""
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden,

@@ -8,15 +8,15 @@ change the gradient.
 
 import copy
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from engines.algorithms.logprobs import chunked_logprobs
+from engines.algorithms.logprobs import chunked_logprobs, scaled_logits
 from engines.algorithms.losses import (
     aggregate,
     aggregation_count,
@@ -33,9 +33,9 @@ from engines.checkpoint_io import atomic_save as _atomic_save
 from engines.checkpoint_io import rng_state as _rng_state
 from engines.checkpoint_io import seed_everything as _seed_everything
 from engines.checkpoint_io import set_rng_state as _set_rng_state
-from engines.critic import Critic, CriticConfig, Targets
+from engines.critic import CRITIC_SUMS, Critic, CriticConfig, Targets
 from engines.device import autocast
-from engines.protocols import MicroBatch
+from engines.protocols import MicroBatch, empty_pass
 
 __all__ = [
     "METRIC_SUMS",
@@ -52,6 +52,30 @@ def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
     """[B, T] position ids counting real tokens only, so a row's padding (left or right) does
     not shift RoPE."""
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def chunked_model_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float,
+    chunk: int,
+    compute: Callable[[], AbstractContextManager[Any]] = nullcontext,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A HF causal LM's [B, T - 1] log-probs of tokens 1..T-1 and the entropies of their
+    predicting distributions, from the final hidden states [B, T - 1, H] and the output
+    projection [V, H], `chunk` positions at a time: never the [B, T - 1, V] logits. `compute`:
+    the context of the decoder's forward (the engine's autocast); the projection runs in
+    float32 outside it."""
+    with compute():
+        # nn.Module's attributes are typed Tensor | Module; a HF model has these methods.
+        hidden = model.get_decoder()(  # type: ignore[operator]
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=_positions(attention_mask),
+        ).last_hidden_state[:, :-1]  # [B, T - 1, H]: position t predicts token t + 1
+    head = model.get_output_embeddings().weight  # type: ignore[operator]  # [V, H]
+    return chunked_logprobs(hidden, head, input_ids[:, 1:], temperature, chunk)
 
 
 def _aligned(per_target: torch.Tensor) -> torch.Tensor:
@@ -93,6 +117,7 @@ class TorchTrainEngine:
         ppo_mini_batches: int = 1,
         own_reference: bool = True,
         critic: CriticConfig | None = None,
+        activation_checkpointing: bool = False,
     ) -> None:
         """`dtype` is the compute dtype of forward and backward (bfloat16: autocast); the
         master weights and the AdamW moments stay float32, which they need the precision of.
@@ -105,21 +130,32 @@ class TorchTrainEngine:
         a frozen copy of the initial model is held as the reference policy (on every rank: it is
         not sharded); without `own_reference` the batches bring the reference log-probs.
         `critic`: GAE with a value model (`engines.critic`), copied from the initial policy and
-        trained in the same updates; the micro-batches' advantages are then outcome scores."""
+        trained in the same updates; the micro-batches' advantages are then outcome scores.
+        `activation_checkpointing`: each transformer block recomputed in backward
+        (`trainer.activation_checkpointing`)."""
         _seed_everything(seed)
+        self.model_dir = Path(model_dir).resolve()
+        """What the model was loaded from (config, tokenizer): each checkpoint records it for
+        `ops.export`."""
         self.device = torch.device(device)
         self.compute_dtype = dtype
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = self._load_model(
+            model_dir, whole=bool(loss.kl_coef and own_reference) or critic is not None
+        )
         self.reference: torch.nn.Module | None = None
         if loss.kl_coef and own_reference:
             # transformers types `to` through a decorator that mypy reads as unbound.
             self.reference = copy.deepcopy(model).to(self.device).requires_grad_(False)  # type: ignore[arg-type]
-        self.critic = (
-            Critic(model, critic, self.device, self._autocast, _positions)
-            if critic is not None
-            else None
-        )
-        self.model = self._wrap(model.to(self.device))  # type: ignore[arg-type]  # as above
+        self.critic = self._make_critic(model, critic) if critic is not None else None
+        self.activation_checkpointing = activation_checkpointing
+        if activation_checkpointing:
+            # Each decoder block recomputed in backward (non-reentrant: works under FSDP2's
+            # hooks and with inputs that need no grad). An engine that rebuilds the model in
+            # `_wrap` (megatron) sets its own recomputation from the flag.
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        self.model = self._wrap(model)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=lr, weight_decay=weight_decay
         )
@@ -130,8 +166,22 @@ class TorchTrainEngine:
         self.ppo_epochs, self.ppo_mini_batches = ppo_epochs, ppo_mini_batches
         self.step = 0
 
-    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+    def _load_model(self, model_dir: Path, whole: bool) -> PreTrainedModel:
+        """The HF model in float32 on the CPU (`whole`: the reference copy or the critic needs
+        every weight here; an engine that shards may load less when it is False)."""
+        model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32
+        )
         return model
+
+    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The loaded model as this engine trains it: here, moved to the device."""
+        return model.to(self.device)
+
+    def _make_critic(self, model: torch.nn.Module, cfg: CriticConfig) -> Critic:
+        """The value model, copied from the loaded policy before `_wrap` (the fsdp engine's
+        shards it like the policy)."""
+        return Critic(model, cfg, self.device, self._autocast, _positions)
 
     def _autocast(self) -> AbstractContextManager[Any]:
         return autocast(self.device, self.compute_dtype)
@@ -160,18 +210,22 @@ class TorchTrainEngine:
             return _aligned(gather_logprobs(logits, targets)), _aligned(
                 entropy_from_logits(kept)
             ) if entropy else None
-        with self._autocast():
-            # nn.Module's attributes are typed Tensor | Module; a HF model has these methods.
-            hidden = model.get_decoder()(  # type: ignore[operator]
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=_positions(attention_mask),
-            ).last_hidden_state[:, :-1]  # [B, T - 1, H]: position t predicts token t + 1
-        head = model.get_output_embeddings().weight  # type: ignore[operator]  # [V, H]
-        logprobs, entropies = chunked_logprobs(
-            hidden, head, targets, self.loss_config.temperature, self.logprob_chunk_tokens
-        )
+        logprobs, entropies = self._chunked_logprobs(model, input_ids, attention_mask)
         return _aligned(logprobs), _aligned(entropies) if entropy else None
+
+    def _chunked_logprobs(
+        self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, T] ids -> ([B, T - 1] log-probs, [B, T - 1] entropies), chunked over positions
+        (`chunked_model_logprobs`); the fsdp engine runs it inside its root module's forward."""
+        return chunked_model_logprobs(
+            model,
+            input_ids,
+            attention_mask,
+            self.loss_config.temperature,
+            self.logprob_chunk_tokens,
+            self._autocast,
+        )
 
     def _token_logits(
         self,
@@ -189,10 +243,7 @@ class TorchTrainEngine:
                 attention_mask=attention_mask,
                 position_ids=_positions(attention_mask),
             )
-        logits = out.logits[:, :-1].float()
-        return (
-            logits / self.loss_config.temperature if self.loss_config.temperature != 1.0 else logits
-        )
+        return scaled_logits(out.logits[:, :-1].float(), self.loss_config.temperature)
 
     @torch.no_grad()
     def token_limits(self) -> tuple[int, int | None]:
@@ -237,6 +288,8 @@ class TorchTrainEngine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         totals = dict.fromkeys(METRIC_SUMS, 0.0)
+        if self.critic is not None:
+            totals |= dict.fromkeys((*CRITIC_SUMS, "critic_grad_norm"), 0.0)
         norms: list[float] = []
         chunks = [
             list(c) for c in np.array_split(np.arange(len(micro_batches)), self.ppo_mini_batches)
@@ -258,9 +311,9 @@ class TorchTrainEngine:
         mean_weight = totals["is_weight"] / tokens
         if self.critic is not None:
             critic_stats |= {
-                "value_loss": totals.get("value_loss", 0.0) / updates,
-                "value_clip_frac": totals.get("value_clipped", 0.0) / tokens,
-                "critic_grad_norm": totals.get("critic_grad_norm", 0.0) / updates,
+                "value_loss": totals["value_loss"] / updates,
+                "value_clip_frac": totals["value_clipped"] / tokens,
+                "critic_grad_norm": totals["critic_grad_norm"] / updates,
             }
         return {
             "loss": totals["loss"] / updates,
@@ -306,7 +359,7 @@ class TorchTrainEngine:
             # A rank with fewer micro-batches than the busiest runs empty passes: every rank
             # must join the same collectives (parameter gathers, the last pass's gradient sync).
             real = index < len(micro_batches)
-            batch = micro_batches[index] if real else _empty_like(micro_batches)
+            batch = micro_batches[index] if real else empty_pass(micro_batches)
             self._before_backward(last=index == passes - 1)
             objective = self._objective(
                 batch, proximal[index] if proximal is not None and real else None
@@ -323,12 +376,18 @@ class TorchTrainEngine:
             totals["loss"] += loss.item()
             for name, value in objective.sums.items():
                 totals[name] += value
-            if self.critic is not None and targets is not None and real:
+            if self.critic is not None and targets is not None:
+                # Every pass, empty ones too: a sharded critic's ranks gather and sync together.
                 sums = self.critic.accumulate(
-                    batch, targets[index], mode, denominator, self.loss_config.norm_tokens
+                    batch,
+                    targets[index] if real else None,
+                    mode,
+                    denominator,
+                    self.loss_config.norm_tokens,
+                    last=index == passes - 1,
                 )
                 for name, value in sums.items():
-                    totals[name] = totals.get(name, 0.0) + value
+                    totals[name] += value
         grad_norm = self._clip_grad_norm()
         # The schemas refuse NaN and inf inputs, but extreme finite ones still overflow (a huge
         # advantage: the log-ratio is clamped, an advantage is not); one NaN update would poison
@@ -336,7 +395,7 @@ class TorchTrainEngine:
         if torch.isfinite(grad_norm):
             self.optimizer.step()
         if self.critic is not None:
-            totals["critic_grad_norm"] = totals.get("critic_grad_norm", 0.0) + self.critic.update()
+            totals["critic_grad_norm"] += self.critic.update()
         return float(grad_norm)
 
     def _objective(self, batch: MicroBatch, proximal: torch.Tensor | None) -> TokenObjective:
@@ -368,7 +427,7 @@ class TorchTrainEngine:
         out = []
         for index in range(passes):
             batch = (
-                micro_batches[index] if index < len(micro_batches) else _empty_like(micro_batches)
+                micro_batches[index] if index < len(micro_batches) else empty_pass(micro_batches)
             )
             logprobs, _ = self._token_logprobs(
                 batch.input_ids.to(self.device), batch.attention_mask.to(self.device), entropy=False
@@ -433,6 +492,7 @@ class TorchTrainEngine:
             "step": self.step,
             "rng": _rng_state(),
             "extra": extra or {},
+            "model_dir": str(self.model_dir),
         }
         if self.critic is not None:
             state["critic"] = self.critic.state_dict()
@@ -453,20 +513,3 @@ class TorchTrainEngine:
         self.step = state["step"]
         _set_rng_state(state["rng"])
         return state["extra"]
-
-
-def _empty_like(micro_batches: Sequence[MicroBatch]) -> MicroBatch:
-    """A pass that adds nothing: a 1-row batch with no loss token (its loss is exactly 0 and
-    its gradient zeros, but it runs the model's forward and backward like any batch)."""
-    if micro_batches:
-        first = micro_batches[0]
-        ids, attention = first.input_ids[:1], first.attention_mask[:1]
-    else:
-        ids, attention = torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long)
-    return MicroBatch(
-        input_ids=ids,
-        attention_mask=attention,
-        loss_mask=torch.zeros(ids.shape),
-        advantages=torch.zeros(1),
-        behaviour_logprobs=torch.zeros(ids.shape),
-    )

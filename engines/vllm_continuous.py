@@ -15,15 +15,16 @@ log-probs).
   the tokens it has. ``keep``: ``pause_generation(mode="keep", clear_cache=False)`` freezes the
   requests in the scheduler and ``resume_generation`` lets them go on (vLLM releases that
   have ``mode``; older ones are refused at start-up).
-- Weights: ``collective_rpc`` runs the model's own ``load_weights`` on every worker (the
-  function travels pickled, so the adapter sets ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``
-  unless it is set), then ``reset_prefix_cache``.
+- Weights: ``collective_rpc`` runs the model's own ``load_weights`` on every worker, one RPC
+  per bucket of ``weight_bucket_bytes``, as safetensors bytes (the batch adapter's
+  `pack_bucket`); the function travels pickled, so the adapter sets
+  ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` before the engine starts (the batch adapter's
+  `allow_function_rpc`); then ``reset_prefix_cache``.
 """
 
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,9 +38,17 @@ from engines.external_rollout import (
     require,
     skeleton,
     torch_dtype,
+    weight_buckets,
 )
 from engines.protocols import SamplingParams
-from engines.vllm_rollout import VLLMSettings, llm_kwargs, load_on_worker, sampling_kwargs
+from engines.vllm_rollout import (
+    VLLMSettings,
+    allow_function_rpc,
+    llm_kwargs,
+    load_on_worker,
+    pack_bucket,
+    sampling_kwargs,
+)
 
 
 def async_engine_kwargs(model_dir: Path, settings: VLLMSettings, slots: int) -> dict[str, Any]:
@@ -93,12 +102,11 @@ class VLLMContinuousEngine(ContinuousAdapter):
         partial_mode: PartialMode = "resubmit",
     ) -> None:
         vllm = require("vllm", "vllm")
-        os.environ.setdefault(
-            "VLLM_ALLOW_INSECURE_SERIALIZATION", "1"
-        )  # collective_rpc with our loader function
+        allow_function_rpc()  # collective_rpc with our loader, before the engine core starts
         super().__init__(slots, eos_token_ids(model_dir), partial_mode, EngineLoop("vllm-engine"))
         self.model = skeleton(model_dir, settings.max_model_len)
         self.dtype = torch_dtype(settings.dtype)
+        self.bucket_bytes = settings.weight_bucket_bytes
         self._vllm = vllm
         self._delta = require("vllm.sampling_params", "vllm").RequestOutputKind.DELTA
         args = vllm.AsyncEngineArgs(**async_engine_kwargs(model_dir, settings, slots))
@@ -144,7 +152,8 @@ class VLLMContinuousEngine(ContinuousAdapter):
         await self.engine.resume_generation()
 
     async def engine_load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        await self.engine.collective_rpc(load_on_worker, args=(weights,))
+        for bucket in weight_buckets(weights, self.bucket_bytes):
+            await self.engine.collective_rpc(load_on_worker, args=(pack_bucket(bucket),))
         await self.engine.reset_prefix_cache()  # cached KV was computed by the old weights
 
     def close(self) -> None:

@@ -16,29 +16,46 @@ This adapter asks for ``processed_logprobs`` and refuses top_p < 1 rather than h
 log-probs renormalised over the nucleus. Greedy (temperature 0): vLLM divides by 1, as we do.
 
 Weights: `load_weights` runs ``model_runner.model.load_weights`` on every worker through
-``collective_rpc`` (the model's own loader maps HF names onto its fused layers), then drops the
-prefix cache, whose KV entries the old weights computed. The engine is not restarted.
+``collective_rpc`` (the model's own loader maps HF names onto its fused layers), one RPC per
+bucket of at most ``weight_bucket_bytes`` of tensors (`weight_buckets`), each bucket as
+safetensors bytes (`pack_bucket`: the engine core decodes the call's arguments without types,
+so a tensor would arrive as a list), then drops the prefix cache, whose KV entries the old
+weights computed. The engine is not restarted. The loader is a
+plain function, which vLLM's msgpack encoder (``vllm/v1/serial_utils.py`` `MsgpackEncoder`)
+refuses unless ``VLLM_ALLOW_INSECURE_SERIALIZATION`` is set, and which the engine-core process
+decodes only if it started with it set: `allow_function_rpc`, called by both vLLM adapters
+before the engine is built, is that rule.
 """
 
-from collections.abc import Sequence
+import os
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
 
 from engines.external_rollout import (
+    EngineUnavailable,
     eos_token_ids,
     make_sample,
     named_weights,
     require,
     skeleton,
     torch_dtype,
+    weight_buckets,
 )
 from engines.protocols import Sample, SamplingParams
 
 LOGPROBS_MODE = "processed_logprobs"
 """`LLM(logprobs_mode=...)`: log-probs after temperature (see the module doc)."""
+
+INSECURE_SERIALIZATION_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
+"""Lets vLLM's msgpack encoder and decoder carry a function (pickled) through `collective_rpc`."""
+
+DEFAULT_WEIGHT_BUCKET_BYTES = 512 * 2**20
+"""`VLLMSettings.weight_bucket_bytes`' default (`schemas.rollout_config` documents it)."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +69,27 @@ class VLLMSettings:
     enforce_eager: bool = False
     dtype: str = "auto"
     seed: int = 0
+    weight_bucket_bytes: int = DEFAULT_WEIGHT_BUCKET_BYTES
+
+
+def allow_function_rpc(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Sets ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` unless it is set, so that vLLM carries our
+    loader function through `collective_rpc`; refuses it set to what vLLM reads as off (vLLM:
+    ``bool(int(value))``). Must run before the engine is built: its engine-core process
+    reads the variable when it starts."""
+    value = environ.get(INSECURE_SERIALIZATION_ENV)
+    if value is None:
+        environ[INSECURE_SERIALIZATION_ENV] = "1"
+        return
+    try:
+        allowed = bool(int(value))
+    except ValueError:
+        allowed = False
+    if not allowed:
+        raise EngineUnavailable(
+            f"{INSECURE_SERIALIZATION_ENV}={value!r}: vLLM would refuse the weight loader this "
+            "adapter sends through collective_rpc (a function); unset it or set it to 1"
+        )
 
 
 def llm_kwargs(model_dir: Path, settings: VLLMSettings) -> dict[str, Any]:
@@ -127,15 +165,30 @@ def request_to_samples(request: Any, n: int, stop_ids: Sequence[int]) -> list[Sa
     return [completion_to_sample(c, stop_ids) for c in completions]
 
 
-def load_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+def pack_bucket(weights: Sequence[tuple[str, torch.Tensor]]) -> bytes:
+    """One bucket as the `collective_rpc` argument: safetensors bytes, which vLLM's msgpack
+    carries as they are. Not the tensors themselves: the engine-core process decodes a utility
+    call without types, so a tensor would reach the worker as ``[dtype, shape, buffer]``."""
+    return safetensors.torch.save({name: tensor.contiguous() for name, tensor in weights})
+
+
+def load_on_worker(worker: Any, bucket: bytes) -> None:
     """Runs in each vLLM worker (`collective_rpc` passes the worker first): the model's own
-    loader copies each HF-named tensor into its (possibly fused, sharded) parameter."""
-    worker.model_runner.model.load_weights(weights=iter(weights))
+    loader copies each HF-named tensor of the `pack_bucket` bytes into its (possibly fused,
+    sharded) parameter."""
+    weights = safetensors.torch.load(bytes(bucket))
+    worker.model_runner.model.load_weights(weights=iter(weights.items()))
 
 
-def load_weights(llm: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Swaps `weights` into a running `vllm.LLM` without a restart."""
-    llm.collective_rpc(load_on_worker, args=(weights,))
+def load_weights(
+    llm: Any,
+    weights: list[tuple[str, torch.Tensor]],
+    bucket_bytes: int = DEFAULT_WEIGHT_BUCKET_BYTES,
+) -> None:
+    """Swaps `weights` into a running `vllm.LLM` without a restart, one `collective_rpc` per
+    bucket of at most `bucket_bytes` (a larger tensor alone)."""
+    for bucket in weight_buckets(weights, bucket_bytes):
+        llm.collective_rpc(load_on_worker, args=(pack_bucket(bucket),))
     llm.reset_prefix_cache()  # cached KV was computed by the old weights
 
 
@@ -144,9 +197,11 @@ class VLLMRolloutEngine:
 
     def __init__(self, model_dir: Path, settings: VLLMSettings = VLLMSettings()) -> None:
         vllm = require("vllm", "vllm")
+        allow_function_rpc()  # before the engine-core process starts
         self.model = skeleton(model_dir, settings.max_model_len)
         self.eos_token_ids = eos_token_ids(model_dir)
         self.dtype = torch_dtype(settings.dtype)
+        self.bucket_bytes = settings.weight_bucket_bytes
         self._vllm = vllm
         self.llm = vllm.LLM(**llm_kwargs(model_dir, settings))
         self.version = 0
@@ -166,5 +221,5 @@ class VLLMRolloutEngine:
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
         """Loads `tensors` (named as `TrainEngine.export_weights`) into the running engine."""
-        load_weights(self.llm, named_weights(tensors, self.model, self.dtype))
+        load_weights(self.llm, named_weights(tensors, self.model, self.dtype), self.bucket_bytes)
         self.version = self.version + 1 if version is None else version

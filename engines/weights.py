@@ -66,6 +66,16 @@ def check_manifest(manifest: tuple[TensorSpec, ...], model: torch.nn.Module) -> 
         )
 
 
+def in_dtype(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The floating tensors cast to `dtype` (the published dtype), the others as they are; a
+    tensor already in it is the same object (no copy). float32 masters -> bfloat16 halves the
+    bytes of every version a bf16 rollout loads."""
+    return {
+        name: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+        for name, t in tensors.items()
+    }
+
+
 def dtype_name(tensor: torch.Tensor) -> str:
     return str(tensor.dtype).removeprefix("torch.")
 

@@ -45,13 +45,20 @@ from bus.topology import (
 )
 from ops.streams import as_stored, stored_config
 from schemas import Event
-from schemas.kv_records import DropRecord, StepMetrics
+from schemas.kv_records import DropKind, DropRecord, StepMetrics
 from schemas.staleness import StalenessPolicy
 
 E = TypeVar("E", bound=Event)
 AUDIT_SECONDS = 120.0
 """How long an audit refused by elections is started over:
 reading a long run takes a while itself."""
+
+
+def drop_kind(record: DropRecord) -> str:
+    """A drop's kind (`DropKind`); for a record stored before kinds, its reason's first words."""
+    if (kind := record.typed) is not DropKind.UNKNOWN:
+        return kind.value
+    return record.reason.split(":")[0].split(" (")[0]
 
 
 async def replay_events(js: JetStreamContext, topology: Topology, channel: Channel[E]) -> list[E]:
@@ -73,7 +80,8 @@ async def audit(
     keys = await stored_keys(js, topology.kv_bucket)
     drop_keys = {pid: k for k in keys if (pid := dropped_prompt(k)) is not None}
     # An empty record reads back as None: kept, as a drop without a reason.
-    dropped = {pid: DropRecord.decode((await kv.get(k)).value).text for pid, k in drop_keys.items()}
+    records = {pid: DropRecord.decode((await kv.get(k)).value) for pid, k in drop_keys.items()}
+    dropped = {pid: record.text for pid, record in records.items()}
     # What the trainer says it trained: each step's record lists the ids of the micro-batches
     # it took (a refused one is in the batch stream but not here). The records cover the whole
     # run; the batch stream only what the trainer's checkpoints still need (it trims the rest),
@@ -127,7 +135,7 @@ async def audit(
         "steps": len(
             {int(r["step"]) for r in step_records if "step" in r} | {b.step for b in batches}
         ),
-        "drop_reasons": dict(Counter(r.split(":")[0].split(" (")[0] for r in dropped.values())),
+        "drop_reasons": dict(Counter(map(drop_kind, records.values()))),
         "max_staleness_seen": max(seen_staleness, default=0),
         "reward_by_step": [rewards[step] for step in sorted(rewards)],
         # Per work stream, messages deleted before their work queue acked them (`bus.loss`):

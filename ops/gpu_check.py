@@ -6,11 +6,12 @@ prepared here and runs as one command. Each section runs in a child process that
 at its hard time budget, so a hang costs that section only; a child writes its results file
 after every measurement, so the figures taken before a kill survive. Sections, in priority
 order: env (versions, optional engines), engines (HF rollout and train on a Qwen2-0.5B-shaped
-random-init model), weights (object-store transport, does fetch time grow with the square of
-the size?), pipeline (the built-in job's samples/s), external (the vLLM and SGLang adapters,
-batch and continuous with partial rollout, against the trainer, when installed; seconds when
-not). The last stdout line is one JSON object with everything;
-it is also written to $OUT/gpu_check.json when OUT is set.
+random-init model), fsdp (FSDP2, one rank over NCCL, the 0.5B and 3B shapes), megatron
+(megatron-core, TP = PP = 1), nccl (the broadcast between two processes, GB/s), weights
+(object-store transport, does fetch time grow with the square of the size?), pipeline (the
+built-in job's samples/s), external (the vLLM and SGLang adapters, batch and continuous with
+partial rollout, against the trainer, when installed; seconds when not). The last stdout
+line is one JSON object with everything; it is also written to $OUT/gpu_check.json when OUT is set.
 
 `--cpu-smoke` runs the same code paths with tiny sizes on the CPU, to prove the imports and
 paths before the GPU run.
@@ -40,21 +41,25 @@ if str(ROOT) not in sys.path:  # run as a script, the repository is not on the p
 
 from ops.gpu.record import STARTED, Record, finite, one_line, say  # noqa: E402 (after the path fix above)
 
-SECTIONS = ("env", "engines", "fsdp", "weights", "pipeline", "external")
+SECTIONS = ("env", "engines", "fsdp", "megatron", "nccl", "weights", "pipeline", "external")
 # (base, max) seconds per section. A section may use time an earlier one left unused, up to
 # its max, while the later sections keep their base.
 BUDGETS = {
     "env": (40, 60),
-    "engines": (150, 200),
+    "engines": (120, 200),
     "fsdp": (40, 90),
-    "weights": (110, 200),
-    "pipeline": (90, 110),
+    "megatron": (40, 90),
+    "nccl": (20, 40),
+    "weights": (90, 200),
+    "pipeline": (70, 110),
     "external": (20, 240),
 }
 SMOKE_BUDGETS = {
     "env": (60, 90),
     "engines": (130, 150),
     "fsdp": (20, 60),
+    "megatron": (20, 60),
+    "nccl": (10, 20),
     "weights": (70, 90),
     "pipeline": (130, 150),
     "external": (20, 30),
@@ -247,6 +252,18 @@ def section_fsdp(args: argparse.Namespace, rec: Record) -> None:
     fsdp(args, rec)
 
 
+def section_megatron(args: argparse.Namespace, rec: Record) -> None:
+    from ops.gpu.parallel import megatron
+
+    megatron(args, rec)
+
+
+def section_nccl(args: argparse.Namespace, rec: Record) -> None:
+    from ops.gpu.parallel import nccl
+
+    nccl(args, rec)
+
+
 def section_external(args: argparse.Namespace, rec: Record) -> None:
     """vLLM and SGLang through their adapters (`ops.gpu.external`), each only when importable."""
     from ops.gpu.external import ENGINES, installed
@@ -297,6 +314,8 @@ SECTION_FUNCS = {
     "env": section_env,
     "engines": section_engines,
     "fsdp": section_fsdp,
+    "megatron": section_megatron,
+    "nccl": section_nccl,
     "weights": section_weights,
     "pipeline": section_pipeline,
     "external": section_external,

@@ -1,4 +1,4 @@
-"""`python -m ops.ray up|down fleet.yaml [--address ADDR] [--nats URL]`:
+"""`python -m ops.ray up|down fleet.yaml [KEY.PATH=VALUE ...] [--address ADDR] [--nats URL]`:
 a fleet's workers as Ray actors.
 
 `up` starts the workers a fleet YAML describes (`consumers.fleet_config.FleetConfig`, the file
@@ -17,6 +17,7 @@ removes the actor. It prints how each worker ended and exits 1 if one did not en
 Actors are named `<run>/<fleet>/<role>-<index>` in Ray namespace `jetrl`, `<fleet>` being
 the YAML's file name without `.yaml`: two fleet files of one run (a whole run, then more
 rollout workers) never share a worker, and `down` stops only its own file's.
+KEY.PATH=VALUE arguments override the YAML as they do for `consumers.fleet` (`schemas.overrides`).
 
 Unlike `consumers.fleet`: Ray picks each worker's GPUs (`devices` is ignored); a relative
 `logs` is taken from the directory `up` runs in; a worker whose actor dies (its node
@@ -40,9 +41,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bus.connection import DEFAULT_URL
-from consumers.fleet_config import FleetConfig, RoleConfig, load_fleet, worker_name
+from consumers.fleet_config import FleetConfig, RoleConfig, worker_name
 from consumers.supervisor import POLL_SECONDS, State, Supervisor
 from schemas.config import ConfigError
+from schemas.overrides import (
+    OverrideError,
+    add_overrides_argument,
+    help_epilog,
+    load_with_overrides,
+)
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -195,13 +202,18 @@ def describe(state: State, code: int | None) -> tuple[str, bool]:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m ops.ray", description=__doc__.split("\n\n")[0])
+    prog = "python -m ops.ray"
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=__doc__.split("\n\n")[0],
+        epilog=help_epilog(prog, "up examples/fleet.yaml roles.rollout.processes=4"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument(
         "action", choices=["up", "down"], help="start the fleet's workers, or drain and remove them"
     )
-    parser.add_argument(
-        "config", type=Path, help="fleet YAML (see consumers/fleet.py); it must set `run`"
-    )
+    parser.add_argument("config", type=Path, help="fleet YAML (docs/config.md); it must set `run`")
+    add_overrides_argument(parser, "fleet YAML")
     parser.add_argument(
         "--address",
         default=os.environ.get("RAY_ADDRESS", "auto"),
@@ -211,13 +223,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--nats",
         help="NATS URL(s) the workers use (default: the YAML's, $JETRL_NATS_URL, localhost)",
     )
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     try:
-        config = load_fleet(args.config)
+        config = load_with_overrides(FleetConfig, args.config, args.overrides)
+    except OverrideError as exc:
+        print(f"ops.ray: {exc}", file=sys.stderr)
+        return 2
     except ConfigError as exc:
         sys.exit(f"ops.ray: {exc}")
     if config.run is None:

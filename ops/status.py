@@ -1,10 +1,14 @@
 """`python -m ops.status --run R [--nats URL] [--watch]`: where a run stands,
 from its streams, consumers and KV.
 
+`--out DIR` instead of `--run`/`--nats`: the local job's run directory, whose `server.json`
+names the run, its server's URL and the admin identity to connect with (`bus.run_dir`).
+
     stages   messages stored per stream, and arriving per second
     queues   per work queue: pending, in flight (ack pending), redelivered, done per second
              (taken and no longer in flight: acked or terminated)
     dead     dead letters by the worker that wrote them
+    drops    dropped groups by kind, and the reward function's failures by reason
     lost     work a stream deleted before its work queue acked it (`bus.loss`): should be none
     trainer  the step of the live trainer(s), the latest weight version
     staleness  step - version over the loss tokens of the last batches in the stream
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -27,6 +32,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import nats.errors
@@ -39,6 +45,7 @@ from bus.election import or_unknown
 from bus.lag import QueueLag, queue_lag
 from bus.membership import Member, live_members
 from bus.readers import LastStored, Poison
+from bus.run_dir import RunDirError, read_server
 from bus.topology import (
     BATCHES,
     CHANNELS,
@@ -48,7 +55,8 @@ from bus.topology import (
     run_id_arg,
 )
 from ops.streams import as_stored
-from producers.stall import stalled_line
+from producers.drops import DropTally, failures_line
+from producers.stall import read_drops, stalled_line
 from schemas import BatchEvent, WeightVersionEvent
 
 T = TypeVar("T")
@@ -101,6 +109,8 @@ class Details:
     lost: dict[str, int | None] | None = None
     """Per work stream, messages deleted before their work queue acked them (`bus.loss`);
     None: unknown."""
+    drops: DropTally | None = None
+    """Every drop record of the run, counted (`producers.drops`); None: unknown."""
 
 
 async def sample(js: JetStreamContext, topology: Topology) -> Sample:
@@ -149,6 +159,7 @@ async def details(js: JetStreamContext, topology: Topology, batches: int) -> Det
         frozenset(unknown),
         await or_unknown(lambda: stalled_line(js, topology), "the stall diagnosis"),
         await or_unknown(lambda: _lost(js, topology), "the loss guard"),
+        await or_unknown(lambda: read_drops(js, topology, time.time()), "the drop records"),
     )
 
 
@@ -255,6 +266,10 @@ def render(topology: Topology, before: Sample, now: Sample, info: Details) -> st
         else ", ".join(f"{stage} {n}" for stage, n in sorted(now.dead.items())) or "none"
     )
     lines += ["", f"dead letters: {dead}", lost_line(info.lost)]
+    if info.drops is None:
+        lines += ["dropped groups: ?", "reward failures: ?"]
+    else:
+        lines += [f"dropped groups: {info.drops.breakdown()}", failures_line(info.drops.failures)]
     members = info.members
     trainer_steps = [
         m.weight_version
@@ -296,7 +311,9 @@ def render(topology: Topology, before: Sample, now: Sample, info: Details) -> st
     return "\n".join(lines)
 
 
-async def show(url: str, topology: Topology, watch: bool, batches: int) -> None:
+async def show(
+    url: str, topology: Topology, watch: bool, batches: int, identity: Path | None = None
+) -> None:
     """Print the page once (rates over 1 s), or redraw it every WATCH_SECONDS until
     SIGINT/SIGTERM."""
     # Ctrl-C sets an event rather than cancelling the task: a cancellation that lands inside a
@@ -306,7 +323,7 @@ async def show(url: str, topology: Topology, watch: bool, batches: int) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    pages = asyncio.create_task(_draw(url, topology, watch, batches, stop))
+    pages = asyncio.create_task(_draw(url, topology, watch, batches, stop, identity))
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait({pages, stopped}, return_when=asyncio.FIRST_COMPLETED)
     stopped.cancel()
@@ -318,11 +335,16 @@ async def show(url: str, topology: Topology, watch: bool, batches: int) -> None:
 
 
 async def _draw(
-    url: str, topology: Topology, watch: bool, batches: int, stop: asyncio.Event
+    url: str,
+    topology: Topology,
+    watch: bool,
+    batches: int,
+    stop: asyncio.Event,
+    identity: Path | None = None,
 ) -> None:
     # The bus connection retries forever, right for a worker;
     # a person asking for status wants an answer.
-    nc = await asyncio.wait_for(connect(url, "ops-status"), CONNECT_SECONDS)
+    nc = await asyncio.wait_for(connect(url, "ops-status", identity=identity), CONNECT_SECONDS)
     js = nc.jetstream()
     try:
         try:
@@ -352,9 +374,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m ops.status", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--run", required=True, type=run_id_arg, help="run id")
+    parser.add_argument("--run", type=run_id_arg, help="run id")
+    parser.add_argument("--nats", help="NATS URL(s) (default: $JETRL_NATS_URL, then the local)")
     parser.add_argument(
-        "--nats", default=os.environ.get("JETRL_NATS_URL", DEFAULT_URL), help="NATS URL(s)"
+        "--out",
+        type=Path,
+        help="a local job's run directory: its run, server and admin identity (not with --run)",
     )
     parser.add_argument(
         "--watch", action="store_true", help=f"redraw every {WATCH_SECONDS:.0f} s until Ctrl-C"
@@ -362,18 +387,37 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--batches", type=int, default=16, help="recent batch events the staleness is measured over"
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.identity = None
+    if args.out is not None:
+        if args.run is not None or args.nats is not None:
+            parser.error("--out names the run and its server: give it without --run and --nats")
+        try:
+            server = read_server(args.out)
+        except RunDirError as exc:
+            parser.exit(1, f"ops.status: {exc}\n")
+        args.run, args.nats, args.identity = server.run, server.url, server.identity
+    elif args.run is None:
+        parser.error("give --run R (with --nats URL), or --out DIR of a local job")
+    args.nats = args.nats or os.environ.get("JETRL_NATS_URL", DEFAULT_URL)
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
+    # The bus logs each failed connect and reconnect for a worker's log; here the page, or one
+    # line saying why there is none, is the answer.
+    logging.getLogger("jetrl.bus").setLevel(logging.ERROR)
     try:
-        asyncio.run(show(args.nats, Topology(run=args.run), args.watch, args.batches))
+        asyncio.run(
+            show(args.nats, Topology(run=args.run), args.watch, args.batches, args.identity)
+        )
     except NotFoundError:
         sys.exit(f"ops.status: run {args.run} has no streams on {args.nats}; is the run id right?")
     except (OSError, TimeoutError) as exc:
         reason = str(exc) or f"no answer in {CONNECT_SECONDS:.0f}s"
-        sys.exit(f"ops.status: cannot reach NATS at {args.nats}: {reason}")
+        hint = "" if args.out else " (a local job's server: give --out <its run directory>)"
+        sys.exit(f"ops.status: cannot reach NATS at {args.nats}: {reason}{hint}")
 
 
 if __name__ == "__main__":

@@ -230,9 +230,26 @@ def details(span: SpanView) -> str:
         )
     elif "jetrl.samples" in tags:
         parts.append(f"{tags['jetrl.samples']} samples")
+    parts += episode_details(tags)
     if tags.get("error") is True and "jetrl.failed" not in tags:
         parts.append("ERROR")
     return ", ".join(parts)
+
+
+def episode_details(tags: dict[str, Any]) -> list[str]:
+    """An agent episode's spans (`consumers.episodes`): the episode, each turn, each tool call."""
+    parts = []
+    if "jetrl.turns" in tags:
+        resumed = int(tags.get("jetrl.resumed", 0) or 0)
+        parts.append(f"{tags['jetrl.turns']} turns, ended {tags.get('jetrl.end', '?')}")
+        if resumed:
+            parts.append(f"resumed {resumed}x")
+    if "jetrl.turn" in tags:
+        parts.append(f"turn {tags['jetrl.turn']}: +{tags.get('jetrl.tokens_added', '?')} tokens")
+    if "jetrl.tool" in tags:
+        ok = tags.get("jetrl.ok", True)
+        parts.append(f"tool {tags['jetrl.tool']}" + ("" if ok else " FAILED"))
+    return parts
 
 
 def _row(origin: int, depth: int, span: SpanView, note: str = "") -> tuple[str, ...]:

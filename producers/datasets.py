@@ -1,4 +1,5 @@
-"""Prompt sources: built-in generated tasks, jsonl and parquet files.
+"""Prompt sources: built-in generated tasks (`producers.tasks`; `producers.agent_tasks`, whose
+prompts are chat messages for agent episodes), jsonl and parquet files.
 
 A source maps a global cursor k to (epoch, index, record), deterministically, so that a
 restarted producer resumes at any k with no gap and no duplicate. A file's rows are
@@ -7,14 +8,16 @@ shuffled per epoch with `seed + epoch`.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from producers import tasks
+from producers import agent_tasks, tasks
 from schemas.config import DataConfig
+from schemas.model_config import WarmStartConfig
 
 GENERATED_EPOCH = 10_000
 
@@ -55,14 +58,17 @@ def epoch_size(cfg: DataConfig) -> int:
 def records(cfg: DataConfig, start: int) -> Iterator[tuple[int, int, dict[str, Any]]]:
     """(epoch, index, record) from global cursor `start` on, for `cfg.epochs` epochs."""
     if cfg.dataset is None:
-        if cfg.task not in tasks.TASKS:
-            raise ValueError(
-                f"data.task: unknown built-in task {cfg.task!r}; choose from {sorted(tasks.TASKS)}"
-            )
+        if cfg.task in agent_tasks.TASKS:  # chat messages for agent episodes
+            make = agent_tasks.task_record
+        elif cfg.task in tasks.TASKS:
+            make = tasks.task_record
+        else:
+            known = sorted([*tasks.TASKS, *agent_tasks.TASKS])
+            raise ValueError(f"data.task: unknown built-in task {cfg.task!r}; choose from {known}")
         size, task = GENERATED_EPOCH, cfg.task
 
         def row_at(epoch: int, index: int) -> dict[str, Any]:
-            return tasks.task_record(task, epoch * size + index, seed=cfg.seed)
+            return make(task, epoch * size + index, seed=cfg.seed)
 
     else:
         rows = _read_rows(Path(cfg.dataset))
@@ -78,3 +84,25 @@ def records(cfg: DataConfig, start: int) -> Iterator[tuple[int, int, dict[str, A
     for k in range(start, cfg.epochs * size):
         epoch, index = divmod(k, size)
         yield epoch, index, row_at(epoch, index)
+
+
+def demonstrations(warm: WarmStartConfig, data: DataConfig) -> Iterator[list[dict[str, Any]]]:
+    """The warm start's conversations, endlessly (`model.warm_start`): the file's rows'
+    `messages`, reshuffled each pass; or the built-in agent task's generated ones."""
+    if warm.dataset is None:
+        return (agent_tasks.demonstration(i, seed=data.seed) for i in itertools.count())
+    path = Path(warm.dataset)
+    rows = _read_rows(path)
+    for number, row in enumerate(rows, 1):
+        messages = row.get("messages")
+        if not isinstance(messages, list) or not any(
+            isinstance(m, dict) and m.get("role") == "assistant" for m in messages
+        ):
+            raise ValueError(f"{path}: row {number} has no `messages` with an assistant turn")
+
+    def passes() -> Iterator[list[dict[str, Any]]]:
+        for epoch in itertools.count():
+            for i in random.Random(data.seed + epoch).sample(range(len(rows)), len(rows)):
+                yield rows[i]["messages"]
+
+    return passes()

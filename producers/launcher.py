@@ -4,17 +4,24 @@ live progress line, stopping on a signal, and the summary and report at the end.
     run:      [embedded nats-server + local fleet of trainer, buffer, (reference,) reward,
               rollout] -> produce
     produce:  config to KV -> one TaskGroup: gate.Producer watch + feed, membership heartbeat,
-              fleet check, signals; a progress line every 2 s until the trainer's last step
-              (or SIGINT/SIGTERM: Stopped; a loop beside it fails: its error) -> summary, plots
+              fleet check, signals, samples.jsonl (`producers.samples`); a progress line every
+              2 s until the trainer's last step (or SIGINT/SIGTERM: Stopped; a loop beside it
+              fails: its error) -> summary, plots: written however it ends (`producers.report`)
+
+The local job's run directory holds `server.json` while its server runs (`bus.run_dir`): the
+operator's tools find the run's port and admin identity there (`ops.status --out DIR`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
+import multiprocessing
 import signal
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,16 +30,21 @@ from bus.connection import connect
 from bus.election import ride_out
 from bus.embedded import EmbeddedNats
 from bus.lag import queue_lag
+from bus.membership import live_members
+from bus.run_dir import SERVER_FILE, write_server
 from bus.runtime import Runtime, attach, publish_config
 from bus.security import USERS_FILE, write_identities
-from bus.tasks import cancel_until_done
+from bus.tasks import cancel_until_done, recancelled
 from bus.topology import Topology
 from consumers.fleet_config import local_fleet
-from consumers.supervisor import Supervisor
-from producers import report
+from consumers.supervisor import FleetFailed, Supervisor
+from producers import datasets, report
 from producers.gate import Producer
-from producers.stall import StallWatch
-from schemas.config import RunConfig
+from producers.samples import SamplesWriter
+from producers.stall import UNREADABLE, StallWatch
+from producers.startup import all_ready, expected_workers, starting_line
+from schemas.config import AGENT_TASKS, RunConfig
+from schemas.model_config import WARM_START_REPORT, ModelConfig
 
 log = logging.getLogger("jetrl.producer")
 PROGRESS_SECONDS = 2.0
@@ -66,23 +78,43 @@ async def lag(rt: Runtime) -> str:
     return " ".join(parts)
 
 
+async def live_roles(rt: Runtime) -> Counter[str] | None:
+    """Live workers by role; None when the bus cannot say now."""
+    try:
+        return Counter(m.role for m in await live_members(rt.js, rt.topology))
+    except UNREADABLE:
+        return None
+
+
 async def progress(producer: Producer, started: float, every: float = PROGRESS_SECONDS) -> None:
-    """One line every `every` seconds until the last step's metrics arrive; once no step came for
-    `trainer.stall_after` seconds, it ends with who holds the work and why (`producers.stall`)."""
+    """One line every `every` seconds until the last step's metrics arrive; until this process's
+    first step, which workers are up (`producers.startup`); once no step came for
+    `trainer.stall_after` seconds, it ends with who holds the work and why (`producers.stall`).
+    The rate counts the steps trained since `started` only (`report.rate_since`)."""
     steps = producer.cfg.trainer.steps
     stall = StallWatch(producer.cfg.trainer.stall_after, since=started)
+    expected = expected_workers(producer.cfg)
     while len(producer.metrics) < steps:
         await asyncio.sleep(every)
         done = sorted(producer.metrics.values(), key=lambda m: m["step"])
+        now = time.time()
+        elapsed = now - started
+        stepped = any(m["time"] >= started for m in done)
+        live = None if stepped else await live_roles(producer.rt)
+        if not stepped and not all_ready(live, expected):
+            line = starting_line(live, expected)
+            if producer.dropped:
+                line += f"  dropped {producer.drops.breakdown()}"
+            print(f"[{elapsed:6.0f}s] {line}  {await stall.check(producer)}".rstrip(), flush=True)
+            continue
         recent = done[-5:]
         reward = sum(m["reward_mean"] for m in recent) / len(recent) if recent else float("nan")
-        samples = sum(m["samples"] for m in done)
-        elapsed = time.time() - started
         print(
             f"[{elapsed:6.0f}s] step {len(done):>4}/{steps}  reward {reward:.3f}  "
             f"staleness<={max((m['staleness_max'] for m in recent), default=0)}  "
-            f"{samples / elapsed:6.1f} samples/s  weights v{producer.version}  dropped "
-            f"{len(producer.dropped)}  lag(pending+in flight) {await lag(producer.rt)}  "
+            f"{report.rate_since(done, started, now):6.1f} samples/s  weights "
+            f"v{producer.version}  dropped {producer.drops.breakdown()}  "
+            f"lag(pending+in flight) {await lag(producer.rt)}  "
             f"{await stall.check(producer)}".rstrip(),
             flush=True,
         )
@@ -114,6 +146,7 @@ async def produce(
         loop.add_signal_handler(sig, on_signal)
     rt = await attach_bootstrap(cfg, url, replicas, identity)
     producer = Producer(rt)
+    samples = SamplesWriter(producer, out)
 
     async def stopped() -> None:
         await stop.wait()
@@ -124,34 +157,76 @@ async def produce(
         "gate watch": producer.watch(),
         "membership heartbeat": rt.member.beat(),
         "signals": stopped(),
+        "samples": samples.follow(),
     }
     if fleet is not None:
         beside["fleet"] = watch_fleet(fleet)
     try:
         async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(coro, name=name) for name, coro in beside.items()]
-            await progress(producer, started)
+            tasks = [
+                group.create_task(recancelled(coro, name), name=name)
+                for name, coro in beside.items()
+            ]
+            await recancelled(progress(producer, started), "progress")
             await cancel_until_done(tasks)  # one mid-request can swallow one cancel
     except BaseExceptionGroup as failed:
-        raise first_cause(failed) from None
+        cause = first_cause(failed)
+        # Stopped, stalled or failed: the run directory keeps what the run got to.
+        write_report(cfg, producer, samples, out, started, cause)
+        raise cause from None
     finally:
         await rt.close()
-    summary = summarize(cfg, producer, started)
-    report.write(out, [producer.metrics[s] for s in sorted(producer.metrics)], summary)
-    return summary
+    return write_report(cfg, producer, samples, out, started)
+
+
+def write_report(
+    cfg: RunConfig,
+    producer: Producer,
+    samples: SamplesWriter,
+    out: Path,
+    started: float,
+    ending: BaseException | None = None,
+) -> dict:
+    """metrics.jsonl, summary.json, the plots and the last samples for what the run got to
+    (`producers.report`); the summary. Ending on an error (`ending`), a failure here is only
+    logged: the error that ended the run is the one to report."""
+    try:
+        samples.flush(pending=ending is None)
+        return report.write(
+            out,
+            producer.metrics.values(),
+            run=cfg.run,
+            started=started,
+            now=time.time(),
+            max_staleness=cfg.staleness.bound,
+            dropped=len(producer.dropped),
+            drops=producer.drops.as_json(),
+        )
+    except Exception:
+        if ending is None:
+            raise
+        log.exception("the run's report could not be written after %r", ending)
+        return {}
 
 
 async def watch_fleet(fleet: Supervisor, every: float = 0.5) -> None:
-    """Restart the fleet's workers that died (`Supervisor.check` raises if one cannot be)."""
+    """Restart the fleet's workers that died; `Supervisor.check` raises FleetFailed once one
+    cannot be: every failing worker's one-line reason, the root cause first."""
     while True:
         fleet.check()
         await asyncio.sleep(every)
 
 
 def first_cause(failed: BaseExceptionGroup[BaseException]) -> BaseException:
-    """The error to report from a failed TaskGroup: a stop by signal first, else the first."""
+    """The error to report from a failed TaskGroup: a stop by signal first, then the fleet's
+    failure (FleetFailed: its workers' reasons, root cause first, explain a loop's error beside
+    it), else the first."""
     leaves = list(_leaves(failed))
-    return next((exc for exc in leaves if isinstance(exc, Stopped)), leaves[0])
+    for kind in (Stopped, FleetFailed):
+        found = next((exc for exc in leaves if isinstance(exc, kind)), None)
+        if found is not None:
+            return found
+    return leaves[0]
 
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]:
@@ -160,29 +235,6 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]
             yield from _leaves(exc)
         else:
             yield exc
-
-
-def summarize(cfg: RunConfig, producer: Producer, started: float) -> dict:
-    """The run in one JSON object: steps, samples, reward at the start and the end (means over
-    the first and last tenth of the steps), staleness, drops, throughput."""
-    steps = [producer.metrics[s] for s in sorted(producer.metrics)]
-    tenth = max(1, len(steps) // 10)
-    first, last = steps[:tenth], steps[-tenth:]
-    seconds = time.time() - started
-    samples = sum(m["samples"] for m in steps)
-    return {
-        "run": cfg.run,
-        "started_at": started,
-        "seconds": seconds,
-        "steps": len(steps),
-        "samples_trained": samples,
-        "reward_start": sum(m["reward_mean"] for m in first) / len(first),
-        "reward_end": sum(m["reward_mean"] for m in last) / len(last),
-        "max_staleness": cfg.staleness.bound,
-        "staleness_max_seen": max(m["staleness_max"] for m in steps),
-        "groups_dropped": len(producer.dropped),
-        "samples_per_s": samples / seconds,
-    }
 
 
 async def attach_bootstrap(
@@ -203,31 +255,30 @@ async def attach_bootstrap(
 
 def prepare(cfg: RunConfig, out: Path) -> RunConfig:
     """Resolve what the local job fills in: the built-in model (or a relative model directory,
-    made absolute), the checkpoint directory and the weights directory (`weights.dir`,
-    absolute: workers may run from another directory)."""
+    made absolute), a relative dataset file made absolute, the checkpoint directory and the
+    weights directory (`weights.dir`, absolute: workers may run from another directory)."""
     updates: dict = {}
     if cfg.model.path is None:
-        # Imported here: torch and transformers take seconds,
-        # and a cluster's producer never needs them.
-        from engines.tiny import build_tiny_model
-        from producers.tasks import VOCAB
-
         model_dir = out / "model"
         if not (model_dir / "config.json").exists():
-            build_tiny_model(
-                model_dir,
-                VOCAB,
-                hidden=cfg.model.hidden,
-                layers=cfg.model.layers,
-                seed=cfg.model.seed,
-            )
+            build_builtin_model(cfg, model_dir)
         updates["model"] = cfg.model.model_copy(update={"path": str(model_dir.resolve())})
-    elif Path(cfg.model.path).is_dir() and not Path(cfg.model.path).is_absolute():
-        # A relative directory here, absolute for the workers
+    elif Path(cfg.model.path).exists() and not Path(cfg.model.path).is_absolute():
+        # A relative directory (or .gguf file) here, absolute for the workers
         # (a hub id is left for each to resolve).
         updates["model"] = cfg.model.model_copy(
             update={"path": str(Path(cfg.model.path).resolve())}
         )
+    if cfg.model.warm_start is not None:
+        model = updates.get("model", cfg.model)
+        target = out / "model"
+        if not (target / WARM_START_REPORT).exists():  # else done: a resumed run
+            warm_start_model(cfg, model, target)
+        updates["model"] = model.model_copy(update={"path": str(target.resolve())})
+    if cfg.data.dataset and not Path(cfg.data.dataset).is_absolute():
+        # A relative file here, absolute for a resumed run started elsewhere.
+        dataset = str(Path(cfg.data.dataset).expanduser().resolve())
+        updates["data"] = cfg.data.model_copy(update={"dataset": dataset})
     if not cfg.trainer.checkpoint_dir:
         updates["trainer"] = cfg.trainer.model_copy(
             update={"checkpoint_dir": str((out / "checkpoints").resolve())}
@@ -236,6 +287,71 @@ def prepare(cfg: RunConfig, out: Path) -> RunConfig:
         weights_dir = Path(cfg.weights.dir) if cfg.weights.dir else out / "weights"
         updates["weights"] = cfg.weights.model_copy(update={"dir": str(weights_dir.resolve())})
     return cfg.model_copy(update=updates)
+
+
+def warm_start_model(cfg: RunConfig, model: ModelConfig, target: Path) -> None:
+    """`model.warm_start` (`engines.warm_start`) from `model`'s checkpoint into `target`, in a
+    child process: the model, its gradients and AdamW's moments (6 GB resident for a 135M model,
+    measured) go with it instead of staying in the producer for the whole run."""
+    spawn = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads
+    try:
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
+            pool.submit(_warm_start, cfg, model, target).result()
+    except Exception as exc:  # a bad demonstration, a model that cannot load, a killed child
+        cause = " ".join(str(exc).split()) or "the warm start's process died"
+        raise WarmStartFailed(f"model.warm_start: {type(exc).__name__}: {cause}") from exc
+
+
+class WarmStartFailed(Exception):
+    """The warm start could not finish; the message is one line naming the cause."""
+
+
+def _warm_start(cfg: RunConfig, model: ModelConfig, target: Path) -> None:
+    """The child's work: the tools shown as the episodes show them; progress on the console."""
+    warm = cfg.model.warm_start
+    assert warm is not None
+    # Imported here, as for the built-in model: torch and transformers take seconds.
+    from engines.model_source import resolve_model_path
+    from engines.tools import load_tools
+    from engines.warm_start import warm_start
+
+    tools = load_tools(cfg.agent.tools) if cfg.agent else {}
+    report = warm_start(
+        resolve_model_path(model.path, model.revision),
+        target,
+        datasets.demonstrations(warm, cfg.data),
+        [tool.schema for tool in tools.values()],
+        steps=warm.steps,
+        lr=warm.lr,
+        batch=warm.batch,
+        seed=cfg.model.seed,
+        progress=lambda line: print(line, flush=True),
+    )
+    print(
+        f"warm start: loss {report.loss_start:.3f} -> {report.loss_end:.3f} over {report.steps} "
+        f"steps in {report.seconds:.0f}s; the run trains {target}",
+        flush=True,
+    )
+
+
+def build_builtin_model(cfg: RunConfig, model_dir: Path) -> None:
+    """The tiny random-init model into `model_dir`: with the chat tokenizer of
+    `engines.tiny_chat` for an agent task (calc), else the digits tasks' tokenizer."""
+    # Imported here: torch and transformers take seconds,
+    # and a cluster's producer never needs them.
+    if cfg.data.dataset is None and cfg.data.task in AGENT_TASKS:
+        from engines.tiny_chat import build_tiny_chat_model
+
+        build_tiny_chat_model(
+            model_dir, hidden=cfg.model.hidden, layers=cfg.model.layers, seed=cfg.model.seed
+        )
+        return
+    from engines.tiny import build_tiny_model
+    from producers.tasks import VOCAB
+
+    build_tiny_model(
+        model_dir, VOCAB, hidden=cfg.model.hidden, layers=cfg.model.layers, seed=cfg.model.seed
+    )
 
 
 def run(cfg: RunConfig, out: Path, nats: str | None = None, replicas: int = 1) -> dict:
@@ -250,6 +366,9 @@ def run(cfg: RunConfig, out: Path, nats: str | None = None, replicas: int = 1) -
         seeds = write_identities(Topology(run=cfg.run), identities)
         users = (identities / USERS_FILE).read_text()
         server = stack.enter_context(EmbeddedNats(out / "nats", extra_config=users))
+        # ops.status --out finds the run here (bus.run_dir); gone with the server.
+        write_server(out, cfg.run, server.url, seeds["admin"])
+        stack.callback((out / SERVER_FILE).unlink, missing_ok=True)
         reference = cfg.reference.workers if cfg.reference.enabled else 0
         fleet = Supervisor(
             local_fleet(out / "logs", cfg.trainer.ranks, reference),

@@ -12,6 +12,9 @@ the bus shows who waits for what. `read_view` reads it once; `diagnose` (pure) j
               the messages come back only after ack_wait), or in flight at live workers that
               have acked nothing for stall_after (a stuck handler keeps them in progress)
     gate      StalenessPolicy.waits_for(issued, v, drops) -> "the gate has issued all N prompts ..."
+    drops     since the last step, by kind (`producers.drops`): the reward function failing
+              (its reasons), groups of equal rewards dropped (algorithm.drop_equal_reward_groups,
+              algorithm.max_regenerations): why the buffer forms no step
 
 The bus cannot show which samples of which group the buffer lacks (its groups live in its
 memory), so the buffer's line says how many samples it holds and the queue lines say where
@@ -47,10 +50,11 @@ from bus.topology import (
     metrics_of,
     metrics_prefix,
 )
+from producers.drops import DropTally, failure_counts
 from producers.gate import Producer
 from schemas import BatchEvent
 from schemas.config import ConfigError, RunConfig, parse_config
-from schemas.kv_records import StepMetrics
+from schemas.kv_records import DropKind, DropRecord, StepMetrics
 
 log = logging.getLogger("jetrl.stall")
 T = TypeVar("T")
@@ -120,6 +124,8 @@ class RunView:
     version: int | None
     """The latest weight version, as the gate counts it."""
     dropped: int | None
+    drops: DropTally | None = None
+    """The drops recorded since the last step (`since_step`, `recent_failures`); None: unknown."""
 
 
 def diagnose(view: RunView) -> list[str]:
@@ -142,6 +148,8 @@ def diagnose(view: RunView) -> list[str]:
     if s is not None and s < cfg.trainer.steps:
         for rank in range(cfg.trainer.dp_size):
             lines.append(trainer_line(view, rank, s))
+        if view.drops is not None and not any(view.stored.values()):
+            lines += drop_lines(cfg, view.drops, s)
     for role, queue in view.queues.items():
         if (
             queue is not None
@@ -177,6 +185,36 @@ def trainer_line(view: RunView, rank: int, step: int) -> str:
     holds = f"it holds {held.in_flight} scored samples, " if held is not None else ""
     needs = f"a step needs {algo.prompts_per_step} complete groups of {view.cfg.data.n}"
     return f"{who} at step {step} waits for the buffer to form step {step} ({holds}{needs})"
+
+
+def drop_lines(cfg: RunConfig, drops: DropTally, step: int) -> list[str]:
+    """What the drops since the last step say of a step the buffer does not form: the reward
+    function failing (its commonest reasons), groups of equal rewards dropped (the settings)."""
+    lines = []
+    since = "since the run began" if step == 0 else f"since step {step - 1}"
+    if failed := drops.since_step[DropKind.FAILED]:
+        samples = sum(drops.recent_failures.values())
+        lines.append(
+            f"the reward function failed {samples} samples {since}, so the buffer dropped "
+            f"{_groups(failed)}: {failure_counts(drops.recent_failures)}"
+        )
+    if equal := drops.since_step[DropKind.EQUAL]:
+        cap = cfg.algorithm.max_regenerations
+        bound = (
+            "no cap: it drops them for ever"
+            if cap is None
+            else f"after {cap * cfg.algorithm.prompts_per_step} it trains them"
+        )
+        lines.append(
+            f"the buffer dropped {_groups(equal)} {since} whose rewards were all equal "
+            f"(algorithm.drop_equal_reward_groups true, algorithm.max_regenerations {cap}: "
+            f"{bound})"
+        )
+    return lines
+
+
+def _groups(n: int) -> str:
+    return f"{n} group" if n == 1 else f"{n} groups"
 
 
 def queue_line(cfg: RunConfig, role: str, queue: QueueView, live: int) -> str | None:
@@ -236,9 +274,12 @@ async def read_view(
     issued: int | None = None,
     version: int | None = None,
     dropped: int | None = None,
+    drops: DropTally | None = None,
+    since: float | None = None,
 ) -> RunView:
     """The run as the bus shows it now. Figures the caller knows better (the producer knows its
-    own issued count, version and drops) are taken as given; the others are read."""
+    own issued count, version and drops) are taken as given; the others are read (the drops
+    since the last step: those recorded after `since`, its unix time)."""
     if next_step is None:
         last = await _read(last_step(js, topology))
         next_step = None if last is None else last[0] + 1
@@ -257,7 +298,9 @@ async def read_view(
         version = await _read(_latest_version(js, topology))
     if dropped is None:
         dropped = await _read(_count_keys(js, topology, DROPS.filter))
-    return RunView(cfg, live, queues, next_step, stored, issued, version, dropped)
+    if drops is None and since is not None:
+        drops = await _read(read_drops(js, topology, since))
+    return RunView(cfg, live, queues, next_step, stored, issued, version, dropped, drops)
 
 
 async def _read(reading: Awaitable[T]) -> T | None:
@@ -332,6 +375,26 @@ async def _count_keys(js: JetStreamContext, topology: Topology, pattern: str) ->
     return len(await stored_keys(js, topology.kv_bucket, pattern))
 
 
+async def read_drops(js: JetStreamContext, topology: Topology, since: float) -> DropTally:
+    """Every drop record of the run, counted; those recorded after `since` (unix time) also as
+    the drops since the last step. Read by one KV watch: its initial values end at a None."""
+    kv = await js.key_value(topology.kv_bucket)
+    watcher = await kv.watch(DROPS.filter)
+    tally, recent = DropTally(), DropTally()
+    try:
+        while (entry := await watcher.updates(timeout=5.0)) is not None:
+            if entry.value is None:
+                continue
+            record = DropRecord.decode(entry.value)
+            tally.add(record)
+            if record.time is not None and record.time >= since:
+                recent.add(record)
+    finally:
+        await watcher.stop()
+    tally.since_step, tally.recent_failures = recent.kinds, recent.failures
+    return tally
+
+
 async def last_step(js: JetStreamContext, topology: Topology) -> tuple[int, float]:
     """The last step rank 0 recorded and the time it recorded it; (-1, when the run's queues were
     declared) before any. Raises what the bus raises when it cannot say now."""
@@ -362,7 +425,8 @@ async def stalled_line(js: JetStreamContext, topology: Topology) -> str | None:
     age = time.time() - moved
     if next_step >= cfg.trainer.steps or age < cfg.trainer.stall_after:
         return None
-    return stall_text(age, diagnose(await read_view(js, topology, cfg, next_step=next_step)))
+    view = await read_view(js, topology, cfg, next_step=next_step, since=moved)
+    return stall_text(age, diagnose(view))
 
 
 class StallWatch:
@@ -392,6 +456,7 @@ class StallWatch:
             issued=producer.issued,
             version=producer.version,
             dropped=len(producer.dropped),
+            drops=producer.drops,
         )
         reasons = diagnose(view)
         for reason in reasons:

@@ -34,7 +34,7 @@ class AlgorithmFamily(Section):
     the step mean, over the step std), reinforce_pp_baseline (minus the group mean, over the step
     std), passk (pass@k group baseline for 0/1 rewards, `passk_k`), gae (per-token GAE against a
     value model the trainer holds and trains alongside the policy: `gamma`, `gae_lambda`,
-    `value_clip`, `critic_lr`; torch engine only)."""
+    `value_clip`, `critic_lr`; torch and fsdp engines, not megatron)."""
     gamma: float = Field(1.0, ge=0, le=1)
     """gae: discount per token (1: the outcome reward reaches every token undiscounted)."""
     gae_lambda: float = Field(0.95, ge=0, le=1)

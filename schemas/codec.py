@@ -2,7 +2,8 @@
 
 An event is a msgpack map of its fields; nested models are maps, tensors carry their data
 as msgpack `bin`. Decoding checks the type and version before pydantic validates the
-fields, and runs the registered upgrades on an event written by an older schema.
+fields, and runs the registered upgrades on an event written by an older schema (each below
+`register_upgrade`, one per version step; tests/golden holds a file of every version).
 """
 
 from __future__ import annotations
@@ -55,6 +56,27 @@ def register_upgrade(type_name: str, from_version: int) -> Callable[[Upgrade], U
         return fn
 
     return wrap
+
+
+@register_upgrade(TrajectoryEvent.TYPE, 1)
+def trajectory_v1(fields: dict[str, Any]) -> dict[str, Any]:
+    """Version 2 added `response_mask`: a version-1 trajectory is all model tokens (None). A
+    version-1 map that names a mask is no version 1: refused, not read as a masked version 2."""
+    if "response_mask" in fields:
+        raise DecodeError(f"{TrajectoryEvent.TYPE} schema_version 1 has no response_mask")
+    return {**fields, "response_mask": None}
+
+
+@register_upgrade(RewardEvent.TYPE, 1)
+def reward_v1(fields: dict[str, Any]) -> dict[str, Any]:
+    """Version 2 holds a version-2 trajectory: the nested version-1 one is upgraded with it (a
+    nested map that is not a version-1 trajectory is left for validation to refuse)."""
+    nested = fields.get("trajectory")
+    if not isinstance(nested, dict) or type(nested.get("schema_version")) is not int:
+        return fields
+    if nested["schema_version"] != 1:
+        return fields
+    return {**fields, "trajectory": {**trajectory_v1(nested), "schema_version": 2}}
 
 
 def _fields(value: object) -> dict[str, Any]:

@@ -18,46 +18,35 @@ from pydantic import (
     model_validator,
 )
 
+from schemas.agent_config import AgentConfig
 from schemas.algorithm_config import AlgorithmFamily
 from schemas.events import SamplingParams
+from schemas.model_config import ModelConfig
 from schemas.names import check_run_id
+from schemas.report_config import ReportConfig
 from schemas.rollout_config import RolloutConfig
 from schemas.section import Section
 from schemas.staleness import StalenessPolicy, sync_mode_sections
 from schemas.streams_config import StreamsConfig, stream_needs
+from schemas.tools_config import ToolsConfig
 from schemas.trainer_config import TrainerConfig
 from schemas.weight_event import TransportName
 
 S = TypeVar("S", bound=Section)
 
 
-class ModelConfig(Section):
-    path: str | None = None
-    """A local Hugging Face causal-LM directory, or a hub id (``org/name``) that each worker
-    fetches into its hub cache (``HF_HUB_CACHE`` / ``HF_HOME``; with ``HF_HUB_OFFLINE=1`` it must
-    already be there; `engines.model_source`). None builds the tiny built-in model into the run
-    directory."""
-    revision: str | None = None
-    """The hub revision of a hub-id `path` (branch, tag or commit; None: the default branch).
-    Pin a commit: every worker of a run must load the same weights."""
-    hidden: int = Field(64, ge=8)
-    """Hidden size of the built-in tiny model."""
-    layers: int = Field(2, ge=1)
-    """Layers of the built-in tiny model."""
-    seed: int = 0
-    """Seed of the built-in tiny model's random init."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Compute dtype of the trainer's forward and backward. bfloat16: mixed precision (autocast
-    in the torch engine, FSDP2's parameter dtype in the fsdp engine, gradients reduced in
-    float32); the master weights, the AdamW moments and the published weights stay float32.
-    The rollout's HF engine holds and runs its model in this dtype (weights cast as loaded).
-    Each worker's device is its own (`engines.device`: the GPU CUDA_VISIBLE_DEVICES gives it,
-    else the CPU; a fleet role's `device` overrides)."""
+BUILT_IN_TASKS: tuple[str, ...] = ("digits", "copy", "increment", "reverse")
+"""Single-turn generated tasks (`producers.tasks`)."""
+AGENT_TASKS: tuple[str, ...] = ("calc",)
+"""Multi-turn generated tasks with tools (`producers.agent_tasks`): chat prompts for the episodes
+of the `agent` section."""
 
 
 class DataConfig(Section):
     task: str | None = "digits"
-    """Built-in generated task (see producers.tasks); ignored when `dataset` is set."""
+    """Built-in generated task: digits, copy, increment, reverse (single-turn, producers.tasks)
+    or calc (multi-turn, needs `agent`: producers.agent_tasks); ignored when `dataset` is
+    set."""
     dataset: str | None = None
     """A .jsonl or .parquet file with a `prompt` or `messages` field plus task fields."""
     reward: str = "producers.tasks:score_digits"
@@ -71,6 +60,14 @@ class DataConfig(Section):
     sampling: SamplingParams = SamplingParams()
     """Sampling parameters for every prompt."""
 
+    @field_validator("task")
+    @classmethod
+    def _task(cls, value: str | None) -> str | None:
+        known = (*BUILT_IN_TASKS, *AGENT_TASKS)
+        if value is not None and value not in known:
+            raise ValueError(f"unknown built-in task {value!r}; choose from {sorted(known)}")
+        return value
+
 
 class AlgorithmConfig(AlgorithmFamily):
     """`algorithm`: the step's shape and staleness here; the estimator, loss and regularisers in
@@ -82,6 +79,12 @@ class AlgorithmConfig(AlgorithmFamily):
     """A sample trained at version v was generated with weights >= v - max_staleness."""
     drop_equal_reward_groups: bool = True
     """Dynamic sampling: drop groups whose rewards are all equal (zero advantage)."""
+    max_regenerations: int | None = Field(10, ge=0)
+    """Dynamic sampling's cap (verl's `max_num_gen_batches`, 10 in its DAPO recipe): once this
+    many times `prompts_per_step` groups were dropped for equal rewards while one step forms, the
+    buffer trains the groups that complete next although their rewards are equal (zero advantage
+    under grpo) until that step is formed, rather than regenerate for ever when the model solves
+    every prompt or none. 0: never drop an equal group; None: no cap (drop for ever)."""
     lr: float = Field(3e-4, gt=0)
     """AdamW learning rate."""
     clip_low: float = Field(0.2, ge=0)
@@ -110,11 +113,19 @@ class RewardConfig(Section):
     """Reward worker pool size."""
     isolation: Literal["auto", "required", "off"] = "auto"
     """Namespaces around reward processes (no network, no other process's /proc, a private /tmp,
-    the rest read-only; consumers/reward_sandbox.py): `auto` uses them where `unshare` works and
+    the rest read-only, the interpreter's import paths kept readable wherever they are;
+    consumers/reward_sandbox.py): `auto` uses them where `unshare` works and
     warns once where not, `required` refuses to start without them, `off` never tries."""
     batch: int = Field(16, ge=1)
     """Most trajectories scored in one round trip to a pool process (`consumers.reward_batch`):
     queued items travel together, each still under its own `timeout`; 1 scores one per trip."""
+    max_failed_share: float = Field(0.5, gt=0, le=1)
+    """The main job stops the run, naming the commonest failure, when more than this share of the
+    samples of the last `failed_window_groups` groups finished failed the reward function (a bug
+    in it fails every group, and the gate would replace each for ever)."""
+    failed_window_groups: int = Field(32, ge=1)
+    """Groups (dropped or trained, latest first) the `max_failed_share` is measured over; the
+    run is judged once that many finished after the main job (re)started."""
 
 
 class ReferenceConfig(Section):
@@ -196,11 +207,14 @@ class WeightsConfig(Section):
     1 to 8 MiB, writes of 8 MiB chunks at about half the speed of 1-2 MiB ones (each chunk's
     publish waits for the server to store it)."""
     keep: int = Field(3, ge=2)
-    """Versions kept in the object store or the directory: after each publish, that version and
-    the `keep - 1` written just before it; the rest are deleted. A worker still reading a deleted
-    file keeps its open mapping; one that reaches a deleted version skips it, since a newer one is
-    announced by then: at least 2, so that what is deleted is older than a version already
-    announced (see docs/weights.md)."""
+    """Most versions kept in the object store or the directory: after each publish, that version
+    and the `keep - 1` written just before it; the rest are deleted. Once the version is
+    announced, the trainer also deletes every older one no live rollout worker needs
+    (`engines.weight_retention`: the latest delta chain, and a lagging worker's next version
+    within the staleness bound), so with workers that keep up one version (one chain) stays.
+    A worker still reading a deleted file keeps its open mapping; one that reaches a deleted
+    version skips it, since a newer one is announced by then: at least 2, so that what a
+    publish deletes is older than a version already announced (see docs/weights.md)."""
     stall_seconds: float = Field(10.0, gt=0)
     """object_store: a fetch with no chunk arriving for this long gives up (the worker keeps its
     weights; the next version is fetched when it comes)."""
@@ -239,13 +253,29 @@ class RunConfig(Section):
     `algorithm.max_staleness: 0` with `trainer.sync_every: 1`, which sync sets (left unset) or
     requires (set to anything else is refused)."""
     model: ModelConfig = ModelConfig()
+    """The policy model: a local or hub checkpoint, or the built-in tiny model, and its dtype."""
     data: DataConfig = DataConfig()
+    """The prompts (a built-in task or a dataset file), the reward function, samples per prompt
+    and sampling."""
     algorithm: AlgorithmConfig = AlgorithmConfig()
+    """The step's shape, the staleness bound, the advantage estimator, loss and regularisers."""
     trainer: TrainerConfig = TrainerConfig()
+    """The train engine, its ranks, checkpoints and loggers."""
     rollout: RolloutConfig = RolloutConfig()
+    """The rollout engine and how a rollout worker feeds it."""
     reward: RewardConfig = RewardConfig()
+    """The reward workers' process pool, timeout and isolation."""
+    agent: AgentConfig | None = None
+    """Multi-turn episodes with tools (`consumers.episodes`): the environment, the tools, the
+    turn and token budgets. None: single-turn samples."""
+    tools: ToolsConfig = ToolsConfig()
+    """Agent tool calls: their sandbox, time limit and caps (`consumers.tool_runner`)."""
     reference: ReferenceConfig = ReferenceConfig()
+    """The optional reference stage (reference log-probs for a KL)."""
     weights: WeightsConfig = WeightsConfig()
+    """How weight versions go from the trainer to the rollout workers."""
+    report: ReportConfig = ReportConfig()
+    """What the main job writes to the run directory besides metrics and plots (`samples.jsonl`)."""
     streams: StreamsConfig = StreamsConfig()
     """Stream limits derived from the run's bounds, overrides, age limit,
     loss guard (`schemas.streams_config`)."""
@@ -315,10 +345,10 @@ class RunConfig(Section):
                 "algorithm.kl_placement reward needs reference.enabled: "
                 "the buffer takes the reference log-probs from the reference stage"
             )
-        if algo.advantage == "gae" and self.trainer.engine.type != "torch":
+        if algo.advantage == "gae" and self.trainer.engine.type == "megatron":
             raise ValueError(
-                "algorithm.advantage gae needs trainer.engine torch: "
-                f"the {self.trainer.engine.type} engine holds no value model (critic)"
+                "algorithm.advantage gae needs trainer.engine torch or fsdp: "
+                "the megatron engine holds no value model (critic)"
             )
         if algo.advantage == "gae" and self.data.n == 1 and algo.drop_equal_reward_groups:
             raise ValueError(
@@ -337,6 +367,22 @@ class RunConfig(Section):
                 f"rollout.engine vllm needs data.sampling.top_p 1, not {self.data.sampling.top_p}: "
                 "its log-probs are renormalised over the top-p nucleus and would not match the "
                 "trainer's; use engine hf or sglang for top_p < 1"
+            )
+        if self.data.dataset is None and self.data.task in AGENT_TASKS and self.agent is None:
+            raise ValueError(
+                f"data.task {self.data.task} is a multi-turn task with tools: it needs an agent "
+                "section (e.g. agent: {tools: [producers.agent_tools:calculator]}; "
+                "examples/agent_calc.yaml)"
+            )
+        warm = self.model.warm_start
+        if (
+            warm
+            and warm.dataset is None
+            and (self.data.dataset or self.data.task not in AGENT_TASKS)
+        ):
+            raise ValueError(
+                "model.warm_start.dataset: none given, and only a built-in agent task "
+                f"({', '.join(AGENT_TASKS)}) has generated demonstrations: name a .jsonl of them"
             )
         stream_needs(self)  # an override below a stream's need: refused, with the derivation
         return self

@@ -19,85 +19,21 @@ from typing import Annotated, Any, ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, model_validator
 
-from schemas.tensor import ITEMSIZE, DType, Tensor
+from schemas.array_checks import (
+    at_least,
+    checked_values,
+    finite,
+    log_probs,
+    non_negative,
+    vectors,
+)
+from schemas.tensor import Tensor
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 MAX_GROUP = 1024
 """Most samples per prompt (a GRPO group)."""
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 """A token id as it travels in int32 arrays."""
-_INT32 = np.dtype("<i4")
-
-# Cheap semantic checks live here, in the events' own validators, so that every reader of
-# every stream gets them from `decode`: arrays in their documented dtype and rank, token
-# ids and versions >= 0, log-probs finite and <= 0, rewards and advantages finite. A NaN
-# log-prob or reward that decoded fine would reach the loss and poison the model; a
-# negative token id would crash an embedding lookup. Checks that need the model (token ids
-# < vocabulary size, lengths <= context, a weight manifest that fits) belong to the workers
-# that hold it (`consumers.checks`, `engines.weights.check_manifest`).
-
-
-def _expect(name: str, tensor: Tensor, dtype: DType, ndim: int) -> None:
-    """Raise unless `tensor` has the documented dtype and rank, and bytes to match."""
-    if tensor.dtype != dtype or len(tensor.shape) != ndim:
-        raise ValueError(
-            f"{name} must be {dtype} with {ndim} dimension(s), "
-            f"got {tensor.dtype}{list(tensor.shape)}"
-        )
-    tensor.check()
-
-
-def _values(name: str, tensor: Tensor, dtype: DType, ndim: int) -> np.ndarray:
-    """The values of `tensor`, once `_expect` holds."""
-    _expect(name, tensor, dtype, ndim)
-    return tensor.numpy()
-
-
-def _vectors(dtype: DType, tensors: dict[str, Tensor]) -> None:
-    """Raise unless each of these tensors is 1-D of `dtype`, with bytes to match.
-
-    `_expect` for several vectors in one loop: at trajectory sizes the calls were a quarter
-    of the validator's time, and `_expect` then only words the reason.
-    """
-    itemsize = ITEMSIZE[dtype]
-    for name, tensor in tensors.items():
-        if (
-            tensor.dtype != dtype
-            or len(tensor.shape) != 1
-            or len(tensor.data) != tensor.shape[0] * itemsize
-        ):
-            _expect(name, tensor, dtype, 1)
-
-
-def _non_negative(tensors: dict[str, Tensor]) -> None:
-    """Raise unless every value of these int32 tensors (checked by `_expect`) is >= 0.
-
-    One reduction over their joined bytes: at trajectory sizes numpy's ~1 µs per call is
-    most of the work, and a reduction per array was a fifth of a trajectory's decode. The
-    ufunc's own `reduce`, not `ndarray.min`, which adds a Python-level wrapper per call.
-    """
-    joined = np.frombuffer(b"".join([t.data for t in tensors.values()]), _INT32)
-    if joined.size and np.minimum.reduce(joined) < 0:
-        name = next(name for name, t in tensors.items() if t.numpy().min(initial=0) < 0)
-        raise ValueError(f"{name} holds a negative value")
-
-
-def _at_least(name: str, values: np.ndarray, low: int) -> None:
-    if values.size and values.min() < low:
-        raise ValueError(f"{name} holds {values.min()}, below {low}")
-
-
-def _log_probs(name: str, values: np.ndarray) -> None:
-    # A NaN makes max() NaN, which fails `<= 0`; two reductions cost half of an elementwise test.
-    if values.size and not (
-        np.maximum.reduce(values, axis=None) <= 0 and np.minimum.reduce(values, axis=None) > -np.inf
-    ):
-        raise ValueError(f"{name} must be finite and <= 0 (log-probabilities)")
-
-
-def _finite(name: str, values: np.ndarray) -> None:
-    if not np.isfinite(values).all():
-        raise ValueError(f"{name} must be finite")
 
 
 class Event(BaseModel):
@@ -125,7 +61,7 @@ class Event(BaseModel):
 class SamplingParams(BaseModel):
     """How to sample one prompt's responses."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     temperature: float = Field(1.0, gt=0.0, le=10.0)
     """Softmax temperature; behaviour log-probs are taken at this temperature."""
@@ -169,20 +105,29 @@ class PromptEvent(Event):
         if self.prompt is None and self.messages is None and self.token_ids is None:
             raise ValueError("a prompt needs one of prompt, messages or token_ids")
         if self.token_ids is not None:
-            ids = _values("token_ids", self.token_ids, "int32", 1)
+            ids = checked_values("token_ids", self.token_ids, "int32", 1)
             if ids.size == 0:
                 raise ValueError("token_ids is empty")
-            _at_least("token_ids", ids, 0)
+            at_least("token_ids", ids, 0)
         return self
 
 
 class TrajectoryEvent(Event):
-    """One sampled response to a prompt, with what training needs from generation."""
+    """One sampled response to a prompt, with what training needs from generation.
+
+    The response of a multi-turn episode mixes the model's tokens (trained) with the
+    environment's and the chat template's (a tool result, the next turn's header: not trained),
+    told apart by `response_mask`. Which tokens count is decided here once, for every reader:
+    `trained_mask` and `trained_versions`.
+
+    Version 2 added `response_mask`; a version-1 event reads as one with no mask (every token
+    the model's), through the upgrade in `schemas.codec`.
+    """
 
     TYPE: ClassVar[str] = "jetrl.trajectory"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
     type: Literal["jetrl.trajectory"] = "jetrl.trajectory"
-    schema_version: Literal[1] = 1
+    schema_version: Literal[2] = 2
 
     prompt_id: str
     """Id of the PromptEvent; also the group id."""
@@ -208,6 +153,23 @@ class TrajectoryEvent(Event):
     """Rollout engine that produced it (hf, vllm, sglang)."""
     timings: dict[str, float] = {}
     """Seconds spent per phase (queue, generate, ...)."""
+    response_mask: Tensor | None = None
+    """uint8 [R]: 1 where response token t is the model's (sampled, trained), 0 where the
+    environment or the chat template put it (a tool result, the next turn's header: not trained).
+    At a 0 the token's `logprobs` is 0.0 and its `versions` -1 (not generated). None: every
+    response token is the model's (one turn)."""
+
+    def trained_mask(self) -> np.ndarray:
+        """bool [R]: True on the response tokens the model generated, those that train."""
+        if self.response_mask is None:
+            return np.ones(self.response_ids.shape[0], dtype=bool)
+        return self.response_mask.numpy() == 1
+
+    def trained_versions(self) -> np.ndarray:
+        """int32 [<= R]: the weight versions of the trained tokens, the only ones a staleness
+        bound or a sample's version may count (an environment token's -1 is no version)."""
+        versions = self.versions.numpy()
+        return versions if self.response_mask is None else versions[self.trained_mask()]
 
     @model_validator(mode="after")
     def _aligned(self) -> TrajectoryEvent:
@@ -229,23 +191,54 @@ class TrajectoryEvent(Event):
             "response_ids": self.response_ids,
             "versions": self.versions,
         }
-        _vectors("int32", ints)
+        vectors("int32", ints)
         if self.prompt_ids.shape == (0,):
             raise ValueError("prompt_ids is empty: nothing conditions the response")
+        vectors("float32", {"logprobs": self.logprobs})
+        log_probs("logprobs", self.logprobs.numpy())
         # An empty response is valid: a sample that stopped at once, scored like any other.
-        _non_negative(ints)
-        _vectors("float32", {"logprobs": self.logprobs})
-        _log_probs("logprobs", self.logprobs.numpy())
+        if self.response_mask is None:
+            non_negative(ints)
+        else:
+            non_negative({"prompt_ids": self.prompt_ids, "response_ids": self.response_ids})
+            _masked_tokens(self.response_mask, self.versions.numpy(), self.logprobs.numpy())
         return self
 
 
+def _masked_tokens(mask: Tensor, versions: np.ndarray, logprobs: np.ndarray) -> None:
+    """Raise unless `mask` is uint8 0/1 aligned with the response, with at least one model token
+    (1) if the response has any, versions >= 0 at model tokens and exactly -1 at the others,
+    and log-probs exactly 0.0 at the others."""
+    values = checked_values("response_mask", mask, "uint8", 1)
+    if values.shape != versions.shape:
+        raise ValueError(f"response_mask {values.shape} must match response_ids {versions.shape}")
+    if values.size == 0:
+        return
+    if values.max() > 1:
+        raise ValueError("response_mask must be 0/1")
+    model = values == 1
+    if not model.any():
+        raise ValueError("response_mask has no model token (1): nothing to train")
+    if versions[model].min() < 0:
+        raise ValueError("versions must be >= 0 at model tokens (response_mask 1)")
+    if np.any(versions[~model] != -1):
+        raise ValueError("versions must be -1 at environment tokens (response_mask 0)")
+    if np.any(logprobs[~model] != 0.0):
+        raise ValueError("logprobs must be 0.0 at environment tokens (response_mask 0)")
+
+
 class RewardEvent(Event):
-    """A scored trajectory. A failed score still travels, so the group can be accounted for."""
+    """A scored trajectory. A failed score still travels, so the group can be accounted for.
+
+    Version 2 carries a version-2 trajectory (which may hold a `response_mask`): a version-1
+    reader must refuse it by its version, not fail on the nested one. `schemas.codec` upgrades
+    a version-1 event, its trajectory with it.
+    """
 
     TYPE: ClassVar[str] = "jetrl.reward"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
     type: Literal["jetrl.reward"] = "jetrl.reward"
-    schema_version: Literal[1] = 1
+    schema_version: Literal[2] = 2
 
     trajectory: TrajectoryEvent
     """The trajectory that was scored."""
@@ -259,20 +252,23 @@ class RewardEvent(Event):
     """Why it failed."""
     ref_logprobs: Tensor | None = None
     """Log-prob of each response token under the frozen reference model, float32 [R] (aligned with
-    the trajectory's `logprobs`); set by the reference stage on the `scored` stream, else None."""
+    the trajectory's `logprobs`); set by the reference stage on the `scored` stream, else None.
+    At an environment token (the trajectory's `response_mask` 0) any log-prob is accepted and
+    none is read: the reference stage scores every token without knowing the mask, and the KL
+    (in the reward or the loss) and the batch take only the trained tokens'."""
 
     @model_validator(mode="after")
     def _same_id(self) -> RewardEvent:
         if self.id != self.trajectory.id:
             raise ValueError(f"id {self.id!r} must be its trajectory's id {self.trajectory.id!r}")
         if self.ref_logprobs is not None:
-            ref = _values("ref_logprobs", self.ref_logprobs, "float32", 1)
+            ref = checked_values("ref_logprobs", self.ref_logprobs, "float32", 1)
             if self.ref_logprobs.shape != self.trajectory.response_ids.shape:
                 raise ValueError(
                     f"ref_logprobs {self.ref_logprobs.shape} must match response_ids "
                     f"{self.trajectory.response_ids.shape}"
                 )
-            _log_probs("ref_logprobs", ref)
+            log_probs("ref_logprobs", ref)
         return self
 
 
@@ -329,6 +325,13 @@ class BatchEvent(Event):
     kl_mean: float | None = Field(None, allow_inf_nan=False)
     """With the KL in the reward: the step's KL (mean over its sequences of the per-token mean),
     what the adaptive controller moves the next step's coefficient by."""
+    tool_use_rate: float | None = Field(None, ge=0, le=1)
+    """Agent episodes (`agent` in the run config): the fraction of the whole step's samples whose
+    episode made at least one tool call (the same on every micro-batch of the step, for its
+    metrics); None for single-turn samples."""
+    turns_mean: float | None = Field(None, ge=0)
+    """Agent episodes: the mean model turns of the whole step's samples' episodes; None for
+    single-turn samples."""
 
     @model_validator(mode="after")
     def _shapes(self) -> BatchEvent:
@@ -347,23 +350,24 @@ class BatchEvent(Event):
             raise ValueError("micro_index/dp_rank out of range")
         if 0 in bt:
             raise ValueError(f"a micro-batch needs at least one row of one token, got {bt}")
-        _at_least("input_ids", _values("input_ids", self.input_ids, "int32", 2), 0)
-        attention = _values("attention_mask", self.attention_mask, "uint8", 2)
-        loss = _values("loss_mask", self.loss_mask, "uint8", 2)
+        at_least("input_ids", checked_values("input_ids", self.input_ids, "int32", 2), 0)
+        attention = checked_values("attention_mask", self.attention_mask, "uint8", 2)
+        loss = checked_values("loss_mask", self.loss_mask, "uint8", 2)
         if attention.max() > 1 or loss.max() > 1 or np.any(loss > attention):
             raise ValueError("masks must be 0/1, with loss_mask only where attention_mask is 1")
-        _finite("advantages", _values("advantages", self.advantages, "float32", 1))
-        _finite("rewards", _values("rewards", self.rewards, "float32", 1))
-        _log_probs(
+        finite("advantages", checked_values("advantages", self.advantages, "float32", 1))
+        finite("rewards", checked_values("rewards", self.rewards, "float32", 1))
+        log_probs(
             "behaviour_logprobs",
-            _values("behaviour_logprobs", self.behaviour_logprobs, "float32", 2),
+            checked_values("behaviour_logprobs", self.behaviour_logprobs, "float32", 2),
         )
         if self.ref_logprobs is not None:
             if self.ref_logprobs.shape != bt:
                 raise ValueError(f"ref_logprobs has shape {self.ref_logprobs.shape}, expected {bt}")
-            _log_probs("ref_logprobs", _values("ref_logprobs", self.ref_logprobs, "float32", 2))
-        versions = _values("versions", self.versions, "int32", 2)
-        _at_least("versions", versions, -1)
+            ref = checked_values("ref_logprobs", self.ref_logprobs, "float32", 2)
+            log_probs("ref_logprobs", ref)
+        versions = checked_values("versions", self.versions, "int32", 2)
+        at_least("versions", versions, -1)
         # A token trained at `step` was generated by weights no newer than the step's input.
         trained = versions[loss == 1]
         if trained.size and (trained.min() < 0 or trained.max() > self.step):

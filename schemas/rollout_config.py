@@ -20,6 +20,7 @@ class HFRolloutConfig(Section):
     worker's device in `model.dtype` (`engines.hf_rollout`); it has no settings of its own."""
 
     type: Literal["hf"] = "hf"
+    """`hf` picks this engine's section."""
 
 
 class SimulatedRolloutConfig(Section):
@@ -28,6 +29,7 @@ class SimulatedRolloutConfig(Section):
     simulated time."""
 
     type: Literal["simulated"] = "simulated"
+    """`simulated` picks this engine's section."""
 
     median_tokens: float = Field(64.0, gt=0)
     """Median response length in tokens (the log-normal's exp(mu));
@@ -52,6 +54,7 @@ class VLLMRolloutConfig(Section):
     `pip install 'jetrl[vllm]'`; `engines.vllm_rollout`); needs `data.sampling.top_p` 1."""
 
     type: Literal["vllm"] = "vllm"
+    """`vllm` picks this engine's section."""
 
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     """Fraction of the GPU's memory vLLM takes for weights, activations and KV cache; below vLLM's
@@ -65,6 +68,10 @@ class VLLMRolloutConfig(Section):
     dtype: EngineDtype = "auto"
     """Weights and activations dtype in the engine; auto: the checkpoint's. Loaded weights are
     cast to it."""
+    weight_bucket_bytes: int = Field(512 * 2**20, ge=1)
+    """Most bytes of tensors in one `collective_rpc` of a weight load (512 MiB): a version goes
+    into the engine in buckets this size (a larger tensor alone), each one message the engine's
+    processes hold at once, not the whole model in one."""
     slots: int = Field(64, ge=1)
     """With `rollout.continuous`: samples generating at once in one engine (vLLM's `max_num_seqs`);
     the worker submits a sample as soon as one of them is free (`engines.vllm_continuous`)."""
@@ -80,6 +87,7 @@ class SGLangRolloutConfig(Section):
     and `pip install 'jetrl[sglang]'`; `engines.sglang_rollout`)."""
 
     type: Literal["sglang"] = "sglang"
+    """`sglang` picks this engine's section."""
 
     mem_fraction_static: float = Field(0.5, gt=0, lt=1)
     """Fraction of the GPU's memory SGLang takes for weights and KV cache; below SGLang's own

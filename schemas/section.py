@@ -6,9 +6,10 @@ from pydantic import BaseModel, ConfigDict
 
 
 class Section(BaseModel):
-    """A config section: immutable, and an unknown key is an error, not a silent default."""
+    """A config section: immutable, and an unknown key is an error, not a silent default. The
+    docstring under each field is its description (docs/config.md is generated from them)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
 
 def refuse_renamed(data: object, renames: Mapping[str, str]) -> object:

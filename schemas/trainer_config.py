@@ -16,10 +16,11 @@ from schemas.section import Section, engine_section
 
 
 class TorchEngineConfig(Section):
-    """`trainer.engine: torch`: one process, CPU or one GPU (`engines.torch_train`); the only
-    engine that holds a value model (`algorithm.advantage: gae`). No settings of its own."""
+    """`trainer.engine: torch`: one process, CPU or one GPU (`engines.torch_train`); it holds a
+    value model for `algorithm.advantage: gae`, as fsdp does. No settings of its own."""
 
     type: Literal["torch"] = "torch"
+    """`torch` picks this engine's section."""
     grouped: ClassVar[bool] = False
     """Whether its ranks always meet in a process group, even a group of one."""
 
@@ -31,9 +32,11 @@ class TorchEngineConfig(Section):
 
 class FSDPEngineConfig(Section):
     """`trainer.engine: fsdp`: FSDP2, one process per rank, `dp_size` ranks that shard the model
-    and take each optimizer step together (`engines.fsdp_train`). No settings of its own."""
+    and take each optimizer step together (`engines.fsdp_train`); with `algorithm.advantage:
+    gae` its value model is sharded alike (`engines.fsdp_critic`). No settings of its own."""
 
     type: Literal["fsdp"] = "fsdp"
+    """`fsdp` picks this engine's section."""
     grouped: ClassVar[bool] = True
     """FSDP2 needs a process group, even of one rank."""
 
@@ -44,9 +47,11 @@ class FSDPEngineConfig(Section):
 
 class MegatronConfig(Section):
     """`trainer.engine: {type: megatron, ...}`: megatron-core's GPTModel (`pip install
-    'jetrl[megatron]'`; never run on a GPU) and how it cuts the model (`engines.megatron_train`)."""
+    'jetrl[megatron]'`; ran on one GPU at TP = PP = 1 only) and how it cuts the model
+    (`engines.megatron_train`)."""
 
     type: Literal["megatron"] = "megatron"
+    """`megatron` picks this engine's section."""
     grouped: ClassVar[bool] = False
     """Alone at tensor and pipeline parallel 1; above, its ranks meet as fsdp ranks do."""
 
@@ -84,7 +89,8 @@ class TrainerConfig(Section):
     """The train engine and its settings, by `type`: torch (one process, CPU or one GPU), fsdp
     (FSDP2, one process per rank, `dp_size` ranks that shard the model and take each optimizer
     step together) or megatron (megatron-core's GPTModel, with its parallel sizes; `pip install
-    'jetrl[megatron]'`; never run on a GPU). A bare type (`engine: fsdp`) takes its defaults."""
+    'jetrl[megatron]'`; ran on one GPU at TP = PP = 1 only). A bare type (`engine: fsdp`) takes
+    its defaults."""
     dp_size: int = Field(1, ge=1)
     """Data-parallel trainer ranks (`--rank 0 .. dp_size-1`); the buffer balances each step's tokens
     across them on `batches.<rank>`. More than 1 needs engine fsdp."""
@@ -104,7 +110,12 @@ class TrainerConfig(Section):
     """Positions the trainer projects onto the vocabulary at once when it takes log-probs and
     entropy from the final hidden states (`engines.algorithms.logprobs`): the [B, T, V] logits
     are never held, only chunk x V at a time (forward and backward). 0: the model's full
-    logits. The fsdp engine always takes the full logits."""
+    logits. The megatron engine at pipeline parallel takes the full logits whatever this says."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in backward instead of keeping them: the
+    activation memory of one block rather than of every block, for about one more forward
+    pass of compute. torch and fsdp engines: the HF model's gradient checkpointing per block
+    (non-reentrant); megatron: `recompute_granularity: full`, one layer at a time."""
     seed: int = 0
     """Trainer seed (torch, numpy, python)."""
     checkpoint_dir: str = ""

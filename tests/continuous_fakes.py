@@ -6,24 +6,41 @@ Both answer through `FakeCore`, which decodes for real with the tiny HF model, o
 log-prob ``log_softmax(logits / T)`` under the weights loaded at that moment, as the engines
 do. It records what the adapters asked of it: every request submitted (id, prompt, max
 tokens), aborts, pauses, loads, and any load made while one of its requests could compute.
-The adapters, the rollout worker, the bus and the weight transport stay real.
+The adapters, the rollout worker, the bus and the weight transport stay real; `adapter` builds
+each with its own constructor, `sys.modules` holding stand-in ``vllm`` / ``sglang`` modules
+(`tests.engine_standins`) whose engine is the fake. The fakes refuse what the packages refuse
+(`tests.engine_standins`): `FakeAsyncLLM.collective_rpc` a function without
+VLLM_ALLOW_INSECURE_SERIALIZATION, and hands its arguments on as vLLM decodes them (a tensor
+as a list), recording each RPC's bytes; and
+`FakeSGLangEngine` binds the event loop at construction where SGLang does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from unittest.mock import patch
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from engines.continuous import ContinuousAdapter, EngineLoop, PartialMode
-from engines.external_rollout import eos_token_ids, skeleton
+from engines.continuous import ContinuousAdapter, PartialMode
 from engines.sglang_continuous import SGLangContinuousEngine
+from engines.sglang_rollout import SGLangSettings
 from engines.vllm_continuous import VLLMContinuousEngine
+from engines.vllm_rollout import INSECURE_SERIALIZATION_ENV, VLLMSettings
+from tests.engine_standins import (
+    bind_loop_as_sglang,
+    payload_bytes,
+    sglang_modules,
+    vllm_module,
+    vllm_rpc,
+)
 
 DELTA = "DELTA"
 """Stands for `vllm.sampling_params.RequestOutputKind.DELTA`."""
@@ -102,6 +119,9 @@ class FakeAsyncLLM:
         self.core = core
         self.finish_override = finish_override
         """Report this finish reason instead of the real one (an engine-side abort, say)."""
+        self.flag_at_start = os.environ.get(INSECURE_SERIALIZATION_ENV)
+        self.rpc_bytes: list[int] = []
+        """Bytes (tensors and bytes objects) each `collective_rpc` carried, in order."""
         model = SimpleNamespace(load_weights=lambda weights: core.load(list(weights)))
         self.worker = SimpleNamespace(model_runner=SimpleNamespace(model=model))
 
@@ -147,7 +167,9 @@ class FakeAsyncLLM:
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
-        return [method(self.worker, *args, **(kwargs or {}))]
+        result = vllm_rpc(self.worker, method, args, kwargs, self.flag_at_start)
+        self.rpc_bytes.append(payload_bytes((args, kwargs)))
+        return [result]
 
     async def reset_prefix_cache(self) -> bool:
         self.core.events.append("reset prefix cache")
@@ -185,6 +207,7 @@ class FakeSGLangEngine:
     def __init__(self, core: FakeCore) -> None:
         self.core = core
         self.tokenizer_manager = FakeTokenizerManager(core)
+        self.loop = bind_loop_as_sglang()  # the adapter's loop: it builds the engine there
 
     async def async_generate(
         self,
@@ -237,25 +260,20 @@ def adapter(
     core: FakeCore,
     slots: int = 8,
     mode: PartialMode = "resubmit",
+    bucket_bytes: int | None = None,
     **fake: Any,
 ) -> ContinuousAdapter:
-    """The `kind` ("vllm" / "sglang") adapter as its constructor leaves it, over a fake engine."""
-    cls = VLLMContinuousEngine if kind == "vllm" else SGLangContinuousEngine
-    engine: Any = object.__new__(cls)
-    ContinuousAdapter.__init__(
-        engine, slots, eos_token_ids(model_dir), mode, EngineLoop(f"test-{kind}")
-    )
-    engine.model, engine.dtype = skeleton(model_dir), None
+    """The `kind` ("vllm" / "sglang") adapter built by its constructor over a fake engine
+    (`fake`: the fake's options; `bucket_bytes`: vLLM's ``weight_bucket_bytes``)."""
     if kind == "vllm":
-        engine._vllm, engine._delta = SimpleNamespace(SamplingParams=lambda **kw: kw), DELTA
-        engine.engine = FakeAsyncLLM(core, **fake)
-    else:
-        engine.tp_size = 1
-        engine.io = SimpleNamespace(
-            pause=lambda mode: SimpleNamespace(mode=mode),
-            resume=SimpleNamespace,
-            update=lambda **kw: SimpleNamespace(**kw),
-            serialize=lambda pairs: pairs,
+        vllm = (
+            VLLMSettings()
+            if bucket_bytes is None
+            else VLLMSettings(weight_bucket_bytes=bucket_bytes)
         )
-        engine.engine = FakeSGLangEngine(core)
-    return engine
+        with patch.dict(
+            sys.modules, vllm_module(async_engine=lambda _: FakeAsyncLLM(core, **fake))
+        ):
+            return VLLMContinuousEngine(model_dir, vllm, slots, mode)
+    with patch.dict(sys.modules, sglang_modules(engine=lambda **_: FakeSGLangEngine(core))):
+        return SGLangContinuousEngine(model_dir, SGLangSettings(), slots, mode)

@@ -1,7 +1,8 @@
 """A stand-in worker for the fleet tests, started by the fleet like any worker.
 
-    python -m tests.fleet_proc --run R --nats URL --mode MODE [--marker DIR]
-MODE crash: exit 3 at once. done: exit 0 at once.
+    python -m tests.fleet_proc --run R --nats URL --mode MODE [--marker DIR] [--say TEXT]
+        [--after SECONDS]
+MODE crash: exit 3 at once (after SECONDS, saying TEXT on stderr). done: exit 0 at once.
 MODE drain: write DIR/<pid>.ready (holding its CUDA_VISIBLE_DEVICES); on SIGTERM take
     0.3 s to "drain", write DIR/<pid>.drained, exit 0.
 MODE stubborn: write DIR/<pid>.ready, then ignore SIGTERM (the fleet must SIGKILL it).
@@ -23,8 +24,13 @@ def main() -> None:
     parser.add_argument("--nats", required=True)
     parser.add_argument("--mode", choices=["crash", "done", "drain", "stubborn"], required=True)
     parser.add_argument("--marker", type=Path)
+    parser.add_argument("--say", default="")
+    parser.add_argument("--after", type=float, default=0.0)
     args = parser.parse_args()
     if args.mode in ("crash", "done"):
+        time.sleep(args.after)
+        if args.say:
+            print(args.say, file=sys.stderr)
         sys.exit(3 if args.mode == "crash" else 0)
     stopping = False
 

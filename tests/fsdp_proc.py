@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from transformers import AutoModelForCausalLM
 
 from engines.fsdp_train import FSDPTrainEngine, init_group
 from engines.protocols import MicroBatch
@@ -75,7 +78,24 @@ def rank_main(rank: int, port: int, model_dir: str, out: str, vocab: int) -> Non
     checkpoint = Path(out) / "checkpoints" / "fsdp.pt"
     seen: dict[str, object] = {}
 
-    a = FSDPTrainEngine(Path(model_dir), **ENGINE_ARGS)
+    # Only rank 0 reads the checkpoint's weights (the others build on the meta device and get
+    # their shards from it), unless a frozen reference copy needs them whole on every rank.
+    loads = [0]
+    from_pretrained = AutoModelForCausalLM.from_pretrained
+
+    def loading(*args: Any, **kwargs: Any) -> Any:
+        loads[0] += 1
+        return from_pretrained(*args, **kwargs)
+
+    AutoModelForCausalLM.from_pretrained = loading  # type: ignore[method-assign]
+    try:
+        a = FSDPTrainEngine(Path(model_dir), **ENGINE_ARGS)
+        alone = loads[0]
+        with_kl = {**ENGINE_ARGS, "loss": LossConfig(temperature=0.7, kl_coef=0.1)}
+        FSDPTrainEngine(Path(model_dir), **with_kl)
+        seen["weight_loads"], seen["weight_loads_with_reference"] = alone, loads[0] - alone
+    finally:
+        AutoModelForCausalLM.from_pretrained = from_pretrained  # type: ignore[method-assign]
     seen["has_checkpoint_before"] = a.has_checkpoint(checkpoint)
     steps_a: list[dict[str, float]] = []
     seen["a"] = steps_a
@@ -101,5 +121,24 @@ def rank_main(rank: int, port: int, model_dir: str, out: str, vocab: int) -> Non
     seen["bf16"] = c.train_step(recorded[0][rank])
     # FSDP2 makes every parameter a DTensor; nn.Module types them as plain Parameters.
     seen["bf16_shard_dtypes"] = sorted({str(p.to_local().dtype) for p in c.model.parameters()})  # type: ignore[attr-defined]
+
+    # Gradient sync once per step, not per micro-batch: FSDP2 reduce-scatters each unit's
+    # gradients through torch.distributed.reduce_scatter_single, counted over a step of 3
+    # micro-batches on each rank (LAYOUT's step 2: 1 on rank 0, 3 on rank 1, passes = 3).
+    d = FSDPTrainEngine(Path(model_dir), **ENGINE_ARGS)
+    seen["fsdp_units"] = sum(isinstance(m, FSDPModule) for m in d.model.modules())
+    calls = [0]
+    reduce_scatter = dist.reduce_scatter_single
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return reduce_scatter(*args, **kwargs)
+
+    dist.reduce_scatter_single = counted
+    try:
+        d.train_step(recorded[2][rank])
+    finally:
+        dist.reduce_scatter_single = reduce_scatter
+    seen["reduce_scatters"] = calls[0]
     torch.save(seen, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()

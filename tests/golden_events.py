@@ -1,7 +1,9 @@
 """One fixed instance of every event version, and the writer of the golden msgpack files.
 
-`python -m tests.golden_events` rewrites tests/golden/*.msgpack; do that only when adding
-a new event version — old files must keep decoding after any schema change.
+`python -m tests.golden_events` writes the tests/golden/<name>.msgpack files that do not exist
+yet (a new event version's): a file once written is the bytes its version wrote, never
+rewritten, and must keep decoding (an older version through `schemas.codec`'s upgrades) to the
+event named here for it.
 """
 
 from __future__ import annotations
@@ -50,6 +52,27 @@ def golden() -> dict[str, Event]:
         engine="hf",
         timings={"generate": 0.5},
     )
+    # An episode's response: model tokens, a tool result and the next turn's header (mask 0:
+    # version -1, log-prob 0.0), then model tokens again.
+    episode = TrajectoryEvent(
+        id="g/0/3/0",
+        run="g",
+        time=T0,
+        source="host:1:rollout",
+        prompt_id="g/0/3",
+        sample_index=0,
+        group_size=2,
+        prompt_ids=_i32(1, 5, 7),
+        response_ids=_i32(9, 4, 6, 8, 2),
+        logprobs=Tensor.from_numpy(np.array([-0.5, -1.25, 0.0, 0.0, -0.125], dtype=np.float32)),
+        versions=_i32(3, 3, -1, -1, 4),
+        response_text="9 4 = 8",
+        finish_reason="stop",
+        task={"answer": "9 4"},
+        engine="hf",
+        timings={"generate": 0.5},
+        response_mask=Tensor.from_numpy(np.array([1, 1, 0, 0, 1], dtype=np.uint8)),
+    )
     b, t = 2, 4
     return {
         "prompt.v1": PromptEvent(
@@ -75,6 +98,19 @@ def golden() -> dict[str, Event]:
             trajectory=traj,
             reward=0.5,
             components={"exact": 0.0, "partial": 0.5},
+        ),
+        "trajectory.v2": episode,
+        "reward.v2": RewardEvent(
+            id=episode.id,
+            run="g",
+            time=T0,
+            source="host:1:reference",
+            trajectory=episode,
+            reward=1.0,
+            components={"exact": 1.0},
+            ref_logprobs=Tensor.from_numpy(
+                np.array([-0.25, -1.0, -3.5, -0.75, -0.125], dtype=np.float32)
+            ),
         ),
         "batch.v1": BatchEvent(
             id="g/step/4/0/0",
@@ -113,8 +149,18 @@ def golden() -> dict[str, Event]:
     }
 
 
+def current(name: str, event: Event) -> bool:
+    """Whether golden `name` ("trajectory.v1") is of its event's current version."""
+    return name.endswith(f".v{type(event).VERSION}")
+
+
 if __name__ == "__main__":
     GOLDEN.mkdir(exist_ok=True)
     for name, event in golden().items():
-        (GOLDEN / f"{name}.msgpack").write_bytes(encode(event))
+        path = GOLDEN / f"{name}.msgpack"
+        if path.exists():
+            continue  # the bytes its version wrote: never rewritten
+        if not current(name, event):
+            raise SystemExit(f"{path} is missing, and only its own version's code can write it")
+        path.write_bytes(encode(event))
         print(GOLDEN / f"{name}.msgpack")

@@ -24,8 +24,8 @@ from bus.connection import connect
 from bus.dead import REASON
 from bus.membership import Member, live_members
 from bus.runtime import publish_config
-from bus.topology import DEAD, Channel, Topology
-from schemas import PromptEvent, RewardEvent, Tensor, TrajectoryEvent, WeightVersionEvent
+from bus.topology import DEAD, TRAJECTORIES, Channel, Topology
+from schemas import PromptEvent, RewardEvent, Tensor, TrajectoryEvent, WeightVersionEvent, decode
 from schemas.config import RunConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -208,3 +208,22 @@ def run_local_job(
     )
     assert job.returncode == 0, job.stderr[-2000:] + "".join(text[-1500:] for text in logs.values())
     return LocalJob(out, json.loads(job.stdout.strip().splitlines()[-1]), logs)
+
+
+async def stored_trajectories(
+    js: JetStreamContext, topology: Topology, count: int, timeout: float = 60.0
+) -> list[TrajectoryEvent]:
+    """The trajectories stream's events, once it holds at least `count` (AssertionError after
+    `timeout` s)."""
+    stream = topology.stream(TRAJECTORIES)
+    deadline = time.monotonic() + timeout
+    while (stored := (await js.stream_info(stream)).state.messages) < count:
+        assert time.monotonic() < deadline, f"{stored} of {count} trajectories stored"
+        await asyncio.sleep(0.1)
+    sub = await js.subscribe(topology.subject(TRAJECTORIES), ordered_consumer=True)
+    try:
+        return [
+            decode((await sub.next_msg(timeout=5)).data, TrajectoryEvent) for _ in range(stored)
+        ]
+    finally:
+        await sub.unsubscribe()

@@ -172,3 +172,8 @@ def logged(response_text: str, task: dict[str, Any]) -> object:
     with open(task["log"], "a") as log:
         log.write(response_text + "\n")
     return float(len(response_text))
+
+
+def key_error(response_text: str, task: dict[str, Any]) -> float:
+    """A user's bug: reads a task field the dataset does not have (KeyError: 'expected')."""
+    return float(response_text == task["expected"])

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy
 
@@ -53,6 +54,8 @@ from tests.buffer_feed import (
     tail,
     until,
 )
+
+pytestmark = pytest.mark.slow  # a minute or more of real runs: -m 'not slow' skips it
 
 PUBLISHER = inspect.signature(Publisher).parameters
 GIVE_UP: float = PUBLISHER["ack_timeout"].default + PUBLISHER["retry_for"].default

@@ -29,6 +29,8 @@ from bus.topology import PROMPTS
 from ops.chaos import QUICK, ChaosRun
 from tests.helpers import prompt
 
+pytestmark = pytest.mark.slow  # a minute or more of real runs: -m 'not slow' skips it
+
 ROOT = Path(__file__).resolve().parent.parent
 DEADLINE = 280.0
 """Seconds for the whole tool: the run's own limit (QUICK.timeout), start-up, stop and audit."""

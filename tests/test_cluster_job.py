@@ -114,6 +114,42 @@ def leader(url: str, stream: str, deadline_s: float = 60.0) -> str:
     return asyncio.run(ask())
 
 
+def replicas_caught_up(url: str, stream: str, deadline_s: float = 30.0) -> None:
+    """Wait until every replica of `stream` is current with no lag."""
+
+    async def ask() -> None:
+        nc = await connect(url, "test-replicas")
+        try:
+            started = time.monotonic()
+            while True:
+                info = await nc.jetstream().stream_info(stream)
+                peers = info.cluster.replicas if info.cluster and info.cluster.replicas else []
+                if len(peers) == 2 and all(p.current and not p.lag for p in peers):
+                    return
+                assert time.monotonic() - started < deadline_s, f"{stream}: replicas {peers}"
+                await asyncio.sleep(0.2)
+        finally:
+            await nc.close()
+
+    asyncio.run(ask())
+
+
+def stream_state(url: str, stream: str) -> str:
+    """`stream`'s message count and last sequence as its leader says now."""
+
+    async def ask() -> str:
+        nc = await connect(url, "test-state")
+        try:
+            state = (await nc.jetstream().stream_info(stream)).state
+            return f"{stream} holds {state.messages} messages, last sequence {state.last_seq}"
+        except Exception as exc:  # no leader: the message says so
+            return f"{stream}: {exc!r}"
+        finally:
+            await nc.close()
+
+    return asyncio.run(ask())
+
+
 def wait_for_steps(job: Job, target: int, what: str, deadline_s: float = PROGRESS_DEADLINE) -> None:
     """Wait until `job` reports step `target`; fail saying `what` did not happen."""
     deadline = time.monotonic() + deadline_s
@@ -187,6 +223,11 @@ def test_the_main_job_rides_out_the_loss_of_each_node_in_turn(tmp_path: Path) ->
             for name in [first, *(a.name for a in cluster.addresses if a.name != first)]:
                 index = cluster.index(name)
                 at = job.step
+                # Checked at each kill, not after the last restart: a restart waits for the node
+                # to catch up (up to 30 s), and the run may well finish meanwhile.
+                assert at + STEPS_WITHOUT_THE_NODE <= STEPS, (
+                    f"the run is too short to outlast node {name}'s loss; make it longer ({killed})"
+                )
                 cluster.kill(index)
                 killed.append(f"{name} at step {at}")
                 if name == first:  # the leader's loss: the run must go on without it
@@ -201,13 +242,11 @@ def test_the_main_job_rides_out_the_loss_of_each_node_in_turn(tmp_path: Path) ->
                     # and finish once the node is back: it is given OUTAGE_S, then the node returns.
                     with contextlib.suppress(AssertionError):
                         wait_for_steps(job, at + STEPS_WITHOUT_THE_NODE, "", deadline_s=OUTAGE_S)
-                    assert job.process.poll() is None, (
+                    # Finishing meanwhile is fine (exit 0 and the summary are checked below).
+                    assert job.process.poll() in (None, 0), (
                         f"the main job exited while {name} was down:\n{job.tail()}"
                     )
                 cluster.restart(index)
-            assert job.step < STEPS, (
-                f"the run ended before every node was killed; make it longer ({killed})"
-            )
             try:
                 job.process.wait(timeout=PROGRESS_DEADLINE + 60 * STEPS / 10)
             except subprocess.TimeoutExpired:
@@ -248,6 +287,10 @@ def test_ops_tools_wait_out_a_lost_quorum_or_show_unknowns(tmp_path: Path) -> No
 
     with EmbeddedCluster(tmp_path / "cluster") as cluster:
         asyncio.run(declare(cluster.url))
+        # Every replica holds the prompts before two nodes die together: a publish is acked
+        # once a quorum has it, and a follower's last writes can die unflushed with it (this
+        # test is about the tools, not about JetStream under a double SIGKILL).
+        replicas_caught_up(cluster.url, topology.stream(PROMPTS))
         cluster.kill(0)
         cluster.kill(1)
         tools = {
@@ -268,6 +311,7 @@ def test_ops_tools_wait_out_a_lost_quorum_or_show_unknowns(tmp_path: Path) -> No
             time.sleep(8.0)
             cluster.restart(1)
             outputs = {name: tool.communicate(timeout=240) for name, tool in tools.items()}
+            stored = stream_state(cluster.url, topology.stream(PROMPTS))  # for the message
         finally:
             for tool in tools.values():
                 if tool.poll() is None:
@@ -281,7 +325,7 @@ def test_ops_tools_wait_out_a_lost_quorum_or_show_unknowns(tmp_path: Path) -> No
     page = outputs["status"][0]
     assert page.startswith(f"run {topology.run}") and re.search(r" \?( |$)", page, re.M), page
     audited = json.loads(outputs["audit"][0].strip().splitlines()[-1])
-    assert audited["issued"] == 3 and audited["in_flight"] == 3, audited
+    assert audited["issued"] == 3 and audited["in_flight"] == 3, (audited, stored)
 
 
 def test_the_producer_starts_and_resumes_through_a_lost_quorum(tmp_path: Path) -> None:

@@ -31,6 +31,8 @@ from engines.collective import (
     Received,
 )
 
+pytestmark = pytest.mark.slow  # a minute or more of real runs: -m 'not slow' skips it
+
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = {"bucket_bytes": 4 << 20, "op_timeout_s": 2.0, "join_timeout_s": 2.0}
 VERSION_MB = 48

@@ -16,11 +16,14 @@ from __future__ import annotations
 import os
 import signal
 
+import pytest
 import torch
 
 from engines.collective_plan import ALIGN
 from tests.collective_proc import owned, weights
 from tests.test_collective import DEADLINE_S, SETTINGS, STARTUP_S, VERSION_MB, Participant, spawn
+
+pytestmark = pytest.mark.slow  # a minute or more of real runs: -m 'not slow' skips it
 
 __all__ = ["spawn"]
 

@@ -2,7 +2,9 @@
 (`tests.continuous_fakes`: the tiny HF model decoding token by token, as the engine would
 report it): request building, stream -> `Sample`, per-token versions and log-prob alignment
 with the trainer across a pause / load / resume in both partial modes, slot accounting, error
-paths, and the rollout worker driving the vLLM adapter over a real nats-server through a
+paths, vLLM's weight buckets (the fake refuses a function in collective_rpc without
+VLLM_ALLOW_INSECURE_SERIALIZATION, as vLLM does, so every load also shows the adapter set it),
+and the rollout worker driving the vLLM adapter over a real nats-server through a
 weight version change. The real engines: tests/test_gpu_engines.py (GPU only)."""
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ from engines.sglang_continuous import continuous_engine_kwargs, stream_delta
 from engines.sglang_rollout import SGLangSettings
 from engines.torch_train import LossConfig, TorchTrainEngine
 from engines.vllm_continuous import async_engine_kwargs, delta_chunk, request_kwargs
-from engines.vllm_rollout import VLLMSettings
+from engines.vllm_rollout import INSECURE_SERIALIZATION_ENV, VLLMSettings
 from schemas import PromptEvent, Tensor, TrajectoryEvent, decode, encode
 from schemas import SamplingParams as PromptSampling
 from schemas.config import RunConfig
 from tests.continuous_fakes import DELTA, FakeCore, adapter
 from tests.engine_records import TEMPERATURE, load, model_dir  # noqa: F401 - a fixture
+from tests.engine_standins import HEADER_SLACK
 from tests.helpers import store_weights
 
 API = load("engine_api.json")
@@ -214,6 +217,28 @@ def test_slots_are_counted_and_a_sample_beyond_them_is_refused(model_dir: Path) 
         assert engine.in_flight == 0
     finally:
         engine.close()
+
+
+def test_the_vllm_adapter_loads_a_version_in_rpcs_of_at_most_the_bucket_bytes(
+    model_dir: Path,  # noqa: F811 - the fixture imported above
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(INSECURE_SERIALIZATION_ENV, "0")
+    monkeypatch.delenv(INSECURE_SERIALIZATION_ENV)  # the adapter must set it (restored after)
+    core, bucket = FakeCore(model_dir), 128 * 1024
+    engine = adapter("vllm", model_dir, core, bucket_bytes=bucket)
+    new = {n: torch.randn(p.shape) for n, p in engine.model.named_parameters()}
+    total = sum(t.numel() * t.element_size() for t in new.values())
+    try:
+        engine.load_state_dict(new, version=1)
+    finally:
+        engine.close()
+    sent = engine.engine.rpc_bytes  # type: ignore[attr-defined]
+    assert max(sent) <= bucket + HEADER_SLACK and len(sent) >= total / bucket > 2, sent
+    assert total <= sum(sent) <= total + HEADER_SLACK * len(sent), (total, sent)
+    assert core.events == ["load"] * len(sent) + ["reset prefix cache"], core.events
+    for name, param in core.hf.named_parameters():
+        assert torch.equal(param, new[name]), name
 
 
 def test_an_abort_the_worker_did_not_ask_for_and_an_empty_prompt_are_errors(

@@ -31,6 +31,8 @@ from bus.topology import BATCHES, DEAD, PROMPTS, REWARDS, TRAJECTORIES, Topology
 from ops.audit import audit
 from schemas.config import RunConfig
 
+pytestmark = pytest.mark.slow  # a minute or more of real runs: -m 'not slow' skips it
+
 ROOT = Path(__file__).resolve().parent.parent
 ROLES = ("trainer", "buffer", "reward", "rollout")
 # At the demo's lr (3e-4) the reward is flat for ~200 steps (producers/tasks.py); at 1e-3

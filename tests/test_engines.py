@@ -10,7 +10,7 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engines.device import DEVICE_ENV, resolve_device
+from engines.device import DEVICE_ENV, resolve_device, with_index
 from engines.hf_rollout import HFRolloutEngine, _top_p_filter
 from engines.protocols import MicroBatch, RolloutEngine, Sample, SamplingParams, TrainEngine
 from engines.torch_train import LossConfig, TorchTrainEngine
@@ -319,6 +319,18 @@ def test_bfloat16_computes_in_bf16_on_float32_weights(model_dir: Path, batch: Mi
         "master weights stay float32"
     )
     assert {t.dtype for t in half.export_weights().values()} == {torch.float32}
+
+
+def test_a_bare_cuda_device_gets_the_ranks_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch.cuda.set_device and NCCL refuse "cuda" without an index: the first H200 run of the
+    # fsdp engine stopped there. Under torchrun each rank takes its own GPU.
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert with_index(torch.device("cuda"), 8) == torch.device("cuda", 0)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert with_index(torch.device("cuda"), 8) == torch.device("cuda", 3)
+    assert with_index(torch.device("cuda"), 2) == torch.device("cuda", 1)
+    assert with_index(torch.device("cuda", 5), 8) == torch.device("cuda", 5)
+    assert with_index(torch.device("cpu"), 8) == torch.device("cpu")
 
 
 def test_the_device_is_the_processes_own(monkeypatch: pytest.MonkeyPatch) -> None:

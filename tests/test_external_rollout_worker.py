@@ -1,23 +1,27 @@
-"""The vLLM adapter inside the real rollout worker, on a real nats-server: trajectories carry the
-trainer's log-probs at the sampling temperature, and a weight version published through the
-object store goes into the running engine (the same engine object, its prefix cache dropped)
-and changes what it generates with.
+"""The vLLM and SGLang batch adapters inside the real rollout worker, on a real nats-server:
+trajectories carry the trainer's log-probs at the sampling temperature, and a weight version
+published through the object store goes into the running engine (the same engine object, its
+prefix cache dropped) and changes what it generates with.
 
-vLLM itself cannot run here (no GPU, not installed): `StandInLLM` answers `LLM.generate` by
-drawing with our HF engine and reporting as vLLM does (`tests.engine_records.vllm_report`),
-and `LLM.collective_rpc` by running the adapter's worker function on an object holding that
-HF model. Everything else -- the adapter, the rollout, the bus, the weights transport -- is real.
+Neither engine can run here (no GPU, not installed): the stand-ins of `tests.engine_standins`
+answer `vllm.LLM.generate` / `sglang.Engine.generate` by drawing with our HF engine and
+reporting as the engine does, and load weights into that HF model. They refuse what the
+packages refuse: a function in `collective_rpc` without VLLM_ALLOW_INSECURE_SERIALIZATION
+(unset here: the adapter must set it), and SGLang's synchronous calls while the loop it bound
+runs (the adapter is built inside the test's running loop, as the worker builds it, and the
+worker calls it from `asyncio.to_thread`). Everything else -- the adapters, built by their own
+constructors, the rollout, the bus, the weights transport -- is real.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from transformers import AutoTokenizer
 
@@ -27,72 +31,40 @@ from bus.runtime import attach, publish_config
 from bus.stage import serve
 from bus.topology import PROMPTS, TRAJECTORIES, WEIGHTS, Topology
 from consumers.rollout import Rollout, rollout_stage
-from engines.external_rollout import skeleton
-from engines.hf_rollout import HFRolloutEngine
-from engines.protocols import SamplingParams
+from engines.sglang_rollout import SGLangRolloutEngine
 from engines.torch_train import LossConfig, TorchTrainEngine
-from engines.vllm_rollout import VLLMRolloutEngine
+from engines.vllm_rollout import INSECURE_SERIALIZATION_ENV, VLLMRolloutEngine
 from schemas import PromptEvent, Tensor, TrajectoryEvent, decode, encode
 from schemas import SamplingParams as PromptSampling
 from schemas.config import RunConfig
-from tests.engine_records import TEMPERATURE, model_dir, vllm_objects, vllm_report  # noqa: F401 - a fixture
+from tests.engine_records import TEMPERATURE, model_dir  # noqa: F401 - a fixture
+from tests.engine_standins import sglang_modules, vllm_module
 from tests.helpers import store_weights
 
 GROUP = 2
 
 
-class StandInLLM:
-    """`vllm.LLM`'s generate / collective_rpc / reset_prefix_cache over our HF engine."""
-
-    def __init__(self, hf: HFRolloutEngine) -> None:
-        self.hf = hf
-        self.worker = SimpleNamespace(model_runner=SimpleNamespace(model=self))
-        self.events: list[str] = []
-
-    def generate(
-        self, prompts: list[dict[str, list[int]]], sampling: dict[str, Any], use_tqdm: bool
-    ) -> list[Any]:
-        ids = [p["prompt_token_ids"] for p in prompts]
-        params = SamplingParams(
-            sampling["temperature"],
-            sampling["top_p"],
-            sampling["max_tokens"],
-            tuple(sampling["stop_token_ids"]),
-        )
-        return vllm_objects(vllm_report(ids, self.hf.generate(ids, sampling["n"], params)))
-
-    def load_weights(self, weights: Any) -> None:  # the worker's model_runner.model
-        params = dict(self.hf.model.named_parameters())
-        with torch.no_grad():
-            for name, tensor in weights:
-                params[name].copy_(tensor)
-
-    def collective_rpc(self, method: Any, args: tuple[Any, ...] = ()) -> list[Any]:
-        self.events.append("load")
-        return [method(self.worker, *args)]
-
-    def reset_prefix_cache(self) -> bool:
-        self.events.append("reset prefix cache")
-        return True
+def external_adapter(kind: str, model_dir: Path) -> VLLMRolloutEngine | SGLangRolloutEngine:  # noqa: F811
+    """The `kind` batch adapter, built by its own constructor over the stand-in module."""
+    if kind == "vllm":
+        return VLLMRolloutEngine(model_dir)
+    return SGLangRolloutEngine(model_dir)
 
 
-def vllm_adapter(model_dir: Path) -> tuple[VLLMRolloutEngine, StandInLLM]:  # noqa: F811
-    """The adapter as its constructor leaves it, with the stand-in in place of `vllm.LLM`."""
-    hf = HFRolloutEngine(model_dir, seed=0)
-    engine = object.__new__(VLLMRolloutEngine)
-    llm = StandInLLM(hf)
-    engine.model, engine.eos_token_ids, engine.dtype = skeleton(model_dir), hf.eos_token_ids, None
-    engine._vllm = SimpleNamespace(SamplingParams=lambda **kw: kw)  # type: ignore[assignment]
-    engine.llm, engine.version = llm, 0  # a stand-in vllm module above, the LLM here
-    return engine, llm
-
-
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
 def test_trajectories_carry_the_trainers_logprobs_and_weights_load_into_the_running_engine(
     nats_server: EmbeddedNats,
     topology: Topology,
     model_dir: Path,  # noqa: F811
+    kind: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     trainer = TorchTrainEngine(model_dir, lr=1e-3, loss=LossConfig(temperature=TEMPERATURE))
+    modules = vllm_module() if kind == "vllm" else sglang_modules()
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setenv(INSECURE_SERIALIZATION_ENV, "0")
+    monkeypatch.delenv(INSECURE_SERIALIZATION_ENV)  # the vLLM adapter must set it (restored after)
 
     async def main() -> None:
         nc = await connect(nats_server.url, "test-vllm-worker")
@@ -102,12 +74,12 @@ def test_trajectories_carry_the_trainers_logprobs_and_weights_load_into_the_runn
             {
                 "run": topology.run,
                 "model": {"path": str(model_dir)},
-                "rollout": {"engine": "vllm", "max_batch_prompts": 2},
+                "rollout": {"engine": kind, "continuous": False, "max_batch_prompts": 2},
             }
         )
         await publish_config(await js.key_value(topology.kv_bucket), config)
         rt = await attach("rollout", topology.run, nats_server.url)
-        engine, llm = vllm_adapter(model_dir)
+        engine = external_adapter(kind, model_dir)  # in the running loop, as the worker builds it
         stop = asyncio.Event()
         loop = asyncio.create_task(
             serve(
@@ -176,7 +148,10 @@ def test_trajectories_carry_the_trainers_logprobs_and_weights_load_into_the_runn
             await topology.delete(js)
             await nc.close()
 
-        assert llm.events == ["load", "reset prefix cache"]  # once, into the same engine object
+        if kind == "vllm":  # once, into the same engine object
+            assert engine.llm.events == ["load", "reset prefix cache"]  # type: ignore[union-attr]
+        else:
+            assert engine.engine.flushed == [True]  # type: ignore[union-attr]
         assert {int(v) for t in first for v in t.versions.numpy()} == {0}
         assert {int(v) for t in second for v in t.versions.numpy()} == {1}
         check_logprobs(trainer, first)

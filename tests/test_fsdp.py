@@ -125,3 +125,23 @@ def test_bfloat16_compute_keeps_float32_masters(ranks) -> None:
         assert seen[rank]["bf16_shard_dtypes"] == ["torch.float32"]
         assert np.isfinite(seen[rank]["bf16"]["loss"]) and seen[rank]["bf16"]["grad_norm"] > 0
     assert seen[0]["bf16"]["loss"] == pytest.approx(seen[1]["bf16"]["loss"])
+
+
+def test_gradients_sync_once_per_step_not_per_micro_batch(ranks) -> None:
+    # Three micro-batches on each rank: a sync per micro-batch would reduce-scatter 3 x the
+    # units (docs/engines.md: `set_requires_gradient_sync` on the last backward only).
+    _, _, seen = ranks
+    for rank in range(WORLD):
+        assert seen[rank]["fsdp_units"] > 1, seen[rank]["fsdp_units"]
+        assert seen[rank]["reduce_scatters"] == seen[rank]["fsdp_units"], (
+            f"rank {rank}: {seen[rank]['reduce_scatters']} reduce-scatters in a step of 3 "
+            f"micro-batches over {seen[rank]['fsdp_units']} FSDP units"
+        )
+
+
+def test_only_rank_0_reads_the_weights_unless_a_reference_copy_needs_them(ranks) -> None:
+    # The other ranks build on the meta device and get their shards from rank 0
+    # (`FSDPTrainEngine._load_model`); the steps above train the same as one process.
+    _, _, seen = ranks
+    assert [seen[r]["weight_loads"] for r in range(WORLD)] == [1, 0]
+    assert [seen[r]["weight_loads_with_reference"] for r in range(WORLD)] == [1, 1]

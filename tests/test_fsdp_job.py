@@ -20,6 +20,8 @@ import yaml
 from schemas.config import load_config
 from tests.helpers import ROOT, run_local_job
 
+pytestmark = pytest.mark.slow  # a minute or more of real runs: -m 'not slow' skips it
+
 CONFIG = ROOT / "examples" / "digits-dp2.yaml"
 STEPS = 6
 COLLECTIVE = {"transport": "collective", "collective": {"join_timeout_s": 10, "op_timeout_s": 10}}

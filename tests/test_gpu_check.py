@@ -15,7 +15,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = {"env", "engines", "fsdp", "weights", "pipeline", "external"}
+SECTIONS = {"env", "engines", "fsdp", "megatron", "nccl", "weights", "pipeline", "external"}
 
 
 def run_check(
@@ -91,8 +91,16 @@ def test_cpu_smoke_measures_every_section(tmp_path: Path) -> None:
 
     fsdp = sections["fsdp"]
     assert fsdp["setup"]["world_size"] == 1 and fsdp["setup"]["backend"] == "gloo", fsdp
-    assert fsdp["train"]["tokens_per_s"] > 0 and fsdp["train"]["loss_finite"], fsdp
-    assert fsdp["export"]["same_bytes"] and fsdp["export"]["tensors"] > 0, fsdp
+    tiny = fsdp["tiny"]
+    assert tiny["train"]["tokens_per_s"] > 0 and tiny["train"]["loss_finite"], fsdp
+    assert tiny["export"]["same_bytes"] and tiny["export"]["tensors"] > 0, fsdp
+    assert tiny["export"]["bf16_mb"] * 2 == pytest.approx(tiny["export"]["mb"], abs=0.2), fsdp
+
+    megatron = sections["megatron"]  # megatron-core is in the dev extra
+    assert megatron["setup"]["tp"] == 1 and megatron["train"]["loss_finite"], megatron
+    # on the CPU megatron's linear layers refuse autocast's bf16: the float32 figure stands in
+    assert megatron["train"]["compute_dtype"] in ("bfloat16", "float32"), megatron
+    assert sections["nccl"]["skipped"] == "needs CUDA, device is cpu", sections["nccl"]
 
     weights = sections["weights"]
     assert [r["mb"] for r in weights["runs"]] == [1, 4, 8], weights

@@ -21,6 +21,8 @@ from bus.topology import TRAJECTORIES, Topology
 from producers.launcher import lag
 from tests.helpers import declare_run
 
+pytestmark = pytest.mark.slow  # a minute or more of real runs: -m 'not slow' skips it
+
 ROOT = Path(__file__).resolve().parent.parent
 STOPPED = re.compile(
     r"^producers\.prompts: stopped by (SIG[A-Z]+) after (\d+) of 1000 steps; "

@@ -40,6 +40,8 @@ from engines.tiny import build_tiny_model
 from producers.tasks import VOCAB
 from schemas.trainer_config import MegatronConfig
 
+pytestmark = pytest.mark.slow  # a minute or more of real runs: -m 'not slow' skips it
+
 
 @pytest.fixture(scope="module")
 def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:

@@ -20,6 +20,8 @@ from consumers.fleet_config import local_fleet
 from schemas.config import parse_config
 from tests.helpers import ROOT, run_local_job
 
+pytestmark = pytest.mark.slow  # a minute or more of real runs: -m 'not slow' skips it
+
 pytest.importorskip(
     "megatron.core", reason="megatron-core is not installed (pip install 'jetrl[megatron]')"
 )

@@ -109,8 +109,8 @@ READER = {name: channel.readers[0].role for name, channel in CHANNEL.items()}
 """The stage that consumes each stream, and so dead-letters what it cannot use."""
 GOLDEN_NAME = {
     "prompts": "prompt.v1",
-    "trajectories": "trajectory.v1",
-    "rewards": "reward.v1",
+    "trajectories": "trajectory.v2",
+    "rewards": "reward.v2",
     "batches": "batch.v1",
     "weights": "weights.v1",
 }
@@ -132,12 +132,19 @@ def assert_safe(event: Event) -> None:
         assert ids.dtype == np.int32 and ids.size > 0 and ids.min() >= 0
     if isinstance(event, TrajectoryEvent):
         for tensor in (event.prompt_ids, event.response_ids, event.versions):
-            assert tensor.numpy().dtype == np.int32 and (tensor.numpy() >= 0).all()
+            assert tensor.numpy().dtype == np.int32
+        for tensor in (event.prompt_ids, event.response_ids):
+            assert (tensor.numpy() >= 0).all()
         assert event.prompt_ids.numpy().size > 0
         logprobs = event.logprobs.numpy()
         assert (
             logprobs.dtype == np.float32 and np.isfinite(logprobs).all() and (logprobs <= 0).all()
         )
+        # Versions >= 0 on the model's tokens; an episode's environment tokens: -1 and 0.0.
+        trained, versions = event.trained_mask(), event.versions.numpy()
+        assert trained.shape == versions.shape and (versions[trained] >= 0).all()
+        assert (versions[~trained] == -1).all() and (logprobs[~trained] == 0).all()
+        assert trained.any() or trained.size == 0
     if isinstance(event, BatchEvent):
         ids, attention, loss = (
             event.input_ids.numpy(),

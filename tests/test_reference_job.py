@@ -37,6 +37,8 @@ from ops.audit import audit
 from schemas import BatchEvent, RewardEvent, decode
 from schemas.config import RunConfig, parse_config
 
+pytestmark = pytest.mark.slow  # a minute or more of real runs: -m 'not slow' skips it
+
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 8
 

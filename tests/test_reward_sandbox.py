@@ -206,7 +206,7 @@ def test_required_refuses_without_namespaces(
     """No `unshare` on PATH: `required` refuses in one line,
     `auto` warns once and scores as before."""
     monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setattr(reward_sandbox, "_warned", False)
+    monkeypatch.setattr(reward_sandbox, "_warned", set())
     with pytest.raises(IsolationUnavailable) as refused:
         asyncio.run(RewardPool(1, isolation="required").__aenter__())
     assert str(refused.value) == (

@@ -31,7 +31,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerInfo, DiscardPolicy
 from nats.js.errors import KeyNotFoundError
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from bus.connection import JetStream, connect
 from bus.embedded import EmbeddedNats
@@ -174,10 +174,13 @@ async def served_rollout(
     *,
     weights: dict[str, Any] | None = None,
     ack_timeout: float = 10.0,
+    sections: dict[str, Any] | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> AsyncIterator[tuple[Client, JetStream, Runtime, Rollout]]:
     """A rollout stage built as `consumers.rollout.build` builds it (production options) over
     `engines`, served in this event loop until the block ends: the run's config has `rollout`
-    and `weights` as its sections; its publisher waits `ack_timeout` s for an ack. Yields the
+    and `weights` as its sections, and `sections` (more of them); its publisher waits
+    `ack_timeout` s for an ack; `tokenizer` is the model dir's unless given. Yields the
     test's own connection, its JetStream context, the stage's runtime and the `Rollout`."""
     nc = await connect(url, "test-rollout")
     js = nc.jetstream()
@@ -188,12 +191,13 @@ async def served_rollout(
             "model": {"path": str(model_dir)},
             "rollout": rollout,
             "weights": weights or {},
+            **(sections or {}),
         }
     )
     await publish_config(await js.key_value(topology.kv_bucket), config)
     rt = await attach("rollout", topology.run, url)
     rt.publisher = Publisher(rt.js, rt.topology, ack_timeout=ack_timeout)
-    worker = Rollout(rt, engines, AutoTokenizer.from_pretrained(model_dir))
+    worker = Rollout(rt, engines, tokenizer or AutoTokenizer.from_pretrained(model_dir))
     stop = asyncio.Event()
     loop = asyncio.create_task(serve(rt, rollout_stage(worker), stop))
     try:

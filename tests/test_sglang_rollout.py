@@ -1,18 +1,25 @@
 """The SGLang adapter on CPU, without SGLang: its request, its reading of recorded outputs, the
-log-prob alignment with the trainer, and its weight load. The real engine:
-tests/test_gpu_engines.py."""
+log-prob alignment with the trainer, its weight load, the thread it builds and drives the
+engine on (over `tests.engine_standins`, whose `sglang.Engine` binds the event loop where
+SGLang binds it and runs it as SGLang does) and its version floor. The real engine:
+tests/test_gpu_engines.py; the real package's loop binding: tests/test_engine_contracts.py."""
 
+import asyncio
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from engines.external_rollout import EngineUnavailable, named_weights, skeleton
+from engines.external_rollout import EngineUnavailable, named_weights, release, skeleton
 from engines.hf_rollout import HFRolloutEngine
-from engines.protocols import SamplingParams
+from engines.protocols import Sample, SamplingParams
+from engines.sglang_continuous import SGLangContinuousEngine
 from engines.sglang_rollout import (
     ORIGINAL_LOGPROB_ENV,
+    SGLANG_FLOOR,
+    SGLangRolloutEngine,
     SGLangSettings,
     check_logprob_env,
     engine_kwargs,
@@ -29,6 +36,7 @@ from tests.engine_records import (  # noqa: F401 - a fixture
     sglang_report,
     trainer_logprobs,
 )
+from tests.engine_standins import StandInSGLangEngine, sglang_modules
 
 API = load("engine_api.json")["sglang"]
 STOP_IDS = (2, 7)  # the recorded fixture's eos and stop token
@@ -121,31 +129,81 @@ def test_the_original_logprob_switch_is_refused() -> None:
         check_logprob_env({ORIGINAL_LOGPROB_ENV: "True"})
 
 
-class _Engine:
-    """`sglang.Engine.update_weights_from_tensor(named_tensors, flush_cache)` over a real HF
-    module: the model's loader copies each (HF name, tensor) into that parameter."""
+@pytest.fixture
+def fake_sglang(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`import sglang` gives the stand-in module: `sglang.Engine` is a `StandInSGLangEngine`."""
+    for name, module in sglang_modules().items():
+        monkeypatch.setitem(sys.modules, name, module)
 
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
-        self.flushed: list[Any] = []
 
-    def update_weights_from_tensor(
-        self, named_tensors: list[tuple[str, torch.Tensor]], flush_cache: bool = True
-    ) -> None:
-        params = dict(self.module.named_parameters())
-        for name, tensor in named_tensors:
-            assert tensor.dtype == params[name].dtype, name
-            params[name].data.copy_(tensor)
-        self.flushed.append(flush_cache)
+PARAMS = SamplingParams(temperature=TEMPERATURE, max_tokens=6)
+
+
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited")  # as with SGLang
+def test_the_stand_in_fails_as_sglang_does_when_driven_off_the_loop_it_bound(
+    model_dir: Path,  # noqa: F811
+) -> None:
+    async def worker() -> None:
+        engine = StandInSGLangEngine(str(model_dir))  # binds the worker's running loop
+        assert engine.loop is asyncio.get_running_loop()
+        with pytest.raises(RuntimeError, match="already running"):
+            await asyncio.to_thread(engine.generate, [[5, 6]], sampling_params(PARAMS, (2,)), True)
+
+    asyncio.run(worker())
+
+
+def test_the_adapter_builds_and_drives_sglang_on_a_thread_of_its_own(
+    fake_sglang: None,
+    model_dir: Path,  # noqa: F811
+) -> None:
+    """As the rollout worker does: the engine built inside the worker's running loop, then
+    `generate` and `load_state_dict` called through `asyncio.to_thread`."""
+    new = {n: torch.randn(p.shape) for n, p in skeleton(model_dir).named_parameters()}
+
+    async def worker() -> tuple[list[list[Sample]], StandInSGLangEngine]:
+        adapter = SGLangRolloutEngine(model_dir)
+        assert adapter.engine.loop is not asyncio.get_running_loop()
+        groups = await asyncio.to_thread(adapter.generate, [[5, 6, 9], [12, 4]], 2, PARAMS)
+        await asyncio.to_thread(adapter.load_state_dict, new)
+        adapter.close()
+        return groups, adapter.engine
+
+    groups, engine = asyncio.run(worker())
+    assert [len(g) for g in groups] == [2, 2] and engine.flushed == [True]
+    assert (engine.shut_down_on or "").startswith("sglang-engine"), engine.shut_down_on
+    for name, param in engine.hf.model.named_parameters():
+        assert torch.equal(param, new[name]), name
+
+
+@pytest.mark.parametrize("adapter", [SGLangRolloutEngine, SGLangContinuousEngine])
+def test_an_sglang_below_the_floor_is_refused_in_one_line(
+    adapter: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    model_dir: Path,  # noqa: F811
+) -> None:
+    for name, module in sglang_modules(version="0.5.9").items():
+        monkeypatch.setitem(sys.modules, name, module)
+    with pytest.raises(EngineUnavailable) as refused:
+        adapter(model_dir)
+    message = str(refused.value)
+    assert f"needs sglang >= {SGLANG_FLOOR}, not 0.5.9" in message and "\n" not in message
+    assert release("0.5.10.post1") == (0, 5, 10) > release("0.5.9rc1") == (0, 5, 9)
 
 
 def test_weights_reach_the_engine_by_hf_name_and_flush_its_cache(model_dir: Path) -> None:  # noqa: F811
-    hf = HFRolloutEngine(model_dir, dtype=torch.bfloat16)
-    engine = _Engine(hf.model)
+    engine = StandInSGLangEngine(str(model_dir), dtype="bfloat16")
     new = {
-        name: torch.randn(p.shape) for name, p in hf.model.named_parameters()
+        name: torch.randn(p.shape) for name, p in engine.hf.model.named_parameters()
     }  # float32, as the trainer sends
     load_weights(engine, named_weights(new, skeleton(model_dir), torch.bfloat16))
     assert engine.flushed == [True]
-    for name, param in hf.model.named_parameters():
+    for name, param in engine.hf.model.named_parameters():
         assert torch.equal(param, new[name].to(torch.bfloat16)), name
+
+
+def test_a_load_sglang_reports_as_failed_is_an_error(model_dir: Path) -> None:  # noqa: F811
+    engine = StandInSGLangEngine(str(model_dir))
+    engine.refuse_loads = True
+    new = {name: torch.randn(p.shape) for name, p in engine.hf.model.named_parameters()}
+    with pytest.raises(RuntimeError, match="update_weights_from_tensor failed: Failed to update"):
+        load_weights(engine, named_weights(new, skeleton(model_dir), None))

@@ -45,6 +45,8 @@ from tests.buffer_feed import (
     until,
 )
 
+pytestmark = pytest.mark.slow  # a minute or more of real runs: -m 'not slow' skips it
+
 ROOT = Path(__file__).resolve().parent.parent
 ROLES = ("trainer", "buffer", "reward", "rollout")
 PER_STEP, STEPS = 3, 5

@@ -16,11 +16,12 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
-from ops.trace import Jaeger, SpanView, find, linked
+from ops.trace import Jaeger, SpanView, find, linked, timeline
 from tests.fake_jaeger import FakeJaeger
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -240,3 +241,33 @@ def test_workers_export_metrics_over_otlp(jaeger: FakeJaeger, traced_run: str) -
         "jetrl.staleness",
         "jetrl.queue.depth",
     } <= set(jaeger.metric_points)
+
+
+def test_an_agent_episode_reads_turn_by_turn() -> None:
+    """The spans a rollout worker makes for an episode (`consumers.episodes`), as ops.trace
+    prints them: the episode (turns, how it ended, takeovers), each turn, each tool call."""
+
+    def span(span_id: str, name: str, parent: str | None, start: int, **tags: Any) -> SpanView:
+        return SpanView(
+            "t" * 32, span_id, name, "jetrl-rollout", "rollout-0", start, 1000, tags, parent, ()
+        )
+
+    spans = [
+        span("1", "prompt", None, 0, **{"jetrl.prompt_id": "r/0/0", "jetrl.run": "r"}),
+        span(
+            "2",
+            "episode",
+            "1",
+            10,
+            **{"jetrl.sample_index": 1, "jetrl.turns": 2, "jetrl.end": "done", "jetrl.resumed": 1},
+        ),
+        span("3", "turn", "2", 20, **{"jetrl.turn": 0, "jetrl.tokens_added": 12}),
+        span("4", "tool call", "2", 30, **{"jetrl.tool": "add", "jetrl.ok": False}),
+        span("5", "turn", "2", 40, **{"jetrl.turn": 1, "jetrl.tokens_added": 7}),
+    ]
+    lines = timeline(spans, []).splitlines()
+    episode = next(line for line in lines if "episode" in line)
+    assert "sample 1, 2 turns, ended done, resumed 1x" in episode
+    turns = [line for line in lines if " turn " in f" {line} " and "+" in line]
+    assert [t.split("turn ")[-1] for t in turns] == ["0: +12 tokens", "1: +7 tokens"]
+    assert any("tool add FAILED" in line for line in lines)

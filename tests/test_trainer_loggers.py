@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import pytest
 
-from consumers.trainer_loggers import scalars, step_loggers
+from consumers.trainer_loggers import SAMPLE_COLUMNS, WandbLogger, scalars, step_loggers
 from schemas.config import RunConfig, TrainerConfig
 from tests.helpers import require_extra
+from tests.test_run_report import two_groups_batch
 
 STEP_METRICS = {
     "step": 3,
@@ -65,3 +67,27 @@ def test_wandb_logger_logs_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert len(runs) == 1 and any(p.suffix == ".wandb" for p in runs[0].iterdir()), os.listdir(
         tmp_path
     )
+
+
+def test_wandb_logger_logs_a_samples_table_offline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model_dir: Path
+) -> None:
+    """The chosen group's row goes to a `samples` table, decoded with the run's tokenizer."""
+    require_extra("wandb", "loggers")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    config = RunConfig(
+        run="wb",
+        model={"path": str(model_dir)},
+        trainer=TrainerConfig(wandb_project="jetrl-test"),
+    )
+    (logger,) = step_loggers(config)
+    assert isinstance(logger, WandbLogger)
+    files = Path(logger.run.dir)  # wandb keeps its first WANDB_DIR for the process
+    logger.samples(5, [two_groups_batch()])
+    logger.close()
+    tables = list(files.glob("media/table/samples_*.json"))
+    assert len(tables) == 1, "no samples table logged"
+    data = json.loads(tables[0].read_text())
+    assert data["columns"] == list(SAMPLE_COLUMNS)
+    assert [row[:2] for row in data["data"]] == [[5, "r/0/8/2"]]

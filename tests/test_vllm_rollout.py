@@ -1,7 +1,11 @@
 """The vLLM adapter on CPU, without vLLM: its request, its reading of recorded outputs, the
-log-prob alignment with the trainer, and its weight load. The real engine:
-tests/test_gpu_engines.py."""
+log-prob alignment with the trainer, and its weight load (built by its own constructor over
+`tests.engine_standins`, whose `vllm.LLM` refuses a function in `collective_rpc` without
+VLLM_ALLOW_INSECURE_SERIALIZATION, as vLLM does, and counts the bytes of each RPC). The real
+engine: tests/test_gpu_engines.py; the real package's encoder: tests/test_engine_contracts.py."""
 
+import os
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -9,14 +13,18 @@ from typing import Any
 import pytest
 import torch
 
-from engines.external_rollout import named_weights, skeleton
+from engines.external_rollout import EngineUnavailable, named_weights, skeleton, weight_buckets
 from engines.hf_rollout import HFRolloutEngine
 from engines.protocols import SamplingParams
 from engines.vllm_rollout import (
+    INSECURE_SERIALIZATION_ENV,
     LOGPROBS_MODE,
+    VLLMRolloutEngine,
     VLLMSettings,
+    allow_function_rpc,
     completion_to_sample,
     llm_kwargs,
+    load_on_worker,
     load_weights,
     request_to_samples,
     sampling_kwargs,
@@ -30,6 +38,7 @@ from tests.engine_records import (  # noqa: F401 - a fixture
     vllm_objects,
     vllm_report,
 )
+from tests.engine_standins import HEADER_SLACK, StandInLLM, vllm_module
 
 API = load("engine_api.json")["vllm"]
 STOP_IDS = (2, 7)  # the recorded fixture's eos and stop token
@@ -130,48 +139,106 @@ def test_logprobs_as_vllm_reports_them_are_what_the_trainer_computes(model_dir: 
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
-class _Loader:
-    """vLLM's `model.load_weights(weights=iterable)` contract over a real HF module: copies
-    each (HF name, tensor) it is handed into the parameter of that name."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module, self.calls = module, 0
-
-    def load_weights(self, weights: Any) -> set[str]:
-        self.calls += 1
-        params = dict(self.module.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
-            params[name].data.copy_(tensor)
-            loaded.add(name)
-        return loaded
+@pytest.fixture
+def no_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """VLLM_ALLOW_INSECURE_SERIALIZATION unset for the test (and as it was afterwards)."""
+    monkeypatch.setenv(INSECURE_SERIALIZATION_ENV, "0")
+    monkeypatch.delenv(INSECURE_SERIALIZATION_ENV)
 
 
-class _LLM:
-    """`vllm.LLM`'s `collective_rpc(callable, args)` (the callable gets each worker first) and
-    `reset_prefix_cache`, over one in-process worker."""
+@pytest.fixture
+def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`import vllm` gives the stand-in module: `vllm.LLM` is a `StandInLLM`."""
+    for name, module in vllm_module().items():
+        monkeypatch.setitem(sys.modules, name, module)
 
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.worker = SimpleNamespace(model_runner=SimpleNamespace(model=_Loader(module)))
-        self.events: list[str] = []
 
-    def collective_rpc(self, method: Any, args: tuple[Any, ...] = ()) -> list[Any]:
-        self.events.append("rpc")
-        return [method(self.worker, *args)]
+def perturbed(model_dir: Path) -> dict[str, torch.Tensor]:  # noqa: F811
+    """New weights for every parameter of the model, as the trainer exports them."""
+    return {n: torch.randn(p.shape) for n, p in skeleton(model_dir).named_parameters()}
 
-    def reset_prefix_cache(self) -> bool:
-        self.events.append("reset")
-        return True
+
+def test_the_stand_in_refuses_a_function_without_the_flag_as_vllm_does(
+    no_flag: None,
+    model_dir: Path,  # noqa: F811
+) -> None:
+    llm = StandInLLM(str(model_dir))
+    with pytest.raises(TypeError, match="is not serializable"):
+        llm.collective_rpc(load_on_worker, args=([],))
+    os.environ[INSECURE_SERIALIZATION_ENV] = "1"  # too late: the engine core started without it
+    with pytest.raises(NotImplementedError, match="Extension type code 2"):
+        llm.collective_rpc(load_on_worker, args=([],))
+    assert llm.rpc_bytes == []
+
+
+def test_the_adapter_sets_the_flag_before_the_engine_starts_so_its_loader_travels(
+    no_flag: None,
+    fake_vllm: None,
+    model_dir: Path,  # noqa: F811
+) -> None:
+    engine = VLLMRolloutEngine(model_dir)
+    llm = engine.llm
+    assert isinstance(llm, StandInLLM) and llm.engine_args["logprobs_mode"] == LOGPROBS_MODE
+    new = perturbed(model_dir)
+    engine.load_state_dict(new)
+    assert llm.events == ["load", "reset prefix cache"] and engine.version == 1
+    for name, param in llm.hf.model.named_parameters():
+        assert torch.equal(param, new[name]), name
+
+
+def test_the_flag_is_set_when_unset_and_refused_in_one_line_when_off() -> None:
+    environ: dict[str, str] = {}
+    allow_function_rpc(environ)
+    assert environ == {INSECURE_SERIALIZATION_ENV: "1"}
+    allow_function_rpc({INSECURE_SERIALIZATION_ENV: "1"})
+    for off in ("0", "yes"):
+        with pytest.raises(EngineUnavailable, match=f"{INSECURE_SERIALIZATION_ENV}='{off}'"):
+            allow_function_rpc({INSECURE_SERIALIZATION_ENV: off})
+
+
+def test_weights_are_cut_into_buckets_in_order_a_large_tensor_alone() -> None:
+    sizes = [10, 10, 30, 4, 4, 4]  # float32 elements: 40, 40, 120, 16, 16, 16 bytes
+    weights = [(f"w{i}", torch.zeros(n)) for i, n in enumerate(sizes)]
+    buckets = weight_buckets(weights, 64)
+    assert [[name for name, _ in b] for b in buckets] == [
+        ["w0"],
+        ["w1"],
+        ["w2"],
+        ["w3", "w4", "w5"],
+    ]
+    assert [len(b) for b in weight_buckets(weights, 10**9)] == [6]
+    with pytest.raises(ValueError, match="at least 1 byte"):
+        weight_buckets(weights, 0)
+
+
+def test_a_version_goes_into_the_engine_in_rpcs_of_at_most_the_bucket_bytes(
+    fake_vllm: None,
+    model_dir: Path,  # noqa: F811
+) -> None:
+    bucket = 128 * 1024
+    engine = VLLMRolloutEngine(model_dir, VLLMSettings(weight_bucket_bytes=bucket))
+    llm = engine.llm
+    new = perturbed(model_dir)
+    total = sum(t.numel() * t.element_size() for t in new.values())
+    engine.load_state_dict(new)
+    sent = llm.rpc_bytes
+    assert max(sent) <= bucket + HEADER_SLACK, sent
+    assert total <= sum(sent) <= total + HEADER_SLACK * len(sent), (total, sent)
+    assert len(sent) >= total / bucket > 2, (total, sent)
+    assert llm.events == ["load"] * len(sent) + ["reset prefix cache"]
+    for name, param in llm.hf.model.named_parameters():
+        assert torch.equal(param, new[name]), name
 
 
 def test_weights_reach_the_workers_model_by_hf_name_then_the_prefix_cache_is_dropped(
     model_dir: Path,  # noqa: F811 - the fixture imported above
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    hf = HFRolloutEngine(model_dir)
-    llm = _LLM(hf.model)
-    new = {name: torch.randn_like(p) for name, p in hf.model.named_parameters()}
+    monkeypatch.setenv(INSECURE_SERIALIZATION_ENV, "1")  # as the adapter sets it
+    llm = StandInLLM(str(model_dir))
+    new = {name: torch.randn_like(p) for name, p in llm.hf.model.named_parameters()}
     load_weights(llm, named_weights(new, skeleton(model_dir), torch.float32))
-    assert llm.events == ["rpc", "reset"]  # the cache goes after the weights changed, not before
-    assert llm.worker.model_runner.model.calls == 1
-    for name, param in hf.model.named_parameters():
+    assert llm.events == ["load", "reset prefix cache"]  # the cache goes after the weights
+    assert llm.loader.calls == 1
+    for name, param in llm.hf.model.named_parameters():
         assert torch.equal(param, new[name]), name

@@ -623,10 +623,13 @@ def short_run(tmp_path: Path, weights: dict, steps: int) -> tuple[str, Path]:
 @pytest.mark.timeout(240)
 def test_a_run_with_filesystem_transport_serves_versions_from_files(tmp_path: Path) -> None:
     steps = 3
-    run, out = short_run(tmp_path, {"transport": "filesystem", "keep": 2}, steps)
+    run, out = short_run(tmp_path, {"transport": "filesystem", "keep": 10}, steps)
     files = sorted(p.name for p in (out / "weights" / run).iterdir())
-    assert len(files) == 2 and all(name.endswith(".safetensors") for name in files), files
-    assert {name.split("-")[0] for name in files} == {f"v{steps - 1}", f"v{steps}"}, files
+    assert all(name.endswith(".safetensors") for name in files), files
+    # Only what the rollout worker may still load: v3, and v2 if it was still fetching it
+    # (`engines.weight_retention`), though `keep` is 10.
+    assert f"v{steps}" in {name.split("-")[0] for name in files}, files
+    assert {name.split("-")[0] for name in files} <= {f"v{steps - 1}", f"v{steps}"}, files
     served = (out / "logs" / "rollout-0.log").read_text()
     assert "now serving weights v1" in served, served[-3000:]
     assert "weights refused" not in served, served[-3000:]

@@ -36,6 +36,7 @@ from consumers.weights.sender import WeightsSender
 from consumers.weights.transport import fetch_full
 from engines.collective_plan import ALIGN
 from engines.tiny import build_tiny_model
+from engines.weights import in_dtype
 from producers.tasks import VOCAB
 from schemas import encode
 from schemas.config import WeightsConfig
@@ -82,7 +83,8 @@ def test_two_workers_get_a_version_by_broadcast_and_a_late_one_from_the_fallback
             return ["worker-a", "worker-b"]
 
         trainer = transport_for(config, js, topology.object_bucket, topology.run, members=listed)
-        publisher = WeightsSender(trainer, config, topology.run, "test")
+        # A bf16 run: the float32 masters are published, and broadcast, as bfloat16.
+        publisher = WeightsSender(trainer, config, topology.run, "test", dtype=torch.bfloat16)
         workers = [
             transport_for(
                 config, js, topology.object_bucket, topology.run, "collective", member_id=m
@@ -90,13 +92,15 @@ def test_two_workers_get_a_version_by_broadcast_and_a_late_one_from_the_fallback
             for m in ("worker-a", "worker-b", "worker-late")
         ]
         try:
-            tensors = version(1)
-            event = await publisher.store(1, tensors)
+            masters = version(1)
+            tensors = in_dtype(masters, torch.bfloat16)
+            event = await publisher.store(1, masters)
+            assert {s.name: s.dtype for s in event.manifest}["embed"] == "bfloat16"
             assert (event.transport, event.fallback_transport) == ("collective", "object_store")
             assert event.location == trainer.address  # type: ignore[attr-defined]
             # The workers wait for the plan (announced), then the broadcast starts.
             fetching = [asyncio.create_task(w.fetch(event)) for w in workers[:2]]
-            await publisher.announced(1, tensors)
+            await publisher.announced(1, masters)
             got = await asyncio.gather(*fetching)
             published = await trainer.settle()  # type: ignore[attr-defined]
             assert published is not None and published.members == ("worker-a", "worker-b"), (

@@ -114,6 +114,10 @@ class CollectiveTransport:
             "collective broadcasts full versions; delta payloads go through a store"
         )
 
+    async def retain(self, kept: Collection[str], latest: int) -> list[str]:
+        """The fallback copies: what the broadcast itself leaves behind is nothing."""
+        return await self.fallback(self.config.fallback).retain(kept, latest)
+
     def event(self, stored: WeightVersionEvent, address: str = "") -> WeightVersionEvent:
         """`stored` (the event of the fallback copy, in shards with several ranks) as the
         collective version's event; `address`: rank 0's source (default: this rank's own)."""

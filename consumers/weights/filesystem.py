@@ -34,6 +34,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from consumers.weights.transport import Stored, WeightsMissing, WeightsUnavailable, to_delete
+from engines.weight_retention import stale_payloads
 from engines.weights import ChecksumMismatch, WeightsRefused, verify
 from schemas.weight_event import TransportName, WeightShard, WeightVersionEvent
 
@@ -115,6 +116,25 @@ class FilesystemTransport:
         for path in doomed:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
+
+    async def retain(self, kept: Collection[str], latest: int) -> list[str]:
+        """Delete the version files up to `latest` not named in `kept`
+        (`engines.weight_retention.stale_payloads`); the paths deleted."""
+        return await asyncio.to_thread(self._retain, kept, latest)
+
+    def _retain(self, kept: Collection[str], latest: int) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        stored = [
+            (str(p), int(match.group(1)))
+            for p in self.root.iterdir()
+            if (match := VERSION_FILE.fullmatch(p.name))
+        ]
+        doomed = stale_payloads(stored, kept, latest)
+        for path in doomed:
+            with contextlib.suppress(FileNotFoundError):
+                Path(path).unlink()
+        return doomed
 
     async def fetch(self, event: WeightVersionEvent) -> dict[str, torch.Tensor]:
         return await asyncio.to_thread(self._read, event)

@@ -37,6 +37,7 @@ from bus.objects import (
     read_chunks,
 )
 from consumers.weights.transport import Stored, WeightsMissing, WeightsUnavailable, to_delete
+from engines.weight_retention import stale_payloads
 from engines.weights import ChecksumMismatch, Receiver, WeightsRefused, serialize
 from schemas.weight_event import TransportName, WeightShard, WeightVersionEvent
 
@@ -95,6 +96,19 @@ class ObjectStoreTransport:
         ]
         for name in to_delete(stored, int(version.group(1)), self.keep):
             await delete_object(self.js, self.bucket, name)
+
+    async def retain(self, kept: Collection[str], latest: int) -> list[str]:
+        """Delete the version objects up to `latest` not named in `kept`
+        (`engines.weight_retention.stale_payloads`); the names deleted."""
+        stored = [
+            (info.name, int(match.group(1)))
+            for info in await list_objects(self.js, self.bucket)
+            if (match := VERSION_OBJECT.fullmatch(info.name))
+        ]
+        doomed = stale_payloads(stored, kept, latest)
+        for name in doomed:
+            await delete_object(self.js, self.bucket, name)
+        return doomed
 
     async def _info(self, location: str, total_bytes: int) -> ObjectInfo:
         try:

@@ -12,22 +12,31 @@
              builds the same event and pins every rank's payloads -> rank 0 announces the
              `WeightVersionEvent` on `weights` -> collective: every rank broadcasts its own
              tensors (the stored copy is the fallback) -> the tensors become the next base
+             -> rank 0, once the event is out: the versions no worker needs any more are
+             deleted from the store (`engines.weight_retention.needed`: the new version's
+             chain, and the next version of each live rollout worker that lags within the
+             staleness bound, by the versions their membership heartbeats report)
 
-The base holds the tensors in the published dtype, so that deltas apply bit for bit on the
-workers (`consumers.weights.receiver`).
+The published dtype is the rollout's, `model.dtype`: the trainer hands over its float32
+masters and the sender casts their floating tensors (`engines.weights.in_dtype`), so a bf16 run
+stores and moves half the bytes (measured: docs/weights.md). The base holds the tensors in the
+published dtype, so that deltas apply bit for bit on the workers
+(`consumers.weights.receiver`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
+import nats.errors
 import torch
 
 from bus import tracing
 from bus.election import ride_out
-from bus.membership import member_ids
+from bus.membership import live_members, member_ids
 from bus.publisher import Publisher
 from bus.runtime import Runtime
 from bus.topology import WEIGHTS
@@ -36,10 +45,17 @@ from consumers.weights.factory import transport_for
 from consumers.weights.transport import Stored, WeightTransport
 from engines.collective_plan import Spec
 from engines.delta_plan import Chain, next_publication
+from engines.device import torch_dtype
 from engines.weight_delta import encode_shard
-from engines.weights import manifest_of
+from engines.weight_retention import Published, needed
+from engines.weights import in_dtype, manifest_of
 from schemas.config import WeightsConfig
 from schemas.weight_event import TensorSpec, TransportName, WeightShard, WeightVersionEvent
+
+log = logging.getLogger("jetrl.weights.sender")
+
+Served = Callable[[], Awaitable[list[int | None]]]
+"""The version each live rollout worker serves (None: not reported yet)."""
 
 
 class ShardNote(NamedTuple):
@@ -100,7 +116,10 @@ class WeightsSender:
     `rank` of `world` publishing ranks stores its own shard of each version (the tensors it is
     given) and learns the other ranks' through `exchange`; every rank gets the same event, and
     rank 0 announces it on `publisher` (None: the caller announces what `store` returns).
-    With `world` 1 the ranks other than 0 publish nothing (rank 0 gathered their tensors)."""
+    With `world` 1 the ranks other than 0 publish nothing (rank 0 gathered their tensors).
+    `served` (rank 0): what the live rollout workers serve, read after each announcement to
+    delete the versions none of them needs (`retire`; None: only the transport's `keep`
+    bounds the store); `max_staleness`: the run's staleness bound."""
 
     def __init__(
         self,
@@ -112,6 +131,9 @@ class WeightsSender:
         world: int = 1,
         exchange: Exchange = alone,
         publisher: Publisher | None = None,
+        served: Served | None = None,
+        max_staleness: int = 0,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         if isinstance(transport, CollectiveTransport):
             transport.senders = world
@@ -128,12 +150,22 @@ class WeightsSender:
         """collective, several ranks: the specs of each rank's tensors of the last version."""
         self.source_address = ""
         """collective, several ranks: rank 0's broadcast address, from the exchange."""
+        self.served, self.max_staleness = served, max_staleness
+        self.published: list[Published] = []
+        """rank 0 with `served`: the versions announced and still stored, in order."""
+        self.dtype = dtype
+        """The published dtype of floating tensors (the rollout's `model.dtype`)."""
 
     @classmethod
     def of(cls, rt: Runtime, rank: int, world: int, exchange: Exchange) -> WeightsSender:
         """The run's sender for trainer rank `rank` of `world` publishing ranks, through the
         configured transport (collective: to the live rollout workers)."""
         topology = rt.topology
+
+        async def served() -> list[int | None]:
+            members = await live_members(rt.js, topology)
+            return [m.weight_version for m in members if m.role == "rollout"]
+
         transport = transport_for(
             rt.config.weights,
             rt.js,
@@ -151,6 +183,9 @@ class WeightsSender:
             world,
             exchange,
             rt.publisher,
+            served,
+            rt.config.staleness.bound,
+            torch_dtype(rt.config.model.dtype),
         )
 
     async def send(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -158,6 +193,8 @@ class WeightsSender:
         changed after), announce it (rank 0), and start its broadcast (collective)."""
         if self.world == 1 and self.rank != 0:
             return  # rank 0 gathered this rank's tensors and sends the version
+        # A copy of GBs: in a thread, so the event loop keeps serving the bus meanwhile.
+        tensors = await asyncio.to_thread(in_dtype, tensors, self.dtype)
         with tracing.tracer.start_as_current_span(
             "publish weights", attributes={"jetrl.weight_version": version, "jetrl.run": self.run}
         ):
@@ -168,13 +205,15 @@ class WeightsSender:
                     "rank 0's sender announces: give it the publisher"
                 )
                 await self.publisher.publish(WEIGHTS, event)
+                await self.retire(event)
             await self.announced(
                 version, tensors
             )  # collective: every rank's broadcast, in a thread
 
     async def store(self, version: int, tensors: dict[str, torch.Tensor]) -> WeightVersionEvent:
-        """Store `version` (`tensors`: this rank's tensors of it, all of them with world 1); the
-        event that announces it."""
+        """Store `version` (`tensors`: this rank's tensors of it, all of them with world 1, cast
+        to the published dtype here if `send` has not); the event that announces it."""
+        tensors = in_dtype(tensors, self.dtype)  # no copy when `send` cast them
         if isinstance(
             self.transport, CollectiveTransport
         ):  # the copy stored first, announced with the address
@@ -208,9 +247,40 @@ class WeightsSender:
         self.base = tensors
         return event
 
+    async def retire(self, event: WeightVersionEvent) -> None:
+        """After announcing `event`: delete every stored version no live rollout worker needs
+        (`engines.weight_retention`). A failure to read the members or to delete is logged and
+        left for the next version (nothing is deleted without knowing who needs what)."""
+        if self.served is None:
+            return
+        if self.published and self.published[-1].version >= event.version:
+            self.published = []  # not after the last: a new record (older payloads go as stale)
+        collective = isinstance(self.transport, CollectiveTransport)
+        locations = tuple(s.location for s in event.shards) or (
+            (event.fallback_location or event.location) if collective else event.location,
+        )
+        self.published.append(Published(event.version, event.full_version, locations))
+        try:
+            keep = needed(self.published, await self.served(), self.max_staleness)
+            kept = {where for p in keep for where in p.locations}
+            deleted = await self.transport.retain(kept, event.version)
+        except (nats.errors.Error, OSError) as exc:
+            log.warning("old weight versions not deleted after v%d: %s", event.version, exc)
+            return
+        self.published = keep
+        if deleted:
+            log.info(
+                "after v%d: %d stored payloads deleted, versions %s kept",
+                event.version,
+                len(deleted),
+                [p.version for p in keep],
+            )
+
     async def announced(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        """After `version`'s event is out: collective starts its broadcast (workers wait for it)."""
+        """After `version`'s event is out: collective starts its broadcast (workers wait for it)
+        of the tensors in the published dtype, as `store` hashed them (no copy after `send`)."""
         if isinstance(self.transport, CollectiveTransport):
+            tensors = in_dtype(tensors, self.dtype)
             await self.transport.broadcast(version, tensors, self.owned, self.source_address)
 
     async def close(self) -> None:

@@ -75,6 +75,11 @@ class WeightTransport(Protocol):
         """Store one delta shard's payload of `version`, kept and pruned as `publish` does."""
         ...
 
+    async def retain(self, kept: Collection[str], latest: int) -> list[str]:
+        """Delete the stored payloads of versions up to `latest` at no `kept` location (the
+        sender's retention, after announcing `latest`); the locations deleted."""
+        ...
+
     async def fetch_bytes(self, shard: WeightShard) -> bytes:
         """A delta shard's payload as stored (its size checked; `apply_delta` checks the rest)."""
         ...

@@ -5,11 +5,25 @@ Shapes: B sequences, T positions aligned as in `engines.protocols`: position t r
 x[t], so `values[:, t]` is V(s_t), the critic's estimate of the return from the state that chose
 x[t] (read from the hidden state at t - 1). `mask` [B, T] is the loss mask (1 on response tokens);
 everything off it is skipped by the recursions and zero in the results.
+
+What spans a whole step (the whitening, the critic's step statistics) takes `all_sum`, the sums
+of a few floats over every rank that trains the step (the identity with one rank), so that a
+sharded engine's ranks whiten and report over the union of their micro-batches.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+AllSum = Callable[[list[float]], list[float]]
+"""Floats -> each one summed over every rank of the step (called by every rank alike)."""
+
+
+def one_rank(sums: list[float]) -> list[float]:
+    """`AllSum` of a step trained by one process: the sums as they are."""
+    return sums
+
 
 WHITEN_EPS = 1e-8
 """Inside the rsqrt of the whitening (verl's `masked_whiten`)."""
@@ -52,16 +66,24 @@ def gae_advantages(
     return advantages, (advantages + values) * mask
 
 
-def whiten_step(advantages: list[torch.Tensor], masks: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Whitens token advantages over every loss token of a step (all micro-batches together):
-    (A - mean) / sqrt(var + 1e-8), var unbiased (verl's `masked_whiten`); 0 off the mask.
-    One token: centred only (no variance to divide by)."""
-    total = sum(float(m.sum()) for m in masks)
+def whiten_step(
+    advantages: list[torch.Tensor], masks: list[torch.Tensor], all_sum: AllSum = one_rank
+) -> list[torch.Tensor]:
+    """Whitens token advantages over every loss token of a step (all micro-batches, of every
+    rank, together): (A - mean) / sqrt(var + 1e-8), var unbiased (verl's `masked_whiten`); 0 off
+    the mask. One token: centred only (no variance to divide by). Two passes (the mean, then the
+    squares about it), as a two-pass variance over the concatenated tokens."""
+    total, weighted = all_sum(
+        [
+            sum(float(m.sum()) for m in masks),
+            sum(float((a * m).sum()) for a, m in zip(advantages, masks, strict=True)),
+        ]
+    )
     if total == 0:
         return [a * m for a, m in zip(advantages, masks, strict=True)]
-    mean = sum(float((a * m).sum()) for a, m in zip(advantages, masks, strict=True)) / total
-    squares = sum(
-        float((((a - mean) * m) ** 2).sum()) for a, m in zip(advantages, masks, strict=True)
+    mean = weighted / total
+    (squares,) = all_sum(
+        [sum(float((((a - mean) * m) ** 2).sum()) for a, m in zip(advantages, masks, strict=True))]
     )
     var = squares / (total - 1) if total > 1 else 0.0
     scale = (var + WHITEN_EPS) ** -0.5 if total > 1 else 1.0
@@ -95,11 +117,45 @@ def value_loss(
     return ValueLoss(0.5 * torch.maximum(plain, clipped), (clipped > plain).detach())
 
 
+def value_stats(
+    values: list[torch.Tensor],
+    returns: list[torch.Tensor],
+    masks: list[torch.Tensor],
+    all_sum: AllSum = one_rank,
+) -> dict[str, float]:
+    """Over every loss token of a step (of every rank): value_mean, return_mean and
+    explained_variance, 1 - Var(R - V) / Var(R) (1: the critic predicts the returns; 0: no
+    better than their mean; negative: worse; NaN with fewer than 2 tokens or constant returns).
+    values, returns, masks: [B, T] per micro-batch; float64 sums, two passes as `whiten_step`."""
+    on = [m.double() for m in masks]
+    ret = [r.double() for r in returns]
+    gap = [r.double() - v.double() for r, v in zip(returns, values, strict=True)]
+    tokens, v_sum, r_sum, g_sum = all_sum(
+        [
+            sum(float(m.sum()) for m in on),
+            sum(float((v.double() * m).sum()) for v, m in zip(values, on, strict=True)),
+            sum(float((r * m).sum()) for r, m in zip(ret, on, strict=True)),
+            sum(float((g * m).sum()) for g, m in zip(gap, on, strict=True)),
+        ]
+    )
+    count = max(tokens, 1.0)
+    r_mean, g_mean = r_sum / count, g_sum / count
+    # The (n - 1) of both unbiased variances cancels in their ratio.
+    r_squares, g_squares = all_sum(
+        [
+            sum(float((((r - r_mean) * m) ** 2).sum()) for r, m in zip(ret, on, strict=True)),
+            sum(float((((g - g_mean) * m) ** 2).sum()) for g, m in zip(gap, on, strict=True)),
+        ]
+    )
+    explained = float("nan") if tokens < 2 or r_squares == 0.0 else 1.0 - g_squares / r_squares
+    return {
+        "value_mean": v_sum / count,
+        "return_mean": r_sum / count,
+        "explained_variance": explained,
+    }
+
+
 def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
-    """1 - Var(R - V) / Var(R) over loss tokens given flat, [N] each (1: the critic predicts the
-    returns; 0: no better than their mean; negative: worse). NaN with fewer than 2 tokens or
-    constant returns."""
-    ret, val = returns.double(), values.double()
-    if ret.numel() < 2 or float(ret.var()) == 0.0:
-        return float("nan")
-    return float(1.0 - (ret - val).var() / ret.var())
+    """`value_stats`' explained variance of flat values and returns, [N] each (all loss tokens)."""
+    ones = torch.ones_like(returns)
+    return value_stats([values], [returns], [ones])["explained_variance"]

@@ -24,6 +24,13 @@ from typing import Any
 import torch
 
 
+def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """`logits / temperature`, or `logits` itself at T = 1: at B x T x V the division is a
+    full-vocabulary copy (0.5 GB per 4k tokens at V = 32k in float32) that changes nothing.
+    Every full-logits path (trainer, reference, megatron, HF rollout) goes through here."""
+    return logits if temperature == 1.0 else logits / temperature
+
+
 def _exact(dtype: torch.dtype) -> torch.dtype:
     """float32, or float64 for float64 inputs: a softmax over a vocabulary needs at least
     float32."""
@@ -147,7 +154,7 @@ def naive_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same, through the full [..., V] logits (the reference the chunked path must match)."""
-    logits = (hidden @ weight.t()).to(_exact(hidden.dtype)) / temperature
+    logits = scaled_logits((hidden @ weight.t()).to(_exact(hidden.dtype)), temperature)
     logp = torch.log_softmax(logits, dim=-1)
     picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return picked, -(logp.exp() * logp).sum(-1)

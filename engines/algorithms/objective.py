@@ -115,8 +115,16 @@ def token_objective(
     first update (default: `logprobs` detached, right for one update per batch); entropy [B, T]
     (with grad for the bonus); ref_logprobs [B, T]: the reference policy's (needed if kl_coef).
     """
-    behaviour = behaviour.detach()
-    proximal = logprobs.detach() if proximal is None else proximal.detach()
+    # Off the mask (prompt, padding, a multi-turn episode's environment tokens) no token was
+    # sampled: there the old and reference log-probs are the policy's own (ratio 1, KL 0), so
+    # that every term stays finite whatever those inputs hold, and the mask's 0 leaves it no
+    # gradient. A KL estimator's exp of an improbable tool-result token's log-ratio overflows,
+    # and inf x 0 is NaN.
+    on, own = mask > 0, logprobs.detach()
+    behaviour = torch.where(on, behaviour.detach(), own)
+    proximal = own if proximal is None else torch.where(on, proximal.detach(), own)
+    if ref_logprobs is not None:
+        ref_logprobs = torch.where(on, ref_logprobs.detach(), own)
     if cfg.decoupled:
         isw = is_weights(
             proximal,
@@ -171,7 +179,6 @@ def token_objective(
     clamped = terms.log_ratio_clamped | is_clamped
     dual = terms.dual_clipped if terms.dual_clipped is not None else torch.zeros_like(clamped)
     with torch.no_grad():
-        on = mask > 0
 
         def total(values: torch.Tensor) -> float:
             return float((values.float() * mask).sum().item())

@@ -80,10 +80,8 @@ def make(name: str, model_dir: Path, dtype: str) -> RolloutEngine:
 
 def close(engine: Any) -> None:
     """Frees the engine's GPU memory before the next one starts."""
-    if hasattr(engine, "slots"):  # a continuous adapter: its engine and its loop thread
+    if hasattr(engine, "close"):  # continuous adapters, SGLang's batch one: engine and thread
         engine.close()
-    elif hasattr(engine, "engine"):  # sglang.Engine runs a scheduler process
-        engine.engine.shutdown()
     del engine
     gc.collect()
     torch.cuda.empty_cache()

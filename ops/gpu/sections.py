@@ -25,8 +25,9 @@ T = TypeVar("T")
 # --- engines ------------------------------------------------------------------------------
 
 
-def qwen2_config(tiny: bool) -> Any:
-    """Qwen2-0.5B's shape (or a tiny one), built from a config as `engines.tiny` does."""
+def qwen2_config(tiny: bool, size: str = "0.5B") -> Any:
+    """Qwen2-0.5B's shape, Qwen2.5-3B's (`size="3B"`) or a tiny one, built from a config as
+    `engines.tiny` does."""
     from transformers import Qwen2Config
 
     dims: dict[str, Any]
@@ -39,6 +40,16 @@ def qwen2_config(tiny: bool) -> Any:
             num_attention_heads=4,
             num_key_value_heads=2,
             max_position_embeddings=512,
+        )
+    elif size == "3B":
+        dims = dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=11008,
+            num_hidden_layers=36,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
         )
     else:
         dims = dict(

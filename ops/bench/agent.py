@@ -1,0 +1,123 @@
+"""`python -m ops.bench.agent [--quick]`: the built-in agent task learns to use its tool.
+
+Runs the main job on examples/agent_calc.yaml (`python -m producers.prompts`: embedded
+server, local fleet, multi-turn episodes with the calculator in its sandbox; the task is
+`producers.agent_tasks`) and reads the run's metrics.jsonl: per step, the mean reward and the
+tool-use rate (the share of the step's trained episodes that called a tool at least once,
+`consumers.buffer_groups.episode_stats`) and the mean model turns. Start and end are means over
+the first and the last tenth of the steps, as the run's summary takes the reward
+(`producers.report.summarize`). ratio = reward at the end / reward at the start.
+
+Writes agent.png (reward and tool-use rate per step) and agent.json in `--out`, the run
+directory under it (`job/`), and prints the job's progress, then one JSON object as the last
+line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+CONFIG = ROOT / "examples" / "agent_calc.yaml"
+QUICK_STEPS = 60
+"""--quick: about 3 minutes on 2 CPU cores; the call has begun to form (see docs/agents.md)."""
+
+
+def run_job(steps: int, out: Path) -> dict[str, Any]:
+    """The main job on the example for `steps` steps, its progress lines passed through; its
+    summary (the job's last line)."""
+    command = [sys.executable, "-m", "producers.prompts", "--config", str(CONFIG)]
+    command += ["--steps", str(steps), "--out", str(out)]
+    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, text=True) as job:
+        assert job.stdout is not None
+        lines = []
+        for line in job.stdout:
+            lines.append(line)
+            print(line, end="", flush=True)
+    if job.returncode != 0:
+        raise SystemExit(f"ops.bench.agent: the job failed (exit {job.returncode})")
+    return dict(json.loads(lines[-1]))
+
+
+def ends(values: list[float]) -> tuple[float, float]:
+    """Means over the first and the last tenth of `values` (at least one each)."""
+    tenth = max(1, len(values) // 10)
+    return sum(values[:tenth]) / tenth, sum(values[-tenth:]) / tenth
+
+
+def plot(metrics: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    steps = [m["step"] for m in metrics]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [m["reward_mean"] for m in metrics], label="mean reward")
+    ax.plot(steps, [m.get("tool_use_rate", 0.0) for m in metrics], label="tool-use rate")
+    ax.set(xlabel="optimizer step", ylabel="per step", title=title, ylim=(0, 1.05))
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def figures(metrics: list[dict[str, Any]], summary: dict[str, Any]) -> dict[str, Any]:
+    """The bench's JSON from the run's steps and summary."""
+    reward_start, reward_end = ends([m["reward_mean"] for m in metrics])
+    tool_start, tool_end = ends([m.get("tool_use_rate", 0.0) for m in metrics])
+    turns_start, turns_end = ends([m.get("turns_mean", 0.0) for m in metrics])
+    return {
+        "tool_use_start": round(tool_start, 3),
+        "tool_use_end": round(tool_end, 3),
+        "reward_start": round(reward_start, 3),
+        "reward_end": round(reward_end, 3),
+        "ratio": round(reward_end / max(reward_start, 1e-6), 3),
+        "turns_start": round(turns_start, 3),
+        "turns_end": round(turns_end, 3),
+        "steps": len(metrics),
+        "samples_trained": summary.get("samples_trained"),
+        "seconds": round(float(summary.get("seconds", 0.0)), 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m ops.bench.agent", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"{QUICK_STEPS} steps (about 3 minutes) instead of the example's trainer.steps",
+    )
+    parser.add_argument("--steps", type=int, help="steps to run (overrides --quick)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="where agent.png, agent.json and the run directory go (default: runs/agent-<time>)",
+    )
+    args = parser.parse_args()
+    from schemas.config import load_config
+
+    steps = args.steps or (QUICK_STEPS if args.quick else load_config(CONFIG).trainer.steps)
+    out = args.out or ROOT / "runs" / f"agent-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    summary = run_job(steps, out / "job")
+    lines = (out / "job" / "metrics.jsonl").read_text().splitlines()
+    metrics = sorted((json.loads(line) for line in lines if line), key=lambda m: m["step"])
+    result = {"bench": "agent", "quick": args.quick, **figures(metrics, summary)}
+    plot(metrics, out / "agent.png", f"calc: reward and tool use over {len(metrics)} steps")
+    result["png"] = str(out / "agent.png")
+    (out / "agent.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

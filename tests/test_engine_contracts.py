@@ -1,0 +1,273 @@
+"""Contract tests against the real vLLM and SGLang packages, without a GPU and without starting
+an engine: what the adapters send, the names they call, and how SGLang binds its loop.
+
+vLLM and SGLang are not dependencies (multi-GB extras), so every test here skips, naming the
+missing package, where it is not installed; CI skips them. Run them in a virtualenv holding
+the package and ours importable (docs/engines.md, "Contract tests against the real packages",
+records the last run):
+
+    PYTHONPATH=$PWD /path/to/venv/bin/python -m pytest --noconftest tests/test_engine_contracts.py
+
+- vLLM's own msgpack encoder (``vllm/v1/serial_utils.py``) on the exact message
+  ``LLM.collective_rpc`` sends for a weight load (``SyncMPClient.call_utility``: client index,
+  call id, "collective_rpc", (function, timeout, args, kwargs)): refused without
+  VLLM_ALLOW_INSECURE_SERIALIZATION, carried with it; decoded as the engine core decodes it
+  (``MsgpackDecoder()``, no types) and run as the worker runs it (``run_method``), it loads
+  the bucket; a raw tensor argument would arrive as a list, as `tests.engine_standins`
+  delivers it.
+- Signatures: every keyword we pass to `vllm.LLM` / `AsyncEngineArgs` / `SamplingParams` and
+  SGLang's `ServerArgs` / `SamplingParams` / request types is theirs, and every engine method
+  we call binds the arguments we call it with.
+- SGLang's loop binding (`Engine._ensure_event_loop`, what `Engine.__init__` keeps): the running
+  loop where one runs (whose ``run_until_complete`` from another thread then fails, as the
+  batch adapter's old build did), our `EngineThread`'s own loop there; and the stand-in binds
+  as it does. The version floor: the installed SGLang guards ``signal.signal`` off the main
+  thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib
+import inspect
+import threading
+import typing
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from engines.external_rollout import EngineThread, weight_buckets
+from engines.protocols import SamplingParams
+from engines.sglang_continuous import continuous_engine_kwargs, sglang_io
+from engines.sglang_rollout import SGLangSettings, engine_kwargs, require_sglang, sampling_params
+from engines.vllm_continuous import async_engine_kwargs, request_kwargs
+from engines.vllm_rollout import (
+    INSECURE_SERIALIZATION_ENV,
+    LOGPROBS_MODE,
+    VLLMSettings,
+    allow_function_rpc,
+    llm_kwargs,
+    load_on_worker,
+    pack_bucket,
+    sampling_kwargs,
+)
+from tests.engine_standins import (
+    HEADER_SLACK,
+    as_vllm_delivers,
+    bind_loop_as_sglang,
+    vllm_refuses,
+)
+
+BUCKET = 64 * 1024
+"""Bytes of tensor data per weight RPC in these tests."""
+
+
+def package(module: str) -> ModuleType:
+    """`module` imported, or the test skipped naming the package that is not installed."""
+    top = module.split(".")[0]
+    return pytest.importorskip(
+        module, reason=f"{top} is not installed (pip install 'jetrl[{top}]'); contract not checked"
+    )
+
+
+def bucket() -> list[tuple[str, torch.Tensor]]:
+    """The first bucket of a small model's weights, as the adapter cuts them."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [
+        ("model.embed_tokens.weight", torch.randn(64, 128, generator=gen)),
+        ("model.layers.0.self_attn.q_proj.weight", torch.randn(128, 128, generator=gen)),
+        ("model.layers.0.mlp.up_proj.weight", torch.randn(128, 128, generator=gen)),
+    ]
+    return weight_buckets(weights, BUCKET)[0]
+
+
+def rpc_message(method: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What ``LLM.collective_rpc(method, args=args)`` hands vLLM's encoder."""
+    return (0, 7, "collective_rpc", (method, None, args, None))
+
+
+@pytest.fixture
+def no_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(INSECURE_SERIALIZATION_ENV, "0")
+    monkeypatch.delenv(INSECURE_SERIALIZATION_ENV)  # unset now, as it was afterwards
+
+
+def test_vllm_refuses_our_loader_without_the_flag(no_flag: None) -> None:
+    serial = package("vllm.v1.serial_utils")
+    with pytest.raises(TypeError, match=INSECURE_SERIALIZATION_ENV):
+        serial.MsgpackEncoder().encode(rpc_message(load_on_worker, (pack_bucket(bucket()),)))
+
+
+def test_vllm_carries_our_loader_and_a_bucket_to_the_worker_with_the_flag(no_flag: None) -> None:
+    serial = package("vllm.v1.serial_utils")
+    allow_function_rpc()  # what both adapters do before the engine starts
+    sent = bucket()
+    frames = serial.MsgpackEncoder().encode(rpc_message(load_on_worker, (pack_bucket(sent),)))
+    size = sum(len(memoryview(frame)) for frame in frames)
+    assert size <= BUCKET + HEADER_SLACK, size  # the bucket bounds the message vLLM sends
+    _, _, name, (method, timeout, args, kwargs) = serial.MsgpackDecoder().decode(frames)
+    assert (name, method, timeout) == ("collective_rpc", load_on_worker, None)
+    got: dict[str, torch.Tensor] = {}
+    model = SimpleNamespace(load_weights=lambda weights: got.update(weights))
+    worker = SimpleNamespace(model_runner=SimpleNamespace(model=model))
+    serial.run_method(worker, method, tuple(args), kwargs or {})
+    assert list(got) == [n for n, _ in sent]
+    for n, tensor in sent:
+        assert torch.equal(got[n], tensor), n
+
+
+def test_an_engine_core_started_without_the_flag_cannot_decode_our_loader(
+    no_flag: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Why the adapters set the flag before the engine starts: the engine-core process has the
+    environment it started with; the stand-in refuses with vLLM's words."""
+    serial = package("vllm.v1.serial_utils")
+    allow_function_rpc()
+    frames = serial.MsgpackEncoder().encode(rpc_message(load_on_worker, (b"",)))
+    monkeypatch.delenv(INSECURE_SERIALIZATION_ENV)
+    with pytest.raises(NotImplementedError) as refused:
+        serial.MsgpackDecoder().decode(frames)
+    monkeypatch.setenv(INSECURE_SERIALIZATION_ENV, "1")  # set now, not when the core started
+    with pytest.raises(NotImplementedError) as stand_in:
+        vllm_refuses(load_on_worker, flag_at_start=None)
+    assert str(stand_in.value) == str(refused.value)
+
+
+def test_a_raw_tensor_argument_reaches_vllms_worker_as_the_stand_in_delivers_it(
+    no_flag: None,
+) -> None:
+    serial = package("vllm.v1.serial_utils")
+    allow_function_rpc()
+    name, tensor = bucket()[0]
+    frames = serial.MsgpackEncoder().encode(rpc_message(load_on_worker, ([(name, tensor)],)))
+    delivered = serial.MsgpackDecoder().decode(frames)[3][2][0][0]
+    assert not isinstance(delivered[1], torch.Tensor)  # why pack_bucket sends bytes
+    ours = as_vllm_delivers([(name, tensor)])[0]
+    assert [delivered[0], delivered[1][:2]] == [ours[0], ours[1][:2]], (delivered, ours)
+
+
+def binds(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """`fn` takes these arguments (a method: with a placeholder self first)."""
+    inspect.signature(fn).bind(*args, **kwargs)
+
+
+def test_vllm_takes_every_name_we_pass() -> None:
+    vllm = package("vllm")
+    engine_args = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
+    for kwargs in (
+        llm_kwargs(Path("/m"), VLLMSettings()),
+        async_engine_kwargs(Path("/m"), VLLMSettings(), 8),
+    ):
+        assert set(kwargs) <= engine_args, set(kwargs) - engine_args
+    assert set(async_engine_kwargs(Path("/m"), VLLMSettings(), 8)) <= {
+        f.name for f in dataclasses.fields(vllm.AsyncEngineArgs)
+    }
+    model_config = importlib.import_module("vllm.config.model")
+    assert LOGPROBS_MODE in typing.get_args(model_config.LogprobsMode)
+    delta = importlib.import_module("vllm.sampling_params").RequestOutputKind.DELTA
+    params = SamplingParams(temperature=0.7, max_tokens=8, stop_token_ids=(7,))
+    vllm.SamplingParams(**sampling_kwargs(params, 2, (2,), seed=3))
+    vllm.SamplingParams(**request_kwargs(params, (2,), delta))
+    llm, sampling = vllm.LLM, vllm.SamplingParams()
+    binds(llm.generate, llm, [{"prompt_token_ids": [1, 2]}], sampling, use_tqdm=False)
+    binds(llm.collective_rpc, llm, load_on_worker, args=(b"",))
+    binds(llm.reset_prefix_cache, llm)
+    engine = vllm.AsyncLLMEngine
+    binds(engine.from_engine_args, vllm.AsyncEngineArgs(model="/m"))
+    binds(engine.generate, engine, {"prompt_token_ids": [1]}, sampling, request_id="r")
+    binds(engine.abort, engine, ["r"])
+    binds(engine.pause_generation, engine, mode="keep", clear_cache=False)
+    mode = inspect.signature(engine.pause_generation).parameters["mode"].annotation
+    assert "'keep'" in str(mode), mode
+    binds(engine.resume_generation, engine)
+    binds(engine.collective_rpc, engine, load_on_worker, args=(b"",))
+    binds(engine.reset_prefix_cache, engine)
+    binds(engine.shutdown, engine)
+
+
+def sglang_engine() -> Any:
+    """SGLang's `Engine` class (``sglang.Engine`` is a lazy import of it)."""
+    package("sglang")
+    return package("sglang.srt.entrypoints.engine").Engine
+
+
+def test_sglang_takes_every_name_we_pass() -> None:
+    engine = sglang_engine()
+    require_sglang()  # the installed version is at or above the floor
+    server_args = set(inspect.signature(package("sglang.srt.server_args").ServerArgs).parameters)
+    for kwargs in (
+        engine_kwargs(Path("/m"), SGLangSettings()),
+        continuous_engine_kwargs(Path("/m"), SGLangSettings(), 8),
+    ):
+        assert set(kwargs) <= server_args, set(kwargs) - server_args
+    request = sampling_params(SamplingParams(temperature=0.7, top_p=0.9, max_tokens=8), (2,))
+    package("sglang.srt.sampling.sampling_params").SamplingParams(**request)
+    binds(engine.generate, engine, input_ids=[[1, 2]], sampling_params=request, return_logprob=True)
+    binds(
+        engine.async_generate,
+        engine,
+        input_ids=[1, 2],
+        sampling_params=request,
+        return_logprob=True,
+        stream=True,
+        rid="r",
+    )
+    binds(engine.update_weights_from_tensor, engine, named_tensors=[], flush_cache=True)
+    binds(engine.shutdown, engine)
+    io = sglang_io()
+    assert io.pause is not None and io.resume is not None
+    update = io.update(
+        serialized_named_tensors=[io.serialize(bucket())], load_format=None, flush_cache=True
+    )
+    manager = package("sglang.srt.managers.tokenizer_manager").TokenizerManager
+    binds(manager.abort_request, manager, "r")
+    binds(manager.pause_generation, manager, io.pause(mode="retract"))
+    binds(manager.continue_generation, manager, io.resume())
+    binds(manager.update_weights_from_tensor, manager, update, None)
+
+
+def test_sglang_binds_the_running_loop_else_the_threads_own_as_the_stand_in_does() -> None:
+    engine = sglang_engine()
+    ensure = getattr(engine, "_ensure_event_loop", None)
+    if ensure is None:
+        pytest.skip("this SGLang binds its loop inline in Engine.__init__: nothing to call alone")
+
+    async def worker() -> None:
+        running = asyncio.get_running_loop()
+        assert ensure() is running and bind_loop_as_sglang() is running
+        probe = asyncio.sleep(0)
+        with pytest.raises(RuntimeError, match="already running"):  # Engine.generate, to_thread
+            await asyncio.to_thread(running.run_until_complete, probe)
+        probe.close()
+        thread = EngineThread("contract-sglang")
+        try:
+            bound = await asyncio.to_thread(thread.call, ensure)
+            assert bound is not running and not bound.is_running()
+            assert await asyncio.to_thread(thread.call, bind_loop_as_sglang) is bound
+            done = await asyncio.to_thread(thread.call, bound.run_until_complete, answer())
+            assert done == "ran on the engine's own loop"
+        finally:
+            thread.close()
+
+    async def answer() -> str:
+        return "ran on the engine's own loop"
+
+    asyncio.run(worker())
+    fresh: list[asyncio.AbstractEventLoop] = []
+    thread = threading.Thread(target=lambda: fresh.extend([ensure(), bind_loop_as_sglang()]))
+    thread.start()
+    thread.join()
+    assert fresh[0] is fresh[1] and not fresh[0].is_running()  # a new loop, set as the thread's
+    fresh[0].close()
+
+
+def test_sglang_registers_no_signal_handler_off_the_main_thread() -> None:
+    sglang_engine()
+    source = inspect.getsource(package("sglang.srt.entrypoints.engine")._set_envs_and_config)
+    guard = source.find("threading.current_thread() is threading.main_thread()")
+    assert 0 <= guard < source.find("signal.signal("), "signal.signal is not behind the guard"
