@@ -25,6 +25,7 @@ from ops.gpu.sections import (
     _reset_peak,
     _sync,
     qwen2_config,
+    random_batch,
     save_random_model,
 )
 
@@ -64,7 +65,6 @@ def one_size(args: argparse.Namespace, rec: Record, size: str, device: Any) -> N
 
     from engines.delta_plan import assign_shards
     from engines.fsdp_train import FSDPTrainEngine
-    from engines.protocols import MicroBatch
 
     config = qwen2_config(args.tiny, size)
     model_dir = args.work / f"model-{size}"
@@ -73,18 +73,7 @@ def one_size(args: argparse.Namespace, rec: Record, size: str, device: Any) -> N
     engine = FSDPTrainEngine(model_dir, lr=1e-6, device=device, dtype=torch.bfloat16)
     report: dict[str, Any] = {"params": params, "build_s": round(time.monotonic() - started, 2)}
     rec.put(size, report)
-    rows, width = (2, 64) if args.tiny else (8, 1024)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, config.vocab_size - 1, (rows, width), generator=gen)
-    loss_mask = torch.zeros(rows, width, dtype=torch.long)
-    loss_mask[:, width // 2 :] = 1
-    batch = MicroBatch(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        loss_mask=loss_mask,
-        advantages=torch.randn(rows, generator=gen),
-        behaviour_logprobs=-torch.rand(rows, width, generator=gen) * loss_mask,
-    )
+    batch = random_batch(config.vocab_size, args.tiny)
     report["train"] = timed_steps(args, engine, batch, params)
     rec.put(size, report)
     say(

@@ -25,6 +25,7 @@ from ops.gpu.sections import (
     _reset_peak,
     _sync,
     qwen2_config,
+    random_batch,
     save_random_model,
 )
 
@@ -33,7 +34,6 @@ def megatron(args: argparse.Namespace, rec: Record) -> None:
     import torch
 
     from engines.megatron_train import MegatronTrainEngine
-    from engines.protocols import MicroBatch
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -47,18 +47,8 @@ def megatron(args: argparse.Namespace, rec: Record) -> None:
     config = qwen2_config(args.tiny)
     model_dir = args.work / "model"
     params = save_random_model(config, args.device, model_dir)
-    rows, width = (2, 64) if args.tiny else (8, 1024)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, config.vocab_size - 1, (rows, width), generator=gen)
-    loss_mask = torch.zeros(rows, width, dtype=torch.long)
-    loss_mask[:, width // 2 :] = 1
-    batch = MicroBatch(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        loss_mask=loss_mask,
-        advantages=torch.randn(rows, generator=gen),
-        behaviour_logprobs=-torch.rand(rows, width, generator=gen) * loss_mask,
-    )
+    batch = random_batch(config.vocab_size, args.tiny)
+    rows, width = batch.input_ids.shape
     # bf16 compute (autocast) is what `model.dtype: bfloat16` runs; float32 is the fallback
     # figure when it fails (on the CPU megatron's linear layers refuse autocast's bf16 input).
     engine: MegatronTrainEngine | None = None

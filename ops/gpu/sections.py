@@ -86,6 +86,27 @@ def save_random_model(config: Any, device: str, model_dir: Path) -> int:
     return params
 
 
+def random_batch(vocab_size: int, tiny: bool) -> Any:
+    """A seeded MicroBatch of random ids, [8, 1024] ([2, 64] with --tiny), loss on its second
+    half, as the fsdp and megatron sections step it."""
+    import torch
+
+    from engines.protocols import MicroBatch
+
+    rows, width = (2, 64) if tiny else (8, 1024)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab_size - 1, (rows, width), generator=gen)
+    loss_mask = torch.zeros(rows, width, dtype=torch.long)
+    loss_mask[:, width // 2 :] = 1
+    return MicroBatch(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        loss_mask=loss_mask,
+        advantages=torch.randn(rows, generator=gen),
+        behaviour_logprobs=-torch.rand(rows, width, generator=gen) * loss_mask,
+    )
+
+
 def _sync(device: str) -> None:
     import torch
 
