@@ -13,20 +13,16 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import shutil
 import time
 from typing import Any
 
 from ops.gpu.record import Record, say
 from ops.gpu.sections import (
-    BF16_DENSE_PEAK,
-    _peak_gib,
-    _reset_peak,
-    _sync,
     qwen2_config,
     random_batch,
     save_random_model,
+    timed_steps,
 )
 
 # A 3B model takes about a minute to build, save, load and step; below this, it is skipped.
@@ -121,28 +117,3 @@ def one_size(args: argparse.Namespace, rec: Record, size: str, device: Any) -> N
         report["train_activation_checkpointing"] = {"skipped": f"{rec.left():.0f}s left"}
         rec.put(size, report)
     shutil.rmtree(model_dir, ignore_errors=True)
-
-
-def timed_steps(args: argparse.Namespace, engine: Any, batch: Any, params: int) -> dict[str, Any]:
-    """One warm-up step, then the mean of the timed ones: seconds, tokens/s, MFU, peak memory."""
-    rows, width = batch.input_ids.shape
-    engine.train_step([batch])  # warm-up
-    _reset_peak(args.device)
-    _sync(args.device)
-    timed = 2 if args.tiny else 3
-    t0 = time.monotonic()
-    for _ in range(timed):
-        metrics = engine.train_step([batch])
-    _sync(args.device)
-    seconds = (time.monotonic() - t0) / timed
-    return {
-        "rows": rows,
-        "width": width,
-        "compute_dtype": "bfloat16",
-        "s_per_step": round(seconds, 4),
-        "tokens_per_s": round(rows * width / seconds, 1),
-        # dense approximation (6 x params x tokens), attention excluded
-        "mfu_vs_bf16_peak": round(6 * params * rows * width / seconds / BF16_DENSE_PEAK, 3),
-        "peak_gib": _peak_gib(args.device),
-        "loss_finite": math.isfinite(metrics["loss"]),
-    }

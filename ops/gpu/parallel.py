@@ -13,20 +13,16 @@ Called by `ops.gpu_check` in a child process per section.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import time
 from typing import Any
 
 from ops.gpu.record import Record, say
 from ops.gpu.sections import (
-    BF16_DENSE_PEAK,
-    _peak_gib,
-    _reset_peak,
-    _sync,
     qwen2_config,
     random_batch,
     save_random_model,
+    timed_steps,
 )
 
 
@@ -48,7 +44,6 @@ def megatron(args: argparse.Namespace, rec: Record) -> None:
     model_dir = args.work / "model"
     params = save_random_model(config, args.device, model_dir)
     batch = random_batch(config.vocab_size, args.tiny)
-    rows, width = batch.input_ids.shape
     # bf16 compute (autocast) is what `model.dtype: bfloat16` runs; float32 is the fallback
     # figure when it fails (on the CPU megatron's linear layers refuse autocast's bf16 input).
     engine: MegatronTrainEngine | None = None
@@ -76,27 +71,12 @@ def megatron(args: argparse.Namespace, rec: Record) -> None:
                 "build_s": round(build_s, 2),
             },
         )
-        _reset_peak(args.device)
-        _sync(args.device)
-        timed = 2 if args.tiny else 3
-        t0 = time.monotonic()
-        for _ in range(timed):
-            metrics = engine.train_step([batch])
-        _sync(args.device)
-        seconds = (time.monotonic() - t0) / timed
-        flops = 6 * params * rows * width / seconds  # dense approximation, attention excluded
-        train = {
-            "rows": rows,
-            "width": width,
-            "compute_dtype": name,
-            "s_per_step": round(seconds, 4),
-            "tokens_per_s": round(rows * width / seconds, 1),
-            "mfu_vs_bf16_peak": round(flops / BF16_DENSE_PEAK, 3),
-            "peak_gib": _peak_gib(args.device),
-            "loss_finite": math.isfinite(metrics["loss"]),
-        }
+        train = timed_steps(args, engine, batch, params, compute_dtype=name, warm_up=False)
         rec.put("train", train)
-        say("megatron", f"train {name}: {seconds:.3f} s/step, {rows * width / seconds:,.0f} tok/s")
+        say(
+            "megatron",
+            f"train {name}: {train['s_per_step']:.3f} s/step, {train['tokens_per_s']:,.0f} tok/s",
+        )
         break
     if engine is None or "train" not in rec.data:
         raise RuntimeError("megatron trained in neither bfloat16 nor float32")
@@ -120,23 +100,11 @@ def megatron(args: argparse.Namespace, rec: Record) -> None:
         checkpointed = MegatronTrainEngine(
             model_dir, lr=1e-6, device=device, dtype=dtype, activation_checkpointing=True
         )
-        checkpointed.train_step([batch])  # warm-up
-        _reset_peak(args.device)
-        _sync(args.device)
-        t0 = time.monotonic()
-        for _ in range(timed):
-            metrics = checkpointed.train_step([batch])
-        _sync(args.device)
-        seconds = (time.monotonic() - t0) / timed
-        rec.put(
-            "train_activation_checkpointing",
-            {
-                "s_per_step": round(seconds, 4),
-                "tokens_per_s": round(rows * width / seconds, 1),
-                "peak_gib": _peak_gib(args.device),
-                "loss_finite": math.isfinite(metrics["loss"]),
-            },
+        checkpointed_train = timed_steps(
+            args, checkpointed, batch, params, compute_dtype=str(dtype).removeprefix("torch.")
         )
+        rec.put("train_activation_checkpointing", checkpointed_train)
+        seconds = checkpointed_train["s_per_step"]
         say("megatron", f"with activation checkpointing: {seconds:.3f} s/step")
 
 

@@ -129,6 +129,41 @@ def _peak_gib(device: str) -> float | None:
     )
 
 
+def timed_steps(
+    args: argparse.Namespace,
+    engine: Any,
+    batch: Any,
+    params: int,
+    *,
+    compute_dtype: str = "bfloat16",
+    warm_up: bool = True,
+) -> dict[str, Any]:
+    """One warm-up step (unless the caller ran it), then the mean of the timed ones: seconds,
+    tokens/s, MFU, peak memory."""
+    rows, width = batch.input_ids.shape
+    if warm_up:
+        engine.train_step([batch])
+    _reset_peak(args.device)
+    _sync(args.device)
+    timed = 2 if args.tiny else 3
+    t0 = time.monotonic()
+    for _ in range(timed):
+        metrics = engine.train_step([batch])
+    _sync(args.device)
+    seconds = (time.monotonic() - t0) / timed
+    return {
+        "rows": rows,
+        "width": width,
+        "compute_dtype": compute_dtype,
+        "s_per_step": round(seconds, 4),
+        "tokens_per_s": round(rows * width / seconds, 1),
+        # dense approximation (6 x params x tokens), attention excluded
+        "mfu_vs_bf16_peak": round(6 * params * rows * width / seconds / BF16_DENSE_PEAK, 3),
+        "peak_gib": _peak_gib(args.device),
+        "loss_finite": math.isfinite(metrics["loss"]),
+    }
+
+
 def engines(args: argparse.Namespace, rec: Record) -> None:
     import gc
 
