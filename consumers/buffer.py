@@ -49,7 +49,7 @@ from bus.topology import BATCHES, drop_key
 from bus.worker import HOLD, Hold, Reject, WorkerOptions, consumer_ack_wait
 from consumers.buffer_groups import Group, episode_stats, regenerations_left, response_kl
 from consumers.buffer_replay import BatchedSoFar, next_kl_coef, read_batches
-from consumers.packing import BYTES_PER_TOKEN, REF_BYTES_PER_TOKEN, Row, pack_step
+from consumers.packing import Row, bytes_per_token, pack_step
 from engines.algorithms.advantages import step_advantages
 from engines.algorithms.kl import ESTIMATORS, kl_in_reward, mean_sequence_kl
 from engines.algorithms.shaping import overlong_penalty
@@ -168,7 +168,7 @@ class Buffer:
             )
         # Half the max payload: the other half is for the ids a batch event carries.
         tokens = t.prompt_ids.shape[0] + t.response_ids.shape[0]
-        per_token = BYTES_PER_TOKEN + (REF_BYTES_PER_TOKEN if self.rt.topology.reference else 0)
+        per_token = bytes_per_token(self.rt.topology.reference, reward.turn_rewards is not None)
         if tokens * per_token > self.rt.publisher.max_payload // 2:
             raise Reject(f"a row of {tokens} tokens cannot fit one batch event")
 
@@ -402,6 +402,9 @@ class Buffer:
                         else Tensor.from_numpy(mb.ref_logprobs),
                         kl_coef=self.batched.kl_coef if in_reward else None,
                         kl_mean=self.step_kl,
+                        token_rewards=Tensor.from_numpy(mb.token_rewards)
+                        if mb.token_rewards is not None
+                        else None,
                         **episodes,
                     )
                     acks.append(await self.rt.publisher.send(BATCHES, event, rank))

@@ -49,7 +49,8 @@ class Group:
     def drop_record(self, drop_equal: bool = True) -> DropRecord | None:
         """Why a complete group must not be trained, typed: a failed sample (every failed one
         counted by reason), or (dynamic sampling, `drop_equal`) rewards that are all equal and so
-        carry no advantage (the value they share)."""
+        carry no advantage (the value they share); with turn rewards (`agent.turn_rewards`) the
+        turns' must be equal too, since they tell the samples apart as much as the outcome."""
         rewards = [r for r, _ in self.samples.values()]
         failed = [r for r in rewards if r.failed]
         if failed:
@@ -59,7 +60,7 @@ class Group:
                 failures=dict(Counter(failure_key(r.reason) for r in failed)),
                 samples=len(rewards),
             )
-        if drop_equal and len({r.reward for r in rewards}) == 1:
+        if drop_equal and len({(r.reward, turn_key(r)) for r in rewards}) == 1:
             return DropRecord(
                 kind=DropKind.EQUAL,
                 reason=f"all {len(rewards)} rewards equal ({rewards[0].reward:g})",
@@ -72,6 +73,11 @@ class Group:
         """`drop_record`'s words."""
         record = self.drop_record(drop_equal)
         return None if record is None else record.reason
+
+
+def turn_key(reward: RewardEvent) -> bytes:
+    """A sample's turn rewards as a comparable key (b"" for none)."""
+    return b"" if reward.turn_rewards is None else reward.turn_rewards.numpy().tobytes()
 
 
 def regenerations_left(cap: int | None, per_step: int, equal_drops: int) -> bool:

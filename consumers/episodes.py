@@ -66,6 +66,7 @@ from schemas.agent_config import AgentConfig
 from schemas.episode_state import EpisodeEnd, EpisodeProgress
 from schemas.events import FinishReason
 from schemas.tools_config import ToolsConfig
+from schemas.turn_rewards import sample_turn_rewards
 
 log = logging.getLogger("jetrl.episodes")
 
@@ -220,6 +221,7 @@ class EpisodeRunner:
                     sample.token_ids.tolist(), sample.logprobs.tolist(), sample.versions.tolist()
                 )
                 progress.turns = episode.turns
+                progress.turn_rewards = [*progress.turn_rewards, 0.0]
                 progress.cut = sample.finish_reason == "length"
                 span.set_attribute("jetrl.tokens_added", len(sample.token_ids))
             parsed = parse_tool_calls(text) if self.schemas else None
@@ -239,10 +241,12 @@ class EpisodeRunner:
                 progress.reason = f"agent.environment step raised {type(exc).__name__}: {exc}"
                 episode.finish("failed", progress.reason)
                 break
-            if answer.done:
+            if answer.done:  # the ending step's reward is the outcome, never a turn's
                 progress.reward = answer.reward
                 episode.finish("done")
                 break
+            if answer.reward is not None:  # the turn it answered (`agent.turn_rewards`)
+                progress.turn_rewards = [*progress.turn_rewards[:-1], answer.reward]
             if episode.add_environment(answer.messages):
                 await self.turn_done(prompt, index, episode, progress)
         progress.end = episode.end or "done"
@@ -311,6 +315,13 @@ class EpisodeRunner:
             results.append({"role": "tool", "name": call.name, "content": outcome.message})
         return results
 
+    def episode_task(self, progress: EpisodeProgress, sample_turns: int) -> dict[str, Any]:
+        """`task["episode"]`; with `agent.turn_rewards`, the stored sample's turn rewards."""
+        task = progress.as_task()
+        if self.agent.turn_rewards:
+            task["turn_rewards"] = sample_turn_rewards(progress.turn_rewards, sample_turns)
+        return task
+
     def trajectory(
         self, prompt: PromptEvent, index: int, episode: EpisodeTokens, progress: EpisodeProgress
     ) -> TrajectoryEvent:
@@ -345,7 +356,7 @@ class EpisodeRunner:
             finish_reason="length"
             if progress.cut and progress.end == "done"
             else FINISH[progress.end],
-            task={**prompt.task, "episode": progress.as_task()},
+            task={**prompt.task, "episode": self.episode_task(progress, last.turns)},
             engine=self.engine,
             timings=progress.timings,
         )

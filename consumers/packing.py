@@ -5,7 +5,8 @@ Pure functions over numpy (no bus): the buffer calls `pack_step`; tests check th
 A row's loss mask over its response is its trajectory's `trained_mask` (a multi-turn episode's
 environment and template tokens: 0, as the prompt); the behaviour log-probs and versions are
 copied as they travel (0.0 and -1 at those tokens already), the reference log-probs only where
-the loss mask is 1 (0 elsewhere, as `BatchEvent` says).
+the loss mask is 1 (0 elsewhere, as `BatchEvent` says). An episode's turn rewards
+(`agent.turn_rewards`) go on the last token of each model turn (`schemas.turn_rewards.place`).
 """
 
 from __future__ import annotations
@@ -16,12 +17,21 @@ from dataclasses import dataclass
 import numpy as np
 
 from schemas.events import RewardEvent
+from schemas.turn_rewards import place
 
 BYTES_PER_TOKEN = 14
 """What one token takes in a BatchEvent: int32 id, uint8 attention and loss masks, float32
 behaviour log-prob, int32 version."""
 REF_BYTES_PER_TOKEN = 4
 """And the float32 reference log-prob, when the run has the reference stage."""
+TURN_BYTES_PER_TOKEN = 4
+"""And the float32 token reward, with `agent.turn_rewards`."""
+
+
+def bytes_per_token(reference: bool, turn_rewards: bool) -> int:
+    """What one token takes in a BatchEvent of a run with (or without) the reference stage, for
+    a row with (or without) turn rewards."""
+    return BYTES_PER_TOKEN + REF_BYTES_PER_TOKEN * reference + TURN_BYTES_PER_TOKEN * turn_rewards
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,7 @@ class Row:
     traceparent: str
     ref_logprobs: np.ndarray | None = None  # float32 [R], from the reference stage
     trained: np.ndarray | None = None  # bool [R], the model's tokens; None: all of them
+    token_rewards: np.ndarray | None = None  # float32 [R], each turn's on its last token
 
     @property
     def tokens(self) -> int:
@@ -57,6 +68,13 @@ class Row:
             traceparent,
             None if reward.ref_logprobs is None else reward.ref_logprobs.numpy(),
             None if t.response_mask is None else t.trained_mask(),
+            None
+            if reward.turn_rewards is None
+            else place(
+                reward.turn_rewards.numpy(),
+                None if t.response_mask is None else t.response_mask.numpy(),
+                t.response_ids.shape[0],
+            ),
         )
 
 
@@ -75,6 +93,7 @@ class MicroBatchArrays:
     ref_logprobs: np.ndarray | None = (
         None  # float32 [B, T], 0 off the loss mask; None unless every row has them
     )
+    token_rewards: np.ndarray | None = None  # float32 [B, T]; None unless a row has them
 
 
 def balance(rows: list[Row], ranks: int) -> list[list[Row]]:
@@ -121,6 +140,8 @@ def arrays(rows: list[Row]) -> MicroBatchArrays:
     versions = np.full((b, t), -1, np.int32)
     with_ref = all(row.ref_logprobs is not None for row in rows)
     ref = np.zeros((b, t), np.float32) if with_ref else None
+    with_turns = any(row.token_rewards is not None for row in rows)
+    token_rewards = np.zeros((b, t), np.float32) if with_turns else None
     for i, row in enumerate(rows):
         p, n = len(row.prompt), row.tokens
         input_ids[i, :p], input_ids[i, p:n] = row.prompt, row.response
@@ -131,6 +152,8 @@ def arrays(rows: list[Row]) -> MicroBatchArrays:
         if ref is not None and row.ref_logprobs is not None:
             scored = row.ref_logprobs
             ref[i, p:n] = scored if row.trained is None else np.where(row.trained, scored, 0.0)
+        if token_rewards is not None and row.token_rewards is not None:
+            token_rewards[i, p:n] = row.token_rewards
     return MicroBatchArrays(
         input_ids,
         attention,
@@ -141,6 +164,7 @@ def arrays(rows: list[Row]) -> MicroBatchArrays:
         np.array([r.reward for r in rows], np.float32),
         tuple(rows),
         ref,
+        token_rewards,
     )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 from nats.aio.msg import Msg
 from opentelemetry.trace import StatusCode
 
@@ -27,10 +28,11 @@ from bus.stage import Stage, run_stage
 from bus.topology import REWARDS, TRAJECTORIES
 from bus.worker import Handler, Reject, WorkerOptions
 from consumers.reward_batch import BatchScorer
-from consumers.reward_pool import RewardPool, RewardSpecError
+from consumers.reward_pool import RewardPool, RewardSpecError, Score
 from consumers.reward_sandbox import IsolationUnavailable
-from schemas import RewardEvent, TrajectoryEvent
+from schemas import RewardEvent, Tensor, TrajectoryEvent
 from schemas.kv_records import failure_key
+from schemas.turn_rewards import trajectory_turn_rewards
 
 log = logging.getLogger("jetrl.reward")
 LOGGED_REASONS = 100
@@ -42,6 +44,7 @@ def reward_handler(rt: Runtime, pool: RewardPool) -> Handler[TrajectoryEvent]:
     handlers running at once share round trips to the pool (`consumers.reward_batch`)."""
     scorer = BatchScorer(pool, rt.config.data.reward, rt.config.reward.batch)
     seen: set[str] = set()  # failure reasons logged: each distinct one once (`failure_key`)
+    turn_credit = rt.config.agent is not None and rt.config.agent.turn_rewards
 
     async def handle(event: TrajectoryEvent, _msg: Msg) -> None:
         with tracing.tracer.start_as_current_span(
@@ -54,6 +57,7 @@ def reward_handler(rt: Runtime, pool: RewardPool) -> Handler[TrajectoryEvent]:
         ) as span:
             REWARD_MID_SCORING(event.id)
             score = await scorer.score(event.response_text, event.task)
+            turns, score = turn_rewards(event, score) if turn_credit else (None, score)
             span.set_attributes({"jetrl.reward": score.reward, "jetrl.failed": score.failed})
             if score.failed:  # shown as an error in Jaeger; the sample still flows, scored 0
                 span.set_attribute("jetrl.reason", score.reason)
@@ -67,6 +71,7 @@ def reward_handler(rt: Runtime, pool: RewardPool) -> Handler[TrajectoryEvent]:
             components=score.components,
             failed=score.failed,
             reason=score.reason,
+            turn_rewards=None if turns is None else Tensor.from_numpy(turns),
         )
         try:
             await rt.publisher.publish(REWARDS, reward)
@@ -87,6 +92,17 @@ def reward_handler(rt: Runtime, pool: RewardPool) -> Handler[TrajectoryEvent]:
             metrics.REWARD.record(score.reward)
 
     return handle
+
+
+def turn_rewards(event: TrajectoryEvent, score: Score) -> tuple[np.ndarray | None, Score]:
+    """`agent.turn_rewards`: the episode's turn rewards float32 [K] for its RewardEvent, and the
+    score; a sample whose rewards do not fit its model turns fails with the reason (its group
+    is dropped and replaced, as for any failed score), never a reward on the wrong token."""
+    mask = None if event.response_mask is None else event.response_mask.numpy()
+    try:
+        return trajectory_turn_rewards(event.task, mask, event.response_ids.shape[0]), score
+    except ValueError as exc:
+        return None, Score.failure(f"turn rewards: {exc}")
 
 
 async def build(rt: Runtime) -> Stage[TrajectoryEvent]:

@@ -14,8 +14,8 @@
         it follows the weights stream, resolves delta chains, verifies, refuses; generation
         goes on meanwhile) -> close the gate (no new generation starts on any copy), pause
         the engines between two tokens (partial rollout, `rollout.partial`) or drain the
-        running generations, load into each copy in a thread (the event loop keeps
-        heartbeating), resume, reopen
+        running generations, load the tensors that changed (`Ready.changed`) into each copy
+        in a thread (the event loop keeps heartbeating), resume, tell the receiver, reopen
 
 The copies are `rollout.engine` as `engines.build.build_rollout_engines` makes it, held as
 the `RolloutEngine` protocol (a `ContinuousEngine` where samples go one at a time): this stage
@@ -56,7 +56,7 @@ from consumers.weights.receiver import WeightsReceiver
 from engines.build import build_rollout_engines
 from engines.environment import EnvironmentLoadError
 from engines.model_source import ModelNotFound, resolve_model_path
-from engines.protocols import EngineUnavailable, RolloutEngine, Sample
+from engines.protocols import EngineUnavailable, RolloutEngine, Sample, WeightsNotLoaded
 from engines.router import Router, RouterError, make_router
 from engines.tools import ToolError
 from schemas import (
@@ -257,16 +257,33 @@ class Rollout:
         return {f"batcher {r.index}": functools.partial(self.copies.batcher, r) for r in copies}
 
     async def watch_weights(self) -> None:
-        """Each version the receiver yields (verified, ready): pause, load, resume."""
+        """Each version the receiver yields (verified, ready): pause, load the tensors that
+        changed, resume, and tell the receiver it is loaded.
+
+        A load that does not read back (`WeightsNotLoaded`) may have left a mix of two versions
+        in an engine: the version is loaded again whole, and if that fails too the error ends
+        the worker (restarted, it loads the run's last version into a fresh engine): no token
+        is computed with weights nobody published."""
         async for ready in self.receiver:
+            version = ready.event.version
             # No token is computed inside: paused between two, or drained.
             async with self.copies.quiesced():
-                ROLLOUT_MID_WEIGHT_LOAD(f"v{ready.event.version}")
+                ROLLOUT_MID_WEIGHT_LOAD(f"v{version}")
                 # Into every copy, off the event loop.
-                await self.copies.load(ready.tensors, ready.event.version)
+                try:
+                    await self.copies.load(ready.to_load(), version)
+                except WeightsNotLoaded as exc:
+                    log.warning("weights v%d did not load (%s); loading it whole", version, exc)
+                    await self.copies.load(ready.tensors, version)
+            self.receiver.loaded(ready)
             self.open_for_requests.set()
-            self.rt.member.report(weight_version=ready.event.version)
-            log.info("now serving weights v%d", ready.event.version)
+            self.rt.member.report(weight_version=version)
+            log.info(
+                "now serving weights v%d (%d of %d tensors loaded)",
+                version,
+                len(ready.changed),
+                len(ready.tensors),
+            )
 
 
 def routing_key(prompt: PromptEvent) -> str:

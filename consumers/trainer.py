@@ -78,6 +78,7 @@ def micro_batch(batch: BatchEvent) -> MicroBatch:
         advantages=batch.advantages.torch(),
         behaviour_logprobs=batch.behaviour_logprobs.torch(),
         ref_logprobs=None if batch.ref_logprobs is None else batch.ref_logprobs.torch(),
+        token_rewards=None if batch.token_rewards is None else batch.token_rewards.torch(),
     )
 
 

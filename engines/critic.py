@@ -6,7 +6,8 @@ policy (PPO epochs and mini-batches apply to both):
 
     train_step(micro-batches carrying one outcome score per row)
       prepare   V_old = critic(x) per token          [B, T] each micro-batch, no grad
-                r_t   = score on the row's last response token
+                r_t   = score on the row's last response token (+ each model turn's reward
+                        on its last token with `agent.turn_rewards`: the batch's token_rewards)
                 A, R  = GAE(r, V_old; gamma, lambda), R = A + V_old
                 A     whitened over every response token of the step -> the policy's advantages
       for each update: policy backward, then `accumulate` (clipped value loss against R, V_old,
@@ -31,7 +32,7 @@ import torch
 
 from engines.algorithms.gae import (
     gae_advantages,
-    outcome_rewards,
+    token_rewards,
     value_loss,
     value_stats,
     whiten_step,
@@ -160,7 +161,9 @@ class Critic:
             batch = micro_batches[index]
             mask = batch.loss_mask.to(self.device).float()
             old = self.values(batch) * mask
-            rewards = outcome_rewards(batch.advantages.to(self.device).float(), mask)
+            scores = batch.advantages.to(self.device).float()
+            inside = None if batch.token_rewards is None else batch.token_rewards.to(self.device)
+            rewards = token_rewards(scores, mask, inside)
             advantages, returns = gae_advantages(rewards, old, mask, self.cfg.gamma, self.cfg.lam)
             raw.append(advantages)
             targets.append(Targets(old, returns))

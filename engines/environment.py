@@ -6,7 +6,8 @@
         `consumers.episodes`), with the whole conversation so far, the model's turn last:
         new messages go on the conversation (a user's reply, feedback), `reward` is the
         episode's reward when `done` (None: `data.reward` scores the trajectory), `done`
-        ends the episode.
+        ends the episode. A reward on a step that is not done is the reward of the turn it
+        answered, trained only with `agent.turn_rewards` (`schemas.turn_rewards`).
 
 An environment is named in the config as `module:Class` (`agent.environment`) and built once
 per rollout worker with `agent.environment_options`; `reset` and `step` may be plain or

@@ -90,18 +90,23 @@ def eos_token_ids(model_dir: Path) -> tuple[int, ...]:
 def named_weights(
     tensors: dict[str, torch.Tensor], model: torch.nn.Module, dtype: torch.dtype | None
 ) -> list[tuple[str, torch.Tensor]]:
-    """`tensors` as the (HF name, tensor) pairs an engine's loader takes, cast to `dtype`.
+    """`tensors` as the (HF name, tensor) pairs an engine's loader takes, cast to `dtype`, in
+    the model's parameter order.
 
-    The names must be exactly `model`'s parameters (tied weights appear once, as
-    `named_parameters` lists them; both engines' loaders skip the tied head). Shapes are
-    checked here, not left to the engine, so a wrong tensor is refused before the GPU copy.
+    `tensors` may be any subset of `model`'s parameters (a version's changed tensors; tied
+    weights appear once, as `named_parameters` lists them, and both engines' loaders skip the
+    tied head). A name the model does not have raises KeyError here: an engine's loader may
+    skip a name it does not know (vLLM skips some), which would leave the old weights in
+    silently. Shapes are checked here too, so a wrong tensor is refused before the GPU copy.
     """
     params = dict(model.named_parameters())
-    if set(tensors) != set(params):
-        missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
-        raise KeyError(f"weight names differ: missing {missing}, extra {extra}")
+    unknown = sorted(set(tensors) - set(params))
+    if unknown:
+        raise KeyError(f"weight names the model does not have: {unknown[:5]}")
     pairs = []
     for name, param in params.items():
+        if name not in tensors:
+            continue
         tensor = tensors[name]
         if tuple(tensor.shape) != tuple(param.shape):
             raise ValueError(

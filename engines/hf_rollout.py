@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from engines.algorithms.logprobs import scaled_logits
 from engines.algorithms.losses import gather_logprobs
-from engines.protocols import Sample, SamplingParams
+from engines.protocols import Sample, SamplingParams, WeightsNotLoaded
 
 
 class HFRolloutEngine:
@@ -54,18 +54,33 @@ class HFRolloutEngine:
 
     @torch.inference_mode()
     def load_state_dict(self, tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
-        """Copies `tensors` (named as `TorchTrainEngine.export_weights`) into the model in place.
+        """Copies `tensors` (named as `TorchTrainEngine.export_weights`) into the model in place,
+        then reads each parameter back.
 
-        The names must be exactly the model's parameter names (tied weights appear once).
-        `version` defaults to the current one plus 1.
+        `tensors` may be any subset of the model's parameter names (tied weights appear once):
+        the parameters not named keep what they hold. An unknown name raises KeyError before
+        anything is copied; a parameter that does not read back as its tensor (cast to the
+        model's dtype) raises `WeightsNotLoaded` naming it, and `version` is not set. `version`
+        defaults to the current one plus 1.
         """
         params = dict(self.model.named_parameters())
-        if set(tensors) != set(params):
-            missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
-            raise KeyError(f"weight names differ: missing {missing}, extra {extra}")
-        for name, param in params.items():
-            param.copy_(tensors[name])  # copy_ casts dtype/device; a shape mismatch raises
+        unknown = sorted(set(tensors) - set(params))
+        if unknown:
+            raise KeyError(f"weight names the model does not have: {unknown[:5]}")
+        self._copy({name: params[name] for name in tensors}, tensors)
+        for name, tensor in tensors.items():
+            param = params[name]
+            if not torch.equal(param, tensor.to(device=param.device, dtype=param.dtype)):
+                raise WeightsNotLoaded(f"hf: {name} does not read back as the tensor loaded")
         self.version = self.version + 1 if version is None else version
+
+    def _copy(
+        self, params: dict[str, torch.nn.Parameter], tensors: dict[str, torch.Tensor]
+    ) -> None:
+        """Writes each tensor into its parameter (copy_ casts dtype and device; a shape
+        mismatch raises)."""
+        for name, param in params.items():
+            param.copy_(tensors[name])
 
     @torch.inference_mode()
     def generate(

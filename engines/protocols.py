@@ -63,6 +63,9 @@ class MicroBatch:
     behaviour_logprobs: [B, T] float32, log p_behaviour(x[t] | x[<t]), 0 where loss_mask is 0.
     ref_logprobs: [B, T] float32, log p_ref(x[t] | x[<t]) from the reference stage, 0 where
         loss_mask is 0; None: an engine that needs them scores its own frozen copy.
+    token_rewards: [B, T] float32, rewards inside a response (`agent.turn_rewards`: each model
+        turn's on its last token), 0 off loss_mask; a critic (GAE) adds them to the outcome
+        score on the last loss token. None: the outcome alone.
     """
 
     input_ids: torch.Tensor
@@ -71,6 +74,7 @@ class MicroBatch:
     advantages: torch.Tensor
     behaviour_logprobs: torch.Tensor
     ref_logprobs: torch.Tensor | None = None
+    token_rewards: torch.Tensor | None = None
 
 
 def empty_pass(micro_batches: Sequence[MicroBatch]) -> MicroBatch:
@@ -90,6 +94,14 @@ def empty_pass(micro_batches: Sequence[MicroBatch]) -> MicroBatch:
         advantages=torch.zeros(1),
         behaviour_logprobs=torch.zeros(ids.shape),
     )
+
+
+class WeightsNotLoaded(RuntimeError):
+    """An engine's read-back after a weight load disagrees with what it was sent (a bucket
+    whose bytes arrived changed, a tensor its loader skipped or wrote wrong). The message
+    names the bucket and the tensor. The engine may hold a mix of two versions: the caller
+    must not count the version as loaded (`consumers.rollout` loads it again whole, and ends
+    the worker when that fails too)."""
 
 
 class EngineUnavailable(RuntimeError):
@@ -113,7 +125,12 @@ class RolloutEngine(Protocol):
         ...
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
-        """Swaps in weights named as `TrainEngine.export_weights` names them; sets `version`."""
+        """Swaps in weights named as `TrainEngine.export_weights` names them; sets `version`.
+
+        `tensors` may be any subset of the model's parameters (the ones that changed since the
+        version the engine holds: the others stay as they are); a name the model does not have
+        raises KeyError, never ignored. Each load is read back (per tensor, or per bucket where
+        the engine takes buckets) and a disagreement raises `WeightsNotLoaded`."""
         ...
 
 

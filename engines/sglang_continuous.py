@@ -22,13 +22,15 @@ with ``stream=True`` and ``rid``; ``managers/tokenizer_manager.py``: `abort_requ
   cache is flushed by the load, so their KV is recomputed with the new weights) and
   ``continue_generation``.
 - Weights: ``update_weights_from_tensor`` with the (HF name, tensor) pairs serialized once per
-  tensor-parallel rank, as `Engine.update_weights_from_tensor` does, ``flush_cache=True``.
+  tensor-parallel rank, as `Engine.update_weights_from_tensor` does, one call per bucket of
+  ``weight_bucket_bytes`` (``flush_cache`` with the last), each checked by its answer and by
+  ``get_weights_by_name`` (``GetWeightsByNameReqInput``) of its first tensor's first row.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -42,11 +44,14 @@ from engines.external_rollout import (
     require,
     skeleton,
     torch_dtype,
+    weight_buckets,
 )
 from engines.protocols import SamplingParams
 from engines.sglang_rollout import (
     SGLangSettings,
+    check_first_row,
     check_logprob_env,
+    check_update,
     engine_kwargs,
     require_sglang,
     sampling_params,
@@ -96,6 +101,7 @@ def sglang_io() -> SimpleNamespace:
         pause=getattr(io, "PauseGenerationReqInput", None),
         resume=getattr(io, "ContinueGenerationReqInput", None),
         update=io.UpdateWeightsFromTensorReqInput,
+        read=io.GetWeightsByNameReqInput,
         serialize=utils.MultiprocessingSerializer.serialize,
     )
 
@@ -118,6 +124,7 @@ class SGLangContinuousEngine(ContinuousAdapter):
         self.model = skeleton(model_dir, settings.context_length)
         self.dtype = torch_dtype(settings.dtype)
         self.tp_size = settings.tp_size
+        self.bucket_bytes = settings.weight_bucket_bytes
         self.io = sglang_io()
         if partial_mode == "keep" and (self.io.pause is None or self.io.resume is None):
             raise EngineUnavailable(
@@ -158,19 +165,21 @@ class SGLangContinuousEngine(ContinuousAdapter):
         await self.engine.tokenizer_manager.continue_generation(self.io.resume())
 
     async def engine_load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        request = self.io.update(
-            serialized_named_tensors=[self.io.serialize(weights) for _ in range(self.tp_size)],
-            load_format=None,
-            flush_cache=True,
-        )
-        result = await self.engine.tokenizer_manager.update_weights_from_tensor(request, None)
-        success, message = (
-            (result[0], result[1])
-            if isinstance(result, Sequence) and len(result) >= 2
-            else (True, "")
-        )
-        if not success:
-            raise RuntimeError(f"sglang: update_weights_from_tensor failed: {message}")
+        """One update per bucket of `bucket_bytes` (the cache flushed with the last), each
+        checked as the batch adapter checks it: the answer, then its first tensor's first row
+        read back through the tokenizer manager's `get_weights_by_name`."""
+        manager = self.engine.tokenizer_manager
+        buckets = weight_buckets(weights, self.bucket_bytes)
+        for index, bucket in enumerate(buckets):
+            request = self.io.update(
+                serialized_named_tensors=[self.io.serialize(bucket) for _ in range(self.tp_size)],
+                load_format=None,
+                flush_cache=index == len(buckets) - 1,
+            )
+            check_update(index, bucket, await manager.update_weights_from_tensor(request, None))
+            name, tensor = bucket[0]
+            got = await manager.get_weights_by_name(self.io.read(name=name, truncate_size=1), None)
+            check_first_row(index, name, tensor, got)
 
     def close(self) -> None:
         engine = getattr(self, "engine", None)

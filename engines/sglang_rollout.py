@@ -19,8 +19,11 @@ switches that to temperature-1 log-probs; the engine refuses to start with it se
 SGLang's ``n``, so the response order is ours by construction.
 
 Weights: `update_weights_from_tensor` with (HF name, tensor) pairs, which the model's own
-``load_weights`` maps onto its fused layers; ``flush_cache`` drops the radix (prefix) cache the
-old weights computed. The engine is not restarted.
+``load_weights`` maps onto its fused layers, one call per bucket of ``weight_bucket_bytes``;
+``flush_cache`` (with the last bucket) drops the radix (prefix) cache the old weights
+computed. Each bucket is checked: the call's answer, then `get_weights_by_name` of the first
+row of its first tensor (SGLang maps an HF name onto its fused parameter there too); a
+disagreement raises `WeightsNotLoaded`. The engine is not restarted.
 
 Threads and loops. `Engine.__init__` binds the asyncio loop running in the thread that builds
 it (``asyncio.get_running_loop()``), else that thread's current loop (0.5.23), else a new one
@@ -52,8 +55,9 @@ from engines.external_rollout import (
     require_version,
     skeleton,
     torch_dtype,
+    weight_buckets,
 )
-from engines.protocols import Sample, SamplingParams
+from engines.protocols import Sample, SamplingParams, WeightsNotLoaded
 
 ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
 """Set truthy, SGLang returns temperature-1 log-probs: not what the trainer computes."""
@@ -75,6 +79,10 @@ def require_sglang() -> ModuleType:
     return sglang
 
 
+DEFAULT_WEIGHT_BUCKET_BYTES = 512 * 2**20
+"""`SGLangSettings.weight_bucket_bytes`' default (`schemas.rollout_config` documents it)."""
+
+
 @dataclass(frozen=True)
 class SGLangSettings:
     """`rollout.engine` of type sglang (`schemas.rollout_config.SGLangRolloutConfig` documents
@@ -85,6 +93,7 @@ class SGLangSettings:
     context_length: int | None = None
     dtype: str = "auto"
     seed: int = 0
+    weight_bucket_bytes: int = DEFAULT_WEIGHT_BUCKET_BYTES
 
 
 def engine_kwargs(model_dir: Path, settings: SGLangSettings) -> dict[str, Any]:
@@ -155,12 +164,52 @@ def check_logprob_env(environ: dict[str, str] | os._Environ[str] = os.environ) -
         )
 
 
-def load_weights(engine: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Swaps `weights` into a running `sglang.Engine` without a restart; SGLang reports a
-    failed load as ``(False, message)``, not by raising, so that is raised here."""
-    result = engine.update_weights_from_tensor(named_tensors=weights, flush_cache=True)
+def check_update(index: int, bucket: Sequence[tuple[str, Any]], result: Any) -> None:
+    """SGLang's answer to the update of bucket `index`: it reports a failed load as
+    ``(False, message)``, not by raising, so that is raised here, naming the bucket."""
     if isinstance(result, Sequence) and len(result) >= 2 and not result[0]:
-        raise RuntimeError(f"sglang: update_weights_from_tensor failed: {result[1]}")
+        raise WeightsNotLoaded(
+            f"sglang: bucket {index} ({bucket[0][0]} .. {bucket[-1][0]}): "
+            f"update_weights_from_tensor failed: {result[1]}"
+        )
+
+
+def check_first_row(index: int, name: str, tensor: torch.Tensor, got: Any) -> None:
+    """`got`, SGLang's `get_weights_by_name(name, truncate_size=1)` (the parameter's first row
+    as float32 lists), against the first row of the `tensor` sent for `name` in bucket
+    `index`: equal as sent, or as rounded to the engine's bfloat16 or float16 (an "auto"
+    engine keeps its checkpoint's dtype). Exact, not within a tolerance: one optimizer step
+    at a small learning rate moves a weight by an ulp, which a tolerance would not see."""
+    sent = tensor[:1]
+    try:
+        row = torch.tensor(got, dtype=torch.float32).reshape(sent.shape)
+    except (TypeError, ValueError, RuntimeError):
+        row = None
+    if row is None or not any(
+        torch.equal(row, sent.to(dtype).float())
+        for dtype in (sent.dtype, torch.bfloat16, torch.float16)
+    ):
+        raise WeightsNotLoaded(
+            f"sglang: bucket {index}: {name}'s first row reads back unlike the tensor sent"
+        )
+
+
+def load_weights(
+    engine: Any,
+    weights: list[tuple[str, torch.Tensor]],
+    bucket_bytes: int = DEFAULT_WEIGHT_BUCKET_BYTES,
+) -> None:
+    """Swaps `weights` into a running `sglang.Engine` without a restart, one
+    `update_weights_from_tensor` per bucket of at most `bucket_bytes` (a larger tensor alone;
+    the cache flushed with the last), each checked: the call's answer (`check_update`), then
+    the first row of the bucket's first tensor read back (`check_first_row`)."""
+    buckets = weight_buckets(weights, bucket_bytes)
+    for index, bucket in enumerate(buckets):
+        last = index == len(buckets) - 1
+        result = engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=last)
+        check_update(index, bucket, result)
+        name, tensor = bucket[0]
+        check_first_row(index, name, tensor, engine.get_weights_by_name(name, truncate_size=1))
 
 
 class SGLangRolloutEngine:
@@ -172,6 +221,7 @@ class SGLangRolloutEngine:
         self.model = skeleton(model_dir, settings.context_length)
         self.eos_token_ids = eos_token_ids(model_dir)
         self.dtype = torch_dtype(settings.dtype)
+        self.bucket_bytes = settings.weight_bucket_bytes
         self.thread = EngineThread("sglang-engine")  # the engine binds this thread's loop
         self.engine = self.thread.call(sglang.Engine, **engine_kwargs(model_dir, settings))
         self.version = 0
@@ -194,9 +244,10 @@ class SGLangRolloutEngine:
         )
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
-        """Loads `tensors` (named as `TrainEngine.export_weights`) into the running engine."""
+        """Loads `tensors` (named as `TrainEngine.export_weights`; any subset of the model's)
+        into the running engine, in checked buckets (`load_weights`)."""
         pairs = named_weights(tensors, self.model, self.dtype)
-        self.thread.call(load_weights, self.engine, pairs)
+        self.thread.call(load_weights, self.engine, pairs, self.bucket_bytes)
         self.version = self.version + 1 if version is None else version
 
     def close(self) -> None:

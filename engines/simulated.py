@@ -179,7 +179,11 @@ class SimulatedRolloutEngine:
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
         """Takes the version only: nothing here runs the weights. Between generations, or
-        between `pause` and `resume`: never while a token is being computed."""
+        between `pause` and `resume`: never while a token is being computed. A name the model
+        does not have is refused (KeyError), as every engine refuses it."""
+        unknown = sorted(set(tensors) - {name for name, _ in self.model.named_parameters()})
+        if unknown:
+            raise KeyError(f"weight names the model does not have: {unknown[:5]}")
         with self.state:
             if self.computing:
                 raise RuntimeError(

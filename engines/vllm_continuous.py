@@ -19,11 +19,13 @@ log-probs).
   per bucket of ``weight_bucket_bytes``, as safetensors bytes (the batch adapter's
   `pack_bucket`); the function travels pickled, so the adapter sets
   ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` before the engine starts (the batch adapter's
-  `allow_function_rpc`); then ``reset_prefix_cache``.
+  `allow_function_rpc`); each bucket checked as the batch adapter checks it (`check_bucket`:
+  the bytes' sha256 as received, the read-back); then ``reset_prefix_cache``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -44,6 +46,7 @@ from engines.protocols import SamplingParams
 from engines.vllm_rollout import (
     VLLMSettings,
     allow_function_rpc,
+    check_bucket,
     llm_kwargs,
     load_on_worker,
     pack_bucket,
@@ -152,8 +155,11 @@ class VLLMContinuousEngine(ContinuousAdapter):
         await self.engine.resume_generation()
 
     async def engine_load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        for bucket in weight_buckets(weights, self.bucket_bytes):
-            await self.engine.collective_rpc(load_on_worker, args=(pack_bucket(bucket),))
+        for index, bucket in enumerate(weight_buckets(weights, self.bucket_bytes)):
+            packed = pack_bucket(bucket)
+            digest = hashlib.sha256(packed).hexdigest()
+            answers = await self.engine.collective_rpc(load_on_worker, args=(packed, digest))
+            check_bucket(index, [name for name, _ in bucket], digest, answers)
         await self.engine.reset_prefix_cache()  # cached KV was computed by the old weights
 
     def close(self) -> None:

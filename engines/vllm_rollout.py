@@ -20,13 +20,18 @@ Weights: `load_weights` runs ``model_runner.model.load_weights`` on every worker
 bucket of at most ``weight_bucket_bytes`` of tensors (`weight_buckets`), each bucket as
 safetensors bytes (`pack_bucket`: the engine core decodes the call's arguments without types,
 so a tensor would arrive as a list), then drops the prefix cache, whose KV entries the old
-weights computed. The engine is not restarted. The loader is a
-plain function, which vLLM's msgpack encoder (``vllm/v1/serial_utils.py`` `MsgpackEncoder`)
-refuses unless ``VLLM_ALLOW_INSECURE_SERIALIZATION`` is set, and which the engine-core process
-decodes only if it started with it set: `allow_function_rpc`, called by both vLLM adapters
-before the engine is built, is that rule.
+weights computed. The engine is not restarted. Each bucket is checked (`load_on_worker`,
+`check_bucket`): every worker hashes the bytes it received and loads them only when the hash is
+the one sent, then reads back each parameter that has a tensor's HF name and shape and
+compares it; a disagreement raises `WeightsNotLoaded` naming the bucket and the tensor.
+The loader is a plain function, which vLLM's msgpack encoder
+(``vllm/v1/serial_utils.py`` `MsgpackEncoder`) refuses unless
+``VLLM_ALLOW_INSECURE_SERIALIZATION`` is set, and which the engine-core process decodes only
+if it started with it set: `allow_function_rpc`, called by both vLLM adapters before the
+engine is built, is that rule.
 """
 
+import hashlib
 import os
 from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
@@ -46,7 +51,7 @@ from engines.external_rollout import (
     torch_dtype,
     weight_buckets,
 )
-from engines.protocols import Sample, SamplingParams
+from engines.protocols import Sample, SamplingParams, WeightsNotLoaded
 
 LOGPROBS_MODE = "processed_logprobs"
 """`LLM(logprobs_mode=...)`: log-probs after temperature (see the module doc)."""
@@ -172,24 +177,70 @@ def pack_bucket(weights: Sequence[tuple[str, torch.Tensor]]) -> bytes:
     return safetensors.torch.save({name: tensor.contiguous() for name, tensor in weights})
 
 
-def load_on_worker(worker: Any, bucket: bytes) -> None:
+def load_on_worker(worker: Any, bucket: bytes, sha256: str | None = None) -> dict[str, Any]:
     """Runs in each vLLM worker (`collective_rpc` passes the worker first): the model's own
     loader copies each HF-named tensor of the `pack_bucket` bytes into its (possibly fused,
-    sharded) parameter."""
-    weights = safetensors.torch.load(bytes(bucket))
-    worker.model_runner.model.load_weights(weights=iter(weights.items()))
+    sharded) parameter, then the parameters that carry the same name and shape as a tensor of
+    the bucket are read back and compared with it.
+
+    Bytes whose sha256 is not `sha256` (what the adapter sent) are not loaded. Returns what
+    `check_bucket` reads: the bytes' sha256, whether they were loaded, the names read back and
+    those that differ. Fused (q/k/v, gate/up) and tensor-parallel-sharded parameters have no
+    such twin and are not read back here."""
+    data = bytes(bucket)
+    digest = hashlib.sha256(data).hexdigest()
+    if sha256 is not None and digest != sha256:
+        return {"sha256": digest, "loaded": False, "checked": [], "differ": []}
+    weights = safetensors.torch.load(data)
+    model = worker.model_runner.model
+    model.load_weights(weights=iter(weights.items()))
+    params = dict(model.named_parameters())
+    checked, differ = [], []
+    for name, tensor in weights.items():
+        param = params.get(name)
+        if param is None or tuple(param.shape) != tuple(tensor.shape):
+            continue
+        checked.append(name)
+        if not torch.equal(param.data, tensor.to(device=param.device, dtype=param.dtype)):
+            differ.append(name)
+    return {"sha256": digest, "loaded": True, "checked": checked, "differ": differ}
+
+
+def check_bucket(index: int, names: Sequence[str], sha256: str, answers: Sequence[Any]) -> set[str]:
+    """Every worker's `load_on_worker` answer for bucket `index` (tensors `names`, bytes of
+    `sha256`): the names read back, or `WeightsNotLoaded` naming the bucket and the tensor."""
+    where = f"vllm: bucket {index} ({names[0]} .. {names[-1]}, {len(names)} tensors)"
+    checked: set[str] = set()
+    for rank, answer in enumerate(answers):
+        if not isinstance(answer, dict) or answer.get("sha256") != sha256 or not answer["loaded"]:
+            got = answer.get("sha256") if isinstance(answer, dict) else answer
+            raise WeightsNotLoaded(
+                f"{where}: worker {rank} received bytes of sha256 {got}, not {sha256}"
+            )
+        if answer["differ"]:
+            raise WeightsNotLoaded(
+                f"{where}: worker {rank} reads back {answer['differ'][0]} unlike the tensor sent"
+            )
+        checked |= set(answer["checked"])
+    return checked
 
 
 def load_weights(
     llm: Any,
     weights: list[tuple[str, torch.Tensor]],
     bucket_bytes: int = DEFAULT_WEIGHT_BUCKET_BYTES,
-) -> None:
+) -> set[str]:
     """Swaps `weights` into a running `vllm.LLM` without a restart, one `collective_rpc` per
-    bucket of at most `bucket_bytes` (a larger tensor alone)."""
-    for bucket in weight_buckets(weights, bucket_bytes):
-        llm.collective_rpc(load_on_worker, args=(pack_bucket(bucket),))
+    bucket of at most `bucket_bytes` (a larger tensor alone), each checked (`check_bucket`).
+    Returns the names read back."""
+    checked: set[str] = set()
+    for index, bucket in enumerate(weight_buckets(weights, bucket_bytes)):
+        packed = pack_bucket(bucket)
+        digest = hashlib.sha256(packed).hexdigest()
+        answers = llm.collective_rpc(load_on_worker, args=(packed, digest))
+        checked |= check_bucket(index, [name for name, _ in bucket], digest, answers)
     llm.reset_prefix_cache()  # cached KV was computed by the old weights
+    return checked
 
 
 class VLLMRolloutEngine:
@@ -220,6 +271,7 @@ class VLLMRolloutEngine:
         return [request_to_samples(r, n, stop_ids) for r in requests]
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
-        """Loads `tensors` (named as `TrainEngine.export_weights`) into the running engine."""
+        """Loads `tensors` (named as `TrainEngine.export_weights`; any subset of the model's)
+        into the running engine, each bucket checked (`load_weights`)."""
         load_weights(self.llm, named_weights(tensors, self.model, self.dtype), self.bucket_bytes)
         self.version = self.version + 1 if version is None else version

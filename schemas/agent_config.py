@@ -53,6 +53,15 @@ class AgentConfig(Section):
     """Episodes in flight at once in one rollout worker. Their model turns share the engine
     copies' slots (a turn waits for one like any sample), and a turn waiting on a tool holds
     no slot."""
+    turn_rewards: bool = False
+    """Credit each model turn with the reward the environment's `step` gave it (a step that did
+    not end the episode; the ending step's reward is the outcome, added once at the last token
+    as without the option), on the turn's last token (`schemas.turn_rewards`). Needs
+    `algorithm.advantage: gae` and `agent.environment`: a reward in the middle of a response
+    means something only against a per-token value baseline (GAE's critic), where it changes
+    the advantages of that turn's tokens and the earlier ones; a per-sequence estimator (GRPO,
+    RLOO, ...) has one advantage for the whole response and would fold it into a sum. And only an
+    environment's `step` gives rewards before the end. False: the reward is per episode."""
 
     @field_validator("tools")
     @classmethod

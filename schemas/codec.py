@@ -79,6 +79,24 @@ def reward_v1(fields: dict[str, Any]) -> dict[str, Any]:
     return {**fields, "trajectory": {**trajectory_v1(nested), "schema_version": 2}}
 
 
+@register_upgrade(RewardEvent.TYPE, 2)
+def reward_v2(fields: dict[str, Any]) -> dict[str, Any]:
+    """Version 3 added `turn_rewards`: a version-2 reward has none (the outcome alone). A
+    version-2 map that names them is no version 2: refused, not read as a version 3."""
+    if "turn_rewards" in fields:
+        raise DecodeError(f"{RewardEvent.TYPE} schema_version 2 has no turn_rewards")
+    return {**fields, "turn_rewards": None}
+
+
+@register_upgrade(BatchEvent.TYPE, 1)
+def batch_v1(fields: dict[str, Any]) -> dict[str, Any]:
+    """Version 2 added `token_rewards`: a version-1 batch has none. A version-1 map that names
+    them is no version 1: refused, not read as a version 2."""
+    if "token_rewards" in fields:
+        raise DecodeError(f"{BatchEvent.TYPE} schema_version 1 has no token_rewards")
+    return {**fields, "token_rewards": None}
+
+
 def _fields(value: object) -> dict[str, Any]:
     """msgpack's hook for what it cannot pack itself: a nested model packs as its fields."""
     if isinstance(value, BaseModel):

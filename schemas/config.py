@@ -374,6 +374,14 @@ class RunConfig(Section):
                 "section (e.g. agent: {tools: [producers.agent_tools:calculator]}; "
                 "examples/agent_calc.yaml)"
             )
+        if self.agent is not None and self.agent.turn_rewards:
+            if algo.advantage != "gae" or self.agent.environment is None:
+                raise ValueError(
+                    "agent.turn_rewards needs algorithm.advantage gae and an agent.environment: "
+                    "per-turn credit needs a per-token value baseline, and only an environment's "
+                    f"step rewards a turn (advantage {algo.advantage}, environment "
+                    f"{self.agent.environment})"
+                )
         warm = self.model.warm_start
         if (
             warm

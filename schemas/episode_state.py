@@ -79,6 +79,10 @@ class EpisodeProgress(BaseModel):
     reason: str = ""
     reward: float | None = None
     """The environment's reward at the end (None: it gave none)."""
+    turn_rewards: list[float] = []
+    """One per model turn of the episode, in order: the reward of the environment's step that
+    answered it and did not end the episode (None read as 0); 0 for a turn answered by tools
+    and for the turn the ending step answered (its reward is `reward`, the outcome)."""
     samples: int = 0
     resumed: int = 0
     """Times another worker took the episode over from its last recorded turn."""
@@ -90,7 +94,9 @@ class EpisodeProgress(BaseModel):
     )
 
     def as_task(self) -> dict[str, Any]:
-        return self.model_dump(exclude={"cut", "timings"})
+        """`task["episode"]` of the trajectory (the episode's turn rewards: the stored sample's
+        are put there by the runner, `schemas.turn_rewards.sample_turn_rewards`)."""
+        return self.model_dump(exclude={"cut", "timings", "turn_rewards"})
 
 
 class EpisodeState(KvRecord):

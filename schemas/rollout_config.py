@@ -99,6 +99,10 @@ class SGLangRolloutConfig(Section):
     dtype: EngineDtype = "auto"
     """Weights and activations dtype in the engine; auto: the checkpoint's. Loaded weights are
     cast to it."""
+    weight_bucket_bytes: int = Field(512 * 2**20, ge=1)
+    """Most bytes of tensors in one `update_weights_from_tensor` of a weight load (512 MiB): the
+    tensors a version changed go into the engine in buckets this size (a larger tensor alone),
+    each checked by SGLang's answer and a read-back of its first tensor's first row."""
     slots: int = Field(64, ge=1)
     """With `rollout.continuous`: samples generating at once in one engine (SGLang's
     `max_running_requests`); the worker submits a sample as soon as one is free

@@ -47,6 +47,8 @@ attention_mask and loss_mask (1 each), rounded up."""
 REFERENCE_BYTES_PER_TOKEN = 4
 """The reference log-prob (float32) a scored sample carries per response token, and a batch per
 position when the run has the reference stage."""
+TOKEN_REWARD_BYTES_PER_TOKEN = 4
+"""The token reward (float32) a batch carries per position with `agent.turn_rewards`."""
 EVENT_OVERHEAD = 4096
 """Ids, task dict, timings, headers of one event."""
 WEIGHTS_EVENT_BYTES = 64 * 1024
@@ -129,6 +131,8 @@ def _needs(cfg: RunConfig) -> dict[str, tuple[float, str]]:
     per_position = BATCH_BYTES_PER_TOKEN + (
         REFERENCE_BYTES_PER_TOKEN if cfg.reference.enabled else 0
     )
+    if cfg.agent is not None and cfg.agent.turn_rewards:
+        per_position += TOKEN_REWARD_BYTES_PER_TOKEN
     step = group * (prompt_tokens + response_tokens) * per_position + EVENT_OVERHEAD
     versions = cfg.trainer.steps // cfg.trainer.sync_every + 1
     trained_prompts = cfg.trainer.steps * a.prompts_per_step

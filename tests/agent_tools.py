@@ -46,10 +46,12 @@ class AskAgain:
     """An environment for the rollout tests (`agent.environment`): after the model's first
     answer it asks "Are you sure?", and the second answer ends the episode with reward 1.0 if
     it says 42. With `hold`, each episode's first step waits for `release` (the test loads new
-    weights meanwhile); `held` counts the episodes waiting there."""
+    weights meanwhile); `held` counts the episodes waiting there. `turn_reward`: the reward of
+    the first step (the one that asks again), for `agent.turn_rewards`."""
 
-    def __init__(self, hold: bool = False) -> None:
+    def __init__(self, hold: bool = False, turn_reward: float | None = None) -> None:
         self.hold = hold
+        self.turn_reward = turn_reward
         self.held = 0
         self.release = asyncio.Event()
 
@@ -63,7 +65,7 @@ class AskAgain:
             if self.hold:
                 self.held += 1
                 await self.release.wait()
-            return [{"role": "user", "content": "Are you sure?"}], None, False
+            return [{"role": "user", "content": "Are you sure?"}], self.turn_reward, False
         return [], float("42" in messages[-1]["content"]), True
 
 

@@ -33,7 +33,11 @@ from engines.continuous import ContinuousAdapter, PartialMode
 from engines.sglang_continuous import SGLangContinuousEngine
 from engines.sglang_rollout import SGLangSettings
 from engines.vllm_continuous import VLLMContinuousEngine
-from engines.vllm_rollout import INSECURE_SERIALIZATION_ENV, VLLMSettings
+from engines.vllm_rollout import (
+    DEFAULT_WEIGHT_BUCKET_BYTES,
+    INSECURE_SERIALIZATION_ENV,
+    VLLMSettings,
+)
 from tests.engine_standins import (
     bind_loop_as_sglang,
     payload_bytes,
@@ -57,6 +61,8 @@ class FakeCore:
         self.events: list[str] = []
         self.violations: list[str] = []
         self.loads = 0
+        self.skip: set[str] = set()
+        """Names a load passes over without a word (a loader that skips them)."""
 
     def draw(self, request_id: str, ids: list[int], temperature: float) -> tuple[int, float]:
         with torch.no_grad():
@@ -107,7 +113,8 @@ class FakeCore:
         params = dict(self.hf.named_parameters())
         with torch.no_grad():
             for name, tensor in weights:
-                params[name].copy_(tensor)
+                if name not in self.skip:
+                    params[name].copy_(tensor)
         self.loads += 1
         self.events.append("load")
 
@@ -122,7 +129,10 @@ class FakeAsyncLLM:
         self.flag_at_start = os.environ.get(INSECURE_SERIALIZATION_ENV)
         self.rpc_bytes: list[int] = []
         """Bytes (tensors and bytes objects) each `collective_rpc` carried, in order."""
-        model = SimpleNamespace(load_weights=lambda weights: core.load(list(weights)))
+        model = SimpleNamespace(
+            load_weights=lambda weights: core.load(list(weights)),
+            named_parameters=core.hf.named_parameters,
+        )
         self.worker = SimpleNamespace(model_runner=SimpleNamespace(model=model))
 
     async def generate(
@@ -182,6 +192,8 @@ class FakeAsyncLLM:
 class FakeTokenizerManager:
     def __init__(self, core: FakeCore) -> None:
         self.core = core
+        self.flushed: list[bool] = []
+        """`flush_cache` of each update, in order."""
 
     def abort_request(self, rid: str) -> None:
         self.core.events.append(f"abort {rid}")
@@ -196,9 +208,14 @@ class FakeTokenizerManager:
         self.core.events.append("resume")
 
     async def update_weights_from_tensor(self, request: Any, http: None) -> tuple[bool, str]:
-        assert request.flush_cache and len(request.serialized_named_tensors) == 1, request
+        assert len(request.serialized_named_tensors) == 1, request
         self.core.load(request.serialized_named_tensors[0])
+        self.flushed.append(request.flush_cache)
         return True, "ok"
+
+    async def get_weights_by_name(self, request: Any, http: None) -> list[Any]:
+        param = dict(self.core.hf.named_parameters())[request.name]
+        return param[: request.truncate_size].detach().float().tolist()
 
 
 class FakeSGLangEngine:
@@ -264,16 +281,16 @@ def adapter(
     **fake: Any,
 ) -> ContinuousAdapter:
     """The `kind` ("vllm" / "sglang") adapter built by its constructor over a fake engine
-    (`fake`: the fake's options; `bucket_bytes`: vLLM's ``weight_bucket_bytes``)."""
+    (`fake`: the fake's options; `bucket_bytes`: the section's ``weight_bucket_bytes``)."""
+    size = DEFAULT_WEIGHT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
     if kind == "vllm":
-        vllm = (
-            VLLMSettings()
-            if bucket_bytes is None
-            else VLLMSettings(weight_bucket_bytes=bucket_bytes)
-        )
         with patch.dict(
             sys.modules, vllm_module(async_engine=lambda _: FakeAsyncLLM(core, **fake))
         ):
-            return VLLMContinuousEngine(model_dir, vllm, slots, mode)
+            return VLLMContinuousEngine(
+                model_dir, VLLMSettings(weight_bucket_bytes=size), slots, mode
+            )
     with patch.dict(sys.modules, sglang_modules(engine=lambda **_: FakeSGLangEngine(core))):
-        return SGLangContinuousEngine(model_dir, SGLangSettings(), slots, mode)
+        return SGLangContinuousEngine(
+            model_dir, SGLangSettings(weight_bucket_bytes=size), slots, mode
+        )

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -114,6 +114,10 @@ class Loader:
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module, self.calls = module, 0
+        self.skip: set[str] = set()
+        """Names `load_weights` passes over without a word, as vLLM's loaders pass over some
+        (a bias the model lacks, a pipeline stage's missing layer): a load the read-back must
+        catch."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         self.calls += 1
@@ -121,9 +125,15 @@ class Loader:
         loaded = set()
         with torch.no_grad():
             for name, tensor in weights:
+                if name in self.skip:
+                    continue
                 params[name].copy_(tensor)
                 loaded.add(name)
         return loaded
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """The model's parameters, as a vLLM model (an `nn.Module`) lists them."""
+        return self.module.named_parameters()
 
 
 class StandInLLM:
@@ -139,6 +149,8 @@ class StandInLLM:
         self.events: list[str] = []
         self.rpc_bytes: list[int] = []
         """Bytes (tensors and bytes objects) each `collective_rpc` carried, in order."""
+        self.corrupt = False
+        """Flip a byte of each bucket on its way to the worker."""
 
     def generate(
         self, prompts: list[dict[str, list[int]]], sampling: dict[str, Any], use_tqdm: bool
@@ -159,6 +171,9 @@ class StandInLLM:
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
+        if self.corrupt and args and isinstance(args[0], bytes):
+            # A bucket changed on the way: its last byte (tensor data) flipped.
+            args = (args[0][:-1] + bytes([args[0][-1] ^ 0xFF]), *args[1:])
         result = vllm_rpc(self.worker, method, args, kwargs, self.flag_at_start)
         self.rpc_bytes.append(payload_bytes((args, kwargs)))
         self.events.append("load")
@@ -213,6 +228,10 @@ class StandInSGLangEngine:
         self.flushed: list[bool] = []
         self.refuse_loads = False
         """Answer loads as SGLang answers a failed one: ``(False, message)``."""
+        self.skip: set[str] = set()
+        """Names an update passes over while answering success (a loader that skips a name)."""
+        self.updates: list[list[str]] = []
+        """The names of each `update_weights_from_tensor` call, in order."""
         self.shut_down_on: str | None = None
         """The thread `shutdown` ran on."""
         self.loop = bind_loop_as_sglang()  # last, as in SGLang
@@ -242,8 +261,18 @@ class StandInSGLangEngine:
         with torch.no_grad():
             for name, tensor in named_tensors:
                 assert tensor.dtype == params[name].dtype, name
-                params[name].copy_(tensor)
+                if name not in self.skip:
+                    params[name].copy_(tensor)
         self.flushed.append(flush)
+        self.updates.append([name for name, _ in named_tensors])
+
+    async def _read(self, name: str, truncate_size: int) -> list[Any]:
+        # SGLang's models: the parameter's first rows, as float32 lists.
+        param = dict(self.hf.model.named_parameters())[name]
+        return param[:truncate_size].detach().float().tolist()
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        return self.loop.run_until_complete(self._read(name, truncate_size))
 
     def update_weights_from_tensor(
         self,
@@ -272,6 +301,7 @@ def sglang_modules(
     io.PauseGenerationReqInput = lambda mode: SimpleNamespace(mode=mode)  # type: ignore[attr-defined]
     io.ContinueGenerationReqInput = SimpleNamespace  # type: ignore[attr-defined]
     io.UpdateWeightsFromTensorReqInput = lambda **kw: SimpleNamespace(**kw)  # type: ignore[attr-defined]
+    io.GetWeightsByNameReqInput = lambda **kw: SimpleNamespace(**kw)  # type: ignore[attr-defined]
     utils = ModuleType("sglang.srt.utils")
     serializer = SimpleNamespace(serialize=lambda pairs: pairs)
     utils.MultiprocessingSerializer = serializer  # type: ignore[attr-defined]

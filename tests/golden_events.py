@@ -74,6 +74,27 @@ def golden() -> dict[str, Event]:
         response_mask=Tensor.from_numpy(np.array([1, 1, 0, 0, 1], dtype=np.uint8)),
     )
     b, t = 2, 4
+    batch = BatchEvent(
+        id="g/step/4/0/0",
+        run="g",
+        time=T0,
+        source="host:1:buffer",
+        step=4,
+        dp_rank=0,
+        dp_size=1,
+        micro_index=0,
+        micro_count=1,
+        input_ids=Tensor.from_numpy(np.arange(b * t, dtype=np.int32).reshape(b, t)),
+        attention_mask=Tensor.from_numpy(np.ones((b, t), dtype=np.uint8)),
+        loss_mask=Tensor.from_numpy(np.array([[0, 0, 1, 1], [0, 1, 1, 0]], dtype=np.uint8)),
+        advantages=Tensor.from_numpy(np.array([1.0, -1.0], dtype=np.float32)),
+        behaviour_logprobs=Tensor.from_numpy(np.full((b, t), -0.5, dtype=np.float32)),
+        versions=Tensor.from_numpy(np.full((b, t), 3, dtype=np.int32)),
+        rewards=Tensor.from_numpy(np.array([1.0, 0.0], dtype=np.float32)),
+        sample_ids=("g/0/3/0", "g/0/3/1"),
+        step_prompt_ids=("g/0/3",),
+        traceparents=("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", ""),
+    )
     return {
         "prompt.v1": PromptEvent(
             id="g/0/3",
@@ -112,26 +133,25 @@ def golden() -> dict[str, Event]:
                 np.array([-0.25, -1.0, -3.5, -0.75, -0.125], dtype=np.float32)
             ),
         ),
-        "batch.v1": BatchEvent(
-            id="g/step/4/0/0",
+        "batch.v1": batch,
+        # An episode of two model turns: the first turn's reward on its last token (the episode's
+        # outcome stays the reward, on the last token).
+        "reward.v3": RewardEvent(
+            id=episode.id,
             run="g",
             time=T0,
-            source="host:1:buffer",
-            step=4,
-            dp_rank=0,
-            dp_size=1,
-            micro_index=0,
-            micro_count=1,
-            input_ids=Tensor.from_numpy(np.arange(b * t, dtype=np.int32).reshape(b, t)),
-            attention_mask=Tensor.from_numpy(np.ones((b, t), dtype=np.uint8)),
-            loss_mask=Tensor.from_numpy(np.array([[0, 0, 1, 1], [0, 1, 1, 0]], dtype=np.uint8)),
-            advantages=Tensor.from_numpy(np.array([1.0, -1.0], dtype=np.float32)),
-            behaviour_logprobs=Tensor.from_numpy(np.full((b, t), -0.5, dtype=np.float32)),
-            versions=Tensor.from_numpy(np.full((b, t), 3, dtype=np.int32)),
-            rewards=Tensor.from_numpy(np.array([1.0, 0.0], dtype=np.float32)),
-            sample_ids=("g/0/3/0", "g/0/3/1"),
-            step_prompt_ids=("g/0/3",),
-            traceparents=("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", ""),
+            source="host:1:reward",
+            trajectory=episode,
+            reward=1.0,
+            components={"exact": 1.0},
+            turn_rewards=Tensor.from_numpy(np.array([0.25, 0.0], dtype=np.float32)),
+        ),
+        "batch.v2": batch.model_copy(
+            update={
+                "token_rewards": Tensor.from_numpy(
+                    np.array([[0, 0, 0, 0.5], [0, -0.25, 0, 0]], dtype=np.float32)
+                )
+            }
         ),
         "weights.v1": WeightVersionEvent(
             id="g/weights/4",

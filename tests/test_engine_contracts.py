@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import importlib
 import inspect
 import threading
@@ -107,15 +108,20 @@ def test_vllm_carries_our_loader_and_a_bucket_to_the_worker_with_the_flag(no_fla
     serial = package("vllm.v1.serial_utils")
     allow_function_rpc()  # what both adapters do before the engine starts
     sent = bucket()
-    frames = serial.MsgpackEncoder().encode(rpc_message(load_on_worker, (pack_bucket(sent),)))
+    packed = pack_bucket(sent)
+    digest = hashlib.sha256(packed).hexdigest()
+    frames = serial.MsgpackEncoder().encode(rpc_message(load_on_worker, (packed, digest)))
     size = sum(len(memoryview(frame)) for frame in frames)
-    assert size <= BUCKET + HEADER_SLACK, size  # the bucket bounds the message vLLM sends
+    assert size <= BUCKET + HEADER_SLACK + 256, size  # the bucket bounds the message vLLM sends
     _, _, name, (method, timeout, args, kwargs) = serial.MsgpackDecoder().decode(frames)
     assert (name, method, timeout) == ("collective_rpc", load_on_worker, None)
     got: dict[str, torch.Tensor] = {}
-    model = SimpleNamespace(load_weights=lambda weights: got.update(weights))
+    model = SimpleNamespace(
+        load_weights=lambda weights: got.update(weights), named_parameters=lambda: iter(())
+    )
     worker = SimpleNamespace(model_runner=SimpleNamespace(model=model))
-    serial.run_method(worker, method, tuple(args), kwargs or {})
+    answer = serial.run_method(worker, method, tuple(args), kwargs or {})
+    assert (answer["sha256"], answer["loaded"]) == (digest, True), answer  # the bytes as sent
     assert list(got) == [n for n, _ in sent]
     for n, tensor in sent:
         assert torch.equal(got[n], tensor), n
@@ -218,6 +224,7 @@ def test_sglang_takes_every_name_we_pass() -> None:
         rid="r",
     )
     binds(engine.update_weights_from_tensor, engine, named_tensors=[], flush_cache=True)
+    binds(engine.get_weights_by_name, engine, "model.norm.weight", truncate_size=1)
     binds(engine.shutdown, engine)
     io = sglang_io()
     assert io.pause is not None and io.resume is not None
@@ -229,6 +236,8 @@ def test_sglang_takes_every_name_we_pass() -> None:
     binds(manager.pause_generation, manager, io.pause(mode="retract"))
     binds(manager.continue_generation, manager, io.resume())
     binds(manager.update_weights_from_tensor, manager, update, None)
+    read = io.read(name="model.norm.weight", truncate_size=1)
+    binds(manager.get_weights_by_name, manager, read, None)
 
 
 def test_sglang_binds_the_running_loop_else_the_threads_own_as_the_stand_in_does() -> None:

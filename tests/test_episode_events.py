@@ -93,7 +93,9 @@ def test_version_1_events_upgrade_to_version_2_with_no_mask() -> None:
     assert (trajectory.schema_version, trajectory.response_mask) == (2, None)
     assert trajectory.trained_versions().tolist() == [3, 3, 4]
     reward = decode((GOLDEN / "reward.v1.msgpack").read_bytes(), RewardEvent)
-    assert reward.schema_version == 2 and reward.trajectory == trajectory
+    # (and on to version 3, the reward's current: no turn rewards)
+    assert (reward.schema_version, reward.turn_rewards) == (3, None)
+    assert reward.trajectory == trajectory
     assert msgpack.unpackb(encode(reward))["trajectory"]["schema_version"] == 2
     # A version-1 reward whose trajectory is broken still fails as the trajectory's problem.
     old = msgpack.unpackb((GOLDEN / "reward.v1.msgpack").read_bytes())

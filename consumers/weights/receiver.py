@@ -12,7 +12,16 @@
          `earlier`, with `bus.readers.LastStored`), a delta applied only onto the base
          version it names, in a thread, all or nothing, every tensor checked against the
          manifest
-      -> yield `Ready` (event + verified tensors): the stage pauses, loads, resumes
+      -> yield `Ready` (event + verified tensors + `changed`, the names whose bytes differ
+         from what the engine holds): the stage pauses, loads those, resumes, and says so
+         (`loaded`); only then does the receiver count the version as served
+
+What the engine holds is known by checksum: the manifest of the version last confirmed
+loaded (`held`, name -> sha256). A version's `changed` tensors are those whose sha256 differs
+from it, whether the version came whole or as a delta: a delta's untouched tensors, or the
+frozen tensors of a full version, never reach the engine again. Nothing is known of the
+weights the engine started with, and nothing after a load that was not confirmed (a bucket
+may have gone in): `held` is then empty and the next version goes in whole.
 
 What fails is handled here, one way each: bytes that must never be loaded (a bad manifest or
 checksum, a delta onto a base the copy does not hold) are refused through the reader
@@ -33,7 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import nats.errors
@@ -69,10 +78,17 @@ full version, published before the event being followed; WeightsMissing for any 
 @dataclass(frozen=True)
 class Ready:
     """A version verified and ready to load: its event and its tensors (CPU, the manifest's
-    names; the copy's own on a delta chain, to be loaded before the receiver goes on)."""
+    names; the copy's own on a delta chain, to be loaded before the receiver goes on), and
+    `changed`: the names of those whose bytes differ from what the engine holds, the only
+    ones the stage hands it."""
 
     event: WeightVersionEvent
     tensors: dict[str, torch.Tensor]
+    changed: frozenset[str]
+
+    def to_load(self) -> dict[str, torch.Tensor]:
+        """The tensors the engine does not hold yet (`changed`), by name."""
+        return {name: tensor for name, tensor in self.tensors.items() if name in self.changed}
 
 
 class Copy:
@@ -185,9 +201,12 @@ class WeightsReceiver:
         self.js, self.topology, self.publisher, self.config = js, topology, publisher, config
         self.model, self.member_id, self.handled = model, member_id, handled
         self.version = version
-        """The version served: the last one yielded (loaded by the stage before it asks again)."""
+        """The version served: the last one the stage confirmed loaded (`loaded`)."""
         self.served: str | None = None
         """Id of the event served; None: the weights the worker started with."""
+        self.held: dict[str, str] = {}
+        """Name -> sha256 of the tensors the engine holds (the manifest of the version served);
+        empty when unknown: at the start, and after a load that was not confirmed."""
         self.chain = Copy()
         """The CPU copy of the version served, which deltas apply onto (`weights.delta`)."""
         self.transports: dict[str, WeightTransport] = {}
@@ -199,7 +218,7 @@ class WeightsReceiver:
     def __aiter__(self) -> AsyncIterator[Ready]:
         return self.follow()
 
-    async def follow(self) -> AsyncIterator[Ready]:
+    async def follow(self) -> AsyncGenerator[Ready]:
         """Each version to load, in the order announced; the stage loads it before asking again.
         `weights` is read from its last stored event on (bytes that are no event: dead-lettered
         by the reader, as every refused version is)."""
@@ -208,10 +227,24 @@ class WeightsReceiver:
             async for stored in reader:
                 ready = await self.receive(stored, reader)
                 if ready is not None:
-                    self.version, self.served = ready.event.version, ready.event.id
                     yield ready
+                    if self.served != ready.event.id:
+                        # Not confirmed: some of its tensors may be in the engine, some not.
+                        self.held = {}
+                        log.warning(
+                            "weights v%d not confirmed loaded, still serving v%d; the next "
+                            "version goes in whole",
+                            ready.event.version,
+                            self.version,
+                        )
                 if self.handled is not None:
                     self.handled.set()
+
+    def loaded(self, ready: Ready) -> None:
+        """The stage's word that every engine copy holds `ready`'s version (each load read
+        back): the version is served, and the next version's `changed` is counted from it."""
+        self.version, self.served = ready.event.version, ready.event.id
+        self.held = {spec.name: spec.sha256 for spec in ready.event.manifest}
 
     async def receive(
         self, stored: Stored[WeightVersionEvent], reader: Broadcast[WeightVersionEvent]
@@ -254,7 +287,8 @@ class WeightsReceiver:
         tensors = await self.chain.fetch(
             event, self.transport, lambda versions, full: self.earlier(seq, versions, full)
         )
-        return Ready(event, tensors)
+        changed = frozenset(s.name for s in event.manifest if self.held.get(s.name) != s.sha256)
+        return Ready(event, tensors, changed)
 
     async def superseded(self, event: WeightVersionEvent) -> bool | None:
         """Whether a version newer than `event`'s is announced (the last on `weights`); None

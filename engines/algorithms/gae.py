@@ -40,6 +40,19 @@ def outcome_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return rewards
 
 
+def token_rewards(
+    scores: torch.Tensor, mask: torch.Tensor, inside: torch.Tensor | None = None
+) -> torch.Tensor:
+    """GAE's [B, T] per-token rewards: the outcome `scores` [B] on each row's last loss token
+    (`outcome_rewards`) plus the rewards `inside` the response [B, T] (per-turn rewards, each on
+    its turn's last token; 0 off the mask), or the outcome alone for None. The outcome is added
+    once: a turn's reward never holds the episode's end (`schemas.turn_rewards`)."""
+    rewards = outcome_rewards(scores, mask)
+    if inside is None:
+        return rewards
+    return rewards + inside.to(rewards.dtype) * mask
+
+
 def gae_advantages(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

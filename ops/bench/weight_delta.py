@@ -84,14 +84,30 @@ def timed(fn: Callable[[], object], repeat: int, setup: Callable[[], None] = lam
     return statistics.median(times)
 
 
+def unchanged(before: Weights, after: Weights) -> dict:
+    """Tensors whose published bytes one step left as they were (what the rollout's engine is
+    not sent again, issue 28): their count and their share of the version's bytes."""
+    same = [
+        n for n, t in after.items() if torch.equal(before[n].view(torch.int16), t.view(torch.int16))
+    ]
+    return {
+        "tensors": len(after),
+        "unchanged_tensors": len(same),
+        "unchanged_bytes_fraction": sum(after[n].nbytes for n in same)
+        / sum(t.nbytes for t in after.values()),
+        "unchanged_names": same,
+    }
+
+
 def measure(before: Weights, after: Weights, repeat: int) -> dict:
     full_mb = sum(t.nbytes for t in after.values()) / 1e6
     figures: dict = {
+        **unchanged(before, after),
         "changed_fraction": sum(
             int((before[n].view(torch.int16) != t.view(torch.int16)).sum())
             for n, t in after.items()
         )
-        / sum(t.numel() for t in after.values())
+        / sum(t.numel() for t in after.values()),
     }
     for world in (1, 4):
         shards = assign_shards({n: t.nbytes for n, t in after.items()}, world)
