@@ -64,7 +64,7 @@ def non_negative(tensors: dict[str, Tensor]) -> None:
 
 
 def at_least(name: str, values: np.ndarray, low: int) -> None:
-    if values.size and values.min() < low:
+    if values.size and np.minimum.reduce(values, axis=None) < low:
         raise ValueError(f"{name} holds {values.min()}, below {low}")
 
 

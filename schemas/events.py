@@ -17,7 +17,14 @@ import time
 from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    FiniteFloat,
+    ModelWrapValidatorHandler,
+    model_validator,
+)
 
 from schemas.array_checks import (
     at_least,
@@ -172,8 +179,25 @@ class TrajectoryEvent(Event):
         versions = self.versions.numpy()
         return versions if self.response_mask is None else versions[self.trained_mask()]
 
-    @model_validator(mode="after")
-    def _aligned(self) -> TrajectoryEvent:
+    @model_validator(mode="wrap")
+    @classmethod
+    def _checked(
+        cls, data: Any, handler: ModelWrapValidatorHandler[TrajectoryEvent]
+    ) -> TrajectoryEvent:
+        """`_aligned` on what pydantic built from a map (decode, a constructor), not on an
+        instance given as a field (a RewardEvent's trajectory): pydantic 2.14 reruns an `after`
+        validator on such an instance, a second full check per reward the reward worker or the
+        reference stage builds. A frozen instance was checked when it was validated; only
+        `model_construct` and `model_copy(update=...)` make one unchecked, which pydantic
+        documents as skipping validation and no stage does, and `decode` always checks a
+        trajectory read from the wire, nested or not."""
+        if type(data) is cls:
+            return data
+        event = handler(data)
+        event._aligned()
+        return event
+
+    def _aligned(self) -> None:
         r = self.response_ids.shape
         if len(r) != 1 or self.logprobs.shape != r or self.versions.shape != r:
             raise ValueError(
@@ -196,14 +220,14 @@ class TrajectoryEvent(Event):
         if self.prompt_ids.shape == (0,):
             raise ValueError("prompt_ids is empty: nothing conditions the response")
         vectors("float32", {"logprobs": self.logprobs})
-        log_probs("logprobs", self.logprobs.numpy())
+        logprobs = self.logprobs.numpy()
+        log_probs("logprobs", logprobs)
         # An empty response is valid: a sample that stopped at once, scored like any other.
         if self.response_mask is None:
             non_negative(ints)
         else:
             non_negative({"prompt_ids": self.prompt_ids, "response_ids": self.response_ids})
-            _masked_tokens(self.response_mask, self.versions.numpy(), self.logprobs.numpy())
-        return self
+            _masked_tokens(self.response_mask, self.versions.numpy(), logprobs)
 
 
 def _masked_tokens(mask: Tensor, versions: np.ndarray, logprobs: np.ndarray) -> None:
@@ -215,16 +239,19 @@ def _masked_tokens(mask: Tensor, versions: np.ndarray, logprobs: np.ndarray) -> 
         raise ValueError(f"response_mask {values.shape} must match response_ids {versions.shape}")
     if values.size == 0:
         return
-    if values.max() > 1:
+    if np.maximum.reduce(values) > 1:
         raise ValueError("response_mask must be 0/1")
-    model = values == 1
+    model = values.view(np.bool_)  # 0/1 bytes: the mask itself, no copy
     if not model.any():
         raise ValueError("response_mask has no model token (1): nothing to train")
-    if versions[model].min() < 0:
-        raise ValueError("versions must be >= 0 at model tokens (response_mask 1)")
-    if np.any(versions[~model] != -1):
+    # The versions' sign is the mask (>= 0 at model tokens, < 0 at the others) and none is below
+    # -1: elementwise passes over the whole response instead of a gathered copy per test.
+    if np.not_equal(versions >= 0, model).any() or np.minimum.reduce(versions) < -1:
+        if versions[model].min() < 0:
+            raise ValueError("versions must be >= 0 at model tokens (response_mask 1)")
         raise ValueError("versions must be -1 at environment tokens (response_mask 0)")
-    if np.any(logprobs[~model] != 0.0):
+    # Log-probs are <= 0 (checked first): their sum off the mask is 0.0 only if each one is.
+    if np.add.reduce(logprobs, where=~model) != 0.0:
         raise ValueError("logprobs must be 0.0 at environment tokens (response_mask 0)")
 
 
@@ -372,8 +399,10 @@ class BatchEvent(Event):
         at_least("input_ids", checked_values("input_ids", self.input_ids, "int32", 2), 0)
         attention = checked_values("attention_mask", self.attention_mask, "uint8", 2)
         loss = checked_values("loss_mask", self.loss_mask, "uint8", 2)
-        if attention.max() > 1 or loss.max() > 1 or np.any(loss > attention):
+        # loss <= attention <= 1 holds both masks 0/1: a loss value above 1 is above attention.
+        if np.maximum.reduce(attention, axis=None) > 1 or np.greater(loss, attention).any():
             raise ValueError("masks must be 0/1, with loss_mask only where attention_mask is 1")
+        on_loss = loss.view(np.bool_)  # 0/1 bytes: the loss mask itself, no copy
         finite("advantages", checked_values("advantages", self.advantages, "float32", 1))
         finite("rewards", checked_values("rewards", self.rewards, "float32", 1))
         log_probs(
@@ -386,11 +415,11 @@ class BatchEvent(Event):
             ref = checked_values("ref_logprobs", self.ref_logprobs, "float32", 2)
             log_probs("ref_logprobs", ref)
         if self.token_rewards is not None:
-            check_token_rewards(self.token_rewards, loss)
+            check_token_rewards(self.token_rewards, ~on_loss)
         versions = checked_values("versions", self.versions, "int32", 2)
         at_least("versions", versions, -1)
         # A token trained at `step` was generated by weights no newer than the step's input.
-        trained = versions[loss == 1]
+        trained = versions[on_loss]
         if trained.size and (trained.min() < 0 or trained.max() > self.step):
             raise ValueError(f"versions on the loss mask must be in [0, step {self.step}]")
         return self

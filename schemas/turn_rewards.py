@@ -45,37 +45,49 @@ def turn_ends(mask: np.ndarray | None, length: int) -> np.ndarray:
     return np.flatnonzero(on & ~following).astype(np.int64)
 
 
+def _one_per_turn(turn_rewards: np.ndarray, turns: int) -> None:
+    """ValueError unless `turn_rewards` is [turns]: one reward per model turn."""
+    if turn_rewards.shape != (turns,):
+        raise ValueError(
+            f"{turn_rewards.shape[0] if turn_rewards.ndim == 1 else turn_rewards.shape} turn "
+            f"rewards for {turns} model turns in the response mask"
+        )
+
+
 def place(turn_rewards: np.ndarray, mask: np.ndarray | None, length: int) -> np.ndarray:
     """float32 [R]: turn reward k (float [K]) on the last token of model turn k, 0 elsewhere.
     ValueError when K is not the number of model turns in `mask`."""
     ends = turn_ends(mask, length)
-    if turn_rewards.shape != ends.shape:
-        raise ValueError(
-            f"{turn_rewards.shape[0] if turn_rewards.ndim == 1 else turn_rewards.shape} turn "
-            f"rewards for {ends.size} model turns in the response mask"
-        )
+    _one_per_turn(turn_rewards, ends.size)
     out = np.zeros(length, np.float32)
     out[ends] = turn_rewards
     return out
 
 
 def check_turn_rewards(turn_rewards: Tensor, mask: np.ndarray | None, length: int) -> None:
-    """`RewardEvent.turn_rewards`: float32 [K], finite, one per model turn of the response."""
+    """`RewardEvent.turn_rewards`: float32 [K], finite, one per model turn of the response.
+    `mask` is the trajectory's, already checked 0/1 [R] by its own validator: the turns are
+    counted (the ends of its runs of 1s), without `place`'s array of R floats."""
     values = checked_values("turn_rewards", turn_rewards, "float32", 1)
     finite("turn_rewards", values)
-    place(values, mask, length)  # raises when K is not the model turns' count
+    if mask is None:
+        turns = 1 if length else 0
+    else:  # a run of 1s ends where a 1 is followed by a 0, or at the last token
+        turns = int(np.count_nonzero(mask[:-1] > mask[1:])) + int(length > 0 and mask[-1] == 1)
+    _one_per_turn(values, turns)
 
 
-def check_token_rewards(token_rewards: Tensor, loss_mask: np.ndarray) -> None:
+def check_token_rewards(token_rewards: Tensor, off_loss: np.ndarray) -> None:
     """`BatchEvent.token_rewards`: float32 [B, T] like the loss mask, finite, 0 off the loss
-    mask (GAE skips tokens off the mask: a reward there would be lost without a word)."""
-    if token_rewards.shape != loss_mask.shape:
+    mask (GAE skips tokens off the mask: a reward there would be lost without a word).
+    `off_loss`: bool [B, T], True off the loss mask (the batch's validator makes it once)."""
+    if token_rewards.shape != off_loss.shape:
         raise ValueError(
-            f"token_rewards has shape {token_rewards.shape}, expected {loss_mask.shape}"
+            f"token_rewards has shape {token_rewards.shape}, expected {off_loss.shape}"
         )
     values = checked_values("token_rewards", token_rewards, "float32", 2)
     finite("token_rewards", values)
-    if np.any(values[loss_mask == 0] != 0.0):
+    if np.any(values[off_loss]):
         raise ValueError("token_rewards must be 0 off the loss mask")
 
 
