@@ -22,7 +22,8 @@ from pydantic import (
     ConfigDict,
     Field,
     FiniteFloat,
-    ModelWrapValidatorHandler,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
     model_validator,
 )
 
@@ -179,25 +180,8 @@ class TrajectoryEvent(Event):
         versions = self.versions.numpy()
         return versions if self.response_mask is None else versions[self.trained_mask()]
 
-    @model_validator(mode="wrap")
-    @classmethod
-    def _checked(
-        cls, data: Any, handler: ModelWrapValidatorHandler[TrajectoryEvent]
-    ) -> TrajectoryEvent:
-        """`_aligned` on what pydantic built from a map (decode, a constructor), not on an
-        instance given as a field (a RewardEvent's trajectory): pydantic 2.14 reruns an `after`
-        validator on such an instance, a second full check per reward the reward worker or the
-        reference stage builds. A frozen instance was checked when it was validated; only
-        `model_construct` and `model_copy(update=...)` make one unchecked, which pydantic
-        documents as skipping validation and no stage does, and `decode` always checks a
-        trajectory read from the wire, nested or not."""
-        if type(data) is cls:
-            return data
-        event = handler(data)
-        event._aligned()
-        return event
-
-    def _aligned(self) -> None:
+    @model_validator(mode="after")
+    def _aligned(self) -> TrajectoryEvent:
         r = self.response_ids.shape
         if len(r) != 1 or self.logprobs.shape != r or self.versions.shape != r:
             raise ValueError(
@@ -228,6 +212,22 @@ class TrajectoryEvent(Event):
         else:
             non_negative({"prompt_ids": self.prompt_ids, "response_ids": self.response_ids})
             _masked_tokens(self.response_mask, self.versions.numpy(), logprobs)
+        return self
+
+
+def _checked_once(value: Any, handler: ValidatorFunctionWrapHandler) -> TrajectoryEvent:
+    """A RewardEvent's trajectory: a map is validated (and checked by `_aligned`), an instance
+    is taken as it is. pydantic 2.14 reruns a model's `after` validator on an instance given as
+    a field: a second full trajectory check per reward the reward worker or the reference stage
+    builds from the trajectory it decoded. A frozen instance was checked when it was validated;
+    only `model_construct` and `model_copy(update=...)` make one unchecked, which pydantic
+    documents as skipping validation and no stage does, and `decode` always checks a trajectory
+    read from the wire (a map). Here, not on the trajectory itself: a wrap validator on the
+    model costs every trajectory decode about 1 µs."""
+    if type(value) is TrajectoryEvent:
+        return value
+    trajectory: TrajectoryEvent = handler(value)
+    return trajectory
 
 
 def _masked_tokens(mask: Tensor, versions: np.ndarray, logprobs: np.ndarray) -> None:
@@ -270,7 +270,7 @@ class RewardEvent(Event):
     type: Literal["jetrl.reward"] = "jetrl.reward"
     schema_version: Literal[3] = 3
 
-    trajectory: TrajectoryEvent
+    trajectory: Annotated[TrajectoryEvent, WrapValidator(_checked_once)]
     """The trajectory that was scored."""
     reward: float = Field(allow_inf_nan=False)
     """Scalar reward (0.0 when failed)."""
