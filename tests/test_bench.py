@@ -45,6 +45,22 @@ BUS_FIGURES = {
 }
 
 
+@pytest.mark.timeout(120)
+def test_bench_codec_quick() -> None:
+    """Every event and size has its figures, finite and positive; a reward its build time."""
+    figures = last_json(["ops.bench.codec", "--quick"], timeout=100)
+    assert figures["bench"] == "codec" and figures["quick"] is True
+    assert len(figures["events"]) == 6
+    for name, sizes in figures["events"].items():
+        assert set(sizes) == {"1024", "4096", "16384"}, name
+        for size in sizes.values():
+            expected = {"codec_us", "validate_us", "bare_msgpack_us"}
+            if name.startswith("reward"):
+                expected.add("build_us")
+            assert set(size) == expected, name
+            assert all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in size.values())
+
+
 @pytest.mark.timeout(300)
 def test_bench_bus_quick(tmp_path: Path) -> None:
     """Well-formed and sane, not fast: every size's figures are there, finite and positive, and
