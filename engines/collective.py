@@ -29,6 +29,15 @@ import torch
 import torch.distributed as dist
 
 from engines.collective_plan import ALIGN, Into, Spec, layout, misfit, pieces, sent_by, specs_of
+from engines.collective_tensors import (
+    ENGINE,
+    open_tensor_group,
+    place,
+    ranks_of,
+    receive_tensors,
+    send_tensors,
+    start_of,
+)
 
 if TYPE_CHECKING:
     # The group objects `_open_group` makes (`dist.Backend` is the enum of backend names).
@@ -250,6 +259,7 @@ class CollectiveSource:
         self._epoch = 0  # bumped by every new group
         self._keys: dict[int, list[str]] = {}
         self._bufs = [torch.empty(0, dtype=torch.uint8, device=settings.device)] * 2
+        self._answers: dict[str, str] = {}
 
     def _set(self, version: int, key: str, value: str) -> None:
         self._keys.setdefault(version, []).append(key)
@@ -287,29 +297,30 @@ class CollectiveSource:
             self._keys[version] += [
                 f"{key}/ready/{m}" for m in candidates
             ]  # written by the receivers
-            members = self._check_ins(key, candidates)
+            ranks = self._check_ins(key, candidates)
+            members = tuple(ranks)
             if not members:
                 self._set(
                     version, f"{key}/start", json.dumps({"epoch": self._epoch, "members": []})
                 )
                 reason = "no member checked in"
                 break
-            if self._group is None or self._group.members != members:
+            engines = any(self._answers.get(m, "").startswith(ENGINE) for m in members)
+            shape = (*members, *(f"{m}={n}" for m, n in ranks.items()), str(engines))
+            if self._group is None or self._group.members != shape:
                 _drop(self._group)
                 self._group, self._epoch = None, self._epoch + 1
-            self._set(
-                version,
-                f"{key}/start",
-                json.dumps({"epoch": self._epoch, "members": list(members)}),
-            )
+            start = start_of(self._epoch, ranks, engines, self.senders, self.address[1])
+            self._set(version, f"{key}/start", json.dumps(start))
             try:
                 if self._group is None:
-                    prefix = dist.PrefixStore(f"epoch{self._epoch}/", self._store)
-                    size = self.senders + len(members)
-                    self._group = _Group(
-                        self._epoch, members, _open_group(prefix, 0, size, self._s)
+                    self._group = self._open(start, shape)
+                if start["mode"] == "tensors":
+                    sent = send_tensors(slots, tensors, lambda t: self._send(t), self._s.device)
+                else:
+                    sent, self._bufs = send_buckets(
+                        self._group, 0, plan, tensors, self._bufs, self._s
                     )
-                sent, self._bufs = send_buckets(self._group, 0, plan, tensors, self._bufs, self._s)
             except (
                 RuntimeError,
                 TimeoutError,
@@ -339,10 +350,23 @@ class CollectiveSource:
             version, self._epoch, (), attempt + 1, time.monotonic() - started, total, reason
         )
 
-    def _check_ins(self, key: str, candidates: list[str]) -> tuple[str, ...]:
-        """The candidates that said yes within join_timeout_s
-        (a "no" ends the wait for that one)."""
+    def _open(self, start: dict, shape: tuple[str, ...]) -> _Group:
+        """The epoch's group: bare (bucket mode) or as the engines make theirs (tensors)."""
+        if start["mode"] == "tensors":
+            backend = open_tensor_group(self._store, 0, start["size"], start["group"], self._s)
+            return _Group(self._epoch, shape, backend)
+        prefix = dist.PrefixStore(f"epoch{self._epoch}/", self._store)
+        return _Group(self._epoch, shape, _open_group(prefix, 0, start["size"], self._s))
+
+    def _send(self, tensor: torch.Tensor) -> None:
+        assert self._group is not None
+        _wait(self._group.broadcast(tensor, 0, self._s.op_timeout_s), self._s.op_timeout_s)
+
+    def _check_ins(self, key: str, candidates: list[str]) -> dict[str, int]:
+        """The candidates that said yes (or `engine:N`) within join_timeout_s, with the group
+        ranks each takes (a "no" ends the wait for that one)."""
         answers: dict[str, str] = {}
+        self._answers = answers
 
         def all_in() -> bool:
             for m in candidates:
@@ -351,7 +375,7 @@ class CollectiveSource:
             return len(answers) == len(candidates)
 
         _until(all_in, self._s.join_timeout_s)
-        return tuple(m for m in candidates if answers.get(m) == "yes")
+        return ranks_of({m: answers[m] for m in candidates if m in answers})
 
     def _forget(self, version: int) -> None:
         for old in [v for v in self._keys if v <= version - _KEEP_VERSIONS]:
@@ -483,6 +507,7 @@ class CollectiveReceiver:
         on_bucket: Callable[[int, int], None] | None,
     ) -> torch.Tensor:  # fmt: skip
         members, s = tuple(start["members"]), self._s
+        tensor_mode = start.get("mode") == "tensors"
         if (
             self._group is None
             or self._group.epoch != start["epoch"]
@@ -490,14 +515,14 @@ class CollectiveReceiver:
         ):
             _drop(self._group)
             self._group = None
-            prefix = dist.PrefixStore(f"epoch{start['epoch']}/", store)
-            senders = plan[
-                "senders"
-            ]  # the trainer ranks are group ranks 0..senders-1, the members follow
-            rank = senders + members.index(self.member_id)
-            self._group = _Group(
-                start["epoch"], members, _open_group(prefix, rank, senders + len(members), s)
-            )
+            # The trainer ranks are group ranks 0..senders-1, the members follow.
+            rank, size = place(start, self.member_id, plan["senders"])
+            if tensor_mode:
+                backend = open_tensor_group(store, rank, size, start["group"], s)
+                self._group = _Group(start["epoch"], members, backend)
+            else:
+                prefix = dist.PrefixStore(f"epoch{start['epoch']}/", store)
+                self._group = _Group(start["epoch"], members, _open_group(prefix, rank, size, s))
         total, buckets = plan["total"], plan["buckets"]
         # A new buffer when the caller keeps the views (into=None), so earlier versions stay intact.
         if fresh or self._staging is None or self._staging.numel() != total:
@@ -506,6 +531,14 @@ class CollectiveReceiver:
         def abandoned() -> bool:
             return store.check([f"{key}/outcome"]) and store.get(f"{key}/outcome") != b"delivered"
 
+        group = self._group
+        if tensor_mode:  # one broadcast per tensor, into its view of the staging buffer
+            receive_tensors(
+                plan["slots"],
+                self._staging,
+                lambda t: _wait(group.broadcast(t, 0, s.op_timeout_s), s.op_timeout_s, abandoned),
+            )
+            return self._staging
         for k, (src, lo, hi) in enumerate(
             buckets
         ):  # each straight into its slice of the staging buffer
