@@ -11,7 +11,10 @@ member costs one attempt, never a hang. With several trainer ranks, ranks 1.. jo
 too (`engines.collective_peer`) and broadcast the buckets of their own tensors (src = their rank). A
 worker left out gets `Missed` and catches up from the object store or filesystem. Loads are all or
 nothing (`into` is written once every bucket arrived). Groups are bare backend objects, not the
-default group, so the trainer's and a rollout engine's own groups stay untouched. The protocol,
+default group, so the trainer's and a rollout engine's own groups stay untouched. When a member
+checks in as an engine (it receives into the engine's own memory, through the engine's own
+weight-update calls), the attempt runs in tensor mode: one broadcast per tensor, in a group made
+as SGLang makes its own (`engines.collective_tensors`, `engines.collective_engine`). The protocol,
 in full: docs/weights.md, "Collective transport".
 """
 

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from engines.algorithms.logprobs import scaled_logits
 from engines.algorithms.losses import gather_logprobs
 from engines.protocols import Sample, SamplingParams, WeightsNotLoaded
-from engines.weights_group import Spec, custom_group, sha256_of
+from engines.weights_group import Spec, bare_group, sha256_of
 
 
 class HFRolloutEngine:
@@ -54,7 +54,7 @@ class HFRolloutEngine:
         self.pad_token_id: int = self.eos_token_ids[0] if pad is None else pad
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self.version = 0
-        self.groups: dict[str, dist.ProcessGroup] = {}
+        self.groups: dict[str, dist.ProcessGroupGloo | dist.ProcessGroupNCCL] = {}
         """Weight-update groups joined, by name (`join_weights_group`)."""
         self.group_timeout_s = 60.0
         """How long a weight-update group's rendezvous and each broadcast may wait."""
@@ -93,13 +93,16 @@ class HFRolloutEngine:
         group_name: str,
         backend: str,
     ) -> None:
-        """Joins `group_name` as SGLang's `init_weights_update_group` does (`custom_group` over
-        ``tcp://master_address:master_port``); its waits end after `group_timeout_s`."""
+        """Joins `group_name` at the rendezvous SGLang's `init_weights_update_group` uses (a
+        TCPStore client at master_address:master_port, prefixed by the name), as the bare
+        backend objects of `weights_group.bare_group`: nothing registered under the name, so
+        several copies in one process each hold a rank. Its waits end after
+        `group_timeout_s`."""
         timeout = timedelta(seconds=self.group_timeout_s)
-        init = f"tcp://{master_address}:{master_port}"
-        self.groups[group_name] = custom_group(
-            backend, world_size, rank_offset, group_name, timeout, init_method=init
-        )
+        store = dist.TCPStore(master_address, master_port, None, False, timeout)
+        prefixed = dist.PrefixStore(group_name, store)
+        backends = bare_group(prefixed, rank_offset, world_size, group_name, backend, timeout)
+        self.groups[group_name] = backends[self.device.type]
 
     def receive_weights(
         self, specs: Sequence[Spec], group_name: str, checksums: Mapping[str, str], version: int
@@ -127,7 +130,9 @@ class HFRolloutEngine:
                 else torch.empty(list(shape), dtype=getattr(torch, dtype), device=param.device)
             )
             arrived[name] = into
-            works.append(dist.broadcast(into, src=0, group=group, async_op=True))
+            # c10d backends have `broadcast` at runtime; torch's stubs leave it out.
+            wait = timedelta(seconds=self.group_timeout_s)
+            works.append(group.broadcast(into, 0, wait))  # type: ignore[union-attr]
         for work in works:
             work.wait()
         with torch.no_grad():
@@ -143,9 +148,7 @@ class HFRolloutEngine:
         self.version = version
 
     def leave_weights_group(self, group_name: str) -> None:
-        group = self.groups.pop(group_name, None)
-        if group is not None:
-            dist.destroy_process_group(group)
+        self.groups.pop(group_name, None)  # dropped: its sockets close
 
     def _copy(
         self, params: dict[str, torch.nn.Parameter], tensors: dict[str, torch.Tensor]

@@ -7,6 +7,9 @@ stand-in `sglang.Engine`, whose `init_weights_update_group` / `update_weights_fr
 join a real gloo group through SGLang's rendezvous (`init_custom_process_group` over
 ``tcp://``) and receive one broadcast per tensor into tensors of their own.
 
+A third member, in the test process, has no engine that takes a broadcast: it receives, in the
+same group, tensor by tensor into its staging buffer, and ends with every version bit for bit.
+
 - v1: both engines end with exactly the trainer's tensors, by broadcast (no stored copy).
 - v2: the SGLang stand-in's group breaks mid-broadcast, every attempt: the source gives up,
   and both workers load the stored copy: again exactly the trainer's tensors.
@@ -37,6 +40,9 @@ from tests import collective_engine_proc
 from tests.engine_records import model_dir  # noqa: F401 - a fixture
 
 MEMBERS = ("worker-hf", "worker-sglang")
+STAGING = "worker-staging"
+"""A third member, in this process: receives into its staging buffer (the path of engines that
+cannot take a broadcast), tensor by tensor in the same group as the engines."""
 
 
 def version(model: Path, v: int) -> dict[str, torch.Tensor]:
@@ -77,7 +83,7 @@ def test_a_version_ends_in_the_engines_and_a_failed_one_in_the_stored_copy(
     ]
     for w in workers:
         w.start()
-    published = {}
+    published, staged = {}, {}
     try:
 
         async def main() -> None:
@@ -87,10 +93,13 @@ def test_a_version_ends_in_the_engines_and_a_failed_one_in_the_stored_copy(
             config = WeightsConfig.model_validate(collective_engine_proc.SETTINGS)
 
             async def listed() -> list[str]:
-                return list(MEMBERS)
+                return [*MEMBERS, STAGING]
 
             trainer = transport_for(
                 config, js, topology.object_bucket, topology.run, members=listed
+            )
+            staging = transport_for(
+                config, js, topology.object_bucket, topology.run, "collective", member_id=STAGING
             )
             sender = WeightsSender(trainer, config, topology.run, "test", dtype=torch.float32)
             deadline = time.monotonic() + 120
@@ -101,10 +110,13 @@ def test_a_version_ends_in_the_engines_and_a_failed_one_in_the_stored_copy(
                 for v, tensors in versions.items():
                     event = await sender.store(v, tensors)
                     (tmp_path / f"event{v}.json").write_text(event.model_dump_json())
+                    fetching = asyncio.create_task(staging.fetch(event))
                     await sender.announced(v, tensors)
                     published[v] = await trainer.settle()  # type: ignore[attr-defined]
+                    staged[v] = await fetching
             finally:
                 await trainer.close()  # type: ignore[attr-defined]
+                await staging.close()  # type: ignore[attr-defined]
                 await nc.close()
 
         asyncio.run(main())
@@ -125,8 +137,12 @@ def test_a_version_ends_in_the_engines_and_a_failed_one_in_the_stored_copy(
             tensor_sha256(params[n]) == tensor_sha256(t) for n, t in versions[v].items()
         )
 
+    everyone = (*MEMBERS, STAGING)
+    for v, tensors in versions.items():  # by broadcast (v1, v3) or from the copy (v2)
+        assert staged[v].keys() == tensors.keys(), f"the staging member's v{v}"
+        assert all(tensor_sha256(staged[v][n]) == tensor_sha256(t) for n, t in tensors.items())
     # v1: into both engines by broadcast, bit for bit.
-    assert published[1].members == MEMBERS and not published[1].reason, published[1]
+    assert published[1].members == everyone and not published[1].reason, published[1]
     for m in MEMBERS:
         assert not got(m, 1)["fallback"], f"{m} missed v1"
         assert exact(m, 1) and got(m, 1)["version"] == 1, f"{m} does not hold the trainer's v1"
@@ -136,7 +152,7 @@ def test_a_version_ends_in_the_engines_and_a_failed_one_in_the_stored_copy(
         assert got(m, 2)["fallback"], f"{m} did not take the stored copy of v2"
         assert exact(m, 2), f"{m} does not hold the trainer's v2"
     # v3: the SGLang read-back disagrees -> the stored copy; HF by broadcast.
-    assert published[3].members == MEMBERS, published[3]
+    assert published[3].members == everyone, published[3]
     assert got("worker-sglang", 3)["fallback"], "a load that did not read back was kept"
     assert not got("worker-hf", 3)["fallback"]
     for m in MEMBERS:

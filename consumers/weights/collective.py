@@ -15,6 +15,10 @@ with a stored fallback copy.
              -> the engine loads them under the gate. `Missed` (joined late, dropped from the
              group, the trainer gave up, source gone) -> the fallback copy, fetched as any
              version of that transport
+    engines  a worker whose engine copies take a broadcast themselves (`GroupWeights`; one
+             sender): `into_engines` under the stage's gate, `EngineReceiver` joining them to
+             the group and asking each to receive and read back (`engines.collective_engine`);
+             `Missed` -> the fallback copy, loaded whole by the stage
 
 `engines.collective` holds the protocol (check-in, group epochs, timeouts); docs/weights.md
 ("Collective transport") describes both.

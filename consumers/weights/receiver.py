@@ -292,7 +292,9 @@ class WeightsReceiver:
             # A version served already; the same number from another event is a resumed trainer's.
             return None
         check_manifest(event.manifest, self.model)  # before a byte is fetched
-        if self.engines and event.transport == "collective" and event.full_version is None:
+        # Into the engines themselves: one sender only (several trainer ranks announce shards).
+        direct = event.transport == "collective" and not event.shards
+        if self.engines and direct and event.full_version is None:
             return Ready(event, {}, frozenset(s.name for s in event.manifest), direct=True)
         tensors = await self.chain.fetch(
             event, self.transport, lambda versions, full: self.earlier(seq, versions, full)
