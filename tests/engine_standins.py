@@ -399,6 +399,8 @@ def sglang_modules(
     io.ContinueGenerationReqInput = SimpleNamespace  # type: ignore[attr-defined]
     io.UpdateWeightsFromTensorReqInput = lambda **kw: SimpleNamespace(**kw)  # type: ignore[attr-defined]
     io.GetWeightsByNameReqInput = lambda **kw: SimpleNamespace(**kw)  # type: ignore[attr-defined]
+    io.BeginWeightUpdateReqInput = lambda selector="all": SimpleNamespace(selector=selector)  # type: ignore[attr-defined]
+    io.EndWeightUpdateReqInput = SimpleNamespace  # type: ignore[attr-defined]
     utils = ModuleType("sglang.srt.utils")
     serializer = SimpleNamespace(serialize=lambda pairs: pairs)
     utils.MultiprocessingSerializer = serializer  # type: ignore[attr-defined]

@@ -60,7 +60,9 @@ from engines.vllm_rollout import (
 )
 from tests.engine_standins import (
     HEADER_SLACK,
+    NO_SESSION,
     OUTSIDE_SESSION,
+    SESSION_OPEN,
     StandInSGLangEngine,
     as_vllm_delivers,
     bind_loop_as_sglang,
@@ -239,6 +241,9 @@ def test_sglang_takes_every_name_we_pass() -> None:
     binds(manager.pause_generation, manager, io.pause(mode="retract"))
     binds(manager.continue_generation, manager, io.resume())
     binds(manager.update_weights_from_tensor, manager, update, None)
+    assert io.begin is not None and io.end is not None  # the session the adapter opens
+    binds(manager.begin_weight_update, manager, io.begin(), None)
+    binds(manager.end_weight_update, manager, io.end(), None)
     read = io.read(name="model.norm.weight", truncate_size=1)
     binds(manager.get_weights_by_name, manager, read, None)
 
@@ -291,7 +296,8 @@ def test_sglang_registers_no_signal_handler_off_the_main_thread() -> None:
 def test_sglang_distributed_update_calls_are_the_stand_ins() -> None:
     """Every call `engines.sglang_group` and the SGLang adapter make binds on the real `Engine`,
     with the stand-in's parameter names and defaults; the real scheduler refuses an update
-    outside a weight-update session with the stand-in's words."""
+    outside a weight-update session, an end outside one and a begin inside one, with the
+    stand-ins' words (`StandInSGLangEngine`, `tests.continuous_fakes.FakeTokenizerManager`)."""
     engine = sglang_engine()
     for name in (
         "init_weights_update_group",
@@ -328,6 +334,11 @@ def test_sglang_distributed_update_calls_are_the_stand_ins() -> None:
     out = updater.update_weights_from_tensor(no_session, tensors)
     assert not out.success
     assert out.message == OUTSIDE_SESSION.format("update_weights_from_tensor")
+    out = updater.end_weight_update(no_session, io.EndWeightUpdateReqInput())
+    assert (out.success, out.message) == (False, NO_SESSION)
+    open_session = SimpleNamespace(_session=object())
+    out = updater.begin_weight_update(open_session, io.BeginWeightUpdateReqInput())
+    assert (out.success, out.message) == (False, SESSION_OPEN)
 
 
 def source_side(port: int, name: str) -> None:
