@@ -31,7 +31,7 @@ from typing import cast
 
 import torch.distributed as dist
 
-from engines.collective import _GRACE_S, CollectiveSettings, Missed, _poll, _until
+from engines.collective_group import _GRACE_S, CollectiveSettings, Missed, _poll, _until
 from engines.collective_tensors import ENGINE, place
 from engines.weights_group import GroupWeights
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from engines.collective_plan import Slot
 
 if TYPE_CHECKING:
-    from engines.collective import CollectiveSettings
+    from engines.collective_group import CollectiveSettings
 from engines.weights_group import bare_group
 
 ENGINE = "engine:"
