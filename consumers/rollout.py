@@ -34,6 +34,8 @@ import functools
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
+from typing import cast
 
 import numpy as np
 import torch
@@ -59,6 +61,7 @@ from engines.model_source import ModelNotFound, resolve_model_path
 from engines.protocols import EngineUnavailable, RolloutEngine, Sample, WeightsNotLoaded
 from engines.router import Router, RouterError, make_router
 from engines.tools import ToolError
+from engines.weights_group import GroupWeights
 from schemas import (
     PromptEvent,
     Tensor,
@@ -120,6 +123,9 @@ class Rollout:
         )
         """The weight versions to load, verified; it opens the gate once it has handled the
         first (a worker generates only once it knows the run's current version)."""
+        engines = self.copies.engines
+        if all(isinstance(e, GroupWeights) for e in engines):
+            self.receiver.engines = cast(list[GroupWeights], engines)
 
     @property
     def engine(self) -> RolloutEngine:
@@ -270,19 +276,26 @@ class Rollout:
             async with self.copies.quiesced():
                 ROLLOUT_MID_WEIGHT_LOAD(f"v{version}")
                 # Into every copy, off the event loop.
-                try:
-                    await self.copies.load(ready.to_load(), version)
-                except WeightsNotLoaded as exc:
-                    log.warning("weights v%d did not load (%s); loading it whole", version, exc)
-                    await self.copies.load(ready.tensors, version)
+                if ready.direct:  # by broadcast into the engines; missed: the stored copy
+                    fallback = await self.receiver.into_engines(ready)
+                    if fallback is not None:
+                        await self.copies.load(fallback, version)
+                    ready = replace(ready, tensors=fallback or {})
+                else:
+                    try:
+                        await self.copies.load(ready.to_load(), version)
+                    except WeightsNotLoaded as exc:
+                        log.warning("weights v%d did not load (%s); loading it whole", version, exc)
+                        await self.copies.load(ready.tensors, version)
             self.receiver.loaded(ready)
             self.open_for_requests.set()
             self.rt.member.report(weight_version=version)
             log.info(
-                "now serving weights v%d (%d of %d tensors loaded)",
+                "now serving weights v%d (%d of %d tensors loaded%s)",
                 version,
                 len(ready.changed),
-                len(ready.tensors),
+                len(ready.event.manifest),
+                "" if not ready.direct else " by broadcast" if not ready.tensors else ", stored",
             )
 
 

@@ -11,8 +11,13 @@ member costs one attempt, never a hang. With several trainer ranks, ranks 1.. jo
 too (`engines.collective_peer`) and broadcast the buckets of their own tensors (src = their rank). A
 worker left out gets `Missed` and catches up from the object store or filesystem. Loads are all or
 nothing (`into` is written once every bucket arrived). Groups are bare backend objects, not the
-default group, so the trainer's and a rollout engine's own groups stay untouched. The protocol,
-in full: docs/weights.md, "Collective transport".
+default group, so the trainer's and a rollout engine's own groups stay untouched. When a member
+checks in as an engine (it receives into the engine's own memory, through the engine's own
+weight-update calls), the attempt runs in tensor mode: one broadcast per tensor, in a group made
+as SGLang makes its own (`engines.collective_tensors`, `engines.collective_engine`). The protocol,
+in full: docs/weights.md, "Collective transport". What the source, the receivers, the peers and
+the engine workers share (settings, results, the group of an epoch, the bounded waits, a
+sender's buckets) is `engines.collective_group`; its public names are importable from here.
 """
 
 from __future__ import annotations
@@ -21,214 +26,36 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, TypeAlias, cast
+from typing import cast
 
 import torch
 import torch.distributed as dist
 
-from engines.collective_plan import ALIGN, Into, Spec, layout, misfit, pieces, sent_by, specs_of
-
-if TYPE_CHECKING:
-    # The group objects `_open_group` makes (`dist.Backend` is the enum of backend names).
-    ProcessGroupBackend: TypeAlias = dist.ProcessGroupGloo | dist.ProcessGroupNCCL
-
-_POLL_S = (0.0001, 0.005)  # polling a key or a broadcast: first and longest sleep (it doubles)
-_ABANDON_CHECK_S = (
-    0.2  # a receiver asks the store whether the attempt was abandoned this often per bucket
+from engines.collective_group import (
+    _KEEP_VERSIONS,
+    CollectiveSettings,
+    Missed,
+    Published,
+    Received,
+    _drop,
+    _Group,
+    _open_group,
+    _poll,
+    _until,
+    _wait,
+    send_buckets,
 )
-_GRACE_S = 2.0  # our own deadline = the op timeout + this, in case the backend's never fires
-_KEEP_VERSIONS = (
-    4  # store keys of older versions are deleted (a late receiver then sees "superseded")
+from engines.collective_plan import Into, Spec, layout, misfit, sent_by, specs_of
+from engines.collective_tensors import (
+    ENGINE,
+    open_tensor_group,
+    place,
+    ranks_of,
+    receive_tensors,
+    send_tensors,
+    start_of,
 )
-
-
-@dataclass(frozen=True)
-class CollectiveSettings:
-    """How broadcasts run; the same on the source and every receiver."""
-
-    backend: str = "gloo"
-    """`gloo` (CPU, CI) or `nccl` (GPUs; buckets live on `device`)."""
-    device: str = "cpu"
-    """Where buckets and the receiver's staging buffer live: `cpu` for gloo, `cuda:N` for nccl."""
-    bucket_bytes: int = 64 << 20
-    """Bytes per broadcast; the source holds two buckets, a receiver one staging buffer of the
-    version's size."""
-    op_timeout_s: float = 30.0
-    """Longest one bucket's broadcast may take before the attempt fails and the group is rebuilt."""
-    join_timeout_s: float = 30.0
-    """How long the source waits for candidates to check in,
-    and a receiver for the source's plan."""
-    max_attempts: int = 3
-    """Attempts per version (each failure rebuilds the group) before the source gives up on it."""
-
-    def __post_init__(self) -> None:
-        if self.backend not in ("gloo", "nccl"):
-            raise ValueError(f"collective backend must be gloo or nccl, not {self.backend!r}")
-        if (
-            self.bucket_bytes < ALIGN
-            or self.op_timeout_s <= 0
-            or self.join_timeout_s <= 0
-            or self.max_attempts < 1
-        ):
-            raise ValueError(
-                "collective settings: bucket_bytes >= 64, timeouts > 0, max_attempts >= 1"
-            )
-
-
-@dataclass(frozen=True)
-class Published:
-    """What the source did with one version."""
-
-    version: int
-    epoch: int
-    members: tuple[str, ...]  # who the version went to (empty: nobody, see `reason`)
-    attempts: int
-    seconds: float
-    nbytes: int
-    reason: str = ""
-    sent: int = 0
-    """Stream bytes this rank broadcast as src (its own tensors), per attempt that got through."""
-
-
-@dataclass(frozen=True)
-class Received:
-    """A version that arrived whole. `tensors` view the staging buffer: a new one per receive when
-    `into` is None, else one reused (and overwritten) by the next receive."""
-
-    version: int
-    tensors: dict[str, torch.Tensor]
-    seconds: float
-    nbytes: int
-    by_src: dict[int, int] = field(default_factory=dict)
-    """Stream bytes received from each sending trainer rank."""
-
-
-@dataclass(frozen=True)
-class Missed:
-    """This worker did not get the version by broadcast: catch up from the object store or
-    filesystem."""
-
-    version: int
-    reason: str
-
-
-def _open_group(
-    store: dist.Store, rank: int, size: int, s: CollectiveSettings
-) -> ProcessGroupBackend:
-    """A process group of its own (not the default one); its rendezvous fails after
-    join_timeout_s."""
-    if s.backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=s.join_timeout_s))
-    # NCCL (untested here: no GPU in CI). The watchdog's timeout is set past our own deadline, so
-    # we abort a stuck communicator ourselves before the watchdog would tear the process down.
-    opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timedelta(seconds=2 * (s.op_timeout_s + _GRACE_S) + s.join_timeout_s)
-    group = dist.ProcessGroupNCCL(store, rank, size, opts)
-    group.eager_connect_single_device(torch.device(s.device))
-    return group
-
-
-def _until(done: Callable[[], bool], timeout_s: float) -> bool:
-    """Poll `done` (sleeps doubling from 0.1 to 5 ms) until it is true
-    (True) or `timeout_s` passed (False)."""
-    deadline, pause = time.monotonic() + timeout_s, _POLL_S[0]
-    while not done():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(pause)
-        pause = min(2 * pause, _POLL_S[1])
-    return True
-
-
-def _wait(work: dist.Work, seconds: float, abandoned: Callable[[], bool] = lambda: False) -> None:
-    """Wait for one broadcast, at most `seconds` + grace; raises on failure, timeout or abandon.
-
-    Polls `is_completed` rather than `work.wait(timeout)`: NCCL takes a wait that times out for
-    a failed collective (it aborts the communicator and may take the process down)."""
-    checked = [time.monotonic()]
-
-    def done() -> bool:
-        if time.monotonic() - checked[0] > _ABANDON_CHECK_S:
-            checked[0] = time.monotonic()
-            if abandoned():
-                raise TimeoutError("the source ended this attempt")
-        return work.is_completed()
-
-    if not _until(done, seconds + _GRACE_S):
-        raise TimeoutError(f"broadcast still pending after {seconds + _GRACE_S:.0f} s")
-    work.wait()  # returns at once, or raises the op's own error
-
-
-@dataclass
-class _Group:
-    """One epoch's process group and its last broadcast."""
-
-    epoch: int
-    members: tuple[str, ...]
-    backend: ProcessGroupBackend
-    pending: dist.Work | None = None
-
-    def broadcast(self, buf: torch.Tensor, src: int, timeout_s: float) -> dist.Work:
-        # c10d backends have `broadcast` at runtime; torch's stubs leave it out.
-        self.pending = self.backend.broadcast(  # type: ignore[union-attr]
-            buf, src, timedelta(seconds=timeout_s)
-        )
-        return self.pending
-
-    def settled(self) -> bool:
-        return self.pending is None or self.pending.is_completed()
-
-
-_parked: list[
-    _Group
-] = []  # dropped with a broadcast pending: destroying a gloo group would block until it ends
-
-
-def _drop(group: _Group | None) -> None:
-    _parked[:] = [g for g in _parked if not g.settled()]
-    if group is not None and not group.settled():
-        group.backend.abort()  # NCCL interrupts the op; gloo lets it run to its own timeout
-        _parked.append(group)
-
-
-def _poll(
-    store: dist.Store, key: str, timeout_s: float, gone: Callable[[], bool] = lambda: False
-) -> str | None:
-    """The key's value once set; None after `timeout_s` or as soon as `gone()`."""
-    _until(lambda: store.check([key]) or gone(), timeout_s)
-    return store.get(key).decode() if store.check([key]) else None
-
-
-def send_buckets(
-    group: _Group, rank: int, plan: dict, tensors: Mapping[str, torch.Tensor],
-    bufs: list[torch.Tensor], s: CollectiveSettings,
-) -> tuple[int, list[torch.Tensor]]:  # fmt: skip
-    """A sender's part of one attempt: every bucket of `plan`, in order. Its own (src == `rank`)
-    packed from `tensors` (bucket k+1 packed while k is on the wire: two buffers); the other
-    senders' buckets received into the same buffers and dropped (a broadcast takes every member
-    of the group). Returns (bytes this rank sent, the buffers, kept for the next version)."""
-    slots, buckets = plan["slots"], [tuple(b) for b in plan["buckets"]]
-    size = max((hi - lo for _, lo, hi in buckets), default=0)
-    if bufs[0].numel() < size:  # kept across versions: fresh pages cost as much as the copy
-        bufs = [torch.empty(size, dtype=torch.uint8, device=s.device) for _ in range(2)]
-    flat = {
-        name: t.detach().contiguous().reshape(-1).view(torch.uint8) for name, t in tensors.items()
-    }
-    sent, work = 0, None
-    for k, (src, lo, hi) in enumerate(buckets):
-        buf = bufs[k % 2][: hi - lo]
-        if src == rank:
-            for i, at, dst, n in pieces(slots, lo, hi):
-                buf[dst : dst + n].copy_(flat[slots[i][0]][at : at + n])
-            sent += hi - lo
-        if work is not None:
-            _wait(work, s.op_timeout_s)
-        work = group.broadcast(buf, src, s.op_timeout_s)
-    if work is not None:
-        _wait(work, s.op_timeout_s)
-    return sent, bufs
 
 
 class CollectiveSource:
@@ -250,6 +77,7 @@ class CollectiveSource:
         self._epoch = 0  # bumped by every new group
         self._keys: dict[int, list[str]] = {}
         self._bufs = [torch.empty(0, dtype=torch.uint8, device=settings.device)] * 2
+        self._answers: dict[str, str] = {}
 
     def _set(self, version: int, key: str, value: str) -> None:
         self._keys.setdefault(version, []).append(key)
@@ -287,29 +115,30 @@ class CollectiveSource:
             self._keys[version] += [
                 f"{key}/ready/{m}" for m in candidates
             ]  # written by the receivers
-            members = self._check_ins(key, candidates)
+            ranks = self._check_ins(key, candidates)
+            members = tuple(ranks)
             if not members:
                 self._set(
                     version, f"{key}/start", json.dumps({"epoch": self._epoch, "members": []})
                 )
                 reason = "no member checked in"
                 break
-            if self._group is None or self._group.members != members:
+            engines = any(self._answers.get(m, "").startswith(ENGINE) for m in members)
+            shape = (*members, *(f"{m}={n}" for m, n in ranks.items()), str(engines))
+            if self._group is None or self._group.members != shape:
                 _drop(self._group)
                 self._group, self._epoch = None, self._epoch + 1
-            self._set(
-                version,
-                f"{key}/start",
-                json.dumps({"epoch": self._epoch, "members": list(members)}),
-            )
+            start = start_of(self._epoch, ranks, engines, self.senders, self.address[1])
+            self._set(version, f"{key}/start", json.dumps(start))
             try:
                 if self._group is None:
-                    prefix = dist.PrefixStore(f"epoch{self._epoch}/", self._store)
-                    size = self.senders + len(members)
-                    self._group = _Group(
-                        self._epoch, members, _open_group(prefix, 0, size, self._s)
+                    self._group = self._open(start, shape)
+                if start["mode"] == "tensors":
+                    sent = send_tensors(slots, tensors, lambda t: self._send(t), self._s.device)
+                else:
+                    sent, self._bufs = send_buckets(
+                        self._group, 0, plan, tensors, self._bufs, self._s
                     )
-                sent, self._bufs = send_buckets(self._group, 0, plan, tensors, self._bufs, self._s)
             except (
                 RuntimeError,
                 TimeoutError,
@@ -339,10 +168,23 @@ class CollectiveSource:
             version, self._epoch, (), attempt + 1, time.monotonic() - started, total, reason
         )
 
-    def _check_ins(self, key: str, candidates: list[str]) -> tuple[str, ...]:
-        """The candidates that said yes within join_timeout_s
-        (a "no" ends the wait for that one)."""
+    def _open(self, start: dict, shape: tuple[str, ...]) -> _Group:
+        """The epoch's group: bare (bucket mode) or as the engines make theirs (tensors)."""
+        if start["mode"] == "tensors":
+            backend = open_tensor_group(self._store, 0, start["size"], start["group"], self._s)
+            return _Group(self._epoch, shape, backend)
+        prefix = dist.PrefixStore(f"epoch{self._epoch}/", self._store)
+        return _Group(self._epoch, shape, _open_group(prefix, 0, start["size"], self._s))
+
+    def _send(self, tensor: torch.Tensor) -> None:
+        assert self._group is not None
+        _wait(self._group.broadcast(tensor, 0, self._s.op_timeout_s), self._s.op_timeout_s)
+
+    def _check_ins(self, key: str, candidates: list[str]) -> dict[str, int]:
+        """The candidates that said yes (or `engine:N`) within join_timeout_s, with the group
+        ranks each takes (a "no" ends the wait for that one)."""
         answers: dict[str, str] = {}
+        self._answers = answers
 
         def all_in() -> bool:
             for m in candidates:
@@ -351,7 +193,7 @@ class CollectiveSource:
             return len(answers) == len(candidates)
 
         _until(all_in, self._s.join_timeout_s)
-        return tuple(m for m in candidates if answers.get(m) == "yes")
+        return ranks_of({m: answers[m] for m in candidates if m in answers})
 
     def _forget(self, version: int) -> None:
         for old in [v for v in self._keys if v <= version - _KEEP_VERSIONS]:
@@ -483,6 +325,7 @@ class CollectiveReceiver:
         on_bucket: Callable[[int, int], None] | None,
     ) -> torch.Tensor:  # fmt: skip
         members, s = tuple(start["members"]), self._s
+        tensor_mode = start.get("mode") == "tensors"
         if (
             self._group is None
             or self._group.epoch != start["epoch"]
@@ -490,14 +333,14 @@ class CollectiveReceiver:
         ):
             _drop(self._group)
             self._group = None
-            prefix = dist.PrefixStore(f"epoch{start['epoch']}/", store)
-            senders = plan[
-                "senders"
-            ]  # the trainer ranks are group ranks 0..senders-1, the members follow
-            rank = senders + members.index(self.member_id)
-            self._group = _Group(
-                start["epoch"], members, _open_group(prefix, rank, senders + len(members), s)
-            )
+            # The trainer ranks are group ranks 0..senders-1, the members follow.
+            rank, size = place(start, self.member_id, plan["senders"])
+            if tensor_mode:
+                backend = open_tensor_group(store, rank, size, start["group"], s)
+                self._group = _Group(start["epoch"], members, backend)
+            else:
+                prefix = dist.PrefixStore(f"epoch{start['epoch']}/", store)
+                self._group = _Group(start["epoch"], members, _open_group(prefix, rank, size, s))
         total, buckets = plan["total"], plan["buckets"]
         # A new buffer when the caller keeps the views (into=None), so earlier versions stay intact.
         if fresh or self._staging is None or self._staging.numel() != total:
@@ -506,6 +349,14 @@ class CollectiveReceiver:
         def abandoned() -> bool:
             return store.check([f"{key}/outcome"]) and store.get(f"{key}/outcome") != b"delivered"
 
+        group = self._group
+        if tensor_mode:  # one broadcast per tensor, into its view of the staging buffer
+            receive_tensors(
+                plan["slots"],
+                self._staging,
+                lambda t: _wait(group.broadcast(t, 0, s.op_timeout_s), s.op_timeout_s, abandoned),
+            )
+            return self._staging
         for k, (src, lo, hi) in enumerate(
             buckets
         ):  # each straight into its slice of the staging buffer

@@ -26,7 +26,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from engines.collective import (
+from engines.collective_group import (
     CollectiveSettings,
     Published,
     _drop,

@@ -13,15 +13,18 @@ trained by the weights that drew it has importance ratio 1 up to float error. Wi
 ``temperature == 0`` (greedy, for evaluation) the log-probs are under temperature 1.
 """
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from engines.algorithms.logprobs import scaled_logits
 from engines.algorithms.losses import gather_logprobs
 from engines.protocols import Sample, SamplingParams, WeightsNotLoaded
+from engines.weights_group import Spec, bare_group, sha256_of
 
 
 class HFRolloutEngine:
@@ -51,6 +54,10 @@ class HFRolloutEngine:
         self.pad_token_id: int = self.eos_token_ids[0] if pad is None else pad
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self.version = 0
+        self.groups: dict[str, dist.ProcessGroupGloo | dist.ProcessGroupNCCL] = {}
+        """Weight-update groups joined, by name (`join_weights_group`)."""
+        self.group_timeout_s = 60.0
+        """How long a weight-update group's rendezvous and each broadcast may wait."""
 
     @torch.inference_mode()
     def load_state_dict(self, tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
@@ -73,6 +80,75 @@ class HFRolloutEngine:
             if not torch.equal(param, tensor.to(device=param.device, dtype=param.dtype)):
                 raise WeightsNotLoaded(f"hf: {name} does not read back as the tensor loaded")
         self.version = self.version + 1 if version is None else version
+
+    weight_ranks = 1
+    """One rank in a weight-update group (`engines.weights_group.GroupWeights`)."""
+
+    def join_weights_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> None:
+        """Joins `group_name` at the rendezvous SGLang's `init_weights_update_group` uses (a
+        TCPStore client at master_address:master_port, prefixed by the name), as the bare
+        backend objects of `weights_group.bare_group`: nothing registered under the name, so
+        several copies in one process each hold a rank. Its waits end after
+        `group_timeout_s`."""
+        timeout = timedelta(seconds=self.group_timeout_s)
+        store = dist.TCPStore(master_address, master_port, None, False, timeout)
+        prefixed = dist.PrefixStore(group_name, store)
+        backends = bare_group(prefixed, rank_offset, world_size, group_name, backend, timeout)
+        self.groups[group_name] = backends[self.device.type]
+
+    def receive_weights(
+        self, specs: Sequence[Spec], group_name: str, checksums: Mapping[str, str], version: int
+    ) -> None:
+        """One broadcast per spec from group rank 0, as SGLang's
+        `update_weights_from_distributed` receives them: straight into the parameter when its
+        dtype and shape are the spec's, else into a tensor of the spec's, copied (cast) in
+        after. Then each tensor as it arrived must match its sha256 in `checksums`, and each
+        parameter must read back as it (`WeightsNotLoaded` otherwise: the caller loads the
+        stored copy whole)."""
+        group = self.groups[group_name]  # KeyError: no such group joined
+        params = dict(self.model.named_parameters())
+        unknown = sorted({name for name, _, _ in specs} - set(params))
+        if unknown:
+            raise KeyError(f"weight names the model does not have: {unknown[:5]}")
+        arrived: dict[str, torch.Tensor] = {}
+        works = []
+        for name, dtype, shape in specs:
+            param = params[name]
+            same_dtype = str(param.dtype).removeprefix("torch.") == dtype
+            direct = same_dtype and list(param.shape) == list(shape)
+            into = (
+                param.data
+                if direct
+                else torch.empty(list(shape), dtype=getattr(torch, dtype), device=param.device)
+            )
+            arrived[name] = into
+            # c10d backends have `broadcast` at runtime; torch's stubs leave it out.
+            wait = timedelta(seconds=self.group_timeout_s)
+            works.append(group.broadcast(into, 0, wait))  # type: ignore[union-attr]
+        for work in works:
+            work.wait()
+        with torch.no_grad():
+            for name, tensor in arrived.items():
+                if tensor is not params[name].data:
+                    params[name].copy_(tensor)
+        for name, tensor in arrived.items():
+            if sha256_of(tensor) != checksums.get(name):
+                raise WeightsNotLoaded(f"hf: {name} arrived unlike its sha256 in the manifest")
+            param = params[name]
+            if not torch.equal(param, tensor.to(device=param.device, dtype=param.dtype)):
+                raise WeightsNotLoaded(f"hf: {name} does not read back as the tensor received")
+        self.version = version
+
+    def leave_weights_group(self, group_name: str) -> None:
+        self.groups.pop(group_name, None)  # dropped: its sockets close
 
     def _copy(
         self, params: dict[str, torch.nn.Parameter], tensors: dict[str, torch.Tensor]

@@ -2,9 +2,10 @@
 
 Read from SGLang's source (``python/sglang/srt/entrypoints/engine.py``: `Engine.async_generate`
 with ``stream=True`` and ``rid``; ``managers/tokenizer_manager.py``: `abort_request`,
-`pause_generation`, `continue_generation`, `update_weights_from_tensor`;
-``managers/io_struct.py``: `PauseGenerationReqInput(mode=...)`, `ContinueGenerationReqInput`,
-`UpdateWeightsFromTensorReqInput`); never run here (no GPU). The shared logic is
+`pause_generation`, `continue_generation`, `update_weights_from_tensor`, `begin_weight_update`,
+`end_weight_update`; ``managers/io_struct.py``: `PauseGenerationReqInput(mode=...)`,
+`ContinueGenerationReqInput`, `UpdateWeightsFromTensorReqInput`, `BeginWeightUpdateReqInput`,
+`EndWeightUpdateReqInput`); never run here (no GPU). The shared logic is
 `engines.continuous`; requests and log-probs are those of the batch adapter
 (`engines.sglang_rollout`: temperature-scaled, before top-p), one sample per request.
 
@@ -25,10 +26,15 @@ with ``stream=True`` and ``rid``; ``managers/tokenizer_manager.py``: `abort_requ
   tensor-parallel rank, as `Engine.update_weights_from_tensor` does, one call per bucket of
   ``weight_bucket_bytes`` (``flush_cache`` with the last), each checked by its answer and by
   ``get_weights_by_name`` (``GetWeightsByNameReqInput``) of its first tensor's first row.
+  SGLang 0.5.23 loads only inside a weight-update session (outside one it answers ``(False,
+  "update_weights_from_tensor must run between begin_weight_update() and
+  end_weight_update()")``): each bucket's update runs in one (`session`, closed also when the
+  load fails), as the batch adapter's do; an SGLang without the calls loads without one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -47,6 +53,7 @@ from engines.external_rollout import (
     weight_buckets,
 )
 from engines.protocols import SamplingParams
+from engines.sglang_group import answered
 from engines.sglang_rollout import (
     SGLangSettings,
     check_first_row,
@@ -102,8 +109,25 @@ def sglang_io() -> SimpleNamespace:
         resume=getattr(io, "ContinueGenerationReqInput", None),
         update=io.UpdateWeightsFromTensorReqInput,
         read=io.GetWeightsByNameReqInput,
+        begin=getattr(io, "BeginWeightUpdateReqInput", None),
+        end=getattr(io, "EndWeightUpdateReqInput", None),
         serialize=utils.MultiprocessingSerializer.serialize,
     )
+
+
+@contextlib.asynccontextmanager
+async def session(manager: Any, io: SimpleNamespace) -> AsyncIterator[None]:
+    """A weight-update session of the tokenizer manager around the body, closed also when the
+    body raises, where this SGLang has one (0.5.23: `io.begin` / `io.end`); a refused begin or
+    end is raised (`engines.sglang_group.answered`)."""
+    if io.begin is None or io.end is None:
+        yield
+        return
+    answered("begin_weight_update", await manager.begin_weight_update(io.begin(), None))
+    try:
+        yield
+    finally:
+        answered("end_weight_update", await manager.end_weight_update(io.end(), None))
 
 
 class SGLangContinuousEngine(ContinuousAdapter):
@@ -165,9 +189,10 @@ class SGLangContinuousEngine(ContinuousAdapter):
         await self.engine.tokenizer_manager.continue_generation(self.io.resume())
 
     async def engine_load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """One update per bucket of `bucket_bytes` (the cache flushed with the last), each
-        checked as the batch adapter checks it: the answer, then its first tensor's first row
-        read back through the tokenizer manager's `get_weights_by_name`."""
+        """One update per bucket of `bucket_bytes` (the cache flushed with the last), each in a
+        weight-update session (`session`) and checked as the batch adapter checks it: the
+        answer, then its first tensor's first row read back through the tokenizer manager's
+        `get_weights_by_name`."""
         manager = self.engine.tokenizer_manager
         buckets = weight_buckets(weights, self.bucket_bytes)
         for index, bucket in enumerate(buckets):
@@ -176,7 +201,9 @@ class SGLangContinuousEngine(ContinuousAdapter):
                 load_format=None,
                 flush_cache=index == len(buckets) - 1,
             )
-            check_update(index, bucket, await manager.update_weights_from_tensor(request, None))
+            async with session(manager, self.io):  # SGLang 0.5.23 loads only inside one
+                result = await manager.update_weights_from_tensor(request, None)
+            check_update(index, bucket, result)
             name, tensor = bucket[0]
             got = await manager.get_weights_by_name(self.io.read(name=name, truncate_size=1), None)
             check_first_row(index, name, tensor, got)

@@ -37,7 +37,7 @@ off the main thread (sgl-project/sglang#18752), hence the floor, for both SGLang
 """
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -58,6 +58,9 @@ from engines.external_rollout import (
     weight_buckets,
 )
 from engines.protocols import Sample, SamplingParams, WeightsNotLoaded
+from engines.sglang_group import answered, session
+from engines.sglang_group import receive as group_receive
+from engines.weights_group import Spec
 
 ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
 """Set truthy, SGLang returns temperature-1 log-probs: not what the trainer computes."""
@@ -206,7 +209,8 @@ def load_weights(
     buckets = weight_buckets(weights, bucket_bytes)
     for index, bucket in enumerate(buckets):
         last = index == len(buckets) - 1
-        result = engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=last)
+        with session(engine):  # SGLang 0.5.23 loads only inside one
+            result = engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=last)
         check_update(index, bucket, result)
         name, tensor = bucket[0]
         check_first_row(index, name, tensor, engine.get_weights_by_name(name, truncate_size=1))
@@ -222,6 +226,9 @@ class SGLangRolloutEngine:
         self.eos_token_ids = eos_token_ids(model_dir)
         self.dtype = torch_dtype(settings.dtype)
         self.bucket_bytes = settings.weight_bucket_bytes
+        self.tp_size = settings.tp_size
+        self.received: dict[str, str] = {}
+        """The checksums of the last version received by broadcast (`receive_weights`)."""
         self.thread = EngineThread("sglang-engine")  # the engine binds this thread's loop
         self.engine = self.thread.call(sglang.Engine, **engine_kwargs(model_dir, settings))
         self.version = 0
@@ -247,8 +254,51 @@ class SGLangRolloutEngine:
         """Loads `tensors` (named as `TrainEngine.export_weights`; any subset of the model's)
         into the running engine, in checked buckets (`load_weights`)."""
         pairs = named_weights(tensors, self.model, self.dtype)
+        self.received = {}
         self.thread.call(load_weights, self.engine, pairs, self.bucket_bytes)
         self.version = self.version + 1 if version is None else version
+
+    @property
+    def weight_ranks(self) -> int:
+        """Ranks in a weight-update group: one per tensor-parallel rank."""
+        return self.tp_size
+
+    def join_weights_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> None:
+        """SGLang's `init_weights_update_group` (`engines.sglang_group`); raises on
+        ``(False, message)``."""
+        result = self.thread.call(
+            self.engine.init_weights_update_group,
+            master_address=master_address,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+        )
+        answered("init_weights_update_group", result)
+
+    def receive_weights(
+        self, specs: Sequence[Spec], group_name: str, checksums: Mapping[str, str], version: int
+    ) -> None:
+        """SGLang's `update_weights_from_distributed` in a session, then read back
+        (`engines.sglang_group.receive`)."""
+        previous, self.received = self.received, {}  # a failed load leaves nothing known
+        self.thread.call(
+            group_receive, self.engine, specs, group_name, checksums, self.bucket_bytes, previous
+        )
+        self.received = dict(checksums)
+        self.version = version
+
+    def leave_weights_group(self, group_name: str) -> None:
+        self.thread.call(self.engine.destroy_weights_update_group, group_name=group_name)
 
     def close(self) -> None:
         """Shuts the engine (its scheduler processes) down on its thread, then the thread."""

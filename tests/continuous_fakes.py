@@ -12,7 +12,8 @@ each with its own constructor, `sys.modules` holding stand-in ``vllm`` / ``sglan
 (`tests.engine_standins`): `FakeAsyncLLM.collective_rpc` a function without
 VLLM_ALLOW_INSECURE_SERIALIZATION, and hands its arguments on as vLLM decodes them (a tensor
 as a list), recording each RPC's bytes; and
-`FakeSGLangEngine` binds the event loop at construction where SGLang does.
+`FakeSGLangEngine` binds the event loop at construction where SGLang does, and its tokenizer
+manager refuses an update outside a weight-update session with SGLang 0.5.23's words.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ from engines.vllm_rollout import (
     VLLMSettings,
 )
 from tests.engine_standins import (
+    NO_SESSION,
+    OUTSIDE_SESSION,
+    SESSION_OPEN,
     bind_loop_as_sglang,
     payload_bytes,
     sglang_modules,
@@ -194,6 +198,12 @@ class FakeTokenizerManager:
         self.core = core
         self.flushed: list[bool] = []
         """`flush_cache` of each update, in order."""
+        self.session = False
+        """A weight-update session is open (`begin_weight_update`)."""
+        self.steps: list[str] = []
+        """"begin", "update" and "end", each as called (a refused call too)."""
+        self.refuse_loads = False
+        """Every update answers ``(False, ...)``, as SGLang does a load that fails."""
 
     def abort_request(self, rid: str) -> None:
         self.core.events.append(f"abort {rid}")
@@ -207,7 +217,28 @@ class FakeTokenizerManager:
         self.core.paused = False
         self.core.events.append("resume")
 
+    # SGLang 0.5.23's weight-update session (scheduler_components/weight_updater.py, as the
+    # batch stand-in `StandInSGLangEngine` has it): an update outside one is refused.
+    async def begin_weight_update(self, obj: Any, request: None = None) -> tuple[bool, str]:
+        self.steps.append("begin")
+        if self.session:
+            return False, SESSION_OPEN
+        self.session = True
+        return True, "Success"
+
+    async def end_weight_update(self, obj: Any, request: None = None) -> tuple[bool, str]:
+        self.steps.append("end")
+        if not self.session:
+            return False, NO_SESSION
+        self.session = False
+        return True, "Success"
+
     async def update_weights_from_tensor(self, request: Any, http: None) -> tuple[bool, str]:
+        self.steps.append("update")
+        if not self.session:
+            return False, OUTSIDE_SESSION.format("update_weights_from_tensor")
+        if self.refuse_loads:
+            return False, "Failed to update weights: shape mismatch."
         assert len(request.serialized_named_tensors) == 1, request
         self.core.load(request.serialized_named_tensors[0])
         self.flushed.append(request.flush_cache)

@@ -29,18 +29,25 @@ import asyncio
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from engines.external_rollout import torch_dtype
 from engines.hf_rollout import HFRolloutEngine
 from engines.protocols import SamplingParams
 from engines.sglang_rollout import SGLANG_FLOOR
 from engines.vllm_rollout import INSECURE_SERIALIZATION_ENV
+from engines.weights_group import custom_group
 from tests.engine_records import sglang_report, vllm_objects, vllm_report
+
+OUTSIDE_SESSION = "{} must run between begin_weight_update() and end_weight_update()"
+SESSION_OPEN = "a weight-update session is already open; call end_weight_update() first"
+NO_SESSION = "no weight-update session is open; call begin_weight_update() first"
 
 HEADER_SLACK = 4096
 """Bytes one weight RPC may carry beyond its bucket's tensor data (the safetensors header)."""
@@ -234,6 +241,14 @@ class StandInSGLangEngine:
         """The names of each `update_weights_from_tensor` call, in order."""
         self.shut_down_on: str | None = None
         """The thread `shutdown` ran on."""
+        self.session = False
+        """A weight-update session is open (`begin_weight_update`)."""
+        self.groups: dict[str, dist.ProcessGroup] = {}
+        """Weight-update groups joined, by name (SGLang's `_model_update_group`)."""
+        self.group_timeout = timedelta(seconds=30)
+        """SGLang passes none (torch's default, 30 min); short here so a test cannot hang."""
+        self.break_at: int | None = None
+        """`update_weights_from_distributed` breaks its group at this tensor (None: never)."""
         self.loop = bind_loop_as_sglang()  # last, as in SGLang
 
     async def _generate(
@@ -280,10 +295,92 @@ class StandInSGLangEngine:
         load_format: str | None = None,
         flush_cache: bool = True,
     ) -> tuple[bool, str]:
+        if not self.session:
+            return False, OUTSIDE_SESSION.format("update_weights_from_tensor")
         if self.refuse_loads:
             return False, "Failed to update weights: shape mismatch."
         self.loop.run_until_complete(self._update(named_tensors, flush_cache))
         return True, "Succeeded to update model weights."
+
+    # SGLang 0.5.23's weight-update session (scheduler_components/weight_updater.py): every
+    # update answers (False, ...) outside one; begin inside one, or end outside, too.
+    def begin_weight_update(self, selector: str = "all") -> tuple[bool, str]:
+        if self.session:
+            return False, SESSION_OPEN
+        self.session = True
+        return True, "Success"
+
+    def end_weight_update(self) -> tuple[bool, str]:
+        if not self.session:
+            return False, NO_SESSION
+        self.session = False
+        return True, "Success"
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "nccl",
+    ) -> tuple[bool, str]:
+        """SGLang's ModelRunner: the one TP rank joins as rank_offset + 0, through
+        `init_custom_process_group` over ``tcp://`` (ours, `custom_group`, the same steps);
+        a failure is answered, not raised."""
+        assert group_name != "", "Group name cannot be empty"
+        try:
+            self.groups[group_name] = custom_group(
+                backend,
+                world_size,
+                rank_offset,
+                group_name,
+                self.group_timeout,
+                init_method=f"tcp://{master_address}:{master_port}",
+            )
+            return True, "Succeeded to initialize custom process group."
+        except Exception as e:
+            return False, f"Failed to initialize custom process group: {e}."
+
+    def destroy_weights_update_group(self, group_name: str) -> tuple[bool, str]:
+        if group_name not in self.groups:
+            return False, "The group to be destroyed does not exist."
+        dist.destroy_process_group(self.groups.pop(group_name))
+        return True, "Succeeded to destroy custom process group."
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+        load_format: str | None = None,
+    ) -> tuple[bool, str]:
+        """SGLang 0.5.23: inside a session only; one broadcast per name from rank 0 into
+        ``torch.empty(shape, dtype)`` (async, then all waited), then the model's loader."""
+        if not self.session:
+            return False, OUTSIDE_SESSION.format("update_weights_from_distributed")
+        try:
+            assert group_name in self.groups, (
+                f"Group {group_name} not in {list(self.groups)}. "
+                "Please call `init_weights_update_group` first."
+            )
+            weights, handles = [], []
+            for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes, strict=True)):
+                if i == self.break_at:  # the group breaks under it, mid-broadcast
+                    dist.destroy_process_group(self.groups.pop(group_name))
+                    raise RuntimeError("Connection closed by peer")
+                weight = torch.empty(shape, dtype=getattr(torch, dtype))
+                group = self.groups[group_name]
+                handles.append(dist.broadcast(weight, src=0, group=group, async_op=True))
+                weights.append((name, weight))
+            for handle in handles:
+                handle.wait()
+        except Exception as e:
+            return False, f"Failed to receive weights: {e}"
+        self.loop.run_until_complete(self._update(weights, flush_cache))
+        return True, "Succeeded to update parameter online."
 
     def shutdown(self) -> None:
         self.shut_down_on = threading.current_thread().name
@@ -302,6 +399,8 @@ def sglang_modules(
     io.ContinueGenerationReqInput = SimpleNamespace  # type: ignore[attr-defined]
     io.UpdateWeightsFromTensorReqInput = lambda **kw: SimpleNamespace(**kw)  # type: ignore[attr-defined]
     io.GetWeightsByNameReqInput = lambda **kw: SimpleNamespace(**kw)  # type: ignore[attr-defined]
+    io.BeginWeightUpdateReqInput = lambda selector="all": SimpleNamespace(selector=selector)  # type: ignore[attr-defined]
+    io.EndWeightUpdateReqInput = SimpleNamespace  # type: ignore[attr-defined]
     utils = ModuleType("sglang.srt.utils")
     serializer = SimpleNamespace(serialize=lambda pairs: pairs)
     utils.MultiprocessingSerializer = serializer  # type: ignore[attr-defined]

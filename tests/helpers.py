@@ -166,7 +166,9 @@ class LocalJob:
         """The weight versions the rollout workers said they serve, in the order they said it."""
         lines = self.rollout_log().splitlines()
         return [
-            int(line.rsplit("weights v", 1)[1]) for line in lines if "now serving weights v" in line
+            int(line.rsplit("weights v", 1)[1].split()[0])
+            for line in lines
+            if "now serving weights v" in line
         ]
 
 

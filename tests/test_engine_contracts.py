@@ -33,6 +33,7 @@ import hashlib
 import importlib
 import inspect
 import threading
+import time
 import typing
 from collections.abc import Callable
 from pathlib import Path
@@ -59,6 +60,10 @@ from engines.vllm_rollout import (
 )
 from tests.engine_standins import (
     HEADER_SLACK,
+    NO_SESSION,
+    OUTSIDE_SESSION,
+    SESSION_OPEN,
+    StandInSGLangEngine,
     as_vllm_delivers,
     bind_loop_as_sglang,
     vllm_refuses,
@@ -236,6 +241,9 @@ def test_sglang_takes_every_name_we_pass() -> None:
     binds(manager.pause_generation, manager, io.pause(mode="retract"))
     binds(manager.continue_generation, manager, io.resume())
     binds(manager.update_weights_from_tensor, manager, update, None)
+    assert io.begin is not None and io.end is not None  # the session the adapter opens
+    binds(manager.begin_weight_update, manager, io.begin(), None)
+    binds(manager.end_weight_update, manager, io.end(), None)
     read = io.read(name="model.norm.weight", truncate_size=1)
     binds(manager.get_weights_by_name, manager, read, None)
 
@@ -280,3 +288,132 @@ def test_sglang_registers_no_signal_handler_off_the_main_thread() -> None:
     source = inspect.getsource(package("sglang.srt.entrypoints.engine")._set_envs_and_config)
     guard = source.find("threading.current_thread() is threading.main_thread()")
     assert 0 <= guard < source.find("signal.signal("), "signal.signal is not behind the guard"
+
+
+# --- The collective transport into the engine (issue 28) ---------------------------------------
+
+
+def test_sglang_distributed_update_calls_are_the_stand_ins() -> None:
+    """Every call `engines.sglang_group` and the SGLang adapter make binds on the real `Engine`,
+    with the stand-in's parameter names and defaults; the real scheduler refuses an update
+    outside a weight-update session, an end outside one and a begin inside one, with the
+    stand-ins' words (`StandInSGLangEngine`, `tests.continuous_fakes.FakeTokenizerManager`)."""
+    engine = sglang_engine()
+    for name in (
+        "init_weights_update_group",
+        "update_weights_from_distributed",
+        "destroy_weights_update_group",
+        "begin_weight_update",
+        "end_weight_update",
+        "get_weights_by_name",
+        "update_weights_from_tensor",
+    ):
+        real = inspect.signature(getattr(engine, name)).parameters
+        ours = inspect.signature(getattr(StandInSGLangEngine, name)).parameters
+        assert [(p.name, p.default) for p in real.values()] == [
+            (p.name, p.default) for p in ours.values()
+        ], name
+    binds(
+        engine.init_weights_update_group, engine, master_address="h", master_port=1,
+        rank_offset=1, world_size=2, group_name="g", backend="gloo",
+    )  # fmt: skip
+    binds(
+        engine.update_weights_from_distributed, engine, names=["a"], dtypes=["float32"],
+        shapes=[[2]], group_name="g", flush_cache=True,
+    )  # fmt: skip
+    binds(engine.destroy_weights_update_group, engine, group_name="g")
+    io = package("sglang.srt.managers.io_struct")
+    manager = package("sglang.srt.managers.scheduler_components.weight_updater")
+    updater = manager.SchedulerWeightUpdaterManager
+    no_session = SimpleNamespace(_session=None)
+    request = io.UpdateWeightsFromDistributedReqInput(names=[], dtypes=[], shapes=[])
+    out = updater.update_weights_from_distributed(no_session, request)
+    assert not out.success
+    assert out.message == OUTSIDE_SESSION.format("update_weights_from_distributed")
+    tensors = io.UpdateWeightsFromTensorReqInput(serialized_named_tensors=[])
+    out = updater.update_weights_from_tensor(no_session, tensors)
+    assert not out.success
+    assert out.message == OUTSIDE_SESSION.format("update_weights_from_tensor")
+    out = updater.end_weight_update(no_session, io.EndWeightUpdateReqInput())
+    assert (out.success, out.message) == (False, NO_SESSION)
+    open_session = SimpleNamespace(_session=object())
+    out = updater.begin_weight_update(open_session, io.BeginWeightUpdateReqInput())
+    assert (out.success, out.message) == (False, SESSION_OPEN)
+
+
+def source_side(port: int, name: str) -> None:
+    """Our source's side of a tensor-mode group (`custom_group` on the TCPStore it hosts, as
+    `engines.collective` opens it): broadcasts one tensor from rank 0."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from engines.collective import CollectiveSettings
+    from engines.collective_tensors import open_tensor_group
+
+    t = timedelta(seconds=30)
+    store = dist.TCPStore("127.0.0.1", port, None, True, t)
+    backend = open_tensor_group(store, 0, 2, name, CollectiveSettings())
+    backend.broadcast(torch.arange(6, dtype=torch.bfloat16), 0, t).wait()  # type: ignore[union-attr]
+    time.sleep(1)
+
+
+def test_sglangs_own_rendezvous_joins_our_sources_group() -> None:
+    """SGLang's real `init_custom_process_group` (what `init_weights_update_group` runs on each
+    TP rank), over ``tcp://`` at our source's store, joins the group our source opens, and a
+    broadcast from it arrives as `update_weights_from_distributed` receives it."""
+    common = package("sglang.srt.utils.common")
+    import multiprocessing
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    name = "jetrl-weights-contract-e1"
+    source = multiprocessing.get_context("spawn").Process(target=source_side, args=(port, name))
+    source.start()
+    try:
+        time.sleep(0.5)
+        from datetime import timedelta
+
+        group = common.init_custom_process_group(
+            backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=1,
+            group_name=name, timeout=timedelta(seconds=30),
+        )  # fmt: skip
+        weight = torch.empty(6, dtype=torch.bfloat16)
+        torch.distributed.broadcast(weight, src=0, group=group, async_op=True).wait()
+        assert torch.equal(weight, torch.arange(6, dtype=torch.bfloat16))
+    finally:
+        source.join(timeout=30)
+        if source.is_alive():
+            source.kill()
+    assert source.exitcode == 0
+
+
+def test_vllm_weight_transfer_is_what_the_docs_say() -> None:
+    """vLLM's weight-transfer path (docs/engines.md): `AsyncLLM`'s init / start / update /
+    finish calls, on `AsyncLLM` and the offline `LLM` alike; backends without gloo (NCCL
+    through its own communicator); the update info's names; the workers' methods."""
+    package("vllm")
+    async_llm = package("vllm.v1.engine.async_llm").AsyncLLM
+    for name in (
+        "init_weight_transfer_engine",
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+    ):
+        assert callable(getattr(async_llm, name)), name
+    llm = package("vllm").LLM
+    binds(llm.init_weight_transfer_engine, llm, {"init_info": {}})
+    binds(llm.start_weight_update, llm)
+    binds(llm.update_weights, llm, {"update_info": {}})
+    binds(llm.finish_weight_update, llm, weight_version="1")
+    config = package("vllm.config.weight_transfer").WeightTransferConfig
+    backends = typing.get_args(typing.get_args(config.__annotations__["backend"])[0])
+    assert "nccl" in backends and "gloo" not in backends, backends
+    nccl = package("vllm.distributed.weight_transfer.nccl_engine")
+    fields = {f.name for f in dataclasses.fields(nccl.NCCLWeightTransferUpdateInfo)}
+    assert {"names", "dtype_names", "shapes"} <= fields, fields
+    worker = package("vllm.v1.worker.gpu_worker").Worker
+    for name in ("init_weight_transfer_engine", "start_weight_update", "update_weights"):
+        assert callable(getattr(worker, name)), name

@@ -171,6 +171,46 @@ def test_the_continuous_adapters_load_a_subset_and_catch_a_tensor_not_loaded(
         engine.close()
 
 
+def test_the_sglang_continuous_adapter_loads_each_bucket_in_a_session_closed_on_failure(
+    model_dir: Path,  # noqa: F811
+) -> None:
+    """SGLang 0.5.23 refuses an update outside a weight-update session (the fake, as the real
+    scheduler, `tests.test_engine_contracts`): each bucket loads inside one, and a load that
+    fails, answered or raised, still closes it (else every later begin is refused)."""
+    core = FakeCore(model_dir)
+    engine = adapter("sglang", model_dir, core, bucket_bytes=64 * 1024)
+    manager = engine.engine.tokenizer_manager  # type: ignore[attr-defined]
+    new = some(model_dir)
+    try:
+        engine.load_state_dict(new, version=1)
+        buckets = len(manager.flushed)
+        assert buckets > 1 and manager.steps == ["begin", "update", "end"] * buckets
+        assert not manager.session and engine.version == 1
+        manager.steps.clear()
+        manager.refuse_loads = True
+        with pytest.raises(WeightsNotLoaded, match=r"sglang: bucket 0 .*: shape mismatch"):
+            engine.load_state_dict(new, version=2)
+        assert manager.steps == ["begin", "update", "end"] and not manager.session
+        manager.steps.clear()
+        manager.refuse_loads = False
+        answer = manager.update_weights_from_tensor
+
+        async def broken(request: object, http: None) -> tuple[bool, str]:
+            manager.steps.append("update")
+            raise ConnectionError("the scheduler went away")
+
+        manager.update_weights_from_tensor = broken
+        with pytest.raises(ConnectionError, match="went away"):
+            engine.load_state_dict(new, version=3)
+        assert manager.steps == ["begin", "update", "end"] and not manager.session
+        manager.update_weights_from_tensor = answer
+        engine.load_state_dict({n: t + 1 for n, t in new.items()}, version=4)
+        assert engine.version == 4 and not manager.session
+        assert all(torch.equal(dict(core.hf.named_parameters())[n], t + 1) for n, t in new.items())
+    finally:
+        engine.close()
+
+
 def test_the_sglang_section_has_a_weight_bucket_size_checked_at_load() -> None:
     sglang = parse_config({"rollout": {"engine": "sglang"}}).rollout.engine
     assert isinstance(sglang, SGLangRolloutConfig) and sglang.weight_bucket_bytes == 512 * 2**20

@@ -15,6 +15,10 @@ with a stored fallback copy.
              -> the engine loads them under the gate. `Missed` (joined late, dropped from the
              group, the trainer gave up, source gone) -> the fallback copy, fetched as any
              version of that transport
+    engines  a worker whose engine copies take a broadcast themselves (`GroupWeights`; one
+             sender): `into_engines` under the stage's gate, `EngineReceiver` joining them to
+             the group and asking each to receive and read back (`engines.collective_engine`);
+             `Missed` -> the fallback copy, loaded whole by the stage
 
 `engines.collective` holds the protocol (check-in, group epochs, timeouts); docs/weights.md
 ("Collective transport") describes both.
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import ClassVar
 
 import torch
@@ -37,9 +41,11 @@ from engines.collective import (
     Missed,
     Published,
 )
+from engines.collective_engine import EngineReceiver
 from engines.collective_peer import CollectivePeer
 from engines.collective_plan import Spec
 from engines.weights import verify
+from engines.weights_group import GroupWeights
 from schemas.config import MIB, WeightsConfig
 from schemas.weight_event import TransportName, WeightShard, WeightVersionEvent
 
@@ -85,6 +91,7 @@ class CollectiveTransport:
         read by the source's thread)."""
         self.source: CollectiveSource | None = None
         self.receiver: CollectiveReceiver | None = None
+        self.engine_receiver: EngineReceiver | None = None
         self.sending: asyncio.Task[Published] | None = None
 
     # --- trainer ---------------------------------------------------------------------------
@@ -193,6 +200,9 @@ class CollectiveTransport:
         if self.receiver is not None:
             self.receiver.close()
             self.receiver = None
+        if self.engine_receiver is not None:
+            self.engine_receiver.close()
+            self.engine_receiver = None
 
     # --- worker ----------------------------------------------------------------------------
 
@@ -205,6 +215,31 @@ class CollectiveTransport:
             return await self.catch_up(event, got.reason)
         await asyncio.to_thread(verify, got.tensors, event.manifest)
         return got.tensors
+
+    async def into_engines(
+        self, event: WeightVersionEvent, engines: Sequence[GroupWeights]
+    ) -> dict[str, torch.Tensor] | None:
+        """`event`'s version broadcast into the `engines` themselves (their own weight-update
+        calls; only while the stage holds them quiet): None once every copy holds it, each load
+        read back; else (`Missed`, for whatever reason) the fallback copy's tensors, verified,
+        for the stage to load whole."""
+        host, _, port = event.location.rpartition(":")
+        if self.engine_receiver is None:
+            self.engine_receiver = EngineReceiver(self.member_id, self.settings, engines)
+        checksums = {spec.name: spec.sha256 for spec in event.manifest}
+        got = await asyncio.to_thread(
+            self.engine_receiver.receive, (host, int(port)), event.version, checksums
+        )
+        if isinstance(got, Missed):
+            return await self.catch_up(event, got.reason)
+        log.info(
+            "weights v%d: %d bytes by broadcast into the engines in %.2fs (epoch %d)",
+            got.version,
+            got.nbytes,
+            got.seconds,
+            got.epoch,
+        )
+        return None
 
     async def catch_up(self, event: WeightVersionEvent, reason: str) -> dict[str, torch.Tensor]:
         if event.fallback_transport is None or event.fallback_location is None:

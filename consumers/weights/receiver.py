@@ -52,6 +52,7 @@ from bus.connection import JetStream
 from bus.publisher import Publisher
 from bus.readers import Broadcast, LastStored, Poison, Stored
 from bus.topology import WEIGHTS, Topology
+from consumers.weights.collective import CollectiveTransport
 from consumers.weights.factory import transport_for
 from consumers.weights.transport import (
     WeightsMissing,
@@ -62,6 +63,7 @@ from consumers.weights.transport import (
 from engines.delta_plan import plan_fetch
 from engines.weight_delta import apply_delta
 from engines.weights import WeightsRefused, check_manifest
+from engines.weights_group import GroupWeights
 from schemas import WeightVersionEvent
 from schemas.config import WeightsConfig
 
@@ -85,6 +87,9 @@ class Ready:
     event: WeightVersionEvent
     tensors: dict[str, torch.Tensor]
     changed: frozenset[str]
+    direct: bool = False
+    """True: the version goes by broadcast into the engines themselves (`into_engines`, under
+    the stage's gate); `tensors` is empty until then."""
 
     def to_load(self) -> dict[str, torch.Tensor]:
         """The tensors the engine does not hold yet (`changed`), by name."""
@@ -211,6 +216,9 @@ class WeightsReceiver:
         """The CPU copy of the version served, which deltas apply onto (`weights.delta`)."""
         self.transports: dict[str, WeightTransport] = {}
         """By name, made when an event first names one: the event says where its bytes are."""
+        self.engines: list[GroupWeights] = []
+        """The rollout's engine copies when every one takes a broadcast into its own memory
+        (`GroupWeights`): then a collective version is yielded `direct`, not received here."""
         self.lookup = LastStored(js, topology, WEIGHTS, Poison(ROLE))
         """Single events of `weights` (the last, the chain's earlier ones); poison only logged:
         the follower dead-letters it."""
@@ -284,11 +292,24 @@ class WeightsReceiver:
             # A version served already; the same number from another event is a resumed trainer's.
             return None
         check_manifest(event.manifest, self.model)  # before a byte is fetched
+        # Into the engines themselves: one sender only (several trainer ranks announce shards).
+        direct = event.transport == "collective" and not event.shards
+        if self.engines and direct and event.full_version is None:
+            return Ready(event, {}, frozenset(s.name for s in event.manifest), direct=True)
         tensors = await self.chain.fetch(
             event, self.transport, lambda versions, full: self.earlier(seq, versions, full)
         )
         changed = frozenset(s.name for s in event.manifest if self.held.get(s.name) != s.sha256)
         return Ready(event, tensors, changed)
+
+    async def into_engines(self, ready: Ready) -> dict[str, torch.Tensor] | None:
+        """Under the stage's gate, a `direct` version broadcast into `engines`: None once every
+        copy holds it (each load read back), else the stored fallback copy's tensors, verified,
+        to load whole (`WeightsRefused` / `WeightsUnavailable` when that copy cannot be had:
+        the engines may hold a mix, and the stage ends the worker)."""
+        transport = self.transport(ready.event)
+        assert isinstance(transport, CollectiveTransport)
+        return await transport.into_engines(ready.event, self.engines)
 
     async def superseded(self, event: WeightVersionEvent) -> bool | None:
         """Whether a version newer than `event`'s is announced (the last on `weights`); None
