@@ -1,0 +1,177 @@
+"""`placement: colocated`: the device lease (`bus.lease`) and the phases on it
+(`consumers.colocation`), on a real nats-server with real processes.
+
+- the lease's decision, case by case (pure);
+- phase exclusion: a rollout role and a trainer role, two processes, take turns on one
+  device; from the recorded timeline of phase starts and ends, no phase starts while the
+  other holds the device, and the rollout's simulated engine holds its memory only in its
+  turns (it refuses to generate while released);
+- a kill -9 in each phase: the holder dies holding the device (crash point
+  `<role>.holding_device`); the other role takes it over once the dead one's membership
+  expires (not before: the timeline still never overlaps), the killed role restarts and
+  finishes all its turns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bus.connection import connect
+from bus.crashpoints import CRASH_AT, CRASH_RECORD, records
+from bus.embedded import EmbeddedNats
+from bus.lease import Verdict, decide, hand_over
+from bus.topology import Topology
+from consumers.colocation import PHASE_LOG
+from schemas.kv_records import DeviceLease, Phase
+
+TTL = 1.0
+"""The members bucket's TTL here: a killed holder's lease is free after it."""
+TURNS = 4
+SECONDS = 0.2
+MIB = 1 << 20
+
+
+def test_the_lease_decision() -> None:
+    held = DeviceLease(holder="a", phase=Phase.ROLLOUT, since=time.time())
+    assert decide(None, "b", True).verdict is Verdict.TAKE
+    assert decide(held, "a", True).verdict is Verdict.MINE
+    assert decide(held, "b", True).verdict is Verdict.WAIT
+    assert decide(held, "b", False).verdict is Verdict.TAKE  # its holder is dead
+    free = held.model_copy(update={"holder": None, "wanted": Phase.TRAIN, "wanted_by": "b"})
+    assert decide(free, "a", True, wanter_alive=True).verdict is Verdict.WAIT  # promised to b
+    assert decide(free, "a", True, wanter_alive=False).verdict is Verdict.TAKE
+    assert decide(free, "b", True).verdict is Verdict.TAKE
+    wanted = held.model_copy(update={"wanted": Phase.TRAIN, "wanted_by": "b"})
+    assert hand_over(wanted, "a") and not hand_over(held, "a") and not hand_over(wanted, "b")
+
+
+def test_a_phase_never_starts_while_the_other_holds_the_device(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    timeline, outputs = run_roles(nats_server.url, tmp_path, crash=None)
+    intervals = phase_intervals(timeline, {})
+    assert_exclusive(intervals)
+    ends = [line for line in timeline if line["event"] == "end"]
+    assert sorted(p["phase"] for p in ends) == ["rollout"] * TURNS + ["train"] * TURNS
+    # The rollout's engine held its memory in each of its turns, and none after it.
+    turns = [json.loads(line) for line in outputs["rollout"].splitlines()]
+    assert [(t["held"], t["released"]) for t in turns] == [(64 * MIB, 0)] * TURNS
+
+
+@pytest.mark.parametrize("role", ["rollout", "trainer"])
+def test_a_kill_in_each_phase_recovers(
+    nats_server: EmbeddedNats, tmp_path: Path, role: str
+) -> None:
+    timeline, _ = run_roles(nats_server.url, tmp_path, crash=role)
+    fired = records(tmp_path / "crashes")
+    assert list(fired) == [f"{role}.holding_device"], fired
+    record: dict[str, Any] = fired[f"{role}.holding_device"]
+    killed_at, killed_pid = float(record["time"]), int(record["pid"])
+    intervals = phase_intervals(timeline, {killed_pid: killed_at})
+    assert_exclusive(intervals)
+    # The device was taken again after the kill, and not only once the whole TTL had
+    # passed many times over (the dead holder's lease ended with its membership).
+    after = [start for start, _, _ in intervals if start > killed_at]
+    assert after and min(after) - killed_at < TTL + 10.0, (killed_at, after[:3])
+    # Both roles finished every turn: the killed one in its restarted process.
+    phase = "rollout" if role == "rollout" else "train"
+    ends = [line for line in timeline if line["event"] == "end"]
+    survivors = [p for p in ends if p["pid"] != killed_pid]
+    assert sum(p["phase"] == phase for p in survivors) == TURNS
+    assert sum(p["phase"] != phase for p in survivors) == TURNS
+
+
+def run_roles(
+    url: str, tmp_path: Path, crash: str | None
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """Run a rollout and a trainer role to the end of their turns (restarting one killed once);
+    the phase timeline (each line with its process's pid) and each role's last output."""
+    topology = Topology(run=f"t{uuid.uuid4().hex[:10]}", member_ttl=TTL)
+    asyncio.run(declare(url, topology))
+    log = tmp_path / "phases.jsonl"
+    env = {**os.environ, PHASE_LOG: str(log), CRASH_RECORD: str(tmp_path / "crashes")}
+    try:
+        procs = {role: start(url, topology, role, env, crash) for role in ("rollout", "trainer")}
+        outputs: dict[str, str] = {}
+        deadline = time.monotonic() + 180
+        while procs:
+            assert time.monotonic() < deadline, f"roles still running: {list(procs)}"
+            for role, proc in list(procs.items()):
+                code = proc.poll()
+                if code is None:
+                    continue
+                out = proc.stdout.read() if proc.stdout else ""
+                if code == -signal.SIGKILL and role == crash:  # the supervisor restarts it
+                    procs[role] = start(url, topology, role, env, crash)
+                    continue
+                assert code == 0, f"{role} exited {code}"
+                outputs[role] = out
+                del procs[role]
+            time.sleep(0.1)
+    finally:
+        asyncio.run(delete(url, topology))
+    timeline = [json.loads(line) for line in log.read_text().splitlines()]
+    for line in timeline:  # the holder's member key ends with _<pid>_<role>
+        line["pid"] = int(str(line["holder"]).split("_")[-2])
+    return timeline, outputs
+
+
+def start(
+    url: str, topology: Topology, role: str, env: dict[str, str], crash: str | None
+) -> subprocess.Popen[str]:
+    armed = {**env, CRASH_AT: f"{role}.holding_device@2"} if role == crash else env
+    command = [sys.executable, "-m", "tests.lease_proc", url, topology.run, str(TTL), role]
+    return subprocess.Popen(
+        [*command, str(TURNS), str(SECONDS)], env=armed, stdout=subprocess.PIPE, text=True
+    )
+
+
+def phase_intervals(
+    timeline: list[dict[str, Any]], killed: dict[int, float]
+) -> list[tuple[float, float, str]]:
+    """(start, end, phase) of every turn; a turn whose process was killed ends at the kill."""
+    open_turns: dict[int, tuple[float, str]] = {}
+    intervals = []
+    for line in sorted(timeline, key=lambda item: float(item["t"])):
+        pid, t = int(line["pid"]), float(line["t"])
+        if line["event"] == "start":
+            assert pid not in open_turns, f"{pid} started a turn inside its own"
+            open_turns[pid] = (t, str(line["phase"]))
+        else:
+            started, phase = open_turns.pop(pid)
+            intervals.append((started, t, phase))
+    for pid, (started, phase) in open_turns.items():
+        assert pid in killed, f"process {pid}'s {phase} turn never ended and it was not killed"
+        intervals.append((started, killed[pid], phase))
+    return sorted(intervals)
+
+
+def assert_exclusive(intervals: list[tuple[float, float, str]]) -> None:
+    for before, after in zip(intervals, intervals[1:], strict=False):
+        assert after[0] >= before[1], (
+            f"{after[2]} started at {after[0]:.3f} while {before[2]} "
+            f"held the device until {before[1]:.3f}"
+        )
+
+
+async def declare(url: str, topology: Topology) -> None:
+    nc = await connect(url, "test-colocation")
+    await topology.apply(nc.jetstream())
+    await nc.close()
+
+
+async def delete(url: str, topology: Topology) -> None:
+    nc = await connect(url, "test-colocation")
+    await topology.delete(nc.jetstream())
+    await nc.close()
