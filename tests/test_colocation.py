@@ -118,6 +118,7 @@ def run_roles(
                 assert code == 0, f"{role} exited {code}"
                 outputs[role] = out
                 del procs[role]
+            assert_taken_over(log, tmp_path / "crashes")
             time.sleep(0.1)
     finally:
         asyncio.run(delete(url, topology))
@@ -125,6 +126,25 @@ def run_roles(
     for line in timeline:  # the holder's member key ends with _<pid>_<role>
         line["pid"] = int(str(line["holder"]).split("_")[-2])
     return timeline, outputs
+
+
+TAKE_OVER = TTL + 15.0
+"""Seconds after a kill by which the device must have been taken again (the members TTL, and
+room for a loaded machine)."""
+
+
+def assert_taken_over(log: Path, crashes: Path) -> None:
+    """Once a holder was killed: fail as soon as `TAKE_OVER` s pass with no phase started
+    since (its lease outlived it), rather than wait for the roles' deadline."""
+    for record in records(crashes).values():
+        killed_at = float(record["time"])  # type: ignore[arg-type]
+        if time.time() - killed_at < TAKE_OVER:
+            return
+        starts = [json.loads(line) for line in log.read_text().splitlines()]
+        assert any(s["event"] == "start" and s["t"] > killed_at for s in starts), (
+            f"no phase started in the {TAKE_OVER:.0f} s since the holder was killed: "
+            "its lease outlived it"
+        )
 
 
 def start(
