@@ -34,6 +34,7 @@ from bus.lease import Verdict, decide, hand_over
 from bus.topology import Topology
 from consumers.colocation import PHASE_LOG
 from schemas.kv_records import DeviceLease, Phase
+from tests.phase_timeline import assert_exclusive, phase_intervals, read_timeline
 
 TTL = 1.0
 """The members bucket's TTL here: a killed holder's lease is free after it."""
@@ -122,10 +123,7 @@ def run_roles(
             time.sleep(0.1)
     finally:
         asyncio.run(delete(url, topology))
-    timeline = [json.loads(line) for line in log.read_text().splitlines()]
-    for line in timeline:  # the holder's member key ends with _<pid>_<role>
-        line["pid"] = int(str(line["holder"]).split("_")[-2])
-    return timeline, outputs
+    return read_timeline(log), outputs
 
 
 TAKE_OVER = TTL + 15.0
@@ -155,34 +153,6 @@ def start(
     return subprocess.Popen(
         [*command, str(TURNS), str(SECONDS)], env=armed, stdout=subprocess.PIPE, text=True
     )
-
-
-def phase_intervals(
-    timeline: list[dict[str, Any]], killed: dict[int, float]
-) -> list[tuple[float, float, str]]:
-    """(start, end, phase) of every turn; a turn whose process was killed ends at the kill."""
-    open_turns: dict[int, tuple[float, str]] = {}
-    intervals = []
-    for line in sorted(timeline, key=lambda item: float(item["t"])):
-        pid, t = int(line["pid"]), float(line["t"])
-        if line["event"] == "start":
-            assert pid not in open_turns, f"{pid} started a turn inside its own"
-            open_turns[pid] = (t, str(line["phase"]))
-        else:
-            started, phase = open_turns.pop(pid)
-            intervals.append((started, t, phase))
-    for pid, (started, phase) in open_turns.items():
-        assert pid in killed, f"process {pid}'s {phase} turn never ended and it was not killed"
-        intervals.append((started, killed[pid], phase))
-    return sorted(intervals)
-
-
-def assert_exclusive(intervals: list[tuple[float, float, str]]) -> None:
-    for before, after in zip(intervals, intervals[1:], strict=False):
-        assert after[0] >= before[1], (
-            f"{after[2]} started at {after[0]:.3f} while {before[2]} "
-            f"held the device until {before[1]:.3f}"
-        )
 
 
 async def declare(url: str, topology: Topology) -> None:
