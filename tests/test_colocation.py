@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from bus.connection import connect
 from bus.crashpoints import CRASH_AT, CRASH_RECORD, records
@@ -33,6 +34,9 @@ from bus.embedded import EmbeddedNats
 from bus.lease import Verdict, decide, hand_over
 from bus.topology import Topology
 from consumers.colocation import PHASE_LOG
+from engines.protocols import SamplingParams
+from engines.simulated import SimulatedRolloutEngine, SimulatedSettings
+from schemas.config import ConfigError, parse_config
 from schemas.kv_records import DeviceLease, Phase
 from tests.phase_timeline import assert_exclusive, phase_intervals, read_timeline
 
@@ -55,6 +59,50 @@ def test_the_lease_decision() -> None:
     assert decide(free, "b", True).verdict is Verdict.TAKE
     wanted = held.model_copy(update={"wanted": Phase.TRAIN, "wanted_by": "b"})
     assert hand_over(wanted, "a") and not hand_over(held, "a") and not hand_over(wanted, "b")
+
+
+COLOCATED: dict[str, Any] = {
+    "placement": "colocated",
+    "rollout": {"engine": "simulated", "continuous": False},
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ({"rollout": {"engine": "hf", "continuous": False}}, "rollout.engine hf has no memory"),
+        ({"trainer": {"engine": "fsdp"}}, "needs trainer.engine torch with dp_size 1"),
+        (
+            {"rollout": {"engine": "simulated", "continuous": False, "engine_copies": 2}},
+            "needs rollout.engine_copies 1",
+        ),
+        ({"rollout": {"engine": "simulated"}}, "needs rollout.continuous false"),
+        ({"weights": {"transport": "collective"}}, "not collective"),
+    ],
+)
+def test_what_colocation_cannot_do_is_refused_in_one_line(
+    change: dict[str, Any], said: str
+) -> None:
+    with pytest.raises(ConfigError) as refused:
+        parse_config({**COLOCATED, **change})
+    assert said in str(refused.value) and "\n" not in str(refused.value)
+    assert parse_config(COLOCATED).placement == "colocated"
+    assert parse_config({}).placement == "separated"  # the default: nothing changes
+
+
+def test_the_simulated_engine_holds_its_memory_only_awake() -> None:
+    settings = SimulatedSettings(median_tokens=2, sigma=0.0, seconds_per_token=0.0, memory_mib=8)
+    engine = SimulatedRolloutEngine(torch.nn.Linear(1, 1), 32, 0, settings)
+    params = SamplingParams(max_tokens=4)
+    assert engine.device_bytes() == 8 * MIB
+    engine.release_memory()
+    assert engine.device_bytes() == 0
+    with pytest.raises(RuntimeError, match="released"):
+        engine.generate([[1]], 1, params)
+    with pytest.raises(RuntimeError, match="released"):
+        engine.generate_sample([1], params)
+    engine.resume_memory()
+    assert engine.device_bytes() == 8 * MIB and len(engine.generate([[1]], 2, params)[0]) == 2
 
 
 def test_a_phase_never_starts_while_the_other_holds_the_device(
