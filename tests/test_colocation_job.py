@@ -84,7 +84,8 @@ def test_a_colocated_run_killed_in_each_phase_loses_nothing(tmp_path: Path) -> N
     fired = records(crashes)
     assert sorted(fired) == sorted([ROLLOUT_HOLDING_DEVICE.name, TRAINER_HOLDING_DEVICE.name])
     assert job.summary["samples_trained"] == STEPS * PER_STEP * N
-    killed = {int(r["pid"]): float(r["time"]) for r in fired.values()}  # type: ignore[arg-type]
+    kills: list[dict[str, Any]] = list(fired.values())
+    killed = {int(r["pid"]): float(r["time"]) for r in kills}
     assert_exclusive(phase_intervals(read_timeline(log), killed))
 
 
