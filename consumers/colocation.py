@@ -5,8 +5,8 @@ bracket every stretch in which the role computes on the device, so that the two 
 compute at once (the device lease, `bus.lease`, decides who holds it):
 
     rollout: batcher -> enter (take the lease; the engine takes its memory again) ->
-                 generate -> boundary: queue empty, or the trainer waits -> leave (the engine
-                 gives its memory back; release the lease)
+                 generate -> boundary: the trainer waits, or no prompt within GRACE ->
+                 leave (the engine gives its memory back; release the lease)
              build: enter -> build the engine -> leave (its memory given back at once)
     trainer: setup (v0 out) and each step's train -> record -> checkpoint -> sync,
                  between enter and leave; collecting batches holds nothing
@@ -39,6 +39,9 @@ log = logging.getLogger("jetrl.colocation")
 
 PHASE_LOG = "JETRL_PHASE_LOG"
 """A file each phase's start and end is appended to, one JSON line each (tests, benches)."""
+
+GRACE = 0.1
+"""Seconds a rollout holding the device waits for more prompts before giving it back."""
 
 HOLDING: dict[Phase, Callable[[str], None]] = {
     Phase.ROLLOUT: ROLLOUT_HOLDING_DEVICE,
@@ -92,10 +95,18 @@ class Phases:
         await self.lease.release()
         self.holding = False
 
-    async def boundary(self, more: bool) -> None:
-        """Between two stretches of work: leave if there is no more now, or the other role
-        waits for the device."""
-        if self.holding and (not more or await self.lease.wanted()):
+    async def boundary(self, more: Callable[[], bool]) -> None:
+        """Between two stretches of work: leave if the other role waits for the device, or if
+        no more work comes within `GRACE` s (prompts of one step arrive a few at a time: giving
+        the memory back between them would pay a sleep and a wake for nothing)."""
+        if not self.holding or await self.lease.wanted():
+            await self.leave()
+            return
+        waited = 0.0
+        while not more() and waited < GRACE:
+            await asyncio.sleep(GRACE / 10)
+            waited += GRACE / 10
+        if not more():
             await self.leave()
 
     def record(self, event: str, waited: float) -> None:

@@ -172,7 +172,7 @@ class EngineCopies:
                 if not self.running:
                     self.idle.set()
             if self.phases is not None:  # nothing more now, or the trainer waits: hand it over
-                await self.phases.boundary(more=bool(copy.queue))
+                await self.phases.boundary(more=lambda: bool(copy.queue))
 
     async def generate(self, copy: EngineCopy, batch: list[Pending]) -> None:
         """Generate `batch` on `copy` in a thread; resolve each prompt's future."""
