@@ -258,7 +258,8 @@ class RunConfig(Section):
     node's rollout engine and trainer share its device, in phases (generate; the engine gives
     its memory back; train and publish; the engine takes it again), verl's hybrid engine with
     `mode: sync`. With `mode: async` the next rollout still starts only once the trainer has
-    released the device: the staleness bound buys only other nodes' overlap. For now: the
+    released the device: generation overlaps training only across nodes (on one node the
+    bound hides the stages that need no device: reward, buffer, the gate). For now: the
     simulated rollout engine, the torch trainer at dp_size 1, one engine copy, batch (not
     continuous) admission, no agent (`schemas.placement`)."""
     model: ModelConfig = ModelConfig()
