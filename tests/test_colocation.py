@@ -31,7 +31,7 @@ import torch
 from bus.connection import connect
 from bus.crashpoints import CRASH_AT, CRASH_RECORD, records
 from bus.embedded import EmbeddedNats
-from bus.lease import Verdict, decide, hand_over
+from bus.lease import Lease, Verdict, decide, hand_over
 from bus.topology import Topology
 from consumers.colocation import PHASE_LOG
 from engines.protocols import SamplingParams
@@ -103,6 +103,46 @@ def test_the_simulated_engine_holds_its_memory_only_awake() -> None:
         engine.generate_sample([1], params)
     engine.resume_memory()
     assert engine.device_bytes() == 8 * MIB and len(engine.generate([[1]], 2, params)[0]) == 2
+
+
+def test_a_released_device_goes_to_the_waiter_and_a_dead_holders_to_the_next(
+    nats_server: EmbeddedNats,
+) -> None:
+    """On the bus, in one process: the holder hands over to the process that waits (it does not
+    take the device straight back), and a holder whose member entry is gone holds nothing."""
+    topology = Topology(run=f"t{uuid.uuid4().hex[:10]}", member_ttl=30.0)
+
+    async def main() -> None:
+        nc = await connect(nats_server.url, "test-lease")
+        js = nc.jetstream()
+        await topology.apply(js)
+        try:
+            kv = await js.key_value(topology.kv_bucket)
+            members = await js.key_value(topology.members_bucket)
+            for key in ("a", "b"):
+                await members.put(key, b"{}")  # alive: the entry is there
+            a, b = (Lease(kv, members, "node/0", key, poll=0.02) for key in ("a", "b"))
+            await a.acquire(Phase.ROLLOUT)
+            waiting = asyncio.create_task(b.acquire(Phase.TRAIN))
+            for _ in range(250):
+                if await a.wanted():
+                    break
+                await asyncio.sleep(0.02)
+            assert await a.wanted(), "b waits, yet a is not told"
+            await a.release()
+            again = asyncio.create_task(a.acquire(Phase.ROLLOUT))
+            done, _ = await asyncio.wait({waiting, again}, return_when=asyncio.FIRST_COMPLETED)
+            assert done == {waiting}, "a took back the device b was waiting for"
+            await members.delete("b")  # b is gone (killed: its entry expired)
+            taken, _ = await asyncio.wait({again}, timeout=5.0)
+            assert taken == {again}, "the device of a holder that is gone was not taken over"
+            record, _ = await a.read()
+            assert record is not None and (record.holder, record.phase) == ("a", Phase.ROLLOUT)
+        finally:
+            await topology.delete(js)
+            await nc.close()
+
+    asyncio.run(main())
 
 
 def test_a_phase_never_starts_while_the_other_holds_the_device(
