@@ -36,8 +36,9 @@ from bus.topology import Topology
 from consumers.colocation import PHASE_LOG
 from engines.protocols import SamplingParams
 from engines.simulated import SimulatedRolloutEngine, SimulatedSettings
+from producers.stall import RunView, diagnose, lease_lines, read_view
 from schemas.config import ConfigError, parse_config
-from schemas.kv_records import DeviceLease, Phase
+from schemas.kv_records import DeviceLease, Member, Phase
 from tests.phase_timeline import assert_exclusive, phase_intervals, read_timeline
 
 TTL = 1.0
@@ -119,8 +120,9 @@ def test_a_released_device_goes_to_the_waiter_and_a_dead_holders_to_the_next(
         try:
             kv = await js.key_value(topology.kv_bucket)
             members = await js.key_value(topology.members_bucket)
-            for key in ("a", "b"):
-                await members.put(key, b"{}")  # alive: the entry is there
+            for key, role in (("a", "rollout"), ("b", "trainer")):  # alive: the entry is there
+                member = Member(role=role, node="node", pid=1, started_at=0.0, updated_at=0.0)
+                await members.put(key, member.encode())
             a, b = (Lease(kv, members, "node/0", key, poll=0.02) for key in ("a", "b"))
             await a.acquire(Phase.ROLLOUT)
             waiting = asyncio.create_task(b.acquire(Phase.TRAIN))
@@ -138,11 +140,40 @@ def test_a_released_device_goes_to_the_waiter_and_a_dead_holders_to_the_next(
             assert taken == {again}, "the device of a holder that is gone was not taken over"
             record, _ = await a.read()
             assert record is not None and (record.holder, record.phase) == ("a", Phase.ROLLOUT)
+            seen = await read_view(js, topology, parse_config({**COLOCATED, "run": topology.run}))
+            assert seen.leases is not None and seen.leases["lease.node_0"].holder == "a"
         finally:
             await topology.delete(js)
             await nc.close()
 
     asyncio.run(main())
+
+
+def test_a_stalled_colocated_run_names_who_holds_the_device() -> None:
+    view = RunView(
+        parse_config(COLOCATED),
+        None,
+        {},
+        None,
+        {},
+        None,
+        None,
+        None,
+        leases={
+            "lease.vm_0": DeviceLease(
+                holder="vm_12_rollout",
+                phase=Phase.ROLLOUT,
+                since=100.0,
+                wanted=Phase.TRAIN,
+                wanted_by="vm_13_trainer",
+            )
+        },
+    )
+    assert lease_lines(view.leases or {}, 160.0) == [
+        "device vm_0 is held by vm_12_rollout in its rollout phase for 60s; "
+        "vm_13_trainer waits for it (train)"
+    ]
+    assert any("held by vm_12_rollout" in line for line in diagnose(view))
 
 
 def test_a_phase_never_starts_while_the_other_holds_the_device(
