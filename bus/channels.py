@@ -30,6 +30,7 @@ from schemas.events import (
     TrajectoryEvent,
 )
 from schemas.kv_records import (
+    DeviceLease,
     DropRecord,
     KvRecord,
     LossRecord,
@@ -293,7 +294,14 @@ EPISODES = KvKey(
     "stored",
     EpisodeState,
 )
-KV_KEYS: tuple[KvKey, ...] = (CONFIG, DROPS, METRICS, RENDEZVOUS, LOSS, EPISODES)
+LEASES = KvKey(
+    "lease.<device>",
+    "lease.>",
+    ("rollout", "trainer"),
+    "who holds a node's device now, in which phase (`placement: colocated`, `bus.lease`)",
+    DeviceLease,
+)
+KV_KEYS: tuple[KvKey, ...] = (CONFIG, DROPS, METRICS, RENDEZVOUS, LOSS, EPISODES, LEASES)
 MEMBERS = KvKey(
     "<host>_<pid>_<role>",
     ">",

@@ -104,6 +104,12 @@ ROLLOUT_MID_WEIGHT_LOAD = _declare(
     "mid_weight_load",
     "the gate is closed and the new weights are being loaded into the engine",
 )
+ROLLOUT_HOLDING_DEVICE = _declare(
+    "rollout",
+    "holding_device",
+    "placement colocated: the rollout holds the node's device (its lease taken, its engine's "
+    "memory taken again); nothing of its phase is generated",
+)
 REWARD_MID_SCORING = _declare(
     "reward",
     "mid_scoring",
@@ -128,6 +134,12 @@ BUFFER_STEP_STORED = _declare(
     "buffer",
     "step_stored",
     "every micro-batch of a step is stored; none of the step's samples is acked",
+)
+TRAINER_HOLDING_DEVICE = _declare(
+    "trainer",
+    "holding_device",
+    "placement colocated: the trainer holds the node's device (its lease taken); the step's "
+    "batches are collected, none is trained on",
 )
 TRAINER_MID_STEP = _declare(
     "trainer",

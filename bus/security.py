@@ -253,6 +253,10 @@ def extra_rules(t: Topology, role: str) -> list[Rule]:
                 "a version whose bytes are gone: "
                 "is a newer one announced (the last weights event)?",
             ),
+            Rule(
+                f"{API}.STREAM.MSG.GET.{kv_stream(t.members_bucket)}",
+                "placement colocated: is the device's holder alive (bus.lease)?",
+            ),
         ],
         "trainer": [
             *object_write_rules(t),
@@ -263,7 +267,8 @@ def extra_rules(t: Topology, role: str) -> list[Rule]:
             ),
             Rule(
                 f"{API}.STREAM.MSG.GET.{kv_stream(t.members_bucket)}",
-                "collective weights: the live rollout workers a version is broadcast to",
+                "collective weights: the live rollout workers a version is broadcast to; "
+                "placement colocated: is the device's holder alive (bus.lease)?",
             ),
         ],
         "producer": [

@@ -51,6 +51,7 @@ from bus.stage import Helper, Stage, run_stage
 from bus.topology import PROMPTS, TRAJECTORIES, drop_key
 from bus.worker import Reject, WorkerOptions
 from consumers.checks import ModelLimits
+from consumers.colocation import Phases
 from consumers.episode_journal import EpisodeJournal
 from consumers.episodes import EpisodeRunner
 from consumers.rollout_copies import EngineCopies, Pending, stepwise
@@ -58,7 +59,13 @@ from consumers.weights.receiver import WeightsReceiver
 from engines.build import build_rollout_engines
 from engines.environment import EnvironmentLoadError
 from engines.model_source import ModelNotFound, resolve_model_path
-from engines.protocols import EngineUnavailable, RolloutEngine, Sample, WeightsNotLoaded
+from engines.protocols import (
+    EngineUnavailable,
+    ReleasableEngine,
+    RolloutEngine,
+    Sample,
+    WeightsNotLoaded,
+)
 from engines.router import Router, RouterError, make_router
 from engines.tools import ToolError
 from engines.weights_group import GroupWeights
@@ -67,7 +74,7 @@ from schemas import (
     Tensor,
     TrajectoryEvent,
 )
-from schemas.kv_records import DropKind, DropRecord
+from schemas.kv_records import DropKind, DropRecord, Phase
 
 log = logging.getLogger("jetrl.rollout")
 
@@ -319,6 +326,9 @@ async def build(rt: Runtime) -> Stage[PromptEvent]:
         resolve_model_path, rt.config.model.path, rt.config.model.revision
     )
     log.info("model %s loads from %s", rt.config.model.path, model)
+    phases = await Phases.of(rt, Phase.ROLLOUT)
+    if phases is not None:  # colocated: the engine takes device memory only in our turn
+        await phases.enter()
     engines = build_rollout_engines(  # seeded apart: copies do not draw the same samples
         cfg.engine,
         model,
@@ -328,6 +338,10 @@ async def build(rt: Runtime) -> Stage[PromptEvent]:
         continuous=cfg.continuous,
     )
     rollout = Rollout(rt, engines, AutoTokenizer.from_pretrained(model), router)
+    if phases is not None:
+        phases.engine = releasable(engines[0])
+        await phases.leave()  # its memory given back until its first batch
+        rollout.copies.phases = phases
     rt.member.report(engine=cfg.engine.type, weight_version=rollout.engine.version)
     return rollout_stage(rollout)
 
@@ -348,13 +362,24 @@ def rollout_stage(rollout: Rollout) -> Stage[PromptEvent]:
         tools = {"tool runner": rollout.episodes.serve_tools}
         if rollout.episodes.endpoint is not None:
             tools["agent endpoint"] = rollout.episodes.endpoint.serve
+    phases = rollout.copies.phases
     return Stage(
         PROMPTS,
         rollout.handle,
         WorkerOptions(concurrency=concurrency),
         helpers={**rollout.batchers(), "weights watcher": rollout.watch_weights, **tools},
         on_dead=rollout.dropped,
+        close=None if phases is None else phases.leave,  # stopped: the device handed back
     )
+
+
+def releasable(engine: RolloutEngine) -> ReleasableEngine:
+    """`engine` as one that gives its device memory back (colocated), or EngineUnavailable."""
+    if not isinstance(engine, ReleasableEngine):
+        raise EngineUnavailable(
+            f"placement colocated: the {type(engine).__name__} cannot release its memory"
+        )
+    return engine
 
 
 def main() -> None:

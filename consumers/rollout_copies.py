@@ -38,6 +38,7 @@ from opentelemetry import context
 
 from bus import metrics, tracing
 from bus.crashpoints import ROLLOUT_MID_GENERATION
+from consumers.colocation import Phases
 from engines import protocols
 from engines.protocols import ContinuousEngine, RolloutEngine
 from engines.router import Router, RouterError
@@ -103,6 +104,9 @@ class EngineCopies:
         # Generations started and not yet returned, on all copies; a load waits for `idle`.
         self.running = 0
         self.idle = asyncio.Event()
+        self.phases: Phases | None = None
+        """`placement: colocated`: the turns on the node's device each batch is generated in
+        (`consumers.colocation`; batch admission only, which the config requires)."""
         self.idle.set()
         self.quiet = False
         """True inside `quiesced`: no token is being computed on any copy."""
@@ -160,11 +164,15 @@ class EngineCopies:
             self.running += 1
             self.idle.clear()
             try:
+                if self.phases is not None:  # colocated: the device is ours for this batch
+                    await self.phases.enter()
                 await self.generate(copy, batch)
             finally:
                 self.running -= 1
                 if not self.running:
                     self.idle.set()
+            if self.phases is not None:  # nothing more now, or the trainer waits: hand it over
+                await self.phases.boundary(more=lambda: bool(copy.queue))
 
     async def generate(self, copy: EngineCopy, batch: list[Pending]) -> None:
         """Generate `batch` on `copy` in a thread; resolve each prompt's future."""

@@ -53,6 +53,7 @@ from bus.stage import Stage, run_stage
 from bus.topology import BATCHES, metrics_key
 from bus.worker import Reject
 from consumers.checks import ModelLimits
+from consumers.colocation import Phases
 from consumers.trainer_dist import RankGroup, configured_engine, exchange, join, leave, watch
 from consumers.trainer_loggers import scalars, step_loggers
 from consumers.trainer_start import last_stored_step, start_line
@@ -64,7 +65,7 @@ from engines.protocols import MicroBatch
 from engines.torch_train import LossConfig
 from schemas import BatchEvent
 from schemas.config import RunConfig
-from schemas.kv_records import StepMetrics
+from schemas.kv_records import Phase, StepMetrics
 from schemas.streams_config import batches_kept_from
 
 log = logging.getLogger("jetrl.trainer")
@@ -208,6 +209,9 @@ class Trainer:
         or refused in a trained step)."""
         self.history = UpdateHistory()
         self.batches: ByPosition[BatchEvent] | None = None
+        self.phases: Phases | None = None
+        """`placement: colocated`: this rank's turns on the node's device
+        (`consumers.colocation`)."""
         shards = self.engine.weight_shards
         self.weights = WeightsSender.of(rt, rank, shards, exchange if shards > 1 else alone)
         """Full or delta versions (`weights.delta`), in shards when every rank sends one, or
@@ -386,20 +390,33 @@ class Trainer:
         )
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Set up, then train step after step until the run's last step or `stop`."""
+        """Set up, then train step after step until the run's last step or `stop`. Colocated
+        (`phases`), setup and each step from train to checkpoint hold the node's device;
+        collecting the next step's batches does not."""
+        phases = self.phases
+        if phases is not None:
+            await phases.enter()
         await self.setup()
         while not self.done() and not stop.is_set():
+            if phases is not None:
+                await phases.leave()
             collected = await self.collect(stop)
             if collected is None:
                 break
             batches, last_seq = collected
+            if phases is not None:
+                await phases.enter()
             metrics = await self.train(batches)
             await self.record(metrics)
             for logger in self.loggers:  # wandb: a table of some of the step's samples
                 logger.samples(metrics["step"], batches)
             await self.checkpoint(last_seq, metrics["sample_ids"])
+        if phases is not None:
+            await phases.leave()
 
     async def close(self) -> None:
+        if self.phases is not None:
+            await self.phases.leave()
         if self.batches is not None:
             await self.batches.close()
         await self.weights.close()
@@ -422,6 +439,7 @@ async def build(rt: Runtime) -> Stage[Any]:
         raise CannotAttach(str(exc)) from None
     group = await join(rt, rt.rank, device)  # fsdp: every rank's process group; torch: alone
     trainer = Trainer(rt, group.rank, group, device)
+    trainer.phases = await Phases.of(rt, Phase.TRAIN)
     helpers = (
         {"process group watch": lambda: watch(group, trainer.done)}
         if group.store is not None

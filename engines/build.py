@@ -102,7 +102,14 @@ def build_rollout_engine(
     from engines.simulated import SimulatedRolloutEngine, SimulatedSettings
 
     simulated = SimulatedSettings(
-        settings.median_tokens, settings.sigma, settings.seconds_per_token, settings.slots, seed
+        settings.median_tokens,
+        settings.sigma,
+        settings.seconds_per_token,
+        settings.slots,
+        seed,
+        settings.memory_mib,
+        settings.sleep_seconds,
+        settings.wake_seconds,
     )
     vocab = hf.model.get_input_embeddings().num_embeddings
     return SimulatedRolloutEngine(hf.model, vocab, hf.eos_token_ids[0], simulated)

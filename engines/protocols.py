@@ -232,3 +232,24 @@ class ContinuousEngine(RolloutEngine, Protocol):
     def resume(self) -> None:
         """Let the paused samples go on (with whatever weights were loaded meanwhile)."""
         ...
+
+
+@runtime_checkable
+class ReleasableEngine(RolloutEngine, Protocol):
+    """A rollout engine that can give its device memory back between generations and take it
+    again (optional: `placement: colocated` needs it; `consumers.colocation`). On a GPU these
+    are vLLM's `sleep(level=1)` / `wake_up()` and SGLang's `release_memory_occupation` /
+    `resume_memory_occupation`; the HF engine moves its weights off the device and back."""
+
+    def device_bytes(self) -> int:
+        """Bytes the engine holds on its device now (0 once released)."""
+        ...
+
+    def release_memory(self) -> None:
+        """Give the device memory back (weights kept on the host, KV cache dropped); no
+        generation may run until `resume_memory`. Releasing a released engine does nothing."""
+        ...
+
+    def resume_memory(self) -> None:
+        """Take the device memory again, weights as they were (or as loaded meanwhile)."""
+        ...

@@ -9,7 +9,12 @@ It is also a `ContinuousEngine`: `generate_sample` runs one sample token by toke
 `seconds_per_token` sleep each), called from up to `slots` threads at once, each returning as
 soon as its own sample ends; `pause` stops every sample between two tokens so that weights
 load with no token being computed, and each token records the version it was computed with
-(partial rollout). The tokens
+(partial rollout).
+
+It is also a `ReleasableEngine`, with a simulated device memory (`placement: colocated`):
+it holds `memory_mib` on its device from the start; `release_memory` takes `sleep_seconds`
+and leaves it holding 0, `resume_memory` takes `wake_seconds` and holds it again; generating
+while released is an error (a phase that ran while the trainer held the device). The tokens
 are random ids inside the model's vocabulary with log-prob -1.0, so the bus, reward, buffer
 and trainer downstream run unchanged; the weights it is given are only counted (`version`).
 """
@@ -41,6 +46,9 @@ class SimulatedSettings:
     seconds_per_token: float = 0.001
     slots: int = 4
     seed: int = 0
+    memory_mib: float = 0.0
+    sleep_seconds: float = 0.0
+    wake_seconds: float = 0.0
 
 
 def draw_lengths(
@@ -96,12 +104,35 @@ class SimulatedRolloutEngine:
         self.paused = False
         self.computing = 0
         """Tokens being computed now, by all `generate_sample` threads."""
+        self.released = False
+        """Its device memory given back (`release_memory`): no generation until resumed."""
+
+    def device_bytes(self) -> int:
+        return 0 if self.released else int(self.settings.memory_mib * (1 << 20))
+
+    def release_memory(self) -> None:
+        with self.lock:
+            if not self.released:
+                time.sleep(self.settings.sleep_seconds)
+                self.released = True
+
+    def resume_memory(self) -> None:
+        with self.lock:
+            if self.released:
+                time.sleep(self.settings.wake_seconds)
+                self.released = False
+
+    def check_held(self) -> None:
+        """Refuse to compute on a device it gave back."""
+        if self.released:
+            raise RuntimeError("generation on a simulated engine whose memory is released")
 
     def generate(
         self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
     ) -> list[list[Sample]]:
         s = self.settings
         with self.lock:
+            self.check_held()
             started = time.perf_counter()
             lengths = draw_lengths(
                 self.rng, len(prompts) * n, s.median_tokens, s.sigma, params.max_tokens
@@ -115,6 +146,7 @@ class SimulatedRolloutEngine:
 
     def generate_sample(self, prompt: Sequence[int], params: SamplingParams) -> Sample:
         with self.lock:  # the generator is not thread-safe
+            self.check_held()
             length = int(
                 draw_lengths(
                     self.rng, 1, self.settings.median_tokens, self.settings.sigma, params.max_tokens

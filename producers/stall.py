@@ -12,6 +12,8 @@ the bus shows who waits for what. `read_view` reads it once; `diagnose` (pure) j
               the messages come back only after ack_wait), or in flight at live workers that
               have acked nothing for stall_after (a stuck handler keeps them in progress)
     gate      StalenessPolicy.waits_for(issued, v, drops) -> "the gate has issued all N prompts ..."
+    leases    placement colocated: who holds each device, in which phase, for how long, and who
+              waits for it (`bus.lease`)
     drops     since the last step, by kind (`producers.drops`): the reward function failing
               (its reasons), groups of equal rewards dropped (algorithm.drop_equal_reward_groups,
               algorithm.max_regenerations): why the buffer forms no step
@@ -25,6 +27,7 @@ electing a leader) is left out, and the lines that need it are not said.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -35,6 +38,7 @@ from typing import TypeVar
 import nats.errors
 import yaml
 from nats.js import JetStreamContext
+from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from bus.lag import queue_info
 from bus.membership import live_members, stored_keys
@@ -43,6 +47,7 @@ from bus.topology import (
     BATCHES,
     CONFIG_KEY,
     DROPS,
+    LEASES,
     PROMPTS,
     WEIGHTS,
     Topology,
@@ -54,7 +59,7 @@ from producers.drops import DropTally, failure_counts
 from producers.gate import Producer
 from schemas import BatchEvent
 from schemas.config import ConfigError, RunConfig, parse_config
-from schemas.kv_records import DropKind, DropRecord, StepMetrics
+from schemas.kv_records import DeviceLease, DropKind, DropRecord, StepMetrics
 
 log = logging.getLogger("jetrl.stall")
 T = TypeVar("T")
@@ -126,6 +131,9 @@ class RunView:
     dropped: int | None
     drops: DropTally | None = None
     """The drops recorded since the last step (`since_step`, `recent_failures`); None: unknown."""
+    leases: dict[str, DeviceLease] | None = None
+    """`placement: colocated`: each device's lease by its KV key (`bus.lease`); None: unknown
+    or separated."""
 
 
 def diagnose(view: RunView) -> list[str]:
@@ -159,10 +167,29 @@ def diagnose(view: RunView) -> list[str]:
             lines.append(line)
     if (gate := gate_line(view)) is not None:
         lines.append(gate)
+    lines += lease_lines(view.leases or {}, time.time())
     if not lines:
         lines.append(
             "no stage found holding the work: every role is live and no queue holds work in flight"
         )
+    return lines
+
+
+def lease_lines(leases: dict[str, DeviceLease], now: float) -> list[str]:
+    """Who holds each colocated device, and who waits for it."""
+    lines = []
+    for key, lease in sorted(leases.items()):
+        device = key.removeprefix("lease.")
+        if lease.holder is None:
+            held = f"device {device} is free"
+        else:
+            held = (
+                f"device {device} is held by {lease.holder} in its {lease.phase} phase for "
+                f"{now - lease.since:.0f}s"
+            )
+        if lease.wanted is not None:
+            held += f"; {lease.wanted_by} waits for it ({lease.wanted})"
+        lines.append(held)
     return lines
 
 
@@ -300,7 +327,8 @@ async def read_view(
         dropped = await _read(_count_keys(js, topology, DROPS.filter))
     if drops is None and since is not None:
         drops = await _read(read_drops(js, topology, since))
-    return RunView(cfg, live, queues, next_step, stored, issued, version, dropped, drops)
+    leases = await _read(_leases(js, topology)) if cfg.placement == "colocated" else None
+    return RunView(cfg, live, queues, next_step, stored, issued, version, dropped, drops, leases)
 
 
 async def _read(reading: Awaitable[T]) -> T | None:
@@ -310,6 +338,15 @@ async def _read(reading: Awaitable[T]) -> T | None:
     except UNREADABLE as exc:
         log.info("stall diagnosis: a figure is unknown now: %r", exc)
         return None
+
+
+async def _leases(js: JetStreamContext, topology: Topology) -> dict[str, DeviceLease]:
+    kv = await js.key_value(topology.kv_bucket)
+    leases = {}
+    for key in await stored_keys(js, topology.kv_bucket, LEASES.filter):
+        with contextlib.suppress(KeyNotFoundError, KeyDeletedError):
+            leases[key] = DeviceLease.decode((await kv.get(key)).value)
+    return leases
 
 
 async def _live_roles(js: JetStreamContext, topology: Topology) -> Counter[str]:

@@ -23,6 +23,7 @@ from schemas.algorithm_config import AlgorithmFamily
 from schemas.events import SamplingParams
 from schemas.model_config import ModelConfig
 from schemas.names import check_run_id
+from schemas.placement import Placement, colocation_refusal
 from schemas.report_config import ReportConfig
 from schemas.rollout_config import RolloutConfig
 from schemas.section import Section
@@ -252,6 +253,15 @@ class RunConfig(Section):
     step s only from samples every token of which version s generated. That is exactly
     `algorithm.max_staleness: 0` with `trainer.sync_every: 1`, which sync sets (left unset) or
     requires (set to anything else is refused)."""
+    placement: Placement = "separated"
+    """separated: the rollout engine and the trainer on devices of their own. colocated: a
+    node's rollout engine and trainer share its device, in phases (generate; the engine gives
+    its memory back; train and publish; the engine takes it again), verl's hybrid engine with
+    `mode: sync`. With `mode: async` the next rollout still starts only once the trainer has
+    released the device: generation overlaps training only across nodes (on one node the
+    bound hides the stages that need no device: reward, buffer, the gate). For now: the
+    simulated rollout engine, the torch trainer at dp_size 1, one engine copy, batch (not
+    continuous) admission, no agent (`schemas.placement`)."""
     model: ModelConfig = ModelConfig()
     """The policy model: a local or hub checkpoint, or the built-in tiny model, and its dtype."""
     data: DataConfig = DataConfig()
@@ -392,6 +402,8 @@ class RunConfig(Section):
                 "model.warm_start.dataset: none given, and only a built-in agent task "
                 f"({', '.join(AGENT_TASKS)}) has generated demonstrations: name a .jsonl of them"
             )
+        if refusal := colocation_refusal(self):
+            raise ValueError(refusal)
         stream_needs(self)  # an override below a stream's need: refused, with the derivation
         return self
 

@@ -7,6 +7,7 @@ and names its record class there, as a `Channel` names its event class.
     loss.<channel>           LossRecord     every work-queue worker -> audit, status
     trainer.rendezvous       Rendezvous     fsdp rank 0 -> the other ranks
     <worker> (members bucket) Member        every worker (heartbeat) -> status, stall, chaos
+    lease.<device>           DeviceLease    rollout, trainer (colocated) -> each other, status
 
 Records written before these models existed still read: a drop record was its reason as plain
 text, a refused prompt's starting with "rollout: " (`DropRecord.decode`); the others' stored
@@ -234,3 +235,29 @@ class Member(KvRecord):
     """Unix time it joined the run."""
     updated_at: float
     """Unix time of its latest heartbeat."""
+
+
+class Phase(StrEnum):
+    """What a colocated role does while it holds a device (`bus.lease`)."""
+
+    ROLLOUT = "rollout"
+    """The rollout engine generates (its weights and KV cache on the device)."""
+    TRAIN = "train"
+    """The trainer trains, publishes the version and checkpoints (its optimizer on the device)."""
+
+
+class DeviceLease(KvRecord):
+    """Who holds one device of a node now (`placement: colocated`; `bus.lease`): one entry per
+    device, changed only by compare-and-set on its revision. Free when `holder` is None or the
+    holder's membership entry has expired (a killed holder)."""
+
+    holder: str | None = None
+    """The members-bucket key of the process holding the device (`bus.membership.member_key`)."""
+    phase: Phase | None = None
+    """What the holder does with it."""
+    since: float = 0.0
+    """Unix time it was taken (or released, when free)."""
+    wanted: Phase | None = None
+    """A phase waiting for the device: the holder hands it over at its next boundary."""
+    wanted_by: str | None = None
+    """The member key of the process waiting for it."""

@@ -43,6 +43,13 @@ class SimulatedRolloutConfig(Section):
     slots: int = Field(4, ge=1)
     """Sequences generated at once, as a continuous-batching engine's slots: a sample waits for
     the first slot free, and a batch returns when its last sample ends."""
+    memory_mib: float = Field(0.0, ge=0)
+    """Simulated device memory the engine holds while awake (weights and KV cache): what it
+    gives back between phases under `placement: colocated`."""
+    sleep_seconds: float = Field(0.0, ge=0)
+    """Simulated time to give the device memory back (vLLM's `sleep(level=1)`)."""
+    wake_seconds: float = Field(0.0, ge=0)
+    """Simulated time to take it again (vLLM's `wake_up()`)."""
 
 
 EngineDtype = Literal["auto", "bfloat16", "float16", "float32"]

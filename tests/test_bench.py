@@ -177,6 +177,26 @@ def test_bench_async_vs_sync_quick(tmp_path: Path) -> None:
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.timeout(600)
+def test_bench_placement_quick(tmp_path: Path) -> None:
+    figures = last_json(["ops.bench.placement", "--quick", "--out", str(tmp_path)], timeout=580)
+    check_placement(figures, tmp_path)
+
+
+def check_placement(figures: dict, out: Path) -> None:
+    runs = figures["runs"]
+    assert set(runs) == {"separated-sync", "separated-async", "colocated-sync", "colocated-async"}
+    samples = {run["samples"] for run in runs.values()}
+    assert len(samples) == 1, f"the runs trained different numbers of samples: {samples}"
+    assert {run["devices"] for name, run in runs.items() if name.startswith("sep")} == {2}
+    assert {run["devices"] for name, run in runs.items() if name.startswith("col")} == {1}
+    shares = [share for run in runs.values() for share in run["busy_share"].values()]
+    assert all(0 < share <= 1 for share in shares), shares
+    assert runs["colocated-sync"]["staleness_max_seen"] == 0
+    assert json.loads((out / "placement.json").read_text())["ratio"] == figures["ratio"]
+    assert (out / "placement.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.timeout(300)
 def test_bench_logprobs_quick() -> None:
     figures = last_json(["ops.bench.logprobs", "--quick"], timeout=280)

@@ -1,0 +1,57 @@
+"""`placement`: where a node's rollout engine and trainer run, and what colocation refuses.
+
+    separated   the rollout engine and the trainer on devices of their own (the default)
+    colocated   on one device of the node, taking turns in phases (`bus.lease`,
+                `consumers.colocation`): the engine generates, gives its memory back, the
+                trainer trains and publishes, the engine takes its memory again and loads
+
+What colocation cannot do yet is refused on load, in one line (`colocation_refusal`), so a
+run never starts a placement that would stall or share a device unguarded. This module
+knows nothing of NATS.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from schemas.config import RunConfig
+
+Placement = Literal["separated", "colocated"]
+
+RELEASABLE_ENGINES = ("simulated",)
+"""Rollout engines whose memory release and resume are wired (`engines.protocols
+.ReleasableEngine`)."""
+
+
+def colocation_refusal(config: RunConfig) -> str | None:
+    """Why `config` cannot run colocated (one line), or None when it can (or is separated)."""
+    if config.placement != "colocated":
+        return None
+    engine, trainer, rollout = config.rollout.engine.type, config.trainer, config.rollout
+    why = "placement colocated"
+    if engine not in RELEASABLE_ENGINES:
+        return (
+            f"{why}: rollout.engine {engine} has no memory release wired yet (only "
+            f"{', '.join(RELEASABLE_ENGINES)}); use placement: separated"
+        )
+    if trainer.engine.type != "torch" or trainer.dp_size != 1:
+        return (
+            f"{why} needs trainer.engine torch with dp_size 1 (one trainer rank per device), "
+            f"not {trainer.engine.type} with dp_size {trainer.dp_size}"
+        )
+    if rollout.engine_copies != 1:
+        return (
+            f"{why} needs rollout.engine_copies 1 (one engine per device), not "
+            f"{rollout.engine_copies}"
+        )
+    if rollout.continuous:
+        return f"{why} needs rollout.continuous false: the device is taken per generated batch"
+    if config.weights.transport == "collective":
+        return (
+            f"{why} needs a stored weights.transport, not collective: the trainer's broadcast "
+            "would wait for a rollout engine that cannot run until the trainer's turn ends"
+        )
+    if config.agent is not None:
+        return f"{why} does not run agent episodes yet: drop the agent section or separate"
+    return None

@@ -1,0 +1,93 @@
+"""`placement: colocated` as the whole local job: real processes (producer, rollout on the
+simulated engine with a simulated device memory, reward, buffer, torch trainer) on a real
+nats-server, the rollout and the trainer sharing the node's one device in turns.
+
+- sync (verl's hybrid engine) and async: the run trains every sample it should, and from
+  the timeline the phases record no phase ever starts while the other holds the device;
+- a kill -9 in each phase (the rollout holding the device, then the trainer holding it): the
+  fleet restarts each, the dead holder's lease ends with its membership, and the run still
+  trains every sample, the timeline still never overlapping.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bus.crashpoints import (
+    CRASH_AT,
+    CRASH_RECORD,
+    ROLLOUT_HOLDING_DEVICE,
+    TRAINER_HOLDING_DEVICE,
+    records,
+)
+from consumers.colocation import PHASE_LOG
+from tests.helpers import run_local_job
+from tests.phase_timeline import assert_exclusive, phase_intervals, read_timeline
+
+pytestmark = pytest.mark.slow  # a minute or more of real runs each
+
+PER_STEP, N, STEPS = 4, 2, 3
+
+
+def colocated(mode: str) -> dict[str, Any]:
+    return {
+        "run": f"coloc{mode}",
+        "mode": mode,
+        "placement": "colocated",
+        "data": {"n": N, "sampling": {"max_tokens": 16}},
+        "algorithm": {"prompts_per_step": PER_STEP, "drop_equal_reward_groups": False},
+        "rollout": {
+            "continuous": False,
+            "engine": {
+                "type": "simulated",
+                "median_tokens": 8,
+                "seconds_per_token": 0.01,
+                "memory_mib": 64,
+                "sleep_seconds": 0.05,
+                "wake_seconds": 0.05,
+            },
+        },
+        "trainer": {"steps": STEPS, "checkpoint_every": 1},
+    }
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_colocated_run_takes_turns_and_trains_every_sample(tmp_path: Path, mode: str) -> None:
+    log = tmp_path / "phases.jsonl"
+    job = run_local_job(
+        colocated(mode), tmp_path, STEPS, timeout=240, env={**clean_env(), PHASE_LOG: str(log)}
+    )
+    assert job.summary["samples_trained"] == STEPS * PER_STEP * N
+    timeline = read_timeline(log)
+    assert_exclusive(phase_intervals(timeline, {}))
+    trained = [p for p in timeline if p["phase"] == "train" and p["event"] == "end"]
+    assert len(trained) >= STEPS  # setup (v0 out), then a turn per step
+    if mode == "sync":
+        assert job.summary["staleness_max_seen"] == 0
+
+
+@pytest.mark.timeout(420)
+def test_a_colocated_run_killed_in_each_phase_loses_nothing(tmp_path: Path) -> None:
+    log, crashes = tmp_path / "phases.jsonl", tmp_path / "crashes"
+    env = {
+        **clean_env(),
+        PHASE_LOG: str(log),
+        CRASH_RECORD: str(crashes),
+        CRASH_AT: f"{ROLLOUT_HOLDING_DEVICE.name}@3,{TRAINER_HOLDING_DEVICE.name}@3",
+    }
+    job = run_local_job(colocated("sync"), tmp_path, STEPS, timeout=360, env=env)
+    fired = records(crashes)
+    assert sorted(fired) == sorted([ROLLOUT_HOLDING_DEVICE.name, TRAINER_HOLDING_DEVICE.name])
+    assert job.summary["samples_trained"] == STEPS * PER_STEP * N
+    kills: list[dict[str, Any]] = list(fired.values())
+    killed = {int(r["pid"]): float(r["time"]) for r in kills}
+    assert_exclusive(phase_intervals(read_timeline(log), killed))
+
+
+def clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in (CRASH_AT, CRASH_RECORD, PHASE_LOG)}
