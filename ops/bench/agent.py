@@ -2,15 +2,17 @@
 
 Runs the main job on examples/agent_calc.yaml (`python -m producers.prompts`: embedded
 server, local fleet, multi-turn episodes with the calculator in its sandbox; the task is
-`producers.agent_tasks`) and reads the run's metrics.jsonl: per step, the mean reward and the
+`producers.agent_tasks`) and reads the run's metrics.jsonl: per step, the mean reward, the
 tool-use rate (the share of the step's trained episodes that called a tool at least once,
-`consumers.buffer_groups.episode_stats`) and the mean model turns. Start and end are means over
-the first and the last tenth of the steps, as the run's summary takes the reward
-(`producers.report.summarize`). ratio = reward at the end / reward at the start.
+`consumers.buffer_groups.episode_stats`), the solved rate (the share that solved the task:
+the asked expression called and its result copied, reward 1.0) and the mean model turns.
+Start and end are means over the first and the last tenth of the steps, as the run's summary
+takes the reward (`producers.report.summarize`). ratio = reward at the end / reward at the
+start.
 
-Writes agent.png (reward and tool-use rate per step) and agent.json in `--out`, the run
-directory under it (`job/`), and prints the job's progress, then one JSON object as the last
-line.
+Writes agent.png (reward, tool-use rate and solved rate per step) and agent.json in `--out`,
+the run directory under it (`job/`), and prints the job's progress, then one JSON object as
+the last line.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ def plot(metrics: list[dict[str, Any]], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, [m["reward_mean"] for m in metrics], label="mean reward")
     ax.plot(steps, [m.get("tool_use_rate", 0.0) for m in metrics], label="tool-use rate")
+    ax.plot(steps, [m.get("solved_rate", 0.0) for m in metrics], label="solved rate")
     ax.set(xlabel="optimizer step", ylabel="per step", title=title, ylim=(0, 1.05))
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left")
@@ -74,7 +77,10 @@ def figures(metrics: list[dict[str, Any]], summary: dict[str, Any]) -> dict[str,
     reward_start, reward_end = ends([m["reward_mean"] for m in metrics])
     tool_start, tool_end = ends([m.get("tool_use_rate", 0.0) for m in metrics])
     turns_start, turns_end = ends([m.get("turns_mean", 0.0) for m in metrics])
+    solved_start, solved_end = ends([m.get("solved_rate", 0.0) for m in metrics])
     return {
+        "solved_start": round(solved_start, 3),
+        "solved_end": round(solved_end, 3),
         "tool_use_start": round(tool_start, 3),
         "tool_use_end": round(tool_end, 3),
         "reward_start": round(reward_start, 3),
@@ -113,7 +119,7 @@ def main() -> None:
     lines = (out / "job" / "metrics.jsonl").read_text().splitlines()
     metrics = sorted((json.loads(line) for line in lines if line), key=lambda m: m["step"])
     result = {"bench": "agent", "quick": args.quick, **figures(metrics, summary)}
-    plot(metrics, out / "agent.png", f"calc: reward and tool use over {len(metrics)} steps")
+    plot(metrics, out / "agent.png", f"calc: reward, tool use and solved over {len(metrics)} steps")
     result["png"] = str(out / "agent.png")
     (out / "agent.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))
