@@ -34,7 +34,11 @@ episode right:
 
 The run starts from a format warm start (`model.warm_start`, `demonstration`: calls of random
 expressions, so the call's shape is there and the answer is the tool's result copied, but
-which expression to call is RL's to learn).
+which expression to call is RL's to learn). Measured (lr 2e-3, 20 warmup steps, 2 loaded CPU
+cores, docs/agents.md): reward 0.28 -> 0.66 in 206 steps, calls of exactly the asked
+expression 0% -> 27%, but solved only ~1%: the first operand's first digit lagged (its samples
+collapsed onto one wrong digit), and the answer, paid for only after a right call, which was
+rare for 100 steps, drifted from copying the tool's result.
 
 Measured, each earlier design (2 CPU cores, 8 samples x 16 prompts a step, lr 1e-3 or 2e-3);
 none of the first four formed a whole call:
