@@ -110,9 +110,12 @@ def response_kl(
 
 def episode_stats(rewards: Sequence[RewardEvent]) -> dict[str, Any]:
     """A step's agent-episode figures for its batch events: the share of its samples whose
-    episode called a tool at least once (`tool_use_rate`) and their mean model turns
-    (`turns_mean`), from each trajectory's `task["episode"]` (`consumers.episodes`); {} when a
-    sample is no episode (single-turn runs)."""
+    episode called a tool at least once (`tool_use_rate`), their mean model turns
+    (`turns_mean`), from each trajectory's `task["episode"]` (`consumers.episodes`), and the
+    share that solved the task (`solved_rate`): a reward of 1.0, the most a reward in [0, 1]
+    gives, which the built-in tasks' rewards give for the whole episode right only
+    (`producers.agent_tasks.score_calc`: the asked expression called, its result the answer);
+    {} when a sample is no episode (single-turn runs)."""
     found = [r.trajectory.task.get("episode") for r in rewards]
     episodes = [e for e in found if isinstance(e, dict)]
     if not episodes or len(episodes) < len(found):
@@ -120,4 +123,5 @@ def episode_stats(rewards: Sequence[RewardEvent]) -> dict[str, Any]:
     return {
         "tool_use_rate": sum(e.get("tool_calls", 0) > 0 for e in episodes) / len(episodes),
         "turns_mean": sum(e.get("turns", 0) for e in episodes) / len(episodes),
+        "solved_rate": sum(r.reward >= 1.0 for r in rewards) / len(episodes),
     }

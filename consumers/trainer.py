@@ -114,7 +114,11 @@ def step_metrics(
         ),
         # Agent episodes: the whole step's figures, carried by every micro-batch.
         **(
-            {"tool_use_rate": batches[0].tool_use_rate, "turns_mean": batches[0].turns_mean}
+            {
+                "tool_use_rate": batches[0].tool_use_rate,
+                "turns_mean": batches[0].turns_mean,
+                "solved_rate": batches[0].solved_rate,
+            }
             if batches and batches[0].tool_use_rate is not None
             else {}
         ),

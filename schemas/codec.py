@@ -97,6 +97,15 @@ def batch_v1(fields: dict[str, Any]) -> dict[str, Any]:
     return {**fields, "token_rewards": None}
 
 
+@register_upgrade(BatchEvent.TYPE, 2)
+def batch_v2(fields: dict[str, Any]) -> dict[str, Any]:
+    """Version 3 added `solved_rate` (agent episodes): a version-2 batch has none. A version-2
+    map that names it is no version 2: refused, not read as a version 3."""
+    if "solved_rate" in fields:
+        raise DecodeError(f"{BatchEvent.TYPE} schema_version 2 has no solved_rate")
+    return {**fields, "solved_rate": None}
+
+
 def _fields(value: object) -> dict[str, Any]:
     """msgpack's hook for what it cannot pack itself: a nested model packs as its fields."""
     if isinstance(value, BaseModel):

@@ -319,12 +319,13 @@ class BatchEvent(Event):
 
     Version 2 added `token_rewards`: a version-1 reader would train without them, so it refuses
     the event by its version; a version-1 event reads as one with none (`schemas.codec`).
+    Version 3 added `solved_rate`; a version-2 event reads as one with none.
     """
 
     TYPE: ClassVar[str] = "jetrl.batch"
-    VERSION: ClassVar[int] = 2
+    VERSION: ClassVar[int] = 3
     type: Literal["jetrl.batch"] = "jetrl.batch"
-    schema_version: Literal[2] = 2
+    schema_version: Literal[3] = 3
 
     step: int = Field(ge=0)
     """Optimizer step this micro-batch belongs to (the weight version it will produce is step +
@@ -374,6 +375,9 @@ class BatchEvent(Event):
     turns_mean: float | None = Field(None, ge=0)
     """Agent episodes: the mean model turns of the whole step's samples' episodes; None for
     single-turn samples."""
+    solved_rate: float | None = Field(None, ge=0, le=1)
+    """Agent episodes: the fraction of the whole step's samples whose reward is 1.0, the task
+    solved (`consumers.buffer_groups.episode_stats`); None for single-turn samples."""
     token_rewards: Tensor | None = None
     """With `agent.turn_rewards`: float32 [B, T], each model turn's reward on its last token
     (`schemas.turn_rewards.place`), 0 elsewhere and always 0 off the loss mask; GAE adds them to

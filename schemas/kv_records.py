@@ -131,6 +131,7 @@ STEP_FIELDS = (
     "kl_reward",
     "tool_use_rate",
     "turns_mean",
+    "solved_rate",
 )
 
 
@@ -162,6 +163,8 @@ class StepMetrics(KvRecord):
     """Agent episodes: the share of the step's samples whose episode called a tool."""
     turns_mean: float | None = None
     """Agent episodes: the mean model turns of the step's samples' episodes."""
+    solved_rate: float | None = None
+    """Agent episodes: the share of the step's samples whose reward is 1.0 (the task solved)."""
     trained: dict[str, float] = {}
     """The engine's numbers for the step (loss, grad_norm, ...), by name."""
 
@@ -175,8 +178,9 @@ class StepMetrics(KvRecord):
         """The flat form: what is stored, and what the producer's report and loggers read."""
         # The KL pair only with the KL in the reward (a coefficient), as the trainer writes it.
         no_kl = {"kl_coef", "kl_reward"} if self.kl_coef is None else set()
-        # The episode pair only in agent runs, likewise.
-        no_agent = {"tool_use_rate", "turns_mean"} if self.tool_use_rate is None else set()
+        # The episode figures only in agent runs, likewise.
+        agent = {"tool_use_rate", "turns_mean", "solved_rate"}
+        no_agent = agent if self.tool_use_rate is None else set()
         return {**self.model_dump(exclude={"trained", *no_kl, *no_agent}), **self.trained}
 
     def encode(self) -> bytes:

@@ -153,6 +153,10 @@ def golden() -> dict[str, Event]:
                 )
             }
         ),
+        # An agent run's step: its episode figures.
+        "batch.v3": batch.model_copy(
+            update={"tool_use_rate": 0.5, "turns_mean": 1.5, "solved_rate": 0.25}
+        ),
         "weights.v1": WeightVersionEvent(
             id="g/weights/4",
             run="g",

@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 from transformers import AutoTokenizer
 
@@ -27,7 +28,7 @@ from producers import agent_tasks, tasks
 from producers.agent_tasks import ideal_call, score_calc, score_calc_text, task_record
 from producers.agent_tools import calculator
 from producers.datasets import records
-from schemas import RewardEvent
+from schemas import BatchEvent, DecodeError, RewardEvent, decode
 from schemas.config import (
     AGENT_TASKS,
     BUILT_IN_TASKS,
@@ -37,6 +38,7 @@ from schemas.config import (
     validate,
 )
 from schemas.overrides import read_yaml
+from tests.golden_events import GOLDEN
 from tests.helpers import trajectory
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,26 +135,29 @@ def episode_text(first: str, result: str | None = None, answer: str = "") -> str
 @pytest.mark.parametrize(
     ("text", "reward"),
     [
+        # 0.1 x the call's shape + 0.6 x the asked expression in it + 0.3 x the answer.
         (episode_text(CALL, "4731", "4731"), 1.0),
         # A right guess without a call (the model cannot multiply): nothing.
         (episode_text("4731"), 0.0),
         # A malformed call, answered with the parser's reason: the answer counts for nothing.
-        (episode_text(CALL.removesuffix("</tool_call>"), "error: ...", "4731"), 0.5 * 8 / 9),
+        (episode_text(CALL.removesuffix("</tool_call>"), "error: ...", "4731"), 0.1 * 8 / 9 + 0.6),
         (episode_text(""), 0.0),
-        (episode_text(CALL, "4731", "4700"), 0.5 + 0.5 * 0.5),  # right call, wrong answer
-        (episode_text(CALL, "4731", "47311"), 0.5 + 0.5 * 4 / 5),  # past the answer: costs
-        # Wrong operands: half credit for each wrong digit; the answer is the product's.
-        (episode_text(ideal_call("57*38"), "2166", "2166"), 0.5 * 8 / 9),
-        (episode_text(ideal_call("57+83"), "140", "140"), 0.5 * 8.5 / 9),  # a wrong operator
-        (episode_text(ideal_call("57*8x"), "error: ...", ""), 0.5 * 6 / 9),  # x: no expression
-        # The expression's length is the model's: a longer one costs once the call is whole,
-        # a shorter one earns for the characters it has.
-        (episode_text(ideal_call("57*8333"), "47481", ""), 0.5 * 9 / 11),
-        (episode_text(ideal_call("57*8"), "456", ""), 0.5 * 8 / 9),
+        (episode_text(CALL, "4731", "4700"), 0.7 + 0.3 * 0.5),  # right call, wrong answer
+        (episode_text(CALL, "4731", "47311"), 0.7 + 0.3 * 4 / 5),  # past the answer: costs
+        # Wrong operands: the expression's characters in place; the answer only after the asked
+        # expression's call, so neither the tool's result nor the right product earns.
+        (episode_text(ideal_call("57*38"), "2166", "2166"), 0.1 + 0.6 * 3 / 5),
+        (episode_text(ideal_call("57*38"), "2166", "4731"), 0.1 + 0.6 * 3 / 5),
+        (episode_text(ideal_call("57+83"), "140", "140"), 0.1 + 0.6 * 4 / 5),  # a wrong operator
+        (episode_text(ideal_call("57*8x"), "error: ...", ""), 0.1 * 6 / 9 + 0.6 * 4 / 5),
+        # The expression's length is the model's: a longer one costs (in the shape once the
+        # call is whole, and in the expression), a shorter one earns for the characters it has.
+        (episode_text(ideal_call("57*8333"), "47481", ""), 0.1 * 9 / 11 + 0.6 * 5 / 7),
+        (episode_text(ideal_call("57*8"), "456", ""), 0.1 * 8 / 9 + 0.6 * 4 / 5),
         # The call's credit ends at the first unit out of place: text after it earns nothing.
-        (episode_text('<tool_call>"}}"}}"}}"}}"}}"}}"}}"}}'), 0.5 / 9),
-        (episode_text(CALL + "x", "4731", "4731"), 0.5 * 9 / 10 + 0.5),  # past the call: costs
-        (episode_text("<tool_call>", "error: a <tool_call> without its </tool_call>"), 0.5 / 9),
+        (episode_text('<tool_call>"}}"}}"}}"}}"}}"}}"}}"}}'), 0.1 / 9),
+        (episode_text(CALL + "x", "4731", "4731"), 0.1 * 9 / 10 + 0.9),  # past the call: costs
+        (episode_text("<tool_call>", "error: a <tool_call> without its </tool_call>"), 0.1 / 9),
     ],
 )
 def test_the_reward_is_full_only_for_the_call_and_the_copied_result(
@@ -189,17 +194,27 @@ def test_calc_prompts_are_chat_messages_of_fixed_length() -> None:
 
 
 def test_a_steps_episode_figures() -> None:
-    def scored(tool_calls: int | None, turns: int) -> RewardEvent:
+    def scored(tool_calls: int | None, turns: int, reward: float = 0.0) -> RewardEvent:
         t = trajectory("calc")
         if tool_calls is not None:
             episode = {"tool_calls": tool_calls, "turns": turns}
             t = t.model_copy(update={"task": {**t.task, "episode": episode}})
-        return RewardEvent(id=t.id, run="calc", trajectory=t, reward=0.0)
+        return RewardEvent(id=t.id, run="calc", trajectory=t, reward=reward)
 
-    step = [scored(1, 2), scored(0, 1), scored(2, 3), scored(0, 1)]
-    assert episode_stats(step) == {"tool_use_rate": 0.5, "turns_mean": 1.75}
+    step = [scored(1, 2, 1.0), scored(0, 1), scored(2, 3, 0.7), scored(0, 1)]
+    assert episode_stats(step) == {"tool_use_rate": 0.5, "turns_mean": 1.75, "solved_rate": 0.25}
     assert episode_stats([scored(None, 1), scored(None, 1)]) == {}  # single-turn samples
     assert episode_stats([]) == {}
+
+
+def test_batch_events_carry_the_solved_rate_and_older_ones_read_as_having_none() -> None:
+    batch = decode((GOLDEN / "batch.v3.msgpack").read_bytes(), BatchEvent)
+    assert (batch.tool_use_rate, batch.turns_mean, batch.solved_rate) == (0.5, 1.5, 0.25)
+    old = decode((GOLDEN / "batch.v2.msgpack").read_bytes(), BatchEvent)
+    assert (old.schema_version, old.solved_rate) == (3, None)
+    v2 = msgpack.unpackb((GOLDEN / "batch.v2.msgpack").read_bytes())
+    with pytest.raises(DecodeError, match="schema_version 2 has no solved_rate"):
+        decode(msgpack.packb({**v2, "solved_rate": 0.25}))
 
 
 def test_the_text_reward_of_a_real_chat_model_needs_the_call_and_the_copied_answer() -> None:

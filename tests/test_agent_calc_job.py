@@ -34,13 +34,19 @@ def test_the_example_trains_episodes_with_tool_turns_through_the_main_job(
     # Every group's text; no regenerating groups of equal rewards (at random init nearly all
     # are 0, and the example regenerates up to 10 steps' worth a step: minutes on 2 cores).
     algorithm = {**config["algorithm"], "prompts_per_step": 4, "drop_equal_reward_groups": False}
+    # From random init, as said above: the example's warm start (300 SFT steps) is
+    # tests/test_warm_start.py's.
+    model = {**config["model"], "warm_start": None}
     config = {**config, "run": "calc-job", "report": {"samples_every": 1}, "algorithm": algorithm}
+    config["model"] = model
     job = run_local_job(config, tmp_path, STEPS, timeout=300)
     metrics = job.merged_metrics()
     assert [m["step"] for m in metrics] == list(range(STEPS))
     for m in metrics:
-        assert {"tool_use_rate", "turns_mean"} <= set(m), m
+        assert {"tool_use_rate", "turns_mean", "solved_rate"} <= set(m), m
         assert 0.0 <= m["tool_use_rate"] <= 1.0 and 1.0 <= m["turns_mean"] <= 3.0, m
+        solved = m["solved_rate"]  # solved: through a call
+        assert isinstance(solved, float) and 0.0 <= solved <= m["tool_use_rate"], m
     # Some episode went past its first turn: the tool runner answered a call, a turn followed.
     assert any(m["turns_mean"] > 1.0 for m in metrics), metrics
     groups = [json.loads(line) for line in (job.out / "samples.jsonl").read_text().splitlines()]

@@ -111,10 +111,14 @@ def test_bench_learn_quick() -> None:
 @pytest.mark.timeout(600)
 def test_bench_agent_quick(tmp_path: Path) -> None:
     figures = last_json(["ops.bench.agent", "--quick", "--out", str(tmp_path)], timeout=580)
-    assert figures["bench"] == "agent" and figures["quick"] is True and figures["steps"] == 60
-    for name in ("tool_use_start", "tool_use_end", "reward_start", "reward_end"):
+    assert figures["bench"] == "agent" and figures["quick"] is True and figures["steps"] == 40
+    for name in ("tool_use_end", "reward_start", "reward_end", "solved_start", "solved_end"):
         assert 0.0 <= figures[name] <= 1.0, figures
-    assert figures["turns_start"] >= 1.0 and figures["turns_end"] >= 1.0, figures
+    # The warm start's format: calls from the first steps, answered by the tool, then a turn;
+    # and RL keeps them (the call's shape and the expression's place are most of the reward).
+    assert figures["tool_use_start"] >= 0.9 and figures["tool_use_end"] >= 0.9, figures
+    assert figures["turns_start"] >= 1.9 and figures["turns_end"] >= 1.9, figures
+    assert figures["reward_end"] >= 0.2, figures  # the shape (0.1) and '*' in place (0.12)
     assert (tmp_path / "agent.png").stat().st_size > 0
     assert json.loads((tmp_path / "agent.json").read_text()) == figures
 

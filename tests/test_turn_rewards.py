@@ -205,7 +205,7 @@ def test_golden_turn_rewards_decode_and_older_events_read_as_having_none() -> No
         old = decode((GOLDEN / f"{name}.msgpack").read_bytes(), RewardEvent)
         assert (old.schema_version, old.turn_rewards) == (3, None)
     old_batch = decode((GOLDEN / "batch.v1.msgpack").read_bytes(), BatchEvent)
-    assert (old_batch.schema_version, old_batch.token_rewards) == (2, None)
+    assert (old_batch.schema_version, old_batch.token_rewards) == (3, None)
     # An older version's map that names the new field is no such version: refused.
     v2 = msgpack.unpackb((GOLDEN / "reward.v2.msgpack").read_bytes())
     with pytest.raises(DecodeError, match="schema_version 2 has no turn_rewards"):
