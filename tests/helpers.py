@@ -164,12 +164,16 @@ class LocalJob:
 
     def served_versions(self) -> list[int]:
         """The weight versions the rollout workers said they serve, in the order they said it."""
-        lines = self.rollout_log().splitlines()
-        return [
-            int(line.rsplit("weights v", 1)[1].split()[0])
-            for line in lines
-            if "now serving weights v" in line
-        ]
+        return served_versions(self.rollout_log())
+
+
+def served_versions(log: str) -> list[int]:
+    """The versions of each "now serving weights vN (k of n tensors loaded)" line in `log`."""
+    return [
+        int(line.rsplit("weights v", 1)[1].split()[0])
+        for line in log.splitlines()
+        if "now serving weights v" in line
+    ]
 
 
 def run_local_job(

@@ -31,6 +31,7 @@ from engines.tiny import build_tiny_model
 from producers.tasks import VOCAB
 from schemas import PromptEvent
 from schemas.config import parse_config
+from tests.helpers import served_versions
 
 ROOT = Path(__file__).resolve().parent.parent
 REPO = "jetrl-test/tiny-digits"
@@ -191,11 +192,7 @@ def test_the_built_in_job_runs_on_an_hf_directory_and_on_a_hub_id_from_the_cache
     rollout = "".join(text for name, text in logs.items() if name.startswith("rollout"))
     snapshot = cache / f"models--{REPO.replace('/', '--')}" / "snapshots" / COMMIT
     assert f"model {REPO} loads from {snapshot}" in rollout, rollout[-2000:]
-    served = [
-        int(line.rsplit("weights v", 1)[1])
-        for line in rollout.splitlines()
-        if "now serving weights v" in line
-    ]
+    served = served_versions(rollout)
     assert served and max(served) >= STEPS - 1, f"weights did not come back to rollout: {served}"
 
 
