@@ -110,7 +110,7 @@ class Puller:
 
         A request cut short by `timeout`, or by the connection dropping, leaves the rest of its
         delivery in the inbox, where the next request reads it. Raises
-        nats.errors.TimeoutError if nothing came at all.
+        nats.errors.TimeoutError if nothing came at all, `PullRefused` if a 409 ended it at once.
         """
         body = json.dumps({**request, "max_bytes": FETCH_BYTES_BUDGET}).encode()
         drops = self._drops
@@ -126,9 +126,12 @@ class Puller:
                     break
                 raise nats.errors.TimeoutError
             msg = self._arrived.popleft()
-            if status(msg) is not None:
+            code = status(msg)
+            if code is not None:
                 if not msgs and description(msg) == "Batch Completed":
                     continue
+                if not msgs and code == "409":
+                    raise PullRefused(f"pull refused: 409 {description(msg)}")
                 break
             msgs.append(msg)
         return msgs
@@ -153,6 +156,14 @@ class Puller:
 def _wake(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_result(None)
+
+
+class PullRefused(nats.errors.Error):
+    """A request the server ended at once with a 409 and nothing delivered: more waiting
+    requests than the consumer's `max_waiting` ("Exceeded MaxWaiting"), a leadership change, a
+    deleted consumer. Returning nothing would send the next request at once, and a worker
+    would spin on refusals (above 512 waiting workers, `bus.topology`); raised, the worker
+    says why and waits before it asks again, as for any fetch failure."""
 
 
 def status(msg: Msg) -> str | None:

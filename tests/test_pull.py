@@ -22,7 +22,7 @@ from nats.js import JetStreamContext
 from bus.connection import JetStream, connect
 from bus.embedded import EmbeddedNats
 from bus.publisher import Publisher
-from bus.pull import Puller
+from bus.pull import Puller, PullRefused
 from bus.topology import TRAJECTORIES, Topology
 from bus.worker import Worker, WorkerOptions
 from schemas import TrajectoryEvent, encode
@@ -222,3 +222,38 @@ def test_bus_uses_no_private_attribute_of_another_object() -> None:
             ):
                 reached.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
     assert not reached, f"private attributes reached: {reached}"
+
+
+def test_a_pull_the_server_refuses_at_once_raises_instead_of_returning_nothing(
+    nats_server: EmbeddedNats, topology: Topology
+) -> None:
+    """Past the consumer's max_waiting the server ends a long poll at once with "409 Exceeded
+    MaxWaiting". Returned as an empty list, the worker's next request went out at once: each
+    refused worker spun on requests (docs/scale.md: above 512 waiting rollout workers)."""
+
+    async def main() -> None:
+        nc = await connect(nats_server.url, "test-pull-refused")
+        js = nc.jetstream()
+        await topology.apply(js)
+        stream = topology.stream(TRAJECTORIES)
+        config = topology.consumer_config(TRAJECTORIES)
+        config.durable_name, config.max_waiting = "refusing", 1
+        await js.add_consumer(stream, config)
+        waiting, refused = (Puller(js, stream, "refusing") for _ in "ab")
+        await waiting.open()
+        await refused.open()
+        try:
+            # The one waiting request the consumer allows (the stream is empty: it waits).
+            held = asyncio.create_task(waiting.fetch(1, 5.0))
+            await asyncio.sleep(0.3)
+            started = time.monotonic()
+            with pytest.raises(PullRefused, match="Exceeded MaxWaiting"):
+                await refused.fetch(1, 3.0)
+            assert time.monotonic() - started < 1.0, "the refusal is the server's, not a wait"
+            held.cancel()
+        finally:
+            await waiting.close()
+            await refused.close()
+            await nc.close()
+
+    asyncio.run(main())
