@@ -109,7 +109,10 @@ def test_a_version_ends_in_the_engines_and_a_failed_one_in_the_stored_copy(
             try:
                 for v, tensors in versions.items():
                     event = await sender.store(v, tensors)
-                    (tmp_path / f"event{v}.json").write_text(event.model_dump_json())
+                    # Written whole, then renamed: a worker polls for the name and must never
+                    # read it half written (it read '' once in CI).
+                    (tmp_path / f"event{v}.tmp").write_text(event.model_dump_json())
+                    (tmp_path / f"event{v}.tmp").replace(tmp_path / f"event{v}.json")
                     fetching = asyncio.create_task(staging.fetch(event))
                     await sender.announced(v, tensors)
                     published[v] = await trainer.settle()  # type: ignore[attr-defined]
