@@ -56,7 +56,8 @@ from bus.topology import (
 )
 from ops.streams import as_stored
 from producers.drops import DropTally, failures_line
-from producers.stall import read_drops, stalled_line
+from producers.stall import stalled_line
+from producers.stall_view import read_drops
 from schemas import BatchEvent, WeightVersionEvent
 
 T = TypeVar("T")

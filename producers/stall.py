@@ -2,7 +2,8 @@
 holds the work and why, in one short line each.
 
 A run that hangs with idle workers and no error is a run where every stage waits for another;
-the bus shows who waits for what. `read_view` reads it once; `diagnose` (pure) judges it:
+the bus shows who waits for what. `producers.stall_view.read_view` reads it once; `diagnose`
+(pure) judges it:
 
     members   no live worker of a role                 -> "no live trainer: ..."
     trainer   the micro-batches of its next step s stored on batches.<rank>
@@ -26,43 +27,30 @@ electing a leader) is left out, and the lines that need it are not said.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
-from collections import Counter
-from collections.abc import Awaitable
-from dataclasses import dataclass
-from typing import TypeVar
 
-import nats.errors
 import yaml
 from nats.js import JetStreamContext
-from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
-from bus.lag import queue_info
-from bus.membership import live_members, stored_keys
-from bus.readers import LastStored, Poison
 from bus.topology import (
-    BATCHES,
     CONFIG_KEY,
-    DROPS,
-    LEASES,
-    PROMPTS,
-    WEIGHTS,
     Topology,
-    metrics_key,
-    metrics_of,
-    metrics_prefix,
 )
 from producers.drops import DropTally, failure_counts
 from producers.gate import Producer
-from schemas import BatchEvent
+from producers.stall_view import (
+    UNREADABLE,
+    QueueView,
+    RunView,
+    guarded,
+    last_step,
+    read_view,
+)
 from schemas.config import ConfigError, RunConfig, parse_config
-from schemas.kv_records import DeviceLease, DropKind, DropRecord, StepMetrics
+from schemas.kv_records import DeviceLease, DropKind
 
 log = logging.getLogger("jetrl.stall")
-T = TypeVar("T")
 
 ROLES = {
     "producer": "producer",
@@ -81,59 +69,6 @@ ITEMS = {
     "scored": "samples with reference log-probs",
 }
 """What a message of each work queue's stream is, in words."""
-SCAN_BATCHES = 256
-"""Most batch-stream messages read back to find the micro-batches of the trainer's next step."""
-UNREADABLE = (nats.errors.Error, asyncio.TimeoutError)
-
-
-@dataclass(frozen=True)
-class QueueView:
-    """One work queue as its durable consumer says."""
-
-    stage: str
-    """The stream it reads."""
-    pending: int
-    """Not yet delivered."""
-    in_flight: int
-    """Delivered, neither acked nor terminated."""
-    redelivered: int
-    """In flight and delivered more than once (a holder went past ack_wait)."""
-    ack_wait: float
-    """Seconds after a holder's last heartbeat before its messages go back to the queue."""
-    idle: float
-    """Seconds since the queue last saw an ack (since it was created, if never)."""
-
-
-@dataclass(frozen=True)
-class StoredStep:
-    """The micro-batches of one step stored for one trainer rank."""
-
-    indices: frozenset[int]
-    count: int
-    """Micro-batches the step has for this rank."""
-
-
-@dataclass(frozen=True)
-class RunView:
-    """What the bus shows of a run at one moment; None where it could not be read."""
-
-    cfg: RunConfig
-    live: Counter[str] | None
-    """Live workers by role."""
-    queues: dict[str, QueueView | None]
-    next_step: int | None
-    """The step the trainer trains next (steps recorded so far)."""
-    stored: dict[int, StoredStep | None]
-    """Rank -> what of `next_step` is stored for it (None: nothing)."""
-    issued: int | None
-    version: int | None
-    """The latest weight version, as the gate counts it."""
-    dropped: int | None
-    drops: DropTally | None = None
-    """The drops recorded since the last step (`since_step`, `recent_failures`); None: unknown."""
-    leases: dict[str, DeviceLease] | None = None
-    """`placement: colocated`: each device's lease by its KV key (`bus.lease`); None: unknown
-    or separated."""
 
 
 def diagnose(view: RunView) -> list[str]:
@@ -292,160 +227,6 @@ def stall_text(seconds: float, reasons: list[str]) -> str:
     return f"STALLED {seconds:.0f}s: " + "; ".join(reasons)
 
 
-async def read_view(
-    js: JetStreamContext,
-    topology: Topology,
-    cfg: RunConfig,
-    *,
-    next_step: int | None = None,
-    issued: int | None = None,
-    version: int | None = None,
-    dropped: int | None = None,
-    drops: DropTally | None = None,
-    since: float | None = None,
-) -> RunView:
-    """The run as the bus shows it now. Figures the caller knows better (the producer knows its
-    own issued count, version and drops) are taken as given; the others are read (the drops
-    since the last step: those recorded after `since`, its unix time)."""
-    if next_step is None:
-        last = await _read(last_step(js, topology))
-        next_step = None if last is None else last[0] + 1
-    live = await _read(_live_roles(js, topology))
-    queues = {
-        c.work_queue.durable: await _read(_queue(js, topology, c.work_queue.durable))
-        for c in topology.work_queues
-    }
-    stored: dict[int, StoredStep | None] = {}
-    if next_step is not None:
-        for rank in range(cfg.trainer.dp_size):
-            stored[rank] = await _read(_stored(js, topology, rank, next_step))
-    if issued is None:
-        issued = await _read(_stream_messages(js, topology))
-    if version is None:
-        version = await _read(_latest_version(js, topology))
-    if dropped is None:
-        dropped = await _read(_count_keys(js, topology, DROPS.filter))
-    if drops is None and since is not None:
-        drops = await _read(read_drops(js, topology, since))
-    leases = await _read(_leases(js, topology)) if cfg.placement == "colocated" else None
-    return RunView(cfg, live, queues, next_step, stored, issued, version, dropped, drops, leases)
-
-
-async def _read(reading: Awaitable[T]) -> T | None:
-    """The figure, or None when the bus cannot say now."""
-    try:
-        return await reading
-    except UNREADABLE as exc:
-        log.info("stall diagnosis: a figure is unknown now: %r", exc)
-        return None
-
-
-async def _leases(js: JetStreamContext, topology: Topology) -> dict[str, DeviceLease]:
-    kv = await js.key_value(topology.kv_bucket)
-    leases = {}
-    for key in await stored_keys(js, topology.kv_bucket, LEASES.filter):
-        with contextlib.suppress(KeyNotFoundError, KeyDeletedError):
-            leases[key] = DeviceLease.decode((await kv.get(key)).value)
-    return leases
-
-
-async def _live_roles(js: JetStreamContext, topology: Topology) -> Counter[str]:
-    return Counter(m.role for m in await live_members(js, topology))
-
-
-async def _queue(js: JetStreamContext, topology: Topology, role: str) -> QueueView:
-    channel = topology.served_by(role)
-    assert channel is not None, f"{role} serves no work queue"
-    queue = channel.work_queue
-    info = await queue_info(js, topology, channel)
-    acked = (
-        info.ack_floor.last_active
-        if info.ack_floor and info.ack_floor.last_active
-        else info.created
-    )
-    return QueueView(
-        channel.name,
-        info.num_pending or 0,
-        info.num_ack_pending or 0,
-        info.num_redelivered or 0,
-        info.config.ack_wait or queue.ack_wait,
-        max(0.0, time.time() - acked.timestamp()),
-    )
-
-
-async def _stored(
-    js: JetStreamContext, topology: Topology, rank: int, step: int
-) -> StoredStep | None:
-    """The micro-batches of `step` on batches.<rank>, read back from the stream's end: the buffer
-    stores a step's micro-batches together and the steps in order, so they are the last ones of
-    that step before an earlier step (or a later one) begins."""
-    # Garbage the trainer dead-letters is logged and stepped over, as deleted batches are.
-    batches: LastStored[BatchEvent] = LastStored(js, topology, BATCHES, Poison("stall watch"))
-    end = await batches.last_seq(rank)
-    if not end:
-        return None
-    indices: set[int] = set()
-    count = 0
-    async for stored in batches.back(start=end, limit=SCAN_BATCHES):
-        batch = stored.event
-        if batch.dp_rank != rank or batch.step > step:
-            continue
-        if batch.step < step:
-            break
-        indices.add(batch.micro_index)
-        count = batch.micro_count
-    return StoredStep(frozenset(indices), count) if indices else None
-
-
-async def _stream_messages(js: JetStreamContext, topology: Topology) -> int:
-    """Prompts issued: the messages of the prompt stream."""
-    return (await js.stream_info(topology.stream(PROMPTS))).state.messages
-
-
-async def _latest_version(js: JetStreamContext, topology: Topology) -> int:
-    """The latest weight version; 0 before the first, as the gate counts it."""
-    last = await LastStored(js, topology, WEIGHTS, Poison("stall watch")).last()
-    return 0 if last is None else last.event.version
-
-
-async def _count_keys(js: JetStreamContext, topology: Topology, pattern: str) -> int:
-    return len(await stored_keys(js, topology.kv_bucket, pattern))
-
-
-async def read_drops(js: JetStreamContext, topology: Topology, since: float) -> DropTally:
-    """Every drop record of the run, counted; those recorded after `since` (unix time) also as
-    the drops since the last step. Read by one KV watch: its initial values end at a None."""
-    kv = await js.key_value(topology.kv_bucket)
-    watcher = await kv.watch(DROPS.filter)
-    tally, recent = DropTally(), DropTally()
-    try:
-        while (entry := await watcher.updates(timeout=5.0)) is not None:
-            if entry.value is None:
-                continue
-            record = DropRecord.decode(entry.value)
-            tally.add(record)
-            if record.time is not None and record.time >= since:
-                recent.add(record)
-    finally:
-        await watcher.stop()
-    tally.since_step, tally.recent_failures = recent.kinds, recent.failures
-    return tally
-
-
-async def last_step(js: JetStreamContext, topology: Topology) -> tuple[int, float]:
-    """The last step rank 0 recorded and the time it recorded it; (-1, when the run's queues were
-    declared) before any. Raises what the bus raises when it cannot say now."""
-    keys = await stored_keys(js, topology.kv_bucket, metrics_prefix(0) + "*")
-    steps = [rank_step[1] for key in keys if (rank_step := metrics_of(key)) is not None]
-    if not steps:
-        return -1, (await queue_info(js, topology, PROMPTS)).created.timestamp()
-    entry = await (await js.key_value(topology.kv_bucket)).get(metrics_key(0, max(steps)))
-    try:
-        return max(steps), StepMetrics.decode(entry.value).time
-    except ValueError:  # not the trainer's metrics: the step counts, its time not
-        return max(steps), time.time()
-
-
 async def stalled_line(js: JetStreamContext, topology: Topology) -> str | None:
     """For `ops.status`: the stall line when the last step's metrics are older than the run's
     `stall_after` (from the config in KV), or no step came that long after the run was declared;
@@ -455,7 +236,7 @@ async def stalled_line(js: JetStreamContext, topology: Topology) -> str | None:
         cfg = parse_config(yaml.safe_load(entry.value or b""), f"run {topology.run} config in KV")
     except (*UNREADABLE, ConfigError, yaml.YAMLError):  # no config (yet): no stall to judge
         return None
-    last = await _read(last_step(js, topology))
+    last = await guarded(last_step(js, topology))
     if last is None:
         return None
     next_step, moved = last[0] + 1, last[1]

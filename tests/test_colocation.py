@@ -36,7 +36,8 @@ from bus.topology import Topology
 from consumers.colocation import PHASE_LOG
 from engines.protocols import SamplingParams
 from engines.simulated import SimulatedRolloutEngine, SimulatedSettings
-from producers.stall import RunView, diagnose, lease_lines, read_view
+from producers.stall import diagnose, lease_lines
+from producers.stall_view import RunView, read_view
 from schemas.config import ConfigError, parse_config
 from schemas.kv_records import DeviceLease, Member, Phase
 from tests.phase_timeline import assert_exclusive, phase_intervals, read_timeline

@@ -33,7 +33,8 @@ from producers.drops import DropTally, FailureWindow, failed_share_stop
 from producers.gate import Producer
 from producers.launcher import write_report
 from producers.samples import SamplesWriter
-from producers.stall import RunView, diagnose
+from producers.stall import diagnose
+from producers.stall_view import RunView
 from schemas import TrajectoryEvent
 from schemas.config import AlgorithmConfig, RunConfig, TrainerConfig, parse_config
 from schemas.kv_records import DropKind, DropRecord, StepMetrics

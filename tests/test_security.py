@@ -51,7 +51,7 @@ from bus.topology import (
 from bus.worker import Worker, WorkerOptions
 from consumers.weights import publish_version
 from consumers.weights.object_store import ObjectStoreTransport
-from producers.stall import read_view
+from producers.stall_view import read_view
 from schemas import Event, PromptEvent, RewardEvent, TrajectoryEvent
 from schemas.config import RunConfig
 from tests.helpers import messages, prompt, reward, trajectory
