@@ -15,7 +15,7 @@ stage each), with ``tp2pp2`` on four (two stages, each cut in two), each rank ag
 own torch engine.
 
 megatron-core 0.16 on the CPU: its forward reaches for CUDA twice, both patched by
-`engines.megatron_train.cpu_workarounds` (the engine applies it itself on the CPU; the raw
+`engines.megatron_patches.cpu_workarounds` (the engine applies it itself on the CPU; the raw
 GPTModel check here applies it first).
 """
 
@@ -34,7 +34,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from engines.megatron_config import spec_from_hf
 from engines.megatron_names import hf_to_megatron, megatron_to_hf
-from engines.megatron_train import cpu_workarounds
+from engines.megatron_patches import cpu_workarounds
 from engines.protocols import MicroBatch
 from engines.tiny import build_tiny_model
 from engines.torch_train import TorchTrainEngine

@@ -12,7 +12,7 @@ at temperature 0.7 with an entropy bonus (so the scaling and the entropy's gradi
   backward (each chunk is recomputed), while the full-logits step does both: the detectors
   see what they look for.
 
-On the CPU only (`engines.megatron_train.cpu_workarounds`); no GPU has run this path.
+On the CPU only (`engines.megatron_patches.cpu_workarounds`); no GPU has run this path.
 """
 
 from __future__ import annotations
