@@ -125,8 +125,9 @@ class RewardConfig(Section):
     samples of the last `failed_window_groups` groups finished failed the reward function (a bug
     in it fails every group, and the gate would replace each for ever)."""
     failed_window_groups: int = Field(32, ge=1)
-    """Groups (dropped or trained, latest first) the `max_failed_share` is measured over; the
-    run is judged once that many finished after the main job (re)started."""
+    """Groups (dropped or trained, latest first) the `max_failed_share` is measured over. Before
+    that many finished after the main job (re)started, the run stops as soon as the share is
+    certain to be passed, the groups still to come counted as passing."""
 
 
 class ReferenceConfig(Section):

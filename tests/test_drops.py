@@ -114,11 +114,18 @@ def test_drops_are_broken_down_by_kind() -> None:
     }
 
 
-def test_the_failed_share_stops_only_a_full_window_past_the_share() -> None:
+def test_the_failed_share_stops_past_the_share_of_the_window() -> None:
     window, reasons = FailureWindow(4), Counter({KEY_ERROR: 9, "timed out after 5s": 1})
-    for _ in range(3):
-        window.add(2, 2)
-    assert failed_share_stop(window, 0.5, reasons) is None, "3 groups of a 4-group window"
+    window.add(2, 2)
+    assert failed_share_stop(window, 0.5, reasons) is None, "2 of 8 if the rest pass"
+    window.add(2, 2)
+    assert failed_share_stop(window, 0.5, reasons) is None, "4 of 8 is not more than 0.5"
+    window.add(2, 2)
+    assert failed_share_stop(window, 0.5, reasons) == (
+        "the reward function failed 6 of the 6 samples of the first 3 groups, more than 0.5 of "
+        f"the 4-group window whatever the rest do (reward.max_failed_share 0.5): {KEY_ERROR}"
+    ), "6 of 8 even if the 4th passes: certain before the window is full"
+    assert failed_share_stop(window, 0.75, reasons) is None, "6 of 8 is not more than 0.75"
     window.add(0, 2)
     assert failed_share_stop(window, 0.75, reasons) is None, "6 of 8 is not more than 0.75"
     why = failed_share_stop(window, 0.5, reasons)
