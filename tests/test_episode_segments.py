@@ -1,0 +1,244 @@
+"""Every sample of a split agent episode is trained (issue 27): an episode whose template
+stopped extending its tokens (`tests.chat_templates.CHATML_STRIPS_THINKING` drops an earlier
+turn's `<think>`) is ONE trajectory carrying its earlier samples as segments
+(`schemas.segment`), and the buffer packs a row per segment with the episode's advantage.
+
+- Through a real rollout worker on a real nats-server (the production stage, the real HF
+  engine with scripted turns, `tests.episode_script`): the stored trajectory's segments are
+  exactly each sample's tokens, the template's render of the conversation at that turn, with
+  each turn's weight version (new weights loaded between the two samples).
+- Through the real reward stage and buffer process: the batch has a row per segment, each
+  masked as its segment, all with the episode's id, advantage and reward.
+- The staleness bound and the group's oldest version count an earlier segment's old version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from nats.js import JetStreamContext
+from transformers import PreTrainedTokenizerFast
+
+from bus.embedded import EmbeddedNats
+from bus.topology import Topology
+from consumers.buffer_groups import Group
+from consumers.packing import Row, arrays
+from schemas import BatchEvent, RewardEvent, Segment, Tensor, TrajectoryEvent
+from schemas.config import AlgorithmConfig, DataConfig, RewardConfig, RunConfig, TrainerConfig
+from schemas.staleness import StalenessPolicy
+from tests.agent_tools import AskAgain
+from tests.buffer_feed import batches, run_with_js, start_buffer, stop_buffer, tail
+from tests.chat_templates import CHATML_STRIPS_THINKING, chat_tokenizer
+from tests.episode_script import SCRIPT, THINK, build_chat_model
+from tests.golden_events import golden
+from tests.test_buffer_invariants import settled
+from tests.test_episode_rollout import GROUP, episode_worker
+from tests.test_reward import REVERSE, reverse_task, run_reward_worker
+from tests.test_rollout_invariants import eventually
+
+
+@pytest.fixture(scope="module")
+def thinking_model(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, PreTrainedTokenizerFast]:
+    """The tiny Qwen2 of the episode tests, its tokenizer with a template that strips earlier
+    reasoning (the same vocabulary: only the template differs)."""
+    model_dir, _ = build_chat_model(tmp_path_factory.mktemp("thinking"))
+    return model_dir, chat_tokenizer(CHATML_STRIPS_THINKING)
+
+
+def render(tokenizer: PreTrainedTokenizerFast, messages: list[dict[str, Any]]) -> list[int]:
+    ids = tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=False, add_generation_prompt=True
+    )
+    assert isinstance(ids, list)
+    return [i for i in ids if isinstance(i, int)]
+
+
+def test_a_split_episode_is_one_trajectory_whose_segments_are_each_samples_tokens(
+    nats_server: EmbeddedNats, topology: Topology, thinking_model: tuple[Path, Any]
+) -> None:
+    tokenizer = thinking_model[1]
+    first_turn, second_turn = SCRIPT[THINK]
+
+    async def main() -> list[TrajectoryEvent]:
+        async with episode_worker(nats_server.url, topology, thinking_model, [], hold=True) as w:
+            await w.publish_prompt(THINK)
+            environment = w.episodes.environment
+            assert isinstance(environment, AskAgain)
+            # Both episodes made their reasoning turn (at v0); version 1 loads before the next.
+            await eventually(lambda: environment.held == GROUP, "both episodes at their step")
+            await w.publish_weights(1)
+            await eventually(lambda: w.engine.version == 1, "version 1 loaded")
+            environment.release.set()
+            return await w.trajectories(GROUP)
+
+    trajectories = asyncio.run(main())
+    assert sorted(t.sample_index for t in trajectories) == list(range(GROUP))
+    question = [{"role": "user", "content": THINK}]
+    # The conversation at the second turn, as the template renders it: the first turn's
+    # reasoning gone, so its tokens no longer extend the first sample's.
+    asked = [*question, {"role": "assistant", "content": first_turn}]
+    asked += [{"role": "user", "content": "Are you sure?"}]
+    eos = tokenizer.eos_token_id
+    turns = [[*tokenizer.encode(text, add_special_tokens=False), eos] for text in SCRIPT[THINK]]
+    for t in trajectories:
+        assert len(t.earlier) == 1, f"{len(t.earlier)} earlier segments"
+        (earlier,) = t.earlier
+        # Segment 0: the question rendered, then the reasoning turn as sampled (at v0).
+        assert earlier.prompt_ids.numpy().tolist() == render(tokenizer, question)
+        assert earlier.response_ids.numpy().tolist() == turns[0]
+        assert earlier.response_mask.numpy().tolist() == [1] * len(turns[0])
+        assert earlier.versions.numpy().tolist() == [0] * len(turns[0])
+        np.testing.assert_allclose(earlier.logprobs.numpy(), -0.5)
+        # The last sample: the stripped conversation rendered, then the answer (at v1).
+        prompt = t.prompt_ids.numpy().tolist()
+        assert prompt == render(tokenizer, asked)
+        assert "<think>" not in tokenizer.decode(prompt)
+        assert t.response_ids.numpy().tolist() == turns[1]
+        assert t.response_mask is not None
+        assert t.response_mask.numpy().tolist() == [1] * len(turns[1])
+        assert t.versions.numpy().tolist() == [1] * len(turns[1])
+        # Every segment's trained versions count, the earlier one's first.
+        assert t.trained_versions().tolist() == [0] * len(turns[0]) + [1] * len(turns[1])
+        episode = t.task["episode"]
+        assert (episode["end"], episode["turns"], episode["samples"]) == ("done", 2, 2)
+        assert second_turn in t.response_text
+
+
+PROMPT = 3
+SEGMENTS = {0: ([1, 1, 0, 1], [1, 1]), 1: ([1, 0, 0, 1, 1], [1, 1, 1])}
+"""Sample -> its segments' masks: an earlier sample (model, tool result, model), then the last."""
+TEXTS = {0: "321", 1: "32"}
+"""Sample -> the text its reward function reads (rewards 1 and 2/3: the group is not dropped)."""
+
+
+def segment_arrays(mask: list[int], first: int, version: int) -> dict[str, Tensor]:
+    m = np.array(mask, np.uint8)
+    return {
+        "prompt_ids": Tensor.from_numpy(np.arange(first, first + PROMPT, dtype=np.int32)),
+        "response_ids": Tensor.from_numpy(
+            np.arange(50 + first, 50 + first + m.size, dtype=np.int32)
+        ),
+        "logprobs": Tensor.from_numpy(np.where(m == 1, -0.75, 0.0).astype(np.float32)),
+        "versions": Tensor.from_numpy(np.where(m == 1, version, -1).astype(np.int32)),
+        "response_mask": Tensor.from_numpy(m),
+    }
+
+
+def split_episode(run: str, sample: int) -> TrajectoryEvent:
+    earlier, last = SEGMENTS[sample]
+    return TrajectoryEvent(
+        id=f"{run}/0/0/{sample}",
+        run=run,
+        prompt_id=f"{run}/0/0",
+        sample_index=sample,
+        group_size=len(SEGMENTS),
+        earlier=(Segment(**segment_arrays(earlier, 1, 0)),),
+        **segment_arrays(last, 20, 0),
+        response_text=TEXTS[sample],
+        task=reverse_task("321"),
+    )
+
+
+@pytest.mark.timeout(180)
+def test_a_split_episode_is_packed_a_row_per_segment_with_the_episodes_advantage(
+    nats_server: EmbeddedNats, topology: Topology, tmp_path: Path
+) -> None:
+    config = RunConfig(
+        run=topology.run,
+        data=DataConfig(reward=REVERSE),
+        reward=RewardConfig(timeout=5.0, processes=1),
+        algorithm=AlgorithmConfig(prompts_per_step=1),
+        trainer=TrainerConfig(micro_batch_tokens=64),
+    )
+    sent = {t.id: t for t in (split_episode(topology.run, s) for s in SEGMENTS)}
+    rewards, dead, _ = run_reward_worker(nats_server, topology, config, list(sent.values()))
+    assert not dead, dead
+    assert {r.id: r.trajectory.earlier for r in rewards.values()} == {
+        i: t.earlier for i, t in sent.items()
+    }
+    log = tmp_path / "buffer.log"
+    stored: list[BatchEvent] = []
+
+    async def body(js: JetStreamContext) -> None:
+        proc = start_buffer(nats_server.url, topology, log)
+        try:
+            await settled(js, topology, proc, log, "a split episode's group")
+        finally:
+            stop_buffer(proc)
+        assert proc.returncode == 0, f"buffer exit code {proc.returncode}:\n{tail(log)}"
+        stored.extend(await batches(js, topology))
+
+    run_with_js(nats_server.url, body)
+    rows: dict[str, list[tuple[list[int], list[int], float, float]]] = {}
+    for batch in stored:
+        ids, loss = batch.input_ids.numpy(), batch.loss_mask.numpy()
+        attention = batch.attention_mask.numpy()
+        for row, sid in enumerate(batch.sample_ids):
+            real = attention[row] == 1
+            rows.setdefault(sid, []).append(
+                (
+                    ids[row][real].tolist(),
+                    loss[row][real].tolist(),
+                    float(batch.advantages.numpy()[row]),
+                    float(batch.rewards.numpy()[row]),
+                )
+            )
+    assert sorted(rows) == sorted(sent), f"batched {sorted(rows)}:\n{tail(log)}"
+    advantage = {}
+    for sid, t in sent.items():
+        expected = sorted(
+            (
+                [*s.prompt.tolist(), *s.response.tolist()],
+                [0] * s.prompt.size + (s.mask.tolist() if s.mask is not None else []),
+            )
+            for s in t.segments()
+        )
+        got = rows[sid]
+        # One row per segment: its own tokens, its own mask as the loss mask.
+        assert sorted((tokens, mask) for tokens, mask, _, _ in got) == expected, sid
+        # Every row of the episode: its advantage and reward.
+        assert len({(a, r) for _, _, a, r in got}) == 1, got
+        advantage[sid] = got[0][2]
+        assert got[0][3] == pytest.approx(rewards[sid].reward)
+    # The group's two episodes (rewards 1 and 2/3) have advantages of opposite signs.
+    assert advantage[f"{topology.run}/0/0/0"] > 0 > advantage[f"{topology.run}/0/0/1"]
+
+
+def golden_split() -> RewardEvent:
+    reward = golden()["reward.v4"]
+    assert isinstance(reward, RewardEvent)
+    return reward
+
+
+def test_the_staleness_bound_counts_an_earlier_segments_old_version() -> None:
+    reward = golden_split()  # its earlier segment at v2, its last sample at v3 and v4
+    assert reward.trajectory.versions.numpy().max() == 4
+    group = Group(reward.trajectory.prompt_id, 2)
+    group.add(reward, None)  # type: ignore[arg-type]  # the Msg is only held
+    assert group.min_version == 2
+    policy = StalenessPolicy(bound=2, prompts_per_step=1, steps=10, checkpoint_every=1)
+    # At step 5 the oldest allowed is v3: the last sample alone would train; the episode not.
+    assert not policy.too_old(3, 5)
+    assert policy.too_old(group.min_version, 5)
+
+
+def test_packing_places_each_segments_reference_and_turn_rewards_in_its_row() -> None:
+    reward = golden_split()
+    first, last = Row.all_of(reward, 0.5, "")
+    assert (first.sample_id, last.sample_id) == (reward.id, reward.id)
+    mb = arrays([first, last])
+    # Row 0: the earlier segment (2 prompt tokens, mask [1, 1, 0, 1]), padded to 8.
+    assert mb.loss_mask.tolist() == [[0, 0, 1, 1, 0, 1, 0, 0], [0, 0, 0, 1, 1, 0, 0, 1]]
+    assert mb.versions.tolist()[0] == [-1, -1, 2, 2, -1, 3, -1, -1]
+    assert mb.ref_logprobs is not None
+    assert mb.ref_logprobs.tolist()[0] == [0, 0, -0.5, -0.5, 0, -1.5, 0, 0]
+    # Turn rewards [0.5, 0, 0.25, 0]: the earlier segment's two turns, then the last's two.
+    assert mb.token_rewards is not None
+    assert mb.token_rewards.tolist() == [[0, 0, 0, 0.5, 0, 0, 0, 0], [0, 0, 0, 0, 0.25, 0, 0, 0]]
+    assert mb.advantages.tolist() == [0.5, 0.5] and mb.rewards.tolist() == [1.0, 1.0]
