@@ -190,12 +190,6 @@ class TrajectoryEvent(Event):
         )
         return [*(SegmentArrays.of(s) for s in self.earlier), own]
 
-    @property
-    def tokens(self) -> int:
-        """Prompt and response tokens over every segment (what the trajectory costs to train)."""
-        own = self.prompt_ids.shape[0] + self.response_ids.shape[0]
-        return own + sum(s.prompt_ids.shape[0] + s.response_ids.shape[0] for s in self.earlier)
-
     def trained_mask(self) -> np.ndarray:
         """bool [R]: True on the response tokens the model generated, those that train, of the
         trajectory's own (last) sample (`segments` has every sample's)."""

@@ -9,12 +9,15 @@ turn's `<think>`) is ONE trajectory carrying its earlier samples as segments
   each turn's weight version (new weights loaded between the two samples).
 - Through the real reward stage and buffer process: the batch has a row per segment, each
   masked as its segment, all with the episode's id, advantage and reward.
+- Through the real reference stage (in-process, its own builder, a tiny model): each segment
+  is scored as its own sequence, `earlier_ref_logprobs` the earlier one's.
 - The staleness bound and the group's oldest version count an earlier segment's old version.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +26,18 @@ import pytest
 from nats.js import JetStreamContext
 from transformers import PreTrainedTokenizerFast
 
+from bus.connection import connect
 from bus.embedded import EmbeddedNats
-from bus.topology import Topology
+from bus.runtime import attach, publish_config
+from bus.stage import serve
+from bus.topology import REWARDS, SCORED, Topology
+from consumers import reference as reference_stage
 from consumers.buffer_groups import Group
 from consumers.packing import Row, arrays
-from schemas import BatchEvent, RewardEvent, Segment, Tensor, TrajectoryEvent
+from engines.reference import ReferenceEngine
+from engines.tiny import build_tiny_model
+from producers.tasks import VOCAB
+from schemas import BatchEvent, RewardEvent, Segment, Tensor, TrajectoryEvent, decode, encode
 from schemas.config import AlgorithmConfig, DataConfig, RewardConfig, RunConfig, TrainerConfig
 from schemas.staleness import StalenessPolicy
 from tests.agent_tools import AskAgain
@@ -117,20 +127,20 @@ TEXTS = {0: "321", 1: "32"}
 """Sample -> the text its reward function reads (rewards 1 and 2/3: the group is not dropped)."""
 
 
-def segment_arrays(mask: list[int], first: int, version: int) -> dict[str, Tensor]:
+def segment_arrays(mask: list[int], first: int, version: int, vocab: int) -> dict[str, Tensor]:
     m = np.array(mask, np.uint8)
+    prompt = np.arange(first, first + PROMPT, dtype=np.int32) % vocab
+    response = np.arange(50 + first, 50 + first + m.size, dtype=np.int32) % vocab
     return {
-        "prompt_ids": Tensor.from_numpy(np.arange(first, first + PROMPT, dtype=np.int32)),
-        "response_ids": Tensor.from_numpy(
-            np.arange(50 + first, 50 + first + m.size, dtype=np.int32)
-        ),
+        "prompt_ids": Tensor.from_numpy(prompt),
+        "response_ids": Tensor.from_numpy(response),
         "logprobs": Tensor.from_numpy(np.where(m == 1, -0.75, 0.0).astype(np.float32)),
         "versions": Tensor.from_numpy(np.where(m == 1, version, -1).astype(np.int32)),
         "response_mask": Tensor.from_numpy(m),
     }
 
 
-def split_episode(run: str, sample: int) -> TrajectoryEvent:
+def split_episode(run: str, sample: int, vocab: int = 1000) -> TrajectoryEvent:
     earlier, last = SEGMENTS[sample]
     return TrajectoryEvent(
         id=f"{run}/0/0/{sample}",
@@ -138,8 +148,8 @@ def split_episode(run: str, sample: int) -> TrajectoryEvent:
         prompt_id=f"{run}/0/0",
         sample_index=sample,
         group_size=len(SEGMENTS),
-        earlier=(Segment(**segment_arrays(earlier, 1, 0)),),
-        **segment_arrays(last, 20, 0),
+        earlier=(Segment(**segment_arrays(earlier, 1, 0, vocab)),),
+        **segment_arrays(last, 20, 0, vocab),
         response_text=TEXTS[sample],
         task=reverse_task("321"),
     )
@@ -208,6 +218,58 @@ def test_a_split_episode_is_packed_a_row_per_segment_with_the_episodes_advantage
         assert got[0][3] == pytest.approx(rewards[sid].reward)
     # The group's two episodes (rewards 1 and 2/3) have advantages of opposite signs.
     assert advantage[f"{topology.run}/0/0/0"] > 0 > advantage[f"{topology.run}/0/0/1"]
+
+
+@pytest.mark.timeout(180)
+def test_the_reference_stage_scores_each_segment_as_its_own_sequence(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    run = f"refseg{int(time.time() * 1000) % 10**8}"
+    model_dir = build_tiny_model(tmp_path / "model", VOCAB)
+    config = RunConfig.model_validate(
+        {"run": run, "model": {"path": str(model_dir)}, "reference": {"enabled": True}}
+    )
+    topology = Topology.for_config(config)
+    trajectory = split_episode(run, 0, vocab=len(VOCAB))  # ids the tiny model takes
+    reward = RewardEvent(id=trajectory.id, run=run, trajectory=trajectory, reward=1.0)
+
+    async def scenario() -> RewardEvent:
+        nc = await connect(nats_server.url, "test-reference-segments")
+        js = nc.jetstream()
+        await topology.apply(js)
+        await publish_config(await js.key_value(topology.kv_bucket), config)
+        rt = await attach("reference", run, nats_server.url)
+        stage = await reference_stage.build(rt)
+        stop = asyncio.Event()
+        task = asyncio.create_task(serve(rt, stage, stop))
+        try:
+            await js.publish(topology.subject(REWARDS), encode(reward))
+            sub = await js.subscribe(topology.subjects(SCORED), ordered_consumer=True)
+            out = decode((await sub.next_msg(timeout=60)).data, RewardEvent)
+            await sub.unsubscribe()
+            assert not task.done(), "the reference stage stopped"
+        finally:
+            stop.set()
+            await asyncio.gather(task, return_exceptions=True)
+            if stage.close is not None:
+                await stage.close()
+            await rt.close()
+            await topology.delete(js)
+            await nc.close()
+        return out
+
+    out = asyncio.run(scenario())
+    engine = ReferenceEngine(model_dir)
+    segments = trajectory.segments()
+    alone = engine.logprobs([(s.prompt, s.response) for s in segments])
+    refs = out.ref_segments()
+    assert refs is not None and len(refs) == len(segments) == 2
+    for got, expected in zip(refs, alone, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    # Scored after its own prompt, not the last sample's: the earlier segment's response after
+    # the last prompt gives other log-probs.
+    wrong = engine.logprobs([(segments[1].prompt, segments[0].response)])[0]
+    assert not np.allclose(refs[0], wrong, atol=1e-5)
 
 
 def golden_split() -> RewardEvent:
