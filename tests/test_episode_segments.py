@@ -34,6 +34,7 @@ from bus.topology import REWARDS, SCORED, Topology
 from consumers import reference as reference_stage
 from consumers.buffer_groups import Group
 from consumers.packing import Row, arrays
+from consumers.trainer import step_metrics
 from engines.reference import ReferenceEngine
 from engines.tiny import build_tiny_model
 from producers.tasks import VOCAB
@@ -304,3 +305,32 @@ def test_packing_places_each_segments_reference_and_turn_rewards_in_its_row() ->
     assert mb.token_rewards is not None
     assert mb.token_rewards.tolist() == [[0, 0, 0, 0.5, 0, 0, 0, 0], [0, 0, 0, 0, 0.25, 0, 0, 0]]
     assert mb.advantages.tolist() == [0.5, 0.5] and mb.rewards.tolist() == [1.0, 1.0]
+
+
+def test_the_trainers_step_record_counts_a_split_episode_once() -> None:
+    """Its rows share one id and one reward: the step's samples, ids and reward mean count it
+    once (the audit's "trained exactly once" and the progress line read these)."""
+    split, plain = golden_split(), golden()["reward.v1"]
+    assert isinstance(plain, RewardEvent)
+    mb = arrays([*Row.all_of(split, 0.5, ""), *Row.all_of(plain, -0.5, "")])
+    batch = BatchEvent(
+        id="g/step/5/0/0",
+        run="g",
+        step=5,
+        dp_rank=0,
+        dp_size=1,
+        micro_index=0,
+        micro_count=1,
+        input_ids=Tensor.from_numpy(mb.input_ids),
+        attention_mask=Tensor.from_numpy(mb.attention_mask),
+        loss_mask=Tensor.from_numpy(mb.loss_mask),
+        advantages=Tensor.from_numpy(mb.advantages),
+        behaviour_logprobs=Tensor.from_numpy(mb.behaviour_logprobs),
+        versions=Tensor.from_numpy(mb.versions),
+        rewards=Tensor.from_numpy(mb.rewards),
+        sample_ids=tuple(r.sample_id for r in mb.rows),
+    )
+    assert batch.sample_ids == (split.id, split.id, plain.id)
+    record = step_metrics(5, [batch], {}, 1.0)
+    assert (record["samples"], record["sample_ids"]) == (2, [split.id, plain.id])
+    assert record["reward_mean"] == pytest.approx((1.0 + 0.5) / 2)
