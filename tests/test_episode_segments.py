@@ -37,6 +37,7 @@ from consumers.packing import Row, arrays
 from consumers.trainer import step_metrics
 from engines.reference import ReferenceEngine
 from engines.tiny import build_tiny_model
+from producers.samples import group_line
 from producers.tasks import VOCAB
 from schemas import BatchEvent, RewardEvent, Segment, Tensor, TrajectoryEvent, decode, encode
 from schemas.config import AlgorithmConfig, DataConfig, RewardConfig, RunConfig, TrainerConfig
@@ -289,6 +290,9 @@ def test_the_staleness_bound_counts_an_earlier_segments_old_version() -> None:
     # At step 5 the oldest allowed is v3: the last sample alone would train; the episode not.
     assert not policy.too_old(3, 5)
     assert policy.too_old(group.min_version, 5)
+    # The samples file's version and staleness count it too, and say it has two segments.
+    (response,) = group_line([reward], None, step=5)["responses"]
+    assert (response["version"], response["staleness"], response["segments"]) == (2, 3, 2)
 
 
 def test_packing_places_each_segments_reference_and_turn_rewards_in_its_row() -> None:
