@@ -166,8 +166,9 @@ class Buffer:
                 "no reference log-probs: the run has the reference stage, "
                 "and this sample did not pass it"
             )
-        # Half the max payload: the other half is for the ids a batch event carries.
-        tokens = t.prompt_ids.shape[0] + t.response_ids.shape[0]
+        # Half the max payload: the other half is for the ids a batch event carries. Each
+        # segment of an episode is a row of its own (`Row.all_of`): the longest must fit.
+        tokens = max(s.prompt.shape[0] + s.response.shape[0] for s in t.segments())
         per_token = bytes_per_token(self.rt.topology.reference, reward.turn_rewards is not None)
         if tokens * per_token > self.rt.publisher.max_payload // 2:
             raise Reject(f"a row of {tokens} tokens cannot fit one batch event")
@@ -355,10 +356,8 @@ class Buffer:
         in_reward = self.cfg.algorithm.kl_placement == "reward"
         for group, adv in zip(groups, advantages, strict=True):
             ordered = [group.samples[i] for i in range(group.size)]
-            rows += [
-                Row.of(r, a, self.trace_outcome(r, m, step=step))
-                for (r, m), a in zip(ordered, adv, strict=True)
-            ]
+            for (r, m), a in zip(ordered, adv, strict=True):  # a row per segment of each
+                rows += Row.all_of(r, a, self.trace_outcome(r, m, step=step))
         tcfg = self.cfg.trainer
         packed = pack_step(rows, tcfg.dp_size, tcfg.micro_batch_tokens)
         step_groups = tuple(g.prompt_id for g in groups)
@@ -372,7 +371,8 @@ class Buffer:
             attributes={
                 "jetrl.step": step,
                 "jetrl.run": self.rt.topology.run,
-                "jetrl.samples": len(rows),
+                "jetrl.samples": sum(g.size for g in groups),
+                "jetrl.rows": len(rows),
             },
         ):
             acks = []

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from nats.aio.msg import Msg
 
@@ -96,16 +97,34 @@ def response_kl(
     and reference log-probs) padded to the longest response, 0 off the [N, R] float mask it
     returns too: 1 on the trained tokens only. A multi-turn episode's environment tokens carry
     no KL, as padding does not: their log-probs are no sample's (0.0, and the reference's
-    whatever it scored). Raises ValueError for a sample without reference log-probs."""
-    longest = max([s.trajectory.response_ids.shape[0] for s in samples] + [1])
+    whatever it scored). A trajectory of several segments (`TrajectoryEvent.segments`) has its
+    segments' responses end to end in its row: the KL summed over the episode counts every
+    model token it trains. Raises ValueError for a sample without reference log-probs."""
+    rows = [_kl_inputs(s) for s in samples]
+    longest = max([logp.shape[0] for logp, _, _ in rows] + [1])
     logp, ref, mask = (torch.zeros(len(samples), longest) for _ in range(3))
-    for i, s in enumerate(samples):
-        n = s.trajectory.response_ids.shape[0]
-        if s.ref_logprobs is None:  # the buffer refuses these when the run has the reference stage
-            raise ValueError(f"sample {s.id} has no reference log-probs for the KL in the reward")
-        logp[i, :n], ref[i, :n] = s.trajectory.logprobs.torch(), s.ref_logprobs.torch()
-        mask[i, :n] = torch.from_numpy(s.trajectory.trained_mask())
+    for i, (lp, rf, trained) in enumerate(rows):
+        n = lp.shape[0]
+        logp[i, :n], ref[i, :n] = torch.from_numpy(lp), torch.from_numpy(rf)
+        mask[i, :n] = torch.from_numpy(trained)
     return estimator(logp, ref) * mask, mask
+
+
+def _kl_inputs(sample: RewardEvent) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """float32 [R], float32 [R], bool [R]: a sample's behaviour and reference log-probs and its
+    trained tokens, its segments' end to end (R: every segment's response tokens)."""
+    refs = sample.ref_segments()
+    if refs is None:  # the buffer refuses these when the run has the reference stage
+        raise ValueError(f"sample {sample.id} has no reference log-probs for the KL in the reward")
+    segments = sample.trajectory.segments()
+    trained = [
+        np.ones(s.response.shape[0], bool) if s.trained is None else s.trained for s in segments
+    ]
+    return (
+        np.concatenate([s.logprobs for s in segments]).astype(np.float32),
+        np.concatenate(refs).astype(np.float32),
+        np.concatenate(trained),
+    )
 
 
 def episode_stats(rewards: Sequence[RewardEvent]) -> dict[str, Any]:

@@ -19,7 +19,8 @@
                 no  -> environment.step(messages) -> (messages, reward, done): done ends
                        the episode; else its messages are appended (mask 0)
             a budget (`agent.max_turns`, `agent.max_tokens`) ends it in between
-        -> the episode's last sample as a `TrajectoryEvent` with its `response_mask`
+        -> the episode as one `TrajectoryEvent`: its last sample with its `response_mask`,
+           the samples before it (if its render stopped extending its tokens) in `earlier`
 
 What the trajectory carries for the reward: `response_text` is the whole response decoded
 without special tokens (the model's turns and the tool results between them), and `task` is
@@ -32,9 +33,12 @@ Decided here (issue 27 leaves it open):
   any other, its trajectory's `finish_reason` "error" and the reason in `task["episode"]`, so
   its group completes and the run goes on; its reward is what `data.reward` gives it.
 - An episode whose render stopped extending its tokens (`EpisodeTokens`: a template that drops
-  earlier reasoning) stores its LAST sample only: a group is `data.n` trajectories today, and
-  the earlier samples are counted in `episode.samples` and logged, not trained (the buffer
-  taking a variable number of samples per group is left to the group-event work).
+  earlier reasoning) trains EVERY sample: the samples before its last travel inside its one
+  trajectory as `earlier` segments (`schemas.segment`), and the buffer packs a row per segment
+  with the episode's advantage. One trajectory per episode keeps a group at `data.n`, so the
+  buffer's group accounting, dedup ids, crash points and dead-lettering are untouched (a
+  trajectory per sample would make groups of a variable size). `task["episode"]["samples"]`
+  counts them; with `agent.turn_rewards`, the turn rewards cover every segment's turns in order.
 """
 
 from __future__ import annotations
@@ -58,10 +62,10 @@ from consumers.episode_journal import EpisodeJournal
 from consumers.rollout_copies import EngineCopies, Pending
 from consumers.tool_runner import ToolEpisode, ToolRunner
 from engines import environment as env
-from engines.episode import EpisodeTokens
+from engines.episode import EpisodeSample, EpisodeTokens
 from engines.protocols import Sample
 from engines.tools import parse_tool_calls, prompt_with_tools
-from schemas import PromptEvent, Tensor, TrajectoryEvent
+from schemas import PromptEvent, Segment, Tensor, TrajectoryEvent
 from schemas.agent_config import AgentConfig
 from schemas.episode_state import EpisodeEnd, EpisodeProgress
 from schemas.events import FinishReason
@@ -316,7 +320,8 @@ class EpisodeRunner:
         return results
 
     def episode_task(self, progress: EpisodeProgress, sample_turns: int) -> dict[str, Any]:
-        """`task["episode"]`; with `agent.turn_rewards`, the stored sample's turn rewards."""
+        """`task["episode"]`; with `agent.turn_rewards`, the turn rewards of the stored samples'
+        `sample_turns` model turns (every segment's, in order)."""
         task = progress.as_task()
         if self.agent.turn_rewards:
             task["turn_rewards"] = sample_turn_rewards(progress.turn_rewards, sample_turns)
@@ -325,19 +330,20 @@ class EpisodeRunner:
     def trajectory(
         self, prompt: PromptEvent, index: int, episode: EpisodeTokens, progress: EpisodeProgress
     ) -> TrajectoryEvent:
-        """The episode's last sample as the trajectory stored for sample `index`."""
+        """The episode as the trajectory stored for sample `index`: its last sample in the
+        trajectory's own fields, the ones before it in `earlier` (each trained)."""
         if not episode.samples:
             raise Reject(f"the episode made no model turn ({progress.end}: {progress.reason})")
-        if len(episode.samples) > 1:
+        *before, last = episode.samples
+        if before:
             log.info(
-                "episode %s/%d: %d samples (the render stopped extending the tokens: %s); the "
-                "last is stored",
+                "episode %s/%d: %d samples (the render stopped extending the tokens: %s)",
                 prompt.id,
                 index,
                 len(episode.samples),
-                episode.samples[0].reason,
+                before[0].reason,
             )
-        last = episode.samples[-1]
+        turns = sum(s.turns for s in episode.samples)
         return TrajectoryEvent(
             id=f"{prompt.id}/{index}",
             run=prompt.run,
@@ -350,13 +356,25 @@ class EpisodeRunner:
             logprobs=Tensor.from_numpy(last.logprobs),
             versions=Tensor.from_numpy(last.versions),
             response_mask=Tensor.from_numpy(last.response_mask),
+            earlier=tuple(segment(s) for s in before),
             response_text=self.tokenizer.decode(
                 last.response_ids.tolist(), skip_special_tokens=True
             ),
             finish_reason="length"
             if progress.cut and progress.end == "done"
             else FINISH[progress.end],
-            task={**prompt.task, "episode": self.episode_task(progress, last.turns)},
+            task={**prompt.task, "episode": self.episode_task(progress, turns)},
             engine=self.engine,
             timings=progress.timings,
         )
+
+
+def segment(sample: EpisodeSample) -> Segment:
+    """An earlier sample of an episode as its trajectory carries it."""
+    return Segment(
+        prompt_ids=Tensor.from_numpy(sample.prompt_ids),
+        response_ids=Tensor.from_numpy(sample.response_ids),
+        logprobs=Tensor.from_numpy(sample.logprobs),
+        versions=Tensor.from_numpy(sample.versions),
+        response_mask=Tensor.from_numpy(sample.response_mask),
+    )

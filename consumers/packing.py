@@ -7,6 +7,13 @@ environment and template tokens: 0, as the prompt); the behaviour log-probs and 
 copied as they travel (0.0 and -1 at those tokens already), the reference log-probs only where
 the loss mask is 1 (0 elsewhere, as `BatchEvent` says). An episode's turn rewards
 (`agent.turn_rewards`) go on the last token of each model turn (`schemas.turn_rewards.place`).
+
+A trajectory of several segments (an agent episode whose render stopped extending its tokens,
+`schemas.segment`) is a row per segment, all with its id in `sample_ids`, its advantage and its
+reward: each segment is its own sequence (its own prompt; no row attends to another's tokens).
+The loss aggregation sees them as rows: token-mean counts every segment's tokens once;
+a seq-mean aggregation weighs a split episode by its segments (as verl and slime weigh a
+sample's segments when they split one).
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from schemas.events import RewardEvent
-from schemas.turn_rewards import place
+from schemas.turn_rewards import place_segments
 
 BYTES_PER_TOKEN = 14
 """What one token takes in a BatchEvent: int32 id, uint8 attention and loss masks, float32
@@ -55,27 +62,35 @@ class Row:
         return len(self.prompt) + len(self.response)
 
     @classmethod
-    def of(cls, reward: RewardEvent, advantage: float, traceparent: str) -> Row:
+    def all_of(cls, reward: RewardEvent, advantage: float, traceparent: str) -> list[Row]:
+        """One row per segment of the sample's trajectory (`TrajectoryEvent.segments`: an
+        episode split where its render stopped extending its tokens has several), each with
+        the sample's id, advantage and reward: the episode is one sample of its group, and
+        every model token it generated is trained with the group's credit for it."""
         t = reward.trajectory
-        return cls(
-            t.id,
-            t.prompt_ids.numpy(),
-            t.response_ids.numpy(),
-            t.logprobs.numpy(),
-            t.versions.numpy(),
-            advantage,
-            reward.reward,
-            traceparent,
-            None if reward.ref_logprobs is None else reward.ref_logprobs.numpy(),
-            None if t.response_mask is None else t.trained_mask(),
+        segments = t.segments()
+        refs = reward.ref_segments()
+        turns = (
             None
             if reward.turn_rewards is None
-            else place(
-                reward.turn_rewards.numpy(),
-                None if t.response_mask is None else t.response_mask.numpy(),
-                t.response_ids.shape[0],
-            ),
+            else place_segments(reward.turn_rewards.numpy(), segments)
         )
+        return [
+            cls(
+                t.id,
+                s.prompt,
+                s.response,
+                s.logprobs,
+                s.versions,
+                advantage,
+                reward.reward,
+                traceparent,
+                None if refs is None else refs[i],
+                s.trained,
+                None if turns is None else turns[i],
+            )
+            for i, s in enumerate(segments)
+        ]
 
 
 @dataclass(frozen=True)

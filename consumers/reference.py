@@ -7,9 +7,10 @@ workers): each scored sample's response is scored again, by the frozen initial m
 holding a second model, and scales with workers of its own.
 
     rewards (durable `reference`) -> token ids the model cannot take? -> Reject (to dead)
-        -> queued; up to `reference.batch` waiting samples -> one forward pass (in a thread)
-        -> RewardEvent + ref_logprobs [R] -> `scored` (same id: a re-publish is a duplicate
-           the stream drops) -> ack
+        -> queued (each segment of an episode split in samples, `TrajectoryEvent.segments`);
+           up to `reference.batch` waiting sequences -> one forward pass (in a thread)
+        -> RewardEvent + ref_logprobs [R] (and earlier_ref_logprobs, a segment's each) ->
+           `scored` (same id: a re-publish is a duplicate the stream drops) -> ack
 
 The scored event is stored before the reward is acked, so a worker killed at any moment loses
 nothing: its rewards come back to another worker (or its replacement) and are scored again.
@@ -83,9 +84,10 @@ def reference_handler(rt: Runtime, batcher: Batcher, limits: ModelLimits) -> Han
 
     async def handle(reward: RewardEvent, _msg: Msg) -> None:
         t = reward.trajectory
-        prompt, response = t.prompt_ids.numpy(), t.response_ids.numpy()
-        largest = int(max(prompt.max(initial=0), response.max(initial=0)))
-        limits.check(largest, prompt.shape[0] + response.shape[0], f"sample {reward.id}")
+        segments = t.segments()  # an episode split where its render stopped extending: several
+        for s in segments:
+            largest = int(max(s.prompt.max(initial=0), s.response.max(initial=0)))
+            limits.check(largest, s.prompt.shape[0] + s.response.shape[0], f"sample {reward.id}")
         with tracing.tracer.start_as_current_span(
             "reference",
             attributes={
@@ -95,12 +97,17 @@ def reference_handler(rt: Runtime, batcher: Batcher, limits: ModelLimits) -> Han
             },
         ):
             REFERENCE_MID_SCORING(reward.id)
-            logprobs = await batcher.score(prompt, response)
+            # Each segment is its own sequence (its own prompt), queued at once: one batch.
+            scored_segments = await asyncio.gather(
+                *(batcher.score(s.prompt, s.response) for s in segments)
+            )
+        *earlier, own = (Tensor.from_numpy(lp.astype(np.float32)) for lp in scored_segments)
         scored = RewardEvent.model_validate(
             {
                 **dict(reward),
                 "source": rt.source,
-                "ref_logprobs": Tensor.from_numpy(logprobs.astype(np.float32)),
+                "ref_logprobs": own,
+                "earlier_ref_logprobs": tuple(earlier),
             }
         )
         try:

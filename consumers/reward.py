@@ -98,9 +98,8 @@ def turn_rewards(event: TrajectoryEvent, score: Score) -> tuple[np.ndarray | Non
     """`agent.turn_rewards`: the episode's turn rewards float32 [K] for its RewardEvent, and the
     score; a sample whose rewards do not fit its model turns fails with the reason (its group
     is dropped and replaced, as for any failed score), never a reward on the wrong token."""
-    mask = None if event.response_mask is None else event.response_mask.numpy()
     try:
-        return trajectory_turn_rewards(event.task, mask, event.response_ids.shape[0]), score
+        return trajectory_turn_rewards(event.task, event.segments()), score
     except ValueError as exc:
         return None, Score.failure(f"turn rewards: {exc}")
 

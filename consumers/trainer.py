@@ -88,7 +88,14 @@ def step_metrics(
 ) -> dict:
     """What the producer's progress line and plots need from one step (`batches` may be empty:
     a step whose every micro-batch was refused)."""
-    rewards = np.concatenate([np.zeros(0, np.float32), *(b.rewards.numpy() for b in batches)])
+    # One reward per sample: a split agent episode's segments are rows of one sample (one id,
+    # one reward; `consumers.packing`), counted once.
+    reward_of = {
+        sid: float(r)
+        for b in batches
+        for sid, r in zip(b.sample_ids, b.rewards.numpy().tolist(), strict=True)
+    }
+    rewards = np.array(list(reward_of.values()), np.float32)
     versions = np.concatenate(
         [np.zeros(0, np.int32), *(b.versions.numpy()[b.loss_mask.numpy() == 1] for b in batches)]
     )
@@ -101,7 +108,7 @@ def step_metrics(
         # Staleness of each token: the version being trained minus the version that made it.
         "staleness_max": int(step - versions.min()) if versions.size else 0,
         "staleness_hist": np.bincount(step - versions).tolist() if versions.size else [],
-        "sample_ids": [sid for b in batches for sid in b.sample_ids],
+        "sample_ids": list(reward_of),
         # Not the engine's "step" (the float count *after* the step): it overwrote the index
         # above, so the KV key read `metrics.0.1.0` for step 0 and every reader was off by one.
         **{name: value for name, value in trained.items() if name != "step"},
@@ -128,7 +135,7 @@ def step_metrics(
 def record_step(step: int, batches: list[BatchEvent], seconds: float) -> None:
     """OpenTelemetry metrics of one step: its duration, its samples, and each sample's staleness."""
     TRAIN_STEP_SECONDS.record(seconds)
-    count_samples("trainer", "trained", sum(len(b.sample_ids) for b in batches))
+    count_samples("trainer", "trained", len({sid for b in batches for sid in b.sample_ids}))
     for b in batches:
         # A sample's staleness: the step minus the oldest version among its loss tokens.
         oldest = np.where(b.loss_mask.numpy() == 1, b.versions.numpy(), step).min(axis=1)

@@ -92,8 +92,13 @@ async def audit(
         if metrics_of(k) is not None
     ]
     trainer_ids = {sid for record in step_records for sid in record.get("sample_ids", [])}
-    batched = Counter(sid for b in batches for sid in b.sample_ids)
-    recorded = Counter(sid for record in step_records for sid in record.get("sample_ids", []))
+    # Per step, each sample once: a split agent episode is a row per segment, all with its id
+    # (`consumers.packing`), so a step holds its id more than once; a repeat is a second step.
+    in_step: dict[int, set[str]] = {}
+    for b in batches:
+        in_step.setdefault(b.step, set()).update(b.sample_ids)
+    batched = Counter(sid for ids in in_step.values() for sid in ids)
+    recorded = Counter(sid for record in step_records for sid in set(record.get("sample_ids", [])))
     trained = batched | recorded  # per sample, the larger count: a repeat in either shows
     trained_prompts = {sid.rsplit("/", 1)[0] for sid in trained}
     # Staleness of the trained tokens from the records' histograms (step - version per loss

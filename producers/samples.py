@@ -82,6 +82,9 @@ def group_line(
                 "tokens": len(ids),
                 # An episode's tool results and turn headers: in `tokens`, never trained.
                 "environment_tokens": int(len(ids) - trained.sum()),
+                # An agent episode split where its template stopped extending its tokens: its
+                # samples, each trained (`text` and `tokens` are its last one's).
+                "segments": len(t.earlier) + 1,
                 "version": version,
                 "staleness": None if step is None or version is None else step - version,
             }

@@ -9,6 +9,7 @@ from schemas.events import (
     SamplingParams,
     TrajectoryEvent,
 )
+from schemas.segment import Segment
 from schemas.tensor import Tensor
 from schemas.weight_event import TensorSpec, WeightVersionEvent
 
@@ -19,6 +20,7 @@ __all__ = [
     "PromptEvent",
     "RewardEvent",
     "SamplingParams",
+    "Segment",
     "Tensor",
     "TensorSpec",
     "TrajectoryEvent",

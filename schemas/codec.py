@@ -67,6 +67,16 @@ def trajectory_v1(fields: dict[str, Any]) -> dict[str, Any]:
     return {**fields, "response_mask": None}
 
 
+@register_upgrade(TrajectoryEvent.TYPE, 2)
+def trajectory_v2(fields: dict[str, Any]) -> dict[str, Any]:
+    """Version 3 added `earlier` (an episode's samples before its last): a version-2 trajectory
+    is one sample. A version-2 map that names them is no version 2: refused, not read as a
+    version 3."""
+    if "earlier" in fields:
+        raise DecodeError(f"{TrajectoryEvent.TYPE} schema_version 2 has no earlier segments")
+    return {**fields, "earlier": ()}
+
+
 @register_upgrade(RewardEvent.TYPE, 1)
 def reward_v1(fields: dict[str, Any]) -> dict[str, Any]:
     """Version 2 holds a version-2 trajectory: the nested version-1 one is upgraded with it (a
@@ -104,6 +114,22 @@ def batch_v2(fields: dict[str, Any]) -> dict[str, Any]:
     if "solved_rate" in fields:
         raise DecodeError(f"{BatchEvent.TYPE} schema_version 2 has no solved_rate")
     return {**fields, "solved_rate": None}
+
+
+@register_upgrade(RewardEvent.TYPE, 3)
+def reward_v3(fields: dict[str, Any]) -> dict[str, Any]:
+    """Version 4 holds a version-3 trajectory (the nested version-2 one is upgraded with it) and
+    added `earlier_ref_logprobs` (none: a version-3 trajectory has no earlier segments). A
+    version-3 map that names them is no version 3: refused, not read as a version 4."""
+    if "earlier_ref_logprobs" in fields:
+        raise DecodeError(f"{RewardEvent.TYPE} schema_version 3 has no earlier_ref_logprobs")
+    fields = {**fields, "earlier_ref_logprobs": ()}
+    nested = fields.get("trajectory")
+    if not isinstance(nested, dict) or type(nested.get("schema_version")) is not int:
+        return fields  # not a trajectory: left for validation to refuse
+    if nested["schema_version"] != 2:
+        return fields
+    return {**fields, "trajectory": {**trajectory_v2(nested), "schema_version": 3}}
 
 
 def _fields(value: object) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from schemas.array_checks import (
     non_negative,
     vectors,
 )
+from schemas.segment import Segment, SegmentArrays, masked_tokens
 from schemas.tensor import Tensor
 from schemas.turn_rewards import check_token_rewards, check_turn_rewards
 
@@ -129,14 +130,20 @@ class TrajectoryEvent(Event):
     told apart by `response_mask`. Which tokens count is decided here once, for every reader:
     `trained_mask` and `trained_versions`.
 
+    An episode whose render stopped extending its tokens left earlier samples: they travel in
+    `earlier` (`schemas.segment`), and the fields below are its last sample. Every sample is
+    trained: `segments` lists them all for every reader.
+
     Version 2 added `response_mask`; a version-1 event reads as one with no mask (every token
-    the model's), through the upgrade in `schemas.codec`.
+    the model's), through the upgrade in `schemas.codec`. Version 3 added `earlier`: a version-2
+    reader would train the last sample alone, so it refuses the event by its version; a
+    version-2 event reads as one with none.
     """
 
     TYPE: ClassVar[str] = "jetrl.trajectory"
-    VERSION: ClassVar[int] = 2
+    VERSION: ClassVar[int] = 3
     type: Literal["jetrl.trajectory"] = "jetrl.trajectory"
-    schema_version: Literal[2] = 2
+    schema_version: Literal[3] = 3
 
     prompt_id: str
     """Id of the PromptEvent; also the group id."""
@@ -167,18 +174,39 @@ class TrajectoryEvent(Event):
     environment or the chat template put it (a tool result, the next turn's header: not trained).
     At a 0 the token's `logprobs` is 0.0 and its `versions` -1 (not generated). None: every
     response token is the model's (one turn)."""
+    earlier: tuple[Segment, ...] = ()
+    """An agent episode's samples before its last one (its render stopped extending the tokens
+    so far: a template that drops earlier reasoning), in order; each is trained as its own row
+    with the episode's advantage. Empty: the trajectory is one sample."""
+
+    def segments(self) -> list[SegmentArrays]:
+        """Every sample of the trajectory, in order: the `earlier` ones, then its own."""
+        own = SegmentArrays(
+            self.prompt_ids.numpy(),
+            self.response_ids.numpy(),
+            self.logprobs.numpy(),
+            self.versions.numpy(),
+            None if self.response_mask is None else self.response_mask.numpy(),
+        )
+        return [*(SegmentArrays.of(s) for s in self.earlier), own]
 
     def trained_mask(self) -> np.ndarray:
-        """bool [R]: True on the response tokens the model generated, those that train."""
+        """bool [R]: True on the response tokens the model generated, those that train, of the
+        trajectory's own (last) sample (`segments` has every sample's)."""
         if self.response_mask is None:
             return np.ones(self.response_ids.shape[0], dtype=bool)
         return self.response_mask.numpy() == 1
 
     def trained_versions(self) -> np.ndarray:
-        """int32 [<= R]: the weight versions of the trained tokens, the only ones a staleness
-        bound or a sample's version may count (an environment token's -1 is no version)."""
+        """int32 [N]: the weight versions of the trained tokens of every segment (`earlier`
+        first), the only ones a staleness bound or a sample's version may count (an environment
+        token's -1 is no version)."""
         versions = self.versions.numpy()
-        return versions if self.response_mask is None else versions[self.trained_mask()]
+        own = versions if self.response_mask is None else versions[self.trained_mask()]
+        if not self.earlier:
+            return own
+        earlier = [s.versions.numpy()[s.trained_mask()] for s in self.earlier]
+        return np.concatenate([*earlier, own])
 
     @model_validator(mode="after")
     def _aligned(self) -> TrajectoryEvent:
@@ -211,7 +239,7 @@ class TrajectoryEvent(Event):
             non_negative(ints)
         else:
             non_negative({"prompt_ids": self.prompt_ids, "response_ids": self.response_ids})
-            _masked_tokens(self.response_mask, self.versions.numpy(), logprobs)
+            masked_tokens(self.response_mask, self.versions.numpy(), logprobs)
         return self
 
 
@@ -230,45 +258,21 @@ def _checked_once(value: Any, handler: ValidatorFunctionWrapHandler) -> Trajecto
     return trajectory
 
 
-def _masked_tokens(mask: Tensor, versions: np.ndarray, logprobs: np.ndarray) -> None:
-    """Raise unless `mask` is uint8 0/1 aligned with the response, with at least one model token
-    (1) if the response has any, versions >= 0 at model tokens and exactly -1 at the others,
-    and log-probs exactly 0.0 at the others."""
-    values = checked_values("response_mask", mask, "uint8", 1)
-    if values.shape != versions.shape:
-        raise ValueError(f"response_mask {values.shape} must match response_ids {versions.shape}")
-    if values.size == 0:
-        return
-    if np.maximum.reduce(values) > 1:
-        raise ValueError("response_mask must be 0/1")
-    model = values.view(np.bool_)  # 0/1 bytes: the mask itself, no copy
-    if not model.any():
-        raise ValueError("response_mask has no model token (1): nothing to train")
-    # The versions' sign is the mask (>= 0 at model tokens, < 0 at the others) and none is below
-    # -1: elementwise passes over the whole response instead of a gathered copy per test.
-    if np.not_equal(versions >= 0, model).any() or np.minimum.reduce(versions) < -1:
-        if versions[model].min() < 0:
-            raise ValueError("versions must be >= 0 at model tokens (response_mask 1)")
-        raise ValueError("versions must be -1 at environment tokens (response_mask 0)")
-    # Log-probs are <= 0 (checked first): their sum off the mask is 0.0 only if each one is.
-    if np.add.reduce(logprobs, where=~model) != 0.0:
-        raise ValueError("logprobs must be 0.0 at environment tokens (response_mask 0)")
-
-
 class RewardEvent(Event):
     """A scored trajectory. A failed score still travels, so the group can be accounted for.
 
     Version 2 carries a version-2 trajectory (which may hold a `response_mask`): a version-1
     reader must refuse it by its version, not fail on the nested one. Version 3 added
     `turn_rewards`: a reader that dropped them would train the episode without its per-turn
-    credit, so an older reader refuses it by its version. `schemas.codec` upgrades a version-1
-    or -2 event (no turn rewards), its trajectory with it.
+    credit, so an older reader refuses it by its version. Version 4 carries a version-3
+    trajectory (which may hold `earlier` segments) and added `earlier_ref_logprobs`.
+    `schemas.codec` upgrades an older event, its trajectory with it.
     """
 
     TYPE: ClassVar[str] = "jetrl.reward"
-    VERSION: ClassVar[int] = 3
+    VERSION: ClassVar[int] = 4
     type: Literal["jetrl.reward"] = "jetrl.reward"
-    schema_version: Literal[3] = 3
+    schema_version: Literal[4] = 4
 
     trajectory: Annotated[TrajectoryEvent, WrapValidator(_checked_once)]
     """The trajectory that was scored."""
@@ -290,16 +294,41 @@ class RewardEvent(Event):
     """With `agent.turn_rewards`: float32 [K], the environment's reward for each model turn of
     the response, in order (K: the runs of 1s in the trajectory's `response_mask`), 0 for a turn
     that ended the episode or was answered by tools; `reward` stays the outcome. The buffer puts
-    reward k on the last token of turn k (`schemas.turn_rewards`). None: the outcome alone."""
+    reward k on the last token of turn k (`schemas.turn_rewards`). None: the outcome alone.
+    A trajectory with `earlier` segments: K counts the model turns of every segment, in order
+    (the earlier segments' first)."""
+    earlier_ref_logprobs: tuple[Tensor, ...] = ()
+    """With `ref_logprobs`: float32 [R_i] for each of the trajectory's `earlier` segments, as
+    `ref_logprobs` for its own response; empty when it has none, or without the reference."""
+
+    def ref_segments(self) -> list[np.ndarray] | None:
+        """float32 [R_i] reference log-probs of each of `trajectory.segments()`; None: none."""
+        if self.ref_logprobs is None:
+            return None
+        return [*(t.numpy() for t in self.earlier_ref_logprobs), self.ref_logprobs.numpy()]
 
     @model_validator(mode="after")
     def _same_id(self) -> RewardEvent:
         if self.id != self.trajectory.id:
             raise ValueError(f"id {self.id!r} must be its trajectory's id {self.trajectory.id!r}")
+        t = self.trajectory
         if self.turn_rewards is not None:
-            t = self.trajectory
-            mask = None if t.response_mask is None else t.response_mask.numpy()
-            check_turn_rewards(self.turn_rewards, mask, t.response_ids.shape[0])
+            check_turn_rewards(self.turn_rewards, t.segments())
+        if self.ref_logprobs is None and self.earlier_ref_logprobs:
+            raise ValueError("earlier_ref_logprobs without ref_logprobs")
+        if self.ref_logprobs is not None and len(self.earlier_ref_logprobs) != len(t.earlier):
+            raise ValueError(
+                f"{len(self.earlier_ref_logprobs)} earlier_ref_logprobs for "
+                f"{len(t.earlier)} earlier segments"
+            )
+        pairs = zip(self.earlier_ref_logprobs, t.earlier, strict=False)  # as many, or none scored
+        for i, (scored, segment) in enumerate(pairs):
+            name = f"earlier_ref_logprobs[{i}]"
+            log_probs(name, checked_values(name, scored, "float32", 1))
+            if scored.shape != segment.response_ids.shape:
+                raise ValueError(
+                    f"{name} {scored.shape} must match its segment's {segment.response_ids.shape}"
+                )
         if self.ref_logprobs is not None:
             ref = checked_values("ref_logprobs", self.ref_logprobs, "float32", 1)
             if self.ref_logprobs.shape != self.trajectory.response_ids.shape:

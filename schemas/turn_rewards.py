@@ -7,10 +7,12 @@ turn it answered; a turn answered by tools, and the turn the ending step answere
 ending step's reward is the outcome: it reaches the last token as the trajectory's reward, once,
 so nothing is counted twice). The flow, and the one decision each stage takes:
 
-    rollout   per model turn of the stored sample: turn_rewards [K] in task["episode"]
-    reward    RewardEvent.turn_rewards float32 [K], K = the model turns in the response mask
-    buffer    `place`: reward k on the LAST token of model turn k -> BatchEvent.token_rewards
-              float32 [B, T], 0 elsewhere (always on the loss mask)
+    rollout   per model turn of the episode: turn_rewards [K] in task["episode"]
+    reward    RewardEvent.turn_rewards float32 [K], K = the model turns in the response masks
+              of every segment of the trajectory (`TrajectoryEvent.segments`, in order)
+    buffer    `place_segments`: reward k on the LAST token of model turn k, in the row of the
+              segment that holds the turn -> BatchEvent.token_rewards float32 [B, T], 0
+              elsewhere (always on the loss mask)
     trainer   GAE's per-token rewards = outcome on the last loss token + token_rewards
 
 Model turn k of a response is the k-th run of 1s in its `response_mask`: `EpisodeTokens`
@@ -31,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from schemas.array_checks import checked_values, finite
+from schemas.segment import SegmentArrays
 from schemas.tensor import Tensor
 
 
@@ -64,17 +67,34 @@ def place(turn_rewards: np.ndarray, mask: np.ndarray | None, length: int) -> np.
     return out
 
 
-def check_turn_rewards(turn_rewards: Tensor, mask: np.ndarray | None, length: int) -> None:
-    """`RewardEvent.turn_rewards`: float32 [K], finite, one per model turn of the response.
-    `mask` is the trajectory's, already checked 0/1 [R] by its own validator: the turns are
-    counted (the ends of its runs of 1s), without `place`'s array of R floats."""
+def model_turns(mask: np.ndarray | None, length: int) -> int:
+    """The model turns of a response of `length` tokens: the runs of 1s in `mask` (0/1 [R],
+    already checked by the trajectory's validator), counted without `place`'s R floats."""
+    if mask is None:
+        return 1 if length else 0
+    # a run of 1s ends where a 1 is followed by a 0, or at the last token
+    return int(np.count_nonzero(mask[:-1] > mask[1:])) + int(length > 0 and mask[-1] == 1)
+
+
+def check_turn_rewards(turn_rewards: Tensor, segments: Sequence[SegmentArrays]) -> None:
+    """`RewardEvent.turn_rewards`: float32 [K], finite, one per model turn of the trajectory's
+    segments (`TrajectoryEvent.segments`: its earlier samples' turns first)."""
     values = checked_values("turn_rewards", turn_rewards, "float32", 1)
     finite("turn_rewards", values)
-    if mask is None:
-        turns = 1 if length else 0
-    else:  # a run of 1s ends where a 1 is followed by a 0, or at the last token
-        turns = int(np.count_nonzero(mask[:-1] > mask[1:])) + int(length > 0 and mask[-1] == 1)
-    _one_per_turn(values, turns)
+    _one_per_turn(values, sum(model_turns(s.mask, s.response.shape[0]) for s in segments))
+
+
+def place_segments(turn_rewards: np.ndarray, segments: Sequence[SegmentArrays]) -> list[np.ndarray]:
+    """float32 [R_i] per segment: `place` of the segment's own turns' rewards, taken from
+    `turn_rewards` (float [K], every segment's turns in order). ValueError when K is not the
+    trajectory's model turns."""
+    counts = [model_turns(s.mask, s.response.shape[0]) for s in segments]
+    _one_per_turn(turn_rewards, sum(counts))
+    starts = np.cumsum([0, *counts])
+    return [
+        place(turn_rewards[starts[i] : starts[i + 1]], s.mask, s.response.shape[0])
+        for i, s in enumerate(segments)
+    ]
 
 
 def check_token_rewards(token_rewards: Tensor, off_loss: np.ndarray) -> None:
@@ -92,10 +112,10 @@ def check_token_rewards(token_rewards: Tensor, off_loss: np.ndarray) -> None:
 
 
 def sample_turn_rewards(episode_turns: Sequence[float], sample_turns: int) -> list[float]:
-    """The turn rewards of an episode's stored sample: its LAST `sample_turns` model turns (an
-    episode whose render stopped extending its tokens stores its last sample only). Turns with
-    no reward recorded (an episode resumed from a record written before the option existed)
-    get 0: no credit, never a reward moved onto another turn."""
+    """The turn rewards of an episode's stored samples: its LAST `sample_turns` model turns
+    (every sample of an episode is stored, so these are all its turns). Turns with no reward
+    recorded (an episode resumed from a record written before the option existed) get 0: no
+    credit, never a reward moved onto another turn."""
     known = [float(r) for r in episode_turns[max(0, len(episode_turns) - sample_turns) :]]
     return [0.0] * (sample_turns - len(known)) + known
 
@@ -111,12 +131,12 @@ def from_task(task: dict[str, Any]) -> np.ndarray | None:
 
 
 def trajectory_turn_rewards(
-    task: dict[str, Any], mask: np.ndarray | None, length: int
+    task: dict[str, Any], segments: Sequence[SegmentArrays]
 ) -> np.ndarray | None:
-    """float32 [K]: a trajectory's turn rewards (`from_task`), checked against its response
-    (`place`); None when it has none. ValueError naming the mismatch otherwise."""
+    """float32 [K]: a trajectory's turn rewards (`from_task`), checked against its segments'
+    model turns (`place_segments`); None when it has none. ValueError naming the mismatch."""
     rewards = from_task(task)
     if rewards is not None:
         finite("turn_rewards", rewards)
-        place(rewards, mask, length)
+        place_segments(rewards, segments)
     return rewards

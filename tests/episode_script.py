@@ -40,6 +40,8 @@ def call(name: str, arguments: str = "{}") -> str:
 
 DURABLE = "What is 17 plus 25? Check your answer."
 ASK = "What is 17 plus 25? Ask the calculator."
+THINK = "What is 17 plus 25? Think first."
+THOUGHT = "Let me think about it: seventeen and twenty five make forty two."
 SCRIPT = {
     # the user's question -> the model's turns, in order
     DURABLE: [
@@ -57,6 +59,8 @@ SCRIPT = {
     "segfault": [call("segfault")],
     "big_result": [call("big_result")],
     "ramble": ["the calculator says 42", "so the answer is 42 " * 20],
+    # A reasoning turn: a template that strips earlier `<think>` splits the episode after it.
+    THINK: [f"<think>{THOUGHT}</think>\nI think it is 42", "the calculator says 42"],
 }
 
 

@@ -18,6 +18,7 @@ from schemas import (
     PromptEvent,
     RewardEvent,
     SamplingParams,
+    Segment,
     Tensor,
     TensorSpec,
     TrajectoryEvent,
@@ -73,6 +74,16 @@ def golden() -> dict[str, Event]:
         timings={"generate": 0.5},
         response_mask=Tensor.from_numpy(np.array([1, 1, 0, 0, 1], dtype=np.uint8)),
     )
+    # An episode whose template dropped its earlier reasoning: one earlier segment (a model
+    # turn, a tool result, a model turn), then its last sample (the fields of `episode`).
+    earlier = Segment(
+        prompt_ids=_i32(1, 5),
+        response_ids=_i32(11, 12, 6, 13),
+        logprobs=Tensor.from_numpy(np.array([-0.25, -0.75, 0.0, -2.0], dtype=np.float32)),
+        versions=_i32(2, 2, -1, 3),
+        response_mask=Tensor.from_numpy(np.array([1, 1, 0, 1], dtype=np.uint8)),
+    )
+    split = episode.model_copy(update={"earlier": (earlier,)})
     b, t = 2, 4
     batch = BatchEvent(
         id="g/step/4/0/0",
@@ -145,6 +156,25 @@ def golden() -> dict[str, Event]:
             reward=1.0,
             components={"exact": 1.0},
             turn_rewards=Tensor.from_numpy(np.array([0.25, 0.0], dtype=np.float32)),
+        ),
+        "trajectory.v3": split,
+        # The split episode scored by the reference stage, with a reward per model turn: two
+        # in the earlier segment, then the last sample's two.
+        "reward.v4": RewardEvent(
+            id=split.id,
+            run="g",
+            time=T0,
+            source="host:1:reference",
+            trajectory=split,
+            reward=1.0,
+            components={"exact": 1.0},
+            ref_logprobs=Tensor.from_numpy(
+                np.array([-0.25, -1.0, -3.5, -0.75, -0.125], dtype=np.float32)
+            ),
+            earlier_ref_logprobs=(
+                Tensor.from_numpy(np.array([-0.5, -0.5, -4.0, -1.5], dtype=np.float32)),
+            ),
+            turn_rewards=Tensor.from_numpy(np.array([0.5, 0.0, 0.25, 0.0], dtype=np.float32)),
         ),
         "batch.v2": batch.model_copy(
             update={

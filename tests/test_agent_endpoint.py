@@ -111,7 +111,18 @@ def test_an_agent_that_rewrites_its_history_gets_a_new_sample_not_a_misaligned_o
     for t in trajectories:
         episode = t.task["episode"]
         assert (episode["samples"], episode["turns"], episode["reward"]) == (2, 2, 1.0)
-        # The stored (last) sample starts from the edited history and holds the second turn.
+        # The last sample starts from the edited history and holds the second turn.
         assert t.prompt_ids.numpy().tolist() == prompt
         assert t.response_ids.numpy().tolist() == second
         assert t.response_mask is not None and t.response_mask.numpy().all()
+        # The first call's sample is kept and trained: the question rendered, the first turn.
+        assert len(t.earlier) == 1, f"{len(t.earlier)} earlier segments"
+        first = t.earlier[0]
+        question = [{"role": "user", "content": ASK}]
+        assert first.prompt_ids.numpy().tolist() == tokenizer.apply_chat_template(
+            question, tools=schemas, tokenize=True, return_dict=False, add_generation_prompt=True
+        )
+        assert first.response_ids.numpy().tolist() == [
+            *tokenizer.encode(SCRIPT[ASK][0], add_special_tokens=False),
+            tokenizer.eos_token_id,
+        ]

@@ -90,13 +90,18 @@ def test_version_1_events_upgrade_to_version_2_with_no_mask() -> None:
     """The v1 goldens (bytes v1 wrote) decode as v2: the trajectory with no mask, the reward with
     its nested trajectory upgraded too; and they mean what they meant, every token trained."""
     trajectory = decode((GOLDEN / "trajectory.v1.msgpack").read_bytes(), TrajectoryEvent)
-    assert (trajectory.schema_version, trajectory.response_mask) == (2, None)
+    # (and on to version 3, the trajectory's current: no earlier segments)
+    assert (trajectory.schema_version, trajectory.response_mask, trajectory.earlier) == (
+        3,
+        None,
+        (),
+    )
     assert trajectory.trained_versions().tolist() == [3, 3, 4]
     reward = decode((GOLDEN / "reward.v1.msgpack").read_bytes(), RewardEvent)
-    # (and on to version 3, the reward's current: no turn rewards)
-    assert (reward.schema_version, reward.turn_rewards) == (3, None)
+    # (and on to version 4, the reward's current: no turn rewards)
+    assert (reward.schema_version, reward.turn_rewards) == (4, None)
     assert reward.trajectory == trajectory
-    assert msgpack.unpackb(encode(reward))["trajectory"]["schema_version"] == 2
+    assert msgpack.unpackb(encode(reward))["trajectory"]["schema_version"] == 3
     # A version-1 reward whose trajectory is broken still fails as the trajectory's problem.
     old = msgpack.unpackb((GOLDEN / "reward.v1.msgpack").read_bytes())
     with pytest.raises(DecodeError, match="trajectory"):
@@ -120,7 +125,7 @@ def test_reference_log_probs_at_environment_tokens_are_free() -> None:
 
 def test_packing_makes_the_mask_the_loss_mask_over_the_response() -> None:
     reward = golden_reward("reward.v2")
-    mb = arrays([Row.of(reward, 0.5, "")])
+    mb = arrays(Row.all_of(reward, 0.5, ""))
     # Three prompt tokens, then the response's mask.
     assert mb.loss_mask.tolist() == [[0, 0, 0, *MASK]]
     assert mb.attention_mask.tolist() == [[1] * 8]
@@ -150,7 +155,7 @@ def test_packing_makes_the_mask_the_loss_mask_over_the_response() -> None:
 
 
 def test_a_trajectory_without_a_mask_packs_as_before() -> None:
-    mb = arrays([Row.of(golden_reward("reward.v1"), 0.5, "")])
+    mb = arrays(Row.all_of(golden_reward("reward.v1"), 0.5, ""))
     assert mb.loss_mask.tolist() == [[0, 0, 0, 1, 1, 1]]
     assert mb.versions.tolist() == [[-1, -1, -1, 3, 3, 4]]
 
@@ -173,3 +178,42 @@ def test_the_kl_in_the_reward_counts_only_trained_tokens() -> None:
     assert kl[0, 2].item() == 0.0 and kl[0, 3].item() == 0.0
     # At a trained token it is k3 of the behaviour and reference log-probs.
     assert kl[0, 0].item() == pytest.approx(np.exp(-0.25 + 0.5) - 1 - (-0.25 + 0.5))
+
+
+def test_version_2_trajectories_read_as_one_segment_and_version_3_split_ones_keep_theirs() -> None:
+    """The trajectory.v2 golden (bytes version 2 wrote) reads as a version 3 with no earlier
+    segment, and the reward.v3 golden as a version 4 without earlier reference log-probs; the
+    trajectory.v3 golden reads back with its earlier segment, whose version counts."""
+    trajectory = decode((GOLDEN / "trajectory.v2.msgpack").read_bytes(), TrajectoryEvent)
+    assert (trajectory.schema_version, trajectory.earlier) == (3, ())
+    assert len(trajectory.segments()) == 1
+    reward = decode((GOLDEN / "reward.v3.msgpack").read_bytes(), RewardEvent)
+    assert (reward.schema_version, reward.earlier_ref_logprobs) == (4, ())
+    assert reward.trajectory == trajectory
+    split = decode((GOLDEN / "trajectory.v3.msgpack").read_bytes(), TrajectoryEvent)
+    (earlier,) = split.earlier
+    assert earlier.response_mask.numpy().tolist() == [1, 1, 0, 1]
+    assert split.trained_versions().tolist() == [2, 2, 3, 3, 3, 4]
+    # A version-2 map naming earlier segments is not read as a version 3.
+    old = episode_map()
+    split_map = msgpack.unpackb(encode(split))
+    with pytest.raises(DecodeError, match="schema_version 2 has no earlier segments"):
+        decode(msgpack.packb({**old, "earlier": split_map["earlier"]}), TrajectoryEvent)
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"response_mask": wire([1, 1, 0], "uint8")}, "response_mask (3,) must match"),
+        ({"versions": wire([2, 2, 5, 3], "int32")}, "versions must be -1 at environment"),
+        ({"response_ids": wire([], "int32"), "logprobs": wire([], "float32")}, "must be equal"),
+        ({"prompt_ids": wire([], "int32")}, "an earlier segment needs a prompt and a response"),
+    ],
+)
+def test_an_earlier_segment_that_breaks_the_convention_is_refused(
+    change: dict[str, Any], reason: str
+) -> None:
+    fields = msgpack.unpackb((GOLDEN / "trajectory.v3.msgpack").read_bytes())
+    fields["earlier"] = [{**fields["earlier"][0], **change}]
+    with pytest.raises(DecodeError, match=reason.replace("(", r"\(").replace(")", r"\)")):
+        decode(msgpack.packb(fields), TrajectoryEvent)

@@ -203,7 +203,7 @@ def test_golden_turn_rewards_decode_and_older_events_read_as_having_none() -> No
     assert batch.token_rewards.numpy().tolist() == [[0, 0, 0, 0.5], [0, -0.25, 0, 0]]
     for name in ("reward.v1", "reward.v2"):
         old = decode((GOLDEN / f"{name}.msgpack").read_bytes(), RewardEvent)
-        assert (old.schema_version, old.turn_rewards) == (3, None)
+        assert (old.schema_version, old.turn_rewards) == (RewardEvent.VERSION, None)
     old_batch = decode((GOLDEN / "batch.v1.msgpack").read_bytes(), BatchEvent)
     assert (old_batch.schema_version, old_batch.token_rewards) == (3, None)
     # An older version's map that names the new field is no such version: refused.
