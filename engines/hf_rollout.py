@@ -77,15 +77,17 @@ class HFRolloutEngine:
     def release_memory(self) -> None:
         """Weights and buffers off the device and freed (see the module doc); no generation
         until `resume_memory`. Releasing a released engine does nothing."""
-        self.offload.release()
+        with self.deferred.lock:
+            self.offload.release()
 
     def resume_memory(self) -> None:
         """Weights back on the device, then the ones loaded meanwhile loaded and read back
         (`WeightsNotLoaded` when they do not: the engine may hold a mix of versions)."""
-        self.offload.resume()
-        deferred = self.deferred.take()
-        if deferred is not None:
-            self.load_state_dict(*deferred)
+        with self.deferred.lock:
+            self.offload.resume()
+            deferred = self.deferred.take()
+            if deferred is not None:
+                self.load_state_dict(*deferred)
 
     def check_held(self, what: str) -> None:
         """Refuse `what` on an engine whose weights are off the device."""
@@ -104,6 +106,10 @@ class HFRolloutEngine:
         defaults to the current one plus 1. While the memory is released the tensors are kept
         and loaded on `resume_memory` (`version` is set now: nothing generates before then).
         """
+        with self.deferred.lock:  # not while the memory is being released or resumed
+            self.load_held_or_defer(tensors, version)
+
+    def load_held_or_defer(self, tensors: dict[str, torch.Tensor], version: int | None) -> None:
         params = dict(self.model.named_parameters())
         unknown = sorted(set(tensors) - set(params))
         if unknown:

@@ -36,16 +36,23 @@ import ctypes
 import ctypes.util
 import io
 import tempfile
+import threading
 
 import torch
 
 
 class Deferred:
-    """Weights loaded while the engine's memory is released, to load on resume."""
+    """Weights loaded while the engine's memory is released, to load on resume, and the lock
+    the engine holds around its release, its resume and every load: the rollout worker loads
+    a version from its weights watcher's thread while the phase's thread may be releasing or
+    resuming (`consumers.rollout_copies.load` beside `consumers.colocation.Phases.leave`); a
+    load that saw the memory held and wrote after it was freed would fault."""
 
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
         self.version: int | None = None
+        self.lock = threading.RLock()
+        """Re-entrant: `resume_memory` loads the deferred tensors through `load_state_dict`."""
 
     def add(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """Keep `tensors` (host tensors the caller no longer changes) of `version`."""

@@ -256,20 +256,22 @@ class SGLangRolloutEngine:
     def release_memory(self) -> None:
         """``release_memory_occupation()``: weights, KV cache (and CUDA graphs) freed. Twice:
         nothing."""
-        if not self.released:
-            self.thread.call(self.engine.release_memory_occupation)
-            self.released = True
+        with self.deferred.lock:
+            if not self.released:
+                self.thread.call(self.engine.release_memory_occupation)
+                self.released = True
 
     def resume_memory(self) -> None:
         """``resume_memory_occupation()``, then the weights that arrived meanwhile, loaded and
         checked."""
-        if not self.released:
-            return
-        self.thread.call(self.engine.resume_memory_occupation)
-        self.released = False
-        deferred = self.deferred.take()
-        if deferred is not None:
-            self.load_state_dict(*deferred)
+        with self.deferred.lock:
+            if not self.released:
+                return
+            self.thread.call(self.engine.resume_memory_occupation)
+            self.released = False
+            deferred = self.deferred.take()
+            if deferred is not None:
+                self.load_state_dict(*deferred)
 
     def check_held(self, what: str) -> None:
         """Refuse `what` on an engine whose memory is released."""
@@ -302,11 +304,12 @@ class SGLangRolloutEngine:
         pairs = named_weights(tensors, self.model, self.dtype)
         version = self.version + 1 if version is None else version
         self.received = {}
-        if self.released:
-            self.deferred.add(tensors, version)
-        else:
-            self.thread.call(load_weights, self.engine, pairs, self.bucket_bytes)
-        self.version = version
+        with self.deferred.lock:  # not while the memory is being released or resumed
+            if self.released:
+                self.deferred.add(tensors, version)
+            else:
+                self.thread.call(load_weights, self.engine, pairs, self.bucket_bytes)
+            self.version = version
 
     @property
     def weight_ranks(self) -> int:

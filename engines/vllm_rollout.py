@@ -294,11 +294,12 @@ class VLLMRolloutEngine:
         generates before then)."""
         weights = named_weights(tensors, self.model, self.dtype)
         version = self.version + 1 if version is None else version
-        if self.asleep:
-            self.deferred.add(tensors, version)
-        else:
-            load_weights(self.llm, weights, self.bucket_bytes)
-        self.version = version
+        with self.deferred.lock:  # not while the engine falls asleep or wakes
+            if self.asleep:
+                self.deferred.add(tensors, version)
+            else:
+                load_weights(self.llm, weights, self.bucket_bytes)
+            self.version = version
 
     def device_bytes(self) -> int:
         """The weights' bytes (the model's parameters in the engine's dtype) while awake, 0
@@ -307,16 +308,18 @@ class VLLMRolloutEngine:
 
     def release_memory(self) -> None:
         """``sleep(level=1)``: weights to host memory, KV cache dropped. Twice: nothing."""
-        if not self.asleep:
-            self.llm.sleep(level=1)
-            self.asleep = True
+        with self.deferred.lock:
+            if not self.asleep:
+                self.llm.sleep(level=1)
+                self.asleep = True
 
     def resume_memory(self) -> None:
         """``wake_up()``, then the weights that arrived meanwhile, loaded and checked."""
-        if not self.asleep:
-            return
-        self.llm.wake_up()
-        self.asleep = False
-        deferred = self.deferred.take()
-        if deferred is not None:
-            self.load_state_dict(*deferred)
+        with self.deferred.lock:
+            if not self.asleep:
+                return
+            self.llm.wake_up()
+            self.asleep = False
+            deferred = self.deferred.take()
+            if deferred is not None:
+                self.load_state_dict(*deferred)

@@ -8,11 +8,18 @@ it must be lower by about the weights' bytes than in the rollout's. The phases a
 ones (`consumers.colocation.Phases` on a `bus.lease.Lease`, a real nats-server); the engine
 is a real HF Qwen2 of ~60 MiB of float32 weights, large enough to stand above the noise of
 the allocator and the other threads of the test process.
+
+The weights watcher loads from its own thread while the phase's thread releases and resumes:
+a race between the two, run in a child process (`tests.release_race`), must lose no load and
+never fault.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -141,3 +148,22 @@ def test_a_load_while_released_refuses_unknown_names_at_once(model_dir: Path) ->
     engine.resume_memory()
     engine.resume_memory()  # twice: nothing more
     assert engine.device_bytes() > 0 and engine.generate([[1, 2]], 2, GREEDY)
+
+
+def test_loads_from_another_thread_never_meet_a_release_halfway(model_dir: Path) -> None:
+    """The rollout worker loads each version from its weights watcher's thread while the
+    phase's thread may be releasing or resuming the engine: every load must land whole, held
+    or deferred, never into storages being freed (which faults: hence a child process, whose
+    death by a signal fails the test by name)."""
+    loads = 100
+    child = subprocess.run(
+        [sys.executable, "-m", "tests.release_race", str(model_dir), str(loads)],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert child.returncode == 0, (child.returncode, child.stderr[-1500:])
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    assert result == {"version": loads, "loaded": True}, result
