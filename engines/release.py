@@ -3,9 +3,9 @@ the weights that arrive meanwhile. Used by the real engines' `ReleasableEngine` 
 
     release_memory: the engine's own call (vLLM ``sleep(level=1)``, SGLang
         ``release_memory_occupation``, HF: `Offload.release`) -> released
-    load_state_dict while released: the names checked at once (KeyError), the tensors kept
-        on the host in `Deferred` (a later version's tensor replaces an earlier one's of the
-        same name), `version` taken
+    load_state_dict while released: the names checked at once (KeyError), the tensors copied
+        and kept on the host in `Deferred` (a later version's tensor replaces an earlier one's
+        of the same name), `version` taken
     resume_memory: the engine's own call (``wake_up``, ``resume_memory_occupation``,
         `Offload.resume`) -> the deferred tensors loaded as one load and read back
         (`WeightsNotLoaded` raised from `resume_memory` when they do not read back)
@@ -55,8 +55,11 @@ class Deferred:
         """Re-entrant: `resume_memory` loads the deferred tensors through `load_state_dict`."""
 
     def add(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Keep `tensors` (host tensors the caller no longer changes) of `version`."""
-        self.tensors.update(tensors)
+        """Keep a copy of `tensors` (host tensors) of `version`. A copy: the caller's may change
+        after the call (the weights receiver brings a delta chain's tensors to the next version
+        in place, `engines.weight_delta.apply_delta`), and a resume must load this version's
+        bytes. It costs host memory for the changed tensors while the engine is released."""
+        self.tensors.update({name: tensor.clone() for name, tensor in tensors.items()})
         self.version = version
 
     def take(self) -> tuple[dict[str, torch.Tensor], int] | None:

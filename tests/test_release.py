@@ -138,6 +138,21 @@ async def cycles(
     return measured
 
 
+def test_a_load_while_released_keeps_the_bytes_it_was_given(model_dir: Path) -> None:
+    """The weights receiver changes a delta chain's tensors in place for the next version once
+    a load returns: what a released engine loads on resume is the bytes of the version it was
+    given, not what the caller's tensors hold by then."""
+    engine = HFRolloutEngine(model_dir)
+    name = "model.norm.weight"
+    sent = torch.full_like(dict(engine.model.named_parameters())[name], 0.5)
+    engine.release_memory()
+    engine.load_state_dict({name: sent}, version=1)
+    sent.add_(1.0)  # the receiver brings its copy to v2 in place
+    engine.resume_memory()
+    held = dict(engine.model.named_parameters())[name]
+    assert torch.equal(held, torch.full_like(held, 0.5)), "loaded what the caller changed later"
+
+
 def test_a_load_while_released_refuses_unknown_names_at_once(model_dir: Path) -> None:
     engine = HFRolloutEngine(model_dir)
     engine.release_memory()
