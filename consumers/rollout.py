@@ -336,6 +336,7 @@ async def build(rt: Runtime) -> Stage[PromptEvent]:
         seed=rt.config.data.seed,
         dtype=rt.config.model.dtype,
         continuous=cfg.continuous,
+        releasable=phases is not None,
     )
     rollout = Rollout(rt, engines, AutoTokenizer.from_pretrained(model), router)
     if phases is not None:

@@ -50,11 +50,19 @@ def build_rollout_engines(
     seed: int,
     dtype: DTypeName,
     continuous: bool,
+    releasable: bool = False,
 ) -> list[RolloutEngine]:
     """`copies` engines of `settings` (`rollout.engine_copies`), each its own copy of the model,
     seeded apart (`seed + i`) so that they do not draw the same samples."""
     return [
-        build_rollout_engine(settings, model, seed=seed + i, dtype=dtype, continuous=continuous)
+        build_rollout_engine(
+            settings,
+            model,
+            seed=seed + i,
+            dtype=dtype,
+            continuous=continuous,
+            releasable=releasable,
+        )
         for i in range(copies)
     ]
 
@@ -66,15 +74,20 @@ def build_rollout_engine(
     seed: int,
     dtype: DTypeName = "float32",
     continuous: bool = False,
+    releasable: bool = False,
 ) -> RolloutEngine:
     """The engine `settings` (`rollout.engine`) names, on this worker's device
     (`engines.device`) in `dtype` (`model.dtype`); the simulated one keeps the real model for
     the worker's checks only. `continuous` (`rollout.continuous`): vllm and sglang as their
-    continuous adapters (async engines, samples submitted one at a time)."""
+    continuous adapters (async engines, samples submitted one at a time). `releasable`
+    (`placement: colocated`): vllm built with sleep mode, sglang with its memory saver, which
+    their release calls need (hf and simulated can always release)."""
     if isinstance(settings, VLLMRolloutConfig):
         from engines.vllm_rollout import VLLMSettings
 
-        vllm = VLLMSettings(**settings.model_dump(exclude=CONTINUOUS_KEYS), seed=seed)
+        vllm = VLLMSettings(
+            **settings.model_dump(exclude=CONTINUOUS_KEYS), seed=seed, sleep_mode=releasable
+        )
         if continuous:
             from engines.vllm_continuous import VLLMContinuousEngine
 
@@ -85,7 +98,9 @@ def build_rollout_engine(
     if isinstance(settings, SGLangRolloutConfig):
         from engines.sglang_rollout import SGLangSettings
 
-        sglang = SGLangSettings(**settings.model_dump(exclude=CONTINUOUS_KEYS), seed=seed)
+        sglang = SGLangSettings(
+            **settings.model_dump(exclude=CONTINUOUS_KEYS), seed=seed, memory_saver=releasable
+        )
         if continuous:
             from engines.sglang_continuous import SGLangContinuousEngine
 

@@ -11,6 +11,12 @@ top-p truncation *not* renormalised into it. This is what verl and AReaL record,
 what the trainer recomputes (`TorchTrainEngine` with the same temperature), so a sample
 trained by the weights that drew it has importance ratio 1 up to float error. With
 ``temperature == 0`` (greedy, for evaluation) the log-probs are under temperature 1.
+
+Memory (`ReleasableEngine`, `placement: colocated`): `release_memory` moves every parameter
+and buffer storage off the device and frees it (`engines.release.Offload`: to host memory
+from a GPU; to a temporary file on the CPU, so that the process's resident memory drops);
+the KV cache lives only inside `generate`, so there is none to drop. Weights loaded while
+released wait on the host and load, read back, in `resume_memory` (`engines.release`).
 """
 
 from collections.abc import Mapping, Sequence
@@ -24,6 +30,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from engines.algorithms.logprobs import scaled_logits
 from engines.algorithms.losses import gather_logprobs
 from engines.protocols import Sample, SamplingParams, WeightsNotLoaded
+from engines.release import Deferred, Offload
 from engines.weights_group import Spec, bare_group, sha256_of
 
 
@@ -58,6 +65,34 @@ class HFRolloutEngine:
         """Weight-update groups joined, by name (`join_weights_group`)."""
         self.group_timeout_s = 60.0
         """How long a weight-update group's rendezvous and each broadcast may wait."""
+        self.offload = Offload(self.model)
+        """Its weights off the device between phases (`release_memory`)."""
+        self.deferred = Deferred()
+        """Weights loaded while released, loaded on `resume_memory`."""
+
+    def device_bytes(self) -> int:
+        """Bytes of the model's parameters and buffers on the device now (0 once released)."""
+        return self.offload.held_bytes()
+
+    def release_memory(self) -> None:
+        """Weights and buffers off the device and freed (see the module doc); no generation
+        until `resume_memory`. Releasing a released engine does nothing."""
+        with self.deferred.lock:
+            self.offload.release()
+
+    def resume_memory(self) -> None:
+        """Weights back on the device, then the ones loaded meanwhile loaded and read back
+        (`WeightsNotLoaded` when they do not: the engine may hold a mix of versions)."""
+        with self.deferred.lock:
+            self.offload.resume()
+            deferred = self.deferred.take()
+            if deferred is not None:
+                self.load_state_dict(*deferred)
+
+    def check_held(self, what: str) -> None:
+        """Refuse `what` on an engine whose weights are off the device."""
+        if self.offload.released:
+            raise RuntimeError(f"hf: {what} while the engine's memory is released")
 
     @torch.inference_mode()
     def load_state_dict(self, tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
@@ -68,12 +103,21 @@ class HFRolloutEngine:
         the parameters not named keep what they hold. An unknown name raises KeyError before
         anything is copied; a parameter that does not read back as its tensor (cast to the
         model's dtype) raises `WeightsNotLoaded` naming it, and `version` is not set. `version`
-        defaults to the current one plus 1.
+        defaults to the current one plus 1. While the memory is released the tensors are kept
+        and loaded on `resume_memory` (`version` is set now: nothing generates before then).
         """
+        with self.deferred.lock:  # not while the memory is being released or resumed
+            self.load_held_or_defer(tensors, version)
+
+    def load_held_or_defer(self, tensors: dict[str, torch.Tensor], version: int | None) -> None:
         params = dict(self.model.named_parameters())
         unknown = sorted(set(tensors) - set(params))
         if unknown:
             raise KeyError(f"weight names the model does not have: {unknown[:5]}")
+        if self.offload.released:
+            self.version = self.version + 1 if version is None else version
+            self.deferred.add(tensors, self.version)
+            return
         self._copy({name: params[name] for name in tensors}, tensors)
         for name, tensor in tensors.items():
             param = params[name]
@@ -112,7 +156,9 @@ class HFRolloutEngine:
         dtype and shape are the spec's, else into a tensor of the spec's, copied (cast) in
         after. Then each tensor as it arrived must match its sha256 in `checksums`, and each
         parameter must read back as it (`WeightsNotLoaded` otherwise: the caller loads the
-        stored copy whole)."""
+        stored copy whole). Refused while the memory is released (the tensors' storage is
+        gone; colocation refuses the collective transport anyway)."""
+        self.check_held("a broadcast weight load")
         group = self.groups[group_name]  # KeyError: no such group joined
         params = dict(self.model.named_parameters())
         unknown = sorted({name for name, _, _ in specs} - set(params))
@@ -163,6 +209,7 @@ class HFRolloutEngine:
         self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
     ) -> list[list[Sample]]:
         """`n` samples per prompt, grouped per prompt; see the module doc for the log-probs."""
+        self.check_held("generate")
         rows = [list(p) for p in prompts for _ in range(n)]
         if not rows or min(map(len, rows)) == 0:
             raise ValueError("need at least one non-empty prompt")

@@ -251,5 +251,8 @@ class ReleasableEngine(RolloutEngine, Protocol):
         ...
 
     def resume_memory(self) -> None:
-        """Take the device memory again, weights as they were (or as loaded meanwhile)."""
+        """Take the device memory again, weights as they were, or as loaded meanwhile: a
+        `load_state_dict` while released checks the names and takes the version at once but
+        writes nothing to the device; the tensors are loaded (and read back) here
+        (`engines.release`; `WeightsNotLoaded` when they do not read back)."""
         ...

@@ -34,6 +34,14 @@ engines inside its own running loop and calls them from `asyncio.to_thread`, so 
 built and driven on an `EngineThread` of its own. Built off the main thread, SGLang < 0.5.10
 calls ``signal.signal`` in ``_set_envs_and_config``, which Python refuses there; 0.5.10 skips it
 off the main thread (sgl-project/sglang#18752), hence the floor, for both SGLang adapters.
+
+Memory (`ReleasableEngine`, `placement: colocated`): `Engine.release_memory_occupation()`
+and `resume_memory_occupation()` (every tag: weights, KV cache and, where the release has
+it, CUDA graphs), which free and retake the device memory only on an engine built with
+``enable_memory_saver=True`` (`SGLangSettings.memory_saver`, set by `engines.build` when the
+run is colocated; without it SGLang's memory saver is a no-op and the memory stays held).
+Weights that arrive while released are loaded after the resume (`engines.release.Deferred`):
+released, the parameters' memory is unmapped. Never run on a GPU yet (docs/engines.md).
 """
 
 import os
@@ -58,6 +66,7 @@ from engines.external_rollout import (
     weight_buckets,
 )
 from engines.protocols import Sample, SamplingParams, WeightsNotLoaded
+from engines.release import Deferred, weight_bytes
 from engines.sglang_group import answered, session
 from engines.sglang_group import receive as group_receive
 from engines.weights_group import Spec
@@ -97,6 +106,8 @@ class SGLangSettings:
     dtype: str = "auto"
     seed: int = 0
     weight_bucket_bytes: int = DEFAULT_WEIGHT_BUCKET_BYTES
+    memory_saver: bool = False
+    """``enable_memory_saver``: what the release calls need (`placement: colocated`)."""
 
 
 def engine_kwargs(model_dir: Path, settings: SGLangSettings) -> dict[str, Any]:
@@ -110,6 +121,7 @@ def engine_kwargs(model_dir: Path, settings: SGLangSettings) -> dict[str, Any]:
         "context_length": settings.context_length,
         "random_seed": settings.seed,
         "skip_tokenizer_init": True,
+        "enable_memory_saver": settings.memory_saver,
     }
 
 
@@ -232,11 +244,45 @@ class SGLangRolloutEngine:
         self.thread = EngineThread("sglang-engine")  # the engine binds this thread's loop
         self.engine = self.thread.call(sglang.Engine, **engine_kwargs(model_dir, settings))
         self.version = 0
+        self.released = False
+        """Its memory given back (`release_memory`): no generation, loads deferred."""
+        self.deferred = Deferred()
+
+    def device_bytes(self) -> int:
+        """The weights' bytes (the model's parameters in the engine's dtype) while held, 0
+        released. A lower bound: the KV cache SGLang sizes at start-up is not counted."""
+        return 0 if self.released else weight_bytes(self.model, self.dtype)
+
+    def release_memory(self) -> None:
+        """``release_memory_occupation()``: weights, KV cache (and CUDA graphs) freed. Twice:
+        nothing."""
+        with self.deferred.lock:
+            if not self.released:
+                self.thread.call(self.engine.release_memory_occupation)
+                self.released = True
+
+    def resume_memory(self) -> None:
+        """``resume_memory_occupation()``, then the weights that arrived meanwhile, loaded and
+        checked."""
+        with self.deferred.lock:
+            if not self.released:
+                return
+            self.thread.call(self.engine.resume_memory_occupation)
+            self.released = False
+            deferred = self.deferred.take()
+            if deferred is not None:
+                self.load_state_dict(*deferred)
+
+    def check_held(self, what: str) -> None:
+        """Refuse `what` on an engine whose memory is released."""
+        if self.released:
+            raise RuntimeError(f"sglang: {what} while the engine's memory is released")
 
     def generate(
         self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
     ) -> list[list[Sample]]:
         """`n` samples per prompt, grouped per prompt; see the module doc for the log-probs."""
+        self.check_held("generate")
         if not prompts or min(map(len, prompts)) == 0:
             raise ValueError("need at least one non-empty prompt")
         rows = [list(p) for p in prompts for _ in range(n)]
@@ -252,11 +298,18 @@ class SGLangRolloutEngine:
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
         """Loads `tensors` (named as `TrainEngine.export_weights`; any subset of the model's)
-        into the running engine, in checked buckets (`load_weights`)."""
+        into the running engine, in checked buckets (`load_weights`). Released: names and
+        shapes checked now, the tensors loaded on `resume_memory` (`version` set now: nothing
+        generates before then)."""
         pairs = named_weights(tensors, self.model, self.dtype)
+        version = self.version + 1 if version is None else version
         self.received = {}
-        self.thread.call(load_weights, self.engine, pairs, self.bucket_bytes)
-        self.version = self.version + 1 if version is None else version
+        with self.deferred.lock:  # not while the memory is being released or resumed
+            if self.released:
+                self.deferred.add(tensors, version)
+            else:
+                self.thread.call(load_weights, self.engine, pairs, self.bucket_bytes)
+            self.version = version
 
     @property
     def weight_ranks(self) -> int:
@@ -289,7 +342,9 @@ class SGLangRolloutEngine:
         self, specs: Sequence[Spec], group_name: str, checksums: Mapping[str, str], version: int
     ) -> None:
         """SGLang's `update_weights_from_distributed` in a session, then read back
-        (`engines.sglang_group.receive`)."""
+        (`engines.sglang_group.receive`). Refused while released (colocation refuses the
+        collective transport anyway)."""
+        self.check_held("a broadcast weight load")
         previous, self.received = self.received, {}  # a failed load leaves nothing known
         self.thread.call(
             group_receive, self.engine, specs, group_name, checksums, self.bucket_bytes, previous

@@ -29,6 +29,14 @@ The loader is a plain function, which vLLM's msgpack encoder
 ``VLLM_ALLOW_INSECURE_SERIALIZATION`` is set, and which the engine-core process decodes only
 if it started with it set: `allow_function_rpc`, called by both vLLM adapters before the
 engine is built, is that rule.
+
+Memory (`ReleasableEngine`, `placement: colocated`): ``LLM.sleep(level=1)`` (weights copied
+to host memory, the KV cache dropped) and ``LLM.wake_up()`` (``vllm/entrypoints/llm.py``),
+which vLLM allows only on an engine built with ``enable_sleep_mode=True``
+(`VLLMSettings.sleep_mode`, set by `engines.build` when the run is colocated; vLLM asserts
+"Sleep mode is not enabled in the model config" otherwise). Weights that arrive while asleep
+are loaded after the wake (`engines.release.Deferred`): the sleeping engine's parameters are
+unmapped. Never run on a GPU yet (docs/engines.md).
 """
 
 import hashlib
@@ -52,6 +60,7 @@ from engines.external_rollout import (
     weight_buckets,
 )
 from engines.protocols import Sample, SamplingParams, WeightsNotLoaded
+from engines.release import Deferred, weight_bytes
 
 LOGPROBS_MODE = "processed_logprobs"
 """`LLM(logprobs_mode=...)`: log-probs after temperature (see the module doc)."""
@@ -75,6 +84,8 @@ class VLLMSettings:
     dtype: str = "auto"
     seed: int = 0
     weight_bucket_bytes: int = DEFAULT_WEIGHT_BUCKET_BYTES
+    sleep_mode: bool = False
+    """``enable_sleep_mode``: what `sleep` / `wake_up` need (`placement: colocated`)."""
 
 
 def allow_function_rpc(environ: MutableMapping[str, str] = os.environ) -> None:
@@ -108,6 +119,7 @@ def llm_kwargs(model_dir: Path, settings: VLLMSettings) -> dict[str, Any]:
         "enforce_eager": settings.enforce_eager,
         "seed": settings.seed,
         "logprobs_mode": LOGPROBS_MODE,
+        "enable_sleep_mode": settings.sleep_mode,
     }
 
 
@@ -256,11 +268,16 @@ class VLLMRolloutEngine:
         self._vllm = vllm
         self.llm = vllm.LLM(**llm_kwargs(model_dir, settings))
         self.version = 0
+        self.asleep = False
+        """Its memory given back (`release_memory`): no generation, loads deferred."""
+        self.deferred = Deferred()
 
     def generate(
         self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
     ) -> list[list[Sample]]:
         """`n` samples per prompt, grouped per prompt; see the module doc for the log-probs."""
+        if self.asleep:
+            raise RuntimeError("vllm: generate while the engine sleeps (its memory released)")
         if not prompts or min(map(len, prompts)) == 0:
             raise ValueError("need at least one non-empty prompt")
         sampling = self._vllm.SamplingParams(**sampling_kwargs(params, n, self.eos_token_ids))
@@ -272,6 +289,37 @@ class VLLMRolloutEngine:
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], version: int | None = None) -> None:
         """Loads `tensors` (named as `TrainEngine.export_weights`; any subset of the model's)
-        into the running engine, each bucket checked (`load_weights`)."""
-        load_weights(self.llm, named_weights(tensors, self.model, self.dtype), self.bucket_bytes)
-        self.version = self.version + 1 if version is None else version
+        into the running engine, each bucket checked (`load_weights`). Asleep: names and
+        shapes checked now, the tensors loaded on `resume_memory` (`version` set now: nothing
+        generates before then)."""
+        weights = named_weights(tensors, self.model, self.dtype)
+        version = self.version + 1 if version is None else version
+        with self.deferred.lock:  # not while the engine falls asleep or wakes
+            if self.asleep:
+                self.deferred.add(tensors, version)
+            else:
+                load_weights(self.llm, weights, self.bucket_bytes)
+            self.version = version
+
+    def device_bytes(self) -> int:
+        """The weights' bytes (the model's parameters in the engine's dtype) while awake, 0
+        asleep. A lower bound: the KV cache vLLM sizes at start-up is not counted."""
+        return 0 if self.asleep else weight_bytes(self.model, self.dtype)
+
+    def release_memory(self) -> None:
+        """``sleep(level=1)``: weights to host memory, KV cache dropped. Twice: nothing."""
+        with self.deferred.lock:
+            if not self.asleep:
+                self.llm.sleep(level=1)
+                self.asleep = True
+
+    def resume_memory(self) -> None:
+        """``wake_up()``, then the weights that arrived meanwhile, loaded and checked."""
+        with self.deferred.lock:
+            if not self.asleep:
+                return
+            self.llm.wake_up()
+            self.asleep = False
+            deferred = self.deferred.take()
+            if deferred is not None:
+                self.load_state_dict(*deferred)

@@ -260,9 +260,10 @@ class RunConfig(Section):
     its memory back; train and publish; the engine takes it again), verl's hybrid engine with
     `mode: sync`. With `mode: async` the next rollout still starts only once the trainer has
     released the device: generation overlaps training only across nodes (on one node the
-    bound hides the stages that need no device: reward, buffer, the gate). For now: the
-    simulated rollout engine, the torch trainer at dp_size 1, one engine copy, batch (not
-    continuous) admission, no agent (`schemas.placement`)."""
+    bound hides the stages that need no device: reward, buffer, the gate). For now: a rollout
+    engine on one device (vllm and sglang at tensor-parallel size 1; their release calls have
+    not run on a GPU yet, docs/engines.md), the torch trainer at dp_size 1, one engine copy,
+    batch (not continuous) admission, no agent (`schemas.placement`)."""
     model: ModelConfig = ModelConfig()
     """The policy model: a local or hub checkpoint, or the built-in tiny model, and its dtype."""
     data: DataConfig = DataConfig()

@@ -5,23 +5,29 @@
                 `consumers.colocation`): the engine generates, gives its memory back, the
                 trainer trains and publishes, the engine takes its memory again and loads
 
-What colocation cannot do yet is refused on load, in one line (`colocation_refusal`), so a
-run never starts a placement that would stall or share a device unguarded. This module
-knows nothing of NATS.
+Every rollout engine can give its memory back (`RELEASABLE_ENGINES`: hf, vllm, sglang and
+simulated; vLLM's and SGLang's calls have not run on a GPU yet, docs/engines.md). What
+colocation cannot do yet is refused on load, in one line (`colocation_refusal`), so a run
+never starts a placement that would stall or share a device unguarded: an engine over
+several devices (tensor parallel), a trainer over several ranks, several engine copies,
+continuous admission, the collective weights transport, agent episodes. This module knows
+nothing of NATS.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
+from schemas.rollout_config import SGLangRolloutConfig, VLLMRolloutConfig
+
 if TYPE_CHECKING:
     from schemas.config import RunConfig
 
 Placement = Literal["separated", "colocated"]
 
-RELEASABLE_ENGINES = ("simulated",)
+RELEASABLE_ENGINES = ("simulated", "hf", "vllm", "sglang")
 """Rollout engines whose memory release and resume are wired (`engines.protocols
-.ReleasableEngine`)."""
+.ReleasableEngine`; on a GPU none has run yet: docs/engines.md)."""
 
 
 def colocation_refusal(config: RunConfig) -> str | None:
@@ -34,6 +40,12 @@ def colocation_refusal(config: RunConfig) -> str | None:
         return (
             f"{why}: rollout.engine {engine} has no memory release wired yet (only "
             f"{', '.join(RELEASABLE_ENGINES)}); use placement: separated"
+        )
+    ranks = engine_ranks(config)
+    if ranks != 1:
+        return (
+            f"{why} needs a rollout engine on one device (the lease is the node's one device), "
+            f"not {engine} over {ranks} tensor-parallel ranks"
         )
     if trainer.engine.type != "torch" or trainer.dp_size != 1:
         return (
@@ -55,3 +67,13 @@ def colocation_refusal(config: RunConfig) -> str | None:
     if config.agent is not None:
         return f"{why} does not run agent episodes yet: drop the agent section or separate"
     return None
+
+
+def engine_ranks(config: RunConfig) -> int:
+    """The devices the rollout engine spans: its tensor-parallel size (vllm, sglang), else 1."""
+    settings = config.rollout.engine
+    if isinstance(settings, VLLMRolloutConfig):
+        return settings.tensor_parallel_size
+    if isinstance(settings, SGLangRolloutConfig):
+        return settings.tp_size
+    return 1

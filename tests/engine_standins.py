@@ -125,8 +125,12 @@ class Loader:
         """Names `load_weights` passes over without a word, as vLLM's loaders pass over some
         (a bias the model lacks, a pipeline stage's missing layer): a load the read-back must
         catch."""
+        self.asleep = False
+        """The engine sleeps (`StandInLLM.sleep`): its weights are unmapped."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        if self.asleep:  # vLLM would write into unmapped memory; ours would crash the process
+            raise RuntimeError("stand-in vllm: a weight load into a sleeping engine's memory")
         self.calls += 1
         params = dict(self.module.named_parameters())
         loaded = set()
@@ -190,6 +194,26 @@ class StandInLLM:
         self.events.append("reset prefix cache")
         return True
 
+    def sleep(self, level: int = 1) -> None:
+        """`LLM.sleep`: refused, as vLLM's engine core asserts, on an engine built without
+        ``enable_sleep_mode``. Asleep, the worker's parameters are gone (vLLM unmaps them):
+        a load into them fails, and so does a generation."""
+        self.require_sleep_mode()
+        self.hf.release_memory()
+        self.loader.asleep = True
+        self.events.append(f"sleep {level}")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.require_sleep_mode()
+        self.hf.resume_memory()
+        self.loader.asleep = False
+        self.events.append("wake up")
+
+    def require_sleep_mode(self) -> None:
+        assert self.engine_args.get("enable_sleep_mode"), (
+            "Sleep mode is not enabled in the model config"
+        )
+
 
 def vllm_module(
     llm: Callable[..., Any] = StandInLLM, async_engine: Callable[[Any], Any] | None = None
@@ -249,6 +273,8 @@ class StandInSGLangEngine:
         """SGLang passes none (torch's default, 30 min); short here so a test cannot hang."""
         self.break_at: int | None = None
         """`update_weights_from_distributed` breaks its group at this tensor (None: never)."""
+        self.occupation: list[str] = []
+        """Each `release_memory_occupation` and `resume_memory_occupation`, in order."""
         self.loop = bind_loop_as_sglang()  # last, as in SGLang
 
     async def _generate(
@@ -271,7 +297,14 @@ class StandInSGLangEngine:
         assert return_logprob and sampling_params["no_stop_trim"], sampling_params
         return self.loop.run_until_complete(self._generate(input_ids, sampling_params))
 
+    def check_held(self) -> None:
+        """Released, SGLang's weights are unmapped: reading or writing them would crash the
+        process (ours too: their storages have 0 bytes), so the stand-in refuses it."""
+        if self.hf.offload.released:
+            raise RuntimeError("stand-in sglang: the weights' memory is released")
+
     async def _update(self, named_tensors: list[tuple[str, torch.Tensor]], flush: bool) -> None:
+        self.check_held()
         params = dict(self.hf.model.named_parameters())
         with torch.no_grad():
             for name, tensor in named_tensors:
@@ -283,6 +316,7 @@ class StandInSGLangEngine:
 
     async def _read(self, name: str, truncate_size: int) -> list[Any]:
         # SGLang's models: the parameter's first rows, as float32 lists.
+        self.check_held()
         param = dict(self.hf.model.named_parameters())[name]
         return param[:truncate_size].detach().float().tolist()
 
@@ -384,6 +418,23 @@ class StandInSGLangEngine:
 
     def shutdown(self) -> None:
         self.shut_down_on = threading.current_thread().name
+
+    async def _occupation(self, release: bool) -> None:
+        self.occupation.append("release" if release else "resume")
+        if not self.server_args.get("enable_memory_saver"):
+            return  # SGLang's memory saver is a no-op then: the memory stays held
+        if release:
+            self.hf.release_memory()
+        else:
+            self.hf.resume_memory()
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Frees the weights (and KV cache) with ``enable_memory_saver``, else nothing; then an
+        update into them fails, as a generation does."""
+        self.loop.run_until_complete(self._occupation(release=True))
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self.loop.run_until_complete(self._occupation(release=False))
 
 
 def sglang_modules(

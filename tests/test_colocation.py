@@ -72,7 +72,19 @@ COLOCATED: dict[str, Any] = {
 @pytest.mark.parametrize(
     ("change", "said"),
     [
-        ({"rollout": {"engine": "hf", "continuous": False}}, "rollout.engine hf has no memory"),
+        (
+            {
+                "rollout": {
+                    "engine": {"type": "vllm", "tensor_parallel_size": 2},
+                    "continuous": False,
+                }
+            },
+            "not vllm over 2 tensor-parallel ranks",
+        ),
+        (
+            {"rollout": {"engine": {"type": "sglang", "tp_size": 4}, "continuous": False}},
+            "not sglang over 4 tensor-parallel ranks",
+        ),
         ({"trainer": {"engine": "fsdp"}}, "needs trainer.engine torch with dp_size 1"),
         (
             {"rollout": {"engine": "simulated", "continuous": False, "engine_copies": 2}},
@@ -90,6 +102,12 @@ def test_what_colocation_cannot_do_is_refused_in_one_line(
     assert said in str(refused.value) and "\n" not in str(refused.value)
     assert parse_config(COLOCATED).placement == "colocated"
     assert parse_config({}).placement == "separated"  # the default: nothing changes
+
+
+@pytest.mark.parametrize("engine", ["simulated", "hf", "vllm", "sglang"])
+def test_every_rollout_engine_with_its_release_wired_may_run_colocated(engine: str) -> None:
+    config = parse_config({**COLOCATED, "rollout": {"engine": engine, "continuous": False}})
+    assert config.placement == "colocated" and config.rollout.engine.type == engine
 
 
 def test_the_simulated_engine_holds_its_memory_only_awake() -> None:

@@ -12,6 +12,7 @@ import torch
 from engines.build import build_rollout_engines, build_train_engine
 from engines.protocols import (
     ContinuousEngine,
+    ReleasableEngine,
     RolloutEngine,
     SamplingParams,
     ShardedTrainEngine,
@@ -145,3 +146,33 @@ def test_no_stage_names_an_engine_class() -> None:
                 if name in classes:
                     named.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name}")
     assert not named, f"stages name engine classes (build them with engines.build): {named}"
+
+
+def test_a_colocated_run_builds_engines_that_can_give_their_memory_back(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`releasable` (the rollout worker passes it when `placement: colocated`): vllm built with
+    sleep mode, sglang with its memory saver, which their release calls need; every engine
+    built is a `ReleasableEngine`. Not releasable: built as before, neither flag on."""
+    import sys
+
+    from tests.engine_standins import sglang_modules, vllm_module
+
+    for name, module in {**vllm_module(), **sglang_modules()}.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    flags = {"vllm": "enable_sleep_mode", "sglang": "enable_memory_saver"}
+    for kind in ("hf", "simulated", "vllm", "sglang"):
+        section = parse_config({"rollout": {"engine": kind}}).rollout.engine
+        for releasable in (True, False):
+            (engine,) = build_rollout_engines(
+                section, model_dir, 1, seed=0, dtype="float32", continuous=False,
+                releasable=releasable,
+            )  # fmt: skip
+            assert isinstance(engine, ReleasableEngine), kind
+            if kind == "vllm":
+                assert engine.llm.engine_args[flags[kind]] is releasable  # type: ignore[attr-defined]
+            if kind == "sglang":
+                assert engine.engine.server_args[flags[kind]] is releasable  # type: ignore[attr-defined]
+            close = getattr(engine, "close", None)
+            if close is not None:
+                close()

@@ -16,8 +16,10 @@ records the last run):
   the bucket; a raw tensor argument would arrive as a list, as `tests.engine_standins`
   delivers it.
 - Signatures: every keyword we pass to `vllm.LLM` / `AsyncEngineArgs` / `SamplingParams` and
-  SGLang's `ServerArgs` / `SamplingParams` / request types is theirs, and every engine method
-  we call binds the arguments we call it with.
+  SGLang's `ServerArgs` / `SamplingParams` / request types is theirs (``enable_sleep_mode``
+  and ``enable_memory_saver`` too), and every engine method we call binds the arguments we
+  call it with (the release calls of colocation too: ``sleep`` / ``wake_up``,
+  ``release_memory_occupation`` / ``resume_memory_occupation``).
 - SGLang's loop binding (`Engine._ensure_event_loop`, what `Engine.__init__` keeps): the running
   loop where one runs (whose ``run_until_complete`` from another thread then fails, as the
   batch adapter's old build did), our `EngineThread`'s own loop there; and the stand-in binds
@@ -188,6 +190,9 @@ def test_vllm_takes_every_name_we_pass() -> None:
     binds(llm.generate, llm, [{"prompt_token_ids": [1, 2]}], sampling, use_tqdm=False)
     binds(llm.collective_rpc, llm, load_on_worker, args=(b"",))
     binds(llm.reset_prefix_cache, llm)
+    binds(llm.sleep, llm, level=1)  # colocated: release_memory / resume_memory
+    binds(llm.wake_up, llm)
+    assert llm_kwargs(Path("/m"), VLLMSettings(sleep_mode=True))["enable_sleep_mode"] is True
     engine = vllm.AsyncLLMEngine
     binds(engine.from_engine_args, vllm.AsyncEngineArgs(model="/m"))
     binds(engine.generate, engine, {"prompt_token_ids": [1]}, sampling, request_id="r")
@@ -231,6 +236,8 @@ def test_sglang_takes_every_name_we_pass() -> None:
     binds(engine.update_weights_from_tensor, engine, named_tensors=[], flush_cache=True)
     binds(engine.get_weights_by_name, engine, "model.norm.weight", truncate_size=1)
     binds(engine.shutdown, engine)
+    binds(engine.release_memory_occupation, engine)  # colocated: release_memory / resume_memory
+    binds(engine.resume_memory_occupation, engine)
     io = sglang_io()
     assert io.pause is not None and io.resume is not None
     update = io.update(
@@ -307,6 +314,8 @@ def test_sglang_distributed_update_calls_are_the_stand_ins() -> None:
         "end_weight_update",
         "get_weights_by_name",
         "update_weights_from_tensor",
+        "release_memory_occupation",
+        "resume_memory_occupation",
     ):
         real = inspect.signature(getattr(engine, name)).parameters
         ours = inspect.signature(getattr(StandInSGLangEngine, name)).parameters

@@ -207,3 +207,34 @@ def test_a_load_sglang_reports_as_failed_is_an_error(model_dir: Path) -> None:  
     new = {name: torch.randn(p.shape) for name, p in engine.hf.model.named_parameters()}
     with pytest.raises(RuntimeError, match="update_weights_from_tensor failed: Failed to update"):
         load_weights(engine, named_weights(new, skeleton(model_dir), None))
+
+
+def test_the_engine_releases_its_memory_and_loads_on_resume_a_version_that_came_meanwhile(
+    fake_sglang: None,
+    model_dir: Path,  # noqa: F811
+) -> None:
+    """Colocated (`SGLangSettings.memory_saver`): `release_memory` is SGLang's
+    ``release_memory_occupation()``, `resume_memory` its ``resume_memory_occupation()``, both
+    on the engine's own thread; a version that arrives while released is not sent to the
+    engine (the stand-in refuses an update into released memory) but loaded, checked, right
+    after the resume."""
+    adapter = SGLangRolloutEngine(model_dir, SGLangSettings(memory_saver=True))
+    engine = adapter.engine
+    assert isinstance(engine, StandInSGLangEngine)
+    assert engine.server_args["enable_memory_saver"] is True
+    weights = sum(p.numel() * 4 for p in skeleton(model_dir).parameters())  # float32
+    assert adapter.device_bytes() == weights
+    adapter.release_memory()
+    adapter.release_memory()  # released already: nothing more
+    assert engine.occupation == ["release"] and adapter.device_bytes() == 0
+    with pytest.raises(RuntimeError, match="released"):
+        adapter.generate([[5, 6]], 1, PARAMS)
+    new = {n: torch.randn(p.shape) for n, p in skeleton(model_dir).named_parameters()}
+    adapter.load_state_dict(new, version=5)
+    assert adapter.version == 5 and engine.updates == []
+    adapter.resume_memory()
+    assert engine.occupation == ["release", "resume"] and engine.flushed == [True]
+    for name, param in engine.hf.model.named_parameters():
+        assert torch.equal(param, new[name]), name
+    assert [len(g) for g in adapter.generate([[5, 6]], 2, PARAMS)] == [2]
+    adapter.close()

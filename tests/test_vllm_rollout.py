@@ -242,3 +242,44 @@ def test_weights_reach_the_workers_model_by_hf_name_then_the_prefix_cache_is_dro
     assert llm.loader.calls == 1
     for name, param in llm.hf.model.named_parameters():
         assert torch.equal(param, new[name]), name
+
+
+def test_the_engine_sleeps_and_loads_on_waking_a_version_that_came_while_asleep(
+    fake_vllm: None,
+    model_dir: Path,  # noqa: F811
+) -> None:
+    """Colocated (`VLLMSettings.sleep_mode`): `release_memory` is vLLM's ``sleep(level=1)``,
+    `resume_memory` its ``wake_up()``; a version that arrives while asleep is not sent to the
+    sleeping engine (the stand-in refuses a load into it, as its unmapped weights would) but
+    loaded, bucket by bucket and read back, right after the wake."""
+    engine = VLLMRolloutEngine(model_dir, VLLMSettings(sleep_mode=True))
+    llm = engine.llm
+    assert isinstance(llm, StandInLLM) and llm.engine_args["enable_sleep_mode"] is True
+    weights = sum(p.numel() * 4 for p in skeleton(model_dir).parameters())  # float32
+    assert engine.device_bytes() == weights
+    engine.release_memory()
+    engine.release_memory()  # asleep already: nothing more
+    assert llm.events == ["sleep 1"] and engine.device_bytes() == 0
+    with pytest.raises(RuntimeError, match="sleeps"):
+        engine.generate([[5, 6]], 1, SamplingParams(max_tokens=2))
+    with pytest.raises(KeyError, match="does not have"):
+        engine.load_state_dict({"no.such.weight": torch.zeros(1)}, version=3)
+    new = perturbed(model_dir)
+    engine.load_state_dict(new, version=3)
+    assert engine.version == 3 and llm.events == ["sleep 1"]
+    engine.resume_memory()
+    assert llm.events == ["sleep 1", "wake up", "load", "reset prefix cache"]
+    for name, param in llm.hf.model.named_parameters():
+        assert torch.equal(param, new[name]), name
+    assert engine.device_bytes() == weights
+    assert len(engine.generate([[5, 6]], 2, SamplingParams(max_tokens=2))[0]) == 2
+
+
+def test_sleep_without_sleep_mode_is_refused_as_vllm_refuses_it(
+    fake_vllm: None,
+    model_dir: Path,  # noqa: F811
+) -> None:
+    engine = VLLMRolloutEngine(model_dir)  # separated: built without sleep mode
+    assert engine.llm.engine_args["enable_sleep_mode"] is False
+    with pytest.raises(AssertionError, match="Sleep mode is not enabled"):
+        engine.release_memory()
