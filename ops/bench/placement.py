@@ -21,7 +21,8 @@ giving it back and taking it again cost (`rollout.engine.memory_mib`, `sleep_sec
         intervals (metrics) ->
         wall time from the first generation to the last step's end (the same trained samples),
         each device's busy share (the union of what computed on it over the wall time; with
-        lending, the trainer's device: its steps and its lent generations),
+        lending, the trainer's device: its steps and its lends, from each lend to its
+        hand-back as the trainer logs them, `JETRL_PHASE_LOG`),
         device-seconds (wall x devices) -> a timeline PNG, one row per device and role
 
 Last line: JSON with "ratio" = separated wall / the best other wall (the best plain separated
@@ -42,10 +43,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from consumers.colocation import PHASE_LOG
 from ops.bench.async_vs_sync import bench_config, run_one, union
 from schemas.config import RunConfig
 
@@ -85,6 +88,17 @@ def placement_config(
     return RunConfig.model_validate(data)
 
 
+def lent_intervals(phases: Path) -> list[tuple[float, float]]:
+    """(lend, hand-back) times of the trainer's lends (`consumers.lending`'s phase lines)."""
+    if not phases.exists():
+        return []
+    lines = [json.loads(line) for line in phases.read_text().splitlines()]
+    lends = [line for line in lines if line["phase"] == "lend"]
+    starts = [float(line["t"]) for line in lends if line["event"] == "start"]
+    ends = [float(line["t"]) for line in lends if line["event"] == "end"]
+    return list(zip(starts, ends, strict=False))
+
+
 def busy(intervals: list[tuple[float, float]], start: float, end: float) -> float:
     """Seconds of the union of `intervals` inside [start, end]."""
     return sum(max(0.0, min(e, end) - max(s, start)) for s, e in union(intervals))
@@ -95,8 +109,18 @@ def measure(
 ) -> dict:
     out = tmp / name
     lend = "lend" in name
-    result = run_one(placement_config(f"bench-{name}", placement, mode, steps, batch, lend), out)
+    phases = out / "phases.jsonl"
+    os.environ[PHASE_LOG] = str(phases)  # the fleet's workers inherit it
+    try:
+        result = run_one(
+            placement_config(f"bench-{name}", placement, mode, steps, batch, lend), out
+        )
+    finally:
+        del os.environ[PHASE_LOG]
     timeline = result["timeline"]
+    # The trainer's device lent: from each lend to its hand-back, as the trainer logged them
+    # (a lent sample's own generate time also counts the steps it was paused through).
+    timeline["lent"] = lent_intervals(phases)
     start, wall = timeline["start"], result["wall_seconds"]
     end = start + wall
     rollout, trainer, lent = timeline["rollout"], timeline["trainer"], timeline["lent"]
@@ -129,8 +153,8 @@ def plot(results: dict[str, dict], path: Path) -> None:
     for ax, (name, r) in zip(axes, results.items(), strict=False):
         t0 = r["timeline"]["start"]
         other = 1 if r["devices"] == 2 else 0
-        rows = [("rollout", 0, "tab:blue"), ("trainer", other, "tab:orange")]
-        rows += [("lent", other, "tab:green")] if r["timeline"]["lent"] else []
+        rows = [("rollout", 0, "tab:blue"), ("lent", other, "tab:green")]
+        rows += [("trainer", other, "tab:orange")]  # over the lent spans: it took them back
         for who, row, colour in rows:
             spans = [(s - t0, e - s) for s, e in union(r["timeline"][who])]
             ax.broken_barh(spans, (row - 0.4, 0.8), color=colour, label=who)
