@@ -47,6 +47,7 @@ import torch
 from nats.aio.msg import Msg
 from transformers import AutoTokenizer
 
+from bus.crashpoints import TRAINER_LENDING
 from bus.runtime import Runtime
 from bus.stage import Helper
 from bus.topology import PROMPTS
@@ -165,6 +166,7 @@ class Lender:
         between two tokens, give its memory back. Not lending: nothing to do."""
         if not self.lending:
             return
+        TRAINER_LENDING(f"{self.prompts} prompts stored so far")
         self.fetching.clear()
         self.quiet = contextlib.AsyncExitStack()
         await self.quiet.enter_async_context(self.copies.quiesced())  # gate closed, paused

@@ -7,7 +7,9 @@ back when each step's batches come.
   stored some of them (the prompts it took are ordinary prompts: durable, acked once stored);
 - each hand-back stops the lent engine within one generation step (`seconds_per_token` of
   the simulated engine) of the batch's arrival, measured by the trainer
-  (`JETRL_PHASE_LOG`, phase "lend": `stopped`).
+  (`JETRL_PHASE_LOG`, phase "lend": `stopped`);
+- a kill -9 of the trainer while it lends (its batches in, its lent prompts held): the fleet
+  restarts it, the prompts come back to the queue, and the run still trains every sample.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from bus.crashpoints import CRASH_AT, CRASH_RECORD, TRAINER_LENDING, records
 from consumers.colocation import PHASE_LOG
 from tests.helpers import run_local_job
 from tests.phase_timeline import read_timeline
@@ -73,3 +76,17 @@ def test_a_waiting_trainer_lends_its_device_and_hands_it_back_within_a_token(
         f"the lent engine stopped {max(stopped):.3f} s after the batch came: more than one "
         f"generation step ({TOKEN} s)"
     )
+
+
+@pytest.mark.timeout(400)
+def test_a_trainer_killed_while_lending_loses_nothing(tmp_path: Path) -> None:
+    crashes = tmp_path / "crashes"
+    env = {k: v for k, v in os.environ.items() if k not in (PHASE_LOG, CRASH_AT)} | {
+        CRASH_AT: f"{TRAINER_LENDING.name}@2",
+        CRASH_RECORD: str(crashes),
+    }
+    job = run_local_job(lending(), tmp_path, STEPS, timeout=360, env=env)
+    fired = records(crashes)
+    assert list(fired) == [TRAINER_LENDING.name], fired
+    assert job.summary["samples_trained"] == STEPS * PER_STEP * N
+    assert job.summary["staleness_max_seen"] <= 1
