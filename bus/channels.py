@@ -129,14 +129,19 @@ PROMPTS: Channel[PromptEvent] = Channel(
     PromptEvent,
     None,
     publishers=("producer",),
-    readers=(Reader("rollout", Read.WORK_QUEUE), Reader("producer", Read.LAST_STORED)),
+    # The trainer too: with `lend: true` it runs rollout while it waits (`consumers.lending`).
+    readers=(
+        Reader("rollout", Read.WORK_QUEUE),
+        Reader("trainer", Read.WORK_QUEUE),
+        Reader("producer", Read.LAST_STORED),
+    ),
     queue=WorkQueue("rollout", ack_wait=ACK_WAIT, max_ack_pending=1024),
 )
 TRAJECTORIES: Channel[TrajectoryEvent] = Channel(
     "trajectories",
     TrajectoryEvent,
     None,
-    publishers=("rollout",),
+    publishers=("rollout", "trainer"),  # the trainer's: `lend: true` (`consumers.lending`)
     readers=(Reader("reward", Read.WORK_QUEUE),),
     queue=WorkQueue("reward", ack_wait=ACK_WAIT, max_ack_pending=4096),
 )

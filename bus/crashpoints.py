@@ -141,6 +141,12 @@ TRAINER_HOLDING_DEVICE = _declare(
     "placement colocated: the trainer holds the node's device (its lease taken); the step's "
     "batches are collected, none is trained on",
 )
+TRAINER_LENDING = _declare(
+    "trainer",
+    "lending",
+    "lend: true: the step's batches are in; the lent rollout still holds its prompts, its "
+    "samples in flight not yet paused, what it finished stored and acked",
+)
 TRAINER_MID_STEP = _declare(
     "trainer",
     "mid_step",

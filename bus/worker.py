@@ -83,6 +83,10 @@ class Worker(Generic[E]):
     publisher: Publisher
     options: WorkerOptions = WorkerOptions()
     on_dead: OnDead[E] | None = None
+    fetching: asyncio.Event | None = None
+    """Fetch only while this is set (None: always): a trainer lends its device to rollout only
+    while it waits for its batches (`consumers.lending`); what it holds meanwhile is still
+    heartbeaten."""
     _inflight: dict[int, Msg] = field(default_factory=dict)
     _held: dict[int, Msg] = field(default_factory=dict)
     """Messages handlers returned HOLD for, by stream sequence (a redelivery replaces the stale
@@ -124,6 +128,10 @@ class Worker(Generic[E]):
             # Refill when half the slots are free: fetching one message per free slot
             # would make every message pay a request round trip.
             await slots.half_free()
+            if self.fetching is not None and not self.fetching.is_set():
+                with contextlib.suppress(TimeoutError):  # woken each fetch_timeout for `stop`
+                    await asyncio.wait_for(self.fetching.wait(), self.options.fetch_timeout)
+                continue
             try:
                 msgs = await puller.fetch(
                     self.options.concurrency - slots.held, self.options.fetch_timeout

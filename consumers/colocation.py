@@ -4,12 +4,19 @@ The rollout worker and the trainer of a node each hold one `Phases`; its `enter`
 bracket every stretch in which the role computes on the device, so that the two never
 compute at once (the device lease, `bus.lease`, decides who holds it):
 
-    rollout: batcher -> enter (take the lease; the engine takes its memory again) ->
+    rollout: batcher -> enter (take the lease, or, holding it, check it is still ours: else
+                 fenced, and take it again; the engine takes its memory again) ->
                  generate -> boundary: the trainer waits, or no prompt within GRACE ->
                  leave (the engine gives its memory back; release the lease)
              build: enter -> build the engine -> leave (its memory given back at once)
     trainer: setup (v0 out) and each step's train -> record -> checkpoint -> sync,
                  between enter and leave; collecting batches holds nothing
+
+Fencing: a holder paused past the members TTL is counted dead and its lease taken over, yet
+it may wake and go on. Every `enter` while holding (the rollout's, before each batch it
+generates) reads the lease first (`Lease.holds`); taken over, the turn ends there (`fenced`:
+the engine's memory given back, nothing more computed) and it waits for its turn again. The
+trainer enters afresh for each step, so it computes only on a lease it has just taken.
 
 Each start and end of a phase is logged, and appended as a JSON line to the file named by
 `JETRL_PHASE_LOG` when it is set (the tests' timeline: `tests/test_colocation.py`). A killed
@@ -74,9 +81,13 @@ class Phases:
 
     async def enter(self) -> None:
         """Hold the device (waiting for the other role's turn to end); the engine takes its
-        memory again. Entering while holding does nothing."""
+        memory again. Entering while holding does nothing, if the lease is still ours: one
+        taken over meanwhile (this process was paused past the members TTL and counted dead)
+        fences it first (`fenced`), and it waits for its turn like any other."""
         if self.holding:
-            return
+            if await self.lease.holds():
+                return
+            await self.fenced()
         waited = await self.lease.acquire(self.phase)
         self.holding = True
         HOLDING[self.phase](f"device {self.lease.device}")
@@ -93,6 +104,22 @@ class Phases:
             await asyncio.to_thread(self.engine.release_memory)
         self.record("end", 0.0)
         await self.lease.release()
+        self.holding = False
+
+    async def fenced(self) -> None:
+        """The lease was taken over while this process believed it held the device: compute
+        nothing more on it. The engine gives its memory back (the new holder needs it); the
+        lease is not released (it is not ours); the turn is recorded as ended, fenced."""
+        log.warning(
+            "device %s: the lease was taken over while %s held it (paused past the members "
+            "TTL?): its %s turn is fenced; it waits for the device again",
+            self.lease.device,
+            self.lease.me,
+            self.phase.value,
+        )
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.release_memory)
+        self.record("fenced", 0.0)
         self.holding = False
 
     async def boundary(self, more: Callable[[], bool]) -> None:

@@ -86,8 +86,12 @@ class Rollout:
         engines: RolloutEngine | Sequence[RolloutEngine],
         tokenizer: PreTrainedTokenizerBase,
         router: Router | None = None,
+        between_tokens: bool = False,
     ) -> None:
-        """`engines`: the copies (one engine: one copy); `router`: `rollout.router` when None."""
+        """`engines`: the copies (one engine: one copy); `router`: `rollout.router` when None;
+        `between_tokens`: continuous admission and partial rollout whatever `rollout.continuous`
+        and `rollout.partial` say (a trainer's lent rollout, `consumers.lending`, stops between
+        two tokens when its batch comes)."""
         self.rt, self.tokenizer = rt, tokenizer
         engines = list(engines) if isinstance(engines, Sequence) else [engines]
         cfg = rt.config.rollout
@@ -98,8 +102,8 @@ class Rollout:
             cfg.max_batch_prompts,
             cfg.engine.type,
             rt.source,
-            cfg.continuous,
-            cfg.partial,
+            cfg.continuous or between_tokens,
+            cfg.partial or between_tokens,
         )
         self.limits = ModelLimits.of(self.engine.model)
         agent = rt.config.agent

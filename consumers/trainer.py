@@ -6,7 +6,9 @@ stream sequence of the last batch trained on, and a restart reads from the next 
 
     setup       load the checkpoint (or publish weights v0), subscribe from the next sequence
     for each step s:
-      collect   micro_count micro-batches of step s (refused ones dead-lettered, still counted)
+      collect   micro_count micro-batches of step s (refused ones dead-lettered, still counted);
+                `lend: true`: waiting longer than trainer.lend_after lends the device to rollout,
+                handed back between two tokens when the last one comes (`consumers.lending`)
       train     train_step -> metrics; every sync_every: this rank's weights (the engine's
                 `export_own_weights`) as v = s + 1 to the weights sender
                 (`consumers.weights.sender`: full or a delta, stored, announced as a
@@ -54,6 +56,7 @@ from bus.topology import BATCHES, metrics_key
 from bus.worker import Reject
 from consumers.checks import ModelLimits
 from consumers.colocation import Phases
+from consumers.lending import Lender
 from consumers.trainer_dist import RankGroup, configured_engine, exchange, join, leave, watch
 from consumers.trainer_loggers import scalars, step_loggers
 from consumers.trainer_start import last_stored_step, start_line
@@ -223,6 +226,9 @@ class Trainer:
         self.phases: Phases | None = None
         """`placement: colocated`: this rank's turns on the node's device
         (`consumers.colocation`)."""
+        self.lender: Lender | None = None
+        """`lend: true`: the rollout this trainer runs on its device while it waits for its
+        batches (`consumers.lending`)."""
         shards = self.engine.weight_shards
         self.weights = WeightsSender.of(rt, rank, shards, exchange if shards > 1 else alone)
         """Full or delta versions (`weights.delta`), in shards when every rank sends one, or
@@ -265,10 +271,17 @@ class Trainer:
         assert self.batches is not None, "setup() first"
         taken: list[BatchEvent] = []
         refused: list[BatchEvent] = []
+        lender, started = self.lender, time.monotonic()
         while not stop.is_set():
+            # Lending (`lend: true`): woken in time to lend once `trainer.lend_after` has passed.
+            timeout = 1.0
+            if lender is not None and not lender.lending:
+                timeout = min(timeout, max(0.01, started + lender.lend_after - time.monotonic()))
             try:  # what is no batch the reader dead-letters and skips
-                stored = await self.batches.next(timeout=1.0)
+                stored = await self.batches.next(timeout=timeout)
             except TimeoutError:
+                if lender is not None:
+                    await lender.maybe_lend(time.monotonic() - started)
                 continue
             try:
                 batch = take_batch(stored.event, self.engine.step, self.dp_rank, [*taken, *refused])
@@ -286,7 +299,11 @@ class Trainer:
                 await self.batches.refuse(stored, str(exc))
                 refused.append(batch)
             if len(taken) + len(refused) == batch.micro_count:
+                if lender is not None:  # the device back before the step trains
+                    await lender.hand_back(arrived=time.perf_counter())
                 return taken, stored.seq
+        if lender is not None:
+            await lender.hand_back(arrived=time.perf_counter())
         return None
 
     async def train(self, batches: list[BatchEvent]) -> dict[str, Any]:
@@ -322,6 +339,8 @@ class Trainer:
         if self.rank == 0 or self.engine.collective:
             tensors = await asyncio.to_thread(self.engine.export_own_weights)
             await self.weights.send(self.engine.step, tensors)
+            if self.lender is not None:  # the freshest weights, for the lent rollout
+                self.lender.offer(tensors, self.engine.step)
 
     def done(self) -> bool:
         """Whether the run's last step is trained."""
@@ -428,6 +447,8 @@ class Trainer:
     async def close(self) -> None:
         if self.phases is not None:
             await self.phases.leave()
+        if self.lender is not None:
+            await self.lender.close()
         if self.batches is not None:
             await self.batches.close()
         await self.weights.close()
@@ -445,17 +466,22 @@ async def build(rt: Runtime) -> Stage[Any]:
     except ValueError as exc:
         raise CannotAttach(str(exc)) from None
     try:  # a .gguf file is converted once per node, a hub id fetched: off the event loop
-        await asyncio.to_thread(resolve_model_path, rt.config.model.path, rt.config.model.revision)
+        model = await asyncio.to_thread(
+            resolve_model_path, rt.config.model.path, rt.config.model.revision
+        )
     except ModelNotFound as exc:
         raise CannotAttach(str(exc)) from None
     group = await join(rt, rt.rank, device)  # fsdp: every rank's process group; torch: alone
     trainer = Trainer(rt, group.rank, group, device)
     trainer.phases = await Phases.of(rt, Phase.TRAIN)
+    trainer.lender = await Lender.of(rt, model)
     helpers = (
         {"process group watch": lambda: watch(group, trainer.done)}
         if group.store is not None
         else {}
     )
+    if trainer.lender is not None:
+        helpers |= trainer.lender.helpers()
     return Stage(channel=None, handler=None, main=trainer.run, close=trainer.close, helpers=helpers)
 
 

@@ -23,7 +23,7 @@ from schemas.algorithm_config import AlgorithmFamily
 from schemas.events import SamplingParams
 from schemas.model_config import ModelConfig
 from schemas.names import check_run_id
-from schemas.placement import Placement, colocation_refusal
+from schemas.placement import Placement, colocation_refusal, lend_refusal
 from schemas.report_config import ReportConfig
 from schemas.rollout_config import RolloutConfig
 from schemas.section import Section
@@ -264,6 +264,14 @@ class RunConfig(Section):
     engine on one device (vllm and sglang at tensor-parallel size 1; their release calls have
     not run on a GPU yet, docs/engines.md), the torch trainer at dp_size 1, one engine copy,
     batch (not continuous) admission, no agent (`schemas.placement`)."""
+    lend: bool = False
+    """Lent capacity (dynamic scheduling, `placement: separated`): a trainer that has waited
+    for its next batch longer than `trainer.lend_after` seconds generates rollout on its own
+    device, as one more rollout worker (the prompts' durable consumer, every sample stored,
+    traced and staleness-checked as any other), with the weights it last published, until its
+    batch comes; then it stops between two tokens and gives the engine's memory back
+    (`consumers.lending`). For now: the simulated rollout engine, the torch trainer at
+    dp_size 1, no agent (`schemas.placement`)."""
     model: ModelConfig = ModelConfig()
     """The policy model: a local or hub checkpoint, or the built-in tiny model, and its dtype."""
     data: DataConfig = DataConfig()
@@ -404,7 +412,7 @@ class RunConfig(Section):
                 "model.warm_start.dataset: none given, and only a built-in agent task "
                 f"({', '.join(AGENT_TASKS)}) has generated demonstrations: name a .jsonl of them"
             )
-        if refusal := colocation_refusal(self):
+        if refusal := colocation_refusal(self) or lend_refusal(self):
             raise ValueError(refusal)
         stream_needs(self)  # an override below a stream's need: refused, with the derivation
         return self

@@ -12,6 +12,9 @@ never starts a placement that would stall or share a device unguarded: an engine
 several devices (tensor parallel), a trainer over several ranks, several engine copies,
 continuous admission, the collective weights transport, agent episodes. This module knows
 nothing of NATS.
+
+`lend: true` (separated only): the trainer lends its device to rollout while it waits for
+its batches (`consumers.lending`); `lend_refusal` says what that cannot do yet.
 """
 
 from __future__ import annotations
@@ -77,3 +80,33 @@ def engine_ranks(config: RunConfig) -> int:
     if isinstance(settings, SGLangRolloutConfig):
         return settings.tp_size
     return 1
+
+
+LENDABLE_ENGINES = ("simulated",)
+"""Rollout engines a trainer can lend its device to: they stop between two tokens
+(`ContinuousEngine.pause`) and give their memory back (`ReleasableEngine`)."""
+
+
+def lend_refusal(config: RunConfig) -> str | None:
+    """Why `config` cannot lend the trainer's device to rollout (one line), or None."""
+    if not config.lend:
+        return None
+    engine, trainer = config.rollout.engine.type, config.trainer
+    if config.placement != "separated":
+        return (
+            "lend: true needs placement separated: colocated, the trainer's device already "
+            "runs the rollout engine in turns"
+        )
+    if engine not in LENDABLE_ENGINES:
+        return (
+            f"lend: true: rollout.engine {engine} cannot stop between two tokens and give its "
+            f"memory back yet (only {', '.join(LENDABLE_ENGINES)}); use lend: false"
+        )
+    if trainer.engine.type != "torch" or trainer.dp_size != 1:
+        return (
+            f"lend: true needs trainer.engine torch with dp_size 1 (one trainer device), not "
+            f"{trainer.engine.type} with dp_size {trainer.dp_size}"
+        )
+    if config.agent is not None:
+        return "lend: true does not run agent episodes yet: drop the agent section or lend: false"
+    return None

@@ -131,6 +131,10 @@ class TrainerConfig(Section):
     """For scheduling studies (with `rollout.engine: simulated`): after each real optimizer step,
     spend this many more seconds per token the step trained on this rank (attention-mask tokens,
     prompt and response), as a bigger model would; 0 adds nothing."""
+    lend_after: float = Field(2.0, gt=0)
+    """With `lend: true`: seconds the trainer waits for its next step's batches before it lends
+    its device to rollout (`consumers.lending`). Shorter lends sooner, and pays the engine's
+    wake and sleep for shorter stretches of work."""
     stall_after: float = Field(30.0, gt=0)
     """Seconds with no completed step after which the run counts as stalled: the producer's progress
     line, its log and `ops.status` then name the stage that holds the work and why

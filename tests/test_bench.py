@@ -189,7 +189,14 @@ def test_bench_placement_quick(tmp_path: Path) -> None:
 
 def check_placement(figures: dict, out: Path) -> None:
     runs = figures["runs"]
-    assert set(runs) == {"separated-sync", "separated-async", "colocated-sync", "colocated-async"}
+    assert set(runs) == {
+        "separated-sync",
+        "separated-async",
+        "colocated-sync",
+        "colocated-async",
+        "separated-async-b1",
+        "separated-lend-async",
+    }
     samples = {run["samples"] for run in runs.values()}
     assert len(samples) == 1, f"the runs trained different numbers of samples: {samples}"
     assert {run["devices"] for name, run in runs.items() if name.startswith("sep")} == {2}
@@ -197,6 +204,10 @@ def check_placement(figures: dict, out: Path) -> None:
     shares = [share for run in runs.values() for share in run["busy_share"].values()]
     assert all(0 < share <= 1 for share in shares), shares
     assert runs["colocated-sync"]["staleness_max_seen"] == 0
+    # Lending: the trainer's device generated some of the samples, within the bound.
+    assert runs["separated-lend-async"]["lent_share"] > 0
+    assert runs["separated-lend-async"]["staleness_max_seen"] <= 1
+    assert {run["lent_share"] for name, run in runs.items() if "lend" not in name} == {0}
     assert json.loads((out / "placement.json").read_text())["ratio"] == figures["ratio"]
     assert (out / "placement.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -6,6 +6,9 @@
   device; from the recorded timeline of phase starts and ends, no phase starts while the
   other holds the device, and the rollout's simulated engine holds its memory only in its
   turns (it refuses to generate while released);
+- fencing: a holder whose lease was taken over (paused past the members TTL, counted dead)
+  computes nothing more: its next `enter` gives the engine's memory back and waits for the
+  device, which it holds again only once the new holder has left;
 - a kill -9 in each phase: the holder dies holding the device (crash point
   `<role>.holding_device`); the other role takes it over once the dead one's membership
   expires (not before: the timeline still never overlaps), the killed role restarts and
@@ -33,7 +36,7 @@ from bus.crashpoints import CRASH_AT, CRASH_RECORD, records
 from bus.embedded import EmbeddedNats
 from bus.lease import Lease, Verdict, decide, hand_over
 from bus.topology import Topology
-from consumers.colocation import PHASE_LOG
+from consumers.colocation import PHASE_LOG, Phases
 from engines.protocols import SamplingParams
 from engines.simulated import SimulatedRolloutEngine, SimulatedSettings
 from producers.stall import diagnose, lease_lines
@@ -161,6 +164,48 @@ def test_a_released_device_goes_to_the_waiter_and_a_dead_holders_to_the_next(
             assert record is not None and (record.holder, record.phase) == ("a", Phase.ROLLOUT)
             seen = await read_view(js, topology, parse_config({**COLOCATED, "run": topology.run}))
             assert seen.leases is not None and seen.leases["lease.node_0"].holder == "a"
+        finally:
+            await topology.delete(js)
+            await nc.close()
+
+    asyncio.run(main())
+
+
+def test_a_holder_whose_lease_was_taken_over_is_fenced(nats_server: EmbeddedNats) -> None:
+    """The rollout holds the device across batches; paused past the members TTL (its entry
+    gone), the trainer takes the device over. When the rollout wakes (its entry back) and
+    enters for its next batch, it must not compute: its engine gives its memory back and it
+    waits until the trainer leaves."""
+    topology = Topology(run=f"t{uuid.uuid4().hex[:10]}", member_ttl=30.0)
+    settings = SimulatedSettings(median_tokens=2, sigma=0.0, seconds_per_token=0.0, memory_mib=8)
+    engine = SimulatedRolloutEngine(torch.nn.Linear(1, 1), 32, 0, settings)
+
+    async def main() -> None:
+        nc = await connect(nats_server.url, "test-fence")
+        js = nc.jetstream()
+        await topology.apply(js)
+        try:
+            kv = await js.key_value(topology.kv_bucket)
+            members = await js.key_value(topology.members_bucket)
+            member = Member(role="rollout", node="node", pid=1, started_at=0.0, updated_at=0.0)
+            for key in ("a", "b"):
+                await members.put(key, member.encode())
+            rollout = Phases(Lease(kv, members, "node/0", "a", poll=0.02), Phase.ROLLOUT, engine)
+            trainer = Phases(Lease(kv, members, "node/0", "b", poll=0.02), Phase.TRAIN)
+            await rollout.enter()
+            assert engine.device_bytes() == 8 * MIB
+            await members.delete("a")  # paused past the TTL: counted dead
+            await asyncio.wait_for(trainer.enter(), 5.0)  # taken over
+            await members.put("a", member.encode())  # it wakes: its heartbeat is back
+            next_batch = asyncio.create_task(rollout.enter())
+            done, _ = await asyncio.wait({next_batch}, timeout=0.5)
+            assert not done, "the rollout went on computing on a device the trainer holds"
+            assert engine.device_bytes() == 0, "a fenced engine kept its device memory"
+            await trainer.leave()
+            await asyncio.wait_for(next_batch, 5.0)
+            record, _ = await rollout.lease.read()
+            assert record is not None and record.holder == "a"
+            assert engine.device_bytes() == 8 * MIB  # its turn again: memory taken again
         finally:
             await topology.delete(js)
             await nc.close()

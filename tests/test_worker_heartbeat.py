@@ -104,3 +104,52 @@ async def run(js: JetStreamContext, topology: Topology) -> None:
         f"the server redelivered it: {most_redelivered} redelivered, "
         f"{info.delivered.consumer_seq} deliveries"
     )
+
+
+def test_a_worker_fetches_only_while_its_fetching_event_is_set(
+    nats_server: EmbeddedNats, topology: Topology
+) -> None:
+    """`Worker.fetching` (a trainer's lent rollout, `consumers.lending`): cleared, the worker
+    takes nothing from its queue, which stays there for others; set, it takes the message."""
+    channel = PROMPTS.with_queue(durable="lent", ack_wait=5.0, max_ack_pending=16)
+
+    async def main() -> None:
+        nc = await connect(nats_server.url, "test-fetching")
+        js = nc.jetstream()
+        await topology.apply(js)
+        try:
+            await js.add_consumer(topology.stream(channel), topology.consumer_config(channel))
+            handled: list[str] = []
+
+            async def handler(event: PromptEvent, msg: Msg) -> None:
+                handled.append(event.id)
+
+            prompt = PromptEvent(
+                id=f"{topology.run}/0/0",
+                run=topology.run,
+                epoch=0,
+                index=0,
+                token_ids=Tensor.from_numpy(np.array([1, 2], np.int32)),
+            )
+            await js.publish(topology.subject(PROMPTS), encode(prompt))
+            fetching, stop = asyncio.Event(), asyncio.Event()
+            options = WorkerOptions(fetch_timeout=0.2)
+            publisher = Publisher(js, topology)
+            worker = Worker(js, topology, channel, handler, publisher, options, fetching=fetching)
+            loop = asyncio.create_task(worker.run(stop))
+            await asyncio.sleep(1.0)
+            info = await js.consumer_info(topology.stream(channel), channel.work_queue.durable)
+            assert handled == [] and info.num_pending == 1, "fetched while not fetching"
+            fetching.set()
+            for _ in range(100):
+                if handled:
+                    break
+                await asyncio.sleep(0.05)
+            assert handled == [prompt.id]
+            stop.set()
+            await asyncio.wait_for(loop, 10.0)
+        finally:
+            await topology.delete(js)
+            await nc.close()
+
+    asyncio.run(main())

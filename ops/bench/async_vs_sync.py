@@ -112,8 +112,9 @@ def time_to(result: dict, target: float, window: int) -> float | None:
     return None
 
 
-async def generations(url: str, run: str) -> list[tuple[float, float]]:
-    """(start, end) of each trajectory's generation, from the trajectory stream."""
+async def generations(url: str, run: str) -> dict[str, list[tuple[float, float]]]:
+    """(start, end) of each trajectory's generation, from the trajectory stream, by the role
+    that generated it (`rollout`; `trainer` for a trainer's lent rollout, `lend: true`)."""
     nc = await connect(url, "bench-async-vs-sync")
     try:
         events: list[TrajectoryEvent] = await replay_events(
@@ -121,7 +122,12 @@ async def generations(url: str, run: str) -> list[tuple[float, float]]:
         )
     finally:
         await nc.close()
-    return sorted({(t.time - t.timings["generate"], t.time) for t in events})
+    by_role: dict[str, set[tuple[float, float]]] = {}
+    for t in events:  # source: host:pid:role
+        by_role.setdefault(t.source.rsplit(":", 1)[-1], set()).add(
+            (t.time - t.timings["generate"], t.time)
+        )
+    return {role: sorted(spans) for role, spans in by_role.items()}
 
 
 def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -143,11 +149,13 @@ def run_one(cfg: RunConfig, out: Path) -> dict:
         fleet.start()
         stack.callback(fleet.stop)
         summary = asyncio.run(produce(cfg, server.url, out, fleet))
-        rollout = union(asyncio.run(generations(server.url, cfg.run)))
+        by_role = asyncio.run(generations(server.url, cfg.run))
+        rollout = union(by_role.get("rollout", []))
+        lent = union(by_role.get("trainer", []))
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps.sort(key=lambda m: m["step"])
     trainer = [(m["time"] - m["train_seconds"], m["time"]) for m in steps]
-    start, end = rollout[0][0], max(e for _, e in trainer)
+    start, end = min(s for s, _ in rollout + lent), max(e for _, e in trainer)
     wall = end - start
     return {
         "wall_seconds": wall,
@@ -155,7 +163,7 @@ def run_one(cfg: RunConfig, out: Path) -> dict:
         "rollout_idle_seconds": wall - sum(e - s for s, e in rollout),
         "trainer_idle_seconds": wall - sum(e - s for s, e in trainer),
         "staleness_max_seen": summary["staleness_max_seen"],
-        "timeline": {"start": start, "rollout": rollout, "trainer": trainer},
+        "timeline": {"start": start, "rollout": rollout, "trainer": trainer, "lent": lent},
         "rewards": [m["reward_mean"] for m in steps],
         "step_ends": [m["time"] for m in steps],
     }
