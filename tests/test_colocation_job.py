@@ -6,7 +6,8 @@ turns.
 - sync (verl's hybrid engine) and async: the run trains every sample it should, and from
   the timeline the phases record no phase ever starts while the other holds the device;
 - the real HF engine colocated: its weights leave and come back each turn, and its samples'
-  log-probs are still the trainer's;
+  log-probs are still the trainer's; with the versions handed over through the object store,
+  and through shared memory (a tmpfs: the filesystem transport under /dev/shm);
 - a kill -9 in each phase (the rollout holding the device, then the trainer holding it): the
   fleet restarts each, the dead holder's lease ends with its membership, and the run still
   trains every sample, the timeline still never overlapping.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -96,9 +98,13 @@ def test_a_colocated_run_killed_in_each_phase_loses_nothing(tmp_path: Path) -> N
     assert_exclusive(phase_intervals(read_timeline(log), killed))
 
 
+SHM = Path("/dev/shm")
+
+
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("handoff", ["object_store", "shared_memory"])
 def test_a_colocated_run_on_the_hf_engine_generates_with_each_version_it_announces(
-    tmp_path: Path,
+    tmp_path: Path, handoff: str
 ) -> None:
     """The real HF engine colocated (sync), in the whole job: it gives its memory back at the
     end of each of its turns and takes it again at the start of the next (its weights spilled
@@ -106,14 +112,31 @@ def test_a_colocated_run_on_the_hf_engine_generates_with_each_version_it_announc
     (`logprob_gap` ~ float error): the weights came back as they left, and each version it
     announces is the one it generates with. Whether a version arrives while the engine is
     released or while it holds the device is a race here; tests/test_release.py makes one
-    arrive while it is released."""
+    arrive while it is released.
+
+    shared_memory: the versions go to the engine as files in a tmpfs (`weights.transport:
+    filesystem`, `weights.dir` under /dev/shm): the trainer writes each once, the engine maps
+    the same pages, and the bus carries only the announcement."""
     config = colocated("sync")
-    config["run"] = "colochf"
+    config["run"] = f"colochf{handoff.replace('_', '')}"
     config["rollout"] = {"continuous": False, "engine": "hf"}
+    shm: Path | None = None
+    if handoff == "shared_memory":
+        if not SHM.is_dir() or not os.access(SHM, os.W_OK):
+            pytest.skip("no writable /dev/shm (a tmpfs) on this machine")
+        shm = SHM / f"jetrl-test-{os.getpid()}-{tmp_path.name}"
+        config["weights"] = {"transport": "filesystem", "dir": str(shm)}
     log = tmp_path / "phases.jsonl"
-    job = run_local_job(
-        config, tmp_path, STEPS, timeout=240, env={**clean_env(), PHASE_LOG: str(log)}
-    )
+    try:
+        job = run_local_job(
+            config, tmp_path, STEPS, timeout=240, env={**clean_env(), PHASE_LOG: str(log)}
+        )
+        if shm is not None:
+            kept = sorted(p.name for p in shm.rglob("v*.safetensors"))
+            assert kept, f"no version was written to the shared memory under {shm}"
+    finally:
+        if shm is not None:
+            shutil.rmtree(shm, ignore_errors=True)
     assert job.summary["samples_trained"] == STEPS * PER_STEP * N
     assert_exclusive(phase_intervals(read_timeline(log), {}))
     steps = [json.loads(line) for line in (job.out / METRICS_FILE).read_text().splitlines()]
