@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Generic, TypeVar
 
+from schemas.batch_event import BatchEvent
 from schemas.episode_state import EpisodeState
 from schemas.events import (
-    BatchEvent,
     Event,
     PromptEvent,
     RewardEvent,

@@ -1,8 +1,8 @@
 """Typed events of a jetrl run, their tensor payload and the msgpack codec."""
 
+from schemas.batch_event import BatchEvent
 from schemas.codec import DecodeError, decode, encode
 from schemas.events import (
-    BatchEvent,
     Event,
     PromptEvent,
     RewardEvent,

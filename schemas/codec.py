@@ -14,7 +14,8 @@ from typing import Any, TypeVar
 import msgpack
 from pydantic import BaseModel, ValidationError
 
-from schemas.events import BatchEvent, Event, PromptEvent, RewardEvent, TrajectoryEvent
+from schemas.batch_event import BatchEvent
+from schemas.events import Event, PromptEvent, RewardEvent, TrajectoryEvent
 from schemas.weight_event import WeightVersionEvent
 
 E = TypeVar("E", bound=Event)

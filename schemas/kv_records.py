@@ -136,7 +136,7 @@ STEP_FIELDS = (
 
 
 class StepMetrics(KvRecord):
-    """One trainer rank's numbers for one trained step (`consumers.trainer.step_metrics`).
+    """One trainer rank's numbers for one trained step (`consumers.trainer_steps.step_metrics`).
 
     Stored flat, as one JSON object: the fields below, then the engine's own numbers (`trained`:
     loss, grad norm, ...) beside them; the KL fields only with the KL in the reward, the episode

@@ -2,7 +2,7 @@
 
 A batch event whose loss mask is 0 at some response positions (a tool result, the next turn's
 header: `TrajectoryEvent.response_mask` packed by `consumers.packing`) goes through the
-trainer's own conversion (`consumers.trainer.micro_batch`) into the real `TorchTrainEngine` on
+trainer's own conversion (`consumers.trainer_steps.micro_batch`) into the real `TorchTrainEngine` on
 the tiny model, for each policy loss with every term on (decoupled IS weight, entropy bonus, KL
 to the reference log-probs the batch brings):
 (a) whatever the behaviour log-probs, reference log-probs and versions hold at those positions,
@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from consumers.trainer import micro_batch
+from consumers.trainer_steps import micro_batch
 from engines.algorithms.losses import aggregate
 from engines.algorithms.objective import token_objective
 from engines.torch_train import LossConfig, TorchTrainEngine

@@ -34,7 +34,7 @@ from bus.topology import REWARDS, SCORED, Topology
 from consumers import reference as reference_stage
 from consumers.buffer_groups import Group
 from consumers.packing import Row, arrays
-from consumers.trainer import step_metrics
+from consumers.trainer_steps import step_metrics
 from engines.reference import ReferenceEngine
 from engines.tiny import build_tiny_model
 from producers.samples import group_line

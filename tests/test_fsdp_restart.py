@@ -31,7 +31,7 @@ from nats.js.errors import KeyNotFoundError
 from bus.embedded import EmbeddedNats
 from bus.runtime import Runtime
 from bus.topology import BATCHES, metrics_key
-from consumers.trainer import loss_config, micro_batch
+from consumers.trainer_steps import loss_config, micro_batch
 from consumers.update_history import UpdateHistory
 from engines.tiny import build_tiny_model
 from engines.torch_train import TorchTrainEngine

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from consumers.trainer import loss_config
+from consumers.trainer_steps import loss_config
 from engines.protocols import MicroBatch
 from engines.torch_train import LossConfig, TorchTrainEngine
 from schemas.config import RunConfig

@@ -33,7 +33,7 @@ from bus.topology import Topology
 from consumers.buffer_groups import Group
 from consumers.reward import turn_rewards
 from consumers.reward_pool import Score
-from consumers.trainer import micro_batch
+from consumers.trainer_steps import micro_batch
 from engines.algorithms import gae
 from engines.critic import CriticConfig
 from engines.torch_train import TorchTrainEngine
