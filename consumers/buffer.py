@@ -34,7 +34,6 @@ from collections import OrderedDict
 
 import nats.errors
 import numpy as np
-import torch
 from nats.aio.msg import Msg
 from nats.errors import MsgAlreadyAckdError
 from nats.js.errors import KeyWrongLastSequenceError
@@ -47,12 +46,10 @@ from bus.runtime import Runtime
 from bus.stage import Stage, run_stage
 from bus.topology import BATCHES, drop_key
 from bus.worker import HOLD, Hold, Reject, WorkerOptions, consumer_ack_wait
-from consumers.buffer_groups import Group, episode_stats, regenerations_left, response_kl
+from consumers.buffer_groups import Group, episode_stats, regenerations_left
+from consumers.buffer_groups import step_advantages as group_advantages
 from consumers.buffer_replay import BatchedSoFar, next_kl_coef, read_batches
 from consumers.packing import Row, bytes_per_token, pack_step
-from engines.algorithms.advantages import step_advantages
-from engines.algorithms.kl import ESTIMATORS, kl_in_reward, mean_sequence_kl
-from engines.algorithms.shaping import overlong_penalty
 from schemas import BatchEvent, RewardEvent, Tensor
 from schemas.kv_records import DropKind, DropRecord
 
@@ -178,50 +175,9 @@ class Buffer:
         return self.step_advantages(groups)[0]
 
     def step_advantages(self, groups: list[Group]) -> tuple[list[list[float]], float | None]:
-        """One step's groups -> each group's [G] advantages in sample order (`algorithm.advantage`;
-        the reinforce_pp ones whiten over every group given), and the step's KL when the KL is in
-        the reward (else None). Rewards first get the soft overlong penalty, then the KL penalty
-        (each sample's score - beta x its summed per-token KL, `kl_in_reward`); with overlong
-        filtering a truncated response's advantage is 0."""
-        algo = self.cfg.algorithm
-        ordered = [[group.samples[i][0] for i in range(group.size)] for group in groups]
-        rewards = [
-            torch.tensor([r.reward for r in samples], dtype=torch.float32) for samples in ordered
-        ]
-        if algo.overlong_buffer_tokens:
-            max_tokens = self.cfg.data.sampling.max_tokens
-            rewards = [
-                r
-                + overlong_penalty(
-                    torch.tensor([s.trajectory.response_ids.shape[0] for s in samples]),
-                    max_tokens,
-                    algo.overlong_buffer_tokens,
-                    algo.overlong_penalty,
-                )
-                for r, samples in zip(rewards, ordered, strict=True)
-            ]
-        kl_mean = None
-        if algo.kl_placement == "reward":
-            rewards, kl_mean = self.kl_penalised(ordered, rewards)
-        out = step_advantages(algo.advantage, rewards, passk_k=algo.passk_k)
-        if algo.overlong_filter:
-            cut = [
-                torch.tensor([s.trajectory.finish_reason == "length" for s in samples])
-                for samples in ordered
-            ]
-            out = [adv.masked_fill(c, 0.0) for adv, c in zip(out, cut, strict=True)]
-        return [adv.tolist() for adv in out], kl_mean
-
-    def kl_penalised(
-        self, ordered: list[list[RewardEvent]], rewards: list[torch.Tensor]
-    ) -> tuple[list[torch.Tensor], float]:
-        """Each group's [G] rewards minus beta x each sample's summed KL(pi_behaviour || pi_ref) per
-        response token (`algorithm.kl_estimator` on the behaviour and reference log-probs), and the
-        step's KL (`mean_sequence_kl`), over the trained tokens (`response_kl`)."""
-        flat = [s for samples in ordered for s in samples]
-        kl_tokens, mask = response_kl(flat, ESTIMATORS[self.cfg.algorithm.kl_estimator])
-        _, totals = kl_in_reward(torch.cat(rewards), kl_tokens, mask, self.batched.kl_coef)
-        return list(totals.split([len(r) for r in rewards])), mean_sequence_kl(kl_tokens, mask)
+        """One step's groups -> each group's [G] advantages and the step's KL in the reward
+        (`consumers.buffer_groups.step_advantages`, at this step's KL coefficient)."""
+        return group_advantages(self.cfg, groups, self.batched.kl_coef)
 
     def advantage_problem(self, group: Group) -> DropRecord | None:
         """Why the group cannot be trained although each reward is finite (huge ones overflow, or

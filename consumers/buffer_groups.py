@@ -1,8 +1,9 @@
 """A group of one prompt's scored samples as the buffer holds it, and the pure decisions on it:
 why a complete group is dropped (typed, `schemas.kv_records.DropKind`), whether the step being
 formed may still drop one for equal rewards (`algorithm.max_regenerations`), and the per-token KL
-of samples for the KL in the reward (`response_kl`), and a step's agent-episode figures
-(`episode_stats`).
+of samples for the KL in the reward (`response_kl`), a step's advantages from its groups'
+rewards (`step_advantages`: overlong shaping, the KL in the reward, the estimator), and a step's
+agent-episode figures (`episode_stats`).
 
 Kept apart from `consumers.buffer` (the process, its bus and its steps): nothing here does I/O.
 """
@@ -18,7 +19,11 @@ import numpy as np
 import torch
 from nats.aio.msg import Msg
 
+from engines.algorithms.advantages import step_advantages as estimate
+from engines.algorithms.kl import ESTIMATORS, kl_in_reward, mean_sequence_kl
+from engines.algorithms.shaping import overlong_penalty
 from schemas import RewardEvent
+from schemas.config import RunConfig
 from schemas.kv_records import DropKind, DropRecord, failure_key
 
 
@@ -144,3 +149,56 @@ def episode_stats(rewards: Sequence[RewardEvent]) -> dict[str, Any]:
         "turns_mean": sum(e.get("turns", 0) for e in episodes) / len(episodes),
         "solved_rate": sum(r.reward >= 1.0 for r in rewards) / len(episodes),
     }
+
+
+def step_advantages(
+    cfg: RunConfig, groups: list[Group], kl_coef: float
+) -> tuple[list[list[float]], float | None]:
+    """One step's groups -> each group's [G] advantages in sample order (`algorithm.advantage`;
+    the reinforce_pp ones whiten over every group given), and the step's KL when the KL is in
+    the reward (else None). Rewards first get the soft overlong penalty, then the KL penalty
+    (each sample's score - `kl_coef` x its summed per-token KL, `kl_in_reward`); with overlong
+    filtering a truncated response's advantage is 0."""
+    algo = cfg.algorithm
+    ordered = [[group.samples[i][0] for i in range(group.size)] for group in groups]
+    rewards = [
+        torch.tensor([r.reward for r in samples], dtype=torch.float32) for samples in ordered
+    ]
+    if algo.overlong_buffer_tokens:
+        max_tokens = cfg.data.sampling.max_tokens
+        rewards = [
+            r
+            + overlong_penalty(
+                torch.tensor([s.trajectory.response_ids.shape[0] for s in samples]),
+                max_tokens,
+                algo.overlong_buffer_tokens,
+                algo.overlong_penalty,
+            )
+            for r, samples in zip(rewards, ordered, strict=True)
+        ]
+    kl_mean = None
+    if algo.kl_placement == "reward":
+        rewards, kl_mean = kl_penalised(cfg, ordered, rewards, kl_coef)
+    out = estimate(algo.advantage, rewards, passk_k=algo.passk_k)
+    if algo.overlong_filter:
+        cut = [
+            torch.tensor([s.trajectory.finish_reason == "length" for s in samples])
+            for samples in ordered
+        ]
+        out = [adv.masked_fill(c, 0.0) for adv, c in zip(out, cut, strict=True)]
+    return [adv.tolist() for adv in out], kl_mean
+
+
+def kl_penalised(
+    cfg: RunConfig,
+    ordered: list[list[RewardEvent]],
+    rewards: list[torch.Tensor],
+    kl_coef: float,
+) -> tuple[list[torch.Tensor], float]:
+    """Each group's [G] rewards minus `kl_coef` x each sample's summed KL(pi_behaviour || pi_ref)
+    per response token (`algorithm.kl_estimator` on the behaviour and reference log-probs), and
+    the step's KL (`mean_sequence_kl`), over the trained tokens (`response_kl`)."""
+    flat = [s for samples in ordered for s in samples]
+    kl_tokens, mask = response_kl(flat, ESTIMATORS[cfg.algorithm.kl_estimator])
+    _, totals = kl_in_reward(torch.cat(rewards), kl_tokens, mask, kl_coef)
+    return list(totals.split([len(r) for r in rewards])), mean_sequence_kl(kl_tokens, mask)
