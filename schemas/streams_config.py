@@ -54,6 +54,8 @@ EVENT_OVERHEAD = 4096
 WEIGHTS_EVENT_BYTES = 64 * 1024
 """One `WeightVersionEvent`: where a version is and its manifest (no tensor bytes: those go
 through the weights transport)."""
+GATED_WINDOWS = ("prompts", "rewards", "scored")
+"""The streams whose work queue's `max_ack_pending` the gate's bound raises (`window_needs`)."""
 MAX_WAITING = 4096
 """Default `streams.max_waiting`: room for a few thousand idle workers' pull requests."""
 MIN_STREAM_BYTES = 64 * MIB
@@ -96,8 +98,8 @@ class StreamsConfig(Section):
     """Pull requests each work queue's consumer keeps waiting at once. Every idle worker of a
     stage holds one open; past this number the server refuses the rest at once ("409 Exceeded
     MaxWaiting", `bus.pull.PullRefused`) and those workers back off instead of working. Set it
-    above the largest number of processes one stage will run (at 512 -- the old fixed value --
-    a fleet of 1,000 rollout workers had 488 of them refused, docs/scale.md)."""
+    above the largest number of workers one stage will run (at the old fixed 512, 88 of 600 idle
+    workers' requests were refused: tests/test_fleet_windows.py)."""
     guard_seconds: float = Field(10.0, gt=0)
     """How often each worker checks its work queue for loss: the stream's first sequence past the
     durable consumer's ack floor (`bus.loss`)."""
