@@ -16,6 +16,7 @@ import pytest
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
+from bus.membership import Membership, live_members
 from bus.pull import Puller, PullRefused
 from bus.topology import PROMPTS, REWARDS, Topology
 from schemas.config import ConfigError, RunConfig, parse_config
@@ -120,3 +121,27 @@ def test_max_waiting_is_validated() -> None:
         big_run("bad", max_waiting=0)
     with pytest.raises(ConfigError, match="max_wait"):
         big_run("bad", max_wait=600)  # an unknown name is refused, not ignored
+
+
+def test_one_process_holds_several_members(nats_server: EmbeddedNats) -> None:
+    """`ops.bench.scale_workers` runs many workers in one process: each is its own entry in the
+    members bucket (its own heartbeat), not one entry rewritten by all."""
+    topology = Topology(run="several")
+
+    async def main() -> list[str]:
+        nc = await connect(nats_server.url, "test-several")
+        js = nc.jetstream()
+        try:
+            await topology.apply(js)
+            members = [
+                await Membership.join(js, topology, "rollout", background=False, worker=f"w{i}")
+                for i in range(3)
+            ]
+            members[1].report(weight_version=7)
+            await members[1].put()
+            return sorted(f"{m.role}:{m.weight_version}" for m in await live_members(js, topology))
+        finally:
+            await topology.delete(js)
+            await nc.close()
+
+    assert asyncio.run(main()) == ["rollout:7", "rollout:None", "rollout:None"]
