@@ -137,7 +137,8 @@ async def job(cfg: RunConfig, cluster: EmbeddedCluster, out: Path, fleet: Superv
     nc = await connect(cluster.url, "bench-scale-probe")
     try:
         probe = Probe(nc, Topology.for_config(cfg, REPLICAS), cluster, lambda: fleet_pids(fleet))
-        with contextlib.redirect_stdout(open(out / "progress.log", "w")):  # noqa: SIM115
+        # The producer's progress lines go to a file: stdout ends with the figures.
+        with open(out / "progress.log", "w") as progress, contextlib.redirect_stdout(progress):
             async with asyncio.TaskGroup() as group:
                 probing = group.create_task(probe.run())
                 try:
