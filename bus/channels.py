@@ -38,6 +38,7 @@ from schemas.kv_records import (
     Rendezvous,
     StepMetrics,
 )
+from schemas.streams_config import GATED_WINDOWS
 from schemas.weight_event import WeightVersionEvent
 
 E = TypeVar("E", bound=Event)
@@ -368,15 +369,15 @@ def markdown_tables() -> str:
         "| --- " * 6 + "|",
     ]
     for c in DECLARED:
+        window = f"{c.queue.max_ack_pending}" if c.queue else ""
+        if c.queue and c.name in GATED_WINDOWS:  # raised for a big run (`window_needs`)
+            window = f"max({window}, the gate's in-flight bound x safety_factor)"
         subject = f"`rl.<run>.{c.name}{f'.<{c.token}>' if c.token else ''}`"
         event = f"`{c.event.__name__}`" if c.event else "the original bytes, reason in headers"
         queue = (
             "-"
             if c.queue is None
-            else (
-                f"`{c.queue.durable}`: ack_wait {c.queue.ack_wait:g} s, "
-                f"at most {c.queue.max_ack_pending} unacked"
-            )
+            else (f"`{c.queue.durable}`: ack_wait {c.queue.ack_wait:g} s, at most {window} unacked")
         )
         readers = (
             ", ".join(f"{r.role} ({r.read.value})" for r in c.readers)

@@ -47,11 +47,13 @@ def member_key(worker: str) -> str:
 class Membership:
     """This process's entry in the members bucket, refreshed until `leave`."""
 
-    def __init__(self, kv: KeyValue, role: str, interval: float) -> None:
+    def __init__(self, kv: KeyValue, role: str, interval: float, worker: str | None = None) -> None:
+        """`worker`: the id of the member when one process runs several (a simulated fleet,
+        `ops.bench.scale_workers`); default the process's `worker_id(role)`."""
         now = time.time()
         self.kv = kv
         self.interval = interval
-        self.key = member_key(worker_id(role))
+        self.key = member_key(worker or worker_id(role))
         self.member = Member(
             role=role, node=socket.gethostname(), pid=os.getpid(), started_at=now, updated_at=now
         )
@@ -60,13 +62,18 @@ class Membership:
 
     @classmethod
     async def join(
-        cls, js: JetStreamContext, topology: Topology, role: str, background: bool = True
+        cls,
+        js: JetStreamContext,
+        topology: Topology,
+        role: str,
+        background: bool = True,
+        worker: str | None = None,
     ) -> Membership:
         """Write the first entry; heartbeat from a task of its own if `background`, else the
         caller runs `beat()` (a stage runs it under its TaskGroup, where a failure is seen)."""
         kv = await js.key_value(topology.members_bucket)
         ttl = (await kv.status()).ttl or topology.member_ttl
-        membership = cls(kv, role, interval=ttl / BEATS_PER_TTL)
+        membership = cls(kv, role, interval=ttl / BEATS_PER_TTL, worker=worker)
         await membership.put()
         if background:
             membership.beat_in_background()

@@ -49,10 +49,13 @@ class Runtime:
     """This process's heartbeat entry; `member.report(...)` what it serves."""
     rank: int = 0
     """The data-parallel rank this worker serves (`--rank`; the trainer's)."""
+    worker: str | None = None
+    """This worker's id when a process runs several (`ops.bench.scale_workers`); None: the
+    process's own, `bus.connection.worker_id(role)`."""
 
     @property
     def source(self) -> str:
-        return worker_id(self.role)
+        return self.worker or worker_id(self.role)
 
     async def close(self, timeout: float = 10.0) -> None:
         """Leave the members and drain; give up after `timeout` s (a server that is gone

@@ -69,7 +69,7 @@ from bus.channels import (
 )
 from bus.embedded import MAX_PAYLOAD
 from schemas.names import check_run_id
-from schemas.streams_config import stream_needs
+from schemas.streams_config import MAX_WAITING, stream_needs, window_needs
 
 if TYPE_CHECKING:
     from schemas.config import RunConfig
@@ -164,6 +164,12 @@ class Topology:
     member_ttl: float = 15.0
     """Seconds a worker's membership entry lives without a heartbeat
     (set when the bucket is created)."""
+    windows: dict[str, int] = field(default_factory=dict)
+    """Per channel name: the most unacked messages its work queue must allow, when more than the
+    channel table's `max_ack_pending` (`schemas.streams_config.window_needs`: the gate's bound
+    on prompts and samples in flight). The table's value is the floor."""
+    max_waiting: int = MAX_WAITING
+    """Pull requests a work queue's consumer keeps waiting at once (`streams.max_waiting`)."""
     reference: bool = False
     """The run has the reference stage (`reference.enabled`): it reads `rewards`,
     the buffer `scored`."""
@@ -178,6 +184,8 @@ class Topology:
             max_bytes={name: need.limit for name, need in stream_needs(config).items()},
             max_age=config.streams.max_age_s,
             keep_consumed=config.streams.consumed == "keep",
+            windows=window_needs(config),
+            max_waiting=config.streams.max_waiting,
             reference=config.reference.enabled,
         )
 
@@ -279,11 +287,16 @@ class Topology:
             # *before* running the handler, so a message that crashes its worker still
             # ends in `dead` instead of being silently dropped by the server.
             max_deliver=-1,
-            max_ack_pending=queue.max_ack_pending,
-            max_waiting=512,
+            max_ack_pending=self.max_ack_pending(channel),
+            # One waiting request per idle worker: past it the server refuses pulls at once.
+            max_waiting=self.max_waiting,
             filter_subject=self.subject(channel),
             num_replicas=self.replicas,
         )
+
+    def max_ack_pending(self, channel: Channel) -> int:
+        """The window of `channel`'s work queue: the table's, raised to the run's need."""
+        return max(channel.work_queue.max_ack_pending, self.windows.get(channel.name, 0))
 
     async def apply(self, js: JetStreamContext, update: bool = False) -> None:
         """Create what is missing: streams, consumers, KV buckets, object store.

@@ -5,7 +5,8 @@ documents; nothing is started, nothing connects.
     config -> YAML (as the producer stores it in KV, `bus.runtime.publish_config`)
     config -> Topology.for_config (limits from `schemas.streams_config.stream_needs`)
         -> per stream: subjects, max_bytes, retention, discard, age limit, replicas, and the
-           need's derivation; per work queue: its durable consumer's ack_wait, max_ack_pending
+           need's derivation; per work queue: its durable consumer's ack_wait, max_ack_pending,
+           max_waiting
 
 The limits are the ones `attach_bootstrap` declares the run with (`bus.topology.Topology.apply`),
 read from the same objects, so what is printed is what the server would be asked for.
@@ -48,6 +49,7 @@ def limits(cfg: RunConfig, replicas: int = 1) -> dict[str, Any]:
             "filter_subject": consumer.filter_subject,
             "ack_wait_s": consumer.ack_wait,
             "max_ack_pending": consumer.max_ack_pending,
+            "max_waiting": consumer.max_waiting,
         }
     return {"streams": streams, "work_queues": consumers}
 

@@ -54,6 +54,10 @@ EVENT_OVERHEAD = 4096
 WEIGHTS_EVENT_BYTES = 64 * 1024
 """One `WeightVersionEvent`: where a version is and its manifest (no tensor bytes: those go
 through the weights transport)."""
+GATED_WINDOWS = ("prompts", "rewards", "scored")
+"""The streams whose work queue's `max_ack_pending` the gate's bound raises (`window_needs`)."""
+MAX_WAITING = 4096
+"""Default `streams.max_waiting`: room for a few thousand idle workers' pull requests."""
 MIN_STREAM_BYTES = 64 * MIB
 """No stream is made smaller than this: a tiny run's need is a few KB, and a few MB cost nothing."""
 DEAD_BYTES = 1 << 30
@@ -90,6 +94,12 @@ class StreamsConfig(Section):
     the server removes it (interest retention), so those streams hold only unconsumed work and their
     need is the gate's bound. keep: it stays (limits retention) for replay and audit, so the need
     covers every sample of the run (trainer.steps x prompts_per_step x n)."""
+    max_waiting: int = Field(MAX_WAITING, ge=1)
+    """Pull requests each work queue's consumer keeps waiting at once. Every idle worker of a
+    stage holds one open; past this number the server refuses the rest at once ("409 Exceeded
+    MaxWaiting", `bus.pull.PullRefused`) and those workers back off instead of working. Set it
+    above the largest number of workers one stage will run (at the old fixed 512, 88 of 600 idle
+    workers' requests were refused: tests/test_fleet_windows.py)."""
     guard_seconds: float = Field(10.0, gt=0)
     """How often each worker checks its work queue for loss: the stream's first sequence past the
     durable consumer's ack floor (`bus.loss`)."""
@@ -194,6 +204,24 @@ def _needs(cfg: RunConfig) -> dict[str, tuple[float, str]]:
                 f"full_every {cfg.weights.full_every} in the object store)"
             ),
         ),
+    }
+
+
+def window_needs(cfg: RunConfig) -> dict[str, int]:
+    """Messages each gate-bounded work queue must let be unacked at once, by stream name.
+
+    `prompts`: every prompt the gate lets be out (`StalenessPolicy.in_flight_prompts`) may sit
+    in a rollout worker at once, held until its samples are stored; `rewards` and `scored`: the
+    buffer holds every scored sample unacked until it is in a stored batch, up to the in-flight
+    samples (x n). Times `streams.safety_factor` (redeliveries, replaced groups). A consumer
+    whose window is smaller stalls the run: with 1,024 prompts at most, 1,000 rollout workers
+    got about one prompt each whatever their slots (docs/scale.md)."""
+    prompts = cfg.staleness.in_flight_prompts * cfg.streams.safety_factor
+    samples = prompts * cfg.data.n
+    return {
+        "prompts": math.ceil(prompts),
+        "rewards": math.ceil(samples),
+        "scored": math.ceil(samples),
     }
 
 

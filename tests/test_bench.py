@@ -248,3 +248,53 @@ def test_bench_staleness_runs_every_eta_with_and_without_correction(tmp_path: Pa
     # without the lag all three match).
     assert len({final[f"eta {e}, uncorrected"] for e in (0, 2, 4)}) > 1, final
     assert (tmp_path / "staleness.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+SCALE_FIGURES = {
+    "workers",
+    "rollout_processes",
+    "samples_per_s",
+    "generated_per_s",
+    "target_per_s",
+    "efficiency",
+    "step_seconds",
+    "target_step_seconds",
+    "server_msgs_per_s",
+    "server_cores",
+    "server_cores_per_1k_msgs_per_s",
+    "fleet_cores",
+    "member_kv_writes_per_s",
+    "run_kv_writes_per_s",
+    "lag",
+    "weights_reach_s",
+    "refused_pulls",
+    "load_average",
+    "first_limit",
+}
+
+
+@pytest.mark.timeout(420)
+def test_bench_scale_quick(tmp_path: Path) -> None:
+    """N = 10 and 100 simulated rollout workers on a 3-node cluster: every figure is there and
+    was measured (the fleet trained, the servers counted messages, every worker heartbeat and
+    loaded weight versions), and the ratio is the one the runs give."""
+    figures = last_json(["ops.bench.scale", "--quick", "--out", str(tmp_path)], timeout=400)
+    assert figures["bench"] == "scale" and figures["quick"] is True
+    runs = figures["runs"]
+    assert set(runs) == {"10", "100"}
+    for n, run in runs.items():
+        assert set(run) == SCALE_FIGURES, set(run) ^ SCALE_FIGURES
+        assert run["workers"] == int(n)
+        assert run["samples_per_s"] > 0 and run["generated_per_s"] > 0
+        assert run["server_msgs_per_s"] > 0 and run["server_cores"] > 0
+        assert set(run["fleet_cores"]) == {"trainer", "buffer", "reward", "rollout"}
+        assert run["member_kv_writes_per_s"] > 0  # every worker's own heartbeat
+        assert run["weights_reach_s"]["versions"] >= 1
+        assert set(run["lag"]) == {"rollout", "reward", "buffer"}
+        # No refusal but by the server's own reason (a bad run id, a stream deleted under a
+        # live worker would show here).
+        assert "Consumer Deleted" not in run["refused_pulls"], run["refused_pulls"]
+    expected = runs["100"]["samples_per_s"] / runs["10"]["samples_per_s"] / 10
+    assert figures["ratio"] == pytest.approx(expected, abs=1e-3)
+    assert json.loads((tmp_path / "scale.json").read_text())["ratio"] == figures["ratio"]
+    assert (tmp_path / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
