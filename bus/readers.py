@@ -34,7 +34,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.api import ConsumerConfig, DeliverPolicy, RawStreamMsg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RawStreamMsg, RetentionPolicy
 from nats.js.errors import NotFoundError
 
 from bus.dead import dead_letter_bytes
@@ -108,6 +108,11 @@ async def refuse(
         )
 
 
+INACTIVE_THRESHOLD = 60.0
+"""Seconds after its reader went away (a killed process) before the server deletes a replicated
+reader's ephemeral consumer (an ordered consumer's goes with its connection)."""
+
+
 class _Ordered(Generic[E]):
     """An ordered consumer on a channel's subject (or one token's), decoded through
     `decode_or_poison`; `async with` opens and closes it, `next` or `async for` reads."""
@@ -131,7 +136,23 @@ class _Ordered(Generic[E]):
         raise NotImplementedError
 
     async def open(self) -> None:
-        """Create the consumer (callers that must ride out an election wrap this)."""
+        """Create the consumer (callers that must ride out an election wrap this).
+
+        On an interest-retention stream of several replicas (trajectories, rewards, scored at
+        `--replicas 3`) the server refuses a consumer of fewer replicas than the stream (err
+        10134, "consumer config replicas must match interest retention stream's replicas"), and
+        nats-py makes every ordered consumer one replica in memory: there the reader is an
+        ephemeral push consumer of the stream's replicas that acks nothing, delivering in order
+        as the ordered one does (found by ops.bench.scale: the producer's samples.jsonl follower
+        was refused on a 3-node cluster)."""
+        stream = (await self.js.stream_info(self.stream)).config
+        replicas = stream.num_replicas or 1
+        if stream.retention == RetentionPolicy.INTEREST and replicas > 1:  # a str from the server
+            config = self._config()
+            config.ack_policy, config.num_replicas = AckPolicy.NONE, replicas
+            config.inactive_threshold = INACTIVE_THRESHOLD
+            self._sub = await self.js.subscribe(self.subject, config=config)
+            return
         self._sub = await self.js.subscribe(
             self.subject, ordered_consumer=True, config=self._config()
         )

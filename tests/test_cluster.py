@@ -24,12 +24,13 @@ from nats.js import JetStreamContext
 from bus.connection import connect
 from bus.embedded import LOOPBACK, EmbeddedCluster, server_binary
 from bus.publisher import Publisher
-from bus.topology import TRAJECTORIES, Topology
+from bus.readers import ByPosition, Poison
+from bus.topology import REWARDS, TRAJECTORIES, Topology
 from bus.worker import Worker, WorkerOptions
 from ops.cluster import EXAMPLES, node_addresses, node_configs
 from ops.cluster.__main__ import main
 from schemas import TrajectoryEvent
-from tests.helpers import trajectory
+from tests.helpers import reward, trajectory
 
 ROOT = Path(__file__).resolve().parent.parent
 STALL_LIMIT = 10.0
@@ -192,6 +193,39 @@ def test_killed_node_loses_nothing_stalls_briefly_and_catches_up(tmp_path: Path)
         asyncio.run(scenario(cluster))
     print("cluster kill figures:", {k: round(v, 2) for k, v in figures.items()})
     assert figures["longest_stall_s"] < STALL_LIMIT, figures
+
+
+def test_a_reader_by_position_reads_an_interest_stream_of_three_replicas(tmp_path: Path) -> None:
+    """nats-py makes every ordered consumer one replica, and the server refuses a consumer of
+    fewer replicas than an interest-retention stream (10134): on a 3-node cluster the producer's
+    samples.jsonl follower of `rewards` was refused. The reader by position reads it from its
+    start sequence, in order, and takes nothing from the work queue's consumers."""
+    topology = Topology(run=f"r{uuid.uuid4().hex[:10]}", replicas=3)
+
+    async def scenario(url: str) -> tuple[list[int], list[str], int]:
+        nc = await connect(url, "test")
+        js = nc.jetstream()
+        try:
+            await topology.apply(js)
+            publisher = Publisher(js, topology)
+            for index in range(4):
+                await publisher.publish(REWARDS, reward(topology.run, index))
+            reader = ByPosition(js, topology, REWARDS, Poison("test"), start_seq=2)
+            await reader.open()
+            try:
+                got = [await reader.next(timeout=10) for _ in range(3)]
+            finally:
+                await reader.close()
+            kept = (await js.stream_info(topology.stream(REWARDS))).state.messages
+            return [s.seq for s in got], [s.event.id for s in got], kept
+        finally:
+            await nc.close()
+
+    with EmbeddedCluster(tmp_path) as cluster:
+        seqs, ids, kept = asyncio.run(scenario(cluster.url))
+    assert seqs == [2, 3, 4]
+    assert ids == [reward(topology.run, index).id for index in (1, 2, 3)]
+    assert kept == 4, "the reader took samples the buffer has not acked"
 
 
 def test_example_configs_are_current_and_valid() -> None:

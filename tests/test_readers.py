@@ -227,6 +227,9 @@ ALLOWED: dict[str, set[str]] = {
     # Operator tools, where the raw client call is what a benchmark measures.
     "ops/bench/bus.py": {"pull_subscribe_bind"},
     "ops/bench/weights.py": {"subscribe"},
+    # The time each weight announcement left the server, what every worker's reach is
+    # measured from (a core subscription: no consumer, nothing a stage reads).
+    "ops/bench/scale_probe.py": {"subscribe"},
 }
 PACKAGES = ("producers", "consumers", "engines", "schemas", "ops")
 """Every package but bus/ (tests/ and examples/ are not the product)."""

@@ -30,6 +30,7 @@ from nats.js.errors import BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from bus.embedded import LOOPBACK, EmbeddedCluster
+from bus.lag import queue_info
 from bus.topology import PROMPTS, REWARDS, TRAJECTORIES, WEIGHTS, Channel, Topology
 from schemas import WeightVersionEvent, decode
 from schemas.kv_records import Member
@@ -117,9 +118,7 @@ class Probe:
         msgs = sum(await asyncio.gather(*(asyncio.to_thread(self._in_msgs, i) for i in range(3))))
         queues = {}
         for channel in QUEUES:
-            info = await self.js.consumer_info(
-                self.topology.stream(channel), channel.work_queue.durable
-            )
+            info = await queue_info(self.js, self.topology, channel)
             queues[channel.name] = Queue(
                 info.num_pending or 0,
                 info.num_ack_pending or 0,
