@@ -14,6 +14,7 @@ model (engines.tiny_chat), without a run:
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -239,3 +240,32 @@ def test_the_text_reward_of_a_real_chat_model_needs_the_call_and_the_copied_answ
     wrong = call.replace("57*83", "57*38")
     assert score_calc_text(f"{wrong}\ntool\n2166\nassistant\n4731", task) == 0.5
     assert score_calc_text("no idea", task) == 0.0
+
+
+def test_the_bench_reads_exact_calls_first_digits_and_copies_from_the_samples(
+    tmp_path: Path,
+) -> None:
+    from ops.bench.agent import episode_shares
+
+    def response(expression: str, result: str, answer: str) -> dict[str, Any]:
+        """As samples.jsonl writes an episode: decoded with the end of turn kept."""
+        tool = f"<|im_start|>user\n<tool_response>\n{result}\n</tool_response>{IM_END}"
+        text = f"{ideal_call(expression)}{IM_END}\n{tool}\n<|im_start|>assistant\n{answer}"
+        return {"text": text + IM_END, "reward": 0.0}
+
+    prompt = "<|im_start|>system\ntools: calculator<|im_end|>\n<|im_start|>user\n57*83<|im_end|>"
+    responses = [
+        response("57*83", "4731", "4731"),  # exact, first digit, copied
+        response("53*83", "4399", "4390"),  # first digit, not copied
+        response("75*83", "6225", "6225"),  # copied
+        {"text": "4731" + IM_END, "reward": 0.0},  # no call: none of them, no result to copy
+    ]
+    groups = [
+        {"step": 3, "prompt": prompt, "responses": responses},
+        {"step": None, "prompt": prompt, "responses": responses},  # not trained: not counted
+    ]
+    path = tmp_path / "samples.jsonl"
+    path.write_text("".join(json.dumps(g) + "\n" for g in groups))
+    assert episode_shares(path) == [
+        {"step": 3, "exact_call": 0.25, "first_digit": 0.5, "copy": 2 / 3}
+    ]
