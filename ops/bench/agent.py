@@ -17,7 +17,9 @@ likewise.
 
 Writes agent.png (reward, tool-use rate and solved rate per step) and agent.json in `--out`,
 the run directory under it (`job/`), and prints the job's progress, then one JSON object as
-the last line.
+the last line. `--set KEY.PATH=VALUE` passes a config override to the job; `--report` runs
+nothing and reports the run already in `--out` (a full run is long on loaded cores: one
+stopped by SIGTERM still writes its metrics and summary).
 """
 
 from __future__ import annotations
@@ -173,21 +175,34 @@ def main() -> None:
         help="a config override passed to the job (repeatable), e.g. algorithm.entropy_coef=0.01",
     )
     parser.add_argument(
+        "--report",
+        action="store_true",
+        help="run nothing: the figures and the PNG of the run already in OUT/job (one stopped "
+        "for time, say: its metrics.jsonl and summary.json are written on SIGTERM)",
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         help="where agent.png, agent.json and the run directory go (default: runs/agent-<time>)",
     )
     args = parser.parse_args()
+    if args.report and args.out is None:
+        parser.error("--report reads the run in --out: name it")
     from schemas.config import load_config
 
     steps = args.steps or (QUICK_STEPS if args.quick else load_config(CONFIG).trainer.steps)
     out = args.out or ROOT / "runs" / f"agent-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     quick = [f"model.warm_start.steps={QUICK_WARM_START}"] if args.quick else []
-    summary = run_job(steps, out / "job", [*quick, *args.set])
+    if args.report:
+        summary = json.loads((out / "job" / "summary.json").read_text())
+    else:
+        summary = run_job(steps, out / "job", [*quick, *args.set])
     lines = (out / "job" / "metrics.jsonl").read_text().splitlines()
     metrics = sorted((json.loads(line) for line in lines if line), key=lambda m: m["step"])
-    result = {"bench": "agent", "quick": args.quick, "set": args.set}
+    result: dict[str, Any] = {"bench": "agent", "quick": args.quick}
+    if not args.report:  # a reported run's overrides are not known here
+        result["set"] = args.set
     shares = episode_shares(out / "job" / "samples.jsonl")
     result |= figures(metrics, summary, shares)
     plot(metrics, out / "agent.png", f"calc: reward, tool use and solved over {len(metrics)} steps")
