@@ -42,7 +42,12 @@ that called the asked expression; and it is right or wrong by the model's copy, 
 
 The run starts from a format warm start (`model.warm_start`, `demonstration`: calls of random
 expressions, so the call's shape is there and the answer is the tool's result copied, but
-which expression to call is RL's to learn). Measured for this design: docs/agents.md.
+which expression to call is RL's to learn). Measured (lr 2e-3, 20 warmup steps, 2 loaded CPU
+cores, docs/agents.md): the answer's exact copy of the tool's result 0.47 -> 0.77 of sampled
+episodes (every sampled right call answered right at steps 80-108), reward 0.51 -> 0.76 in
+109 steps, but solved only 3%: the first operand's first digit and the second operand's last
+digit stayed at chance, and a group wrong at the same places scores equal (0.76) whatever its
+wrong digits, so it is dropped (238 groups by step 109).
 
 Measured, each earlier design (2 CPU cores, 8 samples x 16 prompts a step, lr 1e-3 or 2e-3);
 none of the first four formed a whole call:
