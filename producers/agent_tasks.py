@@ -28,22 +28,29 @@ episode right:
           text past it, or a longer expression, costs)
     0.6 x the expression: that run against the asked expression, character by character in
           place, over the longer of the two (0 when the call's head is not in place)
-    0.3 x the answer, only after a well-formed call of exactly the asked expression: the text
-          after the LAST ``</tool_response>``, digit by digit against the product, in place,
-          over the longer
+    0.3 x the answer's copy of the tool's result, after ANY well-formed call: the text after
+          the LAST ``</tool_response>``, digit by digit against what the calculator answered
+          the first turn's one call (recomputed, `tool_result`: a tool response the model
+          writes itself earns nothing), in place, over the longer; 0 when the calculator
+          refused the call, or the turn is not exactly one well-formed call
+
+1.0 still means solved: the shape and the expression whole make the call the ideal one, whose
+result is the product. The copy is credited after any call because the copy skill is the same
+whatever the expression, so it is learnable from every episode, not only from the rare one
+that called the asked expression; and it is right or wrong by the model's copy, not by chance
+(the product, which the model cannot compute, earns nothing as the answer of another call).
 
 The run starts from a format warm start (`model.warm_start`, `demonstration`: calls of random
 expressions, so the call's shape is there and the answer is the tool's result copied, but
 which expression to call is RL's to learn). Measured (lr 2e-3, 20 warmup steps, 2 loaded CPU
-cores, docs/agents.md): reward 0.28 -> 0.66 in 206 steps, calls of exactly the asked
-expression 0% -> 27%, but solved only ~1%: the first operand's first digit lagged (its samples
-collapsed onto one wrong digit), and the answer, paid for only after a right call, which was
-rare for 100 steps, drifted from copying the tool's result.
+cores, docs/agents.md): the answer's exact copy of the tool's result 0.47 -> 0.77 of sampled
+episodes (every sampled right call answered right at steps 80-108), reward 0.51 -> 0.76 in
+109 steps, but solved only 3%: the first operand's first digit and the second operand's last
+digit stayed at chance, and a group wrong at the same places scores equal (0.76) whatever its
+wrong digits, so it is dropped (238 groups by step 109).
 
 Measured, each earlier design (2 CPU cores, 8 samples x 16 prompts a step, lr 1e-3 or 2e-3);
 none of the first four formed a whole call:
-Measured, each choice (2 CPU cores, 8 samples x 16 prompts a step, lr 1e-3 or 2e-3); none of
-the first four formed a whole call:
 - Crediting the call by its longest common subsequence with the ideal (a token anywhere after
   the right ones counts), and a guess without a call as an answer, gave the random policy the
   most signal (reward 0.06 at the start), but it settled at 0.20 by step 100 on "digit soup"
@@ -76,7 +83,15 @@ the first four formed a whole call:
   (reward 0.46 -> 0.47). One right expression character was worth 0.028, and the answer's
   digits, credited after a call of ANY expression, matched the product by chance (about one
   in ten a digit, 0.125 each): that noise was ten times the expression's signal in a group's
-  rewards. Hence the weights above and the answer only after the asked expression's call.
+  rewards. Hence the weights above and, next, the answer only after the asked expression's
+  call.
+- As above, but 0.3 x the answer (digits against the product) only after a well-formed call
+  of exactly the asked expression, from the warm start (lr 2e-3, 20 warmup steps): reward
+  0.28 -> 0.66 in 206 steps, calls of exactly the asked expression 0% -> 27%, but solved only
+  ~1%: the first operand's first digit lagged (a prompt's 8 samples often wrote the same
+  wrong one: equal rewards, the group dropped), and the answer, paid for only after a right
+  call, which was rare for 100 steps, drifted from copying the tool's result (0 of 105 right
+  calls answered right at steps 180-205). Hence the copy credited after any call.
 
 The first turn and the answer are read from the episode's response text as the rollout
 decodes it (only ``<|im_end|>`` is special, so ``{turn 1}\n<|im_start|>user\n<tool_response>
@@ -228,11 +243,31 @@ SHAPE, EXPRESSION, ANSWER = 0.1, 0.6, 0.3
 """`score_calc`'s weights: the call's shape, the asked expression in it, the copied answer."""
 
 
+def tool_result(turn: str) -> str | None:
+    """What the calculator answered the turn's call, recomputed (the tool is pure), or None when
+    the turn is not exactly one well-formed calculator call, or the calculator refused it.
+    Recomputed rather than read from the tool's turn in the text: the model could write a
+    ``<tool_response>`` of its own in its answer turn (`answer` reads after the LAST one) and
+    pay itself for copying it."""
+    parsed = parse_tool_calls(turn)
+    if len(parsed.calls) != 1 or parsed.errors:
+        return None
+    [call] = parsed.calls
+    expression = call.arguments.get("expression")
+    if call.name != "calculator" or not isinstance(expression, str):
+        return None
+    try:
+        return calculator(expression)
+    except ValueError:
+        return None
+
+
 def score_calc(response_text: str, task: dict[str, Any]) -> float:
-    """SHAPE x the call's shape + EXPRESSION x the asked expression in it + ANSWER x the answer,
-    each a fraction in place (see the module doc), the answer only after a well-formed call of
-    the asked expression; in [0, 1], 1.0 only for the whole episode right. Module-level, so a
-    process pool can pickle it."""
+    """SHAPE x the call's shape + EXPRESSION x the asked expression in it + ANSWER x the answer's
+    copy of the tool's result, each a fraction in place (see the module doc), the copy after
+    ANY well-formed call; in [0, 1], 1.0 only for the whole episode right (the shape and the
+    expression whole make the call exactly the ideal one, so the copied result is the
+    product). Module-level, so a process pool can pickle it."""
     turn = units(first_turn(response_text))
     want = units(ideal_call(task["expression"]))
     start = want.index(CALL_HEAD) + 1
@@ -240,9 +275,9 @@ def score_calc(response_text: str, task: dict[str, Any]) -> float:
     shape = call_credit(turn, want, slots, wrong=1.0)
     run = called_expression(turn, want, slots)
     expression = 0.0 if run is None else in_place(run, list(task["expression"]))
-    right_call = expression == 1.0 and called("".join(turn))
-    digits = in_place(list(answer(response_text)), list(task["answer"])) if right_call else 0.0
-    return SHAPE * shape + EXPRESSION * expression + ANSWER * digits
+    result = tool_result("".join(turn))
+    copy = 0.0 if result is None else in_place(list(answer(response_text)), list(result))
+    return SHAPE * shape + EXPRESSION * expression + ANSWER * copy
 
 
 _NUMBER = re.compile(r"\d+")

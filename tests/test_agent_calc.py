@@ -5,7 +5,8 @@ model (engines.tiny_chat), without a run:
   special token), a calculator call is 10 tokens, and an episode with a call built turn by
   turn equals the conversation rendered once; the call parses as the calculator's;
 - the calculator evaluates NUMBER OP NUMBER and refuses anything else;
-- the reward: full only for the call AND the copied result; partial credit in between;
+- the reward: full only for the asked expression's call AND its copied result; the copy of
+  the tool's result credited after any call, recomputed, not read from the text;
 - the config: calc needs an agent section, unknown tasks are refused on load, the example
   loads, and its prompts are chat messages;
 - a step's episode figures (tool-use rate, mean turns) from its samples.
@@ -13,6 +14,7 @@ model (engines.tiny_chat), without a run:
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -135,7 +137,8 @@ def episode_text(first: str, result: str | None = None, answer: str = "") -> str
 @pytest.mark.parametrize(
     ("text", "reward"),
     [
-        # 0.1 x the call's shape + 0.6 x the asked expression in it + 0.3 x the answer.
+        # 0.1 x the call's shape + 0.6 x the asked expression in it + 0.3 x the answer's copy
+        # of the tool's result, after any well-formed call.
         (episode_text(CALL, "4731", "4731"), 1.0),
         # A right guess without a call (the model cannot multiply): nothing.
         (episode_text("4731"), 0.0),
@@ -144,16 +147,26 @@ def episode_text(first: str, result: str | None = None, answer: str = "") -> str
         (episode_text(""), 0.0),
         (episode_text(CALL, "4731", "4700"), 0.7 + 0.3 * 0.5),  # right call, wrong answer
         (episode_text(CALL, "4731", "47311"), 0.7 + 0.3 * 4 / 5),  # past the answer: costs
-        # Wrong operands: the expression's characters in place; the answer only after the asked
-        # expression's call, so neither the tool's result nor the right product earns.
-        (episode_text(ideal_call("57*38"), "2166", "2166"), 0.1 + 0.6 * 3 / 5),
+        # Wrong operands: the expression's characters in place, and the answer's copy of the
+        # tool's result (the copy is learnable from every call); the product, which the model
+        # cannot compute, earns nothing as the answer of another expression's call.
+        (episode_text(ideal_call("57*38"), "2166", "2166"), 0.1 + 0.6 * 3 / 5 + 0.3),
         (episode_text(ideal_call("57*38"), "2166", "4731"), 0.1 + 0.6 * 3 / 5),
-        (episode_text(ideal_call("57+83"), "140", "140"), 0.1 + 0.6 * 4 / 5),  # a wrong operator
+        (episode_text(ideal_call("57*38"), "2166", "2100"), 0.1 + 0.6 * 3 / 5 + 0.3 * 2 / 4),
+        (episode_text(ideal_call("57+83"), "140", "140"), 0.1 + 0.6 * 4 / 5 + 0.3),  # wrong op
+        # The calculator refuses 57*8x: no result to copy.
         (episode_text(ideal_call("57*8x"), "error: ...", ""), 0.1 * 6 / 9 + 0.6 * 4 / 5),
+        (episode_text(ideal_call("57*8x"), "error: ...", "error: ..."), 0.1 * 6 / 9 + 0.48),
+        # The copied result is the calculator's on the call, recomputed: a tool response the
+        # model writes itself in its answer turn earns nothing.
+        (episode_text(CALL, "4731", "</tool_response>\n12"), 0.7),
+        (episode_text(ideal_call("57*38"), "2166", "<tool_response>12</tool_response>12"), 0.46),
+        # Two calls in the first turn: no one result to copy.
+        (episode_text(CALL + CALL, "4731\n4731", "4731"), 0.1 * 9 / 18 + 0.6),
         # The expression's length is the model's: a longer one costs (in the shape once the
         # call is whole, and in the expression), a shorter one earns for the characters it has.
-        (episode_text(ideal_call("57*8333"), "47481", ""), 0.1 * 9 / 11 + 0.6 * 5 / 7),
-        (episode_text(ideal_call("57*8"), "456", ""), 0.1 * 8 / 9 + 0.6 * 4 / 5),
+        (episode_text(ideal_call("57*8333"), "474981", ""), 0.1 * 9 / 11 + 0.6 * 5 / 7),
+        (episode_text(ideal_call("57*8"), "456", "456"), 0.1 * 8 / 9 + 0.6 * 4 / 5 + 0.3),
         # The call's credit ends at the first unit out of place: text after it earns nothing.
         (episode_text('<tool_call>"}}"}}"}}"}}"}}"}}"}}"}}'), 0.1 / 9),
         (episode_text(CALL + "x", "4731", "4731"), 0.1 * 9 / 10 + 0.9),  # past the call: costs
@@ -227,3 +240,32 @@ def test_the_text_reward_of_a_real_chat_model_needs_the_call_and_the_copied_answ
     wrong = call.replace("57*83", "57*38")
     assert score_calc_text(f"{wrong}\ntool\n2166\nassistant\n4731", task) == 0.5
     assert score_calc_text("no idea", task) == 0.0
+
+
+def test_the_bench_reads_exact_calls_first_digits_and_copies_from_the_samples(
+    tmp_path: Path,
+) -> None:
+    from ops.bench.agent import episode_shares
+
+    def response(expression: str, result: str, answer: str) -> dict[str, Any]:
+        """As samples.jsonl writes an episode: decoded with the end of turn kept."""
+        tool = f"<|im_start|>user\n<tool_response>\n{result}\n</tool_response>{IM_END}"
+        text = f"{ideal_call(expression)}{IM_END}\n{tool}\n<|im_start|>assistant\n{answer}"
+        return {"text": text + IM_END, "reward": 0.0}
+
+    prompt = "<|im_start|>system\ntools: calculator<|im_end|>\n<|im_start|>user\n57*83<|im_end|>"
+    responses = [
+        response("57*83", "4731", "4731"),  # exact, first digit, copied
+        response("53*83", "4399", "4390"),  # first digit, not copied
+        response("75*83", "6225", "6225"),  # copied
+        {"text": "4731" + IM_END, "reward": 0.0},  # no call: none of them, no result to copy
+    ]
+    groups = [
+        {"step": 3, "prompt": prompt, "responses": responses},
+        {"step": None, "prompt": prompt, "responses": responses},  # not trained: not counted
+    ]
+    path = tmp_path / "samples.jsonl"
+    path.write_text("".join(json.dumps(g) + "\n" for g in groups))
+    assert episode_shares(path) == [
+        {"step": 3, "exact_call": 0.25, "first_digit": 0.5, "copy": 2 / 3}
+    ]

@@ -8,22 +8,33 @@ tool-use rate (the share of the step's trained episodes that called a tool at le
 the asked expression called and its result copied, reward 1.0) and the mean model turns.
 Start and end are means over the first and the last tenth of the steps, as the run's summary
 takes the reward (`producers.report.summarize`). ratio = reward at the end / reward at the
-start.
+start. From the run's samples.jsonl (every `report.samples_every`-th group, the trained ones),
+per step: `exact_call` (the share of episodes whose first turn calls exactly the asked
+expression), `first_digit` (whose called expression starts with the asked first digit: the
+place that lagged, docs/agents.md) and `copy` (of the episodes whose call the calculator
+answered with a number, the share whose answer is exactly that number); their start and end
+likewise.
 
 Writes agent.png (reward, tool-use rate and solved rate per step) and agent.json in `--out`,
 the run directory under it (`job/`), and prints the job's progress, then one JSON object as
-the last line.
+the last line. `--set KEY.PATH=VALUE` passes a config override to the job; `--report` runs
+nothing and reports the run already in `--out` (a full run is long on loaded cores: one
+stopped by SIGTERM still writes its metrics and summary).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from engines.tiny_chat import IM_END
+from producers.agent_tasks import answer, first_turn, tool_result
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 CONFIG = ROOT / "examples" / "agent_calc.yaml"
@@ -58,6 +69,42 @@ def ends(values: list[float]) -> tuple[float, float]:
     return sum(values[:tenth]) / tenth, sum(values[-tenth:]) / tenth
 
 
+_ASKED = re.compile(r"(\d+[*+-]\d+)")
+_EXPRESSION = re.compile(r'"expression": "([^"]*)"')
+
+
+def episode_shares(path: Path) -> list[dict[str, float]]:
+    """Per step with samples (ascending), from samples.jsonl at `path` (special tokens kept):
+    ``{"step", "exact_call", "first_digit", "copy"}`` (see the module doc)."""
+    by_step: dict[int, list[tuple[bool, bool, bool | None]]] = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        group = json.loads(line)
+        asked = _ASKED.findall(group.get("prompt") or "")
+        if group.get("step") is None or not asked:
+            continue
+        for response in group["responses"]:
+            text = response["text"].replace(IM_END, "")
+            turn = first_turn(text)
+            called = _EXPRESSION.search(turn)
+            expression = called[1] if called else ""
+            result = tool_result(turn)
+            copied = None if result is None else answer(text) == result
+            row = (expression == asked[-1], expression[:1] == asked[-1][:1], copied)
+            by_step.setdefault(group["step"], []).append(row)
+    shares = []
+    for step, rows in sorted(by_step.items()):
+        copies = [c for _, _, c in rows if c is not None]
+        shares.append(
+            {
+                "step": step,
+                "exact_call": sum(r[0] for r in rows) / len(rows),
+                "first_digit": sum(r[1] for r in rows) / len(rows),
+                "copy": sum(copies) / len(copies) if copies else 0.0,
+            }
+        )
+    return shares
+
+
 def plot(metrics: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib
 
@@ -77,8 +124,17 @@ def plot(metrics: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def figures(metrics: list[dict[str, Any]], summary: dict[str, Any]) -> dict[str, Any]:
-    """The bench's JSON from the run's steps and summary."""
+def figures(
+    metrics: list[dict[str, Any]], summary: dict[str, Any], shares: list[dict[str, float]]
+) -> dict[str, Any]:
+    """The bench's JSON from the run's steps, summary and sampled episodes' shares."""
+    sampled = {
+        f"{name}_{end}": round(value, 3)
+        for name in ("exact_call", "first_digit", "copy")
+        for end, value in zip(
+            ("start", "end"), ends([s[name] for s in shares] or [0.0]), strict=True
+        )
+    }
     reward_start, reward_end = ends([m["reward_mean"] for m in metrics])
     tool_start, tool_end = ends([m.get("tool_use_rate", 0.0) for m in metrics])
     turns_start, turns_end = ends([m.get("turns_mean", 0.0) for m in metrics])
@@ -93,6 +149,7 @@ def figures(metrics: list[dict[str, Any]], summary: dict[str, Any]) -> dict[str,
         "ratio": round(reward_end / max(reward_start, 1e-6), 3),
         "turns_start": round(turns_start, 3),
         "turns_end": round(turns_end, 3),
+        **sampled,
         "steps": len(metrics),
         "samples_trained": summary.get("samples_trained"),
         "seconds": round(float(summary.get("seconds", 0.0)), 1),
@@ -111,21 +168,43 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, help="steps to run (overrides --quick)")
     parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="a config override passed to the job (repeatable), e.g. algorithm.entropy_coef=0.01",
+    )
+    parser.add_argument(
+        "--report",
+        action="store_true",
+        help="run nothing: the figures and the PNG of the run already in OUT/job (one stopped "
+        "for time, say: its metrics.jsonl and summary.json are written on SIGTERM)",
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         help="where agent.png, agent.json and the run directory go (default: runs/agent-<time>)",
     )
     args = parser.parse_args()
+    if args.report and args.out is None:
+        parser.error("--report reads the run in --out: name it")
     from schemas.config import load_config
 
     steps = args.steps or (QUICK_STEPS if args.quick else load_config(CONFIG).trainer.steps)
     out = args.out or ROOT / "runs" / f"agent-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     quick = [f"model.warm_start.steps={QUICK_WARM_START}"] if args.quick else []
-    summary = run_job(steps, out / "job", quick)
+    if args.report:
+        summary = json.loads((out / "job" / "summary.json").read_text())
+    else:
+        summary = run_job(steps, out / "job", [*quick, *args.set])
     lines = (out / "job" / "metrics.jsonl").read_text().splitlines()
     metrics = sorted((json.loads(line) for line in lines if line), key=lambda m: m["step"])
-    result = {"bench": "agent", "quick": args.quick, **figures(metrics, summary)}
+    result: dict[str, Any] = {"bench": "agent", "quick": args.quick}
+    if not args.report:  # a reported run's overrides are not known here
+        result["set"] = args.set
+    shares = episode_shares(out / "job" / "samples.jsonl")
+    result |= figures(metrics, summary, shares)
     plot(metrics, out / "agent.png", f"calc: reward, tool use and solved over {len(metrics)} steps")
     result["png"] = str(out / "agent.png")
     (out / "agent.json").write_text(json.dumps(result, indent=2) + "\n")
