@@ -49,7 +49,7 @@ from bus.worker import HOLD, Hold, Reject, WorkerOptions, consumer_ack_wait
 from consumers.buffer_groups import Group, episode_stats, regenerations_left
 from consumers.buffer_groups import step_advantages as group_advantages
 from consumers.buffer_replay import BatchedSoFar, next_kl_coef, read_batches
-from consumers.packing import Row, bytes_per_token, pack_step
+from consumers.packing import Row, bytes_per_token, pack_step, row_too_long
 from schemas import BatchEvent, RewardEvent, Tensor
 from schemas.kv_records import DropKind, DropRecord
 
@@ -163,12 +163,9 @@ class Buffer:
                 "no reference log-probs: the run has the reference stage, "
                 "and this sample did not pass it"
             )
-        # Half the max payload: the other half is for the ids a batch event carries. Each
-        # segment of an episode is a row of its own (`Row.all_of`): the longest must fit.
-        tokens = max(s.prompt.shape[0] + s.response.shape[0] for s in t.segments())
         per_token = bytes_per_token(self.rt.topology.reference, reward.turn_rewards is not None)
-        if tokens * per_token > self.rt.publisher.max_payload // 2:
-            raise Reject(f"a row of {tokens} tokens cannot fit one batch event")
+        if (unfit := row_too_long(t, per_token, self.rt.publisher.max_payload)) is not None:
+            raise Reject(unfit)
 
     def advantages(self, groups: list[Group]) -> list[list[float]]:
         """One step's groups -> each group's [G] advantages in sample order (`step_advantages`)."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from schemas.events import RewardEvent
+from schemas.events import RewardEvent, TrajectoryEvent
 from schemas.turn_rewards import place_segments
 
 BYTES_PER_TOKEN = 14
@@ -39,6 +39,17 @@ def bytes_per_token(reference: bool, turn_rewards: bool) -> int:
     """What one token takes in a BatchEvent of a run with (or without) the reference stage, for
     a row with (or without) turn rewards."""
     return BYTES_PER_TOKEN + REF_BYTES_PER_TOKEN * reference + TURN_BYTES_PER_TOKEN * turn_rewards
+
+
+def row_too_long(trajectory: TrajectoryEvent, per_token: int, max_payload: int) -> str | None:
+    """Why a trajectory's rows could never go into a batch event (None if they can). A row
+    may take half the server's max payload: the other half is for the ids a batch event
+    carries. Each segment of a split episode is a row of its own (`Row.all_of`), so the
+    longest segment must fit, not their sum."""
+    tokens = max(s.prompt.shape[0] + s.response.shape[0] for s in trajectory.segments())
+    if tokens * per_token > max_payload // 2:
+        return f"a row of {tokens} tokens cannot fit one batch event"
+    return None
 
 
 @dataclass(frozen=True)
@@ -112,18 +123,24 @@ class MicroBatchArrays:
 
 
 def balance(rows: list[Row], ranks: int) -> list[list[Row]]:
-    """Greedy longest-first assignment of rows to the rank with the fewest tokens so far.
+    """Greedy longest-first assignment of samples to the rank with the fewest tokens so far;
+    each rank's rows longest first.
 
-    Deterministic for the same input order (ties go to the lowest rank), so a restarted
-    buffer re-forms the same step.
+    A sample's rows (an episode's segments, `Row.all_of`) go to one rank together: a rank
+    counts the samples it trained by id in its step metrics, and the run adds the ranks'
+    counts, so an episode split over two ranks would be counted twice. Deterministic for the same
+    input order (ties go to the lowest rank), so a restarted buffer re-forms the same step.
     """
+    samples: dict[str, list[Row]] = {}
+    for row in rows:
+        samples.setdefault(row.sample_id, []).append(row)
     buckets: list[list[Row]] = [[] for _ in range(ranks)]
     loads = [0] * ranks
-    for row in sorted(rows, key=lambda r: -r.tokens):
+    for sample in sorted(samples.values(), key=lambda s: -sum(r.tokens for r in s)):
         rank = loads.index(min(loads))
-        buckets[rank].append(row)
-        loads[rank] += row.tokens
-    return buckets
+        buckets[rank] += sample
+        loads[rank] += sum(r.tokens for r in sample)
+    return [sorted(bucket, key=lambda r: -r.tokens) for bucket in buckets]
 
 
 def split(rows: Sequence[Row], max_tokens: int) -> list[list[Row]]:

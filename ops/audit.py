@@ -147,8 +147,11 @@ async def audit(
         # 0 in a run whose limits hold; None where the server could not say.
         "lost": await loss.all_lost(js, kv, topology),
         # With the reference stage, every sample of the kept batches must have passed it (its
-        # batch carries reference log-probs); None for a run without the stage.
-        "without_reference": sum(len(b.sample_ids) for b in batches if b.ref_logprobs is None)
+        # batch carries reference log-probs); None for a run without the stage. Samples, not
+        # rows: a split episode's segments are rows of one id.
+        "without_reference": len(
+            {sid for b in batches if b.ref_logprobs is None for sid in b.sample_ids}
+        )
         if topology.reference
         else None,
     }

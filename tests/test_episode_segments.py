@@ -33,7 +33,7 @@ from bus.stage import serve
 from bus.topology import REWARDS, SCORED, Topology
 from consumers import reference as reference_stage
 from consumers.buffer_groups import Group
-from consumers.packing import Row, arrays
+from consumers.packing import Row, arrays, bytes_per_token, row_too_long
 from consumers.trainer_steps import step_metrics
 from engines.reference import ReferenceEngine
 from engines.tiny import build_tiny_model
@@ -293,6 +293,17 @@ def test_the_staleness_bound_counts_an_earlier_segments_old_version() -> None:
     # The samples file's version and staleness count it too, and say it has two segments.
     (response,) = group_line([reward], None, step=5)["responses"]
     assert (response["version"], response["staleness"], response["segments"]) == (2, 3, 2)
+
+
+def test_a_split_episode_fits_a_batch_event_when_its_longest_segment_does() -> None:
+    """Each segment is a row of its own: the buffer's check that a sample can ever be batched
+    takes the longest segment, not the episode's sum (which no row ever holds)."""
+    t = split_episode("fit", 1)  # segments of 3 + 5 and 3 + 3 tokens: 8 is the longest
+    per_token = bytes_per_token(reference=False, turn_rewards=False)
+    assert row_too_long(t, per_token, max_payload=2 * 8 * per_token) is None  # 14 tokens in all
+    assert row_too_long(t, per_token, max_payload=2 * 8 * per_token - 1) == (
+        "a row of 8 tokens cannot fit one batch event"
+    )
 
 
 def test_packing_places_each_segments_reference_and_turn_rewards_in_its_row() -> None:

@@ -72,11 +72,25 @@ def test_group_completes_and_names_its_drop_reason() -> None:
 
 
 def test_balance_spreads_tokens_evenly_across_ranks() -> None:
-    rows = [row(t) for t in (50, 40, 30, 30, 20, 10, 10, 10)]
+    rows = [row(t, f"s{i}") for i, t in enumerate((50, 40, 30, 30, 20, 10, 10, 10))]
     buckets = balance(rows, 2)
     loads = [sum(r.tokens for r in b) for b in buckets]
     assert loads == [100, 100]
     assert sorted(r.sample_id for b in buckets for r in b) == sorted(r.sample_id for r in rows)
+
+
+def test_an_episodes_segments_go_to_one_rank_longest_first() -> None:
+    """A split episode's rows share its id (`Row.all_of`); each rank counts the samples it
+    trained by id and the run adds the ranks' counts, so its rows go to one rank together."""
+    rows = [row(t, f"s{i}") for i, t in enumerate((60, 50, 40))]
+    rows += [row(t, "episode") for t in (45, 35, 5)]  # 85 tokens, three segments
+    buckets = balance(rows, 2)
+    holding = [i for i, b in enumerate(buckets) if any(r.sample_id == "episode" for r in b)]
+    assert len(holding) == 1, [[r.sample_id for r in b] for b in buckets]
+    assert sum(r.sample_id == "episode" for r in buckets[holding[0]]) == 3
+    for b in buckets:  # `split` takes each rank's rows longest first
+        assert [r.tokens for r in b] == sorted((r.tokens for r in b), reverse=True)
+    assert sorted(sum(r.tokens for r in b) for b in buckets) == [110, 125]
 
 
 def test_split_keeps_padded_micro_batches_under_the_token_budget() -> None:
