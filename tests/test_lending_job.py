@@ -8,6 +8,8 @@ back when each step's batches come.
 - each hand-back stops the lent engine within one generation step (`seconds_per_token` of
   the simulated engine) of the batch's arrival, measured by the trainer
   (`JETRL_PHASE_LOG`, phase "lend": `stopped`);
+- the lent rollout is traced as any rollout: its generations sit in their prompts' traces,
+  under the trainer's `process` span of the prompt, beside the buffer's admission;
 - a kill -9 of the trainer while it lends (its batches in, its lent prompts held): the fleet
   restarts it, the prompts come back to the queue, and the run still trains every sample.
 """
@@ -22,6 +24,7 @@ import pytest
 
 from bus.crashpoints import CRASH_AT, CRASH_RECORD, TRAINER_LENDING, records
 from consumers.colocation import PHASE_LOG
+from tests.fake_jaeger import FakeJaeger
 from tests.helpers import run_local_job
 from tests.phase_timeline import read_timeline
 
@@ -32,6 +35,7 @@ TOKEN = 0.05
 """Seconds one simulated token takes: one generation step."""
 SLACK = 0.03
 """Seconds of scheduling on a loaded machine: waking the pausing thread and the event loop."""
+OTLP = "OTEL_EXPORTER_OTLP_ENDPOINT"
 
 
 def lending() -> dict[str, Any]:
@@ -62,9 +66,12 @@ def test_a_waiting_trainer_lends_its_device_and_hands_it_back_within_a_token(
     tmp_path: Path,
 ) -> None:
     log = tmp_path / "phases.jsonl"
-    env = {k: v for k, v in os.environ.items() if k != PHASE_LOG} | {PHASE_LOG: str(log)}
-    job = run_local_job(lending(), tmp_path, STEPS, timeout=240, env=env)
+    env = {k: v for k, v in os.environ.items() if k != PHASE_LOG and not k.startswith("OTEL_")}
+    env |= {PHASE_LOG: str(log), "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    with FakeJaeger() as jaeger:
+        job = run_local_job(lending(), tmp_path, STEPS, timeout=240, env=env | {OTLP: jaeger.url})
     assert job.summary["samples_trained"] == STEPS * PER_STEP * N
+    lent_rollout_is_traced(jaeger)
     assert job.summary["staleness_max_seen"] <= 1
     lends = [line for line in read_timeline(log) if line["phase"] == "lend"]
     handbacks = [line for line in lends if line["event"] == "end"]
@@ -76,6 +83,28 @@ def test_a_waiting_trainer_lends_its_device_and_hands_it_back_within_a_token(
         f"the lent engine stopped {max(stopped):.3f} s after the batch came: more than one "
         f"generation step ({TOKEN} s)"
     )
+
+
+def lent_rollout_is_traced(jaeger: FakeJaeger) -> None:
+    """The trainer's lent generations are ordinary rollout in the prompt's trace: under its
+    `process <prompts>` span, with the producer's `prompt` span at the root and the buffer's
+    admission (`outcome`) of what it generated in the same trace."""
+    spans = list(jaeger.spans)
+    lent = [s for s, p in spans if s["operationName"] == "generate" and is_trainer(p)]
+    assert lent, "no generate span from the trainer: the lent rollout was not traced"
+    for generate in lent:
+        trace = {s["spanID"]: (s, p) for s, p in spans if s["traceID"] == generate["traceID"]}
+        parent_id = generate["references"][0]["spanID"] if generate["references"] else None
+        assert parent_id in trace, "the lent generation has no parent in the prompt's trace"
+        parent, process = trace[parent_id]
+        assert parent["operationName"].endswith(".prompts") and is_trainer(process), parent
+        names = {(s["operationName"], p["serviceName"]) for s, p in trace.values()}
+        assert ("prompt", "jetrl-producer") in names, sorted(names)
+        assert ("outcome", "jetrl-buffer") in names, sorted(names)
+
+
+def is_trainer(process: dict[str, Any]) -> bool:
+    return bool(process["serviceName"] == "jetrl-trainer")
 
 
 @pytest.mark.timeout(400)
