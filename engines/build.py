@@ -30,6 +30,7 @@ from schemas.rollout_config import (
 from schemas.trainer_config import (
     FSDPEngineConfig,
     MegatronConfig,
+    SimulatedTrainConfig,
     TorchEngineConfig,
     TrainEngineConfig,
 )
@@ -155,6 +156,10 @@ def build_train_engine(
         from engines.fsdp_train import FSDPTrainEngine
 
         return FSDPTrainEngine(model_dir, critic=critic, **common)
+    if isinstance(settings, SimulatedTrainConfig):
+        from engines.simulated_train import SimulatedTrainEngine
+
+        return SimulatedTrainEngine(model_dir, critic=critic, **common)
     assert isinstance(settings, TorchEngineConfig), settings
     from engines.torch_train import TorchTrainEngine
 

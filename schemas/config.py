@@ -365,6 +365,11 @@ class RunConfig(Section):
                 "algorithm.kl_placement reward needs reference.enabled: "
                 "the buffer takes the reference log-probs from the reference stage"
             )
+        if self.trainer.engine.type == "simulated" and self.rollout.engine.type != "simulated":
+            raise ValueError(
+                "trainer.engine simulated computes no step (for scheduling studies): it needs "
+                f"rollout.engine simulated, not {self.rollout.engine.type}"
+            )
         if algo.advantage == "gae" and self.trainer.engine.type == "megatron":
             raise ValueError(
                 "algorithm.advantage gae needs trainer.engine torch or fsdp: "

@@ -72,8 +72,28 @@ class MegatronConfig(Section):
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+class SimulatedTrainConfig(Section):
+    """`trainer.engine: simulated`, for scheduling studies (with `rollout.engine: simulated`):
+    the torch engine's process, model, checkpoints and weight versions, with no optimizer step
+    computed. A step only counts its version (the weights stay as loaded) and costs
+    `trainer.simulated_seconds_per_token` a token it trained, whatever the model. `ops.bench.scale`
+    uses it: one trainer process stands for a data-parallel trainer that grows with the fleet,
+    so its step must not grow with the batch as a real step on this machine's cores does
+    (`engines.simulated_train`). No settings of its own."""
+
+    type: Literal["simulated"] = "simulated"
+    """`simulated` picks this engine's section."""
+    grouped: ClassVar[bool] = False
+    """One process, as torch."""
+
+    @property
+    def copy_size(self) -> int:
+        return 1
+
+
 TrainEngineConfig = Annotated[
-    TorchEngineConfig | FSDPEngineConfig | MegatronConfig, Field(discriminator="type")
+    TorchEngineConfig | FSDPEngineConfig | MegatronConfig | SimulatedTrainConfig,
+    Field(discriminator="type"),
 ]
 """`trainer.engine`: the section of the engine its `type` names."""
 
@@ -88,8 +108,9 @@ class TrainerConfig(Section):
     engine: TrainEngineConfig = TorchEngineConfig()
     """The train engine and its settings, by `type`: torch (one process, CPU or one GPU), fsdp
     (FSDP2, one process per rank, `dp_size` ranks that shard the model and take each optimizer
-    step together) or megatron (megatron-core's GPTModel, with its parallel sizes; `pip install
-    'jetrl[megatron]'`; ran on one GPU at TP = PP = 1 only). A bare type (`engine: fsdp`) takes
+    step together), megatron (megatron-core's GPTModel, with its parallel sizes; `pip install
+    'jetrl[megatron]'`; ran on one GPU at TP = PP = 1 only) or simulated (no step computed: for
+    scheduling studies beside `rollout.engine: simulated`). A bare type (`engine: fsdp`) takes
     its defaults."""
     dp_size: int = Field(1, ge=1)
     """Data-parallel trainer ranks (`--rank 0 .. dp_size-1`); the buffer balances each step's tokens
@@ -128,7 +149,7 @@ class TrainerConfig(Section):
     """Rank 0 writes each step's metrics as TensorBoard scalars here
     (needs `pip install tensorboard`)."""
     simulated_seconds_per_token: float = Field(0.0, ge=0)
-    """For scheduling studies (with `rollout.engine: simulated`): after each real optimizer step,
+    """For scheduling studies (with `rollout.engine: simulated`): after each optimizer step,
     spend this many more seconds per token the step trained on this rank (attention-mask tokens,
     prompt and response), as a bigger model would; 0 adds nothing."""
     lend_after: float = Field(2.0, gt=0)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from engines.protocols import RolloutEngine, SamplingParams
+from engines.build import build_train_engine
+from engines.protocols import MicroBatch, RolloutEngine, SamplingParams
 from engines.simulated import (
     LOGPROB,
     SimulatedRolloutEngine,
@@ -18,8 +20,12 @@ from engines.simulated import (
     draw_lengths,
     finish_times,
 )
+from engines.simulated_train import SimulatedTrainEngine
+from engines.tiny import build_tiny_model
+from producers.tasks import VOCAB as TASK_VOCAB
 from schemas.config import ConfigError, parse_config
 from schemas.rollout_config import SimulatedRolloutConfig
+from schemas.trainer_config import SimulatedTrainConfig
 
 VOCAB, EOS = 32, 0  # the random ids must step over eos and still reach the last id
 
@@ -120,3 +126,29 @@ def test_samples_taken_one_at_a_time_end_with_their_own_length_and_pause_between
     versions = sample.versions.tolist()
     assert versions == sorted(versions) and versions[0] == 0 and versions[-1] == 1, versions
     assert 0 < versions.count(0) < 20, f"the pause did not stop the sample mid-way: {versions}"
+
+
+def test_the_simulated_trainer_counts_versions_and_computes_no_step(tmp_path: Path) -> None:
+    """`trainer.engine: simulated` (`ops.bench.scale`'s trainer): a step advances the version
+    and reports the step's tokens, and the weights stay as loaded; a run must pair it with the
+    simulated rollout engine, or the config is refused in one line."""
+    model = build_tiny_model(tmp_path / "model", TASK_VOCAB)
+    cfg = parse_config({"rollout": {"engine": "simulated"}, "trainer": {"engine": "simulated"}})
+    assert isinstance(cfg.trainer.engine, SimulatedTrainConfig)
+    trainer = build_train_engine(cfg.trainer.engine, model, lr=1e-2)
+    assert isinstance(trainer, SimulatedTrainEngine) and trainer.name == "simulated"
+    before = {k: v.clone() for k, v in trainer.export_weights().items()}
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    mask = torch.ones_like(ids)
+    loss = torch.tensor([[0, 0, 1, 1, 1]])
+    batch = MicroBatch(ids, mask, loss, torch.tensor([1.0]), torch.full((1, 5), -0.5) * loss)
+    metrics = trainer.train_step([batch, batch])
+    assert trainer.step == 1 and metrics["step"] == 1.0 and metrics["tokens"] == 6.0
+    after = trainer.export_weights()
+    assert all(torch.equal(before[k], after[k]) for k in before), "a simulated step changed weights"
+    with pytest.raises(
+        ConfigError,
+        match="trainer.engine simulated computes no step .*: it needs rollout.engine "
+        "simulated, not hf",
+    ):
+        parse_config({"trainer": {"engine": "simulated"}})

@@ -4,11 +4,11 @@ stages hold as the rollout fleet grows (issue 29, docs/scale.md).
     a 3-node JetStream cluster on loopback (`bus.embedded.EmbeddedCluster`, what
     `ops.cluster` writes), streams and buckets at 3 replicas -> per N (10, 100, 1,000;
     --quick: 10, 100), a run of its own on it:
-        the producer and its gate (`producers.launcher.produce`), one trainer (the real tiny
-        model's step + a simulated cost), one buffer, reward workers (real), and N simulated
-        rollout workers as asyncio tasks in a few processes (`ops.bench.scale_workers`): each
-        its own membership heartbeat, pull requests, in_progress heartbeats, weights reader
-        and loss guard
+        the producer and its gate (`producers.launcher.produce`), one trainer (real, its
+        step's cost simulated: `trainer.engine: simulated`), one buffer, reward workers
+        (real), and N simulated rollout workers as asyncio tasks in a few processes
+        (`ops.bench.scale_workers`): each its own membership heartbeat, pull requests,
+        in_progress heartbeats, weights reader and loss guard
         + a probe (`ops.bench.scale_probe`) sampling the servers, streams and queues each second
     -> per N, over the steps after the warm-up: samples trained per second, server CPU per
        1k messages/s, queue lag, KV writes/s, announcement-to-loaded time of weight versions,
@@ -18,10 +18,10 @@ stages hold as the rollout fleet grows (issue 29, docs/scale.md).
 The per-worker rate is fixed: each worker generates one prompt's n = 2 samples (8 tokens
 each, 2 slots) per `--seconds-per-batch` T, so N workers make 2N/T samples/s; the batch grows
 with the fleet (prompts_per_step = N, the step time stays T, as docs/scale.md assumes), and the
-trainer's simulated cost per token shrinks with N (a data-parallel trainer growing with the
-fleet) to T/4 a step. At the full run's T = 20 s, N = 1,000 asks for 100 samples/s; everything
-(three servers, the fleet, the producer, the probe) shares this machine's cores, so the
-machine's load is printed with the figures.
+trainer's step is simulated at T/4 whatever N (a data-parallel trainer growing with the fleet):
+no optimizer step computed, a cost per token that shrinks with N. At the full run's T = 20 s,
+N = 1,000 asks for 100 samples/s; everything (three servers, the fleet, the producer, the
+probe) shares this machine's cores, so the machine's load is printed with the figures.
 
 Last line: JSON with "ratio" = (samples/s at the largest N / samples/s at N = 10) /
 (largest N / 10): 1.0 is linear scaling.
@@ -76,7 +76,9 @@ def scale_config(run: str, workers: int, seconds_per_batch: float, steps: int) -
                 "drop_equal_reward_groups": False,
             },
             "data": {"n": SAMPLES_PER_PROMPT, "sampling": {"max_tokens": 2 * TOKENS}},
+            # No real step: its cost would grow with N on these cores (engines.simulated_train).
             "trainer": {
+                "engine": "simulated",
                 "steps": steps,
                 "checkpoint_every": 100_000,
                 "simulated_seconds_per_token": seconds_per_batch / 4 / step_tokens,
