@@ -255,6 +255,17 @@ class ContinuousEngine(RolloutEngine, Protocol):
 
 
 @runtime_checkable
+class Releasable(Protocol):
+    """What a colocated role gives back at the end of each turn on the device and takes again
+    at the start of the next (`consumers.colocation.Phases`): a `ReleasableEngine`'s memory, or
+    the trainer's optimizer state (`consumers.colocation.OptimizerTurns`)."""
+
+    def release_memory(self) -> None: ...
+
+    def resume_memory(self) -> None: ...
+
+
+@runtime_checkable
 class ReleasableEngine(RolloutEngine, Protocol):
     """A rollout engine that can give its device memory back between generations and take it
     again (optional: `placement: colocated` needs it; `consumers.colocation`). On a GPU these
