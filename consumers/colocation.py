@@ -10,7 +10,10 @@ compute at once (the device lease, `bus.lease`, decides who holds it):
                  leave (the engine gives its memory back; release the lease)
              build: enter -> build the engine -> leave (its memory given back at once)
     trainer: setup (v0 out) and each step's train -> record -> checkpoint -> sync,
-                 between enter and leave; collecting batches holds nothing
+                 between enter and leave; collecting batches holds nothing. With
+                 `trainer.offload_optimizer` its optimizer state is what it gives back
+                 (`OptimizerTurns`): off the device at each leave (after the step's
+                 checkpoint), back at each enter (before the step trains)
 
 Fencing: a holder paused past the members TTL is counted dead and its lease taken over, yet
 it may wake and go on. Every `enter` while holding (the rollout's, before each batch it
@@ -23,7 +26,8 @@ Each start and end of a phase is logged, and appended as a JSON line to the file
 holder's lease is taken over once its membership expires (`bus.lease`), so a kill in a phase
 recovers as in a separated run, later by at most the members TTL.
 
-Stages see the engine only as `ReleasableEngine`; this module names no engine class.
+Stages see the engine only as `Releasable` (`ReleasableEngine`, `ReleasableTrainEngine`);
+this module names no engine class.
 """
 
 from __future__ import annotations
@@ -39,13 +43,15 @@ from collections.abc import Callable
 from bus.crashpoints import ROLLOUT_HOLDING_DEVICE, TRAINER_HOLDING_DEVICE
 from bus.lease import Lease
 from bus.runtime import Runtime
-from engines.protocols import ReleasableEngine
+from engines.protocols import Releasable, ReleasableTrainEngine
 from schemas.kv_records import Phase
 
 log = logging.getLogger("jetrl.colocation")
 
 PHASE_LOG = "JETRL_PHASE_LOG"
 """A file each phase's start and end is appended to, one JSON line each (tests, benches)."""
+
+MIB = 1 << 20
 
 GRACE = 0.1
 """Seconds a rollout holding the device waits for more prompts before giving it back."""
@@ -63,10 +69,11 @@ def node_device(index: int = 0) -> str:
 
 class Phases:
     """This process's turns on one device, in `phase`; `engine`: what gives its memory back
-    between turns (the rollout's), None for a role whose memory stays (the trainer's, for now).
+    between turns (the rollout's engine; the trainer's optimizer state, `OptimizerTurns`), None
+    for a role whose memory stays (the trainer's without `trainer.offload_optimizer`).
     """
 
-    def __init__(self, lease: Lease, phase: Phase, engine: ReleasableEngine | None = None):
+    def __init__(self, lease: Lease, phase: Phase, engine: Releasable | None = None):
         self.lease, self.phase, self.engine = lease, phase, engine
         self.holding = False
         self.log_path = os.environ.get(PHASE_LOG)
@@ -155,3 +162,28 @@ class Phases:
         if self.log_path:
             with open(self.log_path, "a") as out:  # one short line: appended whole
                 out.write(json.dumps(line) + "\n")
+
+
+class OptimizerTurns:
+    """The trainer's optimizer state as what its `Phases` gives back between turns
+    (`trainer.offload_optimizer`): released as each turn ends, after the step's checkpoint (a
+    save sees the real state), resumed as the next begins, before the step trains. Each
+    release and resume that moves bytes is logged with its size and time; before the first
+    step there is no state, and nothing is logged."""
+
+    def __init__(self, engine: ReleasableTrainEngine) -> None:
+        self.engine = engine
+
+    def release_memory(self) -> None:
+        self.timed("released", self.engine.release_optimizer)
+
+    def resume_memory(self) -> None:
+        self.timed("resumed", self.engine.resume_optimizer)
+
+    @staticmethod
+    def timed(done: str, call: Callable[[], int]) -> None:
+        started = time.perf_counter()
+        moved = call()
+        if moved:
+            seconds = time.perf_counter() - started
+            log.info("optimizer state %s (%.1f MiB in %.3f s)", done, moved / MIB, seconds)

@@ -52,7 +52,7 @@ from bus.stage import Stage, run_stage
 from bus.topology import BATCHES, metrics_key
 from bus.worker import Reject
 from consumers.checks import ModelLimits
-from consumers.colocation import Phases
+from consumers.colocation import OptimizerTurns, Phases
 from consumers.lending import Lender
 from consumers.trainer_dist import RankGroup, configured_engine, exchange, join, leave, watch
 from consumers.trainer_loggers import scalars, step_loggers
@@ -62,6 +62,7 @@ from consumers.update_history import UpdateHistory
 from consumers.weights.sender import WeightsSender, alone
 from engines.device import resolve_device
 from engines.model_source import ModelNotFound, resolve_model_path
+from engines.protocols import ReleasableTrainEngine
 from schemas import BatchEvent
 from schemas.kv_records import Phase, StepMetrics
 from schemas.streams_config import batches_kept_from
@@ -299,7 +300,10 @@ class Trainer:
     async def run(self, stop: asyncio.Event) -> None:
         """Set up, then train step after step until the run's last step or `stop`. Colocated
         (`phases`), setup and each step from train to checkpoint hold the node's device;
-        collecting the next step's batches does not."""
+        collecting the next step's batches does not. With `trainer.offload_optimizer` each
+        `leave` moves the optimizer state off the device (after the checkpoint, and after a
+        restore in setup) and each `enter` brings it back (`consumers.colocation
+        .OptimizerTurns`)."""
         phases = self.phases
         if phases is not None:
             await phases.enter()
@@ -351,6 +355,10 @@ async def build(rt: Runtime) -> Stage[Any]:
     group = await join(rt, rt.rank, device)  # fsdp: every rank's process group; torch: alone
     trainer = Trainer(rt, group.rank, group, device)
     trainer.phases = await Phases.of(rt, Phase.TRAIN)
+    if trainer.phases is not None and rt.config.trainer.offload_optimizer:
+        if not isinstance(trainer.engine, ReleasableTrainEngine):  # the config refuses it first
+            raise CannotAttach(f"trainer.engine {trainer.engine.name} cannot offload its optimizer")
+        trainer.phases.engine = OptimizerTurns(trainer.engine)
     trainer.lender = await Lender.of(rt, model)
     helpers = (
         {"process group watch": lambda: watch(group, trainer.done)}

@@ -65,7 +65,7 @@ class HFRolloutEngine:
         """Weight-update groups joined, by name (`join_weights_group`)."""
         self.group_timeout_s = 60.0
         """How long a weight-update group's rendezvous and each broadcast may wait."""
-        self.offload = Offload(self.model)
+        self.offload = Offload.of_module(self.model)
         """Its weights off the device between phases (`release_memory`)."""
         self.deferred = Deferred()
         """Weights loaded while released, loaded on `resume_memory`."""

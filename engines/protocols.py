@@ -193,6 +193,26 @@ class TrainEngine(Protocol):
 
 
 @runtime_checkable
+class ReleasableTrainEngine(TrainEngine, Protocol):
+    """A train engine that can move its optimizer state off its device between colocated turns
+    and take it again (optional: `trainer.offload_optimizer`; the torch engine, through
+    `engines.release.Offload`). `consumers.colocation.OptimizerTurns` calls these as the
+    trainer's `Phases` ends and starts a turn."""
+
+    def release_optimizer(self) -> int:
+        """Move the optimizer state off the device (to host memory; on the CPU, out of the
+        process); returns the bytes moved (0 before the first step: there is no state yet;
+        0 when released already). No step or checkpoint save may run until
+        `resume_optimizer`."""
+        ...
+
+    def resume_optimizer(self) -> int:
+        """Bring the optimizer state back as it left; returns the bytes moved (0: it was held,
+        and nothing was done)."""
+        ...
+
+
+@runtime_checkable
 class ShardedTrainEngine(TrainEngine, Protocol):
     """A collective train engine each rank of which can export its own shard of the weights
     (optional: the fsdp engine), so that no rank gathers the whole model to publish it."""
@@ -232,6 +252,17 @@ class ContinuousEngine(RolloutEngine, Protocol):
     def resume(self) -> None:
         """Let the paused samples go on (with whatever weights were loaded meanwhile)."""
         ...
+
+
+@runtime_checkable
+class Releasable(Protocol):
+    """What a colocated role gives back at the end of each turn on the device and takes again
+    at the start of the next (`consumers.colocation.Phases`): a `ReleasableEngine`'s memory, or
+    the trainer's optimizer state (`consumers.colocation.OptimizerTurns`)."""
+
+    def release_memory(self) -> None: ...
+
+    def resume_memory(self) -> None: ...
 
 
 @runtime_checkable

@@ -17,17 +17,22 @@ arrives, in any phase (`consumers.rollout.watch_weights`): the deferred tensors 
 that changed since the version the engine last loaded, so their union (newest per name) is
 exactly what the engine lacks for the newest version.
 
-`Offload` is the HF engine's release: every storage of the module's parameters and buffers
-copied off and resized to 0 bytes, then back. On a GPU the copy goes to host memory and
-the CUDA cache is emptied. On the CPU the device *is* the host: the only honest release is
-to let the bytes leave the process, so they go to an unlinked temporary file (the kernel's
-page cache may keep them, outside this process) and glibc is asked to return the freed pages
-(``malloc_trim``): the process's resident memory drops by the weights' size
-(`tests/test_release.py` measures it: 60.1 MiB of weights, 60.3-60.6 MiB less resident;
-without ``malloc_trim`` it did not drop at all, the freed blocks staying in glibc's heap).
+`Offload` is the HF engine's release, and the torch train engine's release of its optimizer
+state (`trainer.offload_optimizer`): every storage under a set of tensors (a module's
+parameters and buffers: `Offload.of_module`; an optimizer's state) copied off and resized to
+0 bytes, then back. On a GPU the copy goes to host memory and the CUDA cache is emptied. On
+the CPU the device *is* the host: the only honest release is to let the bytes leave the
+process, so they go to an unlinked temporary file (the kernel's page cache may keep them,
+outside this process) and glibc is asked to return the freed pages (``malloc_trim``): the
+process's resident memory drops by the weights' size (`tests/test_release.py` measures it:
+60.1 MiB of weights, 60.3-60.6 MiB less resident; without ``malloc_trim`` it did not drop at
+all, the freed blocks staying in glibc's heap), or by the optimizer state's.
 Storages, not tensors: tied weights and views share one storage, freed and refilled once,
 and every tensor over it sees the refill. A storage that cannot be resized (the weights left
-in the checkpoint's memory map by ``from_pretrained``) is first given a copy of its own.
+in the checkpoint's memory map by ``from_pretrained``) is first given a copy of its own. Each
+storage goes by its own device: a CPU one to the file, any other to host memory (AdamW keeps
+its `step` counters on the CPU beside moments on the GPU; the train engine offers only those
+on its device).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import ctypes.util
 import io
 import tempfile
 import threading
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -91,6 +97,21 @@ def host_buffer(storage: torch.UntypedStorage) -> ctypes.Array[ctypes.c_char]:
     return (ctypes.c_char * storage.nbytes()).from_address(storage.data_ptr())
 
 
+def optimizer_state(
+    optimizers: Iterable[torch.optim.Optimizer], device: torch.device
+) -> list[torch.Tensor]:
+    """Every tensor of the optimizers' state on `device`'s type (AdamW's exp_avg, exp_avg_sq
+    and its step counters where they are kept there: on the CPU, or with `capturable`): none
+    before the first step, which creates them."""
+    return [
+        value
+        for optimizer in optimizers
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor) and value.device.type == device.type
+    ]
+
+
 def return_freed_pages() -> None:
     """Ask glibc to give freed heap pages back to the OS (``malloc_trim(0)``): a freed block
     below its mmap threshold stays in the heap, resident, until then. Nothing elsewhere."""
@@ -101,17 +122,25 @@ def return_freed_pages() -> None:
 
 
 class Offload:
-    """`module`'s parameter and buffer storages moved off its device and back (see the module
-    doc). Not thread-safe: the engine calls it between generations."""
+    """The storages under `tensors()` moved off their device and back (see the module doc).
+    `tensors` is asked again at each release: what it names may change between two (an
+    optimizer creates its state at its first step, and a checkpoint load replaces it). Not
+    thread-safe: the engine calls it between generations, or between steps."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
+    def __init__(self, tensors: Callable[[], Iterable[torch.Tensor]]) -> None:
+        self.tensors = tensors
         self.freed: list[tuple[torch.UntypedStorage, int]] = []
         """Each freed storage and its size in bytes; empty while held."""
         self.spill: io.BufferedRandom | None = None
-        """CPU: the file the bytes went to, in `freed`'s order."""
-        self.host: list[torch.Tensor] = []
-        """GPU: the host copy of each freed storage, in `freed`'s order."""
+        """The file the CPU storages' bytes went to, in `freed`'s order."""
+        self.host: list[torch.Tensor | None] = []
+        """The host copy of each freed storage off the CPU (None for a spilled one), in
+        `freed`'s order."""
+
+    @classmethod
+    def of_module(cls, module: torch.nn.Module) -> Offload:
+        """`module`'s parameters and buffers."""
+        return cls(lambda: [*module.parameters(), *module.buffers()])
 
     @property
     def released(self) -> bool:
@@ -122,7 +151,7 @@ class Offload:
         which ``from_pretrained`` may leave the weights in) a copy of its own that can, shared
         as the original was."""
         fresh: dict[int, torch.UntypedStorage] = {}
-        for tensor in [*self.module.parameters(), *self.module.buffers()]:
+        for tensor in self.tensors():
             storage = tensor.untyped_storage()
             if storage.resizable() or not storage.nbytes() or storage.device.type == "meta":
                 continue
@@ -135,56 +164,69 @@ class Offload:
             tensor.data = over
 
     def storages(self) -> list[torch.UntypedStorage]:
-        """The distinct non-empty storages under the module's parameters and buffers."""
+        """The distinct non-empty storages under `tensors()`."""
         seen: dict[int, torch.UntypedStorage] = {}
-        tensors = [*self.module.parameters(), *self.module.buffers()]
-        for tensor in tensors:
+        for tensor in self.tensors():
             storage = tensor.untyped_storage()
             if storage.nbytes() and storage.device.type != "meta":
                 seen.setdefault(storage.data_ptr(), storage)
         return list(seen.values())
 
     def held_bytes(self) -> int:
-        """Bytes of the module's storages on its device now (0 once released)."""
+        """Bytes of the storages on their device now (0 once released)."""
         return 0 if self.released else sum(s.nbytes() for s in self.storages())
 
-    def release(self) -> None:
-        """Copy every storage off the device, then free it. Releasing twice does nothing."""
+    def release(self) -> int:
+        """Copy every storage off its device, then free it; the bytes freed. Releasing twice
+        does nothing, and so does releasing when `tensors()` has no storage (an optimizer
+        before its first step): 0."""
         if self.released:
-            return
+            return 0
         self.own_storages()
         storages = self.storages()
-        if storages and storages[0].device.type == "cpu":
+        spilled = [s for s in storages if s.device.type == "cpu"]
+        if spilled:
             self.spill = tempfile.TemporaryFile(prefix="jetrl-offload-")
-            for storage in storages:
+            for storage in spilled:
                 self.spill.write(host_buffer(storage))
             self.spill.flush()
-        else:
-            host = [byte_view(s).to("cpu", copy=True) for s in storages]
-            self.host = [h.pin_memory() for h in host] if torch.cuda.is_available() else host
+        pin = torch.cuda.is_available()
+        self.host = [
+            None if s.device.type == "cpu" else off_device(byte_view(s), pin) for s in storages
+        ]
         self.freed = [(storage, storage.nbytes()) for storage in storages]
         for storage in storages:
             storage.resize_(0)
-        if self.spill is not None:
+        if spilled:
             return_freed_pages()
-        elif torch.cuda.is_available():
+        if len(spilled) < len(storages) and torch.cuda.is_available():
             torch.cuda.empty_cache()
+        return sum(size for _, size in self.freed)
 
-    def resume(self) -> None:
-        """Allocate every freed storage again and copy its bytes back. Resuming a held module
-        does nothing."""
+    def resume(self) -> int:
+        """Allocate every freed storage again and copy its bytes back; the bytes allocated.
+        Resuming what is held does nothing: 0."""
         if not self.released:
-            return
+            return 0
         if self.spill is not None:
             self.spill.seek(0)
-        for index, (storage, size) in enumerate(self.freed):
+        for (storage, size), host in zip(self.freed, self.host, strict=True):
             storage.resize_(size)
-            if self.spill is not None:
-                read = self.spill.readinto(host_buffer(storage))
-                if read != size:
-                    raise OSError(f"offload: {read} of {size} bytes read back from the spill file")
-            else:
-                byte_view(storage).copy_(self.host[index])
+            if host is not None:
+                byte_view(storage).copy_(host)
+                continue
+            assert self.spill is not None, "a CPU storage freed without its spill file"
+            read = self.spill.readinto(host_buffer(storage))
+            if read != size:
+                raise OSError(f"offload: {read} of {size} bytes read back from the spill file")
         if self.spill is not None:
             self.spill.close()
+        moved = sum(size for _, size in self.freed)
         self.freed, self.spill, self.host = [], None, []
+        return moved
+
+
+def off_device(data: torch.Tensor, pin: bool) -> torch.Tensor:
+    """A host copy of `data` (pinned when `pin`: a CUDA machine copies it back faster)."""
+    host = data.to("cpu", copy=True)
+    return host.pin_memory() if pin else host

@@ -4,6 +4,10 @@ One `train_step` = gradient accumulation over the step's micro-batches + one opt
 step, so the policy version equals `step`. The loss is normalised by the token (or
 sequence) count of the *whole step*, so splitting a batch into micro-batches does not
 change the gradient.
+
+Colocated with `trainer.offload_optimizer`, the optimizer state (AdamW's moments and step
+counters, the critic's too) leaves the device between the trainer's turns and comes back
+before its next step (`release_optimizer` / `resume_optimizer`, `engines.release.Offload`).
 """
 
 import copy
@@ -36,6 +40,7 @@ from engines.checkpoint_io import set_rng_state as _set_rng_state
 from engines.critic import CRITIC_SUMS, Critic, CriticConfig, Targets
 from engines.device import autocast
 from engines.protocols import MicroBatch, empty_pass
+from engines.release import Offload, optimizer_state
 
 __all__ = [
     "METRIC_SUMS",
@@ -165,6 +170,28 @@ class TorchTrainEngine:
         self.base_lr, self.lr_schedule = lr, lr_schedule
         self.ppo_epochs, self.ppo_mini_batches = ppo_epochs, ppo_mini_batches
         self.step = 0
+        self.optimizer_offload = Offload(self._optimizer_state)
+        """The optimizer state off the device between colocated turns (`release_optimizer`)."""
+
+    def _optimizer_state(self) -> list[torch.Tensor]:
+        """The optimizers' state on the engine's device (the policy's; the critic's too)."""
+        optimizers = [self.optimizer] + ([self.critic.optimizer] if self.critic else [])
+        return optimizer_state(optimizers, self.device)
+
+    def release_optimizer(self) -> int:
+        """The optimizer state off the device (`engines.protocols.ReleasableTrainEngine`); the
+        bytes moved."""
+        return self.optimizer_offload.release()
+
+    def resume_optimizer(self) -> int:
+        """The optimizer state back on the device; the bytes moved."""
+        return self.optimizer_offload.resume()
+
+    def _optimizer_held(self, what: str) -> None:
+        """RuntimeError when the optimizer state is released: `what` would read freed
+        storages (a step faults or trains on garbage, a save writes empty tensors)."""
+        if self.optimizer_offload.released:
+            raise RuntimeError(f"the optimizer state is released: resume_optimizer before {what}")
 
     def _load_model(self, model_dir: Path, whole: bool) -> PreTrainedModel:
         """The HF model in float32 on the CPU (`whole`: the reference copy or the critic needs
@@ -276,6 +303,7 @@ class TorchTrainEngine:
         value_clip_frac, critic_grad_norm, and before the step's updates value_mean, return_mean,
         explained_variance.
         """
+        self._optimizer_held("a train step")
         self.model.train()
         multi = self.ppo_epochs * self.ppo_mini_batches > 1
         proximal = self._proximal(micro_batches) if multi and self.loss_config.decoupled else None
@@ -486,6 +514,7 @@ class TorchTrainEngine:
         `extra` must hold plain data (numbers, strings, lists, dicts, tensors): checkpoints
         are read back with ``weights_only=True``, which refuses arbitrary pickles.
         """
+        self._optimizer_held("a checkpoint save")
         state = {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -500,6 +529,7 @@ class TorchTrainEngine:
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
         """Restores everything `save_checkpoint` wrote; returns its `extra`."""
+        self.optimizer_offload.resume()  # the state it replaces: its spill dropped
         state = torch.load(path, map_location=self.device, weights_only=True)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])

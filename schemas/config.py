@@ -23,7 +23,7 @@ from schemas.algorithm_config import AlgorithmFamily
 from schemas.events import SamplingParams
 from schemas.model_config import ModelConfig
 from schemas.names import check_run_id
-from schemas.placement import Placement, colocation_refusal, lend_refusal
+from schemas.placement import Placement, colocation_refusal, lend_refusal, offload_refusal
 from schemas.report_config import ReportConfig
 from schemas.rollout_config import RolloutConfig
 from schemas.section import Section
@@ -263,7 +263,8 @@ class RunConfig(Section):
     bound hides the stages that need no device: reward, buffer, the gate). For now: a rollout
     engine on one device (vllm and sglang at tensor-parallel size 1; their release calls have
     not run on a GPU yet, docs/engines.md), the torch trainer at dp_size 1, one engine copy,
-    batch (not continuous) admission, no agent (`schemas.placement`)."""
+    batch (not continuous) admission, no agent (`schemas.placement`). The trainer's optimizer
+    state may leave the device between its turns too: `trainer.offload_optimizer`."""
     lend: bool = False
     """Lent capacity (dynamic scheduling, `placement: separated`): a trainer that has waited
     for its next batch longer than `trainer.lend_after` seconds generates rollout on its own
@@ -417,7 +418,7 @@ class RunConfig(Section):
                 "model.warm_start.dataset: none given, and only a built-in agent task "
                 f"({', '.join(AGENT_TASKS)}) has generated demonstrations: name a .jsonl of them"
             )
-        if refusal := colocation_refusal(self) or lend_refusal(self):
+        if refusal := colocation_refusal(self) or lend_refusal(self) or offload_refusal(self):
             raise ValueError(refusal)
         stream_needs(self)  # an override below a stream's need: refused, with the derivation
         return self

@@ -10,8 +10,8 @@ simulated; vLLM's and SGLang's calls have not run on a GPU yet, docs/engines.md)
 colocation cannot do yet is refused on load, in one line (`colocation_refusal`), so a run
 never starts a placement that would stall or share a device unguarded: an engine over
 several devices (tensor parallel), a trainer over several ranks, several engine copies,
-continuous admission, the collective weights transport, agent episodes. This module knows
-nothing of NATS.
+continuous admission, the collective weights transport, agent episodes. The trainer's
+`offload_optimizer` needs colocation (`offload_refusal`). This module knows nothing of NATS.
 
 `lend: true` (separated only): the trainer lends its device to rollout while it waits for
 its batches (`consumers.lending`); `lend_refusal` says what that cannot do yet.
@@ -80,6 +80,17 @@ def engine_ranks(config: RunConfig) -> int:
     if isinstance(settings, SGLangRolloutConfig):
         return settings.tp_size
     return 1
+
+
+def offload_refusal(config: RunConfig) -> str | None:
+    """Why `config` cannot offload the trainer's optimizer state (one line), or None."""
+    if config.trainer.offload_optimizer and config.placement != "colocated":
+        return (
+            f"trainer.offload_optimizer needs placement colocated, not {config.placement}: "
+            "the trainer never gives its device back, so moving its optimizer state off and on "
+            "would only slow each step"
+        )
+    return None
 
 
 LENDABLE_ENGINES = ("simulated",)

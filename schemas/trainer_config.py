@@ -137,6 +137,14 @@ class TrainerConfig(Section):
     activation memory of one block rather than of every block, for about one more forward
     pass of compute. torch and fsdp engines: the HF model's gradient checkpointing per block
     (non-reentrant); megatron: `recompute_granularity: full`, one layer at a time."""
+    offload_optimizer: bool = False
+    """`placement: colocated`: the optimizer state (AdamW's two moments, 2x the float32
+    weights) leaves the device at the end of each of the trainer's turns, after the step's
+    checkpoint, and comes back at the start of the next, before it trains
+    (`engines.release.Offload`: to host memory on a GPU; on the CPU to an unlinked file, out
+    of the process), so the rollout engine's turn has that memory too, for a copy each way per
+    step. verl's `optimizer_offload`. Refused unless colocated: separated, the trainer never
+    gives its device back."""
     seed: int = 0
     """Trainer seed (torch, numpy, python)."""
     checkpoint_dir: str = ""

@@ -107,6 +107,19 @@ def test_what_colocation_cannot_do_is_refused_in_one_line(
     assert parse_config({}).placement == "separated"  # the default: nothing changes
 
 
+def test_offloading_the_optimizer_is_refused_unless_colocated() -> None:
+    """Separated, the trainer never gives its device back: moving its optimizer state off and
+    on each step would only slow it."""
+    offload = {"trainer": {"offload_optimizer": True}}
+    with pytest.raises(ConfigError) as refused:
+        parse_config(offload)
+    said = str(refused.value)
+    assert "trainer.offload_optimizer needs placement colocated, not separated" in said, said
+    assert "\n" not in said
+    assert parse_config({**COLOCATED, **offload}).trainer.offload_optimizer
+    assert not parse_config(COLOCATED).trainer.offload_optimizer  # the default: kept on device
+
+
 @pytest.mark.parametrize("engine", ["simulated", "hf", "vllm", "sglang"])
 def test_every_rollout_engine_with_its_release_wired_may_run_colocated(engine: str) -> None:
     config = parse_config({**COLOCATED, "rollout": {"engine": engine, "continuous": False}})

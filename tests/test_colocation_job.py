@@ -10,13 +10,16 @@ turns.
   and through shared memory (a tmpfs: the filesystem transport under /dev/shm);
 - a kill -9 in each phase (the rollout holding the device, then the trainer holding it): the
   fleet restarts each, the dead holder's lease ends with its membership, and the run still
-  trains every sample, the timeline still never overlapping.
+  trains every sample, the timeline still never overlapping; with `trainer.offload_optimizer`
+  on, its optimizer state leaving the device at the end of every turn (after the restarted
+  trainer's checkpoint load too) and coming back whole.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -82,6 +85,9 @@ def test_a_colocated_run_takes_turns_and_trains_every_sample(tmp_path: Path, mod
 
 @pytest.mark.timeout(420)
 def test_a_colocated_run_killed_in_each_phase_loses_nothing(tmp_path: Path) -> None:
+    """The trainer offloads its optimizer state here (`trainer.offload_optimizer`): a run of
+    its own would cost a minute more of CI for what this one shows as well, the restart from a
+    checkpoint included."""
     log, crashes = tmp_path / "phases.jsonl", tmp_path / "crashes"
     env = {
         **clean_env(),
@@ -89,13 +95,23 @@ def test_a_colocated_run_killed_in_each_phase_loses_nothing(tmp_path: Path) -> N
         CRASH_RECORD: str(crashes),
         CRASH_AT: f"{ROLLOUT_HOLDING_DEVICE.name}@3,{TRAINER_HOLDING_DEVICE.name}@3",
     }
-    job = run_local_job(colocated("sync"), tmp_path, STEPS, timeout=360, env=env)
+    config = colocated("sync")
+    config["trainer"]["offload_optimizer"] = True
+    job = run_local_job(config, tmp_path, STEPS, timeout=360, env=env)
     fired = records(crashes)
     assert sorted(fired) == sorted([ROLLOUT_HOLDING_DEVICE.name, TRAINER_HOLDING_DEVICE.name])
     assert job.summary["samples_trained"] == STEPS * PER_STEP * N
     kills: list[dict[str, Any]] = list(fired.values())
     killed = {int(r["pid"]): float(r["time"]) for r in kills}
     assert_exclusive(phase_intervals(read_timeline(log), killed))
+    trainer = "".join(text for name, text in sorted(job.logs.items()) if name.startswith("train"))
+    released = re.findall(r"optimizer state released \(([\d.]+) MiB", trainer)
+    resumed = re.findall(r"optimizer state resumed \(([\d.]+) MiB", trainer)
+    print("optimizer state released:", released, "resumed:", resumed)
+    # Each step's turn ends with a release (and the restarted trainer's first, after its load);
+    # every step after the first starts with a resume; the state's size never changes.
+    assert len(released) >= STEPS and len(resumed) >= STEPS - 1, (released, resumed)
+    assert len({*released, *resumed}) == 1 and float(released[0]) > 0, (released, resumed)
 
 
 SHM = Path("/dev/shm")

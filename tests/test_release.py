@@ -12,6 +12,11 @@ the allocator and the other threads of the test process.
 The weights watcher loads from its own thread while the phase's thread releases and resumes:
 a race between the two, run in a child process (`tests.release_race`), must lose no load and
 never fault.
+
+The torch train engine gives its optimizer state back the same way (`trainer.offload_optimizer`,
+`TorchTrainEngine.release_optimizer`): the resident set drops by the state's bytes, and
+training through a release and resume between each step is bit-identical to training without,
+a restore from a checkpoint included.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -32,7 +38,14 @@ from bus.lease import Lease
 from bus.topology import Topology
 from consumers.colocation import Phases
 from engines.hf_rollout import HFRolloutEngine
-from engines.protocols import ReleasableEngine, Sample, SamplingParams
+from engines.protocols import (
+    MicroBatch,
+    ReleasableEngine,
+    ReleasableTrainEngine,
+    Sample,
+    SamplingParams,
+)
+from engines.torch_train import TorchTrainEngine
 from schemas.kv_records import Member, Phase
 
 MIB = 1 << 20
@@ -193,3 +206,104 @@ def test_loads_from_another_thread_never_meet_a_release_halfway(model_dir: Path)
     assert child.returncode == 0, (child.returncode, child.stderr[-1500:])
     result = json.loads(child.stdout.strip().splitlines()[-1])
     assert result == {"version": loads, "loaded": True}, result
+
+
+def micro_batch(seed: int) -> MicroBatch:
+    """Two rows of 10 random tokens, the last 5 of each trained on, opposite advantages."""
+    from producers.tasks import VOCAB
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, len(VOCAB) - 1, (2, 10), generator=gen)
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[:, 5:] = 1
+    return MicroBatch(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        loss_mask=loss_mask,
+        advantages=torch.tensor([1.0, -1.0]),
+        behaviour_logprobs=-torch.rand(2, 10, generator=gen) * loss_mask,
+    )
+
+
+def state_bytes(engine: TorchTrainEngine) -> int:
+    """Bytes of the storages of every tensor in the optimizer's state now (AdamW's moments and
+    step counters; 0 while released)."""
+    state = [v for s in engine.optimizer.state.values() for v in s.values()]
+    assert all(isinstance(v, torch.Tensor) for v in state), "AdamW's state is all tensors"
+    return sum(v.untyped_storage().nbytes() for v in state)
+
+
+def test_the_torch_engine_gives_its_optimizer_state_back(sized_model: Path) -> None:
+    """After a step the AdamW state (two moments of the ~60 MiB of float32 weights, and the
+    step counters) leaves the process on `release_optimizer`: the resident set drops by about
+    its bytes, and rises by them again on `resume_optimizer`; no step may run meanwhile."""
+    engine = TorchTrainEngine(sized_model, lr=1e-3)
+    assert isinstance(engine, ReleasableTrainEngine)
+    assert engine.release_optimizer() == 0 and not engine.optimizer_offload.released  # no state
+    engine.train_step([micro_batch(0)])
+    state = state_bytes(engine)
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    assert state >= 2 * weights > 100 * MIB, (state, weights)
+    for _ in range(2):
+        held = resident_bytes()
+        started = time.perf_counter()
+        released = engine.release_optimizer()
+        release_seconds = time.perf_counter() - started
+        dropped = resident_bytes()
+        assert state_bytes(engine) == 0, "a state tensor kept its storage"
+        with pytest.raises(RuntimeError, match="released"):
+            engine.train_step([micro_batch(1)])
+        started = time.perf_counter()
+        resumed = engine.resume_optimizer()
+        resume_seconds = time.perf_counter() - started
+        again = resident_bytes()
+        print(
+            f"optimizer state {state / MIB:.1f} MiB: resident {held / MIB:.1f} MiB, released "
+            f"{dropped / MIB:.1f} MiB ({release_seconds:.3f} s), resumed {again / MIB:.1f} MiB "
+            f"({resume_seconds:.3f} s)"
+        )
+        assert released == resumed == state == state_bytes(engine)
+        assert held - dropped >= RELEASED_SHARE * state, (held, dropped, state)
+        assert again - dropped >= RELEASED_SHARE * state, (dropped, again, state)
+
+
+def test_training_through_releases_is_bit_identical(model_dir: Path, tmp_path: Path) -> None:
+    """Three steps with the optimizer state released and resumed after each (a checkpoint
+    saved before the release, as the trainer does) give the very parameters and state of three
+    steps without; so does a restart from the first step's checkpoint that releases and
+    resumes after its load and after each step, as a restarted colocated trainer does."""
+    batches = [[micro_batch(seed)] for seed in range(3)]
+    plain = TorchTrainEngine(model_dir, lr=1e-2)
+    offloaded = TorchTrainEngine(model_dir, lr=1e-2)
+    checkpoint = tmp_path / "rank0.pt"
+    for index, batch in enumerate(batches):
+        plain.train_step(batch)
+        offloaded.train_step(batch)
+        if index == 0:
+            offloaded.save_checkpoint(checkpoint)
+        assert offloaded.release_optimizer() > 0 and state_bytes(offloaded) == 0
+        with pytest.raises(RuntimeError, match="released"):
+            offloaded.save_checkpoint(tmp_path / "refused.pt")
+        offloaded.resume_optimizer()
+    restored = TorchTrainEngine(model_dir, lr=1e-2, seed=1)
+    restored.load_checkpoint(checkpoint)
+    assert restored.step == 1
+    for batch in batches[1:]:
+        assert restored.release_optimizer() > 0
+        restored.resume_optimizer()
+        restored.train_step(batch)
+    for engine in (offloaded, restored):
+        assert_same_training(plain, engine)
+
+
+def assert_same_training(expected: TorchTrainEngine, got: TorchTrainEngine) -> None:
+    """The same step, parameters and optimizer state, bit for bit."""
+    assert got.step == expected.step
+    mine = dict(got.model.named_parameters())
+    for name, param in expected.model.named_parameters():
+        assert torch.equal(mine[name], param), f"{name} differs"
+    theirs, ours = expected.optimizer.state_dict()["state"], got.optimizer.state_dict()["state"]
+    assert theirs.keys() == ours.keys()
+    for index, state in theirs.items():
+        for key, value in state.items():
+            assert torch.equal(ours[index][key], value), f"optimizer state {index}.{key} differs"
