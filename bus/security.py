@@ -142,15 +142,30 @@ def declare_rules(t: Topology) -> list[Rule]:
 
 def create_rules(t: Topology) -> list[Rule]:
     """`Topology.apply` on a new run: create every stream, bucket and the object store."""
-    return [
-        Rule(f"{API}.STREAM.CREATE.{s}", "create the run (Topology.apply)") for s in run_streams(t)
-    ] + [
-        Rule(
-            f"{API}.STREAM.UPDATE.{t.stream(c)}",
-            "switch a new work stream to interest retention once its work queue exists",
-        )
-        for c in (TRAJECTORIES, REWARDS, SCORED)
-    ]
+    return (
+        [
+            Rule(f"{API}.STREAM.CREATE.{s}", "create the run (Topology.apply)")
+            for s in run_streams(t)
+        ]
+        + [
+            Rule(
+                f"{API}.STREAM.UPDATE.{t.stream(c)}",
+                "switch a new work stream to interest retention once its work queue exists",
+            )
+            for c in (TRAJECTORIES, REWARDS, SCORED)
+        ]
+        + [
+            Rule(
+                f"{API}.STREAM.UPDATE.{s}",
+                "give a new bucket's stream the run's streams.max_consumers (Topology.apply)",
+            )
+            for s in (
+                kv_stream(t.kv_bucket),
+                kv_stream(t.members_bucket),
+                object_stream(t.object_bucket),
+            )
+        ]
+    )
 
 
 def work_queue_rules(t: Topology, channel: Channel) -> list[Rule]:

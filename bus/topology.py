@@ -69,7 +69,7 @@ from bus.channels import (
 )
 from bus.embedded import MAX_PAYLOAD
 from schemas.names import check_run_id
-from schemas.streams_config import MAX_WAITING, stream_needs, window_needs
+from schemas.streams_config import MAX_CONSUMERS, MAX_WAITING, stream_needs, window_needs
 
 if TYPE_CHECKING:
     from schemas.config import RunConfig
@@ -170,6 +170,8 @@ class Topology:
     on prompts and samples in flight). The table's value is the floor."""
     max_waiting: int = MAX_WAITING
     """Pull requests a work queue's consumer keeps waiting at once (`streams.max_waiting`)."""
+    max_consumers: int = MAX_CONSUMERS
+    """Consumers each stream and bucket of the run may hold (`streams.max_consumers`)."""
     reference: bool = False
     """The run has the reference stage (`reference.enabled`): it reads `rewards`,
     the buffer `scored`."""
@@ -186,6 +188,7 @@ class Topology:
             keep_consumed=config.streams.consumed == "keep",
             windows=window_needs(config),
             max_waiting=config.streams.max_waiting,
+            max_consumers=config.streams.max_consumers,
             reference=config.reference.enabled,
         )
 
@@ -269,6 +272,8 @@ class Topology:
             max_bytes=self.max_bytes[channel.name],
             max_age=self.max_age,
             max_msg_size=MAX_PAYLOAD,
+            # Explicit: the server's default is 1,000 consumers a stream (nats-server 2.15).
+            max_consumers=self.max_consumers,
             storage=StorageType.FILE,
             num_replicas=self.replicas,
             # The server refuses a dedup window longer than the age limit.
@@ -345,6 +350,7 @@ class Topology:
                 await js.create_key_value(
                     KeyValueConfig(bucket=bucket, history=1, ttl=ttl, replicas=self.replicas)
                 )
+                await self.allow_consumers(js, f"KV_{bucket}")
         try:
             await js.object_store(self.object_bucket)
         except (BucketNotFoundError, NotFoundError):
@@ -352,6 +358,13 @@ class Topology:
                 self.object_bucket,
                 ObjectStoreConfig(bucket=self.object_bucket, replicas=self.replicas),
             )
+            await self.allow_consumers(js, f"OBJ_{self.object_bucket}")
+
+    async def allow_consumers(self, js: JetStreamContext, stream: str) -> None:
+        """A bucket's stream given the run's `max_consumers` once it is made (nats-py's bucket
+        configs have no such field; the server's default is 1,000 consumers a stream)."""
+        config = (await js.stream_info(stream)).config
+        await js.update_stream(dataclasses.replace(config, max_consumers=self.max_consumers))
 
     async def delete(self, js: JetStreamContext) -> None:
         for channel in CHANNELS:

@@ -58,6 +58,8 @@ GATED_WINDOWS = ("prompts", "rewards", "scored")
 """The streams whose work queue's `max_ack_pending` the gate's bound raises (`window_needs`)."""
 MAX_WAITING = 4096
 """Default `streams.max_waiting`: room for a few thousand idle workers' pull requests."""
+MAX_CONSUMERS = 65_536
+"""Default `streams.max_consumers`: room for tens of thousands of workers' readers."""
 MIN_STREAM_BYTES = 64 * MIB
 """No stream is made smaller than this: a tiny run's need is a few KB, and a few MB cost nothing."""
 DEAD_BYTES = 1 << 30
@@ -100,6 +102,14 @@ class StreamsConfig(Section):
     MaxWaiting", `bus.pull.PullRefused`) and those workers back off instead of working. Set it
     above the largest number of workers one stage will run (at the old fixed 512, 88 of 600 idle
     workers' requests were refused: tests/test_fleet_windows.py)."""
+    max_consumers: int = Field(MAX_CONSUMERS, ge=1)
+    """Consumers each stream of the run may hold at once: every channel's stream, the KV
+    buckets' and the object store's. nats-server 2.15 holds a stream that sets no limit to
+    1,000 (and reads 0 or -1 as that default), and every rollout worker reads `weights` through
+    a consumer of its own (with the object store, each version's chunks through another): at
+    1,000 workers the server refused the next one ("maximum consumers limit reached", err
+    10026; `ops.bench.scale`, docs/scale.md). Set it above the largest fleet the run will have.
+    Set when the run's streams and buckets are made."""
     guard_seconds: float = Field(10.0, gt=0)
     """How often each worker checks its work queue for loss: the stream's first sequence past the
     durable consumer's ack floor (`bus.loss`)."""

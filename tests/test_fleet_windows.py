@@ -6,19 +6,26 @@ Real nats-server. Two limits the scale model found below 1,000 rollout workers:
   bound (`schemas.streams_config.window_needs`), and the buffer's window with it.
 - `max_waiting` was fixed at 512: a fleet of more idle workers had the rest of its pull requests
   refused at once. It is now `streams.max_waiting` (default 4,096).
+And one the scale bench hit at 1,000: nats-server 2.15 holds a stream that sets no consumer
+limit to 1,000 consumers, and every rollout worker reads `weights` through its own. Every
+stream and bucket of a run now sets `streams.max_consumers` (default 65,536).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig
+from nats.js.errors import BadRequestError
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from bus.membership import Membership, live_members
 from bus.pull import Puller, PullRefused
-from bus.topology import PROMPTS, REWARDS, Topology
+from bus.topology import PROMPTS, REWARDS, WEIGHTS, Topology
 from schemas.config import ConfigError, RunConfig, parse_config
 from schemas.streams_config import window_needs
 
@@ -145,3 +152,57 @@ def test_one_process_holds_several_members(nats_server: EmbeddedNats) -> None:
             await nc.close()
 
     assert asyncio.run(main()) == ["rollout:7", "rollout:None", "rollout:None"]
+
+
+READERS = 1_010
+"""Consumers made on each stream: past the server's default limit of 1,000 a stream."""
+
+
+def test_every_stream_and_bucket_holds_more_readers_than_the_servers_default(
+    nats_server: EmbeddedNats,
+) -> None:
+    """`weights` (every rollout worker's reader), the members bucket (watchers) and the object
+    store (each fetch's chunk reader) each take 1,010 consumers; a stream made without the
+    limit refuses the 1,001st, so the server's default is what the run's limit lifts."""
+    topology = Topology.for_config(big_run("consumers"))
+    streams = {
+        "weights": topology.stream(WEIGHTS),
+        "members": f"KV_{topology.members_bucket}",
+        "objects": f"OBJ_{topology.object_bucket}",
+    }
+
+    async def made(js: JetStreamContext, stream: str) -> int:
+        """Consumers made on `stream` before the server refused one (READERS if none was)."""
+        for count in range(READERS):
+            config = ConsumerConfig(ack_policy=AckPolicy.NONE, inactive_threshold=60)
+            try:
+                await js.add_consumer(stream, config)
+            except BadRequestError as exc:
+                assert exc.description == "maximum consumers limit reached", exc
+                return count
+        return READERS
+
+    async def main() -> dict[str, int]:
+        nc = await connect(nats_server.url, "test-consumers")
+        js = nc.jetstream()
+        try:
+            await topology.apply(js)
+            counts = {name: await made(js, stream) for name, stream in streams.items()}
+            bare = Topology(run="bareconsumers")
+            await js.add_stream(
+                dataclasses.replace(bare.stream_config(WEIGHTS), max_consumers=None)
+            )
+            counts["without the limit"] = await made(js, bare.stream(WEIGHTS))
+            await js.delete_stream(bare.stream(WEIGHTS))
+        finally:
+            await topology.delete(js)
+            await nc.close()
+        return counts
+
+    counts = asyncio.run(main())
+    assert counts == {
+        "weights": READERS,
+        "members": READERS,
+        "objects": READERS,
+        "without the limit": 1_000,
+    }, counts
