@@ -50,8 +50,9 @@ def _no_group_left() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def micro_batch() -> MicroBatch:
-    gen = torch.Generator().manual_seed(0)
+def micro_batch(seed: int = 0) -> MicroBatch:
+    """Two rows of 10 random tokens, the last 5 of each trained on, opposite advantages."""
+    gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, len(VOCAB) - 1, (2, 10), generator=gen)
     loss_mask = torch.zeros_like(ids)
     loss_mask[:, 5:] = 1

@@ -39,7 +39,6 @@ from bus.topology import Topology
 from consumers.colocation import Phases
 from engines.hf_rollout import HFRolloutEngine
 from engines.protocols import (
-    MicroBatch,
     ReleasableEngine,
     ReleasableTrainEngine,
     Sample,
@@ -47,6 +46,7 @@ from engines.protocols import (
 )
 from engines.torch_train import TorchTrainEngine
 from schemas.kv_records import Member, Phase
+from tests.test_activation_checkpointing import micro_batch
 
 MIB = 1 << 20
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
@@ -206,23 +206,6 @@ def test_loads_from_another_thread_never_meet_a_release_halfway(model_dir: Path)
     assert child.returncode == 0, (child.returncode, child.stderr[-1500:])
     result = json.loads(child.stdout.strip().splitlines()[-1])
     assert result == {"version": loads, "loaded": True}, result
-
-
-def micro_batch(seed: int) -> MicroBatch:
-    """Two rows of 10 random tokens, the last 5 of each trained on, opposite advantages."""
-    from producers.tasks import VOCAB
-
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, len(VOCAB) - 1, (2, 10), generator=gen)
-    loss_mask = torch.zeros_like(ids)
-    loss_mask[:, 5:] = 1
-    return MicroBatch(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        loss_mask=loss_mask,
-        advantages=torch.tensor([1.0, -1.0]),
-        behaviour_logprobs=-torch.rand(2, 10, generator=gen) * loss_mask,
-    )
 
 
 def state_bytes(engine: TorchTrainEngine) -> int:
