@@ -26,8 +26,8 @@ from schemas.episode_state import EpisodeState
 from schemas.events import (
     Event,
     PromptEvent,
-    RewardEvent,
-    TrajectoryEvent,
+    Rewards,
+    Trajectories,
 )
 from schemas.kv_records import (
     DeviceLease,
@@ -138,17 +138,19 @@ PROMPTS: Channel[PromptEvent] = Channel(
     ),
     queue=WorkQueue("rollout", ack_wait=ACK_WAIT, max_ack_pending=1024),
 )
-TRAJECTORIES: Channel[TrajectoryEvent] = Channel(
+# `trajectories`, `rewards` and `scored` carry a sample's event, or a whole group's
+# (`schemas.group_events`): a reader takes `each()`.
+TRAJECTORIES: Channel[Trajectories] = Channel(
     "trajectories",
-    TrajectoryEvent,
+    Trajectories,
     None,
     publishers=("rollout", "trainer"),  # the trainer's: `lend: true` (`consumers.lending`)
     readers=(Reader("reward", Read.WORK_QUEUE),),
     queue=WorkQueue("reward", ack_wait=ACK_WAIT, max_ack_pending=4096),
 )
-REWARDS: Channel[RewardEvent] = Channel(
+REWARDS: Channel[Rewards] = Channel(
     "rewards",
-    RewardEvent,
+    Rewards,
     None,
     publishers=("reward",),
     # The producer follows it for `samples.jsonl` (`producers.samples`).
@@ -157,16 +159,16 @@ REWARDS: Channel[RewardEvent] = Channel(
     # pending window must hold several steps of samples.
     queue=WorkQueue("buffer", ack_wait=ACK_WAIT, max_ack_pending=65536),
 )
-REWARDS_TO_REFERENCE: Channel[RewardEvent] = dataclasses.replace(
+REWARDS_TO_REFERENCE: Channel[Rewards] = dataclasses.replace(
     REWARDS,
     readers=(Reader("reference", Read.WORK_QUEUE), Reader("producer", Read.BY_POSITION)),
     queue=WorkQueue("reference", ack_wait=ACK_WAIT, max_ack_pending=4096),
 )
 """`rewards` as a run with `reference.enabled` has it: the same stream,
 read by the reference stage."""
-SCORED: Channel[RewardEvent] = Channel(
+SCORED: Channel[Rewards] = Channel(
     "scored",
-    RewardEvent,
+    Rewards,
     None,
     publishers=("reference",),
     readers=(Reader("buffer", Read.WORK_QUEUE),),

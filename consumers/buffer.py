@@ -3,7 +3,9 @@
 The loop holds every RewardEvent *unacked* until the batch containing it is stored (the
 stream is the state: a buffer that dies loses nothing, its inputs are redelivered).
 
-    reward -> cannot ever be batched? -> Reject (to dead, with the reason)
+    reward (a sample's event, or a whole group's: `schemas.group_events`)
+        -> cannot ever be batched? -> Reject (to dead, with the reason; a group's event whole,
+           its prompt recorded as dropped)
         -> group by prompt id -> complete group?
         failed sample / all-equal rewards / non-finite advantages -> drop (KV
         `drop.<prompt id>` = a DropRecord typed by its kind, `consumers.buffer_groups`), ack;
@@ -50,7 +52,7 @@ from consumers.buffer_groups import Group, episode_stats, regenerations_left
 from consumers.buffer_groups import step_advantages as group_advantages
 from consumers.buffer_replay import BatchedSoFar, next_kl_coef, read_batches
 from consumers.packing import Row, bytes_per_token, pack_step, row_too_long
-from schemas import BatchEvent, RewardEvent, Tensor
+from schemas import BatchEvent, RewardEvent, RewardGroupEvent, Rewards, Tensor
 from schemas.kv_records import DropKind, DropRecord
 
 log = logging.getLogger("jetrl.buffer")
@@ -81,25 +83,46 @@ class Buffer:
         """Groups dropped for equal rewards while the step being formed forms (this process's
         count; -1 once past the cap), against `algorithm.max_regenerations`."""
 
-    async def handle(self, reward: RewardEvent, msg: Msg) -> Hold | None:
-        if reward.id in self.batched.sample_ids:
-            return None  # a redelivery of a sample already inside a stored batch
-        t = reward.trajectory
+    async def handle(self, event: Rewards, msg: Msg) -> Hold | None:
+        # One sample's event, or a whole group's (`schemas.group_events`): held by sample, the
+        # group's samples under its one message, acked or dropped together.
+        todo = [r for r in event.each() if r.id not in self.batched.sample_ids]
+        if not todo:
+            return None  # a redelivery of samples already inside a stored batch
         async with self.lock:  # group state changes only under the lock
-            self.check(reward)
-            group = self.groups.setdefault(
-                t.prompt_id, Group(t.prompt_id, t.group_size, self.batched.next_step)
-            )
-            group.add(reward, msg)
+            for reward in todo:  # one that can never be batched refuses the event whole
+                self.check(reward)
+            held: dict[str, Group] = {}
+            for reward in todo:
+                t = reward.trajectory
+                group = self.groups.setdefault(
+                    t.prompt_id, Group(t.prompt_id, t.group_size, self.batched.next_step)
+                )
+                group.add(reward, msg)
+                held[t.prompt_id] = group
             # The sample is held from here on: what fails now is the bus, not this sample, and
             # the worker must not nak a message a group holds (a later ack of it would fail,
             # half-way through acking a stored step). `retry_unsettled` tries again.
             try:
-                await self.settle([group])
+                await self.settle(list(held.values()))
             except BUS_TROUBLE as exc:
                 self.unsettled = True
                 log.warning("step %d not settled, retried shortly: %r", self.batched.next_step, exc)
         return HOLD
+
+    async def refused(self, event: Rewards, reason: str) -> None:
+        """A whole group's event the buffer refused (`check`) or gave up on, now in `dead`: its
+        prompt is recorded as dropped (the gate issues another), and a sample of it that comes
+        later is refused too. A sample's own event needs neither: its group waits, incomplete,
+        until `drop_overdue` drops it."""
+        if not isinstance(event, RewardGroupEvent):
+            return
+        self.abandoned[event.prompt_id] = reason
+        record = DropRecord(
+            kind=DropKind.REFUSED, reason=reason, samples=len(event.rewards), time=time.time()
+        )
+        with contextlib.suppress(KeyWrongLastSequenceError):  # recorded before a restart
+            await self.rt.kv.create(drop_key(event.prompt_id), record.encode())
 
     async def settle(self, groups: list[Group]) -> None:
         """Drop those of `groups` that are complete and cannot be trained, then form every step
@@ -205,6 +228,7 @@ class Buffer:
         )  # the name the worker dead-letters under
         for reward, msg in group.samples.values():
             self.trace_outcome(reward, msg, reason=reason)
+        for msg in group.messages():
             if dead:
                 await dead_letter(self.rt.publisher, stage, msg, reason)
             with contextlib.suppress(MsgAlreadyAckdError):  # settled by an earlier try
@@ -298,7 +322,7 @@ class Buffer:
             # Acked once the step is settled here: a redelivery of one not acked (a failed ack,
             # a kill) is then recognised as batched and acked.
             for group in chosen:
-                for _, msg in group.samples.values():
+                for msg in group.messages():
                     with contextlib.suppress(MsgAlreadyAckdError):
                         await msg.ack()
             await self.drop_overdue()  # steps formed are what a held group's wait is counted in
@@ -391,7 +415,7 @@ class Buffer:
                         log.warning("step %d still not settled: %r", self.batched.next_step, exc)
 
 
-async def build(rt: Runtime) -> Stage[RewardEvent]:
+async def build(rt: Runtime) -> Stage[Rewards]:
     """The buffer stage: what the batch stream says first, then rewards served by
     `Buffer.handle`, beside the retry of what the bus did not let a handler settle."""
     buffer = Buffer(rt, await read_batches(rt))
@@ -402,6 +426,7 @@ async def build(rt: Runtime) -> Stage[RewardEvent]:
         buffer.handle,
         options,
         helpers={"retry unsettled steps": buffer.retry_unsettled},
+        on_dead=buffer.refused,
     )
 
 

@@ -48,6 +48,10 @@ class Group:
             self.min_version, int(reward.trajectory.trained_versions().min(initial=1 << 30))
         )
 
+    def messages(self) -> list[Msg]:
+        """The messages holding the group's samples, each once (a group's event holds all)."""
+        return list({id(msg): msg for _, msg in self.samples.values()}.values())
+
     @property
     def complete(self) -> bool:
         return len(self.samples) == self.size

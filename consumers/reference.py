@@ -1,5 +1,5 @@
 """`python -m consumers.reference --run R [--nats URL]`: rewards in,
-rewards with reference log-probs out.
+rewards with reference log-probs out (a whole group's as one event).
 
 The stage between reward and buffer when the run has `reference.enabled` (verl's reference
 workers): each scored sample's response is scored again, by the frozen initial model
@@ -34,10 +34,11 @@ from bus.stage import Stage, run_stage
 from bus.topology import SCORED
 from bus.worker import Handler, Reject, WorkerOptions
 from consumers.checks import ModelLimits
+from consumers.group_publish import publish_group
 from engines.device import resolve_device, torch_dtype
 from engines.model_source import ModelNotFound, resolve_model_path
 from engines.reference import ReferenceEngine
-from schemas import RewardEvent, Tensor
+from schemas import RewardEvent, RewardGroupEvent, Rewards, Tensor
 
 log = logging.getLogger("jetrl.reference")
 
@@ -79,10 +80,11 @@ class Batcher:
                     future.set_result(logprobs)
 
 
-def reference_handler(rt: Runtime, batcher: Batcher, limits: ModelLimits) -> Handler[RewardEvent]:
-    """Score one sample's response under the reference model and store it on `scored`."""
+def reference_handler(rt: Runtime, batcher: Batcher, limits: ModelLimits) -> Handler[Rewards]:
+    """Score each sample's response (one, or a whole group's) under the reference model and
+    store them on `scored`, a group's as one event (`schemas.group_events`)."""
 
-    async def handle(reward: RewardEvent, _msg: Msg) -> None:
+    async def score(reward: RewardEvent) -> RewardEvent:
         t = reward.trajectory
         segments = t.segments()  # an episode split where its render stopped extending: several
         for s in segments:
@@ -102,7 +104,7 @@ def reference_handler(rt: Runtime, batcher: Batcher, limits: ModelLimits) -> Han
                 *(batcher.score(s.prompt, s.response) for s in segments)
             )
         *earlier, own = (Tensor.from_numpy(lp.astype(np.float32)) for lp in scored_segments)
-        scored = RewardEvent.model_validate(
+        return RewardEvent.model_validate(
             {
                 **dict(reward),
                 "source": rt.source,
@@ -110,17 +112,32 @@ def reference_handler(rt: Runtime, batcher: Batcher, limits: ModelLimits) -> Han
                 "earlier_ref_logprobs": tuple(earlier),
             }
         )
+
+    async def handle(event: Rewards, _msg: Msg) -> None:
+        # A group's samples are queued at once: they share forward passes.
+        each = await asyncio.gather(*(score(r) for r in event.each()))
+        scored: Rewards = (
+            RewardGroupEvent(
+                id=event.id,
+                run=event.run,
+                source=rt.source,
+                prompt_id=event.prompt_id,
+                rewards=tuple(each),
+            )
+            if isinstance(event, RewardGroupEvent)
+            else each[0]
+        )
         try:
-            await rt.publisher.publish(SCORED, scored)
+            await publish_group(rt.publisher, SCORED, scored)
         except EventTooLarge as exc:  # retrying cannot shrink it: straight to dead, with the reason
             raise Reject(str(exc)) from None
-        REFERENCE_STORED_NOT_ACKED(reward.id)
-        metrics.count_samples("reference", "scored")
+        REFERENCE_STORED_NOT_ACKED(event.id)
+        metrics.count_samples("reference", "scored", len(each))
 
     return handle
 
 
-async def build(rt: Runtime) -> Stage[RewardEvent]:
+async def build(rt: Runtime) -> Stage[Rewards]:
     """The reference stage: the frozen initial model (`model.path`) at the rollout's sampling
     temperature, in `model.dtype` on this worker's device, serving `rewards`."""
     cfg = rt.config

@@ -1,4 +1,4 @@
-"""The reward worker: trajectories in, scored RewardEvents out.
+"""The reward worker: trajectories in, scored RewardEvents out (a whole group's as one event).
 
     python -m consumers.reward --run R [--nats URL]
 
@@ -14,6 +14,7 @@ duplicate the stream drops. SIGTERM stops fetching, finishes what was fetched, a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import numpy as np
@@ -27,10 +28,19 @@ from bus.runtime import Runtime
 from bus.stage import Stage, run_stage
 from bus.topology import REWARDS, TRAJECTORIES
 from bus.worker import Handler, Reject, WorkerOptions
+from consumers.group_publish import publish_group
 from consumers.reward_batch import BatchScorer
 from consumers.reward_pool import RewardPool, RewardSpecError, Score
 from consumers.reward_sandbox import IsolationUnavailable
-from schemas import RewardEvent, Tensor, TrajectoryEvent
+from schemas import (
+    RewardEvent,
+    RewardGroupEvent,
+    Rewards,
+    Tensor,
+    Trajectories,
+    TrajectoryEvent,
+    TrajectoryGroupEvent,
+)
 from schemas.kv_records import failure_key
 from schemas.turn_rewards import trajectory_turn_rewards
 
@@ -39,14 +49,15 @@ LOGGED_REASONS = 100
 """Most distinct failure reasons one worker logs (a message quoting each sample is many)."""
 
 
-def reward_handler(rt: Runtime, pool: RewardPool) -> Handler[TrajectoryEvent]:
-    """Score one trajectory with the run's reward function and store its RewardEvent; the
-    handlers running at once share round trips to the pool (`consumers.reward_batch`)."""
+def reward_handler(rt: Runtime, pool: RewardPool) -> Handler[Trajectories]:
+    """Score each sample of a trajectory event (one, or a whole group) with the run's reward
+    function and store its reward event, a group's as one (`schemas.group_events`); the samples
+    and the handlers running at once share round trips to the pool (`consumers.reward_batch`)."""
     scorer = BatchScorer(pool, rt.config.data.reward, rt.config.reward.batch)
     seen: set[str] = set()  # failure reasons logged: each distinct one once (`failure_key`)
     turn_credit = rt.config.agent is not None and rt.config.agent.turn_rewards
 
-    async def handle(event: TrajectoryEvent, _msg: Msg) -> None:
+    async def score(event: TrajectoryEvent) -> RewardEvent:
         with tracing.tracer.start_as_current_span(
             "reward",
             attributes={
@@ -62,7 +73,7 @@ def reward_handler(rt: Runtime, pool: RewardPool) -> Handler[TrajectoryEvent]:
             if score.failed:  # shown as an error in Jaeger; the sample still flows, scored 0
                 span.set_attribute("jetrl.reason", score.reason)
                 span.set_status(StatusCode.ERROR, score.reason)
-        reward = RewardEvent(
+        return RewardEvent(
             id=event.id,
             run=rt.topology.run,
             source=rt.source,
@@ -73,23 +84,41 @@ def reward_handler(rt: Runtime, pool: RewardPool) -> Handler[TrajectoryEvent]:
             reason=score.reason,
             turn_rewards=None if turns is None else Tensor.from_numpy(turns),
         )
-        try:
-            await rt.publisher.publish(REWARDS, reward)
-        except EventTooLarge as exc:  # retrying cannot shrink it: straight to dead, with the reason
-            raise Reject(str(exc)) from None
-        metrics.count_samples("reward", "failed" if score.failed else "scored")
-        key = failure_key(score.reason) if score.failed else ""
+
+    def counted(reward: RewardEvent) -> None:
+        metrics.count_samples("reward", "failed" if reward.failed else "scored")
+        key = failure_key(reward.reason) if reward.failed else ""
         if key and key not in seen and len(seen) < LOGGED_REASONS:
             seen.add(key)
             log.warning(
                 "reward function %s failed on sample %s: %s (first failure of this kind; the "
                 "run counts the others: progress line, ops.status, summary.json)",
                 rt.config.data.reward,
-                event.id,
+                reward.id,
                 key,
             )
-        if not score.failed:
-            metrics.REWARD.record(score.reward)
+        if not reward.failed:
+            metrics.REWARD.record(reward.reward)
+
+    async def handle(event: Trajectories, _msg: Msg) -> None:
+        rewards = await asyncio.gather(*(score(t) for t in event.each()))
+        scored: Rewards = (
+            RewardGroupEvent(
+                id=event.id,
+                run=rt.topology.run,
+                source=rt.source,
+                prompt_id=event.prompt_id,
+                rewards=tuple(rewards),
+            )
+            if isinstance(event, TrajectoryGroupEvent)
+            else rewards[0]
+        )
+        try:
+            await publish_group(rt.publisher, REWARDS, scored)
+        except EventTooLarge as exc:  # retrying cannot shrink it: straight to dead, with the reason
+            raise Reject(str(exc)) from None
+        for reward in rewards:
+            counted(reward)
 
     return handle
 
@@ -104,7 +133,7 @@ def turn_rewards(event: TrajectoryEvent, score: Score) -> tuple[np.ndarray | Non
         return None, Score.failure(f"turn rewards: {exc}")
 
 
-async def build(rt: Runtime) -> Stage[TrajectoryEvent]:
+async def build(rt: Runtime) -> Stage[Trajectories]:
     """The reward stage: trajectories scored in a process pool. A function that cannot be
     imported would fail every sample: RewardSpecError refuses to start instead.
 

@@ -40,7 +40,7 @@ import nats.errors
 from bus.readers import ByPosition, Poison
 from bus.topology import REWARDS, drop_key
 from producers.gate import Producer
-from schemas import RewardEvent
+from schemas import RewardEvent, Rewards, prompt_of
 from schemas.config import RunConfig
 from schemas.kv_records import DropRecord
 
@@ -171,8 +171,13 @@ class SamplesWriter:
             return
         self.decode = await asyncio.to_thread(load_decoder, self.cfg)
         rt = self.producer.rt
-        reader: ByPosition[RewardEvent] = ByPosition(
-            rt.js, rt.topology, REWARDS, Poison("producer samples"), start_seq=1
+        reader: ByPosition[Rewards] = ByPosition(
+            rt.js,
+            rt.topology,
+            REWARDS,
+            Poison("producer samples"),
+            start_seq=1,
+            wanted=lambda event_id: self.wants(prompt_of(event_id)),
         )
         try:
             await reader.open()
@@ -188,7 +193,8 @@ class SamplesWriter:
                 except TimeoutError:
                     await self.settle()
                     continue
-                self.take(stored.event)
+                for reward in stored.event.each():  # a sample's event, or its group's
+                    self.take(reward)
                 if len(self.held) > MAX_HELD:
                     oldest = next(iter(self.held))
                     self.write(oldest, step=None)
@@ -196,10 +202,14 @@ class SamplesWriter:
         finally:
             await reader.close()
 
+    def wants(self, prompt_id: str) -> bool:
+        """Whether the group of `prompt_id` is a chosen one not written yet."""
+        return prompt_id not in self.done and self.cfg.report.samples(prompt_id)
+
     def take(self, reward: RewardEvent) -> None:
         """Hold `reward` if its group is a chosen one not written yet."""
         pid = reward.trajectory.prompt_id
-        if pid in self.done or not self.cfg.report.samples(pid):
+        if not self.wants(pid):
             return
         self.held.setdefault(pid, {})[reward.trajectory.sample_index] = reward
 
@@ -211,7 +221,7 @@ class SamplesWriter:
                 continue
             self.seen_steps.add(step)
             for sid in m.get("sample_ids", []):
-                pid = sid.rsplit("/", 1)[0]
+                pid = prompt_of(sid)
                 if pid not in self.done and self.cfg.report.samples(pid):
                     self.trained[pid] = step
 

@@ -6,9 +6,12 @@ from schemas.events import (
     Event,
     PromptEvent,
     RewardEvent,
+    Rewards,
     SamplingParams,
+    Trajectories,
     TrajectoryEvent,
 )
+from schemas.group_events import RewardGroupEvent, TrajectoryGroupEvent, group_id, prompt_of
 from schemas.segment import Segment
 from schemas.tensor import Tensor
 from schemas.weight_event import TensorSpec, WeightVersionEvent
@@ -19,12 +22,18 @@ __all__ = [
     "Event",
     "PromptEvent",
     "RewardEvent",
+    "RewardGroupEvent",
+    "Rewards",
     "SamplingParams",
     "Segment",
     "Tensor",
     "TensorSpec",
+    "Trajectories",
     "TrajectoryEvent",
+    "TrajectoryGroupEvent",
     "WeightVersionEvent",
     "decode",
     "encode",
+    "group_id",
+    "prompt_of",
 ]

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from schemas.batch_event import BatchEvent
 from schemas.events import Event, PromptEvent, RewardEvent, TrajectoryEvent
+from schemas.group_events import RewardGroupEvent, TrajectoryGroupEvent
 from schemas.weight_event import WeightVersionEvent
 
 E = TypeVar("E", bound=Event)
@@ -24,11 +25,14 @@ Upgrade = Callable[[dict[str, Any]], dict[str, Any]]
 EVENT_TYPES: tuple[type[Event], ...] = (
     PromptEvent,
     TrajectoryEvent,
+    TrajectoryGroupEvent,
     RewardEvent,
+    RewardGroupEvent,
     BatchEvent,
     WeightVersionEvent,
 )
-"""The five events of a run."""
+"""The events of a run: the five flows' (a trajectory and a reward also as a whole group,
+`schemas.group_events`)."""
 REGISTRY: dict[str, type[Event]] = {cls.TYPE: cls for cls in EVENT_TYPES}
 # (type, version) -> function turning a map of that version into one of version + 1.
 UPGRADES: dict[tuple[str, int], Upgrade] = {}

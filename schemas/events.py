@@ -1,14 +1,16 @@
-"""The five events of a run, each a frozen pydantic model with the common envelope.
+"""The events of a run's five flows, each a frozen pydantic model with the common envelope.
 
 Ids are deterministic so that `Nats-Msg-Id` dedup and the consumers' own seen-sets make
 every publish idempotent (so a retry or a redelivery is stored once):
     prompt      <run>/<epoch>/<index>
     trajectory  <prompt id>/<sample index>     (its RewardEvent reuses the same id)
+    group       <prompt id>/group              (a whole group's trajectories, then rewards)
     batch       <run>/step/<step>/<dp rank>/<micro index>
     weights     <run>/weights/<version>/<content digest>   (a resumed trainer's versions are new)
 
 The batch event is in `schemas.batch_event`; the weight event, with its manifest and shards,
-in `schemas.weight_event`; `EVENT_TYPES` (all five) in `schemas.codec`.
+in `schemas.weight_event`; a whole group's trajectories or rewards in `schemas.group_events`;
+`EVENT_TYPES` (all of them) in `schemas.codec`.
 """
 
 from __future__ import annotations
@@ -121,7 +123,25 @@ class PromptEvent(Event):
         return self
 
 
-class TrajectoryEvent(Event):
+class Trajectories(Event):
+    """What the `trajectories` stream carries: one sample (`TrajectoryEvent`) or a whole group
+    (`schemas.group_events.TrajectoryGroupEvent`); a reader takes `each()` either way."""
+
+    def each(self) -> tuple[TrajectoryEvent, ...]:
+        """The samples this event carries, in sample order."""
+        raise NotImplementedError
+
+
+class Rewards(Event):
+    """What the `rewards` and `scored` streams carry: one scored sample (`RewardEvent`) or a
+    whole group (`schemas.group_events.RewardGroupEvent`); a reader takes `each()` either way."""
+
+    def each(self) -> tuple[RewardEvent, ...]:
+        """The scored samples this event carries, in sample order."""
+        raise NotImplementedError
+
+
+class TrajectoryEvent(Trajectories):
     """One sampled response to a prompt, with what training needs from generation.
 
     The response of a multi-turn episode mixes the model's tokens (trained) with the
@@ -177,6 +197,9 @@ class TrajectoryEvent(Event):
     """An agent episode's samples before its last one (its render stopped extending the tokens
     so far: a template that drops earlier reasoning), in order; each is trained as its own row
     with the episode's advantage. Empty: the trajectory is one sample."""
+
+    def each(self) -> tuple[TrajectoryEvent, ...]:
+        return (self,)
 
     def segments(self) -> list[SegmentArrays]:
         """Every sample of the trajectory, in order: the `earlier` ones, then its own."""
@@ -257,7 +280,7 @@ def _checked_once(value: Any, handler: ValidatorFunctionWrapHandler) -> Trajecto
     return trajectory
 
 
-class RewardEvent(Event):
+class RewardEvent(Rewards):
     """A scored trajectory. A failed score still travels, so the group can be accounted for.
 
     Version 2 carries a version-2 trajectory (which may hold a `response_mask`): a version-1
@@ -299,6 +322,9 @@ class RewardEvent(Event):
     earlier_ref_logprobs: tuple[Tensor, ...] = ()
     """With `ref_logprobs`: float32 [R_i] for each of the trajectory's `earlier` segments, as
     `ref_logprobs` for its own response; empty when it has none, or without the reference."""
+
+    def each(self) -> tuple[RewardEvent, ...]:
+        return (self,)
 
     def ref_segments(self) -> list[np.ndarray] | None:
         """float32 [R_i] reference log-probs of each of `trajectory.segments()`; None: none."""

@@ -54,7 +54,8 @@ class DropKind(StrEnum):
     INCOMPLETE = "incomplete"
     """Samples missing past `max_group_wait_steps`."""
     REFUSED = "refused"
-    """The rollout refused the prompt itself."""
+    """The rollout refused the prompt itself, or the buffer a whole group's event (it is in
+    `dead` with the reason)."""
     UNKNOWN = "unknown"
     """A record stored before drops had a kind."""
 

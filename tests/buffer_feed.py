@@ -27,7 +27,15 @@ from bus.crashpoints import CRASH_AT, CRASH_RECORD, arm
 from bus.publisher import Publisher
 from bus.runtime import publish_config
 from bus.topology import BATCHES, REWARDS, Topology, drop_key
-from schemas import BatchEvent, RewardEvent, Tensor, TrajectoryEvent, decode
+from schemas import (
+    BatchEvent,
+    RewardEvent,
+    RewardGroupEvent,
+    Tensor,
+    TrajectoryEvent,
+    decode,
+    group_id,
+)
 from schemas.config import RunConfig
 from schemas.kv_records import DropRecord
 
@@ -104,11 +112,35 @@ async def declare(
     await publish_config(await js.key_value(topology.kv_bucket), config)
 
 
-async def publish(js: JetStreamContext, topology: Topology, rewards: Iterable[RewardEvent]) -> None:
-    """Store `rewards` in the rewards stream, in order, as the reward workers would."""
+async def publish(
+    js: JetStreamContext,
+    topology: Topology,
+    rewards: Iterable[RewardEvent],
+    grouped: bool = False,
+) -> None:
+    """Store `rewards` in the rewards stream, in order, as the reward workers would: each its
+    own event, or with `grouped` each whole group (consecutive, in sample order) as one."""
     publisher = Publisher(js, topology)
-    for reward in rewards:
-        await publisher.publish(REWARDS, reward)
+    for event in as_groups(list(rewards)) if grouped else rewards:
+        await publisher.publish(REWARDS, event)
+
+
+def as_groups(rewards: list[RewardEvent]) -> list[RewardGroupEvent]:
+    """Consecutive whole groups of `rewards` (each in sample order) as one event each."""
+    out, start = [], 0
+    while start < len(rewards):
+        first = rewards[start].trajectory
+        members = rewards[start : start + first.group_size]
+        out.append(
+            RewardGroupEvent(
+                id=group_id(first.prompt_id),
+                run=first.run,
+                prompt_id=first.prompt_id,
+                rewards=tuple(members),
+            )
+        )
+        start += first.group_size
+    return out
 
 
 def start_buffer(

@@ -17,11 +17,13 @@ from schemas import (
     Event,
     PromptEvent,
     RewardEvent,
+    RewardGroupEvent,
     SamplingParams,
     Segment,
     Tensor,
     TensorSpec,
     TrajectoryEvent,
+    TrajectoryGroupEvent,
     WeightVersionEvent,
     encode,
 )
@@ -84,6 +86,34 @@ def golden() -> dict[str, Event]:
         response_mask=Tensor.from_numpy(np.array([1, 1, 0, 1], dtype=np.uint8)),
     )
     split = episode.model_copy(update={"earlier": (earlier,)})
+    split_scored = RewardEvent(
+        id=split.id,
+        run="g",
+        time=T0,
+        source="host:1:reference",
+        trajectory=split,
+        reward=1.0,
+        components={"exact": 1.0},
+        ref_logprobs=Tensor.from_numpy(
+            np.array([-0.25, -1.0, -3.5, -0.75, -0.125], dtype=np.float32)
+        ),
+        earlier_ref_logprobs=(
+            Tensor.from_numpy(np.array([-0.5, -0.5, -4.0, -1.5], dtype=np.float32)),
+        ),
+        turn_rewards=Tensor.from_numpy(np.array([0.5, 0.0, 0.25, 0.0], dtype=np.float32)),
+    )
+    # A whole group of two (`schemas.group_events`): the split episode, then the plain sample.
+    plain_scored = RewardEvent(
+        id=traj.id,
+        run="g",
+        time=T0,
+        source="host:1:reference",
+        trajectory=traj,
+        reward=0.0,
+        failed=True,
+        reason="TimeoutError: over 10 s",
+        ref_logprobs=Tensor.from_numpy(np.array([-0.5, -2.0, -0.25], dtype=np.float32)),
+    )
     b, t = 2, 4
     batch = BatchEvent(
         id="g/step/4/0/0",
@@ -160,21 +190,22 @@ def golden() -> dict[str, Event]:
         "trajectory.v3": split,
         # The split episode scored by the reference stage, with a reward per model turn: two
         # in the earlier segment, then the last sample's two.
-        "reward.v4": RewardEvent(
-            id=split.id,
+        "reward.v4": split_scored,
+        "trajectory_group.v1": TrajectoryGroupEvent(
+            id="g/0/3/group",
+            run="g",
+            time=T0,
+            source="host:1:rollout",
+            prompt_id="g/0/3",
+            samples=(split, traj),
+        ),
+        "reward_group.v1": RewardGroupEvent(
+            id="g/0/3/group",
             run="g",
             time=T0,
             source="host:1:reference",
-            trajectory=split,
-            reward=1.0,
-            components={"exact": 1.0},
-            ref_logprobs=Tensor.from_numpy(
-                np.array([-0.25, -1.0, -3.5, -0.75, -0.125], dtype=np.float32)
-            ),
-            earlier_ref_logprobs=(
-                Tensor.from_numpy(np.array([-0.5, -0.5, -4.0, -1.5], dtype=np.float32)),
-            ),
-            turn_rewards=Tensor.from_numpy(np.array([0.5, 0.0, 0.25, 0.0], dtype=np.float32)),
+            prompt_id="g/0/3",
+            rewards=(split_scored, plain_scored),
         ),
         "batch.v2": batch.model_copy(
             update={

@@ -25,7 +25,16 @@ from bus.dead import REASON
 from bus.membership import Member, live_members
 from bus.runtime import publish_config
 from bus.topology import DEAD, TRAJECTORIES, Channel, Topology
-from schemas import PromptEvent, RewardEvent, Tensor, TrajectoryEvent, WeightVersionEvent, decode
+from schemas import (
+    PromptEvent,
+    RewardEvent,
+    Rewards,
+    Tensor,
+    Trajectories,
+    TrajectoryEvent,
+    WeightVersionEvent,
+    decode,
+)
 from schemas.config import RunConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -219,17 +228,29 @@ def run_local_job(
 async def stored_trajectories(
     js: JetStreamContext, topology: Topology, count: int, timeout: float = 60.0
 ) -> list[TrajectoryEvent]:
-    """The trajectories stream's events, once it holds at least `count` (AssertionError after
-    `timeout` s)."""
-    stream = topology.stream(TRAJECTORIES)
+    """The samples of the trajectories stream's events (a group's event holds n), once it holds
+    at least `count` (AssertionError after `timeout` s)."""
     deadline = time.monotonic() + timeout
-    while (stored := (await js.stream_info(stream)).state.messages) < count:
-        assert time.monotonic() < deadline, f"{stored} of {count} trajectories stored"
+    while len(stored := await stream_samples(js, topology, TRAJECTORIES)) < count:
+        assert time.monotonic() < deadline, f"{len(stored)} of {count} trajectories stored"
         await asyncio.sleep(0.1)
-    sub = await js.subscribe(topology.subject(TRAJECTORIES), ordered_consumer=True)
+    return [t for t in stored if isinstance(t, TrajectoryEvent)]
+
+
+async def stream_samples(
+    js: JetStreamContext, topology: Topology, channel: Channel[Trajectories] | Channel[Rewards]
+) -> list[TrajectoryEvent | RewardEvent]:
+    """Every sample `channel`'s stream holds now, in stored order: a sample's own event, or each
+    of a group's (`schemas.group_events`)."""
+    stored = (await js.stream_info(topology.stream(channel))).state.messages
+    if stored == 0:
+        return []
+    sub = await js.subscribe(topology.subject(channel), ordered_consumer=True)
     try:
-        return [
-            decode((await sub.next_msg(timeout=5)).data, TrajectoryEvent) for _ in range(stored)
+        events: list[Trajectories | Rewards] = [
+            decode((await sub.next_msg(timeout=5)).data, channel.event)  # type: ignore[arg-type,misc]
+            for _ in range(stored)
         ]
     finally:
         await sub.unsubscribe()
+    return [one for event in events for one in event.each()]

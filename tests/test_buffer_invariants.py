@@ -181,12 +181,13 @@ def test_drop_equal_reward_groups_reaches_the_buffer(
 
 
 def kill_then_restart(
-    url: str, topology: Topology, tmp_path: Path, point: str, ack_wait: float
+    url: str, topology: Topology, tmp_path: Path, point: str, ack_wait: float, grouped: bool
 ) -> None:
     """Four groups (two steps) fed to a buffer armed to die at `point` on step 0; then two more
     groups, and a second buffer without the crash point. It gets the two new groups at once
     (the first buffer's samples come back only once `ack_wait` has run out), and must still
-    store step 0 whole from the groups the first one chose, then the rest, each sample once."""
+    store step 0 whole from the groups the first one chose, then the rest, each sample once.
+    `grouped`: each group travels as one event (`schemas.group_events`), else a sample each."""
     fed = [
         group(topology.run, i, np.roll(REWARDS_A, i).tolist(), response_tokens=40) for i in range(4)
     ]
@@ -200,7 +201,7 @@ def kill_then_restart(
     async def body(js: JetStreamContext) -> None:
         # Every sample is made by v0; a wide staleness bound keeps step 2 from dropping any.
         await declare(js, topology, config(topology, max_staleness=10), ack_wait=ack_wait)
-        await publish(js, topology, [r for g in fed for r in g])
+        await publish(js, topology, [r for g in fed for r in g], grouped)
         first = start_buffer(url, topology, log, crash_at=f"{point}@1")
         try:
             await asyncio.to_thread(first.wait, SETTLE)
@@ -217,7 +218,7 @@ def kill_then_restart(
         chosen = before[0].step_prompt_ids
         assert len(chosen) == 2 and {b.step for b in before} == {0}, summary(before)
 
-        await publish(js, topology, [r for g in fresh for r in g])
+        await publish(js, topology, [r for g in fresh for r in g], grouped)
         second = start_buffer(url, topology, log)
         try:
             await settled(js, topology, second, log, f"restarted after a kill at {point}")
@@ -240,23 +241,25 @@ def kill_then_restart(
     run_with_js(url, body)
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["per-sample", "group-events"])
 def test_a_step_stored_in_part_is_completed_from_the_same_groups_after_a_kill(
-    nats_server: EmbeddedNats, topology: Topology, tmp_path: Path
+    nats_server: EmbeddedNats, topology: Topology, tmp_path: Path, grouped: bool
 ) -> None:
     """Killed after the first of step 0's micro-batches is stored: its samples must still be
     unacked (redelivered), and the restarted buffer must re-form step 0 from the groups that
     micro-batch names, although other complete groups reach it first: not a step 1 instead,
     nor a step 0 of other groups. The long ack_wait keeps the first buffer's samples away
     until the new groups are in (a restart takes seconds)."""
-    kill_then_restart(nats_server.url, topology, tmp_path, "buffer.mid_step", ack_wait=ORPHAN_WAIT)
+    kill_then_restart(nats_server.url, topology, tmp_path, "buffer.mid_step", ORPHAN_WAIT, grouped)
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["per-sample", "group-events"])
 def test_a_step_stored_but_not_acked_is_not_batched_again_after_a_kill(
-    nats_server: EmbeddedNats, topology: Topology, tmp_path: Path
+    nats_server: EmbeddedNats, topology: Topology, tmp_path: Path, grouped: bool
 ) -> None:
     """Killed with step 0 wholly stored and none of its samples acked: the redelivered samples
     are acked as batched already, and the later steps are made of the other groups."""
-    kill_then_restart(nats_server.url, topology, tmp_path, "buffer.step_stored", ack_wait=ACK_WAIT)
+    kill_then_restart(nats_server.url, topology, tmp_path, "buffer.step_stored", ACK_WAIT, grouped)
 
 
 def test_held_samples_are_not_redelivered_while_the_buffer_holds_them(

@@ -22,7 +22,7 @@ from bus.embedded import EmbeddedNats
 from bus.publisher import EventTooLarge, Publisher
 from bus.topology import BATCHES, CHANNELS, DEAD, REWARDS, TRAJECTORIES, WORK_QUEUES, Topology
 from bus.worker import Worker, WorkerOptions
-from schemas import TrajectoryEvent, encode
+from schemas import Trajectories, encode
 from tests.helpers import dead_letters, messages, reward, trajectory, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -209,7 +209,7 @@ def test_failing_handler_is_retried_with_delay_then_dead_lettered(
 ) -> None:
     attempts: list[float] = []
 
-    async def handler(event: TrajectoryEvent, msg: Msg) -> None:
+    async def handler(event: Trajectories, msg: Msg) -> None:
         attempts.append(time.monotonic())
         raise RuntimeError("reward model unavailable")
 
@@ -238,7 +238,7 @@ def test_a_worker_takes_no_more_messages_than_its_concurrency(
     # What it fetched but cannot run yet, no other worker can have: a newcomer would starve.
     handled: list[str] = []
 
-    async def handler(event: TrajectoryEvent, msg: Msg) -> None:
+    async def handler(event: Trajectories, msg: Msg) -> None:
         await asyncio.sleep(0.1)
         handled.append(event.id)
 
@@ -277,7 +277,7 @@ def test_garbage_and_unknown_version_go_dead_and_worker_goes_on(
 ) -> None:
     handled: list[str] = []
 
-    async def handler(event: TrajectoryEvent, msg: Msg) -> None:
+    async def handler(event: Trajectories, msg: Msg) -> None:
         handled.append(event.id)
 
     good = trajectory(topology.run)

@@ -29,7 +29,7 @@ from bus.topology import REWARDS, TRAJECTORIES, Topology
 from bus.worker import Worker, WorkerOptions
 from ops.cluster import EXAMPLES, node_addresses, node_configs
 from ops.cluster.__main__ import main
-from schemas import TrajectoryEvent
+from schemas import Trajectories
 from tests.helpers import reward, trajectory
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +47,7 @@ class Consumption:
     deliveries: int = 0
     times: list[float] = dataclasses.field(default_factory=list)
 
-    async def handle(self, event: TrajectoryEvent, msg: Msg) -> None:
+    async def handle(self, event: Trajectories, msg: Msg) -> None:
         self.deliveries += 1
         self.times.append(time.monotonic())
         self.effects.add(event.id)  # a redelivered id changes nothing

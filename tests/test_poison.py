@@ -75,6 +75,7 @@ from schemas import (
     RewardEvent,
     SamplingParams,
     Tensor,
+    Trajectories,
     TrajectoryEvent,
     WeightVersionEvent,
     decode,
@@ -219,7 +220,7 @@ def test_a_burst_of_max_size_messages_goes_dead_without_dropping_the_connection(
     (a fetch of all 16 at once, or a dead letter over the max payload, would have been)."""
     count, handled = 16, []
 
-    async def handler(event: TrajectoryEvent, _msg: Msg) -> None:
+    async def handler(event: Trajectories, _msg: Msg) -> None:
         handled.append(event.id)
 
     async def main() -> None:

@@ -25,7 +25,7 @@ from bus.publisher import Publisher
 from bus.pull import Puller, PullRefused
 from bus.topology import TRAJECTORIES, Topology
 from bus.worker import Worker, WorkerOptions
-from schemas import TrajectoryEvent, encode
+from schemas import Trajectories, encode
 from tests.helpers import trajectory
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,7 +113,7 @@ def test_a_message_carrying_its_own_status_header_is_handled_not_taken_for_a_sta
     unhandled until its ack wait, then again on every redelivery."""
     handled: list[str] = []
 
-    async def handler(event: TrajectoryEvent, _msg: Msg) -> None:
+    async def handler(event: Trajectories, _msg: Msg) -> None:
         handled.append(event.id)
 
     async def main() -> None:
@@ -185,7 +185,7 @@ def test_a_worker_and_a_publisher_refuse_a_context_that_does_not_keep_its_connec
     topology = Topology(run="refused")
     plain = JetStreamContext(Client())
 
-    async def handler(event: TrajectoryEvent, _msg: Msg) -> None:
+    async def handler(event: Trajectories, _msg: Msg) -> None:
         pass
 
     with pytest.raises(TypeError, match=r"bus\.connection\.connect"):

@@ -180,7 +180,15 @@ def test_export_writes_json_schema_for_every_event(tmp_path: Path) -> None:
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == [
         f"jetrl.{k}.json"
-        for k in ("batch.v3", "prompt.v1", "reward.v4", "trajectory.v3", "weights.v1")
+        for k in (
+            "batch.v3",
+            "prompt.v1",
+            "reward.v4",
+            "reward_group.v1",
+            "trajectory.v3",
+            "trajectory_group.v1",
+            "weights.v1",
+        )
     ]
     assert '"response_mask"' in (tmp_path / "jetrl.trajectory.v3.json").read_text()
     assert '"earlier"' in (tmp_path / "jetrl.trajectory.v3.json").read_text()

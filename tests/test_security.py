@@ -52,7 +52,7 @@ from bus.worker import Worker, WorkerOptions
 from consumers.weights import publish_version
 from consumers.weights.object_store import ObjectStoreTransport
 from producers.stall_view import read_view
-from schemas import Event, PromptEvent, RewardEvent, TrajectoryEvent
+from schemas import Event, PromptEvent, Rewards, Trajectories
 from schemas.config import RunConfig
 from tests.helpers import messages, prompt, reward, trajectory
 
@@ -173,7 +173,7 @@ def test_every_role_does_its_job_with_its_own_credential(
         # Reward: a trajectory from its queue -> a reward.
         scorer = await attach("reward", run, secured.url, identity=secured.identity("reward"))
 
-        async def score(event: TrajectoryEvent) -> None:
+        async def score(event: Trajectories) -> None:
             await scorer.publisher.publish(REWARDS, reward(run, 0))
 
         await work_one(scorer, TRAJECTORIES, score)
@@ -181,7 +181,7 @@ def test_every_role_does_its_job_with_its_own_credential(
         # Buffer: a reward from its queue -> a batch and a drop record; replays the batches.
         buffer = await attach("buffer", run, secured.url, identity=secured.identity("buffer"))
 
-        async def batch(event: RewardEvent) -> None:
+        async def batch(event: Rewards) -> None:
             await buffer.kv.create(drop_key(f"{run}/0/1"), b"all rewards equal")
             await buffer.js.publish(t.subject(BATCHES, 0), b"batch 0")
 

@@ -41,7 +41,7 @@ from bus.topology import REWARDS, TRAJECTORIES, WEIGHTS, Topology
 from bus.worker import WorkerOptions
 from engines.tiny import build_tiny_model
 from producers.tasks import VOCAB
-from schemas import RewardEvent, decode
+from schemas import RewardEvent, Rewards, decode
 from schemas.config import RunConfig
 from tests.helpers import messages, store_weights, trajectory
 
@@ -247,7 +247,7 @@ def test_a_stage_stops_while_its_helpers_are_mid_request(
         await nc.close()
         rt = await attach("buffer", topology.run, nats_server.url, beat_in_background=False)
 
-        async def idle(_event: RewardEvent, _msg: object) -> None:
+        async def idle(_event: Rewards, _msg: object) -> None:
             return None
 
         async def requests() -> None:  # as the guard and the heartbeat do, back to back

@@ -28,7 +28,7 @@ from bus.worker import WorkerOptions
 from ops import status
 from ops import streams as streams_cli
 from ops.audit import audit
-from schemas import Tensor, TrajectoryEvent, decode
+from schemas import Tensor, Trajectories, TrajectoryEvent, decode
 from schemas.codec import encode
 from schemas.config import ConfigError, RunConfig, parse_config
 from schemas.streams_config import (
@@ -264,7 +264,7 @@ def test_a_stage_reports_work_its_stream_deleted_unacked(
     run = f"t{uuid.uuid4().hex[:10]}"
     config = parse_config({"run": run, "streams": {"max_age_s": 1.0, "guard_seconds": 0.3}})
 
-    async def handler(event: TrajectoryEvent, msg: object) -> None:
+    async def handler(event: Trajectories, msg: object) -> None:
         await asyncio.sleep(3.0)  # held past the age limit
 
     async def body() -> int:

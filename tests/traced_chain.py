@@ -16,7 +16,7 @@ from bus.connection import connect
 from bus.publisher import Publisher
 from bus.topology import REWARDS, TRAJECTORIES, Topology
 from bus.worker import Worker, WorkerOptions
-from schemas import RewardEvent, TrajectoryEvent
+from schemas import RewardEvent, Rewards, Trajectories
 from tests.helpers import trajectory
 
 
@@ -28,11 +28,12 @@ async def chain(url: str, run: str) -> None:
     publisher = Publisher(js, topology)
     done = asyncio.Event()
 
-    async def score(event: TrajectoryEvent, _msg: Msg) -> None:
-        reward = RewardEvent(id=event.id, run=run, trajectory=event, reward=1.0)
+    async def score(event: Trajectories, _msg: Msg) -> None:
+        (sample,) = event.each()
+        reward = RewardEvent(id=sample.id, run=run, trajectory=sample, reward=1.0)
         await publisher.publish(REWARDS, reward)
 
-    async def collect(event: RewardEvent, _msg: Msg) -> None:
+    async def collect(event: Rewards, _msg: Msg) -> None:
         done.set()
 
     with tracing.tracer.start_as_current_span("prompt", attributes={"jetrl.prompt_id": "p0"}):

@@ -20,7 +20,7 @@ from bus.connection import connect
 from bus.publisher import Publisher
 from bus.topology import TRAJECTORIES, Topology
 from bus.worker import Worker, WorkerOptions, stop_on_signals
-from schemas import TrajectoryEvent
+from schemas import Trajectories
 
 
 async def main(url: str, run: str, mode: str, markers: Path) -> None:
@@ -29,7 +29,7 @@ async def main(url: str, run: str, mode: str, markers: Path) -> None:
     topology = Topology(run=run)
     kv = await js.key_value(topology.kv_bucket)
 
-    async def handler(event: TrajectoryEvent, _msg: Msg) -> None:
+    async def handler(event: Trajectories, _msg: Msg) -> None:
         key = "effect." + event.id.replace("/", "_")
         if mode == "slow":
             (markers / key).touch()

@@ -41,6 +41,7 @@ it is applied, and the copy is kept.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -222,6 +223,12 @@ class WeightsReceiver:
         self.lookup = LastStored(js, topology, WEIGHTS, Poison(ROLE))
         """Single events of `weights` (the last, the chain's earlier ones); poison only logged:
         the follower dead-letters it."""
+        self.following = False
+        """True once `follow` reads the stream (a trainer's lent rollout loads its own)."""
+        self.handled_version = -1
+        """The newest version announced and handled: served, refused or skipped."""
+        self.progress = asyncio.Event()
+        """Set (and replaced) each time a version is handled: what `caught_up` waits on."""
 
     def __aiter__(self) -> AsyncIterator[Ready]:
         return self.follow()
@@ -231,6 +238,7 @@ class WeightsReceiver:
         `weights` is read from its last stored event on (bytes that are no event: dead-lettered
         by the reader, as every refused version is)."""
         reader = Broadcast(self.js, self.topology, WEIGHTS, Poison(ROLE, self.publisher))
+        self.following = True
         async with reader:
             async for stored in reader:
                 ready = await self.receive(stored, reader)
@@ -247,6 +255,22 @@ class WeightsReceiver:
                         )
                 if self.handled is not None:
                     self.handled.set()
+                self.handled_version = max(self.handled_version, stored.event.version)
+                self.progress.set()
+                self.progress = asyncio.Event()
+
+    async def caught_up(self, version: int, timeout: float) -> bool:
+        """Wait until `version` is served, or handled and not served (refused, skipped; then the
+        version served is the newest there is to serve), for at most `timeout` s; whether it
+        came. At once when `follow` is not reading (nothing here would load it)."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self.following and self.version < version and self.handled_version < version:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.progress.wait(), left)
+        return True
 
     def loaded(self, ready: Ready) -> None:
         """The stage's word that every engine copy holds `ready`'s version (each load read

@@ -40,7 +40,7 @@ from consumers.fleet_config import local_fleet
 from consumers.supervisor import Supervisor
 from ops.audit import replay_events
 from producers.launcher import prepare, produce
-from schemas import TrajectoryEvent
+from schemas import Trajectories
 from schemas.config import RunConfig, parse_config, read_yaml
 
 SLOTS = 4
@@ -117,12 +117,13 @@ async def generations(url: str, run: str) -> dict[str, list[tuple[float, float]]
     that generated it (`rollout`; `trainer` for a trainer's lent rollout, `lend: true`)."""
     nc = await connect(url, "bench-async-vs-sync")
     try:
-        events: list[TrajectoryEvent] = await replay_events(
+        stored: list[Trajectories] = await replay_events(
             nc.jetstream(), Topology(run=run), TRAJECTORIES
         )
     finally:
         await nc.close()
     by_role: dict[str, set[tuple[float, float]]] = {}
+    events = [t for event in stored for t in event.each()]  # a group's event holds n
     for t in events:  # source: host:pid:role
         by_role.setdefault(t.source.rsplit(":", 1)[-1], set()).add(
             (t.time - t.timings["generate"], t.time)

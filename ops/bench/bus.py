@@ -40,7 +40,7 @@ from bus.embedded import EmbeddedNats
 from bus.publisher import Publisher
 from bus.topology import TRAJECTORIES, Topology
 from bus.worker import Worker, WorkerOptions
-from schemas import TrajectoryEvent, decode, encode
+from schemas import Trajectories, TrajectoryEvent, decode, encode
 from tests.helpers import trajectory
 
 
@@ -57,7 +57,7 @@ async def ours(js: JetStreamContext, run: str, evs: list[TrajectoryEvent]) -> fl
     await asyncio.gather(*acks)
     done, stop, count = asyncio.Event(), asyncio.Event(), 0
 
-    async def handler(event: TrajectoryEvent, _msg: object) -> None:
+    async def handler(event: Trajectories, _msg: object) -> None:
         nonlocal count
         count += 1
         if count == len(evs):
