@@ -22,6 +22,7 @@ from enum import Enum
 from typing import Generic, TypeVar
 
 from schemas.batch_event import BatchEvent
+from schemas.codec import EVENT_TYPES
 from schemas.episode_state import EpisodeState
 from schemas.events import (
     Event,
@@ -375,7 +376,11 @@ def markdown_tables() -> str:
         if c.queue and c.name in GATED_WINDOWS:  # raised for a big run (`window_needs`)
             window = f"max({window}, the gate's in-flight bound x safety_factor)"
         subject = f"`rl.<run>.{c.name}{f'.<{c.token}>' if c.token else ''}`"
-        event = f"`{c.event.__name__}`" if c.event else "the original bytes, reason in headers"
+        carried = [t for t in EVENT_TYPES if c.event is not None and issubclass(t, c.event)]
+        event = (
+            " or ".join(f"`{t.__name__}`" for t in carried)
+            or "the original bytes, reason in headers"
+        )
         queue = (
             "-"
             if c.queue is None

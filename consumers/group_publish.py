@@ -16,7 +16,8 @@ from nats.js.api import PubAck
 
 from bus.channels import Channel
 from bus.publisher import EventTooLarge, Publisher
-from schemas import Rewards, Trajectories
+from bus.worker import Reject
+from schemas import RewardEvent, RewardGroupEvent, Rewards, Trajectories, TrajectoryGroupEvent
 
 G = TypeVar("G", Trajectories, Rewards)
 
@@ -37,3 +38,27 @@ async def send_group(
 async def publish_group(publisher: Publisher, channel: Channel[G], group: G) -> None:
     """`send_group` and wait until the stream has stored all of it."""
     await asyncio.gather(*await send_group(publisher, channel, group))
+
+
+async def store_rewards(
+    publisher: Publisher,
+    channel: Channel[Rewards],
+    scored: Trajectories | Rewards,
+    rewards: list[RewardEvent],
+    source: str,
+) -> None:
+    """Store the `rewards` of the samples `scored` carried (in its order) on `channel`: one
+    group event for a group's event, else the sample's own. Reject (to dead, with the reason)
+    for a sample too large to store: retrying cannot shrink it."""
+    event: Rewards = (
+        RewardGroupEvent(
+            id=scored.id, run=scored.run, source=source, prompt_id=scored.prompt_id,
+            rewards=tuple(rewards),
+        )
+        if isinstance(scored, (RewardGroupEvent, TrajectoryGroupEvent))
+        else rewards[0]
+    )  # fmt: skip
+    try:
+        await publish_group(publisher, channel, event)
+    except EventTooLarge as exc:
+        raise Reject(str(exc)) from None

@@ -28,17 +28,16 @@ from nats.aio.msg import Msg
 
 from bus import metrics, tracing
 from bus.crashpoints import REFERENCE_MID_SCORING, REFERENCE_STORED_NOT_ACKED
-from bus.publisher import EventTooLarge
 from bus.runtime import CannotAttach, Runtime
 from bus.stage import Stage, run_stage
 from bus.topology import SCORED
-from bus.worker import Handler, Reject, WorkerOptions
+from bus.worker import Handler, WorkerOptions
 from consumers.checks import ModelLimits
-from consumers.group_publish import publish_group
+from consumers.group_publish import store_rewards
 from engines.device import resolve_device, torch_dtype
 from engines.model_source import ModelNotFound, resolve_model_path
 from engines.reference import ReferenceEngine
-from schemas import RewardEvent, RewardGroupEvent, Rewards, Tensor
+from schemas import RewardEvent, Rewards, Tensor
 
 log = logging.getLogger("jetrl.reference")
 
@@ -116,21 +115,7 @@ def reference_handler(rt: Runtime, batcher: Batcher, limits: ModelLimits) -> Han
     async def handle(event: Rewards, _msg: Msg) -> None:
         # A group's samples are queued at once: they share forward passes.
         each = await asyncio.gather(*(score(r) for r in event.each()))
-        scored: Rewards = (
-            RewardGroupEvent(
-                id=event.id,
-                run=event.run,
-                source=rt.source,
-                prompt_id=event.prompt_id,
-                rewards=tuple(each),
-            )
-            if isinstance(event, RewardGroupEvent)
-            else each[0]
-        )
-        try:
-            await publish_group(rt.publisher, SCORED, scored)
-        except EventTooLarge as exc:  # retrying cannot shrink it: straight to dead, with the reason
-            raise Reject(str(exc)) from None
+        await store_rewards(rt.publisher, SCORED, event, list(each), rt.source)
         REFERENCE_STORED_NOT_ACKED(event.id)
         metrics.count_samples("reference", "scored", len(each))
 

@@ -23,23 +23,19 @@ from opentelemetry.trace import StatusCode
 
 from bus import metrics, tracing
 from bus.crashpoints import REWARD_MID_SCORING
-from bus.publisher import EventTooLarge
 from bus.runtime import Runtime
 from bus.stage import Stage, run_stage
 from bus.topology import REWARDS, TRAJECTORIES
-from bus.worker import Handler, Reject, WorkerOptions
-from consumers.group_publish import publish_group
+from bus.worker import Handler, WorkerOptions
+from consumers.group_publish import store_rewards
 from consumers.reward_batch import BatchScorer
 from consumers.reward_pool import RewardPool, RewardSpecError, Score
 from consumers.reward_sandbox import IsolationUnavailable
 from schemas import (
     RewardEvent,
-    RewardGroupEvent,
-    Rewards,
     Tensor,
     Trajectories,
     TrajectoryEvent,
-    TrajectoryGroupEvent,
 )
 from schemas.kv_records import failure_key
 from schemas.turn_rewards import trajectory_turn_rewards
@@ -102,21 +98,7 @@ def reward_handler(rt: Runtime, pool: RewardPool) -> Handler[Trajectories]:
 
     async def handle(event: Trajectories, _msg: Msg) -> None:
         rewards = await asyncio.gather(*(score(t) for t in event.each()))
-        scored: Rewards = (
-            RewardGroupEvent(
-                id=event.id,
-                run=rt.topology.run,
-                source=rt.source,
-                prompt_id=event.prompt_id,
-                rewards=tuple(rewards),
-            )
-            if isinstance(event, TrajectoryGroupEvent)
-            else rewards[0]
-        )
-        try:
-            await publish_group(rt.publisher, REWARDS, scored)
-        except EventTooLarge as exc:  # retrying cannot shrink it: straight to dead, with the reason
-            raise Reject(str(exc)) from None
+        await store_rewards(rt.publisher, REWARDS, event, list(rewards), rt.source)
         for reward in rewards:
             counted(reward)
 

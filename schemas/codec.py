@@ -177,7 +177,9 @@ def decode(data: bytes, expected: type[E] = Event) -> E:  # type: ignore[assignm
         fields = {**upgrade(fields), "schema_version": version + 1}
         version += 1
     if not issubclass(cls, expected):
-        raise DecodeError(f"expected {expected.TYPE} here, got {type_name}")
+        # `expected` may be a base of several (a stream of samples' or groups' events).
+        names = " or ".join(t.TYPE for t in EVENT_TYPES if issubclass(t, expected))
+        raise DecodeError(f"expected {names or expected.__name__} here, got {type_name}")
     try:
         return cls.model_validate(fields)
     except ValidationError as exc:

@@ -188,7 +188,7 @@ def test_a_channel_takes_only_its_event_class_and_its_token(
         publisher = Publisher(js, topology)
         wrong = reward(topology.run)
         with pytest.raises(
-            TypeError, match="channel trajectories carries TrajectoryEvent, not RewardEvent"
+            TypeError, match="channel trajectories carries Trajectories, not RewardEvent"
         ):
             await publisher.publish(TRAJECTORIES, wrong)  # type: ignore[misc]  # wrong on purpose
         with pytest.raises(TypeError, match="channel dead carries raw bytes"):

@@ -35,7 +35,7 @@ from schemas.config import RunConfig
 from tests.helpers import prompt
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = 45
+STEPS = 80
 STEPS_WITHOUT_THE_NODE = 2
 """Steps the run must train while a killed node is down, before it is restarted."""
 PROGRESS_DEADLINE = 120.0

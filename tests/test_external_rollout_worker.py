@@ -34,12 +34,12 @@ from consumers.rollout import Rollout, rollout_stage
 from engines.sglang_rollout import SGLangRolloutEngine
 from engines.torch_train import LossConfig, TorchTrainEngine
 from engines.vllm_rollout import INSECURE_SERIALIZATION_ENV, VLLMRolloutEngine
-from schemas import PromptEvent, Tensor, TrajectoryEvent, decode, encode
+from schemas import PromptEvent, Tensor, TrajectoryEvent, encode
 from schemas import SamplingParams as PromptSampling
 from schemas.config import RunConfig
 from tests.engine_records import TEMPERATURE, model_dir  # noqa: F401 - a fixture
 from tests.engine_standins import sglang_modules, vllm_module
-from tests.helpers import store_weights
+from tests.helpers import store_weights, stream_samples
 
 GROUP = 2
 
@@ -106,20 +106,14 @@ def test_trajectories_carry_the_trainers_logprobs_and_weights_load_into_the_runn
                 await js.publish(topology.subject(PROMPTS), encode(event))
 
         async def trajectories(count: int) -> list[TrajectoryEvent]:
+            """The first `count` samples stored (a group's event holds n)."""
             deadline = time.monotonic() + 60
-            while (await js.stream_info(topology.stream(TRAJECTORIES))).state.messages < count:
+            while len(stored := await stream_samples(js, topology, TRAJECTORIES)) < count:
                 assert time.monotonic() < deadline and not loop.done(), (
                     f"{count} trajectories not stored in 60 s"
                 )
                 await asyncio.sleep(0.05)
-            sub = await js.subscribe(topology.subject(TRAJECTORIES), ordered_consumer=True)
-            try:
-                return [
-                    decode((await sub.next_msg(timeout=5)).data, TrajectoryEvent)
-                    for _ in range(count)
-                ]
-            finally:
-                await sub.unsubscribe()
+            return [t for t in stored[:count] if isinstance(t, TrajectoryEvent)]
 
         async def publish_weights(version: int, tensors: dict[str, torch.Tensor]) -> None:
             await js.publish(

@@ -83,6 +83,9 @@ def test_a_group_event_reads_as_its_samples_on_either_stream() -> None:
         DecodeError, match="expected jetrl.trajectory here, got jetrl.trajectory_gr"
     ):
         decode(encode(event), TrajectoryEvent)
+    # Another event on a stream of either kind: refused by name, as any wrong type is.
+    with pytest.raises(DecodeError, match="expected jetrl.trajectory or jetrl.trajectory_group"):
+        decode(encode(golden()["prompt.v1"]), Trajectories)
     rewards: Event = decode((GOLDEN / "reward_group.v1.msgpack").read_bytes())
     assert isinstance(rewards, RewardGroupEvent)
     assert [r.id for r in rewards.each()] == ["g/0/3/0", "g/0/3/1"]

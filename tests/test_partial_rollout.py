@@ -33,7 +33,7 @@ from bus.topology import PROMPTS, TRAJECTORIES, WEIGHTS, Topology
 from consumers.checks import ModelLimits
 from engines.hf_rollout import HFRolloutEngine
 from engines.simulated import SimulatedRolloutEngine, SimulatedSettings
-from schemas import PromptEvent, RewardEvent, Tensor, TrajectoryEvent, decode, encode
+from schemas import PromptEvent, RewardEvent, Tensor, TrajectoryEvent, encode
 from schemas import SamplingParams as PromptSampling
 from schemas.config import AlgorithmConfig, RunConfig, TrainerConfig
 from tests.buffer_feed import (
@@ -52,7 +52,7 @@ from tests.buffer_feed import (
     tail,
     until,
 )
-from tests.helpers import store_weights
+from tests.helpers import store_weights, stream_samples
 from tests.test_rollout_invariants import served_rollout
 
 GROUP = 2
@@ -163,12 +163,9 @@ async def publish_weights(
 
 
 async def stored(js: JetStreamContext, topology: Topology) -> list[TrajectoryEvent]:
-    count = (await js.stream_info(topology.stream(TRAJECTORIES))).state.messages
-    sub = await js.subscribe(topology.subject(TRAJECTORIES), ordered_consumer=True)
-    try:
-        return [decode((await sub.next_msg(timeout=5)).data, TrajectoryEvent) for _ in range(count)]
-    finally:
-        await sub.unsubscribe()
+    """Every sample stored (continuous admission: each its own event)."""
+    samples = await stream_samples(js, topology, TRAJECTORIES)
+    return [t for t in samples if isinstance(t, TrajectoryEvent)]
 
 
 async def eventually(check: object, what: str, timeout: float = 30.0) -> None:

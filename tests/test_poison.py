@@ -73,6 +73,7 @@ from schemas import (
     Event,
     PromptEvent,
     RewardEvent,
+    Rewards,
     SamplingParams,
     Tensor,
     Trajectories,
@@ -489,10 +490,10 @@ class Fleet:
                 event = decode(msg.data, cls)
             except DecodeError:
                 continue
-            if isinstance(event, TrajectoryEvent):
-                self.seen.trajectories.add(event.id)
-            elif isinstance(event, RewardEvent):
-                self.seen.rewards[event.id] = event
+            if isinstance(event, Trajectories):  # a sample's event, or a whole group's
+                self.seen.trajectories.update(t.id for t in event.each())
+            elif isinstance(event, Rewards):
+                self.seen.rewards.update((r.id, r) for r in event.each())
             elif isinstance(event, BatchEvent):
                 self.seen.batches.append(event)
             elif isinstance(event, WeightVersionEvent):

@@ -34,7 +34,7 @@ from consumers.buffer_replay import next_kl_coef
 from consumers.trainer_dist import configured_engine
 from engines.torch_train import LossConfig, TorchTrainEngine
 from ops.audit import audit
-from schemas import BatchEvent, RewardEvent, decode
+from schemas import BatchEvent, RewardEvent, Rewards, decode
 from schemas.config import RunConfig, parse_config
 
 pytestmark = pytest.mark.slow  # a minute or more of real runs: -m 'not slow' skips it
@@ -77,13 +77,15 @@ async def inspect(
     topology = Topology.for_config(cfg)
     try:
         result = await audit(js, topology, cfg.staleness)
-        rewards = [
-            decode(d, RewardEvent)
+        rewards = [  # a sample's event, or each of a group's
+            r
             for d in await read_all(js, topology.subject(REWARDS), topology.stream(REWARDS))
+            for r in decode(d, Rewards).each()
         ]
         scored = [
-            decode(d, RewardEvent)
+            r
             for d in await read_all(js, topology.subject(SCORED), topology.stream(SCORED))
+            for r in decode(d, Rewards).each()
         ]
         batches = [
             decode(d, BatchEvent)

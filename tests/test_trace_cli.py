@@ -124,25 +124,27 @@ def test_one_prompt_is_one_trace_linked_to_its_train_step(
     )
     assert generate.tags["jetrl.worker"] == generate.worker and generate.worker.endswith(":rollout")
 
-    # n trajectories -> n rewards -> n admissions, each chain through the message headers:
-    # the rollout and the reward worker publish inside their process spans.
+    # The group's n trajectories -> its n rewards -> n admissions: the trajectories travel as one
+    # event and the rewards as one (`schemas.group_events`), each hop chained through the
+    # message headers; the rollout and the reward worker publish inside their process spans.
     outcomes = [s for s in spans if s.name == "outcome"]
     assert len(outcomes) == 4
-    for outcome in outcomes:
-        send_reward = parent(outcome)
-        assert send_reward.name == f"send rl.{run}.rewards"
-        process_trajectory = parent(send_reward)
-        assert process_trajectory.name == f"process rl.{run}.trajectories"
-        assert process_trajectory.service == "jetrl-reward"
-        assert parent(parent(process_trajectory)) == process_prompt  # via its send span
-        (reward,) = [
-            s for s in spans if s.name == "reward" and s.parent == process_trajectory.span_id
-        ]
+    (send_reward_id,) = {parent(o).span_id for o in outcomes}
+    send_reward = by_id[send_reward_id]
+    assert send_reward.name == f"send rl.{run}.rewards"
+    process_trajectory = parent(send_reward)
+    assert process_trajectory.name == f"process rl.{run}.trajectories"
+    assert process_trajectory.service == "jetrl-reward"
+    assert parent(parent(process_trajectory)) == process_prompt  # via its send span
+    rewards = [s for s in spans if s.name == "reward" and s.parent == process_trajectory.span_id]
+    assert sorted(r.tags["jetrl.sample_index"] for r in rewards) == [0, 1, 2, 3]
+    for reward in rewards:
         assert reward.tags["jetrl.failed"] is False and 0.0 <= reward.tags["jetrl.reward"] <= 1.0
-        buffer_process = [
-            s for s in spans if s.parent == send_reward.span_id and s.name.startswith("process")
-        ]
-        assert [s.service for s in buffer_process] == ["jetrl-buffer"]
+    buffer_process = [
+        s for s in spans if s.parent == send_reward.span_id and s.name.startswith("process")
+    ]
+    assert [s.service for s in buffer_process] == ["jetrl-buffer"]
+    for outcome in outcomes:
         assert outcome.tags["jetrl.batched"] is True and outcome.service == "jetrl-buffer"
     (step,) = {a.tags["jetrl.step"] for a in outcomes}  # a group goes into one step
 
