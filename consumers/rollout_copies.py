@@ -142,7 +142,7 @@ class EngineCopies:
     async def batcher(self, copy: EngineCopy) -> None:
         while True:
             await copy.wake.wait()
-            await asyncio.sleep(0.02)  # let a fetch's worth of prompts arrive together
+            await asyncio.sleep(0.005)  # let a fetch's worth of prompts arrive together
             # Checked again on waking: a load may have closed the gate between the set that
             # woke this task and now. From the check to `running += 1` nothing awaits, so a
             # load that closes the gate after it sees this generation as running.

@@ -123,7 +123,7 @@ class RolloutUnderTest:
     rollout: Rollout
     published: int = 0
 
-    async def publish_prompt(self) -> PromptEvent:
+    async def publish_prompt(self, admitted_version: int = 0) -> PromptEvent:
         index = self.published
         self.published += 1
         event = PromptEvent(
@@ -134,6 +134,7 @@ class RolloutUnderTest:
             token_ids=Tensor.from_numpy(np.array([3, 4, 5, 6 + index % 4], np.int32)),
             n=GROUP,
             sampling=PromptSampling(max_tokens=MAX_TOKENS),
+            admitted_version=admitted_version,
         )
         await self.js.publish(self.topology.subject(PROMPTS), encode(event))
         return event
@@ -561,3 +562,47 @@ def test_a_version_whose_file_is_damaged_or_pruned_leaves_the_worker_serving_the
 async def dead_stored(w: RolloutUnderTest, count: int) -> bool:
     """Whether at least `count` dead letters are stored."""
     return (await w.js.stream_info(w.topology.stream(DEAD))).state.messages >= count
+
+
+# --- a prompt is generated with the weights it was admitted at ----------------------------
+
+
+def test_a_prompt_waits_for_the_version_it_was_admitted_at_unless_that_version_is_refused(
+    nats_server: EmbeddedNats, topology: Topology, model_dir: Path
+) -> None:
+    """The gate admits a prompt at v1 as soon as v1 is announced; the worker still serves v0.
+    Generated then, its samples would be v0's and dropped as stale: it waits until v1 is
+    loaded (the load made slow). A prompt admitted at a version the worker refuses (its file
+    damaged) does not wait for it: it is generated with the version served, at once."""
+
+    async def main() -> None:
+        async with rollout_worker(
+            nats_server.url, topology, model_dir, load_seconds=LOAD_SECONDS
+        ) as w:
+            await w.publish_weights(0)
+            await w.publish_prompt()
+            await eventually(lambda: trajectories_stored(w, GROUP), "the v0 prompt's samples")
+            early = await w.publish_prompt(admitted_version=1)
+            await asyncio.sleep(1.0)  # time enough to generate it with v0, were it not waiting
+            assert not await trajectories_stored(w, 2 * GROUP), "generated before v1 came"
+            await w.publish_weights(1)
+            await eventually(lambda: trajectories_stored(w, 2 * GROUP), "the v1 prompt's samples")
+            mine = [t for t in await w.trajectories() if t.prompt_id == early.id]
+            versions = {int(v) for t in mine for v in t.versions.numpy()}
+            assert len(mine) == GROUP and versions == {1}, versions
+
+            # v2 with a tensor of another shape: refused by the worker, which serves v1 on.
+            params = {n: p.detach().clone() for n, p in w.engine.model.named_parameters()}
+            name = next(iter(params))
+            params[name] = params[name].flatten()[:-1]
+            event = await store_weights(w.js, topology, 2, params)
+            await w.js.publish(topology.subject(WEIGHTS), encode(event))
+            await eventually(lambda: dead_stored(w, 1), "v2 was refused")
+            late = await w.publish_prompt(admitted_version=2)
+            started = time.monotonic()
+            await eventually(lambda: trajectories_stored(w, 3 * GROUP), "the v2 prompt's samples")
+            assert time.monotonic() - started < 15, "it waited for a version that never loads"
+            mine = [t for t in await w.trajectories() if t.prompt_id == late.id]
+            assert {int(v) for t in mine for v in t.versions.numpy()} == {1}
+
+    asyncio.run(main())

@@ -120,6 +120,7 @@ def test_the_store_keeps_only_what_workers_need_and_a_late_worker_catches_up(
                 else:
                     await members.delete("lagging")  # it left: nobody needs v3-v5
                 await sender.send(version, weights[version])
+                await sender.retired()  # deleting runs behind the trainer's next step
                 kept[version] = await stored()
                 await eventually(
                     lambda v=version: w.engine.version == v or dead_stored(w, 1),  # type: ignore[misc]  # the default binds the loop value
