@@ -17,7 +17,14 @@ from nats.js.api import PubAck
 from bus.channels import Channel
 from bus.publisher import EventTooLarge, Publisher
 from bus.worker import Reject
-from schemas import RewardEvent, RewardGroupEvent, Rewards, Trajectories, TrajectoryGroupEvent
+from schemas import (
+    RewardEvent,
+    RewardGroupEvent,
+    Rewards,
+    Trajectories,
+    TrajectoryEvent,
+    TrajectoryGroupEvent,
+)
 
 G = TypeVar("G", Trajectories, Rewards)
 
@@ -30,7 +37,7 @@ async def send_group(
     try:
         return [await publisher.send(channel, group)]
     except EventTooLarge:
-        if len(group.each()) == 1 and group.each()[0] is group:
+        if isinstance(group, (TrajectoryEvent, RewardEvent)):
             raise  # a sample's own event: nothing smaller to send
     return [await publisher.send(channel, one) for one in group.each()]
 
